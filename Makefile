@@ -1,0 +1,47 @@
+# coevolve_jax developer entry points.
+#
+#   make setup   create .venv (Python 3.11) and install the package with test extras + bfcl-eval
+#   make test    run the test suite (TESTS=tests/test_x.py to narrow it; extra pytest flags:
+#                PYTEST_ARGS=... or the PYTEST_ADDOPTS environment variable)
+#   make run     small offline CPU training run on BFCL
+#   make lint    ruff
+#
+# `setup` is stamped: it reruns only when setup.py or this Makefile change (or the stamp is gone).
+# XLA_FLAGS is deliberately not set here: tests that need 8 host devices set
+# --xla_force_host_platform_device_count=8 themselves (subprocess or conftest).
+
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-stamp
+BFCL_EVAL ?= bfcl-eval==2026.3.23
+PIP_ARGS ?=
+PYTEST_ARGS ?=
+TESTS ?= tests
+export PYTEST_ADDOPTS
+
+.PHONY: setup test run lint clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.py Makefile
+	@test -x $(VPY) || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
+	@$(VPY) -c 'import sys; assert sys.version_info >= (3, 11), f"need Python >= 3.11, got {sys.version}"'
+	$(VPY) -m pip install -q $(PIP_ARGS) --upgrade pip
+	$(VPY) -m pip install -q $(PIP_ARGS) -e '.[test]'
+	$(VPY) -m pip install -q $(PIP_ARGS) --no-deps '$(BFCL_EVAL)'
+	@touch $@
+
+test: setup
+	$(VPY) -m pytest -q $(PYTEST_ARGS) $(TESTS)
+
+run: setup
+	$(VPY) -m coevolve_jax.main --config=configs/bfcl.py:cpu --workdir=runs/bfcl-cpu
+
+lint: setup
+	$(VENV)/bin/ruff check coevolve_jax envs tests
+
+clean:
+	rm -rf build *.egg-info .pytest_cache .ruff_cache
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
