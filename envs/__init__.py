@@ -1,0 +1,1 @@
+"""Environments for coevolve_jax: plain Python (no JAX), `reset()` / `step(action)`."""

@@ -1,0 +1,147 @@
+"""BFCL multi-turn environment on the real (pure Python) backends shipped by bfcl-eval.
+
+One `BfclEnv` is one episode of one Task: user turns are presented in order; the agent's tool calls are
+validated and converted to call strings by us (`call_to_string`), executed on per-episode backend instances,
+and the episode is scored at the end by the official `multi_turn_checker` (reward 1.0 / 0.0).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from envs.base import Action, StepResult, Task
+from envs.bfcl_calls import ToolCallError, call_to_string, parse_call_string
+from envs.bfcl_data import (load_bfcl_tasks, schemas_by_name, split_tasks, tool_schemas, function_docs)
+from envs.bfcl_exec import cached_keys, cleanup, execute_calls, new_model_name, score_calls
+
+__all__ = ["BfclEnv", "ToolCallError", "call_to_string", "load_bfcl_tasks", "make_env", "parse_call_string",
+           "score_calls", "split_tasks", "tool_schemas", "SYSTEM_PROMPT"]
+
+SYSTEM_PROMPT = (
+    "You are an assistant that completes the user's requests by calling the provided tools. Call tools as "
+    "needed, one or more per reply; you will see their results. When the current request is fully done (or "
+    "cannot be done with the tools), reply to the user in plain text without any tool call.")
+# BFCL's prompt when miss_func adds the held-out functions (constants.default_prompts).
+ADDED_FUNCTIONS_PROMPT = "I have updated some more functions you can choose from. What about now?"
+DEFAULT_MAX_OBS_CHARS = 8000
+MAX_STEPS_PER_TURN = 20  # BFCL's MAXIMUM_STEP_LIMIT.
+
+
+def truncate(text: str, max_chars: int) -> str:
+  """`text` cut to `max_chars` characters plus a marker saying how much was dropped."""
+  if len(text) <= max_chars:
+    return text
+  return f"{text[:max_chars]}... [truncated {len(text) - max_chars} characters]"
+
+
+class BfclEnv:
+  """One isolated episode of a BFCL multi-turn task (implements envs.base.Env).
+
+  Attributes:
+    tools: Qwen/OpenAI tool schemas offered now (miss_func tasks gain tools at later turns).
+    system_prompt: a short instruction on the tool-use protocol.
+    model_name: the unique name keying this episode's backend instances in BFCL's cache.
+    calls: decoded call strings, [turn][step][call], as the official checker expects.
+  """
+
+  def __init__(self, task: Task, episode_id: str, *, max_obs_chars: int = DEFAULT_MAX_OBS_CHARS,
+               tool_style: str = "full", max_steps_per_turn: int = MAX_STEPS_PER_TURN):
+    if not task.turns or len(task.turns) != len(task.ground_truth):
+      raise ValueError(f"task {task.task_id}: needs turns and one ground-truth list per turn")
+    self.task = task
+    self.tool_style = tool_style
+    self.max_obs_chars = max_obs_chars
+    self.max_steps_per_turn = max_steps_per_turn
+    self.model_name = new_model_name("ep_" + re.sub(r"\W", "_", episode_id)[:40])
+    self.tools = tool_schemas(task.involved_classes, tool_style, task.provenance.get("excluded_function", ()))
+    self.system_prompt: str | None = SYSTEM_PROMPT
+    self.calls: list[list[list[str]]] = []
+    self._turn = -1
+    self._steps = 0
+    self._done = False
+
+  def _user_message(self, turn: int) -> dict[str, str]:
+    text = self.task.turns[turn]
+    added = self.task.provenance.get("missed_function", {}).get(str(turn), [])
+    if added:
+      self.tools = self.tools + function_docs(added, self.task.involved_classes, self.tool_style)
+      text = text or ADDED_FUNCTIONS_PROMPT
+    return {"role": "user", "content": text}
+
+  def reset(self) -> StepResult:
+    """Starts (or restarts) the episode; returns the first user message."""
+    cleanup(self.model_name)
+    self.tools = tool_schemas(self.task.involved_classes, self.tool_style,
+                              self.task.provenance.get("excluded_function", ()))
+    self.calls, self._turn, self._steps, self._done = [[]], 0, 0, False
+    return StepResult(messages=[self._user_message(0)])
+
+  def _tool_message(self, content: str) -> dict[str, str]:
+    return {"role": "tool", "content": truncate(content, self.max_obs_chars)}
+
+  def _run_calls(self, action: Action) -> list[dict[str, str]]:
+    """Validates and executes the action's calls; one tool message per call, in order."""
+    schemas = schemas_by_name(self.tools)
+    built: list[str | None] = []
+    errors: dict[int, str] = {}
+    for i, call in enumerate(action.tool_calls):
+      try:
+        built.append(call_to_string(call, schemas))
+      except ToolCallError as e:
+        built.append(None)
+        errors[i] = f"Error: invalid tool call: {e}"
+    valid = [c for c in built if c is not None]
+    results = iter(execute_calls(valid, self.task, self.model_name)[0] if valid else [])
+    if valid:
+      self.calls[self._turn].append(valid)
+    return [self._tool_message(errors[i] if c is None else next(results)) for i, c in enumerate(built)]
+
+  def _finish(self, messages: list[dict[str, str]], forced: str | None = None) -> StepResult:
+    self._done = True
+    if forced:
+      info: dict[str, Any] = {"calls": self.calls, "checker": {"valid": False, "error_type": forced}}
+      reward = 0.0
+    else:
+      reward, info = score_calls(self.task, self.calls, self.model_name + "_score")
+    info["per_turn_calls"] = [[c for step in turn for c in step] for turn in self.calls]
+    return StepResult(messages=messages, done=True, reward=reward, info=info)
+
+  def step(self, action: Action) -> StepResult:
+    """Applies one model step: tool results, the next user message, or the final scored result.
+
+    Raises:
+      RuntimeError: the episode is not started or already done.
+    """
+    if self._turn < 0 or self._done:
+      raise RuntimeError("step() before reset() or after the episode ended")
+    self._steps += 1
+    if action.error is not None:
+      messages = [self._tool_message(f"Error: could not parse the tool call: {action.error}")]
+    elif action.tool_calls:
+      messages = self._run_calls(action)
+    else:
+      self._turn += 1
+      self._steps = 0
+      if self._turn >= len(self.task.turns):
+        return self._finish([])
+      self.calls.append([])
+      return StepResult(messages=[self._user_message(self._turn)])
+    if self._steps >= self.max_steps_per_turn:
+      return self._finish(messages, forced="multi_turn:force_terminated")
+    return StepResult(messages=messages)
+
+  def close(self) -> None:
+    """Deletes every cached backend instance of this episode (its own and the checker's)."""
+    cleanup(self.model_name)
+
+  def cached_instance_names(self) -> list[str]:
+    """Names of this episode's instances still in BFCL's cache (for tests and leak checks)."""
+    return cached_keys(self.model_name)
+
+
+def make_env(task: Task, episode_id: str, *, max_obs_chars: int = DEFAULT_MAX_OBS_CHARS,
+             tool_style: str = "full", max_steps_per_turn: int = MAX_STEPS_PER_TURN) -> BfclEnv:
+  """A fresh, isolated BfclEnv for one episode of `task` (call reset() first, close() at the end)."""
+  return BfclEnv(task, episode_id, max_obs_chars=max_obs_chars, tool_style=tool_style,
+                 max_steps_per_turn=max_steps_per_turn)
