@@ -1,0 +1,323 @@
+"""Qwen2 / Qwen2.5 / Qwen3 dense decoder in Flax nnx, with a KV cache.
+
+Dimension letters used in names and einsums:
+  B batch, T query length, S key / cache length, D hidden (model) size, N query heads,
+  K key/value heads, G = N // K query heads per kv head, H head dim, F MLP hidden size, V vocab,
+  L layers.
+
+Parameters use the Hugging Face layout (names `embed_tokens`, `layers[i].self_attn.q_proj`, ...)
+but store kernels as [in, out] (HF stores [out, in]); the weight mapper transposes.
+Architecture reference: Hugging Face transformers `modeling_qwen2.py` / `modeling_qwen3.py`
+(rotate-half RoPE, RMSNorm, SwiGLU MLP, GQA; Qwen2 q/k/v biases; Qwen3 per-head q/k RMSNorm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from coevolve_jax.models.sharding import constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenConfig:
+  """Architecture hyper-parameters (names follow the Hugging Face config.json)."""
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: int
+  rope_theta: float = 1_000_000.0
+  rms_norm_eps: float = 1e-6
+  tie_word_embeddings: bool = False
+  attention_bias: bool = False  # Qwen2: q/k/v biases (no o_proj bias)
+  qk_norm: bool = True  # Qwen3: RMSNorm over head_dim on q and k
+  max_position_embeddings: int = 40960
+
+  @classmethod
+  def tiny_cpu(cls, vocab_size: int = 151936) -> "QwenConfig":
+    """Small Qwen3-architecture model for the CPU preset and tests (real vocabulary size)."""
+    return cls(vocab_size=vocab_size, hidden_size=128, intermediate_size=384,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+               tie_word_embeddings=True)
+
+  @classmethod
+  def qwen3_0_6b(cls) -> "QwenConfig":
+    return cls(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+               num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+               tie_word_embeddings=True)
+
+  @classmethod
+  def qwen3_1_7b(cls) -> "QwenConfig":
+    return cls(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+               num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+               tie_word_embeddings=True)
+
+  @classmethod
+  def qwen3_4b(cls) -> "QwenConfig":
+    return cls(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=5_000_000.0,
+               tie_word_embeddings=True, max_position_embeddings=262144)
+
+  @classmethod
+  def qwen2_5_7b(cls) -> "QwenConfig":
+    return cls(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
+               attention_bias=True, qk_norm=False, max_position_embeddings=32768)
+
+  @classmethod
+  def preset(cls, name: str, **overrides) -> "QwenConfig":
+    """A named preset, e.g. "tiny_cpu", "qwen3_4b"; `overrides` replace fields."""
+    factory = getattr(cls, name, None)
+    if name.startswith("_") or not callable(factory):
+      raise ValueError(f"unknown model preset {name!r}")
+    return dataclasses.replace(factory(), **overrides)
+
+
+class KVCache(NamedTuple):
+  """Per-layer key and value caches, each [B, S, K, H]. Cache index == absolute position."""
+
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+
+  @classmethod
+  def zeros(cls, cfg: QwenConfig, batch: int, length: int, dtype=jnp.float32) -> "KVCache":
+    shape = (batch, length, cfg.num_key_value_heads, cfg.head_dim)
+    z = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
+    return cls(k=z, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)))
+
+
+def _init(rngs: nnx.Rngs, shape, axes, dtype, scale: float = 0.02) -> nnx.Param:
+  value = scale * jax.random.normal(rngs.params(), shape, dtype)
+  return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm: x / sqrt(mean(x^2) + eps) * weight, computed in float32."""
+
+  def __init__(self, size: int, eps: float, dtype):
+    self.weight = nnx.Param(jnp.ones((size,), dtype), out_sharding=("norm",), eager_sharding=False)
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    return (x32 * jax.lax.rsqrt(var + self.eps)).astype(x.dtype) * self.weight[...].astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotate-half rotary embedding. x: [B, T, N, H]; positions: [B, T] int."""
+  h = x.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))  # [H/2]
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, H]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = jnp.split(x32, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return (x32 * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
+ATTN_BLOCK = 512  # query block of the cache-free (training) attention path
+
+
+def _attend(q_btnh, k_bskh, v_bskh, q_pos_bt, k_pos_bs, k_valid_bs) -> jax.Array:
+  """Masked softmax attention with GQA. Returns [B, T, N, H]; a query sees keys whose position is
+  <= its own and that are valid."""
+  b, t, n, h = q_btnh.shape
+  kh = k_bskh.shape[2]
+  q = q_btnh.reshape(b, t, kh, n // kh, h)
+  scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k_bskh.astype(q.dtype)).astype(jnp.float32)
+  scores = scores * (h ** -0.5)
+  mask = (k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]) & k_valid_bs[:, None, :]
+  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
+  return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_bskh).reshape(b, t, n, h)
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention with optional q/k/v bias and q/k RMSNorm."""
+
+  def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype):
+    d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    self.cfg = cfg
+    self.q_proj = _init(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), dtype)
+    self.k_proj = _init(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), dtype)
+    self.v_proj = _init(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), dtype)
+    self.o_proj = _init(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), dtype)
+    if cfg.attention_bias:
+      self.q_bias = nnx.Param(jnp.zeros((n, h), dtype), out_sharding=("q_heads", "head_dim"),
+                                 eager_sharding=False)
+      self.k_bias = nnx.Param(jnp.zeros((k, h), dtype), out_sharding=("kv_heads", "head_dim"),
+                                 eager_sharding=False)
+      self.v_bias = nnx.Param(jnp.zeros((k, h), dtype), out_sharding=("kv_heads", "head_dim"),
+                                 eager_sharding=False)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+      self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+
+  def __call__(self, x_btd, positions_bt, k_cache_bskh, v_cache_bskh, write_b, key_pos_bs,
+               key_valid_bs):
+    """Attention over [cache ++ new keys].
+
+    Args:
+      x_btd: [B, T, D] inputs.
+      positions_bt: [B, T] absolute positions of the inputs.
+      k_cache_bskh, v_cache_bskh: [B, S, K, H] caches, or None (keys are the inputs themselves).
+      write_b: [B] int cache index at which the T new keys are written (cache mode only).
+      key_pos_bs: [B, S] absolute position of each key; key_valid_bs: [B, S] bool.
+    Returns:
+      ([B, T, D] outputs, new k cache, new v cache).
+    """
+    cfg = self.cfg
+    q = jnp.einsum("BTD,DNH->BTNH", x_btd, self.q_proj[...])
+    k = jnp.einsum("BTD,DKH->BTKH", x_btd, self.k_proj[...])
+    v = jnp.einsum("BTD,DKH->BTKH", x_btd, self.v_proj[...])
+    if cfg.attention_bias:
+      q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = rope(q, positions_bt, cfg.rope_theta)
+    k = rope(k, positions_bt, cfg.rope_theta)
+    q = constrain(q, ("batch", "length", "act_heads", None))
+    if k_cache_bskh is not None:
+      write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (i, 0, 0)))
+      k_cache_bskh = write(k_cache_bskh, k.astype(k_cache_bskh.dtype), write_b)
+      v_cache_bskh = write(v_cache_bskh, v.astype(v_cache_bskh.dtype), write_b)
+      s = key_pos_bs.shape[1]  # attend only to the first s cache entries (a static bucket)
+      keys, values = k_cache_bskh[:, :s], v_cache_bskh[:, :s]
+    else:
+      keys, values = k, v
+    b, t, n, h = q.shape
+    if k_cache_bskh is None and t > ATTN_BLOCK and t % ATTN_BLOCK == 0:
+      # Causal block skipping without a cache: query block i only needs keys [0, (i+1)*block)
+      # (positions grow with the index for every real token), and each block is rematerialised
+      # in the backward pass instead of storing its [.., block, keys] scores.
+      outs = []
+      for i in range(t // ATTN_BLOCK):
+        lo, hi = i * ATTN_BLOCK, (i + 1) * ATTN_BLOCK
+        outs.append(jax.checkpoint(_attend)(
+            q[:, lo:hi], keys[:, :hi], values[:, :hi], positions_bt[:, lo:hi],
+            key_pos_bs[:, :hi], key_valid_bs[:, :hi]))
+      out = jnp.concatenate(outs, axis=1)
+    else:
+      out = _attend(q, keys, values, positions_bt, key_pos_bs, key_valid_bs)
+    out = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...])
+    return out, k_cache_bskh, v_cache_bskh
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype):
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    self.gate_proj = _init(rngs, (d, f), ("embed", "mlp"), dtype)
+    self.up_proj = _init(rngs, (d, f), ("embed", "mlp"), dtype)
+    self.down_proj = _init(rngs, (f, d), ("mlp", "embed"), dtype)
+
+  def __call__(self, x_btd):
+    gate = jnp.einsum("BTD,DF->BTF", x_btd, self.gate_proj[...])
+    up = jnp.einsum("BTD,DF->BTF", x_btd, self.up_proj[...])
+    h = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+    return jnp.einsum("BTF,FD->BTD", h, self.down_proj[...])
+
+
+class DecoderLayer(nnx.Module):
+
+  def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype):
+    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    self.self_attn = Attention(cfg, rngs=rngs, dtype=dtype)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    self.mlp = MLP(cfg, rngs=rngs, dtype=dtype)
+
+  def __call__(self, x, positions, kc, vc, write, key_pos, key_valid):
+    with jax.named_scope("attention"):
+      a, kc, vc = self.self_attn(self.input_layernorm(x), positions, kc, vc, write, key_pos,
+                                 key_valid)
+    x = x + a
+    with jax.named_scope("mlp"):
+      x = x + self.mlp(self.post_attention_layernorm(x))
+    return constrain(x, ("batch", "length", "act_embed")), kc, vc
+
+
+class Qwen(nnx.Module):
+  """Qwen decoder-only language model.
+
+  `hidden_states` gives final-norm hidden states [B, T, D]; `logits` projects chosen positions to
+  the vocabulary, so callers compute full-vocabulary logits only where they need them.
+  """
+
+  def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    self.config = cfg
+    self.embed_tokens = _init(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+    self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, dtype=dtype)
+                            for _ in range(cfg.num_hidden_layers)])
+    self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = _init(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
+
+  def hidden_states(self, input_ids_bt: jax.Array, positions_bt: jax.Array | None = None,
+                    attention_mask_bt: jax.Array | None = None) -> jax.Array:
+    """Full forward without a cache. input_ids: [B, T] int; mask: [B, T] (1 = real token).
+
+    Positions default to the running count of real tokens (handles left and right padding).
+    Returns [B, T, D] hidden states after the final norm.
+    """
+    if attention_mask_bt is None:
+      attention_mask_bt = jnp.ones(input_ids_bt.shape, jnp.bool_)
+    attention_mask_bt = attention_mask_bt.astype(jnp.bool_)
+    if positions_bt is None:
+      positions_bt = jnp.maximum(jnp.cumsum(attention_mask_bt, axis=-1) - 1, 0)
+    x = self._embed(input_ids_bt)
+    for layer in self.layers:
+      x, _, _ = layer(x, positions_bt, None, None, None, positions_bt, attention_mask_bt)
+    return self.norm(x)
+
+  def __call__(self, input_ids_bt, attention_mask_bt=None, positions_bt=None) -> jax.Array:
+    """Logits [B, T, V] for every position (Hugging Face style; memory-heavy for long T)."""
+    return self.logits(self.hidden_states(input_ids_bt, positions_bt, attention_mask_bt))
+
+  def decode(self, input_ids_bt: jax.Array, positions_bt: jax.Array, cache: KVCache,
+             write_b: jax.Array, kv_len: int | None = None) -> tuple[jax.Array, KVCache]:
+    """Runs T new tokens against a KV cache (prefill chunk when T > 1, decode step when T == 1).
+
+    Args:
+      input_ids_bt: [B, T] int32 new tokens.
+      positions_bt: [B, T] int32 absolute positions; must equal write_b[:, None] + arange(T).
+      cache: KVCache with [B, S, K, H] arrays; entries at index <= position are attended.
+      write_b: [B] int32 cache index where the new keys go. The caller guarantees
+        write_b + T <= S (dynamic_update_slice would otherwise clamp the write).
+      kv_len: static; attend only to cache entries [0, kv_len) (default S). The caller guarantees
+        every position < kv_len, so attention costs T * kv_len rather than T * S.
+    Returns:
+      ([B, T, D] hidden states after the final norm, updated cache).
+    """
+    s = cache.k[0].shape[1] if kv_len is None else kv_len
+    key_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (input_ids_bt.shape[0], s))
+    key_valid = jnp.ones_like(key_pos, jnp.bool_)
+    x = self._embed(input_ids_bt)
+    ks, vs = [], []
+    for layer, kc, vc in zip(self.layers, cache.k, cache.v):
+      x, kc, vc = layer(x, positions_bt, kc, vc, write_b, key_pos, key_valid)
+      ks.append(kc)
+      vs.append(vc)
+    return self.norm(x), KVCache(tuple(ks), tuple(vs))
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """Projects [..., D] hidden states to [..., V] float32 logits."""
+    if self.config.tie_word_embeddings:
+      w = self.embed_tokens[...]
+      out = jnp.einsum("...D,VD->...V", hidden, w.astype(hidden.dtype))
+    else:
+      out = jnp.einsum("...D,DV->...V", hidden, self.lm_head[...].astype(hidden.dtype))
+    return out.astype(jnp.float32)
+
+  def _embed(self, ids):
+    x = jnp.take(self.embed_tokens[...], ids, axis=0)
+    return constrain(x, ("batch", "length", "act_embed"))
