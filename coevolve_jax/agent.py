@@ -1,0 +1,193 @@
+"""Multi-turn agent episodes with continuous batching over the engine's decode slots.
+
+Each episode holds one decode slot for its whole life: its conversation stays in that slot's KV
+cache across turns, so a new turn only prefills the new tokens (tool observations or the next user
+message). When an episode ends its slot is freed and the next waiting episode is inserted.
+
+Token-in / token-out: the trajectory records exactly the sampled ids (loss mask 1) and the ids the
+chat template inserts around them (mask 0); the conversation is never re-rendered.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from coevolve_jax.rollout.engine import Engine
+from coevolve_jax.rollout.sampling import SamplingParams
+from coevolve_jax.trajectory import Trajectory
+from envs.base import Action, Env, Task
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeLimits:
+  """Per-episode limits (SPEC 1.1: 30 model steps, 4096 tokens per reply; over-limit = failure).
+
+  Per-user-turn step limits belong to the environment (BFCL's official loop ends the episode).
+  """
+
+  max_new_tokens: int = 4096  # per model reply
+  max_model_steps: int = 30  # model replies per episode
+
+
+@dataclasses.dataclass
+class _Episode:
+  index: int
+  traj: Trajectory
+  env: Env
+  slot: int
+  turn_ids: list[int] = dataclasses.field(default_factory=list)
+  turn_logprobs: list[float] = dataclasses.field(default_factory=list)
+
+
+class AgentRunner:
+  """Runs batches of episodes on an engine.
+
+  Args:
+    engine: decode slots and KV cache.
+    chat: chat format with `prompt_ids(messages, tools)`, `continuation_ids(messages)`,
+      `parse_tool_calls(text, truncated=...)`, `decode(ids)`, `im_end_id`.
+    make_env: `(task, episode_id) -> Env`.
+    limits: episode limits.
+  """
+
+  def __init__(self, engine: Engine, chat: Any, make_env: Callable[[Task, str], Env],
+               limits: EpisodeLimits):
+    self.engine, self.chat, self.make_env, self.limits = engine, chat, make_env, limits
+    self.stop_ids = {chat.im_end_id}
+    self._episode_counter = 0
+    self.timings: dict[str, float] = collections.defaultdict(float)  # seconds in env steps
+
+  def run(self, jobs: Sequence[tuple[Task, int]], sampling: SamplingParams, rng: jax.Array,
+          on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+    """Runs one episode per (task, group_id) job; returns trajectories in job order."""
+    pending = collections.deque(enumerate(jobs))
+    results: list[Trajectory | None] = [None] * len(jobs)
+    free = list(range(self.engine.num_slots))[::-1]
+    active: dict[int, _Episode] = {}
+    self._sampling = sampling
+
+    def finish(ep: _Episode, how: str, reward: float = 0.0, info: dict | None = None):
+      ep.traj.finish, ep.traj.reward = how, reward
+      ep.traj.info.update(info or {})
+      ep.env.close()
+      results[ep.index] = ep.traj
+      active.pop(ep.slot, None)
+      free.append(ep.slot)
+      if on_done:
+        on_done(ep.traj)
+
+    self._finish = finish
+    while pending or active:
+      while pending and free:
+        index, (task, group_id) = pending.popleft()
+        rng, sub = jax.random.split(rng)
+        self._start(index, task, group_id, free.pop(), sub, active)
+      if not active:
+        continue
+      mask = np.zeros((self.engine.num_slots,), bool)
+      mask[list(active)] = True
+      rng, sub = jax.random.split(rng)
+      tokens, logprobs = self.engine.generate(mask, sub, sampling)
+      for slot in list(active):
+        rng, sub = jax.random.split(rng)
+        self._on_token(active[slot], int(tokens[slot]), float(logprobs[slot]), sub)
+    return results  # type: ignore[return-value]
+
+  def _start(self, index, task, group_id, slot, rng, active):
+    self._episode_counter += 1
+    env = self.make_env(task, f"ep{self._episode_counter}")
+    traj = Trajectory(task_id=task.task_id, group_id=group_id)
+    ep = _Episode(index, traj, env, slot)
+    active[slot] = ep
+    try:
+      first = env.reset()
+    except Exception as e:  # an environment that fails to start fails this episode only
+      self._finish(ep, "error", info={"error": f"reset: {e!r}"})
+      return
+    messages = ([{"role": "system", "content": env.system_prompt}] if env.system_prompt else [])
+    ids = self.chat.prompt_ids(messages + first.messages, env.tools)
+    traj.prompt_len = len(ids)
+    traj.extend(ids, sampled=False)
+    self.engine.reset_slot(slot)
+    self._feed(ep, ids, rng)
+
+  def _feed(self, ep: _Episode, ids: list[int], rng) -> None:
+    """Prefills `ids` into the episode's slot and handles the first sampled token."""
+    if self.engine.room(ep.slot) < len(ids) + 1:
+      self._finish(ep, "context")
+      return
+    tok, logp = self.engine.prefill(ep.slot, ids, rng, self._sampling)
+    self._on_token(ep, tok, logp, rng)
+
+  def _on_token(self, ep: _Episode, tok: int, logp: float, rng) -> None:
+    ep.turn_ids.append(tok)
+    ep.turn_logprobs.append(logp)
+    stopped = tok in self.stop_ids
+    if stopped or len(ep.turn_ids) >= self.limits.max_new_tokens or self.engine.room(ep.slot) <= 1:
+      self._end_reply(ep, stopped, rng)
+
+  def _end_reply(self, ep: _Episode, stopped: bool, rng) -> None:
+    traj = ep.traj
+    body = ep.turn_ids[:-1] if stopped else ep.turn_ids
+    text = self.chat.decode(body)
+    traj.extend(ep.turn_ids, sampled=True, logprobs=ep.turn_logprobs)
+    last_tok = ep.turn_ids[-1]
+    ep.turn_ids, ep.turn_logprobs = [], []
+    traj.model_steps += 1
+    action = self.chat.parse_tool_calls(text, truncated=not stopped)
+    traj.parse_errors += action.error is not None
+    traj.tool_names.extend(c.name for c in action.tool_calls)
+    start = time.perf_counter()
+    try:
+      result = ep.env.step(action)
+    except Exception as e:  # environment failure: this episode fails, the batch goes on
+      self._finish(ep, "error", info={"error": f"step: {e!r}"})
+      return
+    self.timings["reward" if result.done else "env"] += time.perf_counter() - start
+    if result.done:
+      traj.calls = result.info.get("per_turn_calls", traj.calls)
+      self._finish(ep, "done", float(result.reward), result.info)
+      return
+    if traj.model_steps >= self.limits.max_model_steps:
+      self._finish(ep, "max_model_steps")
+      return
+    cont = ([] if stopped else [self.chat.im_end_id]) + self.chat.continuation_ids(result.messages)
+    traj.extend(cont, sampled=False)
+    self._feed(ep, [last_tok] + cont, rng)
+
+
+class QwenChat:
+  """The chat format the agent loop uses: Qwen template, tokenizer and tool-call parser."""
+
+  def __init__(self, enable_thinking: bool | None = False):
+    from coevolve_jax import chat as chat_lib  # noqa: PLC0415
+    from coevolve_jax.tokenizer import get_tokenizer  # noqa: PLC0415
+    self._chat, self._tok = chat_lib, get_tokenizer()
+    self.enable_thinking = enable_thinking
+    self.im_end_id = self._tok.im_end_id
+    self.vocab_size = self._tok.vocab_size
+
+  def prompt_ids(self, messages, tools) -> list[int]:
+    return self._chat.prompt_ids(messages, tools, enable_thinking=self.enable_thinking)
+
+  def continuation_ids(self, messages) -> list[int]:
+    return self._chat.continuation_ids(messages, enable_thinking=self.enable_thinking)
+
+  def assistant_text(self, content: str, tool_calls=()) -> str:
+    return self._chat.assistant_text(content, tool_calls)
+
+  def parse_tool_calls(self, text: str, truncated: bool = False) -> Action:
+    return self._chat.parse_tool_calls(text, truncated=truncated)
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text)
+
+  def decode(self, ids: list[int]) -> str:
+    return self._tok.decode(ids)

@@ -1,0 +1,346 @@
+"""The KV-cached rollout engine against full (uncached) forwards of a tiny random Qwen."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from coevolve_jax.models import Qwen, QwenConfig
+from coevolve_jax.models.qwen import rope
+from coevolve_jax.rollout.engine import Engine
+from coevolve_jax.rollout.sampling import SamplingParams, sample
+from coevolve_jax.trainer import token_logprobs
+
+CACHE = 64  # every engine below uses this cache length and 3 slots, so compilations are shared
+SLOTS = 3
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model():
+  cfg = QwenConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+  return Qwen(cfg, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def full_logprobs(model):
+  """ids -> [len(ids), V] log_softmax(logits / T) of the full uncached forward `model(ids)`."""
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def fwd(state, ids):
+    return nnx.merge(graphdef, state)(ids)[0]
+
+  def f(ids, temperature=1.0):
+    padded = np.zeros((1, CACHE), np.int32)  # right padding cannot reach earlier positions
+    padded[0, :len(ids)] = ids
+    logits = np.asarray(fwd(state, jnp.asarray(padded)), np.float64)[:len(ids)] / temperature
+    logits -= logits.max(-1, keepdims=True)
+    return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+
+  return f
+
+
+def _prompt(seed, n):
+  return [int(x) for x in np.random.default_rng(seed).integers(1, 512, n)]
+
+
+def _greedy_reference(full_logprobs, ids, steps):
+  """Greedy argmax over the full forward, recomputed from scratch at each step."""
+  ids, toks, lps = list(ids), [], []
+  for _ in range(steps):
+    lp = full_logprobs(ids)[-1]
+    tok = int(np.argmax(lp))
+    toks.append(tok)
+    lps.append(lp[tok])
+    ids.append(tok)
+  return toks, np.array(lps)
+
+
+def _decode_alone(model, slot, ids, steps):
+  engine = Engine(model, SLOTS, CACHE)
+  tok, lp = engine.prefill(slot, ids, jax.random.key(0), GREEDY)
+  toks, lps = [tok], [lp]
+  active = np.zeros(SLOTS, bool)
+  active[slot] = True
+  for i in range(steps - 1):
+    t, lp_b = engine.generate(active, jax.random.key(i), GREEDY)
+    toks.append(int(t[slot]))
+    lps.append(float(lp_b[slot]))
+  return toks, np.array(lps)
+
+
+def _layer0_kv(model, ids):
+  """Layer-0 keys and values depend only on (token, position): [T, K, H] each, computed by hand."""
+  padded = np.zeros((CACHE,), np.int32)
+  padded[:len(ids)] = ids
+  k, v = _layer0_kv_jit(model, jnp.asarray(padded))
+  return np.asarray(k[:len(ids)]), np.asarray(v[:len(ids)])
+
+
+@nnx.jit
+def _layer0_kv_jit(model, ids):
+  layer = model.layers[0]
+  attn = layer.self_attn
+  x = layer.input_layernorm(jnp.take(model.embed_tokens[...], jnp.asarray(ids)[None], axis=0))
+  k = attn.k_norm(jnp.einsum("BTD,DKH->BTKH", x, attn.k_proj[...]))
+  k = rope(k, jnp.arange(len(ids))[None], model.config.rope_theta)
+  v = jnp.einsum("BTD,DKH->BTKH", x, attn.v_proj[...])
+  return k[0], v[0]
+
+
+# (a) -----------------------------------------------------------------------------------------
+
+
+def test_greedy_matches_full_forward(model, full_logprobs):
+  prompt = _prompt(1, 7)
+  toks, lps = _decode_alone(model, 1, prompt, 12)
+  want_toks, want_lps = _greedy_reference(full_logprobs, prompt, 12)
+  assert toks == want_toks
+  np.testing.assert_allclose(lps, want_lps, atol=1e-5)
+
+
+# (b) -----------------------------------------------------------------------------------------
+
+
+def test_slots_decode_independently(model):
+  prompts = [_prompt(10, 3), _prompt(11, 11), _prompt(12, 20)]  # chunk sizes 16, 16 and 32
+  steps = 8
+  alone = [_decode_alone(model, 0, p, steps) for p in prompts]
+
+  engine = Engine(model, SLOTS, CACHE)
+  got = [[], [], []]
+  got_lp = [[], [], []]
+  for slot in (2, 0, 1):  # prefill order differs from slot order
+    tok, lp = engine.prefill(slot, prompts[slot], jax.random.key(slot), GREEDY)
+    got[slot].append(tok)
+    got_lp[slot].append(lp)
+  # Slot 0 pauses for two steps in the middle (inactive), then resumes.
+  schedule = [[1, 1, 1]] * 3 + [[0, 1, 1]] * 2 + [[1, 1, 1]] * 4 + [[1, 0, 0]] * 2
+  for i, act in enumerate(schedule):
+    active = np.array(act, bool)
+    pos_before = [engine.position(s) for s in range(SLOTS)]
+    t, lp_b = engine.generate(active, jax.random.key(100 + i), GREEDY)
+    for s in range(SLOTS):
+      assert engine.position(s) == pos_before[s] + int(active[s])
+      if active[s] and len(got[s]) < steps:
+        got[s].append(int(t[s]))
+        got_lp[s].append(float(lp_b[s]))
+  for s in range(SLOTS):
+    assert got[s] == alone[s][0], s
+    np.testing.assert_allclose(got_lp[s], alone[s][1], atol=1e-5, err_msg=str(s))
+    assert engine.position(s) == len(prompts[s]) + sum(act[s] for act in schedule)
+
+
+# (c) -----------------------------------------------------------------------------------------
+
+
+def test_multi_turn_continuation_equals_single_forward(model, full_logprobs):
+  a, b = _prompt(20, 7), _prompt(21, 9)
+  engine = Engine(model, SLOTS, CACHE)
+  active = np.array([False, True, False])
+  tok, _ = engine.prefill(1, a, jax.random.key(0), GREEDY)
+  gen = [tok]
+  for i in range(3):
+    gen.append(int(engine.generate(active, jax.random.key(i), GREEDY)[0][1]))
+  # Cache: a + gen[:-1]; gen[-1] is pending, so the continuation starts with it.
+  tok, lp = engine.prefill(1, [gen[-1]] + b, jax.random.key(5), GREEDY)
+  conv = a + gen + b
+  assert engine.position(1) == len(conv)
+  after = [tok]
+  after_lp = [lp]
+  for i in range(4):
+    t, lp_b = engine.generate(active, jax.random.key(10 + i), GREEDY)
+    after.append(int(t[1]))
+    after_lp.append(float(lp_b[1]))
+
+  want_gen, _ = _greedy_reference(full_logprobs, a, 4)
+  assert gen == want_gen
+  want, want_lp = _greedy_reference(full_logprobs, conv, 5)
+  assert after == want
+  np.testing.assert_allclose(after_lp, want_lp, atol=1e-5)
+
+  # The cache equals that of one prefill over the whole concatenation.
+  single = Engine(model, SLOTS, CACHE)
+  tok1, lp1 = single.prefill(1, conv, jax.random.key(0), GREEDY)
+  assert tok1 == after[0] and lp1 == pytest.approx(after_lp[0], abs=1e-5)
+  n = len(conv)
+  for layer in range(model.config.num_hidden_layers):
+    for multi_c, single_c in ((engine.state.cache.k, single.state.cache.k),
+                              (engine.state.cache.v, single.state.cache.v)):
+      np.testing.assert_allclose(np.asarray(single_c[layer][1, :n]),
+                                 np.asarray(multi_c[layer][1, :n]), atol=1e-5)
+
+
+# (d) -----------------------------------------------------------------------------------------
+
+
+def test_prefill_near_end_of_cache(model, full_logprobs):
+  engine = Engine(model, SLOTS, CACHE)
+  other = _prompt(30, 5)
+  engine.prefill(2, other, jax.random.key(0), GREEDY)
+  k_other, v_other = _layer0_kv(model, other)
+
+  active = np.array([True, False, False])
+  a = _prompt(31, 30)
+  tok, _ = engine.prefill(0, a, jax.random.key(1), GREEDY)
+  gen = [tok]
+  for i in range(10):
+    gen.append(int(engine.generate(active, jax.random.key(i), GREEDY)[0][0]))
+  b = _prompt(32, 15)
+  t1, _ = engine.prefill(0, [gen[-1]] + b, jax.random.key(2), GREEDY)  # 16 tokens at 40
+  conv = a + gen + b
+  assert engine.position(0) == len(conv) == 56 and engine.room(0) == 8
+  # 7 tokens at index 56: a 16-chunk would pass the end, so it must shrink to 8 (one padded
+  # entry, at index 63, still inside the cache).
+  c = _prompt(33, 6)
+  t2, lp2 = engine.prefill(0, [t1] + c, jax.random.key(3), GREEDY)
+  conv += [t1] + c
+  assert engine.position(0) == len(conv) == 63 and engine.room(0) == 1
+  want = full_logprobs(conv)[-1]
+  assert t2 == int(np.argmax(want)) and lp2 == pytest.approx(want[t2], abs=1e-5)
+  # The last free entry takes the pending token.
+  t3, lp3 = engine.generate(active, jax.random.key(4), GREEDY)
+  conv.append(t2)
+  assert engine.position(0) == CACHE and engine.room(0) == 0
+  want = full_logprobs(conv)[-1]
+  assert int(t3[0]) == int(np.argmax(want)) and lp3[0] == pytest.approx(want[t3[0]], abs=1e-5)
+  # Every cache entry sits at its own index (a write clamped at the end would shift entries).
+  k_want, v_want = _layer0_kv(model, conv)
+  np.testing.assert_allclose(np.asarray(engine.state.cache.k[0][0]), k_want, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(engine.state.cache.v[0][0]), v_want, atol=1e-5)
+  # The other slot is untouched.
+  n = len(other)
+  np.testing.assert_allclose(np.asarray(engine.state.cache.k[0][2, :n]), k_other, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(engine.state.cache.v[0][2, :n]), v_other, atol=1e-5)
+
+  # A full slot takes nothing more; a prefill that does not fit is refused and changes nothing.
+  before = jax.tree.map(np.asarray, engine.state)
+  with pytest.raises(ValueError):
+    engine.prefill(0, [1], jax.random.key(5), GREEDY)
+  with pytest.raises(ValueError):
+    engine.prefill(2, [], jax.random.key(5), GREEDY)
+  assert engine.room(2) == CACHE - n
+  with pytest.raises(ValueError):
+    engine.prefill(2, _prompt(34, CACHE - n + 1), jax.random.key(5), GREEDY)
+  after = jax.tree.map(np.asarray, engine.state)
+  for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+    np.testing.assert_array_equal(x, y)
+
+
+# (e) -----------------------------------------------------------------------------------------
+
+
+def test_sampled_logprobs_match_trainer(model, full_logprobs):
+  sampling = SamplingParams(temperature=0.9)
+  engine = Engine(model, SLOTS, CACHE)
+  prompts = {0: _prompt(40, 6), 2: _prompt(41, 13)}
+  seqs, lps = {}, {}
+  for slot, p in prompts.items():
+    tok, lp = engine.prefill(slot, p, jax.random.key(slot), sampling)
+    seqs[slot], lps[slot] = [tok], [lp]
+  steps = {0: 39, 2: 30}  # 40 and 31 sampled tokens: not multiples of the trainer's chunk
+  for i in range(max(steps.values())):
+    active = np.array([i < steps[0], False, i < steps[2]])
+    t, lp_b = engine.generate(active, jax.random.key(50 + i), sampling)
+    for slot in prompts:
+      if active[slot]:
+        seqs[slot].append(int(t[slot]))
+        lps[slot].append(float(lp_b[slot]))
+  p_max = max(len(s) for s in seqs.values())
+  t_max = max(len(prompts[s]) + len(seqs[s]) for s in prompts)
+  tokens = np.zeros((2, t_max), np.int32)
+  pos = np.ones((2, p_max), np.int32)
+  want = np.zeros((2, p_max))
+  for r, slot in enumerate(prompts):
+    full = prompts[slot] + seqs[slot]
+    tokens[r, :len(full)] = full
+    pos[r, :len(seqs[slot])] = np.arange(len(prompts[slot]), len(full))
+    want[r, :len(seqs[slot])] = lps[slot]
+    # Sanity: engine log-probs are log_softmax(logits / 0.9) of the full forward.
+    ref = full_logprobs(full, 0.9)
+    np.testing.assert_allclose(
+        lps[slot], ref[np.arange(len(prompts[slot]) - 1, len(full) - 1), seqs[slot]], atol=1e-5)
+  scorer = nnx.jit(token_logprobs, static_argnames=("temperature",))
+  got = np.asarray(scorer(model, jnp.asarray(tokens), jnp.asarray(pos), temperature=0.9))
+  assert got.shape == (2, p_max)
+  for r, slot in enumerate(prompts):
+    n = len(seqs[slot])
+    np.testing.assert_allclose(got[r, :n], want[r, :n], atol=1e-5)
+
+
+# (f) -----------------------------------------------------------------------------------------
+
+
+def _chi2(counts, probs):
+  expected = probs * counts.sum()
+  keep = expected > 0
+  assert np.all(counts[~keep] == 0), "sampled a token of probability 0"
+  return float(np.sum((counts[keep] - expected[keep]) ** 2 / expected[keep]))
+
+
+# Chi-square quantiles at 1 - 1e-4, by degrees of freedom.
+CHI2_CRIT = {1: 15.14, 2: 18.42, 7: 29.88}
+
+
+def _softmax(x):
+  e = np.exp(x - x.max())
+  return e / e.sum()
+
+
+def test_top_k_one_equals_greedy():
+  logits = jax.random.normal(jax.random.key(0), (64, 100)) * 3.0
+  greedy_tok, greedy_lp = sample(logits, jax.random.key(1), GREEDY)
+  np.testing.assert_array_equal(np.asarray(greedy_tok), np.argmax(np.asarray(logits), -1))
+  np.testing.assert_allclose(
+      np.asarray(greedy_lp),
+      np.asarray(jax.nn.log_softmax(logits))[np.arange(64), np.asarray(greedy_tok)], atol=1e-6)
+  for seed in range(2):
+    for temp in (0.5, 2.0):
+      tok, lp = sample(logits, jax.random.key(seed), SamplingParams(temperature=temp, top_k=1))
+      np.testing.assert_array_equal(np.asarray(tok), np.asarray(greedy_tok))
+      want = np.asarray(jax.nn.log_softmax(logits / temp))[np.arange(64), np.asarray(tok)]
+      np.testing.assert_allclose(np.asarray(lp), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("temp", [1.0, 0.7])
+def test_sampling_frequencies_match_softmax(temp):
+  logits = np.array([1.0, 0.5, -0.3, 2.0, 0.0, -1.5, 1.2, 0.1], np.float32)
+  n = 40_000
+  tok, lp = sample(jnp.broadcast_to(jnp.asarray(logits), (n, 8)), jax.random.key(7),
+                   SamplingParams(temperature=temp))
+  tok = np.asarray(tok)
+  probs = _softmax(logits.astype(np.float64) / temp)
+  counts = np.bincount(tok, minlength=8)
+  assert _chi2(counts, probs) < CHI2_CRIT[7], (counts / n, probs)
+  np.testing.assert_allclose(np.asarray(lp), np.log(probs)[tok], atol=1e-5)
+  # The test has power: the untempered distribution is rejected at T = 0.7.
+  if temp != 1.0:
+    assert _chi2(counts, _softmax(logits.astype(np.float64))) > CHI2_CRIT[7]
+
+
+def test_top_p_keeps_only_the_nucleus():
+  probs = np.array([0.05, 0.4, 0.1, 0.15, 0.3])  # sorted: 0.4, 0.3, 0.15, 0.1, 0.05
+  logits = np.log(probs).astype(np.float32)
+  n = 40_000
+  batch = jnp.broadcast_to(jnp.asarray(logits), (n, 5))
+  # top_p = 0.75: mass before 0.15 is 0.7 < 0.75, before 0.1 is 0.85 -> nucleus {1, 4, 3}.
+  tok, lp = sample(batch, jax.random.key(3), SamplingParams(temperature=1.0, top_p=0.75))
+  counts = np.bincount(np.asarray(tok), minlength=5)
+  nucleus = np.array([0.0, 0.4, 0.0, 0.15, 0.3])
+  assert counts[0] == 0 and counts[2] == 0
+  assert _chi2(counts, nucleus / nucleus.sum()) < CHI2_CRIT[2], counts
+  # Log-probs are under the full (unfiltered) tempered softmax, as the trainer recomputes them.
+  np.testing.assert_allclose(np.asarray(lp), np.log(probs)[np.asarray(tok)], atol=1e-5)
+  # top_p = 0.35, or even 0: only the top token.
+  for top_p in (0.35, 0.0):
+    tok, _ = sample(batch, jax.random.key(4), SamplingParams(temperature=1.0, top_p=top_p))
+    assert np.all(np.asarray(tok) == 1), top_p
+  # top_k and top_p together: k = 2 keeps {1, 4}; p = 0.95 then keeps both.
+  tok, _ = sample(batch, jax.random.key(5), SamplingParams(temperature=1.0, top_k=2, top_p=0.95))
+  counts = np.bincount(np.asarray(tok), minlength=5)
+  assert counts[[0, 2, 3]].sum() == 0
+  k2 = np.array([0.0, 0.4, 0.0, 0.0, 0.3])
+  assert _chi2(counts, k2 / k2.sum()) < CHI2_CRIT[1]
