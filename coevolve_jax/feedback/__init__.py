@@ -1,0 +1,1 @@
+"""Feedback loop: signals, exploration, abstraction, validation, task pool (SPEC 1.1-1.3)."""

@@ -1,0 +1,168 @@
+"""The growing task pool (SPEC 1.3-1.4): append-only JSON lines on disk, with leak and duplicate filtering.
+
+Every accepted task is appended with flush + fsync, so a crash mid-round loses no accepted task; a torn
+last line (a crash during a write) is skipped with a warning and cut off on load. `add` drops exact and
+near-duplicates (MinHash over word 3-gram shingles of the user turns plus the ground-truth calls) of the
+evaluation split and of the pool itself, and logs every drop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+from typing import Iterable
+
+import numpy as np
+from datasketch import MinHash, MinHashLSH
+
+from envs.base import Task
+
+log = logging.getLogger(__name__)
+SYNTH_SOURCES = ("synth",)
+
+
+def task_text(task: Task) -> str:
+  """Normalized text a task is compared by: its user turns and ground-truth calls, lower-cased."""
+  calls = " ".join(c for turn in task.ground_truth for c in turn)
+  return " ".join(" ".join(task.turns + [calls]).lower().split())
+
+
+def minhash(text: str, num_perm: int = 128, shingle: int = 3) -> MinHash:
+  """MinHash of the word `shingle`-grams of `text` (the whole word list when shorter)."""
+  words = re.findall(r"\w+", text.lower())
+  grams = {" ".join(words[i:i + shingle]) for i in range(max(1, len(words) - shingle + 1))}
+  m = MinHash(num_perm=num_perm)
+  for g in sorted(grams):
+    m.update(g.encode("utf-8"))
+  return m
+
+
+@dataclasses.dataclass
+class AddReport:
+  added: int
+  dropped: list[tuple[str, str, str | None]]  # (task_id, reason, similar_to)
+
+
+class TaskPool:
+  """Append-only task pool backed by a JSON-lines file (reloaded on construction, so runs can resume)."""
+
+  def __init__(self, path: str | os.PathLike, threshold: float = 0.8, num_perm: int = 128):
+    self.path = os.fspath(path)
+    self.threshold = threshold
+    self.num_perm = num_perm
+    self._tasks: list[Task] = []
+    self._exact: dict[str, str] = {}  # normalized text -> task id
+    self._hashes: dict[str, MinHash] = {}
+    self._lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
+    for task in self._load():
+      self._index(task)
+
+  def _load(self) -> list[Task]:
+    if not os.path.exists(self.path):
+      return []
+    with open(self.path, "rb") as f:
+      data = f.read()
+    good_end = data.rfind(b"\n") + 1
+    if good_end < len(data):
+      log.warning("task pool %s: skipping torn last line (%d bytes)", self.path, len(data) - good_end)
+      with open(self.path, "r+b") as f:
+        f.truncate(good_end)
+        os.fsync(f.fileno())
+    tasks = []
+    for i, line in enumerate(data[:good_end].decode("utf-8").splitlines()):
+      if line.strip():
+        try:
+          tasks.append(Task.from_json(line))
+        except (ValueError, TypeError) as e:
+          raise ValueError(f"task pool {self.path}: corrupt line {i + 1}: {e}") from e
+    return tasks
+
+  def _index(self, task: Task) -> None:
+    self._tasks.append(task)
+    self._exact[task_text(task)] = task.task_id
+    m = minhash(task_text(task), self.num_perm)
+    self._hashes[task.task_id] = m
+    self._lsh.insert(f"pool:{task.task_id}", m)
+
+  def _append(self, task: Task) -> None:
+    with open(self.path, "a", encoding="utf-8") as f:
+      f.write(task.to_json() + "\n")
+      f.flush()
+      os.fsync(f.fileno())
+
+  def _near(self, m: MinHash, lsh: MinHashLSH, hashes: dict[str, MinHash]) -> str | None:
+    """The most similar indexed key with estimated Jaccard >= threshold, or None."""
+    best, best_sim = None, -1.0
+    for key in sorted(lsh.query(m)):
+      sim = m.jaccard(hashes[key])
+      if sim >= self.threshold and sim > best_sim:
+        best, best_sim = key, sim
+    return best
+
+  def add(self, tasks: Iterable[Task], *, eval_tasks: Iterable[Task] = ()) -> AddReport:
+    """Appends the tasks that are not duplicates of an evaluation task or of the pool (incl. this batch).
+
+    Returns:
+      AddReport with the number added and (task_id, reason, similar_to) per dropped task; reasons are
+      "duplicate_id", "exact_eval", "near_eval", "exact_pool", "near_pool".
+    """
+    eval_list = list(eval_tasks)
+    eval_exact = {task_text(t): t.task_id for t in eval_list}
+    eval_hashes = {f"eval:{t.task_id}": minhash(task_text(t), self.num_perm) for t in eval_list}
+    eval_lsh = MinHashLSH(threshold=self.threshold, num_perm=self.num_perm)
+    for key, m in eval_hashes.items():
+      eval_lsh.insert(key, m)
+    pool_hashes = {f"pool:{k}": m for k, m in self._hashes.items()}
+    added, dropped = 0, []
+    for task in tasks:
+      text, m = task_text(task), minhash(task_text(task), self.num_perm)
+      if f"pool:{task.task_id}" in pool_hashes:
+        drop = ("duplicate_id", task.task_id)
+      elif text in eval_exact:
+        drop = ("exact_eval", eval_exact[text])
+      elif (near := self._near(m, eval_lsh, eval_hashes)) is not None:
+        drop = ("near_eval", near.split(":", 1)[1])
+      elif text in self._exact:
+        drop = ("exact_pool", self._exact[text])
+      elif (near := self._near(m, self._lsh, pool_hashes)) is not None:
+        drop = ("near_pool", near.split(":", 1)[1])
+      else:
+        self._append(task)
+        self._index(task)
+        pool_hashes[f"pool:{task.task_id}"] = m
+        added += 1
+        continue
+      log.info("task pool: dropped %s (%s, similar to %s)", task.task_id, *drop)
+      dropped.append((task.task_id, drop[0], drop[1]))
+    return AddReport(added=added, dropped=dropped)
+
+  @property
+  def tasks(self) -> list[Task]:
+    return list(self._tasks)
+
+  def __len__(self) -> int:
+    return len(self._tasks)
+
+  def sample(self, n: int, rng: np.random.Generator, synth_fraction: float | None = None) -> list[Task]:
+    """n tasks: uniform over the pool, or with `synth_fraction` of them from synthesized tasks.
+
+    Draws without replacement within each group when it is large enough, else with replacement. When one
+    group is empty the other fills all n. Raises ValueError on an empty pool.
+    """
+    if not self._tasks:
+      raise ValueError("cannot sample from an empty task pool")
+    if synth_fraction is None:
+      return _draw(self._tasks, n, rng)
+    synth = [t for t in self._tasks if t.source in SYNTH_SOURCES]
+    base = [t for t in self._tasks if t.source not in SYNTH_SOURCES]
+    n_synth = int(round(n * synth_fraction)) if synth and base else (n if synth else 0)
+    return _draw(synth, n_synth, rng) + _draw(base, n - n_synth, rng)
+
+
+def _draw(tasks: list[Task], n: int, rng: np.random.Generator) -> list[Task]:
+  if n <= 0:
+    return []
+  idx = rng.choice(len(tasks), size=n, replace=n > len(tasks))
+  return [tasks[int(i)] for i in idx]

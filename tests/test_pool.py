@@ -1,0 +1,82 @@
+"""TaskPool: durable append/reload, torn lines, leak and duplicate filtering, sampling mix."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from coevolve_jax.feedback.pool import TaskPool
+from envs.base import Task
+from envs.bfcl import load_bfcl_tasks
+
+
+@pytest.fixture(scope="module")
+def eval_tasks():
+  return load_bfcl_tasks("multi_turn_base")[:20]
+
+
+def _task(i, source="explore", text=None):
+  words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet"]
+  text = text or " ".join(f"{words[(i * 7 + k) % 10]}{i}_{k}" for k in range(40))
+  return Task(task_id=f"{source}-{i}", env="bfcl", turns=[text], ground_truth=[[f"touch(file_name='f{i}.txt')"]],
+              initial_config={"GorillaFileSystem": {}}, involved_classes=["GorillaFileSystem"], source=source,
+              provenance={"signal": "rare", "round": 1})
+
+
+def test_append_reload_round_trip(tmp_path):
+  path = tmp_path / "pool.jsonl"
+  pool = TaskPool(path)
+  assert pool.add([_task(i) for i in range(5)]).added == 5
+  again = TaskPool(path)
+  assert len(again) == 5 and again.tasks == pool.tasks
+  assert again.tasks[0].provenance == {"signal": "rare", "round": 1}
+
+
+def test_torn_last_line_skipped(tmp_path, caplog):
+  path = tmp_path / "pool.jsonl"
+  TaskPool(path).add([_task(0), _task(1)])
+  with open(path, "a") as f:
+    f.write(_task(2).to_json()[:40])
+  pool = TaskPool(path)
+  assert len(pool) == 2 and "torn" in caplog.text
+  pool.add([_task(3)])
+  assert [t.task_id for t in TaskPool(path).tasks] == ["explore-0", "explore-1", "explore-3"]
+
+
+def test_eval_duplicates_dropped(tmp_path, eval_tasks, caplog):
+  caplog.set_level("INFO")
+  pool = TaskPool(tmp_path / "pool.jsonl", threshold=0.8)
+  exact = dataclasses.replace(eval_tasks[3], task_id="copy", source="synth")
+  near_turns = list(eval_tasks[5].turns)
+  near_turns[0] = near_turns[0] + " Please."
+  near = dataclasses.replace(eval_tasks[5], task_id="near", turns=near_turns, source="synth")
+  report = pool.add([exact, near, _task(1)], eval_tasks=eval_tasks)
+  assert report.added == 1
+  assert ("copy", "exact_eval", eval_tasks[3].task_id) in report.dropped
+  assert ("near", "near_eval", eval_tasks[5].task_id) in report.dropped
+  assert "dropped copy" in caplog.text and "dropped near" in caplog.text
+
+
+def test_pool_duplicates_dropped(tmp_path):
+  pool = TaskPool(tmp_path / "pool.jsonl")
+  pool.add([_task(1)])
+  same_text = dataclasses.replace(_task(1), task_id="other")
+  report = pool.add([_task(1), same_text, _task(2), dataclasses.replace(_task(2), task_id="x2")])
+  assert report.added == 1
+  assert [d[1] for d in report.dropped] == ["duplicate_id", "exact_pool", "exact_pool"]
+  words = _task(4).turns[0].split()
+  near = dataclasses.replace(_task(4), task_id="near4", turns=[" ".join(words + ["extra"])])
+  report = TaskPool(tmp_path / "pool.jsonl").add([_task(4), near])
+  assert report.added == 1 and report.dropped == [("near4", "near_pool", "explore-4")]
+
+
+def test_sampling_mix(tmp_path):
+  pool = TaskPool(tmp_path / "pool.jsonl")
+  pool.add([_task(i) for i in range(10)] + [_task(i, "synth") for i in range(10, 14)])
+  rng = np.random.default_rng(0)
+  batch = pool.sample(8, rng, synth_fraction=0.25)
+  assert len(batch) == 8 and sum(t.source == "synth" for t in batch) == 2
+  assert sum(t.source == "synth" for t in pool.sample(10, rng, synth_fraction=1.0)) == 10
+  assert len(pool.sample(30, rng)) == 30
+  with pytest.raises(ValueError):
+    TaskPool(tmp_path / "empty.jsonl").sample(1, rng)

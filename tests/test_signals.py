@@ -1,0 +1,212 @@
+"""Tests for coevolve_jax.feedback.signals on hand-built histories."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from coevolve_jax.feedback.signals import (BOUNDARY, FORGETTING, RARE, RolloutRecord, Signal,
+                                           SignalTracker)
+
+
+def rec(task, score, idx, tools=("a",), group=None):
+  return RolloutRecord(task_id=task, group_id=group if group is not None else task, score=score,
+                       tool_names=list(tools), trajectory_index=idx)
+
+
+def kinds(signals, kind):
+  return sorted(s.trajectory_index for s in signals if s.kind == kind)
+
+
+# ------------------------------------------------------------------ forgetting
+
+def test_first_visit_never_forgets():
+  tr = SignalTracker(rare_min_total=10**9)
+  sig = tr.update([rec("t", 0.0, 0), rec("t", 0.0, 1)])
+  assert kinds(sig, FORGETTING) == []
+  assert list(tr.history["t"]) == [0.0]
+
+
+def test_forgetting_after_success():
+  tr = SignalTracker(rare_min_total=10**9)
+  tr.update([rec("t", 1.0, 0), rec("t", 1.0, 1)])          # visit mean 1.0
+  sig = tr.update([rec("t", 0.0, 0), rec("t", 1.0, 1), rec("u", 0.0, 2)])
+  assert kinds(sig, FORGETTING) == [0]                    # only the failed rollout of t
+  assert [s for s in sig if s.kind == FORGETTING] == [Signal(FORGETTING, "t", 0)]
+
+
+def test_forgetting_edges_exactly_half():
+  tr = SignalTracker(rare_min_total=10**9)
+  tr.update([rec("t", 0.5, 0)])                            # 0.5 counts as "was solved" (>= 0.5)
+  assert kinds(tr.update([rec("t", 0.49, 0)]), FORGETTING) == [0]
+  tr = SignalTracker(rare_min_total=10**9)
+  tr.update([rec("t", 1.0, 0)])
+  assert kinds(tr.update([rec("t", 0.5, 0)]), FORGETTING) == []  # 0.5 now is not < 0.5
+  tr = SignalTracker(rare_min_total=10**9)
+  tr.update([rec("t", 0.49, 0)])
+  assert kinds(tr.update([rec("t", 0.0, 0)]), FORGETTING) == []  # earlier 0.49 is not >= 0.5
+
+
+def test_forgetting_uses_group_mean_as_visit_score():
+  tr = SignalTracker(rare_min_total=10**9)
+  tr.update([rec("t", 1.0, 0), rec("t", 0.0, 1), rec("t", 0.0, 2)])  # mean 1/3 < 0.5
+  assert kinds(tr.update([rec("t", 0.0, 0)]), FORGETTING) == []
+  tr.update([rec("t", 1.0, 0), rec("t", 0.0, 1)])                   # mean 0.5 >= 0.5
+  assert kinds(tr.update([rec("t", 0.0, 7)]), FORGETTING) == [7]
+
+
+def test_current_step_does_not_count_as_earlier():
+  tr = SignalTracker(rare_min_total=10**9)
+  # Success and failure at the same (first) visit: no forgetting, only boundary.
+  sig = tr.update([rec("t", 1.0, 0), rec("t", 0.0, 1)])
+  assert kinds(sig, FORGETTING) == [] and kinds(sig, BOUNDARY) == [0, 1]
+
+
+def test_forgetting_window_expires():
+  tr = SignalTracker(window=2, rare_min_total=10**9)
+  tr.update([rec("t", 1.0, 0)])
+  tr.update([rec("t", 0.0, 0)])   # fires; history [1.0, 0.0]
+  sig = tr.update([rec("t", 0.0, 0)])   # history [1.0, 0.0] still has 1.0 -> fires
+  assert kinds(sig, FORGETTING) == [0]
+  # history now [0.0, 0.0]: the success fell out of the window.
+  assert kinds(tr.update([rec("t", 0.0, 0)]), FORGETTING) == []
+
+
+# ------------------------------------------------------------------ boundary
+
+def test_boundary_mixed_group_marks_all():
+  tr = SignalTracker(rare_min_total=10**9)
+  sig = tr.update([rec("t", 1.0, 0), rec("t", 0.0, 1), rec("t", 0.0, 2), rec("u", 1.0, 3)])
+  assert kinds(sig, BOUNDARY) == [0, 1, 2]
+  assert all(s.task_id == "t" for s in sig if s.kind == BOUNDARY)
+
+
+@pytest.mark.parametrize("scores", [[1.0, 1.0, 1.0], [0.0, 0.0], [0.5, 0.5], [0.5, 1.0],
+                                    [0.5, 0.0], [0.7]])
+def test_boundary_no_fire(scores):
+  tr = SignalTracker(rare_min_total=10**9)
+  sig = tr.update([rec("t", s, i) for i, s in enumerate(scores)])
+  assert kinds(sig, BOUNDARY) == []
+
+
+def test_boundary_strict_half_with_both_sides():
+  tr = SignalTracker(rare_min_total=10**9)
+  sig = tr.update([rec("t", 0.5, 0), rec("t", 0.51, 1), rec("t", 0.49, 2)])
+  assert kinds(sig, BOUNDARY) == [0, 1, 2]
+
+
+def test_boundary_groups_by_task_across_group_ids():
+  tr = SignalTracker(rare_min_total=10**9)
+  sig = tr.update([rec("t", 1.0, 0, group="g1"), rec("t", 0.0, 1, group="g2")])
+  assert kinds(sig, BOUNDARY) == [0, 1]
+
+
+# ------------------------------------------------------------------ rare
+
+def test_rare_needs_min_total():
+  tr = SignalTracker(rare_min_total=50, rare_theta_percent=5.0)
+  recs = [rec("t", 1.0, i, tools=("common",)) for i in range(48)] + [rec("t", 1.0, 48, ("odd",))]
+  assert kinds(tr.update(recs), RARE) == []                    # N = 49 < 50
+  assert tr.total == 49
+  sig = tr.update([rec("t", 1.0, 0, ("common",))])             # N = 50 now; odd has 1/50 = 2%
+  assert kinds(sig, RARE) == []                                # this step's trajectory is common
+  sig = tr.update([rec("t", 1.0, 5, ("odd",)), rec("t", 1.0, 6, ("common",))])
+  assert kinds(sig, RARE) == [5]                               # odd: 2/52 < 5%
+
+
+def test_rare_counts_current_step_first():
+  tr = SignalTracker(rare_min_total=10, rare_theta_percent=5.0)
+  recs = [rec("t", 0.0, i, ("x", "y")) for i in range(19)] + [rec("t", 0.0, 19, ("y", "x"))]
+  sig = tr.update(recs)  # N = 20 including this step; ("y","x") 1/20 = 5%: not < 5%
+  assert kinds(sig, RARE) == []
+  sig = tr.update([rec("t", 0.0, 0, ("z",))])  # N = 21; z: 1/21 < 5%; (y,x) 1/21 too, but absent
+  assert kinds(sig, RARE) == [0]
+
+
+def test_rare_tool_sequence_is_ordered_and_includes_empty():
+  tr = SignalTracker(rare_min_total=0, rare_theta_percent=30.0)
+  sig = tr.update([rec("t", 0.0, 0, ("a", "b")), rec("t", 0.0, 1, ("a", "b")),
+                   rec("t", 0.0, 2, ("a", "b")), rec("t", 0.0, 3, ("b", "a")),
+                   rec("t", 0.0, 4, ())])
+  assert kinds(sig, RARE) == [3, 4]  # 1/5 = 20% < 30%; ("a","b") is 60%
+
+
+def test_rare_ngram_patterns():
+  tr = SignalTracker(rare_min_total=0, rare_theta_percent=20.0, pattern="ngram:2")
+  assert tr.patterns(["a", "b", "a", "b"]) == ['["a", "b"]', '["b", "a"]']  # distinct
+  assert tr.patterns(["a"]) == ['["a"]']
+  assert tr.patterns([]) == ["[]"]
+  recs = [rec("t", 0.0, i, ("ls", "cd", "ls")) for i in range(4)]
+  recs.append(rec("t", 0.0, 4, ("ls", "cd", "rm")))
+  sig = tr.update(recs)
+  # counts: (ls,cd) 5, (cd,ls) 4, (cd,rm) 1; N = 10; (cd,rm) 10% < 20%.
+  assert tr.total == 10
+  assert kinds(sig, RARE) == [4]
+  assert tr.share('["cd", "rm"]') == pytest.approx(0.1)
+
+
+def test_rare_theta_zero_never_fires():
+  tr = SignalTracker(rare_min_total=0, rare_theta_percent=0.0)
+  sig = tr.update([rec("t", 0.0, 0, ("a",))] + [rec("t", 0.0, i, ("b",)) for i in range(1, 50)])
+  assert kinds(sig, RARE) == []
+
+
+# ------------------------------------------------------------------ bookkeeping
+
+def test_all_three_kinds_and_counts():
+  tr = SignalTracker(rare_min_total=0, rare_theta_percent=40.0)
+  tr.update([rec("t", 1.0, 0, ("a",)), rec("t", 1.0, 1, ("a",)), rec("t", 1.0, 2, ("a",))])
+  sig = tr.update([rec("t", 0.0, 0, ("z",)), rec("t", 1.0, 1, ("a",))])
+  assert Signal(FORGETTING, "t", 0) in sig
+  assert Signal(BOUNDARY, "t", 0) in sig and Signal(BOUNDARY, "t", 1) in sig
+  assert Signal(RARE, "t", 0) in sig  # z: 1/5 = 20% < 40%
+  assert [s.kind for s in sig] == [FORGETTING, BOUNDARY, BOUNDARY, RARE]
+  assert tr.counts == {FORGETTING: 1, BOUNDARY: 2, RARE: 1}
+  assert tr.steps == 2
+
+
+def test_invalid_inputs_leave_state_unchanged():
+  tr = SignalTracker()
+  before = json.dumps(tr.state_dict())
+  for bad in ([rec("t", 1.5, 0)], [rec("t", float("nan"), 0)], [rec("t", 1.0, 0), rec("u", 0, 0)]):
+    with pytest.raises(ValueError):
+      tr.update(bad)
+    assert json.dumps(tr.state_dict()) == before
+  for kwargs in ({"window": 0}, {"pattern": "ngram:0"}, {"pattern": "bag"},
+                 {"rare_theta_percent": -1}):
+    with pytest.raises(ValueError):
+      SignalTracker(**kwargs)
+
+
+def test_empty_step():
+  tr = SignalTracker()
+  assert tr.update([]) == []
+  assert tr.steps == 1
+
+
+def test_state_dict_roundtrip_through_json():
+  tr = SignalTracker(window=3, rare_min_total=0, rare_theta_percent=30.0, pattern="ngram:2")
+  tr.update([rec("t", 1.0, 0, ("a", "b", "c")), rec("u", 0.0, 1, ("a", "b"))])
+  tr.update([rec("t", 0.0, 0, ("a", "b")), rec("u", 1.0, 1, ("c", "d"))])
+  state = json.loads(json.dumps(tr.state_dict()))
+  tr2 = SignalTracker(window=3, rare_min_total=0, rare_theta_percent=30.0, pattern="ngram:2")
+  tr2.load_state_dict(state)
+  assert tr2.state_dict() == tr.state_dict()
+  step = [rec("t", 0.0, 0, ("x", "y")), rec("u", 0.0, 1, ("a", "b")), rec("u", 1.0, 2, ("c", "d"))]
+  assert tr2.update(step) == tr.update(step)
+  assert tr2.state_dict() == tr.state_dict()
+  with pytest.raises(ValueError):
+    SignalTracker(pattern="tool_sequence").load_state_dict(state)
+  with pytest.raises(ValueError):
+    SignalTracker(pattern="ngram:2").load_state_dict({**state, "version": 99})
+
+
+def test_load_state_trims_to_smaller_window():
+  tr = SignalTracker(window=5, rare_min_total=10**9)
+  for s in (1.0, 0.0, 0.0, 0.0):
+    tr.update([rec("t", s, 0)])
+  small = SignalTracker(window=2, rare_min_total=10**9)
+  small.load_state_dict(tr.state_dict())
+  assert list(small.history["t"]) == [0.0, 0.0]
+  assert kinds(small.update([rec("t", 0.0, 0)]), FORGETTING) == []
