@@ -100,8 +100,9 @@ def token_logprobs(model: Qwen, tokens_nt: jax.Array, target_pos_np: jax.Array,
   return out.swapaxes(0, 1).reshape(n, p + pad)[:, :p]
 
 
-def make_optimizer(lr: float, weight_decay: float, grad_clip: float) -> optax.GradientTransformation:
-  """AdamW (constant lr) after global-norm gradient clipping (SPEC 1.1)."""
+def make_optimizer(lr: float | optax.Schedule, weight_decay: float,
+                   grad_clip: float) -> optax.GradientTransformation:
+  """AdamW after global-norm gradient clipping (SPEC 1.1: constant lr; a schedule is accepted)."""
   return optax.chain(optax.clip_by_global_norm(grad_clip),
                      optax.adamw(lr, weight_decay=weight_decay))
 
@@ -146,7 +147,7 @@ class PolicyTrainer:
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = self.tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    metrics.update(loss=loss, grad_norm=optax.global_norm(grads))
+    metrics.update(loss=loss, grad_norm=optax.tree.norm(grads))
     return params, opt_state, metrics
 
   def grpo_update(self, batch: Batch, old_logp: jax.Array,

@@ -77,7 +77,7 @@ def _explore_one(context: ExplorationContext, explorer: Explorer, rng: np.random
 def build_initial_tasks(env_tasks: list[Task], n: int, explorer: Explorer, rng: np.random.Generator, *,
                         min_calls: int = 3, max_calls: int = 8, max_turns: int = 2, rounds: int = 2,
                         steps_per_round: int = 10, max_attempts: int | None = None,
-                        max_classes: int | None = None,
+                        max_classes: int | None = None, only_classes: tuple[str, ...] = (),
                         counts: dict[str, int] | None = None) -> list[Task]:
   """D0: up to `n` validated tasks by unguided exploration over the entries' environment states.
 
@@ -86,6 +86,7 @@ def build_initial_tasks(env_tasks: list[Task], n: int, explorer: Explorer, rng: 
     n: tasks wanted. max_attempts: contexts tried at most (default 3 * n).
     max_classes: if set, each context explores at most this many of the entry's backend classes
       (chosen at random; the task then offers only those classes' tools, a shorter prompt).
+    only_classes: if set, explore only these backend classes (entries without any are skipped).
     counts: if given, filled with "attempted", "abstracted", "accepted", "rejected".
 
   Returns:
@@ -94,12 +95,14 @@ def build_initial_tasks(env_tasks: list[Task], n: int, explorer: Explorer, rng: 
   counts = counts if counts is not None else {}
   counts.update(attempted=0, abstracted=0, accepted=0, rejected=0)
   out: list[Task] = []
+  if only_classes:
+    env_tasks = [t for t in env_tasks if set(t.involved_classes) & set(only_classes)]
   order = rng.permutation(len(env_tasks))
   for attempt in range(max_attempts or 3 * n):
     if len(out) >= n or not len(env_tasks):
       break
     base = env_tasks[int(order[attempt % len(order)])]
-    classes = list(base.involved_classes)
+    classes = [c for c in base.involved_classes if not only_classes or c in only_classes]
     if max_classes and len(classes) > max_classes:
       classes = sorted(rng.choice(classes, size=max_classes, replace=False).tolist())
     config = {k: v for k, v in base.initial_config.items() if k in classes}

@@ -1,0 +1,53 @@
+"""Orbax checkpoints of the whole run: parameters, optimizer state, reference policy and metadata.
+
+Metadata (JSON) holds the step, host and device RNG states, signal histories, pending feedback
+events, counters and timings; the task pool lives in its own append-only file beside.
+Saving is asynchronous (training continues while it writes); orbax commits a step atomically, so a
+run killed mid-save resumes from the previous complete step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class RunCheckpointer:
+
+  ITEMS = ("params", "opt_state", "ref_params", "meta")
+
+  def __init__(self, directory: str, keep: int):
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                           enable_async_checkpointing=True)
+    self._mgr = ocp.CheckpointManager(directory, options=options, item_names=self.ITEMS)
+
+  def latest_step(self) -> int | None:
+    return self._mgr.latest_step()
+
+  def save(self, step: int, params, opt_state, ref_params, meta: dict[str, Any]) -> None:
+    args = ocp.args.Composite(
+        params=ocp.args.StandardSave(params),
+        opt_state=ocp.args.StandardSave(opt_state),
+        ref_params=ocp.args.StandardSave(ref_params),
+        meta=ocp.args.JsonSave(meta))
+    self._mgr.save(step, args=args, force=True)
+
+  def restore(self, step: int, params, opt_state, ref_params) -> tuple[Any, Any, Any, dict]:
+    """Restores onto the structure (and shardings) of the given example pytrees."""
+    abstract = lambda tree: jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)  # noqa: E731
+    out = self._mgr.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract(params)),
+        opt_state=ocp.args.StandardRestore(abstract(opt_state)),
+        ref_params=ocp.args.StandardRestore(abstract(ref_params)),
+        meta=ocp.args.JsonRestore()))
+    logging.info("restored checkpoint step %d", step)
+    return out.params, out.opt_state, out.ref_params, out.meta
+
+  def wait(self) -> None:
+    self._mgr.wait_until_finished()
+
+  def close(self) -> None:
+    self._mgr.close()

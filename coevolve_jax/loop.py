@@ -1,0 +1,333 @@
+"""The CoEvolve main loop (SPEC 1): GRPO steps on a growing task pool with feedback rounds.
+
+    D0 by unguided exploration -> warm-start -> eval -> for each step:
+      sample tasks -> G rollouts each -> rewards (official checker) -> advantages -> GRPO updates
+      -> signals; every F steps: feedback round (explore -> abstract -> validate -> pool)
+      -> checkpoint
+    -> eval -> summary.json
+
+Host-side work (environments, signals, synthesis, pool) is plain Python; the model, the engine and
+the policy update are jitted.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import tqdm
+from flax import nnx
+
+from coevolve_jax import grpo
+from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
+from coevolve_jax.checkpoint import RunCheckpointer
+from coevolve_jax.feedback import controller
+from coevolve_jax.feedback.explorer import ProgrammaticExplorer
+from coevolve_jax.feedback.pool import TaskPool
+from coevolve_jax.feedback.signals import RolloutRecord, SignalTracker
+from coevolve_jax.metrics import MetricsWriter, PhaseTimer
+from coevolve_jax.models import Qwen, QwenConfig
+from coevolve_jax.rollout.engine import Engine
+from coevolve_jax.rollout.sampling import SamplingParams
+from coevolve_jax.trainer import PolicyTrainer, make_batch, make_optimizer
+from coevolve_jax.trajectory import Trajectory
+from coevolve_jax.warmstart import demonstration, describe, sft_batches
+from envs import bfcl
+from envs.base import Task
+
+log = logging.getLogger(__name__)
+PHASES = ("explore", "warmstart", "rollout", "reward", "train", "feedback", "eval", "checkpoint")
+
+
+class CoEvolveRun:
+  """One training run in `workdir`; `fit()` starts it or resumes it from the last checkpoint."""
+
+  def __init__(self, cfg: ml_collections.ConfigDict, workdir: str):
+    self.cfg, self.workdir = cfg, os.path.abspath(workdir)
+    os.makedirs(self.workdir, exist_ok=True)
+    self.summary_path = os.path.join(self.workdir, "summary.json")
+
+  # ------------------------------------------------------------------ set-up
+
+  def _setup(self) -> None:
+    cfg = self.cfg
+    self.chat = QwenChat(enable_thinking=False)
+    tasks = bfcl.load_bfcl_tasks(cfg.data.category)
+    self.train_entries, self.eval_split = bfcl.split_tasks(tasks, cfg.data.eval_size, cfg.seed)
+    self.eval_tasks = self.eval_split[:cfg.eval.max_tasks]
+    self.pool = TaskPool(os.path.join(self.workdir, "pool.jsonl"),
+                         threshold=cfg.explore.near_dup_threshold)
+    self.explorer = ProgrammaticExplorer()
+    self.tracker = SignalTracker(cfg.signals.window, cfg.signals.rare_theta_percent,
+                                 cfg.signals.rare_min_total, cfg.signals.pattern)
+    dtype = jnp.dtype(cfg.model.dtype)
+    if cfg.model.checkpoint:
+      raise NotImplementedError("loading Hugging Face checkpoints into the run is not wired yet; "
+                                "leave model.checkpoint empty (random init + warm-start)")
+    model_cfg = QwenConfig.preset(cfg.model.preset)
+    model = Qwen(model_cfg, rngs=nnx.Rngs(cfg.seed), dtype=dtype)
+    self.gcfg = grpo.GRPOConfig(
+        clip_eps_low=cfg.train.clip_eps_low, clip_eps_high=cfg.train.clip_eps_high,
+        dual_clip_c=cfg.train.dual_clip_c, kl_beta=cfg.train.kl_beta,
+        kl_estimator=cfg.train.kl_estimator, loss_agg=cfg.train.loss_agg)
+    tx = make_optimizer(cfg.train.lr, cfg.train.weight_decay, cfg.train.grad_clip)
+    self.trainer = PolicyTrainer(model, tx, self.gcfg, cfg.rollout.temperature)
+    self.engine = Engine(model, cfg.rollout.num_slots, cfg.rollout.cache_len, dtype)
+    make_env = functools.partial(bfcl.make_env, max_obs_chars=cfg.data.max_obs_chars,
+                                 tool_style=cfg.data.tool_style,
+                                 max_steps_per_turn=cfg.rollout.max_steps_per_turn)
+    eval_env = functools.partial(make_env, max_steps_per_turn=cfg.eval.max_steps_per_turn)
+    self.make_env = make_env
+    self.runner = AgentRunner(self.engine, self.chat, make_env, EpisodeLimits(
+        cfg.rollout.max_new_tokens, cfg.rollout.max_model_steps))
+    self.eval_runner = AgentRunner(self.engine, self.chat, eval_env, EpisodeLimits(
+        cfg.eval.max_new_tokens, cfg.rollout.max_model_steps))
+    self.sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
+    self.ckpt = RunCheckpointer(os.path.join(self.workdir, "checkpoints"), cfg.checkpoint.keep)
+    self.metrics = MetricsWriter(self.workdir)
+
+  def _fresh_state(self) -> dict[str, Any]:
+    return {"step": 0, "np_rng": np.random.default_rng(self.cfg.seed).bit_generator.state,
+            "key": jax.random.key_data(jax.random.key(self.cfg.seed)).tolist(),
+            "signals": None, "events": [], "round": 0, "tasks_synthesized": 0,
+            "tasks_accepted": 0, "tasks_dropped": 0, "validation": [], "phase_s": {},
+            "wall_s": 0.0, "eval_before": None, "d0": {}}
+
+  # ------------------------------------------------------------------ run
+
+  def fit(self) -> dict[str, Any]:
+    """Runs (or resumes) the whole job and returns the summary written to summary.json."""
+    if os.path.exists(self.summary_path):
+      with open(self.summary_path, encoding="utf-8") as f:
+        summary = json.load(f)
+      if summary.get("complete") and summary.get("steps") == self.cfg.train.steps:
+        print(f"run in {self.workdir} is complete ({summary['steps']} steps); nothing to do")
+        return summary
+    start_time = time.perf_counter()
+    self._setup()
+    latest = self.ckpt.latest_step()
+    if latest is None:
+      self.state = self._fresh_state()
+      self.timer = PhaseTimer()
+      resumed_from = 0
+    else:
+      self._restore(latest)
+      resumed_from = latest
+      print(f"resuming from checkpoint step {latest}")
+    self.np_rng = np.random.default_rng()
+    self.np_rng.bit_generator.state = self.state["np_rng"]
+    self.key = jax.random.wrap_key_data(jnp.asarray(self.state["key"], jnp.uint32))
+    self.events = [controller.SignalEvent(Task.from_dict(e["task"]), e["signal"], e["calls"],
+                                          e["reward"]) for e in self.state["events"]]
+    if latest is None:
+      self._bootstrap()
+    steps = self.cfg.train.steps
+    with tqdm.tqdm(total=steps, initial=self.state["step"], desc="grpo", unit="step",
+                   dynamic_ncols=True) as bar:
+      while self.state["step"] < steps:
+        step = self.state["step"] + 1
+        info = self._train_step(step)
+        self.state["step"] = step
+        if self.cfg.feedback.enabled and step % self.cfg.feedback.every == 0:
+          info.update(self._feedback_round())
+        if step % self.cfg.checkpoint.every == 0 or step == steps:
+          self._save(step)
+        info.update(self.timer.pop_last())
+        self.metrics.write(step, info)
+        bar.set_postfix(reward=f"{info['reward/mean']:.2f}", pool=len(self.pool))
+        bar.update(1)
+    with self.timer("eval"):
+      eval_after = self.evaluate("after")
+    self.ckpt.wait()
+    summary = self._summary(eval_after, resumed_from, time.perf_counter() - start_time)
+    tmp = self.summary_path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(summary, f, indent=1, sort_keys=True)
+    os.replace(tmp, self.summary_path)
+    self.metrics.close()
+    self.ckpt.close()
+    return summary
+
+  def _bootstrap(self) -> None:
+    """Step 0: D0 by unguided exploration, supervised warm-start, eval before, checkpoint."""
+    cfg = self.cfg
+    rng = self.np_rng
+    with self.timer("explore"):
+      if not len(self.pool):
+        counts: dict[str, int] = {}
+        d0 = controller.build_initial_tasks(
+            self.train_entries, cfg.explore.initial_tasks, self.explorer, rng,
+            min_calls=cfg.explore.min_calls, max_calls=cfg.explore.max_calls,
+            max_turns=cfg.explore.turns_per_task, rounds=cfg.explore.rounds,
+            steps_per_round=cfg.explore.steps_per_round, counts=counts,
+            max_classes=cfg.explore.max_classes or None,
+            only_classes=tuple(cfg.explore.only_classes))
+        report = self.pool.add(d0, eval_tasks=self.eval_split)
+        self.state["d0"] = {**counts, "added": report.added, "dropped": len(report.dropped)}
+        print(f"D0: {self.state['d0']}")
+    with self.timer("warmstart"):
+      self._warmstart(rng)
+    self.trainer.freeze_reference()
+    with self.timer("eval"):
+      self.state["eval_before"] = self.evaluate("before")
+    print(f"eval before training: {self.state['eval_before']:.3f}")
+    self._save(0)
+
+  def _warmstart(self, rng: np.random.Generator) -> None:
+    cfg = self.cfg.warmstart
+    if cfg.steps <= 0:
+      return
+    demos = [demonstration(t, self.chat, self.make_env, bfcl.parse_call_string, f"demo{i}")
+             for i, t in enumerate(self.pool.tasks)]
+    print(f"warm-start on {describe(demos)}")
+    warmup = min(10, max(1, cfg.steps // 5))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
+                                                  cfg.lr * 0.05)
+    sft = PolicyTrainer(self.trainer.model(),
+                        make_optimizer(schedule, 0.0, self.cfg.train.grad_clip), self.gcfg, 1.0)
+    t_max = max(len(d.token_ids) for d in demos)  # one shape for every warm-start batch
+    p_max = max(d.num_generated for d in demos)
+    for i, batch in enumerate(tqdm.tqdm(sft_batches(demos, cfg.batch_size, rng, cfg.steps),
+                                        total=cfg.steps, desc="warm-start", dynamic_ncols=True)):
+      loss = sft.sft_update(make_batch(batch, min_len=t_max, min_targets=p_max))
+      if i % 10 == 0 or i == cfg.steps - 1:
+        self.metrics.write(0, {"warmstart/loss": loss, "warmstart/step": i})
+    self.trainer.params = sft.params
+    self.trainer.opt_state = self.trainer.tx.init(sft.params)
+
+  # ------------------------------------------------------------------ one GRPO step
+
+  def _rollout(self, jobs, sampling, runner) -> list[Trajectory]:
+    self.engine.load_params(self.trainer.model())
+    self.key, sub = jax.random.split(self.key)
+    before = dict(runner.timings)
+    with self.timer("rollout"):
+      trajs = runner.run(jobs, sampling, sub)
+    reward_s = runner.timings["reward"] - before.get("reward", 0.0)
+    self.timer.totals["rollout"] -= reward_s  # the checker's time is reported as "reward"
+    self.timer.last["rollout"] -= reward_s
+    self.timer.totals["reward"] += reward_s
+    self.timer.last["reward"] = self.timer.last.get("reward", 0.0) + reward_s
+    return trajs
+
+  def _train_step(self, step: int) -> dict[str, Any]:
+    cfg = self.cfg
+    tasks = self.pool.sample(cfg.rollout.tasks_per_step, self.np_rng,
+                             None if cfg.explore.synth_fraction < 0 else cfg.explore.synth_fraction)
+    jobs = [(t, g) for g, t in enumerate(tasks) for _ in range(cfg.rollout.group_size)]
+    trajs = self._rollout(jobs, self.sampling, self.runner)
+    rewards = np.array([t.reward for t in trajs], np.float32)
+    groups = np.array([t.group_id for t in trajs])
+    adv = grpo.compute_advantages(rewards, groups, self.gcfg.adv_eps, self.gcfg.scale_by_std)
+    with self.timer("train"):
+      metrics = self._update(trajs, adv)
+    records = [RolloutRecord(t.task_id, t.group_id, t.reward, t.tool_names, i)
+               for i, t in enumerate(trajs)]
+    for s in self.tracker.update(records):
+      tr = trajs[s.trajectory_index]
+      self.events.append(controller.SignalEvent(tasks[tr.group_id], s.kind, tr.calls, tr.reward))
+    finishes = [t.finish for t in trajs]
+    metrics.update({
+        "reward/mean": float(rewards.mean()), "reward/max": float(rewards.max()),
+        "rollout/tokens_generated": int(sum(t.num_generated for t in trajs)),
+        "rollout/parse_errors": int(sum(t.parse_errors for t in trajs)),
+        "rollout/finished_done": finishes.count("done"),
+        "rollout/mixed_groups": int(sum(len(set(rewards[groups == g])) > 1
+                                        for g in np.unique(groups))),
+        "pool/size": len(self.pool),
+        **{f"signals/{k}": v for k, v in self.tracker.counts.items()}})
+    return metrics
+
+  def _update(self, trajs: list[Trajectory], adv: np.ndarray) -> dict[str, float]:
+    """GRPO: old and reference log-probs, then one optimizer step per mini-batch (1 epoch)."""
+    batch = make_batch(trajs, adv)
+    rows = np.arange(len(trajs))
+    chunks = np.array_split(rows, max(1, self.cfg.train.mini_batches))
+    old = [self.trainer.logprobs(batch.rows(c)) for c in chunks]
+    ref = [self.trainer.logprobs(batch.rows(c), self.trainer.ref_params) for c in chunks]
+    out: dict[str, list[float]] = {}
+    for c, o, r in zip(chunks, old, ref):
+      for k, v in self.trainer.grpo_update(batch.rows(c), o, r).items():
+        out.setdefault(f"train/{k}", []).append(v)
+    sampler_gap = max(float(jnp.max(jnp.abs((o - jnp.asarray(batch.rows(c).sampler_logp))
+                                            * batch.rows(c).target_mask)))
+                      for c, o in zip(chunks, old))
+    return {**{k: float(np.mean(v)) for k, v in out.items()},
+            "train/sampler_logp_gap": sampler_gap}
+
+  # ------------------------------------------------------------------ feedback, eval, ckpt
+
+  def _feedback_round(self) -> dict[str, Any]:
+    cfg = self.cfg.explore
+    self.state["round"] += 1
+    with self.timer("feedback"):
+      report = controller.run_feedback_round(
+          self.events, self.pool, self.explorer, self.np_rng, self.state["round"],
+          self.eval_split, cfg.max_contexts_per_round, min_calls=cfg.min_calls,
+          max_calls=cfg.max_calls, max_turns=cfg.turns_per_task, rounds=cfg.rounds,
+          steps_per_round=cfg.steps_per_round)
+    self.events = []
+    self.state["tasks_synthesized"] += report.synthesized
+    self.state["tasks_accepted"] += report.accepted
+    self.state["tasks_dropped"] += len(report.dropped)
+    self.state["validation"].append(report.pass_rate)
+    with open(os.path.join(self.workdir, "feedback.jsonl"), "a", encoding="utf-8") as f:
+      f.write(json.dumps({"round": self.state["round"], "step": self.state["step"],
+                          "synthesized": report.synthesized, "accepted": report.accepted,
+                          "pass_rate": report.pass_rate, "per_signal": report.per_signal,
+                          "dropped": report.dropped, "rejected": report.rejected}) + "\n")
+    return {"feedback/synthesized": report.synthesized, "feedback/accepted": report.accepted,
+            "feedback/pass_rate": report.pass_rate, "feedback/dropped": len(report.dropped)}
+
+  def evaluate(self, tag: str) -> float:
+    """Greedy success rate on the held-out split; per-task results in eval_<tag>.jsonl."""
+    jobs = [(t, i) for i, t in enumerate(self.eval_tasks)]
+    trajs = self._rollout(jobs, SamplingParams(temperature=0.0), self.eval_runner)
+    with open(os.path.join(self.workdir, f"eval_{tag}.jsonl"), "w", encoding="utf-8") as f:
+      for t in trajs:
+        f.write(json.dumps({"task_id": t.task_id, "reward": t.reward, "finish": t.finish,
+                            "model_steps": t.model_steps, "parse_errors": t.parse_errors,
+                            "calls": t.calls}) + "\n")
+    return float(np.mean([t.reward for t in trajs])) if trajs else 0.0
+
+  def _save(self, step: int) -> None:
+    with self.timer("checkpoint"):
+      self.state.update(
+          step=step, signals=self.tracker.state_dict(), phase_s=dict(self.timer.totals),
+          events=[{"task": json.loads(e.task.to_json()), "signal": e.signal, "calls": e.calls,
+                   "reward": e.reward} for e in self.events],
+          np_rng=self.np_rng.bit_generator.state, key=jax.random.key_data(self.key).tolist())
+      self.ckpt.save(step, self.trainer.params, self.trainer.opt_state, self.trainer.ref_params,
+                     self.state)
+
+  def _restore(self, step: int) -> None:
+    self.trainer.freeze_reference()  # gives ref_params its structure
+    params, opt_state, ref, meta = self.ckpt.restore(
+        step, self.trainer.params, self.trainer.opt_state, self.trainer.ref_params)
+    self.trainer.params, self.trainer.opt_state, self.trainer.ref_params = params, opt_state, ref
+    self.state = meta
+    if meta.get("signals"):
+      self.tracker.load_state_dict(meta["signals"])
+    self.timer = PhaseTimer(meta.get("phase_s"))
+
+  def _summary(self, eval_after: float, resumed_from: int, wall_s: float) -> dict[str, Any]:
+    s = self.state
+    phase = {k: round(float(self.timer.totals.get(k, 0.0)), 2) for k in PHASES}
+    return {
+        "complete": True, "steps": s["step"], "resumed_from_step": resumed_from,
+        "eval_before": s["eval_before"], "eval_after": eval_after,
+        "eval_tasks": len(self.eval_tasks), "signals": dict(self.tracker.counts),
+        "tasks_synthesized": s["tasks_synthesized"], "tasks_accepted": s["tasks_accepted"],
+        "tasks_dropped_as_duplicates": s["tasks_dropped"], "d0": s["d0"],
+        "validation_pass_rate": s["validation"], "pool_size": len(self.pool),
+        "wall_s": round(wall_s, 1), "phase_s": phase,
+    }

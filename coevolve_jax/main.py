@@ -1,0 +1,47 @@
+"""Entry point: `python -m coevolve_jax.main --config=configs/bfcl.py:cpu --workdir=runs/bfcl-cpu`.
+
+Rerunning the same command resumes from the last checkpoint; after completion it reports that the
+run is complete and exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and summary.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv: list[str]) -> int:
+  del argv
+  logging.getLogger("absl").setLevel(logging.INFO)
+  cfg = _CONFIG.value
+  if cfg.env == "appworld":
+    from envs.appworld import AppWorldUnavailable, check_available  # noqa: PLC0415
+    try:
+      check_available(cfg)
+    except AppWorldUnavailable as e:
+      print(f"error: AppWorld is not available:\n{e}", file=sys.stderr)
+      return 2
+    print("error: the AppWorld training loop is not implemented yet (the BFCL loop is: "
+          "configs/bfcl.py).", file=sys.stderr)
+    return 2
+  from coevolve_jax.loop import CoEvolveRun  # noqa: PLC0415 (imports JAX; keep --help fast)
+  summary = CoEvolveRun(cfg, _WORKDIR.value).fit()
+  print(json.dumps(summary, indent=1, sort_keys=True))
+  return 0
+
+
+def run() -> None:
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run()
