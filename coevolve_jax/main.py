@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
     try:
       check_available(cfg)
     except AppWorldUnavailable as e:
-      print(f"error: AppWorld is not available:\n{e}", file=sys.stderr)
+      print(f"error: {e}", file=sys.stderr)
       return 2
     print("error: the AppWorld training loop is not implemented yet (the BFCL loop is: "
           "configs/bfcl.py).", file=sys.stderr)

@@ -1,0 +1,39 @@
+"""The entry point as a user runs it: `python -m coevolve_jax.main --config=... --workdir=...`."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_appworld_without_server_or_data_stops_at_once_with_setup_steps(tmp_path):
+  env = dict(os.environ, APPWORLD_SERVER_URLS=f"http://127.0.0.1:{_free_port()}",
+             APPWORLD_ROOT=str(tmp_path / "no-data"))
+  start = time.monotonic()
+  proc = subprocess.run(
+      [sys.executable, "-m", "coevolve_jax.main", "--config=configs/appworld.py",
+       f"--workdir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+      timeout=60)
+  assert proc.returncode == 2, proc.stderr
+  assert time.monotonic() - start < 20
+  for step in ("pip install appworld", "appworld install", "appworld download data",
+               "appworld serve environment"):
+    assert step in proc.stderr
+  assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_unknown_config_variant_is_a_clear_error(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "coevolve_jax.main", "--config=configs/bfcl.py:tpu-typo",
+       f"--workdir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+  assert proc.returncode != 0
+  assert "unknown variant 'tpu-typo'" in proc.stderr
