@@ -139,6 +139,7 @@ class CoEvolveRun:
         self.state["step"] = step
         if self.cfg.feedback.enabled and step % self.cfg.feedback.every == 0:
           info.update(self._feedback_round())
+        info["pool/size"] = len(self.pool)
         if step % self.cfg.checkpoint.every == 0 or step == steps:
           self._save(step)
         info.update(self.timer.pop_last())
@@ -243,7 +244,6 @@ class CoEvolveRun:
         "rollout/finished_done": finishes.count("done"),
         "rollout/mixed_groups": int(sum(len(set(rewards[groups == g])) > 1
                                         for g in np.unique(groups))),
-        "pool/size": len(self.pool),
         **{f"signals/{k}": v for k, v in self.tracker.counts.items()}})
     return metrics
 

@@ -7,10 +7,10 @@ run is complete and exits 0.
 from __future__ import annotations
 
 import json
-import logging
 import sys
 
 from absl import app, flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).",
@@ -21,7 +21,8 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv: list[str]) -> int:
   del argv
-  logging.getLogger("absl").setLevel(logging.INFO)
+  if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; -v 0 shows them
+    absl_logging.set_verbosity(absl_logging.WARNING)
   cfg = _CONFIG.value
   if cfg.env == "appworld":
     from envs.appworld import AppWorldUnavailable, check_available  # noqa: PLC0415
