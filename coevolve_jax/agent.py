@@ -77,7 +77,9 @@ class AgentRunner:
       ep.traj.finish, ep.traj.reward = how, reward
       ep.traj.info.update(info or {})
       if not ep.traj.calls:  # episodes cut short still report what they called, per user turn
-        ep.traj.calls = [[c for step in turn for c in step] for turn in getattr(ep.env, "calls", [])]
+        ep.traj.calls = [
+          [c for step in turn for c in step] for turn in getattr(ep.env, "calls", [])
+        ]
       ep.env.close()
       results[ep.index] = ep.traj
       active.pop(ep.slot, None)

@@ -13,7 +13,8 @@ from tensorboardX import SummaryWriter
 
 
 class MetricsWriter:
-  """Appends `{"step": s, **metrics}` to `<workdir>/metrics.jsonl` and writes TensorBoard scalars."""
+  """Appends `{"step": s, **metrics}` to `<workdir>/metrics.jsonl` and writes TensorBoard
+  scalars."""
 
   def __init__(self, workdir: str):
     os.makedirs(workdir, exist_ok=True)

@@ -168,6 +168,7 @@ class PolicyTrainer:
     return optax.apply_updates(params, updates), opt_state, loss
 
   def sft_update(self, batch: Batch) -> float:
-    """One supervised (cross-entropy on sampled-token positions) step with this trainer's optimizer."""
+    """One supervised (cross-entropy on sampled-token positions) step with this trainer's
+    optimizer."""
     self.params, self.opt_state, loss = self._sft_step(self.params, self.opt_state, batch.arrays())
     return float(loss)

@@ -1,4 +1,4 @@
-"""CoEvolve on BFCL v3/v4 multi-turn. Variants: `configs/bfcl.py` (full scale), `configs/bfcl.py:cpu`.
+"""CoEvolve on BFCL multi-turn. Variants: `configs/bfcl.py` (full scale), `configs/bfcl.py:cpu`.
 
 Every field is overridable from the command line, e.g. `--config.train.lr=1e-6`.
 """

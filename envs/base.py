@@ -66,7 +66,8 @@ class Task:
       environment's evaluator compares the final state and outputs against these.
     initial_config: the environment's initial state (BFCL: class name -> scenario dict).
     involved_classes: BFCL backend classes the task uses.
-    source: "bfcl" (benchmark data), "explore" (D0, unguided exploration) or "synth" (feedback round).
+    source: "bfcl" (benchmark data), "explore" (D0, unguided exploration) or "synth" (feedback
+      round).
     provenance: free-form: signal, round, explorer, parent task id, ...
   """
 
@@ -94,7 +95,8 @@ class Task:
 class Env(Protocol):
   """An episode of one task. Implementations must not share state between instances."""
 
-  tools: list[dict[str, Any]]  # tool schemas, Qwen/OpenAI style {"type": "function", "function": {...}}
+  # Tool schemas, Qwen/OpenAI style {"type": "function", "function": {...}}.
+  tools: list[dict[str, Any]]
   system_prompt: str | None
 
   def reset(self) -> StepResult: ...

@@ -1,8 +1,9 @@
 """BFCL multi-turn environment on the real (pure Python) backends shipped by bfcl-eval.
 
-One `BfclEnv` is one episode of one Task: user turns are presented in order; the agent's tool calls are
-validated and converted to call strings by us (`call_to_string`), executed on per-episode backend instances,
-and the episode is scored at the end by the official `multi_turn_checker` (reward 1.0 / 0.0).
+One `BfclEnv` is one episode of one Task: user turns are presented in order; the agent's tool calls
+are validated and converted to call strings by us (`call_to_string`), executed on per-episode
+backend instances, and the episode is scored at the end by the official `multi_turn_checker` (reward
+1.0 / 0.0).
 """
 
 from __future__ import annotations
@@ -12,16 +13,34 @@ from typing import Any
 
 from envs.base import Action, StepResult, Task
 from envs.bfcl_calls import ToolCallError, call_to_string, parse_call_string
-from envs.bfcl_data import (load_bfcl_tasks, schemas_by_name, split_tasks, tool_schemas, function_docs)
+from envs.bfcl_data import (
+  load_bfcl_tasks,
+  schemas_by_name,
+  split_tasks,
+  tool_schemas,
+  function_docs,
+)
 from envs.bfcl_exec import cached_keys, cleanup, execute_calls, new_model_name, score_calls
 
-__all__ = ["BfclEnv", "ToolCallError", "call_to_string", "load_bfcl_tasks", "make_env", "parse_call_string",
-           "score_calls", "split_tasks", "tool_schemas", "SYSTEM_PROMPT"]
+__all__ = [
+  "BfclEnv",
+  "ToolCallError",
+  "call_to_string",
+  "load_bfcl_tasks",
+  "make_env",
+  "parse_call_string",
+  "score_calls",
+  "split_tasks",
+  "tool_schemas",
+  "SYSTEM_PROMPT",
+]
 
 SYSTEM_PROMPT = (
-    "You are an assistant that completes the user's requests by calling the provided tools. Call tools as "
-    "needed, one or more per reply; you will see their results. When the current request is fully done (or "
-    "cannot be done with the tools), reply to the user in plain text without any tool call.")
+  "You are an assistant that completes the user's requests by calling the provided tools. "
+  "Call tools as needed, one or more per reply; you will see their results. "
+  "When the current request is fully done (or cannot be done with the tools), "
+  "reply to the user in plain text without any tool call."
+)
 # BFCL's prompt when miss_func adds the held-out functions (constants.default_prompts).
 ADDED_FUNCTIONS_PROMPT = "I have updated some more functions you can choose from. What about now?"
 DEFAULT_MAX_OBS_CHARS = 8000
@@ -45,8 +64,15 @@ class BfclEnv:
     calls: decoded call strings, [turn][step][call], as the official checker expects.
   """
 
-  def __init__(self, task: Task, episode_id: str, *, max_obs_chars: int = DEFAULT_MAX_OBS_CHARS,
-               tool_style: str = "full", max_steps_per_turn: int = MAX_STEPS_PER_TURN):
+  def __init__(
+    self,
+    task: Task,
+    episode_id: str,
+    *,
+    max_obs_chars: int = DEFAULT_MAX_OBS_CHARS,
+    tool_style: str = "full",
+    max_steps_per_turn: int = MAX_STEPS_PER_TURN,
+  ):
     if not task.turns or len(task.turns) != len(task.ground_truth):
       raise ValueError(f"task {task.task_id}: needs turns and one ground-truth list per turn")
     self.task = task
@@ -54,7 +80,9 @@ class BfclEnv:
     self.max_obs_chars = max_obs_chars
     self.max_steps_per_turn = max_steps_per_turn
     self.model_name = new_model_name("ep_" + re.sub(r"\W", "_", episode_id)[:40])
-    self.tools = tool_schemas(task.involved_classes, tool_style, task.provenance.get("excluded_function", ()))
+    self.tools = tool_schemas(
+      task.involved_classes, tool_style, task.provenance.get("excluded_function", ())
+    )
     self.system_prompt: str | None = SYSTEM_PROMPT
     self.calls: list[list[list[str]]] = []
     self._turn = -1
@@ -72,8 +100,9 @@ class BfclEnv:
   def reset(self) -> StepResult:
     """Starts (or restarts) the episode; returns the first user message."""
     cleanup(self.model_name)
-    self.tools = tool_schemas(self.task.involved_classes, self.tool_style,
-                              self.task.provenance.get("excluded_function", ()))
+    self.tools = tool_schemas(
+      self.task.involved_classes, self.tool_style, self.task.provenance.get("excluded_function", ())
+    )
     self.calls, self._turn, self._steps, self._done = [[]], 0, 0, False
     return StepResult(messages=[self._user_message(0)])
 
@@ -95,12 +124,17 @@ class BfclEnv:
     results = iter(execute_calls(valid, self.task, self.model_name)[0] if valid else [])
     if valid:
       self.calls[self._turn].append(valid)
-    return [self._tool_message(errors[i] if c is None else next(results)) for i, c in enumerate(built)]
+    return [
+      self._tool_message(errors[i] if c is None else next(results)) for i, c in enumerate(built)
+    ]
 
   def _finish(self, messages: list[dict[str, str]], forced: str | None = None) -> StepResult:
     self._done = True
     if forced:
-      info: dict[str, Any] = {"calls": self.calls, "checker": {"valid": False, "error_type": forced}}
+      info: dict[str, Any] = {
+        "calls": self.calls,
+        "checker": {"valid": False, "error_type": forced},
+      }
       reward = 0.0
     else:
       reward, info = score_calls(self.task, self.calls, self.model_name + "_score")
@@ -140,8 +174,20 @@ class BfclEnv:
     return cached_keys(self.model_name)
 
 
-def make_env(task: Task, episode_id: str, *, max_obs_chars: int = DEFAULT_MAX_OBS_CHARS,
-             tool_style: str = "full", max_steps_per_turn: int = MAX_STEPS_PER_TURN) -> BfclEnv:
-  """A fresh, isolated BfclEnv for one episode of `task` (call reset() first, close() at the end)."""
-  return BfclEnv(task, episode_id, max_obs_chars=max_obs_chars, tool_style=tool_style,
-                 max_steps_per_turn=max_steps_per_turn)
+def make_env(
+  task: Task,
+  episode_id: str,
+  *,
+  max_obs_chars: int = DEFAULT_MAX_OBS_CHARS,
+  tool_style: str = "full",
+  max_steps_per_turn: int = MAX_STEPS_PER_TURN,
+) -> BfclEnv:
+  """A fresh, isolated BfclEnv for one episode of `task` (call reset() first, close() at the
+  end)."""
+  return BfclEnv(
+    task,
+    episode_id,
+    max_obs_chars=max_obs_chars,
+    tool_style=tool_style,
+    max_steps_per_turn=max_steps_per_turn,
+  )

@@ -1,9 +1,9 @@
 """Safe conversion between ToolCall objects and the Python call strings BFCL executes.
 
-BFCL's `execute_multi_turn_func_call` runs call strings with bare `eval()`. We therefore never hand it model
-text: `call_to_string` builds the string ourselves from a validated ToolCall (declared tool, declared
-identifier argument names, JSON-literal values rendered with `repr`), then re-parses it with `ast` and checks
-it is a single call with literal arguments only.
+BFCL's `execute_multi_turn_func_call` runs call strings with bare `eval()`. We therefore never hand
+it model text: `call_to_string` builds the string ourselves from a validated ToolCall (declared
+tool, declared identifier argument names, JSON-literal values rendered with `repr`), then re-parses
+it with `ast` and checks it is a single call with literal arguments only.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ class ToolCallError(ValueError):
 
 
 def _check_literal(value: Any, path: str, depth: int = 0) -> None:
-  """Raises ToolCallError unless `value` is a JSON literal (recursively); `path` names it in errors."""
+  """Raises ToolCallError unless `value` is a JSON literal (recursively); `path` names it in
+  errors."""
   if depth > _MAX_DEPTH:
     raise ToolCallError(f"argument {path} nests deeper than {_MAX_DEPTH}")
   if value is None or isinstance(value, (bool, str, int)):
@@ -55,8 +56,9 @@ def _is_literal_node(node: ast.AST) -> bool:
   if isinstance(node, (ast.List, ast.Tuple)):
     return all(_is_literal_node(e) for e in node.elts)
   if isinstance(node, ast.Dict):
-    return all(k is not None and isinstance(k, ast.Constant) and isinstance(k.value, str)
-               for k in node.keys) and all(_is_literal_node(v) for v in node.values)
+    return all(
+      k is not None and isinstance(k, ast.Constant) and isinstance(k.value, str) for k in node.keys
+    ) and all(_is_literal_node(v) for v in node.values)
   return False
 
 
@@ -74,25 +76,28 @@ def _check_call_string(text: str, name: str) -> None:
 
 
 def call_to_string(call: ToolCall, schemas_by_name: dict[str, dict[str, Any]]) -> str:
-  """Builds the BFCL call string, e.g. "mv(source='a.txt', destination='temp')", from a validated call.
+  """Builds the BFCL call string, e.g. "mv(source='a.txt', destination='temp')", from a validated
+  call.
 
   Args:
     call: the parsed tool call.
-    schemas_by_name: tool name -> "function" dict ({"name", "description", "parameters"}) of the tools this
-      entry offers (see envs.bfcl_data.schemas_by_name).
+    schemas_by_name: tool name -> "function" dict ({"name", "description", "parameters"}) of the
+      tools this entry offers (see envs.bfcl_data.schemas_by_name).
 
   Returns:
     A string with one call and literal keyword arguments in the call's argument order.
 
   Raises:
-    ToolCallError: unknown tool, non-identifier or undeclared argument name, missing required argument,
-      a value that is not a (finite) JSON literal.
+    ToolCallError: unknown tool, non-identifier or undeclared argument name, missing required
+      argument, a value that is not a (finite) JSON literal.
   """
   name = call.name
   if not isinstance(name, str) or not name.isidentifier() or name not in schemas_by_name:
     raise ToolCallError(f"unknown tool {name!r}; available: {sorted(schemas_by_name)}")
   if not isinstance(call.arguments, dict):
-    raise ToolCallError(f"arguments of {name} must be an object, got {type(call.arguments).__name__}")
+    raise ToolCallError(
+      f"arguments of {name} must be an object, got {type(call.arguments).__name__}"
+    )
   params = schemas_by_name[name].get("parameters", {})
   declared = params.get("properties", {}) or {}
   parts = []
@@ -126,8 +131,8 @@ def _positional_names(name: str, involved_classes: tuple[str, ...]) -> tuple[str
 def parse_call_string(text: str, involved_classes: list[str]) -> ToolCall:
   """Parses a BFCL call string ("sort('a.txt')", "mv(source='a', destination='b')") into a ToolCall.
 
-  Only literal arguments are accepted (parsed with ast.literal_eval, never eval). Positional arguments are
-  named from the backend method's signature.
+  Only literal arguments are accepted (parsed with ast.literal_eval, never eval). Positional
+  arguments are named from the backend method's signature.
 
   Raises:
     ToolCallError: not a single plain call with literal arguments, or an unknown method.
@@ -139,7 +144,9 @@ def parse_call_string(text: str, involved_classes: list[str]) -> ToolCall:
   if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
     raise ToolCallError(f"not a plain call: {text!r}")
   nodes = list(call.args) + [kw.value for kw in call.keywords]
-  if any(kw.arg is None for kw in call.keywords) or any(isinstance(n, ast.Starred) for n in call.args):
+  if any(kw.arg is None for kw in call.keywords) or any(
+    isinstance(n, ast.Starred) for n in call.args
+  ):
     raise ToolCallError(f"star arguments are not allowed: {text!r}")
   if not all(_is_literal_node(n) for n in nodes):
     raise ToolCallError(f"non-literal argument in {text!r}")

@@ -1,7 +1,7 @@
 """BFCL multi-turn data: tasks from the data bfcl-eval ships, a held-out split, and tool schemas.
 
-bfcl-eval is imported lazily through `import_bfcl()`, which first points `BFCL_PROJECT_ROOT` at a scratch
-directory (otherwise importing it writes result/score folders into site-packages).
+bfcl-eval is imported lazily through `import_bfcl()`, which first points `BFCL_PROJECT_ROOT` at a
+scratch directory (otherwise importing it writes result/score folders into site-packages).
 """
 
 from __future__ import annotations
@@ -20,7 +20,11 @@ import numpy as np
 from envs.base import Task
 
 MULTI_TURN_CATEGORIES = (
-    "multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context")
+  "multi_turn_base",
+  "multi_turn_miss_func",
+  "multi_turn_miss_param",
+  "multi_turn_long_context",
+)
 _PREAMBLE_MARKER = "Tool description:"
 # BFCL parameter types -> JSON schema types.
 _TYPE_MAP = {"dict": "object", "float": "number", "tuple": "array", "any": "string"}
@@ -59,25 +63,39 @@ def load_bfcl_tasks(category: str = "multi_turn_base") -> list[Task]:
     category: one of MULTI_TURN_CATEGORIES.
 
   Returns:
-    One Task per entry, in file order. Extra fields (excluded_function, missed_function, path, category,
-    long_context) are kept in `provenance`.
+    One Task per entry, in file order. Extra fields (excluded_function, missed_function, path,
+    category, long_context) are kept in `provenance`.
 
   Raises:
     ValueError: an unknown or non-multi-turn category.
   """
   if category not in MULTI_TURN_CATEGORIES:
-    raise ValueError(f"unsupported BFCL category {category!r}; expected one of {MULTI_TURN_CATEGORIES}")
+    raise ValueError(
+      f"unsupported BFCL category {category!r}; expected one of {MULTI_TURN_CATEGORIES}"
+    )
   entries, truths = _load_raw(category)
   tasks = []
   for e in entries:
-    prov = {"category": category, "long_context": "long_context" in category,
-            "excluded_function": list(e.get("excluded_function", [])), "path": list(e.get("path", []))}
+    prov = {
+      "category": category,
+      "long_context": "long_context" in category,
+      "excluded_function": list(e.get("excluded_function", [])),
+      "path": list(e.get("path", [])),
+    }
     if "missed_function" in e:
       prov["missed_function"] = {k: [f["name"] for f in v] for k, v in e["missed_function"].items()}
-    tasks.append(Task(
-        task_id=e["id"], env="bfcl", turns=[_turn_text(t) for t in e["question"]],
-        ground_truth=copy.deepcopy(truths[e["id"]]), initial_config=copy.deepcopy(e["initial_config"]),
-        involved_classes=list(e["involved_classes"]), source="bfcl", provenance=prov))
+    tasks.append(
+      Task(
+        task_id=e["id"],
+        env="bfcl",
+        turns=[_turn_text(t) for t in e["question"]],
+        ground_truth=copy.deepcopy(truths[e["id"]]),
+        initial_config=copy.deepcopy(e["initial_config"]),
+        involved_classes=list(e["involved_classes"]),
+        source="bfcl",
+        provenance=prov,
+      )
+    )
   return tasks
 
 
@@ -131,7 +149,7 @@ def compact_description(description: str) -> str:
   text = description.split(_PREAMBLE_MARKER, 1)[-1].strip()
   for i, ch in enumerate(text):
     if ch in ".!?" and (i + 1 == len(text) or text[i + 1].isspace()):
-      return text[:i + 1]
+      return text[: i + 1]
   return text
 
 
@@ -143,12 +161,19 @@ def convert_doc(doc: dict[str, Any], style: str = "full") -> dict[str, Any]:
   desc = doc.get("description", "")
   params = _convert_schema(doc.get("parameters", {"type": "dict", "properties": {}}), full)
   params.setdefault("properties", {})
-  return {"type": "function", "function": {
-      "name": doc["name"], "description": desc if full else compact_description(desc), "parameters": params}}
+  return {
+    "type": "function",
+    "function": {
+      "name": doc["name"],
+      "description": desc if full else compact_description(desc),
+      "parameters": params,
+    },
+  }
 
 
-def tool_schemas(involved_classes: list[str], style: str = "full",
-                 excluded: list[str] | tuple[str, ...] = ()) -> list[dict[str, Any]]:
+def tool_schemas(
+  involved_classes: list[str], style: str = "full", excluded: list[str] | tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
   """The tools of the given BFCL classes in Qwen/OpenAI format, in doc-file order.
 
   Args:
@@ -161,10 +186,14 @@ def tool_schemas(involved_classes: list[str], style: str = "full",
     KeyError: an unknown class name. ValueError: an unknown style.
   """
   skip = set(excluded)
-  return [convert_doc(d, style) for c in involved_classes for d in _class_docs(c) if d["name"] not in skip]
+  return [
+    convert_doc(d, style) for c in involved_classes for d in _class_docs(c) if d["name"] not in skip
+  ]
 
 
-def function_docs(names: list[str], involved_classes: list[str], style: str = "full") -> list[dict[str, Any]]:
+def function_docs(
+  names: list[str], involved_classes: list[str], style: str = "full"
+) -> list[dict[str, Any]]:
   """Schemas of the named functions of the given classes (used for miss_func's late-added tools)."""
   wanted = set(names)
   return [s for s in tool_schemas(involved_classes, style) if s["function"]["name"] in wanted]

@@ -1,9 +1,10 @@
 """Execution of validated call strings on BFCL's real backends, cleanup, and the official checker.
 
 BFCL caches backend instances in the globals of `multi_turn_utils`, keyed by
-"{model_name}_{entry_id}_{class}_instance" (the checker adds "_eval" / "_ground_truth_eval" to the model
-name). Every episode therefore uses its own unique model name (`new_model_name`), and `cleanup(model_name)`
-deletes every global whose key starts with that name, so state never leaks between episodes.
+"{model_name}_{entry_id}_{class}_instance" (the checker adds "_eval" / "_ground_truth_eval" to the
+model name). Every episode therefore uses its own unique model name (`new_model_name`), and
+`cleanup(model_name)` deletes every global whose key starts with that name, so state never leaks
+between episodes.
 """
 
 from __future__ import annotations
@@ -36,11 +37,15 @@ def is_long_context(task: Task) -> bool:
   return bool(task.provenance.get("long_context")) or "long_context" in task.task_id
 
 
-def execute_calls(calls: list[str], task: Task, model_name: str) -> tuple[list[str], dict[str, Any]]:
-  """Executes trusted call strings (built by call_to_string) on the episode's cached backend instances.
+def execute_calls(
+  calls: list[str], task: Task, model_name: str
+) -> tuple[list[str], dict[str, Any]]:
+  """Executes trusted call strings (built by call_to_string) on the episode's cached backend
+  instances.
 
   Args:
-    calls: call strings; each must come from `call_to_string` or trusted ground truth, never model text.
+    calls: call strings; each must come from `call_to_string` or trusted ground truth, never model
+      text.
     task: supplies initial_config, involved_classes and the entry id.
     model_name: the episode's unique name (instances persist across calls until `cleanup`).
 
@@ -49,9 +54,13 @@ def execute_calls(calls: list[str], task: Task, model_name: str) -> tuple[list[s
   """
   utils = import_bfcl(_UTILS)
   return utils.execute_multi_turn_func_call(
-      func_call_list=list(calls), initial_config=task.initial_config,
-      involved_classes=list(task.involved_classes), model_name=model_name,
-      test_entry_id=task.task_id, long_context=is_long_context(task))
+    func_call_list=list(calls),
+    initial_config=task.initial_config,
+    involved_classes=list(task.involved_classes),
+    model_name=model_name,
+    test_entry_id=task.task_id,
+    long_context=is_long_context(task),
+  )
 
 
 def is_error_result(result: str) -> bool:
@@ -68,19 +77,25 @@ def is_error_result(result: str) -> bool:
 
 
 def instance_state(instances: dict[str, Any]) -> dict[str, dict[str, Any]]:
-  """Deep copy of the public attributes of each backend instance (what the official state check compares)."""
-  return {c: copy.deepcopy({k: v for k, v in vars(inst).items() if not k.startswith("_")})
-          for c, inst in instances.items()}
+  """Deep copy of the public attributes of each backend instance (what the official state check
+  compares)."""
+  return {
+    c: copy.deepcopy({k: v for k, v in vars(inst).items() if not k.startswith("_")})
+    for c, inst in instances.items()
+  }
 
 
 def cached_keys(model_name: str) -> list[str]:
   """Global instance names in BFCL's cache that belong to `model_name` (incl. checker variants)."""
   prefix = _sanitize(model_name) + "_"
-  return [k for k in list(vars(import_bfcl(_UTILS))) if k.startswith(prefix) and k.endswith("_instance")]
+  return [
+    k for k in list(vars(import_bfcl(_UTILS))) if k.startswith(prefix) and k.endswith("_instance")
+  ]
 
 
 def cleanup(model_name: str) -> int:
-  """Deletes every cached backend instance created under `model_name`; returns how many were deleted."""
+  """Deletes every cached backend instance created under `model_name`; returns how many were
+  deleted."""
   module_globals = vars(import_bfcl(_UTILS))
   with _CLEANUP_LOCK:
     keys = cached_keys(model_name)
@@ -91,40 +106,52 @@ def cleanup(model_name: str) -> int:
 
 def checker_entry(task: Task) -> dict[str, Any]:
   """The test entry dict the official multi_turn_checker expects."""
-  return {"id": task.task_id, "initial_config": task.initial_config,
-          "involved_classes": list(task.involved_classes)}
+  return {
+    "id": task.task_id,
+    "initial_config": task.initial_config,
+    "involved_classes": list(task.involved_classes),
+  }
 
 
-def score_calls(task: Task, calls_per_turn_per_step: list[list[list[str]]],
-                model_name: str | None = None) -> tuple[float, dict[str, Any]]:
+def score_calls(
+  task: Task, calls_per_turn_per_step: list[list[list[str]]], model_name: str | None = None
+) -> tuple[float, dict[str, Any]]:
   """Scores decoded calls with the official BFCL multi-turn checker; cleans up its cached instances.
 
   Args:
     task: the task (ground_truth per turn, initial_config, involved_classes).
-    calls_per_turn_per_step: [turn][step][call string]; every string must be trusted (call_to_string).
-      Steps without calls should be left out (the official runner drops them).
-    model_name: a unique name; a fresh one if None. Its "_eval"/"_ground_truth_eval" instances are deleted.
+    calls_per_turn_per_step: [turn][step][call string]; every string must be trusted
+      (call_to_string). Steps without calls should be left out (the official runner drops them).
+    model_name: a unique name; a fresh one if None. Its "_eval"/"_ground_truth_eval" instances are
+      deleted.
 
   Returns:
-    (1.0 if the checker says valid else 0.0, info with "checker" ({valid, error_type, error_message} of the
-    checker's result) and "calls").
+    (1.0 if the checker says valid else 0.0, info with "checker" ({valid, error_type, error_message}
+    of the checker's result) and "calls").
   """
   name = model_name or new_model_name("score")
   info: dict[str, Any] = {"calls": calls_per_turn_per_step}
   if len(calls_per_turn_per_step) != len(task.ground_truth):
-    info["checker"] = {"valid": False, "error_type": "multi_turn:force_terminated",
-                       "error_message": f"{len(calls_per_turn_per_step)} turns, expected {len(task.ground_truth)}"}
+    info["checker"] = {
+      "valid": False,
+      "error_type": "multi_turn:force_terminated",
+      "error_message": f"{len(calls_per_turn_per_step)} turns, expected {len(task.ground_truth)}",
+    }
     return 0.0, info
   checker = import_bfcl(_CHECKER)
   steps = [[step for step in turn if step] for turn in calls_per_turn_per_step]
   try:
-    result = checker.multi_turn_checker(steps, task.ground_truth, checker_entry(task),
-                                        task.task_id.rsplit("_", 1)[0], name)
+    result = checker.multi_turn_checker(
+      steps, task.ground_truth, checker_entry(task), task.task_id.rsplit("_", 1)[0], name
+    )
   except Exception as e:  # The checker asserts on mismatched instance sets; count as a failure.
     result = {"valid": False, "error_type": "checker_exception", "error_message": repr(e)}
   finally:
     cleanup(name)
   # Keep only JSON-friendly fields (details hold live backend objects).
-  info["checker"] = {k: str(v) if k == "error_message" else v for k, v in result.items()
-                     if k in ("valid", "error_type", "error_message")}
+  info["checker"] = {
+    k: str(v) if k == "error_message" else v
+    for k, v in result.items()
+    if k in ("valid", "error_type", "error_message")
+  }
   return (1.0 if result.get("valid") else 0.0), info

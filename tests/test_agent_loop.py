@@ -75,7 +75,9 @@ def test_ground_truth_replay_through_the_full_loop_scores_one(entries):
   engine = ScriptedEngine(scripts, num_slots=3)  # fewer slots than episodes: slots are reused
   runner = AgentRunner(engine, chat, _make_env, EpisodeLimits(max_new_tokens=4096,
                                                               max_model_steps=200))
-  trajs = runner.run([(t, i) for i, t in enumerate(entries)], SamplingParams(0.0), rng=jax.random.key(0))
+  trajs = runner.run(
+    [(t, i) for i, t in enumerate(entries)], SamplingParams(0.0), rng=jax.random.key(0)
+  )
   assert [t.task_id for t in trajs] == [t.task_id for t in entries]
   for task, traj in zip(entries, trajs):
     assert traj.finish == "done" and traj.reward == 1.0, (task.task_id, traj.info.get("checker"))

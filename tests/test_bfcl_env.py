@@ -5,8 +5,17 @@ import threading
 import pytest
 
 from envs.base import Action, ToolCall
-from envs.bfcl import (BfclEnv, ToolCallError, call_to_string, load_bfcl_tasks, make_env, parse_call_string,
-                       score_calls, split_tasks, tool_schemas)
+from envs.bfcl import (
+  BfclEnv,
+  ToolCallError,
+  call_to_string,
+  load_bfcl_tasks,
+  make_env,
+  parse_call_string,
+  score_calls,
+  split_tasks,
+  tool_schemas,
+)
 from envs.bfcl_data import schemas_by_name
 from envs.bfcl_exec import cached_keys, import_bfcl
 
@@ -41,7 +50,10 @@ def test_load_tasks(tasks):
   t = tasks[0]
   assert t.task_id == "multi_turn_base_0" and t.source == "bfcl"
   assert len(t.turns) == len(t.ground_truth) == 4 and "final_report.pdf" in t.turns[0]
-  assert t.initial_config["GorillaFileSystem"] and set(t.involved_classes) == {"TwitterAPI", "GorillaFileSystem"}
+  assert t.initial_config["GorillaFileSystem"] and set(t.involved_classes) == {
+    "TwitterAPI",
+    "GorillaFileSystem",
+  }
   for category in ("multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context"):
     assert len(load_bfcl_tasks(category)) == 200
   assert "missed_function" in load_bfcl_tasks("multi_turn_miss_func")[0].provenance
@@ -60,7 +72,9 @@ def test_ground_truth_replay_scores_one(tasks, index):
   env = make_env(tasks[index], f"gt{index}")
   result = _play(env, tasks[index].ground_truth)
   assert result.done and result.reward == 1.0, result.info["checker"]
-  assert result.info["per_turn_calls"] == [[c for c in turn] for turn in result.info["per_turn_calls"]]
+  assert result.info["per_turn_calls"] == [
+    [c for c in turn] for turn in result.info["per_turn_calls"]
+  ]
   assert len(result.info["calls"]) == len(tasks[index].ground_truth)
   env.close()
   assert not env.cached_instance_names()
@@ -140,32 +154,46 @@ def test_tool_schemas_format():
   assert all("description" not in p for p in c["parameters"]["properties"].values())
   math = {s["function"]["name"]: s["function"] for s in tool_schemas(["MathAPI"])}
   assert math["add"]["parameters"]["properties"]["a"]["type"] == "number"
-  assert "cp" not in {s["function"]["name"] for s in tool_schemas(["GorillaFileSystem"], excluded=["cp"])}
+  assert "cp" not in {
+    s["function"]["name"] for s in tool_schemas(["GorillaFileSystem"], excluded=["cp"])
+  }
 
 
 SCHEMAS = schemas_by_name(tool_schemas(["GorillaFileSystem", "MessageAPI", "TwitterAPI"]))
 
 
-@pytest.mark.parametrize("call", [
-    ToolCall("__import__('os')", {}), ToolCall("os.system", {}), ToolCall("ls()", {}),
-    ToolCall("eval", {"a": 1}), ToolCall("mv", {"source": "a"}),  # missing required
+@pytest.mark.parametrize(
+  "call",
+  [
+    ToolCall("__import__('os')", {}),
+    ToolCall("os.system", {}),
+    ToolCall("ls()", {}),
+    ToolCall("eval", {"a": 1}),
+    ToolCall("mv", {"source": "a"}),  # missing required
     ToolCall("mv", {"source": "a", "destination": "b", "force": True}),  # undeclared
-    ToolCall("ls", {"a)": True}), ToolCall("ls", {"__class__": True}),
-    ToolCall("cd", {"folder": float("nan")}), ToolCall("cd", {"folder": object()}),
-    ToolCall("cd", {"folder": ("a",)}), ToolCall("cd", {"folder": {1: "x"}}),
-])
+    ToolCall("ls", {"a)": True}),
+    ToolCall("ls", {"__class__": True}),
+    ToolCall("cd", {"folder": float("nan")}),
+    ToolCall("cd", {"folder": object()}),
+    ToolCall("cd", {"folder": ("a",)}),
+    ToolCall("cd", {"folder": {1: "x"}}),
+  ],
+)
 def test_call_to_string_rejects(call):
   with pytest.raises(ToolCallError):
     call_to_string(call, SCHEMAS)
 
 
 def test_call_to_string_accepts_literals():
-  assert call_to_string(ToolCall("mv", {"source": "a.txt", "destination": "temp"}), SCHEMAS) == \
-      "mv(source='a.txt', destination='temp')"
+  assert (
+    call_to_string(ToolCall("mv", {"source": "a.txt", "destination": "temp"}), SCHEMAS)
+    == "mv(source='a.txt', destination='temp')"
+  )
   text = call_to_string(ToolCall("cd", {"folder": "__import__('os').system('x')"}), SCHEMAS)
   assert text == "cd(folder=\"__import__('os').system('x')\")"
-  tweet = call_to_string(ToolCall("post_tweet", {"content": "hi", "tags": ["#a", "#b"],
-                                                 "mentions": []}), SCHEMAS)
+  tweet = call_to_string(
+    ToolCall("post_tweet", {"content": "hi", "tags": ["#a", "#b"], "mentions": []}), SCHEMAS
+  )
   assert tweet == "post_tweet(content='hi', tags=['#a', '#b'], mentions=[])"
   nested = {"k": [1, -2.5, None, True, {"x": "y"}]}
   assert call_to_string(ToolCall("cd", {"folder": nested}), SCHEMAS) == f"cd(folder={nested!r})"

@@ -36,8 +36,9 @@ def test_explorer_deterministic_for_seed(tasks):
 
 def test_explorer_calls_change_real_state(tasks):
   task = tasks[0]
-  triplets = ProgrammaticExplorer().explore(_context(task, rounds=1, steps_per_round=10),
-                                            np.random.default_rng(0))
+  triplets = ProgrammaticExplorer().explore(
+    _context(task, rounds=1, steps_per_round=10), np.random.default_rng(0)
+  )
   with Sandbox(task.initial_config, task.involved_classes) as box:
     before = box.full_state()
     for t in triplets:
@@ -49,8 +50,11 @@ def test_forgetting_replays_focus_first(tasks):
   task = tasks[0]
   ctx = _context(task, signal="forgetting", focus_calls=task.ground_truth[0], rounds=1)
   actions = [t.action for t in ProgrammaticExplorer().explore(ctx, np.random.default_rng(1))]
-  assert actions[:3] == ["cd(folder='document')", "mkdir(dir_name='temp')",
-                         "mv(source='final_report.pdf', destination='temp')"]
+  assert actions[:3] == [
+    "cd(folder='document')",
+    "mkdir(dir_name='temp')",
+    "mv(source='final_report.pdf', destination='temp')",
+  ]
 
 
 def test_abstraction_and_validation(tasks):
@@ -68,10 +72,13 @@ def test_abstraction_and_validation(tasks):
 def test_validation_rejects_corrupted_tasks(tasks):
   good = tasks[0]
   assert validate_task(good).accepted
-  failing = dataclasses.replace(good, ground_truth=[good.ground_truth[0] + ["cd(folder='no_such_dir')"]]
-                                + good.ground_truth[1:])
+  failing = dataclasses.replace(
+    good, ground_truth=[good.ground_truth[0] + ["cd(folder='no_such_dir')"]] + good.ground_truth[1:]
+  )
   assert not validate_task(failing).accepted
-  unsafe = dataclasses.replace(good, ground_truth=[["__import__('os').system('true')"]] + good.ground_truth[1:])
+  unsafe = dataclasses.replace(
+    good, ground_truth=[["__import__('os').system('true')"]] + good.ground_truth[1:]
+  )
   assert "unsafe" in validate_task(unsafe).reason
   short = dataclasses.replace(good, turns=["x"], ground_truth=[["ls()"]])
   assert not validate_task(short).accepted
@@ -80,16 +87,34 @@ def test_validation_rejects_corrupted_tasks(tasks):
 def test_controller_d0_and_round(tasks, tmp_path):
   train, held = split_tasks(tasks, 20, seed=0)
   counts = {}
-  d0 = build_initial_tasks(train, 3, ProgrammaticExplorer(), np.random.default_rng(0), counts=counts)
+  d0 = build_initial_tasks(
+    train, 3, ProgrammaticExplorer(), np.random.default_rng(0), counts=counts
+  )
   assert len(d0) == 3 and counts["accepted"] == 3 and all(t.source == "explore" for t in d0)
   pool = TaskPool(tmp_path / "pool.jsonl")
   assert pool.add(d0, eval_tasks=held).added == 3
-  events = [SignalEvent(d0[0], "forgetting", [[]], 0.0), SignalEvent(d0[1], "boundary", d0[1].ground_truth, 1.0),
-            SignalEvent(d0[2], "rare", d0[2].ground_truth, 1.0)]
-  report = run_feedback_round(events, pool, ProgrammaticExplorer(), np.random.default_rng(0), 1, held, 3,
-                              rounds=2, steps_per_round=8)
+  events = [
+    SignalEvent(d0[0], "forgetting", [[]], 0.0),
+    SignalEvent(d0[1], "boundary", d0[1].ground_truth, 1.0),
+    SignalEvent(d0[2], "rare", d0[2].ground_truth, 1.0),
+  ]
+  report = run_feedback_round(
+    events,
+    pool,
+    ProgrammaticExplorer(),
+    np.random.default_rng(0),
+    1,
+    held,
+    3,
+    rounds=2,
+    steps_per_round=8,
+  )
   assert report.synthesized == 3 and report.accepted + len(report.dropped) <= 3
   assert report.accepted >= 1 and len(pool) == 3 + report.accepted
   assert set(report.per_signal) == {"forgetting", "boundary", "rare"}
   synth = [t for t in pool.tasks if t.source == "synth"]
-  assert synth and synth[0].provenance["round"] == 1 and synth[0].provenance["signal"] in report.per_signal
+  assert (
+    synth
+    and synth[0].provenance["round"] == 1
+    and synth[0].provenance["signal"] in report.per_signal
+  )

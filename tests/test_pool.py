@@ -16,11 +16,29 @@ def eval_tasks():
 
 
 def _task(i, source="explore", text=None):
-  words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet"]
+  words = [
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+  ]
   text = text or " ".join(f"{words[(i * 7 + k) % 10]}{i}_{k}" for k in range(40))
-  return Task(task_id=f"{source}-{i}", env="bfcl", turns=[text], ground_truth=[[f"touch(file_name='f{i}.txt')"]],
-              initial_config={"GorillaFileSystem": {}}, involved_classes=["GorillaFileSystem"], source=source,
-              provenance={"signal": "rare", "round": 1})
+  return Task(
+    task_id=f"{source}-{i}",
+    env="bfcl",
+    turns=[text],
+    ground_truth=[[f"touch(file_name='f{i}.txt')"]],
+    initial_config={"GorillaFileSystem": {}},
+    involved_classes=["GorillaFileSystem"],
+    source=source,
+    provenance={"signal": "rare", "round": 1},
+  )
 
 
 def test_append_reload_round_trip(tmp_path):

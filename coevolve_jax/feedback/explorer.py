@@ -1,10 +1,10 @@
 """Stage 2 (SPEC 1.2): signal-guided re-exploration of the real environment.
 
-An Explorer acts in fresh backend instances for an ExplorationContext and returns (action, observation,
-run id) triplets. `ProgrammaticExplorer` needs no LLM: it samples valid calls from the tool schemas and
-values seen in the environment state. LLM explorers (Gemini via google-genai, a local model served by our
-engine) are not implemented yet; they should implement the same `Explorer` protocol and use the GUIDANCE
-texts below in their prompts.
+An Explorer acts in fresh backend instances for an ExplorationContext and returns (action,
+observation, run id) triplets. `ProgrammaticExplorer` needs no LLM: it samples valid calls from the
+tool schemas and values seen in the environment state. LLM explorers (Gemini via google-genai, a
+local model served by our engine) are not implemented yet; they should implement the same `Explorer`
+protocol and use the GUIDANCE texts below in their prompts.
 """
 
 from __future__ import annotations
@@ -21,22 +21,35 @@ from envs.bfcl_calls import ToolCallError, parse_call_string
 
 SIGNALS = (None, "forgetting", "boundary", "rare")
 GUIDANCE = {
-    "forgetting": ("The agent has forgotten an operation it used to perform correctly. Re-practise the "
-                   "forgotten operation exactly first, then variations of it, then connect it to related "
-                   "operations, going from simple to complex."),
-    "rare": ("The agent rarely uses this action pattern. Vary the rare scenario: try other parameter "
-             "combinations and edge cases of the rare calls."),
-    "boundary": ("The agent sometimes succeeds and sometimes fails here. Make small variations of the "
-                 "parameters and find out what distinguishes the successful from the failed attempts."),
-    None: "Explore the environment freely: try the available tools on the objects you discover.",
+  "forgetting": (
+    "The agent has forgotten an operation it used to perform correctly. Re-practise the "
+    "forgotten operation exactly first, then variations of it, then connect it to related "
+    "operations, going from simple to complex."
+  ),
+  "rare": (
+    "The agent rarely uses this action pattern. Vary the rare scenario: try other parameter "
+    "combinations and edge cases of the rare calls."
+  ),
+  "boundary": (
+    "The agent sometimes succeeds and sometimes fails here. Make small variations of the "
+    "parameters and find out what distinguishes the successful from the failed attempts."
+  ),
+  None: "Explore the environment freely: try the available tools on the objects you discover.",
 }
-SUMMARY_KEYS = ("summary", "failure_cause", "instability_pattern", "focus_pattern", "exploration_objectives",
-                "do_not_repeat")
+SUMMARY_KEYS = (
+  "summary",
+  "failure_cause",
+  "instability_pattern",
+  "focus_pattern",
+  "exploration_objectives",
+  "do_not_repeat",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Triplet:
-  """One successful exploration step: the call string, its (untruncated) result, and the run it belongs to."""
+  """One successful exploration step: the call string, its (untruncated) result, and the run it
+  belongs to."""
 
   action: str
   observation: str
@@ -81,9 +94,10 @@ class Explorer(Protocol):
 class ProgrammaticExplorer:
   """LLM-free explorer: samples schema-valid calls, keeps those that executed without error.
 
-  Behaviour per signal: forgetting replays the focus calls exactly, then varies them; boundary makes small
-  parameter variations of the focus calls; rare tries other parameter combinations of the rare calls;
-  None samples tools uniformly. A share `p_free` of later steps samples any tool in every mode.
+  Behaviour per signal: forgetting replays the focus calls exactly, then varies them; boundary makes
+  small parameter variations of the focus calls; rare tries other parameter combinations of the rare
+  calls; None samples tools uniformly. A share `p_free` of later steps samples any tool in every
+  mode.
   """
 
   name = "programmatic"
@@ -101,8 +115,15 @@ class ProgrammaticExplorer:
         continue
     return calls
 
-  def _propose(self, sandbox: Sandbox, context: ExplorationContext, focus: list[ToolCall], step: int,
-               values: ValuePool, rng: np.random.Generator) -> ToolCall:
+  def _propose(
+    self,
+    sandbox: Sandbox,
+    context: ExplorationContext,
+    focus: list[ToolCall],
+    step: int,
+    values: ValuePool,
+    rng: np.random.Generator,
+  ) -> ToolCall:
     """One candidate call for this step (not yet validated)."""
     if context.signal == "forgetting" and step < len(focus):
       return focus[step]
@@ -111,12 +132,16 @@ class ProgrammaticExplorer:
       base = usable[int(rng.integers(len(usable)))]
       schema = sandbox.schemas[base.name]
       scale = 1 if context.signal == "boundary" else 2
-      return ToolCall(base.name, vary_arguments(base.arguments, schema, values, rng, n_changes=scale))
+      return ToolCall(
+        base.name, vary_arguments(base.arguments, schema, values, rng, n_changes=scale)
+      )
     names = sorted(sandbox.schemas)
     name = names[int(rng.integers(len(names)))]
     return ToolCall(name, sample_arguments(sandbox.schemas[name], values, rng))
 
-  def _run(self, context: ExplorationContext, run_id: int, rng: np.random.Generator) -> list[Triplet]:
+  def _run(
+    self, context: ExplorationContext, run_id: int, rng: np.random.Generator
+  ) -> list[Triplet]:
     focus = self._focus(context)
     values = ValuePool.from_config(context.initial_config)
     for call in focus:
@@ -135,7 +160,8 @@ class ProgrammaticExplorer:
     return triplets
 
   def explore(self, context: ExplorationContext, rng: np.random.Generator) -> list[Triplet]:
-    """Runs `context.rounds` independent runs in fresh backends; returns their successful triplets."""
+    """Runs `context.rounds` independent runs in fresh backends; returns their successful
+    triplets."""
     out: list[Triplet] = []
     for run_id in range(context.rounds):
       out.extend(self._run(context, run_id, rng))

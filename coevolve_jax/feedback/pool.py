@@ -1,9 +1,10 @@
-"""The growing task pool (SPEC 1.3-1.4): append-only JSON lines on disk, with leak and duplicate filtering.
+"""The growing task pool (SPEC 1.3-1.4): append-only JSON lines on disk, with leak and duplicate
+filtering.
 
-Every accepted task is appended with flush + fsync, so a crash mid-round loses no accepted task; a torn
-last line (a crash during a write) is skipped with a warning and cut off on load. `add` drops exact and
-near-duplicates (MinHash over word 3-gram shingles of the user turns plus the ground-truth calls) of the
-evaluation split and of the pool itself, and logs every drop.
+Every accepted task is appended with flush + fsync, so a crash mid-round loses no accepted task; a
+torn last line (a crash during a write) is skipped with a warning and cut off on load. `add` drops
+exact and near-duplicates (MinHash over word 3-gram shingles of the user turns plus the ground-truth
+calls) of the evaluation split and of the pool itself, and logs every drop.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 import logging
 import os
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 from datasketch import MinHash, MinHashLSH
@@ -32,7 +33,7 @@ def task_text(task: Task) -> str:
 def minhash(text: str, num_perm: int = 128, shingle: int = 3) -> MinHash:
   """MinHash of the word `shingle`-grams of `text` (the whole word list when shorter)."""
   words = re.findall(r"\w+", text.lower())
-  grams = {" ".join(words[i:i + shingle]) for i in range(max(1, len(words) - shingle + 1))}
+  grams = {" ".join(words[i : i + shingle]) for i in range(max(1, len(words) - shingle + 1))}
   m = MinHash(num_perm=num_perm)
   for g in sorted(grams):
     m.update(g.encode("utf-8"))
@@ -46,7 +47,8 @@ class AddReport:
 
 
 class TaskPool:
-  """Append-only task pool backed by a JSON-lines file (reloaded on construction, so runs can resume)."""
+  """Append-only task pool backed by a JSON-lines file (reloaded on construction, so runs can
+  resume)."""
 
   def __init__(self, path: str | os.PathLike, threshold: float = 0.8, num_perm: int = 128):
     self.path = os.fspath(path)
@@ -66,7 +68,9 @@ class TaskPool:
       data = f.read()
     good_end = data.rfind(b"\n") + 1
     if good_end < len(data):
-      log.warning("task pool %s: skipping torn last line (%d bytes)", self.path, len(data) - good_end)
+      log.warning(
+        "task pool %s: skipping torn last line (%d bytes)", self.path, len(data) - good_end
+      )
       with open(self.path, "r+b") as f:
         f.truncate(good_end)
         os.fsync(f.fileno())
@@ -102,11 +106,12 @@ class TaskPool:
     return best
 
   def add(self, tasks: Iterable[Task], *, eval_tasks: Iterable[Task] = ()) -> AddReport:
-    """Appends the tasks that are not duplicates of an evaluation task or of the pool (incl. this batch).
+    """Appends the tasks that are not duplicates of an evaluation task or of the pool (incl. this
+    batch).
 
     Returns:
-      AddReport with the number added and (task_id, reason, similar_to) per dropped task; reasons are
-      "duplicate_id", "exact_eval", "near_eval", "exact_pool", "near_pool".
+      AddReport with the number added and (task_id, reason, similar_to) per dropped task; reasons
+        are "duplicate_id", "exact_eval", "near_eval", "exact_pool", "near_pool".
     """
     eval_list = list(eval_tasks)
     eval_exact = {task_text(t): t.task_id for t in eval_list}
@@ -145,11 +150,13 @@ class TaskPool:
   def __len__(self) -> int:
     return len(self._tasks)
 
-  def sample(self, n: int, rng: np.random.Generator, synth_fraction: float | None = None) -> list[Task]:
+  def sample(
+    self, n: int, rng: np.random.Generator, synth_fraction: float | None = None
+  ) -> list[Task]:
     """n tasks: uniform over the pool, or with `synth_fraction` of them from synthesized tasks.
 
-    Draws without replacement within each group when it is large enough, else with replacement. When one
-    group is empty the other fills all n. Raises ValueError on an empty pool.
+    Draws without replacement within each group when it is large enough, else with replacement. When
+    one group is empty the other fills all n. Raises ValueError on an empty pool.
     """
     if not self._tasks:
       raise ValueError("cannot sample from an empty task pool")

@@ -1,7 +1,8 @@
-"""A fresh, isolated BFCL backend instance for exploration and validation (no user turns, no checker).
+"""A fresh, isolated BFCL backend instance for exploration and validation (no user turns, no
+checker).
 
-Wraps envs.bfcl_exec: every Sandbox has its own unique model name, executes one safe call at a time and
-deletes its cached instances on close (use it as a context manager).
+Wraps envs.bfcl_exec: every Sandbox has its own unique model name, executes one safe call at a time
+and deletes its cached instances on close (use it as a context manager).
 """
 
 from __future__ import annotations
@@ -17,10 +18,20 @@ from envs.bfcl_exec import cleanup, execute_calls, instance_state, is_error_resu
 _IGNORED_ATTRS = ("_random", "_api_description")
 
 
-def env_task(initial_config: dict[str, Any], involved_classes: list[str], task_id: str = "sandbox") -> Task:
-  """A turn-less Task carrying only an environment state (what exploration may use of training entries)."""
-  return Task(task_id=task_id, env="bfcl", turns=[], ground_truth=[], initial_config=initial_config,
-              involved_classes=list(involved_classes), source="env_state")
+def env_task(
+  initial_config: dict[str, Any], involved_classes: list[str], task_id: str = "sandbox"
+) -> Task:
+  """A turn-less Task carrying only an environment state (what exploration may use of training
+  entries)."""
+  return Task(
+    task_id=task_id,
+    env="bfcl",
+    turns=[],
+    ground_truth=[],
+    initial_config=initial_config,
+    involved_classes=list(involved_classes),
+    source="env_state",
+  )
 
 
 class Sandbox:
@@ -31,7 +42,9 @@ class Sandbox:
     schemas: tool name -> "function" dict.
   """
 
-  def __init__(self, initial_config: dict[str, Any], involved_classes: list[str], task_id: str = "sandbox"):
+  def __init__(
+    self, initial_config: dict[str, Any], involved_classes: list[str], task_id: str = "sandbox"
+  ):
     self.task = env_task(initial_config, involved_classes, task_id)
     self.tools = tool_schemas(list(involved_classes), "full")
     self.schemas = schemas_by_name(self.tools)
@@ -62,8 +75,10 @@ class Sandbox:
 
   def full_state(self) -> dict[str, dict[str, Any]]:
     """All attributes except RNGs and docs (includes e.g. the current directory), deep-copied."""
-    return {c: copy.deepcopy({k: v for k, v in vars(i).items() if k not in _IGNORED_ATTRS})
-            for c, i in self.instances.items()}
+    return {
+      c: copy.deepcopy({k: v for k, v in vars(i).items() if k not in _IGNORED_ATTRS})
+      for c, i in self.instances.items()
+    }
 
   def close(self) -> None:
     cleanup(self.model_name)

@@ -1,10 +1,11 @@
 """Stage 3b (SPEC 1.3): execution-based validation of a synthesized task.
 
-A task is accepted when (1) it has >= min_calls ground-truth calls, each a safe call of the task's tools
-(re-parsed and rebuilt by call_to_string), (2) every call succeeds when replayed from the initial state in
-a fresh backend, (3) two replays reach the same final state (determinism), and (4) the official BFCL
-multi-turn checker scores the ground truth itself as valid.
-Not done (needs an LLM): SPEC 1.3's agent attempting the query with the calls as hints, plus a judge.
+A task is accepted when (1) it has >= min_calls ground-truth calls, each a safe call of the task's
+tools (re-parsed and rebuilt by call_to_string), (2) every call succeeds when replayed from the
+initial state in a fresh backend, (3) two replays reach the same final state (determinism), and (4)
+the official BFCL multi-turn checker scores the ground truth itself as valid.
+Not done (needs an LLM): SPEC 1.3's agent attempting the query with the calls as hints, plus a
+judge.
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ class ValidationResult:
 def _safe_calls(task: Task) -> list[list[str]]:
   """Rebuilds every ground-truth call through parse + call_to_string. Raises ToolCallError."""
   schemas = schemas_by_name(tool_schemas(list(task.involved_classes)))
-  return [[call_to_string(parse_call_string(c, task.involved_classes), schemas) for c in turn]
-          for turn in task.ground_truth]
+  return [
+    [call_to_string(parse_call_string(c, task.involved_classes), schemas) for c in turn]
+    for turn in task.ground_truth
+  ]
 
 
 def _replay(task: Task, turns: list[list[str]]) -> tuple[list[str], Any]:
-  """Runs all calls in a fresh sandbox; returns ("call -> result" of failed calls, final public state)."""
+  """Runs all calls in a fresh sandbox; returns ("call -> result" of failed calls, final public
+  state)."""
   failed = []
   with Sandbox(task.initial_config, task.involved_classes, task.task_id) as sandbox:
     for call in (c for turn in turns for c in turn):
@@ -64,5 +68,7 @@ def validate_task(task: Task, *, min_calls: int = 3) -> ValidationResult:
   check_task = dataclasses.replace(task, ground_truth=turns)
   reward, info = score_calls(check_task, [[turn] for turn in turns])
   if reward < 1.0:
-    return ValidationResult(False, f"official checker rejects the ground truth: {info['checker']}", info)
+    return ValidationResult(
+      False, f"official checker rejects the ground truth: {info['checker']}", info
+    )
   return ValidationResult(True, "ok", {"n_calls": n_calls, "n_turns": len(turns)})

@@ -1,6 +1,6 @@
-"""Argument values for programmatic exploration: a pool of strings/numbers seen in the environment, and
-schema-driven sampling and variation of call arguments. All sampling is driven by a numpy Generator and
-ordered containers, so it is deterministic for a seed.
+"""Argument values for programmatic exploration: a pool of strings/numbers seen in the environment,
+and schema-driven sampling and variation of call arguments. All sampling is driven by a numpy
+Generator and ordered containers, so it is deterministic for a seed.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ _FRESH_WORDS = ("notes", "temp", "report", "backup", "draft", "summary", "data",
 
 
 class ValuePool:
-  """Insertion-ordered, de-duplicated strings and numbers seen so far (config, focus calls, observations)."""
+  """Insertion-ordered, de-duplicated strings and numbers seen so far (config, focus calls,
+  observations)."""
 
   def __init__(self) -> None:
     self.strings: list[str] = []
@@ -41,7 +42,9 @@ class ValuePool:
     """Walks a JSON-like value; keeps short strings (incl. dict keys) and numbers."""
     if isinstance(node, dict):
       for k, v in node.items():
-        if isinstance(k, str) and k not in _STRUCTURAL and 0 < len(k) <= _MAX_STR and not k.isdigit():
+        if (
+          isinstance(k, str) and k not in _STRUCTURAL and 0 < len(k) <= _MAX_STR and not k.isdigit()
+        ):
           self._add(k)
         self.add_values(v)
     elif isinstance(node, (list, tuple)):
@@ -66,9 +69,11 @@ def _choice(seq: list[Any], rng: np.random.Generator) -> Any:
   return seq[int(rng.integers(len(seq)))]
 
 
-def sample_value(schema: dict[str, Any], name: str, values: ValuePool, rng: np.random.Generator,
-                 depth: int = 0) -> Any:
-  """A JSON value for one parameter schema: enum member, pool value, default, or a simple fresh value."""
+def sample_value(
+  schema: dict[str, Any], name: str, values: ValuePool, rng: np.random.Generator, depth: int = 0
+) -> Any:
+  """A JSON value for one parameter schema: enum member, pool value, default, or a simple fresh
+  value."""
   if schema.get("enum"):
     return _choice(list(schema["enum"]), rng)
   kind = schema.get("type", "string")
@@ -81,12 +86,18 @@ def sample_value(schema: dict[str, Any], name: str, values: ValuePool, rng: np.r
     return _choice(ints, rng) if ints and rng.random() < 0.6 else int(rng.integers(1, 11))
   if kind == "number":
     nums = [v for v in values.numbers if abs(v) < 10**7]
-    return float(_choice(nums, rng)) if nums and rng.random() < 0.6 else round(float(rng.uniform(0, 100)), 1)
+    return (
+      float(_choice(nums, rng))
+      if nums and rng.random() < 0.6
+      else round(float(rng.uniform(0, 100)), 1)
+    )
   if kind == "array":
     if depth > 1:
       return []
     items = schema.get("items", {"type": "string"})
-    return [sample_value(items, name, values, rng, depth + 1) for _ in range(int(rng.integers(1, 3)))]
+    return [
+      sample_value(items, name, values, rng, depth + 1) for _ in range(int(rng.integers(1, 3)))
+    ]
   if kind == "object":
     return {}
   if values.strings and rng.random() < 0.8:
@@ -96,9 +107,11 @@ def sample_value(schema: dict[str, Any], name: str, values: ValuePool, rng: np.r
   return f"{word}.txt" if "file" in name else f"{word}_{int(rng.integers(100))}"
 
 
-def sample_arguments(function: dict[str, Any], values: ValuePool, rng: np.random.Generator,
-                     p_optional: float = 0.3) -> dict[str, Any]:
-  """Arguments for a tool ("function" dict): all required parameters, each optional one with p_optional."""
+def sample_arguments(
+  function: dict[str, Any], values: ValuePool, rng: np.random.Generator, p_optional: float = 0.3
+) -> dict[str, Any]:
+  """Arguments for a tool ("function" dict): all required parameters, each optional one with
+  p_optional."""
   params = function.get("parameters", {})
   required = set(params.get("required", []) or [])
   out = {}
@@ -108,10 +121,16 @@ def sample_arguments(function: dict[str, Any], values: ValuePool, rng: np.random
   return out
 
 
-def vary_arguments(arguments: dict[str, Any], function: dict[str, Any], values: ValuePool,
-                   rng: np.random.Generator, n_changes: int = 1) -> dict[str, Any]:
-  """A copy of `arguments` with `n_changes` declared parameters resampled (optional ones may be added)."""
-  props = (function.get("parameters", {}).get("properties") or {})
+def vary_arguments(
+  arguments: dict[str, Any],
+  function: dict[str, Any],
+  values: ValuePool,
+  rng: np.random.Generator,
+  n_changes: int = 1,
+) -> dict[str, Any]:
+  """A copy of `arguments` with `n_changes` declared parameters resampled (optional ones may be
+  added)."""
+  props = function.get("parameters", {}).get("properties") or {}
   names = list(props)
   out = {k: v for k, v in arguments.items() if k in props}
   if not names:

@@ -1,7 +1,8 @@
 """Hugging Face <-> nnx weight mapping for Qwen models.
 
 Each rule maps a Hugging Face tensor name (regex) to our parameter path and a transform from the HF
-array (stored [out, in]) to our layout. `assign_hf_tensors` fills a model in place, tensor by tensor.
+array (stored [out, in]) to our layout. `assign_hf_tensors` fills a model in place, tensor by
+tensor.
 """
 
 from __future__ import annotations

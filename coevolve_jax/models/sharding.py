@@ -37,8 +37,10 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
-def logical_to_spec(axes: Sequence[str | None],
-                    rules: Mapping[str, str | tuple[str, ...] | None] = LOGICAL_RULES) -> PartitionSpec:
+def logical_to_spec(
+  axes: Sequence[str | None],
+  rules: Mapping[str, str | tuple[str, ...] | None] = LOGICAL_RULES,
+) -> PartitionSpec:
   """Maps logical axis names to a PartitionSpec.
 
   Raises:

@@ -138,7 +138,9 @@ class Engine:
       raise ValueError("prefill needs at least one token")
     start = self.position(slot)
     if start + len(token_ids) > self.cache_len:
-      raise ValueError(f"slot {slot}: {start} + {len(token_ids)} tokens exceed cache {self.cache_len}")
+      raise ValueError(
+        f"slot {slot}: {start} + {len(token_ids)} tokens exceed cache {self.cache_len}"
+      )
     ids = np.asarray(token_ids, np.int32)
     offset = 0
     for size in _chunks(len(ids), start, self.cache_len):
