@@ -46,6 +46,29 @@ class RunCheckpointer:
     logging.info("restored checkpoint step %d", step)
     return out.params, out.opt_state, out.ref_params, out.meta
 
+  def restore_latest(self, params, opt_state, ref_params) -> tuple[int, Any, Any, Any, dict] | None:
+    """Restores the newest readable checkpoint; an unreadable one (corrupt, partial) is skipped
+    with a warning and the previous one used. Returns (step, params, opt_state, ref, meta), or
+    None when there is no checkpoint.
+
+    Raises:
+      RuntimeError: checkpoints exist but none can be read.
+    """
+    steps = sorted(self._mgr.all_steps(), reverse=True)
+    for step in steps:
+      try:
+        return (step, *self.restore(step, params, opt_state, ref_params))
+      except Exception as e:  # orbax raises many types for a damaged checkpoint
+        first_line = str(e).strip().splitlines()[0][:300] if str(e).strip() else repr(e)
+        logging.warning("checkpoint step %d is unreadable (%s); trying an older one", step,
+                        first_line)
+        print(f"warning: checkpoint step {step} is unreadable ({type(e).__name__}: "
+              f"{first_line}); trying an older one")
+    if steps:
+      raise RuntimeError(f"no readable checkpoint among steps {steps} in {self._mgr.directory}; "
+                         "delete the checkpoints folder to start over")
+    return None
+
   def wait(self) -> None:
     self._mgr.wait_until_finished()
 

@@ -34,7 +34,7 @@ from coevolve_jax.feedback import controller
 from coevolve_jax.feedback.explorer import ProgrammaticExplorer
 from coevolve_jax.feedback.pool import TaskPool
 from coevolve_jax.feedback.signals import RolloutRecord, SignalTracker
-from coevolve_jax.metrics import MetricsWriter, PhaseTimer
+from coevolve_jax.metrics import MetricsWriter, PhaseTimer, truncate_jsonl
 from coevolve_jax.models import Qwen, QwenConfig
 from coevolve_jax.rollout.engine import Engine
 from coevolve_jax.rollout.sampling import SamplingParams
@@ -46,6 +46,16 @@ from envs.base import Task
 
 log = logging.getLogger(__name__)
 PHASES = ("explore", "warmstart", "rollout", "reward", "train", "feedback", "eval", "checkpoint")
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
 
 
 class CoEvolveRun:
@@ -93,7 +103,10 @@ class CoEvolveRun:
         cfg.eval.max_new_tokens, cfg.rollout.max_model_steps))
     self.sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
     self.ckpt = RunCheckpointer(os.path.join(self.workdir, "checkpoints"), cfg.checkpoint.keep)
-    self.metrics = MetricsWriter(self.workdir)
+
+  def _wall_s(self) -> float:
+    """Wall seconds of the whole run: earlier sessions (from the checkpoint) plus this one."""
+    return self._wall_before + time.perf_counter() - self._session_start
 
   def _fresh_state(self) -> dict[str, Any]:
     return {"step": 0, "np_rng": np.random.default_rng(self.cfg.seed).bit_generator.state,
@@ -112,17 +125,20 @@ class CoEvolveRun:
       if summary.get("complete") and summary.get("steps") == self.cfg.train.steps:
         print(f"run in {self.workdir} is complete ({summary['steps']} steps); nothing to do")
         return summary
-    start_time = time.perf_counter()
+    self._session_start = time.perf_counter()
     self._setup()
-    latest = self.ckpt.latest_step()
+    latest = self._restore()
     if latest is None:
       self.state = self._fresh_state()
       self.timer = PhaseTimer()
       resumed_from = 0
     else:
-      self._restore(latest)
       resumed_from = latest
       print(f"resuming from checkpoint step {latest}")
+    self._wall_before = float(self.state.get("wall_s", 0.0))
+    self._check_config(fresh=latest is None)
+    self._roll_back_logs(-1 if latest is None else latest, self.state.get("pool_size", 0))
+    self.metrics = MetricsWriter(self.workdir, -1 if latest is None else latest)
     self.np_rng = np.random.default_rng()
     self.np_rng.bit_generator.state = self.state["np_rng"]
     self.key = jax.random.wrap_key_data(jnp.asarray(self.state["key"], jnp.uint32))
@@ -149,7 +165,7 @@ class CoEvolveRun:
     with self.timer("eval"):
       eval_after = self.evaluate("after")
     self.ckpt.wait()
-    summary = self._summary(eval_after, resumed_from, time.perf_counter() - start_time)
+    summary = self._summary(eval_after, resumed_from, self._wall_s())
     tmp = self.summary_path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
       json.dump(summary, f, indent=1, sort_keys=True)
@@ -279,7 +295,7 @@ class CoEvolveRun:
     self.state["tasks_synthesized"] += report.synthesized
     self.state["tasks_accepted"] += report.accepted
     self.state["tasks_dropped"] += len(report.dropped)
-    self.state["validation"].append(report.pass_rate)
+    self.state["validation"].append(report.pass_rate if report.synthesized else None)
     with open(os.path.join(self.workdir, "feedback.jsonl"), "a", encoding="utf-8") as f:
       f.write(json.dumps({"round": self.state["round"], "step": self.state["step"],
                           "synthesized": report.synthesized, "accepted": report.accepted,
@@ -303,21 +319,57 @@ class CoEvolveRun:
     with self.timer("checkpoint"):
       self.state.update(
           step=step, signals=self.tracker.state_dict(), phase_s=dict(self.timer.totals),
+          pool_size=len(self.pool), wall_s=self._wall_s(),
           events=[{"task": json.loads(e.task.to_json()), "signal": e.signal, "calls": e.calls,
                    "reward": e.reward} for e in self.events],
           np_rng=self.np_rng.bit_generator.state, key=jax.random.key_data(self.key).tolist())
       self.ckpt.save(step, self.trainer.params, self.trainer.opt_state, self.trainer.ref_params,
                      self.state)
 
-  def _restore(self, step: int) -> None:
+  def _restore(self) -> int | None:
+    """Restores the newest readable checkpoint; returns its step, or None for a fresh start."""
     self.trainer.freeze_reference()  # gives ref_params its structure
-    params, opt_state, ref, meta = self.ckpt.restore(
-        step, self.trainer.params, self.trainer.opt_state, self.trainer.ref_params)
+    restored = self.ckpt.restore_latest(self.trainer.params, self.trainer.opt_state,
+                                        self.trainer.ref_params)
+    if restored is None:
+      return None
+    step, params, opt_state, ref, meta = restored
+    if step > self.cfg.train.steps:
+      raise ValueError(f"{self.workdir} holds a checkpoint at step {step}, past "
+                       f"train.steps={self.cfg.train.steps}; use another --workdir")
     self.trainer.params, self.trainer.opt_state, self.trainer.ref_params = params, opt_state, ref
     self.state = meta
     if meta.get("signals"):
       self.tracker.load_state_dict(meta["signals"])
     self.timer = PhaseTimer(meta.get("phase_s"))
+    return step
+
+  def _check_config(self, fresh: bool) -> None:
+    """Writes config.json on a fresh start; on resume, warns about every changed field."""
+    path = os.path.join(self.workdir, "config.json")
+    now = json.loads(self.cfg.to_json_best_effort())
+    if fresh or not os.path.exists(path):
+      with open(path, "w", encoding="utf-8") as f:
+        json.dump(now, f, indent=1, sort_keys=True)
+      return
+    with open(path, encoding="utf-8") as f:
+      before = json.load(f)
+    changed = sorted(k for k in set(_flat(now)) | set(_flat(before))
+                     if _flat(now).get(k) != _flat(before).get(k))
+    for key in changed:
+      print(f"warning: config {key} changed since this run started: "
+            f"{_flat(before).get(key)!r} -> {_flat(now).get(key)!r}")
+
+  def _roll_back_logs(self, step: int, pool_size: int) -> None:
+    """Brings the workdir's logs and pool back to the restored step (-1: a fresh start).
+
+    Tasks accepted after that checkpoint move to pool.jsonl.rolled-back (the resumed run
+    synthesizes them again), so the resumed run continues exactly from the checkpoint.
+    """
+    moved = self.pool.rollback(pool_size, os.path.join(self.workdir, "pool.jsonl.rolled-back"))
+    if moved:
+      print(f"task pool: {moved} tasks from after the checkpoint moved to pool.jsonl.rolled-back")
+    truncate_jsonl(os.path.join(self.workdir, "feedback.jsonl"), step)
 
   def _summary(self, eval_after: float, resumed_from: int, wall_s: float) -> dict[str, Any]:
     s = self.state

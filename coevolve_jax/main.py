@@ -7,7 +7,9 @@ run is complete and exits 0.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -34,8 +36,22 @@ def main(argv: list[str]) -> int:
     print("error: the AppWorld training loop is not implemented yet (the BFCL loop is: "
           "configs/bfcl.py).", file=sys.stderr)
     return 2
+  workdir = _WORKDIR.value
+  try:  # fail before minutes of set-up, not after
+    os.makedirs(workdir, exist_ok=True)
+    with tempfile.TemporaryFile(dir=workdir):
+      pass
+  except OSError as e:
+    print(f"error: cannot use --workdir={workdir}: {e}", file=sys.stderr)
+    return 2
   from coevolve_jax.loop import CoEvolveRun  # noqa: PLC0415 (imports JAX; keep --help fast)
-  summary = CoEvolveRun(cfg, _WORKDIR.value).fit()
+
+  try:
+    summary = CoEvolveRun(cfg, workdir).fit()
+  except KeyboardInterrupt:
+    print(f"\ninterrupted; rerun the same command to resume from the last checkpoint in "
+          f"{workdir}/checkpoints", file=sys.stderr)
+    return 130
   print(json.dumps(summary, indent=1, sort_keys=True))
   return 0
 

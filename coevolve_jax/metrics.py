@@ -12,14 +12,41 @@ from typing import Any
 from tensorboardX import SummaryWriter
 
 
+def truncate_jsonl(path: str, max_step: int) -> int:
+  """Drops the rows of a JSON-lines log whose "step" is above `max_step` (rows that a resumed run
+  writes again) and any torn line; replaces the file atomically. Returns the rows dropped."""
+  if not os.path.exists(path):
+    return 0
+  with open(path, encoding="utf-8") as f:
+    lines = f.read().splitlines()
+  kept = []
+  for line in lines:
+    try:
+      if json.loads(line).get("step", 0) <= max_step:
+        kept.append(line)
+    except ValueError:  # a torn last line from a killed run
+      continue
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.writelines(line + "\n" for line in kept)
+  os.replace(tmp, path)
+  return len(lines) - len(kept)
+
+
 class MetricsWriter:
   """Appends `{"step": s, **metrics}` to `<workdir>/metrics.jsonl` and writes TensorBoard
-  scalars."""
+  scalars.
 
-  def __init__(self, workdir: str):
+  `resume_step` is the step the run restarts from (-1 for a fresh start): rows and TensorBoard
+  events that an interrupted run wrote after it are dropped, so there is one row per step.
+  """
+
+  def __init__(self, workdir: str, resume_step: int = -1):
     os.makedirs(workdir, exist_ok=True)
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
-    self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    path = os.path.join(workdir, "metrics.jsonl")
+    truncate_jsonl(path, resume_step)
+    self._jsonl = open(path, "a", encoding="utf-8")
+    self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1)
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
     self._jsonl.write(json.dumps({"step": step, **metrics}, sort_keys=True) + "\n")

@@ -37,3 +37,16 @@ def test_unknown_config_variant_is_a_clear_error(tmp_path):
        f"--workdir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
   assert proc.returncode != 0
   assert "unknown variant 'tpu-typo'" in proc.stderr
+
+
+def test_unusable_workdir_fails_fast_with_a_clear_error(tmp_path):
+  afile = tmp_path / "afile"
+  afile.write_text("keep me")
+  start = time.monotonic()
+  proc = subprocess.run(
+      [sys.executable, "-m", "coevolve_jax.main", "--config=configs/bfcl.py:cpu",
+       f"--workdir={afile}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 2
+  assert "cannot use --workdir" in proc.stderr
+  assert time.monotonic() - start < 20
+  assert afile.read_text() == "keep me"

@@ -98,3 +98,18 @@ def test_sampling_mix(tmp_path):
   assert len(pool.sample(30, rng)) == 30
   with pytest.raises(ValueError):
     TaskPool(tmp_path / "empty.jsonl").sample(1, rng)
+
+
+def test_rollback_keeps_the_checkpointed_prefix_and_moves_the_rest_aside(tmp_path):
+  path = tmp_path / "pool.jsonl"
+  pool = TaskPool(path)
+  tasks = [_task(i) for i in range(4)]
+  assert pool.add(tasks).added == 4
+  moved = pool.rollback(2, str(tmp_path / "rolled"))
+  assert moved == 2
+  assert [t.task_id for t in pool.tasks] == [t.task_id for t in tasks[:2]]
+  assert [t.task_id for t in TaskPool(path).tasks] == [t.task_id for t in tasks[:2]]
+  with open(tmp_path / "rolled") as f:
+    assert [Task.from_json(line).task_id for line in f] == [t.task_id for t in tasks[2:]]
+  # The moved tasks can be added again (a resumed run synthesizes them again).
+  assert pool.add(tasks[2:]).added == 2

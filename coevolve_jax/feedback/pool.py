@@ -83,6 +83,35 @@ class TaskPool:
           raise ValueError(f"task pool {self.path}: corrupt line {i + 1}: {e}") from e
     return tasks
 
+  def rollback(self, size: int, backup_path: str) -> int:
+    """Keeps the first `size` tasks (the pool as a checkpoint saw it); the rest move to
+    `backup_path` (appended), so a resumed run replays from the checkpoint and nothing accepted is
+    deleted. Returns the number of tasks moved. The pool file is replaced atomically.
+
+    Raises:
+      ValueError: `size` larger than the pool.
+    """
+    if size > len(self._tasks):
+      raise ValueError(f"task pool {self.path}: has {len(self._tasks)} tasks, asked to keep {size}")
+    kept, moved = self._tasks[:size], self._tasks[size:]
+    if not moved:
+      return 0
+    with open(backup_path, "a", encoding="utf-8") as f:
+      f.writelines(t.to_json() + "\n" for t in moved)
+      f.flush()
+      os.fsync(f.fileno())
+    tmp = f"{self.path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.writelines(t.to_json() + "\n" for t in kept)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, self.path)
+    self._tasks, self._exact, self._hashes = [], {}, {}
+    self._lsh = MinHashLSH(threshold=self.threshold, num_perm=self.num_perm)
+    for task in kept:
+      self._index(task)
+    return len(moved)
+
   def _index(self, task: Task) -> None:
     self._tasks.append(task)
     self._exact[task_text(task)] = task.task_id
