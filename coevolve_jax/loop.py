@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 PHASES = ("explore", "warmstart", "rollout", "reward", "train", "feedback", "eval", "checkpoint")
 
 
+class RunError(Exception):
+  """A run that cannot start or resume as configured (the message says why)."""
+
+
 def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
   out = {}
   for k, v in d.items():
@@ -156,10 +160,10 @@ class CoEvolveRun:
         if self.cfg.feedback.enabled and step % self.cfg.feedback.every == 0:
           info.update(self._feedback_round())
         info["pool/size"] = len(self.pool)
+        info.update(self.timer.pop_last())
+        self.metrics.write(step, info)  # before the save: a resume rewrites rows after its step
         if step % self.cfg.checkpoint.every == 0 or step == steps:
           self._save(step)
-        info.update(self.timer.pop_last())
-        self.metrics.write(step, info)
         bar.set_postfix(reward=f"{info['reward/mean']:.2f}", pool=len(self.pool))
         bar.update(1)
     with self.timer("eval"):
@@ -329,13 +333,16 @@ class CoEvolveRun:
   def _restore(self) -> int | None:
     """Restores the newest readable checkpoint; returns its step, or None for a fresh start."""
     self.trainer.freeze_reference()  # gives ref_params its structure
-    restored = self.ckpt.restore_latest(self.trainer.params, self.trainer.opt_state,
-                                        self.trainer.ref_params)
+    try:
+      restored = self.ckpt.restore_latest(self.trainer.params, self.trainer.opt_state,
+                                          self.trainer.ref_params)
+    except RuntimeError as e:  # no readable checkpoint at all
+      raise RunError(str(e)) from e
     if restored is None:
       return None
     step, params, opt_state, ref, meta = restored
     if step > self.cfg.train.steps:
-      raise ValueError(f"{self.workdir} holds a checkpoint at step {step}, past "
+      raise RunError(f"{self.workdir} holds a checkpoint at step {step}, past "
                        f"train.steps={self.cfg.train.steps}; use another --workdir")
     self.trainer.params, self.trainer.opt_state, self.trainer.ref_params = params, opt_state, ref
     self.state = meta

@@ -44,10 +44,13 @@ def main(argv: list[str]) -> int:
   except OSError as e:
     print(f"error: cannot use --workdir={workdir}: {e}", file=sys.stderr)
     return 2
-  from coevolve_jax.loop import CoEvolveRun  # noqa: PLC0415 (imports JAX; keep --help fast)
+  from coevolve_jax.loop import CoEvolveRun, RunError  # noqa: PLC0415 (imports JAX; keep --help fast)
 
   try:
     summary = CoEvolveRun(cfg, workdir).fit()
+  except RunError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   except KeyboardInterrupt:
     print(f"\ninterrupted; rerun the same command to resume from the last checkpoint in "
           f"{workdir}/checkpoints", file=sys.stderr)
