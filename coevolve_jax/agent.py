@@ -68,48 +68,48 @@ class AgentRunner:
           on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
     """Runs one episode per (task, group_id) job; returns trajectories in job order."""
     pending = collections.deque(enumerate(jobs))
-    results: list[Trajectory | None] = [None] * len(jobs)
-    free = list(range(self.engine.num_slots))[::-1]
-    active: dict[int, _Episode] = {}
-    self._sampling = sampling
-
-    def finish(ep: _Episode, how: str, reward: float = 0.0, info: dict | None = None):
-      ep.traj.finish, ep.traj.reward = how, reward
-      ep.traj.info.update(info or {})
-      if not ep.traj.calls:  # episodes cut short still report what they called, per user turn
-        ep.traj.calls = [
-          [c for step in turn for c in step] for turn in getattr(ep.env, "calls", [])
-        ]
-      ep.env.close()
-      results[ep.index] = ep.traj
-      active.pop(ep.slot, None)
-      free.append(ep.slot)
-      if on_done:
-        on_done(ep.traj)
-
-    self._finish = finish
-    while pending or active:
-      while pending and free:
+    # Per-run state, read by the episode callbacks below.
+    self._sampling, self._on_done = sampling, on_done
+    self._results: list[Trajectory | None] = [None] * len(jobs)
+    self._free = list(range(self.engine.num_slots))[::-1]
+    self._active: dict[int, _Episode] = {}
+    while pending or self._active:
+      while pending and self._free:
         index, (task, group_id) = pending.popleft()
         rng, sub = jax.random.split(rng)
-        self._start(index, task, group_id, free.pop(), sub, active)
-      if not active:
+        self._start(index, task, group_id, self._free.pop(), sub)
+      if not self._active:
         continue
       mask = np.zeros((self.engine.num_slots,), bool)
-      mask[list(active)] = True
+      mask[list(self._active)] = True
       rng, sub = jax.random.split(rng)
       tokens, logprobs = self.engine.generate(mask, sub, sampling)
-      for slot in list(active):
+      for slot in list(self._active):
         rng, sub = jax.random.split(rng)
-        self._on_token(active[slot], int(tokens[slot]), float(logprobs[slot]), sub)
-    return results  # type: ignore[return-value]
+        self._on_token(self._active[slot], int(tokens[slot]), float(logprobs[slot]), sub)
+    return self._results  # type: ignore[return-value]
 
-  def _start(self, index, task, group_id, slot, rng, active):
+  def _finish(self, ep: _Episode, how: str, reward: float = 0.0, info: dict | None = None):
+    """Ends an episode: records the outcome, closes its environment, frees its slot."""
+    ep.traj.finish, ep.traj.reward = how, reward
+    ep.traj.info.update(info or {})
+    if not ep.traj.calls:  # episodes cut short still report what they called, per user turn
+      ep.traj.calls = [
+        [c for step in turn for c in step] for turn in getattr(ep.env, "calls", [])
+      ]
+    ep.env.close()
+    self._results[ep.index] = ep.traj
+    self._active.pop(ep.slot, None)
+    self._free.append(ep.slot)
+    if self._on_done:
+      self._on_done(ep.traj)
+
+  def _start(self, index, task, group_id, slot, rng):
     self._episode_counter += 1
     env = self.make_env(task, f"ep{self._episode_counter}")
     traj = Trajectory(task_id=task.task_id, group_id=group_id)
     ep = _Episode(index, traj, env, slot)
-    active[slot] = ep
+    self._active[slot] = ep
     try:
       first = env.reset()
     except Exception as e:  # an environment that fails to start fails this episode only
