@@ -182,19 +182,18 @@ class CoEvolveRun:
     """Step 0: D0 by unguided exploration, supervised warm-start, eval before, checkpoint."""
     cfg = self.cfg
     rng = self.np_rng
-    with self.timer("explore"):
-      if not len(self.pool):
-        counts: dict[str, int] = {}
-        d0 = controller.build_initial_tasks(
-            self.train_entries, cfg.explore.initial_tasks, self.explorer, rng,
-            min_calls=cfg.explore.min_calls, max_calls=cfg.explore.max_calls,
-            max_turns=cfg.explore.turns_per_task, rounds=cfg.explore.rounds,
-            steps_per_round=cfg.explore.steps_per_round, counts=counts,
-            max_classes=cfg.explore.max_classes or None,
-            only_classes=tuple(cfg.explore.only_classes))
-        report = self.pool.add(d0, eval_tasks=self.eval_split)
-        self.state["d0"] = {**counts, "added": report.added, "dropped": len(report.dropped)}
-        print(f"D0: {self.state['d0']}")
+    with self.timer("explore"):  # the pool is empty here: a fresh start rolls it back to 0
+      counts: dict[str, int] = {}
+      d0 = controller.build_initial_tasks(
+          self.train_entries, cfg.explore.initial_tasks, self.explorer, rng,
+          min_calls=cfg.explore.min_calls, max_calls=cfg.explore.max_calls,
+          max_turns=cfg.explore.turns_per_task, rounds=cfg.explore.rounds,
+          steps_per_round=cfg.explore.steps_per_round, counts=counts,
+          max_classes=cfg.explore.max_classes or None,
+          only_classes=tuple(cfg.explore.only_classes))
+      report = self.pool.add(d0, eval_tasks=self.eval_split)
+      self.state["d0"] = {**counts, "added": report.added, "dropped": len(report.dropped)}
+      print(f"D0: {self.state['d0']}")
     with self.timer("warmstart"):
       self._warmstart(rng)
     self.trainer.freeze_reference()
@@ -270,17 +269,16 @@ class CoEvolveRun:
   def _update(self, trajs: list[Trajectory], adv: np.ndarray) -> dict[str, float]:
     """GRPO: old and reference log-probs, then one optimizer step per mini-batch (1 epoch)."""
     batch = make_batch(trajs, adv)
-    rows = np.arange(len(trajs))
-    chunks = np.array_split(rows, max(1, self.cfg.train.mini_batches))
-    old = [self.trainer.logprobs(batch.rows(c)) for c in chunks]
-    ref = [self.trainer.logprobs(batch.rows(c), self.trainer.ref_params) for c in chunks]
+    splits = np.array_split(np.arange(len(trajs)), max(1, self.cfg.train.mini_batches))
+    minis = [batch.rows(idx) for idx in splits]
+    old = [self.trainer.logprobs(mb) for mb in minis]  # all before the first update
+    ref = [self.trainer.logprobs(mb, self.trainer.ref_params) for mb in minis]
     out: dict[str, list[float]] = {}
-    for c, o, r in zip(chunks, old, ref):
-      for k, v in self.trainer.grpo_update(batch.rows(c), o, r).items():
+    for mb, o, r in zip(minis, old, ref):
+      for k, v in self.trainer.grpo_update(mb, o, r).items():
         out.setdefault(f"train/{k}", []).append(v)
-    sampler_gap = max(float(jnp.max(jnp.abs((o - jnp.asarray(batch.rows(c).sampler_logp))
-                                            * batch.rows(c).target_mask)))
-                      for c, o in zip(chunks, old))
+    sampler_gap = max(float(jnp.max(jnp.abs((o - mb.sampler_logp) * mb.target_mask)))
+                      for mb, o in zip(minis, old))
     return {**{k: float(np.mean(v)) for k, v in out.items()},
             "train/sampler_logp_gap": sampler_gap}
 
