@@ -8,8 +8,9 @@ from flax import nnx
 
 from coevolve_jax.models import Qwen, QwenConfig
 from coevolve_jax.models.qwen import rope
+from coevolve_jax.rollout import Completion, generate
 from coevolve_jax.rollout.engine import Engine
-from coevolve_jax.rollout.sampling import SamplingParams, sample
+from coevolve_jax.rollout.sampling import SamplingParams, processed_logprobs, sample
 from coevolve_jax.trainer import token_logprobs
 
 CACHE = 64  # every engine below uses this cache length and 3 slots, so compilations are shared
@@ -233,8 +234,31 @@ def test_prefill_near_end_of_cache(model, full_logprobs):
 # (e) -----------------------------------------------------------------------------------------
 
 
-def test_sampled_logprobs_match_trainer(model, full_logprobs):
-  sampling = SamplingParams(temperature=0.9)
+def _nucleus_logprobs(lp_tv, top_p):
+  """Independent float64 reference: tempered log-probs renormalised over each row's nucleus."""
+  out = np.full_like(lp_tv, -np.inf)
+  for i, row in enumerate(lp_tv):
+    order = np.argsort(-row, kind="stable")
+    probs = np.exp(row[order])
+    keep = order[(np.cumsum(probs) - probs) < top_p]
+    out[i, keep] = row[keep] - np.log(np.exp(row[keep]).sum())
+  return out
+
+
+@nnx.jit(static_argnames=("sampling",))
+def _trainer_forward_processed(model, tokens, pos, sampling):
+  """The trainer's forward (hidden states at target - 1, then the head) scored like the sampler."""
+  hidden = model.hidden_states(tokens, jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape))
+  h = jnp.take_along_axis(hidden, (pos - 1)[..., None], axis=1)
+  y = jnp.take_along_axis(tokens, pos, axis=1)
+  n, p, d = h.shape
+  return processed_logprobs(model.logits(h.reshape(n * p, d)), y.reshape(-1),
+                            sampling).reshape(n, p)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampled_logprobs_match_trainer(model, full_logprobs, top_p):
+  sampling = SamplingParams(temperature=0.9, top_p=top_p)
   engine = Engine(model, SLOTS, CACHE)
   prompts = {0: _prompt(40, 6), 2: _prompt(41, 13)}
   seqs, lps = {}, {}
@@ -259,12 +283,20 @@ def test_sampled_logprobs_match_trainer(model, full_logprobs):
     tokens[r, :len(full)] = full
     pos[r, :len(seqs[slot])] = np.arange(len(prompts[slot]), len(full))
     want[r, :len(seqs[slot])] = lps[slot]
-    # Sanity: engine log-probs are log_softmax(logits / 0.9) of the full forward.
-    ref = full_logprobs(full, 0.9)
-    np.testing.assert_allclose(
-        lps[slot], ref[np.arange(len(prompts[slot]) - 1, len(full) - 1), seqs[slot]], atol=1e-5)
-  scorer = nnx.jit(token_logprobs, static_argnames=("temperature",))
-  got = np.asarray(scorer(model, jnp.asarray(tokens), jnp.asarray(pos), temperature=0.9))
+    # Engine log-probs are those of the distribution sampled from, computed here independently
+    # (float64, numpy) from the full uncached forward.
+    ref = full_logprobs(full, 0.9)[np.arange(len(prompts[slot]) - 1, len(full) - 1)]
+    if top_p < 1.0:
+      ref = _nucleus_logprobs(ref, top_p)
+    np.testing.assert_allclose(lps[slot], ref[np.arange(len(seqs[slot])), seqs[slot]], atol=1e-5)
+  if top_p < 1.0:  # the nucleus really is smaller than the vocabulary at these positions
+    assert np.isfinite(ref).sum(-1).max() < model.config.vocab_size
+  if top_p == 1.0:
+    scorer = nnx.jit(token_logprobs, static_argnames=("temperature",))
+    got = np.asarray(scorer(model, jnp.asarray(tokens), jnp.asarray(pos), temperature=0.9))
+  else:
+    got = np.asarray(_trainer_forward_processed(model, jnp.asarray(tokens), jnp.asarray(pos),
+                                                sampling))
   assert got.shape == (2, p_max)
   for r, slot in enumerate(prompts):
     n = len(seqs[slot])
@@ -301,8 +333,8 @@ def test_top_k_one_equals_greedy():
     for temp in (0.5, 2.0):
       tok, lp = sample(logits, jax.random.key(seed), SamplingParams(temperature=temp, top_k=1))
       np.testing.assert_array_equal(np.asarray(tok), np.asarray(greedy_tok))
-      want = np.asarray(jax.nn.log_softmax(logits / temp))[np.arange(64), np.asarray(tok)]
-      np.testing.assert_allclose(np.asarray(lp), want, atol=1e-5)
+      # The distribution sampled from holds one token: log-prob 0.
+      np.testing.assert_array_equal(np.asarray(lp), np.zeros(64, np.float32))
 
 
 @pytest.mark.parametrize("temp", [1.0, 0.7])
@@ -332,8 +364,15 @@ def test_top_p_keeps_only_the_nucleus():
   nucleus = np.array([0.0, 0.4, 0.0, 0.15, 0.3])
   assert counts[0] == 0 and counts[2] == 0
   assert _chi2(counts, nucleus / nucleus.sum()) < CHI2_CRIT[2], counts
-  # Log-probs are under the full (unfiltered) tempered softmax, as the trainer recomputes them.
-  np.testing.assert_allclose(np.asarray(lp), np.log(probs)[np.asarray(tok)], atol=1e-5)
+  # Log-probs are under the distribution sampled from: the nucleus, renormalised.
+  kept = nucleus[[1, 3, 4]] / nucleus.sum()
+  want = np.zeros(5)
+  want[[1, 3, 4]] = np.log(kept)
+  np.testing.assert_allclose(np.asarray(lp), want[np.asarray(tok)], atol=1e-5)
+  np.testing.assert_allclose(
+      np.asarray(processed_logprobs(batch[:3], jnp.array([1, 4, 0]),
+                                    SamplingParams(temperature=1.0, top_p=0.75))),
+      [np.log(0.4 / 0.85), np.log(0.3 / 0.85), -np.inf], atol=1e-6)
   # top_p = 0.35, or even 0: only the top token.
   for top_p in (0.35, 0.0):
     tok, _ = sample(batch, jax.random.key(4), SamplingParams(temperature=1.0, top_p=top_p))
@@ -344,3 +383,60 @@ def test_top_p_keeps_only_the_nucleus():
   assert counts[[0, 2, 3]].sum() == 0
   k2 = np.array([0.0, 0.4, 0.0, 0.0, 0.3])
   assert _chi2(counts, k2 / k2.sum()) < CHI2_CRIT[1]
+
+
+# (g) generate() -----------------------------------------------------------------------------
+
+
+def test_generate_batches_requests_like_decoding_each_alone(model, full_logprobs):
+  prompts = [_prompt(60 + i, n) for i, n in enumerate((5, 9, 3, 14, 7))]
+  want = [_greedy_reference(full_logprobs, p, 6) for p in prompts]
+  stop = want[1][0][2]  # request 1 stops at its third token (and so may others that sample it)
+  engine = Engine(model, SLOTS, CACHE)  # 5 requests over 3 slots: slots are reused
+  got = generate(engine, prompts, GREEDY, max_new_tokens=6, stop_ids=[stop])
+  assert all(isinstance(c, Completion) for c in got)
+  for p_toks, c in zip(want, got):
+    toks, lps = p_toks
+    n = toks.index(stop) + 1 if stop in toks else 6
+    assert c.token_ids == toks[:n]
+    np.testing.assert_allclose(c.logprobs, lps[:n], atol=1e-5)
+    assert c.finish_reason == ("stop" if stop in toks else "length")
+  assert got[1].finish_reason == "stop" and len(got[1].token_ids) == 3
+
+
+def test_generate_ends_with_length_at_the_end_of_the_cache(model, full_logprobs):
+  engine = Engine(model, SLOTS, CACHE)
+  other = _prompt(70, 5)
+  engine.prefill(2, other, jax.random.key(0), GREEDY)  # a neighbour that must stay untouched
+  k_other, _ = _layer0_kv(model, other)
+  prompt = _prompt(71, CACHE - 4)
+  (c,) = generate(engine, [prompt], GREEDY, max_new_tokens=100)
+  # 60 prompt tokens fill indices 0..59; four decode steps fill 60..63; the fifth sampled token
+  # has nowhere to go, so the request ends there, with "length".
+  assert c.finish_reason == "length" and len(c.token_ids) == 5
+  want_toks, want_lps = _greedy_reference(full_logprobs, prompt, 5)
+  assert c.token_ids == want_toks
+  np.testing.assert_allclose(c.logprobs, want_lps, atol=1e-5)
+  slot = next(s for s in range(SLOTS) if engine.position(s) == CACHE)
+  # Every entry holds its own token (a write clamped at the end would overwrite index 63).
+  k_want, _ = _layer0_kv(model, prompt + c.token_ids[:-1])
+  np.testing.assert_allclose(np.asarray(engine.state.cache.k[0][slot]), k_want, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(engine.state.cache.k[0][2, :5]), k_other, atol=1e-5)
+  # The engine refuses to advance a full slot rather than write past the cache.
+  active = np.zeros(SLOTS, bool)
+  active[slot] = True
+  with pytest.raises(ValueError, match="full"):
+    engine.generate(active, jax.random.key(1), GREEDY)
+
+
+def test_generate_rejects_bad_requests_before_any_work(model):
+  engine = Engine(model, SLOTS, CACHE)
+  with pytest.raises(ValueError, match="prompt 1 is empty"):
+    generate(engine, [[1, 2], []], GREEDY)
+  with pytest.raises(ValueError, match="prompt 0 has 64 tokens"):
+    generate(engine, [_prompt(80, CACHE), [1]], GREEDY)
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    generate(engine, [[1]], GREEDY, max_new_tokens=0)
+  assert all(engine.position(s) == 0 for s in range(SLOTS))
+  with pytest.raises(ValueError, match="top_p"):
+    SamplingParams(top_p=1.5)

@@ -99,6 +99,8 @@ class Engine:
     self.cache_len = cache_len
     self.dtype = dtype
     self.state = self.init_decode_state()
+    # Host mirror of state.next_pos: room checks and kv buckets need no device round trip.
+    self._pos = np.zeros((num_slots,), np.int64)
 
   @property
   def max_concurrent_decodes(self) -> int:
@@ -117,9 +119,11 @@ class Engine:
   def reset_slot(self, slot: int) -> None:
     """Frees a slot: its next request starts at cache index 0."""
     self.state = self.state._replace(next_pos=self.state.next_pos.at[slot].set(0))
+    self._pos[slot] = 0
 
   def position(self, slot: int) -> int:
-    return int(self.state.next_pos[slot])
+    """Cache index the slot's next token will be written at (tokens consumed so far)."""
+    return int(self._pos[slot])
 
   def room(self, slot: int) -> int:
     """Cache entries still free in `slot` (the pending sampled token needs one of them)."""
@@ -154,16 +158,29 @@ class Engine:
                                        jnp.asarray(padded), jnp.int32(true_len), sub, sampling,
                                        kv_len)
       offset += true_len
+      self._pos[slot] += true_len
     return int(tok), float(logp)
 
   def generate(self, active: np.ndarray, rng: jax.Array,
                sampling: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     """One decode step for every slot; only `active` ([B] bool) slots advance.
 
-    Returns (tokens [B] int32, logprobs [B] float32) as numpy.
+    Each active slot writes its pending token at cache index `position(slot)` and samples the next.
+
+    Returns:
+      (tokens [B] int32, logprobs [B] float32) as numpy; inactive slots repeat their last token.
+    Raises:
+      ValueError: an active slot has no room left (its write would land past the cache); callers
+        end such a request with finish reason "length" instead.
     """
-    positions = np.asarray(self.state.next_pos)[np.asarray(active, bool)]
-    kv_len = _kv_bucket(int(positions.max(initial=0)) + 1, self.cache_len)
+    active = np.asarray(active, bool)
+    if active.shape != (self.num_slots,):
+      raise ValueError(f"active must have shape ({self.num_slots},), got {active.shape}")
+    full = np.flatnonzero(active & (self._pos >= self.cache_len))
+    if full.size:
+      raise ValueError(f"slots {full.tolist()} are full (cache {self.cache_len}); end them first")
+    kv_len = _kv_bucket(int(self._pos[active].max(initial=0)) + 1, self.cache_len)
     self.state, tok, logp = _generate(self.graphdef, self.params, self.state,
                                       jnp.asarray(active), rng, sampling, kv_len)
+    self._pos[active] += 1
     return np.asarray(tok), np.asarray(logp)

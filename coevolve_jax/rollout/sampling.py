@@ -1,4 +1,10 @@
-"""Token sampling with temperature, top-k and top-p, returning log-probs of the sampled tokens."""
+"""Token sampling with temperature, top-k and top-p, returning log-probs of the sampled tokens.
+
+The log-prob of a sampled token is taken under the distribution it was actually drawn from:
+softmax(logits / T) restricted to the tokens top-k and top-p keep, renormalised over them. The same
+function, `processed_logprobs`, scores given tokens, so a trainer that recomputes log-probs with it
+gets the sampler's numbers (SPEC 2: trainer and sampler compute the same log-probs).
+"""
 
 from __future__ import annotations
 
@@ -12,38 +18,41 @@ import jax.numpy as jnp
 class SamplingParams:
   """How to pick the next token.
 
-  temperature: divides the logits; 0 means greedy (argmax).
-  top_k: keep the k most likely tokens (0 = off). top_p: nucleus mass to keep (1.0 = off).
+  Attributes:
+    temperature: divides the logits; 0 (or below) means greedy (argmax).
+    top_k: keep the k most likely tokens (0 = off).
+    top_p: nucleus mass to keep (1.0 = off): the smallest set of most likely tokens whose mass
+      reaches top_p (at least the top token).
   """
 
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
 
+  def __post_init__(self):
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+    if not 0.0 <= self.top_p <= 1.0:
+      raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+
   @property
   def greedy(self) -> bool:
     return self.temperature <= 0.0
 
 
-def sample(logits_bv: jax.Array, rng: jax.Array, params: SamplingParams) -> tuple[jax.Array,
-                                                                               jax.Array]:
-  """Samples one token per row.
+def filtered_logits(logits_bv: jax.Array, params: SamplingParams) -> jax.Array:
+  """Tempered logits with the tokens top-k / top-p drop set to -inf.
 
   Args:
-    logits_bv: [B, V] float32 logits.
-    rng: PRNG key.
-    params: static sampling parameters.
+    logits_bv: [B, V] logits (any float dtype; computed in float32).
+    params: sampling parameters; greedy counts as temperature 1 with no filtering.
   Returns:
-    (tokens [B] int32, logprobs [B] float32). The log-prob is that of the sampled token under the
-    temperature-scaled full-vocabulary softmax (log_softmax(logits / T)), which is what the trainer
-    recomputes; with greedy decoding T = 1.
+    [B, V] float32 logits / T, -inf outside the kept set.
   """
-  logits_bv = logits_bv.astype(jnp.float32)
+  scaled = logits_bv.astype(jnp.float32)
   if params.greedy:
-    tokens = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
-    logp = jax.nn.log_softmax(logits_bv, axis=-1)
-    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-  scaled = logits_bv / params.temperature
+    return scaled
+  scaled = scaled / params.temperature
   filtered = scaled
   if params.top_k > 0:
     kth = jax.lax.top_k(scaled, params.top_k)[0][:, -1:]
@@ -57,12 +66,52 @@ def sample(logits_bv: jax.Array, rng: jax.Array, params: SamplingParams) -> tupl
     cutoff_idx = jnp.maximum(jnp.sum(cum < params.top_p, axis=-1, keepdims=True) - 1, 0)
     cutoff = jnp.take_along_axis(sorted_logits, cutoff_idx, axis=-1)
     filtered = jnp.where(filtered < cutoff, -jnp.inf, filtered)
-  # Inverse-CDF sampling: one uniform per row instead of one Gumbel draw per vocabulary entry
-  # (the latter dominates a CPU decode step at V = 152k).
-  probs = jax.nn.softmax(filtered, axis=-1)
-  cdf = jnp.cumsum(probs, axis=-1)
-  u = jax.random.uniform(rng, (logits_bv.shape[0], 1), jnp.float32) * cdf[:, -1:]
-  tokens = jnp.sum(cdf <= u, axis=-1).astype(jnp.int32)
-  tokens = jnp.minimum(tokens, logits_bv.shape[-1] - 1)
-  logp = jax.nn.log_softmax(scaled, axis=-1)
+  return filtered
+
+
+def processed_logprobs(logits_bv: jax.Array, tokens_b: jax.Array,
+                       params: SamplingParams) -> jax.Array:
+  """log p(token) under the distribution `sample` draws from with `params`.
+
+  That is log_softmax(filtered_logits(logits)) at the token: temperature-scaled, restricted to the
+  top-k / top-p set and renormalised over it. Greedy decoding reports log_softmax(logits) (T = 1).
+
+  Args:
+    logits_bv: [B, V] logits.
+    tokens_b: [B] int token ids.
+    params: sampling parameters.
+  Returns:
+    [B] float32 log-probs (-inf for a token outside the kept set).
+  """
+  logp = jax.nn.log_softmax(filtered_logits(logits_bv, params), axis=-1)
+  return jnp.take_along_axis(logp, tokens_b[:, None].astype(jnp.int32), axis=-1)[:, 0]
+
+
+def sample(logits_bv: jax.Array, rng: jax.Array,
+           params: SamplingParams) -> tuple[jax.Array, jax.Array]:
+  """Samples one token per row.
+
+  Args:
+    logits_bv: [B, V] logits.
+    rng: PRNG key.
+    params: static sampling parameters.
+  Returns:
+    (tokens [B] int32, logprobs [B] float32): each log-prob is `processed_logprobs` of the token,
+    i.e. under the distribution it was drawn from.
+  """
+  filtered = filtered_logits(logits_bv, params)
+  if params.greedy:
+    tokens = jnp.argmax(filtered, axis=-1).astype(jnp.int32)
+  else:
+    # Inverse-CDF sampling: one uniform per row instead of one Gumbel draw per vocabulary entry
+    # (the latter dominates a CPU decode step at V = 152k).
+    probs = jax.nn.softmax(filtered, axis=-1)
+    cdf = jnp.cumsum(probs, axis=-1)
+    u = jax.random.uniform(rng, (logits_bv.shape[0], 1), jnp.float32) * cdf[:, -1:]
+    tokens = jnp.sum(cdf <= u, axis=-1).astype(jnp.int32)
+    # Float rounding can put u at the very end of the cdf; clamp to the last kept token.
+    last_kept = logits_bv.shape[-1] - 1 - jnp.argmax(
+        jnp.isfinite(filtered)[:, ::-1], axis=-1).astype(jnp.int32)
+    tokens = jnp.minimum(tokens, last_kept)
+  logp = jax.nn.log_softmax(filtered, axis=-1)
   return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]

@@ -1,0 +1,132 @@
+"""`generate`: completions for a list of prompts, with continuous batching over decode slots.
+
+The entry point for code that wants samples rather than slots: it owns an `Engine`, inserts
+prompts into free slots, advances all busy slots one token per step and frees a slot as soon as its
+request ends (stop token, token limit or end of the cache), so short and long requests share the
+batch without waiting for each other.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import jax
+import numpy as np
+
+from coevolve_jax.models.qwen import Qwen
+from coevolve_jax.rollout.engine import Engine
+from coevolve_jax.rollout.sampling import SamplingParams
+
+FINISH_STOP = "stop"  # a stop token was sampled (it is the last token of the completion)
+FINISH_LENGTH = "length"  # max_new_tokens reached, or the slot's KV cache is full
+
+
+@dataclasses.dataclass
+class Completion:
+  """One request's output.
+
+  Attributes:
+    token_ids: sampled ids, in order, including the stop token when finish_reason is "stop".
+    logprobs: float per sampled id, under the distribution it was drawn from (natural log).
+    finish_reason: "stop" or "length".
+  """
+
+  token_ids: list[int]
+  logprobs: list[float]
+  finish_reason: str
+
+
+def generate(model: Qwen | Engine, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+             *, max_new_tokens: int = 256, stop_ids: Iterable[int] = (),
+             rng: jax.Array | None = None, num_slots: int = 8,
+             cache_len: int | None = None) -> list[Completion]:
+  """Samples a completion for each prompt; returns them in prompt order.
+
+  Args:
+    model: a Qwen model (an engine with `num_slots` x `cache_len` is built for it) or an existing
+      `Engine` (its slots are reset and reused; `num_slots` and `cache_len` are then ignored).
+    prompts: token-id lists, each non-empty.
+    sampling: temperature / top-k / top-p (temperature 0 = greedy).
+    max_new_tokens: most tokens sampled per request (>= 1).
+    stop_ids: ids that end a request (kept as its last token).
+    rng: PRNG key for sampling (default key 0). Results depend on which requests share a step,
+      so they are reproducible for the same inputs and slot count.
+    num_slots: concurrent requests when an engine is built here.
+    cache_len: KV cache length per slot when built here (default: longest prompt +
+      max_new_tokens, rounded up to a multiple of 128).
+  Returns:
+    One `Completion` per prompt. A request whose cache fills up ends with "length"; nothing is
+    written past the end of the cache.
+  Raises:
+    ValueError: an empty prompt, max_new_tokens < 1, or a prompt that leaves no room in the cache
+      for a single sampled token (checked for all prompts before any work is done).
+  """
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  prompts = [list(map(int, p)) for p in prompts]
+  for i, p in enumerate(prompts):
+    if not p:
+      raise ValueError(f"prompt {i} is empty")
+  if isinstance(model, Engine):
+    engine = model
+  else:
+    longest = max((len(p) for p in prompts), default=1)
+    cache_len = cache_len or -(-(longest + max_new_tokens) // 128) * 128
+    engine = Engine(model, min(num_slots, max(1, len(prompts))), cache_len)
+  for i, p in enumerate(prompts):
+    if len(p) >= engine.cache_len:
+      raise ValueError(f"prompt {i} has {len(p)} tokens; the cache holds {engine.cache_len} and "
+                       f"needs room for at least one more")
+  return _Batcher(engine, sampling, max_new_tokens, frozenset(stop_ids)).run(
+      prompts, jax.random.key(0) if rng is None else rng)
+
+
+class _Batcher:
+  """Continuous batching of independent requests over an engine's slots."""
+
+  def __init__(self, engine: Engine, sampling: SamplingParams, max_new_tokens: int,
+               stop_ids: frozenset[int]):
+    self.engine, self.sampling = engine, sampling
+    self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
+
+  def run(self, prompts: list[list[int]], rng: jax.Array) -> list[Completion]:
+    out: list[Completion | None] = [None] * len(prompts)
+    pending = collections.deque(enumerate(prompts))
+    free = list(range(self.engine.num_slots))[::-1]
+    busy: dict[int, tuple[int, Completion]] = {}  # slot -> (request index, partial completion)
+    while pending or busy:
+      while pending and free:
+        index, prompt = pending.popleft()
+        slot = free.pop()
+        rng, sub = jax.random.split(rng)
+        self.engine.reset_slot(slot)
+        tok, logp = self.engine.prefill(slot, prompt, sub, self.sampling)
+        busy[slot] = (index, Completion([], [], ""))
+        self._append(busy, free, out, slot, tok, logp)
+      if not busy:
+        continue
+      active = np.zeros((self.engine.num_slots,), bool)
+      active[list(busy)] = True
+      rng, sub = jax.random.split(rng)
+      tokens, logprobs = self.engine.generate(active, sub, self.sampling)
+      for slot in list(busy):
+        self._append(busy, free, out, slot, int(tokens[slot]), float(logprobs[slot]))
+    return out  # type: ignore[return-value]
+
+  def _append(self, busy, free, out, slot: int, tok: int, logp: float) -> None:
+    """Records a sampled token; ends the request on a stop id, the token limit or a full cache."""
+    index, comp = busy[slot]
+    comp.token_ids.append(tok)
+    comp.logprobs.append(logp)
+    if tok in self.stop_ids:
+      comp.finish_reason = FINISH_STOP
+    elif len(comp.token_ids) >= self.max_new_tokens or self.engine.room(slot) <= 0:
+      # room 0: the pending token would be written at index cache_len, which does not exist.
+      comp.finish_reason = FINISH_LENGTH
+    else:
+      return
+    out[index] = comp
+    del busy[slot]
+    free.append(slot)
