@@ -1,8 +1,14 @@
 """The feedback controller (SPEC 1.2-1.4): D0 by unguided exploration, and one signal-driven round.
 
-Per context: template summary (no LLM) -> explorer -> abstraction -> validation -> pool.add (which
-drops duplicates of the evaluation split and of the pool). Only environment states (initial_config,
-involved_classes) of the training entries are used for D0, never their questions or ground truth.
+Per context: context summary (LLM, else template) -> explorer -> abstraction (LLM, else template)
+-> validation (execution, plus agent attempt and LLM judge when an LLM is configured) -> pool.add
+(which drops duplicates of the evaluation split and of the pool). Only environment states
+(initial_config, involved_classes) of the training entries are used for D0, never their questions
+or ground truth.
+
+A round is split so it can overlap training: `select_events` (main thread), `synthesize_round`
+(any thread; reads only its arguments), `commit_round` (main thread; the only step that touches
+the pool).
 """
 
 from __future__ import annotations
@@ -10,13 +16,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import time
 from typing import Any
 
 import numpy as np
 
+from coevolve_jax.feedback import llm_explorer
 from coevolve_jax.feedback.abstraction import abstract_task
 from coevolve_jax.feedback.explorer import ExplorationContext, Explorer
+from coevolve_jax.feedback.llm import BudgetExhausted, TextLLM
 from coevolve_jax.feedback.pool import TaskPool
+from coevolve_jax.feedback.signals import KINDS
 from coevolve_jax.feedback.validation import validate_task
 from envs.base import Task
 
@@ -29,7 +39,7 @@ class SignalEvent:
   [0, 1]."""
 
   task: Task
-  signal: str
+  signal: str | None
   calls: list[list[str]]
   reward: float
 
@@ -42,17 +52,19 @@ class FeedbackReport:
   pass_rate: float
   per_signal: dict[str, dict[str, int]]
   rejected: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (task_id, reason)
+  llm_usage: dict[str, int] | None = None  # {"tokens", "requests"} of the round's LLM calls
 
 
 def summarize_event(event: SignalEvent) -> tuple[dict[str, Any], list[str]]:
   """Template context summary (SPEC 1.2 keys) and the focus calls for one event."""
   agent_calls = [c for turn in event.calls for c in turn]
   truth = [c for turn in event.task.ground_truth for c in turn]
-  focus = (
-    agent_calls
-    if event.signal == "rare" or (event.signal == "boundary" and event.reward >= 0.5)
-    else truth
-  )
+  if event.signal is None:  # random re-exploration: unguided, no focus
+    focus = []
+  elif event.signal == "rare" or (event.signal == "boundary" and event.reward >= 0.5):
+    focus = agent_calls
+  else:
+    focus = truth
   names = list(dict.fromkeys(c.split("(", 1)[0] for c in focus))
   summary = {
     "summary": f"{event.signal} signal on task {event.task.task_id} (reward {event.reward:.2f}); "
@@ -66,6 +78,49 @@ def summarize_event(event: SignalEvent) -> tuple[dict[str, Any], list[str]]:
   return summary, focus
 
 
+@dataclasses.dataclass(frozen=True)
+class SynthesisSettings:
+  """How one context becomes a task (SPEC 1.2-1.3); every field is a config value.
+
+  Attributes:
+    min_calls / max_calls: bounds on a task's ground-truth length (calls).
+    max_turns: user turns per template-abstracted task.
+    rounds / steps_per_round: exploration runs per context and call attempts per run.
+    validate: validation by execution (and judge); False only for the no-validation ablation.
+    judge: with an LLM, also let an agent attempt the task and an LLM judge it (SPEC 1.3).
+  """
+
+  min_calls: int = 3
+  max_calls: int = 8
+  max_turns: int = 2
+  rounds: int = 4
+  steps_per_round: int = 12
+  validate: bool = True
+  judge: bool = True
+
+
+def _abstract(triplets, context, task_id, source, round_idx, explorer_name, s, llm):
+  """LLM abstraction when `llm` is given and its answer is usable, else the template."""
+  if llm is not None and triplets:
+    choice = llm_explorer.abstract_with_llm(llm, triplets, context, min_calls=s.min_calls,
+                                            max_calls=s.max_calls)
+    if choice is not None:
+      return Task(task_id=task_id, env="bfcl", turns=[choice.query], ground_truth=[choice.calls],
+                  initial_config=context.initial_config,
+                  involved_classes=list(context.involved_classes), source=source,
+                  provenance={"signal": context.signal, "round": round_idx,
+                              "explorer": explorer_name, "parent_task_id": context.task_id,
+                              "run_id": choice.run_id, "abstraction": "llm",
+                              "description": choice.description,
+                              "completion": choice.completion})
+  task = abstract_task(triplets, context, task_id, min_calls=s.min_calls, max_calls=s.max_calls,
+                       max_turns=s.max_turns, source=source, explorer_name=explorer_name,
+                       round_idx=round_idx)
+  if task is not None:
+    task.provenance["abstraction"] = "template"
+  return task
+
+
 def _explore_one(
   context: ExplorationContext,
   explorer: Explorer,
@@ -73,27 +128,44 @@ def _explore_one(
   task_id: str,
   source: str,
   round_idx: int | None,
-  min_calls: int,
-  max_calls: int,
-  max_turns: int,
+  settings: SynthesisSettings,
+  llm: TextLLM | None = None,
+  trace: list[dict[str, Any]] | None = None,
 ) -> tuple[Task | None, str]:
-  """Explore -> abstract -> validate one context; returns (accepted task or None, reason)."""
+  """Explore -> abstract -> validate one context; returns (accepted task or None, reason).
+
+  Acceptance (SPEC 1.3, plus an executable evaluator): the ground truth must replay, be
+  deterministic and pass the official checker (`validate_task`); with an LLM and
+  `settings.judge`, an agent attempt must then score 1.0 with the checker or be judged a success.
+
+  Raises:
+    BudgetExhausted: the LLM's token budget ran out (the caller ends the round).
+  """
   triplets = explorer.explore(context, rng)
-  task = abstract_task(
-    triplets,
-    context,
-    task_id,
-    min_calls=min_calls,
-    max_calls=max_calls,
-    max_turns=max_turns,
-    source=source,
-    explorer_name=explorer.name,
-    round_idx=round_idx,
-  )
+  if trace is not None:
+    steps = getattr(explorer, "trace", None) or [
+        {"run": t.run_id, "action": t.action, "observation": t.observation[:400], "ok": True}
+        for t in triplets]
+    trace.extend({"task_id": task_id, "parent": context.task_id, "signal": context.signal, **r}
+                 for r in steps)
+  task = _abstract(triplets, context, task_id, source, round_idx, explorer.name, settings, llm)
   if task is None:
     return None, "abstraction found no run with enough successful calls"
-  result = validate_task(task, min_calls=min_calls)
-  return (task if result.accepted else None), result.reason
+  if not settings.validate:
+    task.provenance["validation"] = "skipped"
+    return task, "ok (validation skipped)"
+  result = validate_task(task, min_calls=settings.min_calls)
+  if not result.accepted:
+    return None, result.reason
+  if llm is not None and settings.judge:
+    accepted, info = llm_explorer.attempt_and_judge(llm, task)
+    task.provenance["validation"] = {"checker_reward": info["checker_reward"],
+                                     "judge": info["judge"]}
+    if not accepted:
+      return None, f"judge rejected the attempt: {(info['judge'] or {}).get('reason', '')}"
+  else:
+    task.provenance["validation"] = "execution"
+  return task, result.reason
 
 
 def build_initial_tasks(
@@ -111,6 +183,7 @@ def build_initial_tasks(
   max_classes: int | None = None,
   only_classes: tuple[str, ...] = (),
   counts: dict[str, int] | None = None,
+  llm: TextLLM | None = None,
 ) -> list[Task]:
   """D0: up to `n` validated tasks by unguided exploration over the entries' environment states.
 
@@ -121,10 +194,12 @@ def build_initial_tasks(
       (chosen at random; the task then offers only those classes' tools, a shorter prompt).
     only_classes: if set, explore only these backend classes (entries without any are skipped).
     counts: if given, filled with "attempted", "abstracted", "accepted", "rejected".
+    llm: if given, abstraction and judge by this LLM (SPEC 1.3); else template + execution.
 
   Returns:
     Accepted tasks with ids "d0-00000", ... and source "explore".
   """
+  settings = SynthesisSettings(min_calls, max_calls, max_turns, rounds, steps_per_round)
   counts = counts if counts is not None else {}
   counts.update(attempted=0, abstracted=0, accepted=0, rejected=0)
   out: list[Task] = []
@@ -146,9 +221,12 @@ def build_initial_tasks(
       rounds=rounds,
       steps_per_round=steps_per_round,
     )
-    task, reason = _explore_one(
-      context, explorer, rng, f"d0-{len(out):05d}", "explore", None, min_calls, max_calls, max_turns
-    )
+    try:
+      task, reason = _explore_one(context, explorer, rng, f"d0-{len(out):05d}", "explore", None,
+                                  settings, llm)
+    except BudgetExhausted as e:
+      log.warning("D0: stopped early: %s", e)
+      break
     counts["attempted"] += 1
     counts["abstracted"] += int(not reason.startswith("abstraction"))
     if task is None:
@@ -158,6 +236,129 @@ def build_initial_tasks(
       out.append(task)
   counts["accepted"] = len(out)
   log.info("D0: %s", counts)
+  return out
+
+
+def select_events(events: list[SignalEvent], rng: np.random.Generator, max_contexts: int, *,
+                  kinds: tuple[str, ...] = KINDS, mode: str = "signals",
+                  pool_tasks: list[Task] = ()) -> list[SignalEvent]:
+  """The contexts of one round: up to `max_contexts` events, drawn uniformly without replacement.
+
+  Args:
+    events: the signal events since the last round.
+    kinds: signal kinds used (the no-forgetting / no-boundary / no-rare ablations drop one).
+    mode: "signals" (SPEC 1.2) or "random": random re-exploration, no signals; contexts are pool
+      tasks drawn uniformly, explored unguided (signal None, no focus calls).
+    pool_tasks: the pool's tasks (only read in "random" mode).
+
+  Raises:
+    ValueError: an unknown mode or kind.
+  """
+  if mode not in ("signals", "random"):
+    raise ValueError(f"feedback mode must be 'signals' or 'random', got {mode!r}")
+  if unknown := set(kinds) - set(KINDS):
+    raise ValueError(f"unknown signal kinds {sorted(unknown)} (known: {KINDS})")
+  if mode == "random":
+    pool_tasks = list(pool_tasks)
+    idx = rng.permutation(len(pool_tasks))[:max_contexts]
+    return [SignalEvent(pool_tasks[int(i)], None, [[]], 0.0) for i in idx]
+  usable = [e for e in events if e.signal in kinds]
+  return [usable[int(i)] for i in rng.permutation(len(usable))[:max_contexts]]
+
+
+@dataclasses.dataclass
+class RoundResult:
+  """A feedback round's synthesized and validated tasks, before they meet the pool."""
+
+  round_idx: int
+  tasks: list[Task]
+  synthesized: int
+  per_signal: dict[str, dict[str, int]]
+  rejected: list[tuple[str, str]]
+  trace: list[dict[str, Any]]
+  llm_usage: dict[str, int] | None = None
+  wall_s: float = 0.0
+
+
+def synthesize_round(
+  events: list[SignalEvent],
+  explorer: Explorer,
+  rng: np.random.Generator,
+  round_idx: int,
+  settings: SynthesisSettings,
+  llm: TextLLM | None = None,
+) -> RoundResult:
+  """Stages 2-3 for already selected events; touches no shared state (safe in a worker thread).
+
+  Each event: context summary (LLM or template) -> exploration -> abstraction -> validation. A
+  spent LLM token budget ends the round early; what was accepted so far is kept.
+  """
+  start = time.perf_counter()
+  if llm is not None:
+    llm.budget.reset()
+  per_signal: dict[str, dict[str, int]] = collections.defaultdict(
+    lambda: {"events": 0, "synthesized": 0, "validated": 0}
+  )
+  tasks, rejected, trace, synthesized = [], [], [], 0
+  for k, event in enumerate(events):
+    task_id = f"syn-r{round_idx}-{k:04d}"
+    try:
+      summary, focus = summarize_event(event)
+      if llm is not None and event.signal is not None:
+        summary = llm_explorer.summarize_with_llm(llm, event.task, event.signal, event.calls,
+                                                  event.reward, summary)
+      context = ExplorationContext(
+        task_id=event.task.task_id,
+        initial_config=event.task.initial_config,
+        involved_classes=list(event.task.involved_classes),
+        signal=event.signal,
+        focus_calls=focus,
+        summary=summary,
+        rounds=settings.rounds,
+        steps_per_round=settings.steps_per_round,
+      )
+      task, reason = _explore_one(context, explorer, rng, task_id, "synth", round_idx, settings,
+                                  llm, trace)
+    except BudgetExhausted as e:
+      log.warning("feedback round %d stopped after %d of %d contexts: %s", round_idx, k,
+                  len(events), e)
+      break
+    counts = per_signal[str(event.signal)]
+    counts["events"] += 1
+    made = not reason.startswith("abstraction")
+    synthesized += int(made)
+    counts["synthesized"] += int(made)
+    if task is None:
+      if made:
+        rejected.append((task_id, reason))
+      continue
+    counts["validated"] += 1
+    tasks.append(task)
+  return RoundResult(round_idx, tasks, synthesized, dict(per_signal), rejected, trace,
+                     llm.budget.reset() if llm is not None else None,
+                     time.perf_counter() - start)
+
+
+def commit_round(result: RoundResult, pool: TaskPool, eval_tasks: list[Task]) -> FeedbackReport:
+  """Adds a round's validated tasks to the pool (dropping duplicates of the evaluation split and
+  of the pool, logged) and reports the round."""
+  report = pool.add(result.tasks, eval_tasks=eval_tasks)
+  dropped_ids = {d[0] for d in report.dropped}
+  per_signal = {k: {**v, "accepted": 0} for k, v in result.per_signal.items()}
+  for task in result.tasks:
+    if task.task_id not in dropped_ids:
+      per_signal[str(task.provenance["signal"])]["accepted"] += 1
+  out = FeedbackReport(
+    synthesized=result.synthesized,
+    accepted=report.added,
+    dropped=report.dropped,
+    pass_rate=(len(result.tasks) / result.synthesized) if result.synthesized else 0.0,
+    per_signal=per_signal,
+    rejected=result.rejected,
+    llm_usage=result.llm_usage,
+  )
+  log.info("feedback round %d: synthesized %d, accepted %d, dropped %d, pass rate %.2f",
+           result.round_idx, out.synthesized, out.accepted, len(out.dropped), out.pass_rate)
   return out
 
 
@@ -175,59 +376,16 @@ def run_feedback_round(
   max_turns: int = 2,
   rounds: int = 4,
   steps_per_round: int = 12,
+  llm: TextLLM | None = None,
 ) -> FeedbackReport:
-  """One feedback round: up to `max_contexts` events -> synthesized, validated tasks added to
-  `pool`.
+  """One feedback round in the calling thread: select -> synthesize -> commit to `pool`.
 
   Returns:
     FeedbackReport: synthesized (abstracted tasks), accepted (added to the pool), dropped (pool
     dedup), pass_rate (validation pass rate of synthesized tasks), per_signal counts, rejected
     (validation).
   """
-  chosen = [events[int(i)] for i in rng.permutation(len(events))[:max_contexts]]
-  per_signal: dict[str, dict[str, int]] = collections.defaultdict(
-    lambda: {"events": 0, "synthesized": 0, "validated": 0, "accepted": 0}
-  )
-  valid_tasks, rejected, synthesized = [], [], 0
-  for k, event in enumerate(chosen):
-    summary, focus = summarize_event(event)
-    context = ExplorationContext(
-      task_id=event.task.task_id,
-      initial_config=event.task.initial_config,
-      involved_classes=list(event.task.involved_classes),
-      signal=event.signal,
-      focus_calls=focus,
-      summary=summary,
-      rounds=rounds,
-      steps_per_round=steps_per_round,
-    )
-    task_id = f"syn-r{round_idx}-{k:04d}"
-    task, reason = _explore_one(
-      context, explorer, rng, task_id, "synth", round_idx, min_calls, max_calls, max_turns
-    )
-    counts = per_signal[event.signal]
-    counts["events"] += 1
-    made = not reason.startswith("abstraction")
-    synthesized += int(made)
-    counts["synthesized"] += int(made)
-    if task is None:
-      if made:
-        rejected.append((task_id, reason))
-      continue
-    counts["validated"] += 1
-    valid_tasks.append(task)
-  report = pool.add(valid_tasks, eval_tasks=eval_tasks)
-  dropped_ids = {d[0] for d in report.dropped}
-  for task in valid_tasks:
-    if task.task_id not in dropped_ids:
-      per_signal[task.provenance["signal"]]["accepted"] += 1
-  result = FeedbackReport(
-    synthesized=synthesized,
-    accepted=report.added,
-    dropped=report.dropped,
-    pass_rate=(len(valid_tasks) / synthesized) if synthesized else 0.0,
-    per_signal=dict(per_signal),
-    rejected=rejected,
-  )
-  log.info("feedback round %d: %s", round_idx, result)
-  return result
+  chosen = select_events(events, rng, max_contexts)
+  settings = SynthesisSettings(min_calls, max_calls, max_turns, rounds, steps_per_round)
+  return commit_round(synthesize_round(chosen, explorer, rng, round_idx, settings, llm), pool,
+                      eval_tasks)

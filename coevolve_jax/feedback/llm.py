@@ -1,0 +1,225 @@
+"""Text LLMs for the feedback loop (explorer, context summary, abstraction, judge).
+
+One small interface, `TextLLM.generate(system, prompt) -> str`, with two backends:
+
+* `GeminiLLM`: Gemini through the google-genai client, with a Gemini API key or Vertex AI.
+  Retries with exponential backoff and jitter on 408/429/5xx and transport errors (the client's
+  own `HttpRetryOptions`, tenacity underneath), a per-request timeout, and a token budget per
+  feedback round (`TokenBudget`). Credentials come only from the environment (GEMINI_API_KEY or
+  GOOGLE_API_KEY) or from Google application default credentials (Vertex AI); they are never
+  taken from the config, and nothing here logs, reprs or returns them.
+* `LocalLLM` (coevolve_jax.feedback.local_llm): a checkpoint served by our own engine.
+
+Every failure reaches the caller as `LLMError` (or `BudgetExhausted`), never as a client-library
+exception, so the explorer can stop a run cleanly and keep what it has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import threading
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+API_KEY_VARS = ("GEMINI_API_KEY", "GOOGLE_API_KEY")
+
+
+class LLMError(RuntimeError):
+  """A request that failed for good (after retries): HTTP error, timeout, malformed response."""
+
+
+class BudgetExhausted(LLMError):
+  """The round's token budget is spent; no further request is sent this round."""
+
+
+class TokenBudget:
+  """Tokens (prompt + output, as the API reports them) allowed per feedback round; thread-safe.
+
+  Args:
+    limit: tokens per round; 0 or less means unlimited.
+  """
+
+  def __init__(self, limit: int = 0):
+    self.limit = int(limit)
+    self.used = 0
+    self.requests = 0
+    self._lock = threading.Lock()
+
+  def check(self) -> None:
+    """Raises BudgetExhausted when the round's budget is already spent."""
+    with self._lock:
+      if self.limit > 0 and self.used >= self.limit:
+        raise BudgetExhausted(f"token budget of {self.limit} per round spent ({self.used} used)")
+
+  def charge(self, tokens: int) -> None:
+    with self._lock:
+      self.used += max(0, int(tokens))
+      self.requests += 1
+
+  def reset(self) -> dict[str, int]:
+    """Starts a new round; returns the finished round's {"tokens", "requests"}."""
+    with self._lock:
+      out = {"tokens": self.used, "requests": self.requests}
+      self.used, self.requests = 0, 0
+      return out
+
+
+class TextLLM(Protocol):
+  """A text-in, text-out model. `name` goes into task provenance."""
+
+  name: str
+  budget: TokenBudget
+
+  def generate(self, system: str, prompt: str, *, json_output: bool = False) -> str:
+    """Returns the model's reply text. Raises LLMError (or BudgetExhausted)."""
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class GeminiSettings:
+  """Gemini client settings (no credentials: those come from the environment or ADC).
+
+  Attributes:
+    model: model id, e.g. "gemini-2.5-flash".
+    vertex: use Vertex AI (project/location from the arguments or GOOGLE_CLOUD_PROJECT /
+      GOOGLE_CLOUD_LOCATION, credentials from ADC) instead of a Gemini API key.
+    project / location: Vertex AI project and region ("" = from the environment).
+    base_url: endpoint override ("" = the client's default); used by tests and proxies.
+    timeout_s: per-request timeout in seconds (each retry attempt gets the full timeout).
+    attempts: tries per request, the first included (1 = no retries).
+    initial_delay_s / max_delay_s: exponential backoff bounds (seconds; jittered, base 2).
+    temperature: sampling temperature. max_output_tokens: cap per reply.
+    tokens_per_round: the TokenBudget limit (0 = unlimited).
+  """
+
+  model: str = "gemini-2.5-flash"
+  vertex: bool = False
+  project: str = ""
+  location: str = ""
+  base_url: str = ""
+  timeout_s: float = 60.0
+  attempts: int = 5
+  initial_delay_s: float = 1.0
+  max_delay_s: float = 30.0
+  temperature: float = 0.7
+  max_output_tokens: int = 1024
+  tokens_per_round: int = 200_000
+
+
+def api_key_from_env() -> str | None:
+  """The Gemini API key from GEMINI_API_KEY or GOOGLE_API_KEY (first set wins), else None."""
+  for var in API_KEY_VARS:
+    if os.environ.get(var):
+      return os.environ[var]
+  return None
+
+
+class GeminiLLM:
+  """Gemini via google-genai (implements TextLLM).
+
+  Raises (constructor):
+    LLMError: no API key in the environment (and `vertex` is False), or Vertex AI without a
+      project; the message names the variables to set, never a value.
+  """
+
+  def __init__(self, settings: GeminiSettings = GeminiSettings()):
+    from google import genai  # pylint: disable=g-import-not-at-top
+    from google.genai import types  # pylint: disable=g-import-not-at-top
+
+    self.settings = settings
+    self.name = f"gemini:{settings.model}"
+    self.budget = TokenBudget(settings.tokens_per_round)
+    self._types = types
+    http = types.HttpOptions(
+        base_url=settings.base_url or None,
+        timeout=int(round(settings.timeout_s * 1000)),  # milliseconds
+        retry_options=types.HttpRetryOptions(
+            attempts=max(1, settings.attempts), initial_delay=settings.initial_delay_s,
+            max_delay=settings.max_delay_s, exp_base=2.0, jitter=1.0))
+    if settings.vertex:
+      project = settings.project or os.environ.get("GOOGLE_CLOUD_PROJECT", "")
+      location = settings.location or os.environ.get("GOOGLE_CLOUD_LOCATION", "us-central1")
+      if not project:
+        raise LLMError("Vertex AI needs a project: set explore.gemini.project or "
+                       "GOOGLE_CLOUD_PROJECT (credentials come from application default "
+                       "credentials)")
+      self._client = genai.Client(vertexai=True, project=project, location=location,
+                                  http_options=http)
+    else:
+      key = api_key_from_env()
+      if key is None:
+        raise LLMError(f"no Gemini API key: set one of {', '.join(API_KEY_VARS)} in the "
+                       "environment (or use Vertex AI with explore.gemini.vertex=True)")
+      self._client = genai.Client(api_key=key, http_options=http)
+
+  def __repr__(self) -> str:
+    return f"GeminiLLM(model={self.settings.model!r}, vertex={self.settings.vertex})"
+
+  def generate(self, system: str, prompt: str, *, json_output: bool = False) -> str:
+    """One request (retried by the client on 408/429/5xx and transport errors).
+
+    Args:
+      system: the system instruction.
+      prompt: the user message.
+      json_output: ask for a JSON reply (response MIME type application/json).
+
+    Returns:
+      The reply text.
+
+    Raises:
+      BudgetExhausted: the round's token budget is spent (checked before sending).
+      LLMError: an HTTP error after the last retry, a timeout, a malformed or empty response.
+    """
+    from google.genai import errors  # pylint: disable=g-import-not-at-top
+
+    self.budget.check()
+    s = self.settings
+    config = self._types.GenerateContentConfig(
+        system_instruction=system, temperature=s.temperature,
+        max_output_tokens=s.max_output_tokens,
+        response_mime_type="application/json" if json_output else None)
+    try:
+      response = self._client.models.generate_content(model=s.model, contents=prompt,
+                                                      config=config)
+    except errors.APIError as e:
+      raise LLMError(f"Gemini HTTP {e.code} {e.status or ''}".strip()) from None
+    except ValueError as e:  # the client's json.loads of a malformed body
+      raise LLMError(f"malformed Gemini response: {e}") from None
+    except Exception as e:  # transport errors (timeouts, refused connections) of the client
+      kind = "timeout" if "Timeout" in type(e).__name__ else "transport error"
+      raise LLMError(f"Gemini {kind}: {type(e).__name__}") from None
+    usage = response.usage_metadata
+    tokens = (usage.total_token_count or 0) if usage is not None else 0
+    text = response.text
+    if not tokens:  # no usage reported: charge an estimate (4 characters per token)
+      tokens = (len(system) + len(prompt) + len(text or "")) // 4
+    self.budget.charge(tokens)
+    if not text:
+      raise LLMError("empty Gemini response (no candidate text)")
+    return text
+
+
+def parse_json_reply(text: str) -> Any:
+  """The JSON value in an LLM reply (bare, or inside a ```json fence).
+
+  Raises:
+    LLMError: no parseable JSON value.
+  """
+  fenced = re.search(r"```(?:json)?\s*(.*?)```", text, re.S)
+  body = (fenced.group(1) if fenced else text).strip()
+  try:
+    return json.loads(body)
+  except ValueError:
+    pass
+  start = min((i for i in (body.find("{"), body.find("[")) if i >= 0), default=-1)
+  if start >= 0:
+    try:
+      return json.JSONDecoder().raw_decode(body[start:])[0]
+    except ValueError:
+      pass
+  raise LLMError(f"reply is not JSON: {text[:120]!r}")

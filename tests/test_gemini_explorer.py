@@ -1,0 +1,215 @@
+"""The Gemini backend through the real google-genai client against a loopback Gemini REST server,
+and the LLM explorer / abstraction / judge on real BFCL backends."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from coevolve_jax.feedback import gemini_stub
+from coevolve_jax.feedback.explorer import ExplorationContext
+from coevolve_jax.feedback.gemini_stub import GeminiStub, Reply, error_body, ok_body
+from coevolve_jax.feedback.llm import (BudgetExhausted, GeminiLLM, GeminiSettings, LLMError,
+                                       parse_json_reply)
+from coevolve_jax.feedback.llm_explorer import (LLMExplorer, abstract_with_llm,
+                                                attempt_and_judge, parse_call_reply)
+from coevolve_jax.feedback.sandbox import Sandbox
+from envs.base import Task
+from envs.bfcl import load_bfcl_tasks
+
+FAKE_KEY = "AIzaFAKE-test-key-0123456789"
+
+
+@pytest.fixture
+def stub():
+  with GeminiStub() as s:
+    yield s
+
+
+@pytest.fixture(autouse=True)
+def fake_key(monkeypatch):
+  monkeypatch.delenv("GOOGLE_API_KEY", raising=False)
+  monkeypatch.setenv("GEMINI_API_KEY", FAKE_KEY)
+
+
+def make_llm(stub, **kw):
+  kw.setdefault("attempts", 3)
+  kw.setdefault("initial_delay_s", 0.01)
+  kw.setdefault("max_delay_s", 0.02)
+  kw.setdefault("timeout_s", 5.0)
+  return GeminiLLM(GeminiSettings(model="gemini-test", base_url=stub.url, **kw))
+
+
+def test_success_uses_env_key_and_charges_reported_tokens(stub):
+  stub.script.append(Reply(200, ok_body("hello", prompt_tokens=7, output_tokens=4)))
+  llm = make_llm(stub)
+  assert llm.generate("sys", "hi", json_output=True) == "hello"
+  (req,) = stub.requests
+  assert req["path"].endswith("/models/gemini-test:generateContent")
+  assert req["headers"]["x-goog-api-key"] == FAKE_KEY
+  assert req["body"]["systemInstruction"]["parts"][0]["text"] == "sys"
+  assert req["body"]["generationConfig"]["responseMimeType"] == "application/json"
+  assert llm.budget.used == 11 and llm.budget.requests == 1
+  assert FAKE_KEY not in repr(llm)
+
+
+def test_429_then_success_is_retried(stub):
+  stub.script.extend([Reply(429, error_body(429, "RESOURCE_EXHAUSTED")),
+                      Reply(503, error_body(503, "UNAVAILABLE")), Reply(200, ok_body("ok"))])
+  assert make_llm(stub).generate("s", "p") == "ok"
+  assert len(stub.requests) == 3
+
+
+def test_persistent_500_fails_after_all_attempts(stub):
+  stub.script.extend(Reply(500, error_body(500, "INTERNAL")) for _ in range(5))
+  with pytest.raises(LLMError, match="HTTP 500"):
+    make_llm(stub, attempts=3).generate("s", "p")
+  assert len(stub.requests) == 3
+
+
+def test_400_is_not_retried(stub):
+  stub.script.append(Reply(400, error_body(400, "INVALID_ARGUMENT")))
+  with pytest.raises(LLMError, match="HTTP 400"):
+    make_llm(stub).generate("s", "p")
+  assert len(stub.requests) == 1
+
+
+def test_malformed_json_body(stub):
+  stub.script.append(Reply(200, '{"candidates": [ {"content": '))
+  with pytest.raises(LLMError, match="malformed"):
+    make_llm(stub).generate("s", "p")
+
+
+def test_empty_candidates(stub):
+  stub.script.append(Reply(200, '{"candidates": []}'))
+  with pytest.raises(LLMError, match="empty"):
+    make_llm(stub).generate("s", "p")
+
+
+def test_timeout(stub):
+  stub.script.extend([Reply(200, ok_body("late"), delay_s=1.5), Reply(200, ok_body("late"),
+                                                                      delay_s=1.5)])
+  start = time.perf_counter()
+  with pytest.raises(LLMError, match="timeout"):
+    make_llm(stub, timeout_s=0.3, attempts=2).generate("s", "p")
+  assert time.perf_counter() - start < 1.4  # two 0.3 s attempts, not the server's 1.5 s
+  assert len(stub.requests) == 2
+
+
+def test_token_budget_stops_before_sending(stub):
+  llm = make_llm(stub, tokens_per_round=20)
+  llm.generate("s", "p")  # 15 tokens (stub default usage)
+  llm.generate("s", "p")  # 30 >= 20 after this one
+  with pytest.raises(BudgetExhausted):
+    llm.generate("s", "p")
+  assert len(stub.requests) == 2
+  assert llm.budget.reset() == {"tokens": 30, "requests": 2}
+  llm.generate("s", "p")  # a new round
+  assert len(stub.requests) == 3
+
+
+def test_missing_key_is_a_clear_error(monkeypatch, stub):
+  monkeypatch.delenv("GEMINI_API_KEY")
+  with pytest.raises(LLMError, match="GEMINI_API_KEY"):
+    make_llm(stub)
+
+
+def test_vertex_needs_a_project(monkeypatch, stub):
+  monkeypatch.delenv("GOOGLE_CLOUD_PROJECT", raising=False)
+  with pytest.raises(LLMError, match="GOOGLE_CLOUD_PROJECT"):
+    make_llm(stub, vertex=True)
+
+
+def test_parse_json_reply_and_call_reply():
+  assert parse_json_reply('```json\n{"a": 1}\n```') == {"a": 1}
+  assert parse_json_reply('Sure: {"a": [1]} done') == {"a": [1]}
+  assert parse_call_reply('{"stop": true}') is None
+  call = parse_call_reply('{"name": "ls", "arguments": {"a": true}}')
+  assert call.name == "ls" and call.arguments == {"a": True}
+  for bad in ("no json here", '{"name": 3}', '{"name": "ls", "arguments": [1]}'):
+    with pytest.raises(LLMError):
+      parse_call_reply(bad)
+
+
+# ------------------------------------------------------------------ LLM stages on real backends
+
+
+@pytest.fixture(scope="module")
+def message_task():
+  task = next(t for t in load_bfcl_tasks("multi_turn_base") if "MessageAPI" in t.involved_classes)
+  config = {"MessageAPI": task.initial_config.get("MessageAPI", {})}  # default state when absent
+  return Task(task.task_id, "bfcl", [], [], config, ["MessageAPI"])
+
+
+def _context(task, **kw):
+  return ExplorationContext(task.task_id, task.initial_config, task.involved_classes,
+                            signal="boundary", summary={"summary": "s"}, **kw)
+
+
+def test_explorer_executes_valid_calls_and_rejects_bad_ones(stub, message_task):
+  evil = json.dumps({"name": "__import__('os').system('touch /tmp/pwned')", "arguments": {}})
+  stub.script.extend([Reply(200, ok_body(evil)), Reply(200, ok_body("not json at all")),
+                      Reply(200, ok_body(json.dumps({"name": "list_users", "arguments": {}})))])
+  explorer = LLMExplorer(make_llm(stub))
+  triplets = explorer.explore(_context(message_task, rounds=2, steps_per_round=3),
+                              np.random.default_rng(0))
+  assert [t["ok"] for t in explorer.trace[:3]] == [False, False, True]
+  assert len(explorer.trace) == 6 and {t["run"] for t in explorer.trace} == {0, 1}
+  assert triplets and all(t.action.endswith(")") for t in triplets)
+  with Sandbox(message_task.initial_config, message_task.involved_classes) as box:
+    for t in triplets:  # real, reproducible results
+      assert box.run_ok(t.action)[1] == t.observation
+  assert "list_users" in triplets[0].action
+
+
+def test_explorer_keeps_results_when_the_budget_runs_out(stub, message_task):
+  explorer = LLMExplorer(make_llm(stub, tokens_per_round=45))  # three 15-token requests
+  triplets = explorer.explore(_context(message_task, rounds=3, steps_per_round=2),
+                              np.random.default_rng(0))
+  assert len(stub.requests) == 3 and len(explorer.trace) == 3  # then no request is sent
+  assert triplets and [t.action for t in triplets] == [r["action"] for r in explorer.trace
+                                                       if r["ok"]]
+
+
+def test_explorer_run_survives_a_failed_request(stub, message_task):
+  stub.script.extend(Reply(500, error_body(500, "INTERNAL")) for _ in range(3))
+  explorer = LLMExplorer(make_llm(stub))
+  triplets = explorer.explore(_context(message_task, rounds=2, steps_per_round=2),
+                              np.random.default_rng(0))
+  assert explorer.trace[0]["run"] == 0 and not explorer.trace[0]["ok"]
+  assert {t.run_id for t in triplets} == {1}  # run 0 ended, run 1 went on
+
+
+def test_abstraction_and_attempt_and_judge(stub, message_task):
+  llm = make_llm(stub)
+  ctx = _context(message_task, rounds=1, steps_per_round=4)
+  for name, args in [("list_users", {}), ("get_user_id", {"user": "Alice"}),
+                     ("add_contact", {"user_name": "Zed"}), ("message_get_login_status", {})]:
+    stub.script.append(Reply(200, ok_body(json.dumps({"name": name, "arguments": args}))))
+  triplets = LLMExplorer(llm).explore(ctx, np.random.default_rng(0))
+  assert len(triplets) == 4
+  choice = abstract_with_llm(llm, triplets, ctx, min_calls=3, max_calls=3)
+  assert choice.calls == [t.action for t in triplets[:3]]
+  assert choice.query == "Please do the stub task."
+  task = Task("syn-x", "bfcl", [choice.query], [choice.calls], ctx.initial_config,
+              ctx.involved_classes, "synth")
+  accepted, info = attempt_and_judge(llm, task)
+  assert accepted and info["checker_reward"] == 1.0 and info["judge"] is None
+
+  # An out-of-range step choice is rejected rather than trusted.
+  stub.script.append(Reply(200, ok_body(json.dumps({"run_id": 0, "steps": [0, 1, 99],
+                                                    "query": "q"}))))
+  assert abstract_with_llm(llm, triplets, ctx, min_calls=3, max_calls=3) is None
+
+
+def test_judge_decides_when_the_checker_fails(stub, message_task):
+  llm = make_llm(stub)
+  task = Task("syn-y", "bfcl", ["Add a contact."], [["add_contact(user_name='Zed')"]],
+              message_task.initial_config, message_task.involved_classes, "synth")
+  stub.script.extend([Reply(200, ok_body('{"stop": true}')),  # the attempt does nothing
+                      Reply(200, ok_body('{"success": false, "reason": "no call made"}'))])
+  accepted, info = attempt_and_judge(llm, task)
+  assert not accepted and info["checker_reward"] == 0.0
+  assert info["judge"] == {"success": False, "reason": "no call made"}
+  assert gemini_stub.feedback_responder("You judge x", "")  # default judge answer exists
