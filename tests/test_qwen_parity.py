@@ -1,4 +1,9 @@
-"""Logits of our Qwen against Hugging Face transformers on tiny random configs (float32)."""
+"""Our Qwen against Hugging Face transformers on tiny random configs of every family.
+
+Each reference model is created by transformers, saved with its `save_pretrained`, and loaded by
+our `from_pretrained`, so the test also covers the checkpoint format (per-expert MoE tensors,
+tied heads). The round trip saves ours and loads it back into transformers.
+"""
 
 import numpy as np
 import pytest
@@ -6,54 +11,110 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
 
-from coevolve_jax.models import Qwen, QwenConfig, KVCache  # noqa: E402
-from coevolve_jax.models.params import assign_hf_tensors  # noqa: E402
+from coevolve_jax.models import KVCache, QwenConfig, from_pretrained, save_pretrained  # noqa: E402
+
+VOCAB = 320
+
+# name: (transformers config class, model class, extra config)
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
+                       norm_topk_prob=True)),
+    # Sparse only every second layer; layer 2 is forced dense; no top-k renormalisation.
+    "qwen3_moe_mixed": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                        dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
+                             norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[2],
+                             num_hidden_layers=4)),
+}
+
+CASES = [  # (family, tied head, query heads, kv heads): GQA ratios 1, 2 and 4
+    ("qwen3", True, 4, 2), ("qwen3", False, 4, 4), ("qwen2", False, 4, 1), ("qwen2", True, 4, 2),
+    ("qwen3_moe", False, 4, 2), ("qwen3_moe_mixed", True, 4, 1),
+]
 
 
-def _hf_model(family, tie, n_heads, n_kv):
-  common = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+def _hf_folder(tmp_path, family, tie, n_heads, n_kv):
+  config_cls, model_cls, extra = FAMILIES[family]
+  kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=16,
                 rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=tie)
+  kwargs.update(extra)
   torch.manual_seed(0)
-  if family == "qwen3":
-    hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
-  else:
-    hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-  with torch.no_grad():  # random biases/norm weights, so that every parameter is exercised
-    for name, p in hf.named_parameters():
+  hf = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
+  with torch.no_grad():  # exercise every parameter: random biases and norm weights, and a router
+    for name, p in hf.named_parameters():  # decisive enough that top-k has no near-ties
       if name.endswith("bias") or "norm" in name:
         p.add_(0.1 * torch.randn_like(p))
-  cfg = QwenConfig(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                   num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=16,
-                   rope_theta=10000.0, tie_word_embeddings=tie,
-                   attention_bias=family == "qwen2", qk_norm=family == "qwen3")
-  ours = Qwen(cfg, rngs=nnx.Rngs(1))
-  assign_hf_tensors(ours, ((k, v.detach().numpy()) for k, v in hf.state_dict().items()))
-  return hf.eval(), ours
+      elif name.endswith("mlp.gate.weight"):
+        p.copy_(torch.randn_like(p))
+  folder = tmp_path / "hf"
+  hf.save_pretrained(folder)
+  return hf.eval(), folder
 
 
-@pytest.mark.parametrize("family,tie,n_heads,n_kv", [
-    ("qwen3", True, 4, 2), ("qwen3", False, 4, 4), ("qwen2", False, 4, 1), ("qwen2", True, 4, 2)])
-def test_logits_match_transformers(family, tie, n_heads, n_kv):
-  hf, ours = _hf_model(family, tie, n_heads, n_kv)
-  rng = np.random.default_rng(0)
-  ids = rng.integers(0, 320, size=(3, 11))
+def _batch(seed=0, shape=(3, 11)):
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(0, VOCAB, size=shape)
   mask = np.ones_like(ids)
   mask[1, :4] = 0  # left padding
   mask[2, 8:] = 0  # right padding
+  return ids, mask
+
+
+def _hf_logits(hf, ids, mask):
   with torch.no_grad():
-    ref = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
-  got = np.asarray(ours(jnp.asarray(ids), attention_mask_bt=jnp.asarray(mask)))
+    return hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.float().numpy()
+
+
+@pytest.mark.parametrize("family,tie,n_heads,n_kv", CASES)
+def test_logits_match_transformers_and_round_trip(tmp_path, family, tie, n_heads, n_kv):
+  hf, folder = _hf_folder(tmp_path, family, tie, n_heads, n_kv)
+  ours = from_pretrained(folder)
+  assert ours.config.tie_word_embeddings == tie
+  assert ours.config.num_key_value_heads == n_kv
+  ids, mask = _batch()
+  ref = _hf_logits(hf, ids, mask)
+  got = np.asarray(ours(jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
+  assert got.shape == (3, 11, VOCAB) and got.dtype == np.float32
   valid = mask.astype(bool)
   np.testing.assert_allclose(got[valid], ref[valid], atol=1e-4, rtol=0)
 
+  # Our export, loaded by transformers, computes the same logits.
+  save_pretrained(ours, tmp_path / "ours")
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+  assert type(back).__name__ == FAMILIES[family][1]
+  np.testing.assert_allclose(_hf_logits(back, ids, mask)[valid], got[valid], atol=1e-4, rtol=0)
 
-def test_kv_cache_decode_equals_full_forward():
-  _, ours = _hf_model("qwen3", True, 4, 2)
-  ids = jnp.asarray(np.random.default_rng(1).integers(0, 320, size=(2, 9)))
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_bfloat16_logits_within_stated_bound(tmp_path, family):
+  """bfloat16 parameters and activations (float32 softmax, norms and logits).
+
+  Stated bound: max |logit error| <= 2e-2 * max |logit| against the float32 reference, i.e. a few
+  bfloat16 ulps (2^-8 relative) accumulated over 2 layers; and the error is real (bf16 is used).
+  """
+  hf, folder = _hf_folder(tmp_path, family, False, 4, 2)
+  ours = from_pretrained(folder, dtype=jnp.bfloat16)
+  assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(ours))
+  ids, mask = _batch(1)
+  ref = _hf_logits(hf, ids, mask)
+  got = np.asarray(ours(jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
+  valid = mask.astype(bool)
+  err = np.max(np.abs(got[valid] - ref[valid]))
+  scale = np.max(np.abs(ref[valid]))
+  assert 0 < err <= 2e-2 * scale, (err, scale)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_kv_cache_decode_equals_full_forward(tmp_path, family):
+  _, folder = _hf_folder(tmp_path, family, True, 4, 2)
+  ours = from_pretrained(folder)
+  ids = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, size=(2, 9)))
   full = ours(ids)
   cache = KVCache.zeros(ours.config, 2, 16)
   pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
@@ -63,3 +124,42 @@ def test_kv_cache_decode_equals_full_forward():
     h, cache = ours.decode(ids[:, t:t + 1], jnp.full((2, 1), t), cache, jnp.full((2,), t))
     outs.append(ours.logits(h))
   np.testing.assert_allclose(np.concatenate(outs, axis=1), full, atol=1e-4, rtol=0)
+
+
+def test_moe_routes_each_token_to_top_k_experts_only(tmp_path):
+  """Zeroing an expert the router never picks for a token leaves that token's output unchanged,
+  and zeroing a picked one changes it (the block is sparse, not a dense mixture)."""
+  _, folder = _hf_folder(tmp_path, "qwen3_moe", False, 4, 2)
+  ours = from_pretrained(folder)
+  moe = ours.layers[0].mlp
+  x = jnp.asarray(np.random.default_rng(2).normal(size=(1, 5, 64)), jnp.float32)
+  probs = jax.nn.softmax(jnp.einsum("BTD,DE->BTE", x, moe.gate[...]), axis=-1)
+  picked = np.argsort(-np.asarray(probs[0, 0]))[:2]
+  unpicked = [e for e in range(4) if e not in picked]
+  before = np.asarray(moe(x))[0, 0]
+  for e, changes in [(unpicked[0], False), (picked[0], True)]:
+    saved = moe.experts.down_proj[...]
+    moe.experts.down_proj[...] = saved.at[e].set(0.0)
+    after = np.asarray(moe(x))[0, 0]
+    moe.experts.down_proj[...] = saved
+    assert (np.max(np.abs(after - before)) > 1e-6) == changes
+
+
+def test_sharded_checkpoint_index_round_trip(tmp_path):
+  _, folder = _hf_folder(tmp_path, "qwen3", False, 4, 2)
+  ours = from_pretrained(folder)
+  out = save_pretrained(ours, tmp_path / "sharded", max_shard_bytes=60_000)
+  shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+  assert len(shards) > 2 and (out / "model.safetensors.index.json").exists()
+  assert not list(out.glob(".*"))  # no temporary files left behind
+  again = from_pretrained(out)
+  ids, mask = _batch(3)
+  np.testing.assert_array_equal(np.asarray(again(jnp.asarray(ids), attention_mask=mask)),
+                                np.asarray(ours(jnp.asarray(ids), attention_mask=mask)))
+
+
+def test_config_round_trip_for_presets():
+  from coevolve_jax.models import PRESETS, config_from_hf, hf_config
+  for name in PRESETS:
+    cfg = QwenConfig.preset(name)
+    assert config_from_hf(hf_config(cfg)) == cfg, name

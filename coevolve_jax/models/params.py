@@ -1,101 +1,121 @@
-"""Hugging Face <-> nnx weight mapping for Qwen models.
+"""Hugging Face <-> nnx weight mapping for Qwen models, in both directions.
 
-Each rule maps a Hugging Face tensor name (regex) to our parameter path and a transform from the HF
-array (stored [out, in]) to our layout. `assign_hf_tensors` fills a model in place, tensor by
-tensor.
+Hugging Face stores linear kernels as [out, in] and one tensor per expert
+(`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`, the checkpoint format on the Hub and what
+transformers' `save_pretrained` writes). We store kernels as [in, out], attention projections split
+by head ([D, N, H]) and experts stacked ([E, D, F]). Paths below are dotted nnx paths
+("layers.3.self_attn.q_proj").
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from coevolve_jax.models.qwen import Qwen
+from coevolve_jax.models.qwen import QwenConfig
 
 
 def _heads_in(n_heads_attr: str) -> Callable:
   """[N*H, D] -> [D, N, H]."""
   def f(a, cfg):
-    n = getattr(cfg, n_heads_attr)
-    return a.reshape(n, cfg.head_dim, cfg.hidden_size).transpose(2, 0, 1)
+    return a.reshape(getattr(cfg, n_heads_attr), cfg.head_dim, cfg.hidden_size).transpose(2, 0, 1)
   return f
 
 
-def _bias(n_heads_attr: str) -> Callable:
+def _bias_in(n_heads_attr: str) -> Callable:
   return lambda a, cfg: a.reshape(getattr(cfg, n_heads_attr), cfg.head_dim)
 
 
-def _o_proj(a, cfg):  # [D, N*H] -> [N, H, D]
+def _o_proj_in(a, cfg):  # [D, N*H] -> [N, H, D]
   return a.reshape(cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2, 0)
 
 
 _T = lambda a, cfg: a.T  # noqa: E731
 _ID = lambda a, cfg: a  # noqa: E731
 
-# (HF regex, our path template, transform)
+_L = r"model\.layers\.(\d+)\."
+# (HF name regex, our path template, HF -> ours transform). The expert rule's second group is the
+# expert index: its tensors fill one slice of a stacked [E, ...] parameter.
 RULES: list[tuple[str, str, Callable]] = [
     (r"model\.embed_tokens\.weight", "embed_tokens", _ID),
     (r"model\.norm\.weight", "norm.weight", _ID),
     (r"lm_head\.weight", "lm_head", _T),
-    (r"model\.layers\.(\d+)\.input_layernorm\.weight", "layers.{0}.input_layernorm.weight", _ID),
-    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight",
-     "layers.{0}.post_attention_layernorm.weight", _ID),
-    (r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight", "layers.{0}.self_attn.q_proj",
+    (_L + r"input_layernorm\.weight", "layers.{0}.input_layernorm.weight", _ID),
+    (_L + r"post_attention_layernorm\.weight", "layers.{0}.post_attention_layernorm.weight", _ID),
+    (_L + r"self_attn\.q_proj\.weight", "layers.{0}.self_attn.q_proj",
      _heads_in("num_attention_heads")),
-    (r"model\.layers\.(\d+)\.self_attn\.k_proj\.weight", "layers.{0}.self_attn.k_proj",
+    (_L + r"self_attn\.k_proj\.weight", "layers.{0}.self_attn.k_proj",
      _heads_in("num_key_value_heads")),
-    (r"model\.layers\.(\d+)\.self_attn\.v_proj\.weight", "layers.{0}.self_attn.v_proj",
+    (_L + r"self_attn\.v_proj\.weight", "layers.{0}.self_attn.v_proj",
      _heads_in("num_key_value_heads")),
-    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", "layers.{0}.self_attn.o_proj", _o_proj),
-    (r"model\.layers\.(\d+)\.self_attn\.q_proj\.bias", "layers.{0}.self_attn.q_bias",
-     _bias("num_attention_heads")),
-    (r"model\.layers\.(\d+)\.self_attn\.k_proj\.bias", "layers.{0}.self_attn.k_bias",
-     _bias("num_key_value_heads")),
-    (r"model\.layers\.(\d+)\.self_attn\.v_proj\.bias", "layers.{0}.self_attn.v_bias",
-     _bias("num_key_value_heads")),
-    (r"model\.layers\.(\d+)\.self_attn\.q_norm\.weight", "layers.{0}.self_attn.q_norm.weight", _ID),
-    (r"model\.layers\.(\d+)\.self_attn\.k_norm\.weight", "layers.{0}.self_attn.k_norm.weight", _ID),
-    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", "layers.{0}.mlp.gate_proj", _T),
-    (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", "layers.{0}.mlp.up_proj", _T),
-    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", "layers.{0}.mlp.down_proj", _T),
+    (_L + r"self_attn\.o_proj\.weight", "layers.{0}.self_attn.o_proj", _o_proj_in),
+    (_L + r"self_attn\.q_proj\.bias", "layers.{0}.self_attn.q_bias",
+     _bias_in("num_attention_heads")),
+    (_L + r"self_attn\.k_proj\.bias", "layers.{0}.self_attn.k_bias",
+     _bias_in("num_key_value_heads")),
+    (_L + r"self_attn\.v_proj\.bias", "layers.{0}.self_attn.v_bias",
+     _bias_in("num_key_value_heads")),
+    (_L + r"self_attn\.q_norm\.weight", "layers.{0}.self_attn.q_norm.weight", _ID),
+    (_L + r"self_attn\.k_norm\.weight", "layers.{0}.self_attn.k_norm.weight", _ID),
+    (_L + r"mlp\.(gate|up|down)_proj\.weight", "layers.{0}.mlp.{1}_proj", _T),
+    (_L + r"mlp\.gate\.weight", "layers.{0}.mlp.gate", _T),  # MoE router [E, D] -> [D, E]
+    (_L + r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", "layers.{0}.mlp.experts.{2}_proj",
+     _T),
 ]
+_EXPERT_RULE = RULES[-1][0]
 
 
-def hf_to_path(name: str) -> tuple[str, Callable]:
-  """Our dotted parameter path and transform for a HF tensor name. Raises KeyError if unmapped."""
+def hf_to_path(name: str) -> tuple[str, int | None, Callable]:
+  """Maps a HF tensor name to (our dotted path, expert index or None, HF -> ours transform).
+
+  Raises:
+    KeyError: a name no rule maps (for example a fused `mlp.experts.gate_up_proj`, which only
+      exists inside transformers >= 5 at run time, never in a saved checkpoint).
+  """
   for pattern, template, fn in RULES:
     m = re.fullmatch(pattern, name)
     if m:
-      return template.format(*m.groups()), fn
+      expert = int(m.group(2)) if pattern == _EXPERT_RULE else None
+      return template.format(*m.groups()), expert, fn
   raise KeyError(f"no mapping for Hugging Face tensor {name!r}")
 
 
-def _get(model: nnx.Module, path: str) -> nnx.Variable:
-  obj = model
-  for part in path.split("."):
-    obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
-  return obj
-
-
-def assign_hf_tensors(model: Qwen, tensors: Iterable[tuple[str, np.ndarray]]) -> set[str]:
-  """Copies HF tensors into `model` one at a time. Returns the set of our paths assigned.
+def path_to_hf(path: str, value: np.ndarray, cfg: QwenConfig) -> Iterator[tuple[str, np.ndarray]]:
+  """The HF tensors (name, [out, in] array) that hold our parameter `path`; experts yield E.
 
   Raises:
-    KeyError: an unknown tensor name. ValueError: a shape mismatch.
+    KeyError: a path that has no HF counterpart.
   """
-  done = set()
-  for name, arr in tensors:
-    if name == "lm_head.weight" and model.config.tie_word_embeddings:
-      continue
-    path, fn = hf_to_path(name)
-    var = _get(model, path)
-    value = fn(np.asarray(arr, dtype=np.float32), model.config)
-    if value.shape != var[...].shape:
-      raise ValueError(f"{name}: shape {value.shape} does not fit {path} {var[...].shape}")
-    var[...] = jnp.asarray(value, var[...].dtype)
-    done.add(path)
-  return done
+  d = cfg.hidden_size
+  if path == "embed_tokens":
+    yield "model.embed_tokens.weight", value
+    return
+  if path == "norm.weight":
+    yield "model.norm.weight", value
+    return
+  if path == "lm_head":
+    yield "lm_head.weight", value.T
+    return
+  m = re.fullmatch(r"layers\.(\d+)\.(.+)", path)
+  if not m:
+    raise KeyError(f"no Hugging Face name for parameter {path!r}")
+  prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
+  if rest in ("input_layernorm.weight", "post_attention_layernorm.weight",
+              "self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+    yield prefix + rest, value
+  elif rest in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):  # [D, X, H]
+    yield prefix + rest + ".weight", value.reshape(d, -1).T
+  elif rest == "self_attn.o_proj":  # [N, H, D]
+    yield prefix + rest + ".weight", value.reshape(-1, d).T
+  elif rest in ("self_attn.q_bias", "self_attn.k_bias", "self_attn.v_bias"):
+    yield prefix + f"self_attn.{rest[-6]}_proj.bias", value.reshape(-1)
+  elif rest in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.gate"):
+    yield prefix + rest + ".weight", value.T
+  elif rest in ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj"):
+    kind = rest.rsplit(".", 1)[1]
+    for e in range(value.shape[0]):
+      yield prefix + f"mlp.experts.{e}.{kind}.weight", value[e].T
+  else:
+    raise KeyError(f"no Hugging Face name for parameter {path!r}")

@@ -1,14 +1,15 @@
-"""Qwen2 / Qwen2.5 / Qwen3 dense decoder in Flax nnx, with a KV cache.
+"""Qwen2 / Qwen2.5 / Qwen3 dense and Qwen3-MoE decoders in Flax nnx, with a KV cache.
 
 Dimension letters used in names and einsums:
   B batch, T query length, S key / cache length, D hidden (model) size, N query heads,
   K key/value heads, G = N // K query heads per kv head, H head dim, F MLP hidden size, V vocab,
-  L layers.
+  L layers, E experts, M tokens (B * T flattened), A token-expert assignments (M * top-k).
 
 Parameters use the Hugging Face layout (names `embed_tokens`, `layers[i].self_attn.q_proj`, ...)
 but store kernels as [in, out] (HF stores [out, in]); the weight mapper transposes.
-Architecture reference: Hugging Face transformers `modeling_qwen2.py` / `modeling_qwen3.py`
-(rotate-half RoPE, RMSNorm, SwiGLU MLP, GQA; Qwen2 q/k/v biases; Qwen3 per-head q/k RMSNorm).
+Architecture reference: Hugging Face transformers `modeling_qwen2.py` / `modeling_qwen3.py` /
+`modeling_qwen3_moe.py` (rotate-half RoPE, RMSNorm, SwiGLU MLP, GQA; Qwen2 q/k/v biases; Qwen3
+per-head q/k RMSNorm; Qwen3-MoE softmax router with top-k experts, optionally renormalised).
 """
 
 from __future__ import annotations
@@ -40,6 +41,36 @@ class QwenConfig:
   attention_bias: bool = False  # Qwen2: q/k/v biases (no o_proj bias)
   qk_norm: bool = True  # Qwen3: RMSNorm over head_dim on q and k
   max_position_embeddings: int = 40960
+  # Qwen3-MoE; num_experts == 0 means a dense model.
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+  decoder_sparse_step: int = 1  # every n-th layer is sparse ...
+  mlp_only_layers: tuple[int, ...] = ()  # ... except these, which keep a dense MLP
+
+  def __post_init__(self):
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                       f"num_key_value_heads {self.num_key_value_heads}")
+    if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+      raise ValueError(f"num_experts_per_tok must be in [1, {self.num_experts}], "
+                       f"got {self.num_experts_per_tok}")
+    if self.num_experts and self.moe_intermediate_size <= 0:
+      raise ValueError("a MoE config needs moe_intermediate_size > 0")
+    object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+
+  @property
+  def model_type(self) -> str:
+    """The Hugging Face `model_type`: "qwen3_moe", "qwen3" or "qwen2"."""
+    if self.num_experts:
+      return "qwen3_moe"
+    return "qwen3" if self.qk_norm else "qwen2"
+
+  def is_moe_layer(self, layer: int) -> bool:
+    """Whether decoder layer `layer` has a sparse MoE block (rule of HF `Qwen3MoeDecoderLayer`)."""
+    return (self.num_experts > 0 and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0)
 
   @classmethod
   def tiny_cpu(cls, vocab_size: int = 151936) -> "QwenConfig":
@@ -73,12 +104,27 @@ class QwenConfig:
                attention_bias=True, qk_norm=False, max_position_embeddings=32768)
 
   @classmethod
+  def qwen3_30b_a3b(cls) -> "QwenConfig":
+    """Qwen3-30B-A3B-Instruct-2507: 48 layers, 128 experts, 8 active per token."""
+    return cls(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+               num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+               rope_theta=10_000_000.0, max_position_embeddings=262144, num_experts=128,
+               num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True)
+
+  @classmethod
   def preset(cls, name: str, **overrides) -> "QwenConfig":
-    """A named preset, e.g. "tiny_cpu", "qwen3_4b"; `overrides` replace fields."""
-    factory = getattr(cls, name, None)
-    if name.startswith("_") or not callable(factory):
-      raise ValueError(f"unknown model preset {name!r}")
-    return dataclasses.replace(factory(), **overrides)
+    """A named preset (one of PRESETS, e.g. "qwen3_4b"); `overrides` replace fields.
+
+    Raises:
+      ValueError: an unknown name.
+    """
+    if name not in PRESETS:
+      raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
+    return dataclasses.replace(getattr(cls, name)(), **overrides)
+
+
+# Named presets (QwenConfig classmethods). Published parameter counts: tests/test_model_presets.py.
+PRESETS = ("tiny_cpu", "qwen3_0_6b", "qwen3_1_7b", "qwen3_4b", "qwen2_5_7b", "qwen3_30b_a3b")
 
 
 class KVCache(NamedTuple):
@@ -228,13 +274,67 @@ class MLP(nnx.Module):
     return jnp.einsum("BTF,FD->BTD", h, self.down_proj[...])
 
 
-class DecoderLayer(nnx.Module):
+class Experts(nnx.Module):
+  """E SwiGLU experts with stacked kernels: gate/up [E, D, F], down [E, F, D]."""
 
   def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype):
+    e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    self.gate_proj = _init(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), dtype)
+    self.up_proj = _init(rngs, (e, d, f), ("experts", "embed", "expert_mlp"), dtype)
+    self.down_proj = _init(rngs, (e, f, d), ("experts", "expert_mlp", "embed"), dtype)
+
+  def __call__(self, x_ad: jax.Array, group_sizes_e: jax.Array) -> jax.Array:
+    """x_ad: [A, D] token copies sorted by expert; group_sizes_e: [E] int32 copies per expert."""
+    gate = jax.lax.ragged_dot(x_ad, self.gate_proj[...], group_sizes_e)
+    up = jax.lax.ragged_dot(x_ad, self.up_proj[...], group_sizes_e)
+    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...], group_sizes_e)
+
+
+class SparseMoE(nnx.Module):
+  """Qwen3-MoE block: softmax router over E experts, top-k, optional renormalisation.
+
+  y_m = sum_{e in topk(p_m)} w_me * SwiGLU_e(x_m), p_m = softmax(x_m W_router) in float32, and
+  w_me = p_me (or p_me / sum_topk p_m when `norm_topk_prob`), as in HF `Qwen3MoeSparseMoeBlock`.
+  Dispatch is dropless: the M * k token copies are sorted by expert and multiplied with
+  `jax.lax.ragged_dot`, so each token costs k expert MLPs (no capacity factor, nothing dropped).
+  """
+
+  def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype):
+    self.cfg = cfg
+    self.gate = _init(rngs, (cfg.hidden_size, cfg.num_experts), ("embed", "router"), dtype)
+    self.experts = Experts(cfg, rngs=rngs, dtype=dtype)
+
+  def __call__(self, x_btd: jax.Array) -> jax.Array:
+    cfg = self.cfg
+    b, t, d = x_btd.shape
+    k = cfg.num_experts_per_tok
+    x_md = x_btd.reshape(b * t, d)
+    logits_me = jnp.einsum("MD,DE->ME", x_md, self.gate[...]).astype(jnp.float32)
+    probs_me = jax.nn.softmax(logits_me, axis=-1)
+    weights_mk, experts_mk = jax.lax.top_k(probs_me, k)
+    if cfg.norm_topk_prob:
+      weights_mk = weights_mk / jnp.sum(weights_mk, axis=-1, keepdims=True)
+    weights_mk = weights_mk.astype(x_md.dtype)
+    flat_experts = experts_mk.reshape(-1)  # [A]
+    order = jnp.argsort(flat_experts, stable=True)  # assignments grouped by expert
+    token_a = order // k
+    group_sizes = jnp.bincount(flat_experts, length=cfg.num_experts).astype(jnp.int32)
+    y_ad = self.experts(x_md[token_a], group_sizes)
+    y_ad = y_ad * weights_mk.reshape(-1)[order][:, None]
+    out_md = jnp.zeros_like(x_md).at[token_a].add(y_ad)
+    return out_md.reshape(b, t, d)
+
+
+class DecoderLayer(nnx.Module):
+
+  def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype, sparse: bool = False):
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     self.self_attn = Attention(cfg, rngs=rngs, dtype=dtype)
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-    self.mlp = MLP(cfg, rngs=rngs, dtype=dtype)
+    if sparse:
+      self.mlp = SparseMoE(cfg, rngs=rngs, dtype=dtype)
+    else:
+      self.mlp = MLP(cfg, rngs=rngs, dtype=dtype)
 
   def __call__(self, x, positions, kc, vc, write, key_pos, key_valid):
     with jax.named_scope("attention"):
@@ -256,8 +356,8 @@ class Qwen(nnx.Module):
   def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
     self.config = cfg
     self.embed_tokens = _init(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
-    self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, dtype=dtype)
-                            for _ in range(cfg.num_hidden_layers)])
+    self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, dtype=dtype, sparse=cfg.is_moe_layer(i))
+                            for i in range(cfg.num_hidden_layers)])
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = _init(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
@@ -279,9 +379,12 @@ class Qwen(nnx.Module):
       x, _, _ = layer(x, positions_bt, None, None, None, positions_bt, attention_mask_bt)
     return self.norm(x)
 
-  def __call__(self, input_ids_bt, attention_mask_bt=None, positions_bt=None) -> jax.Array:
-    """Logits [B, T, V] for every position (Hugging Face style; memory-heavy for long T)."""
-    return self.logits(self.hidden_states(input_ids_bt, positions_bt, attention_mask_bt))
+  def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None,
+               positions: jax.Array | None = None) -> jax.Array:
+    """Float32 logits [B, T, V] for every position, as `model(input_ids, attention_mask=mask)`
+    in transformers. input_ids: [B, T] int; attention_mask: [B, T] (1 = real token, left or right
+    padding). Memory-heavy for long T: training code projects only the positions it needs."""
+    return self.logits(self.hidden_states(input_ids, positions, attention_mask))
 
   def decode(self, input_ids_bt: jax.Array, positions_bt: jax.Array, cache: KVCache,
              write_b: jax.Array, kv_len: int | None = None) -> tuple[jax.Array, KVCache]:

@@ -25,6 +25,8 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
     "mlp": "tensor",
     "experts": "expert",
+    "expert_mlp": "tensor",
+    "router": None,  # the router's expert dimension: every device scores every expert
     "norm": None,
     # activations
     "batch": ("data", "fsdp"),
@@ -100,3 +102,32 @@ def _drop_missing(entry, names):
 
 def named_sharding(mesh: Mesh, axes: Sequence[str | None]) -> NamedSharding:
   return NamedSharding(mesh, logical_to_spec(axes))
+
+
+def param_sharding(
+  mesh: Mesh,
+  axes: Sequence[str | None],
+  shape: Sequence[int],
+  rules: Mapping[str, str | tuple[str, ...] | None] = LOGICAL_RULES,
+) -> NamedSharding:
+  """The sharding of a parameter of `shape` with logical `axes` on `mesh`.
+
+  A mesh axis that does not divide its dimension is dropped for that dimension, which then stays
+  replicated over it: e.g. Qwen2.5-7B's 4 KV heads on a tensor axis of 8 devices.
+
+  Raises:
+    ValueError: `axes` and `shape` of different lengths. KeyError: an unknown logical axis.
+  """
+  if len(axes) != len(shape):
+    raise ValueError(f"logical axes {tuple(axes)} do not match shape {tuple(shape)}")
+  spec = []
+  for entry, dim in zip(logical_to_spec(axes, rules), shape):
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    kept, size = [], 1
+    for name in names:
+      n = mesh.shape.get(name, 1)
+      if name in mesh.shape and dim % (size * n) == 0:
+        kept.append(name)
+        size *= n
+    spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+  return NamedSharding(mesh, PartitionSpec(*spec))
