@@ -1,0 +1,329 @@
+"""Per-device memory plan for a model preset on a mesh, from shapes only (nothing is allocated).
+
+    python -m coevolve_jax.memory --preset=qwen3_4b --mesh=fsdp=8 --batch=64 --seq_len=4096 \
+        --num_slots=64 --cache_len=32768 --chip=v5p
+
+prints parameter, gradient, optimizer-state (AdamW m and v), reference-policy, activation and
+KV-cache memory per device, and whether the sum fits the chip's HBM. `--devices=8,16,32,...`
+instead prints one row per slice size with `fsdp=-1` (all devices on the fsdp axis).
+
+How each figure is obtained:
+- Parameters: `nnx.eval_shape` of the real `Qwen` module; each parameter carries its logical axes
+  (`out_sharding`), mapped to mesh axes by `sharding.LOGICAL_RULES`. A dimension of size n over
+  mesh axes of total size m takes ceil(n / m) per device (XLA pads uneven shards).
+- Optimizer state: `jax.eval_shape` of the trainer's own optax transformation (`make_optimizer`)
+  on the abstract parameters; each moment leaf is sharded like its parameter.
+- Gradients and the GRPO reference policy: one parameter-sized copy each.
+- Activations: the residuals that `jax.vjp` of the trainer's `token_logprobs` keeps for the
+  backward pass, read with `jax.eval_shape` at batch 1 and 2. Residual leaves whose shape changes
+  with the batch are activations (the rest are parameters, counted above); per device they scale
+  with the sequences per device (batch / (data * fsdp)) and are divided by the tensor axis when a
+  dimension is a tensor-sharded one (heads, kv heads, MLP, vocab; the `act_*`/`mlp` rules).
+  Transient buffers inside one op are not counted: leave headroom (see `--headroom`).
+- KV cache: `KVCache.zeros` shapes ([slots, cache_len, K, H] per layer for k and v), slots over
+  (data, fsdp), kv heads over tensor, as the rollout engine allocates it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import math
+import os
+import types
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from flax import nnx
+
+from coevolve_jax.models import sharding
+from coevolve_jax.models.qwen import KVCache, Qwen, QwenConfig
+from coevolve_jax.trainer import make_optimizer, token_logprobs
+
+GIB = 2**30
+PRICES_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                           "prices.py")
+
+
+def load_prices(path: str = PRICES_FILE) -> types.ModuleType:
+  """Loads the chip facts / prices module (`configs/prices.py` by default) from its file.
+
+  Raises:
+    FileNotFoundError: no such file.
+  """
+  spec = importlib.util.spec_from_file_location("coevolve_prices", path)
+  if spec is None or not os.path.exists(path):
+    raise FileNotFoundError(f"no prices file at {path}")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+  """Bytes per device of each component (integers), for one preset, mesh and workload."""
+
+  preset: str
+  mesh: dict[str, int]
+  dtype: str
+  batch: int
+  seq_len: int
+  num_slots: int
+  cache_len: int
+  num_params: int
+  params: int
+  gradients: int
+  optimizer: int
+  reference: int
+  activations: int
+  kv_cache: int
+
+  @property
+  def total(self) -> int:
+    return (self.params + self.gradients + self.optimizer + self.reference + self.activations
+            + self.kv_cache)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """Parses "fsdp=8,tensor=2" into {"data": 1, "fsdp": 8, "tensor": 2, "expert": 1}.
+
+  Raises:
+    ValueError: an unknown axis name, a malformed entry, or a size that is not a positive integer.
+  """
+  mesh = {a: 1 for a in sharding.MESH_AXES}
+  for part in filter(None, (p.strip() for p in text.split(","))):
+    name, sep, value = part.partition("=")
+    if not sep or name not in mesh:
+      raise ValueError(f"bad mesh entry {part!r}: want AXIS=SIZE with AXIS in {sharding.MESH_AXES}")
+    try:
+      mesh[name] = int(value)
+    except ValueError:
+      raise ValueError(f"bad mesh size in {part!r}: not an integer") from None
+    if mesh[name] < 1:
+      raise ValueError(f"bad mesh size in {part!r}: must be >= 1")
+  return mesh
+
+
+def _axis_size(mesh: Mapping[str, int], logical: str | None) -> int:
+  if logical is None:
+    return 1
+  if logical not in sharding.LOGICAL_RULES:
+    raise KeyError(f"logical axis {logical!r} has no sharding rule; known: "
+                   f"{sorted(sharding.LOGICAL_RULES)}")
+  target = sharding.LOGICAL_RULES[logical]
+  if target is None:
+    return 1
+  names = target if isinstance(target, tuple) else (target,)
+  return math.prod(mesh.get(n, 1) for n in names)
+
+
+def shard_bytes(shape: Sequence[int], dtype, axes: Sequence[str | None],
+                mesh: Mapping[str, int]) -> int:
+  """Bytes one device holds of an array of `shape` sharded by logical `axes` over `mesh`.
+
+  Raises:
+    KeyError: a logical axis with no rule in `sharding.LOGICAL_RULES`.
+    ValueError: `axes` and `shape` of different lengths.
+  """
+  if len(axes) != len(shape):
+    raise ValueError(f"{len(axes)} logical axes for shape {tuple(shape)}")
+  per_dev = [-(-d // _axis_size(mesh, a)) for d, a in zip(shape, axes)]
+  return math.prod(per_dev) * jnp.dtype(dtype).itemsize
+
+
+def abstract_model(cfg: QwenConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+  """The model's graph and abstract parameter state (ShapeDtypeStructs with their metadata)."""
+  model = nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+  return nnx.split(model)
+
+
+def _param_axes(state: nnx.State) -> dict[tuple, tuple]:
+  """Path (of the value leaf) -> logical axes, for every parameter."""
+  out = {}
+  flat = jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  for path, var in flat:
+    axes = var.get_metadata().get("out_sharding")
+    shape = var.get_value().shape
+    if axes is None or len(axes) != len(shape):
+      raise ValueError(f"parameter {jax.tree_util.keystr(path)} has no logical axes for {shape}")
+    out[tuple(str(k) for k in path)] = (shape, var.get_value().dtype, tuple(axes))
+  return out
+
+
+def _sharded_tree_bytes(tree, param_axes: dict[tuple, tuple], mesh) -> int:
+  """Bytes per device of a tree whose array leaves mirror parameters (optimizer moments)."""
+  total = 0
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    keys = tuple(str(k) for k in path if not str(k).endswith(".value"))
+    match = next((v for p, v in param_axes.items() if keys[-len(p):] == p and
+                  v[0] == leaf.shape), None)
+    if match is None:  # scalars such as the step count: replicated
+      total += leaf.size * leaf.dtype.itemsize
+    else:
+      total += shard_bytes(leaf.shape, leaf.dtype, match[2], mesh)
+  return total
+
+
+@functools.lru_cache(maxsize=8)
+def _activation_leaves(preset: str, dtype: str, seq_len: int, targets: int):
+  """Residual shapes of the training forward that depend on the batch, at batch 1."""
+  graphdef, state = abstract_model(QwenConfig.preset(preset), jnp.dtype(dtype))
+  def residuals(batch):
+    tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+    pos = jax.ShapeDtypeStruct((batch, targets), jnp.int32)
+
+    def loss(p, t, q):
+      return jnp.sum(token_logprobs(nnx.merge(graphdef, p), t, q))
+    vjp = jax.eval_shape(lambda p, t, q: jax.vjp(lambda x: loss(x, t, q), p)[1], state, tokens,
+                         pos)
+    return jax.tree.leaves(vjp)
+  one, two = residuals(1), residuals(2)
+  if len(one) != len(two):
+    raise RuntimeError("residual structure changed with the batch size; cannot separate "
+                       "activations from parameters")
+  return [a for a, b in zip(one, two) if a.shape != b.shape]
+
+
+def _activation_bytes(leaves, cfg: QwenConfig, mesh: Mapping[str, int], seqs_per_device: int):
+  tensor_dims = {cfg.num_attention_heads: "act_heads", cfg.num_key_value_heads: "act_kv_heads",
+                 cfg.intermediate_size: "mlp", cfg.vocab_size: "act_vocab"}
+  total = 0
+  for leaf in leaves:
+    size = leaf.size * leaf.dtype.itemsize * seqs_per_device
+    # The first dimension is the batch (already scaled); divide by one tensor-sharded dimension.
+    logical = next((tensor_dims[d] for d in leaf.shape[1:] if d in tensor_dims), None)
+    total += -(-size // _axis_size(mesh, logical)) if logical else size
+  return total
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_params(preset: str, dtype: str):
+  graphdef, state = abstract_model(QwenConfig.preset(preset), jnp.dtype(dtype))
+  params_state = nnx.state(nnx.merge(graphdef, state), nnx.Param)
+  return params_state, _param_axes(params_state)
+
+
+def parameter_bytes(preset: str, mesh: Mapping[str, int], dtype: str = "bfloat16"
+                    ) -> tuple[int, int]:
+  """(parameter count, parameter bytes per device) of `preset` on `mesh`, from shapes only.
+
+  Raises:
+    ValueError: unknown preset.
+  """
+  _, axes = _abstract_params(preset, str(jnp.dtype(dtype)))
+  count = sum(math.prod(s) for s, _, _ in axes.values())
+  return count, sum(shard_bytes(s, d, a, mesh) for s, d, a in axes.values())
+
+
+def kv_cache_bytes(preset: str, mesh: Mapping[str, int], num_slots: int, cache_len: int,
+                   dtype: str = "bfloat16") -> int:
+  """Bytes per device of the rollout engine's KV cache (`KVCache.zeros` shapes, k and v for every
+  layer), slots over the batch mesh axes and kv heads over the tensor axis.
+
+  Raises:
+    ValueError: unknown preset.
+  """
+  cfg = QwenConfig.preset(preset)
+  cache = jax.eval_shape(lambda: KVCache.zeros(cfg, num_slots, cache_len, jnp.dtype(dtype)))
+  kv_axes = ("batch", "cache_length", "act_kv_heads", None)
+  return sum(shard_bytes(x.shape, x.dtype, kv_axes, mesh) for x in jax.tree.leaves(cache))
+
+
+def plan(preset: str, mesh: Mapping[str, int], *, batch: int, seq_len: int, num_slots: int,
+         cache_len: int, dtype: str = "bfloat16", targets: int | None = None) -> MemoryPlan:
+  """Memory per device for training and rollout of `preset` on a mesh of `mesh` axis sizes.
+
+  Args:
+    preset: a `QwenConfig` preset name.
+    mesh: sizes of (data, fsdp, tensor, expert); missing axes are 1.
+    batch: sequences per optimizer step (one mini-batch), global.
+    seq_len: tokens per training sequence.
+    num_slots: concurrent rollout episodes (KV-cache rows), global.
+    cache_len: KV-cache tokens per slot.
+    dtype: parameter, activation and cache dtype.
+    targets: sampled (trained) positions per sequence; default seq_len // 2.
+  Returns:
+    A `MemoryPlan` in bytes per device.
+  Raises:
+    ValueError: unknown preset, or non-positive sizes.
+  """
+  if min(batch, seq_len, num_slots, cache_len) < 1:
+    raise ValueError("batch, seq_len, num_slots and cache_len must be >= 1")
+  mesh = {a: int(mesh.get(a, 1)) for a in sharding.MESH_AXES}
+  cfg = QwenConfig.preset(preset)
+  dt = jnp.dtype(dtype)
+  params_state, axes = _abstract_params(preset, str(dt))
+  num_params, param_bytes = parameter_bytes(preset, mesh, dtype)
+  tx = make_optimizer(1e-6, 0.01, 1.0)
+  opt_state = jax.eval_shape(tx.init, params_state)
+  opt_bytes = _sharded_tree_bytes(opt_state, axes, mesh)
+  batch_shards = _axis_size(mesh, "batch")
+  leaves = _activation_leaves(preset, str(dt), seq_len, targets or max(1, seq_len // 2))
+  act = _activation_bytes(leaves, cfg, mesh, -(-batch // batch_shards))
+  kv = kv_cache_bytes(preset, mesh, num_slots, cache_len, dtype)
+  return MemoryPlan(preset=preset, mesh=mesh, dtype=str(dt), batch=batch, seq_len=seq_len,
+                    num_slots=num_slots, cache_len=cache_len, num_params=num_params,
+                    params=param_bytes, gradients=param_bytes, optimizer=opt_bytes,
+                    reference=param_bytes, activations=act, kv_cache=kv)
+
+
+def format_table(plans: Sequence[MemoryPlan], hbm_gib: float | None = None,
+                 headroom: float = 0.9) -> str:
+  """Markdown table of plans in GiB per device; `fits` compares the total with headroom * HBM."""
+  cols = ["preset", "mesh (data,fsdp,tensor,expert)", "params", "grads", "optimizer",
+          "reference", "activations", "kv cache", "total"]
+  if hbm_gib:
+    cols.append(f"fits {headroom:.0%} of {hbm_gib:g} GiB")
+  lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+  for p in plans:
+    m = p.mesh
+    row = [p.preset, f"{m['data']},{m['fsdp']},{m['tensor']},{m['expert']}"]
+    row += [f"{b / GIB:.2f}" for b in (p.params, p.gradients, p.optimizer, p.reference,
+                                        p.activations, p.kv_cache, p.total)]
+    if hbm_gib:
+      row.append("yes" if p.total <= headroom * hbm_gib * GIB else "no")
+    lines.append("| " + " | ".join(row) + " |")
+  return "\n".join(lines)
+
+
+_PRESET = flags.DEFINE_string("preset", "qwen3_4b", "QwenConfig preset name.")
+_MESH = flags.DEFINE_string("mesh", "fsdp=1", "Mesh axis sizes, e.g. 'fsdp=8,tensor=2'.")
+_DEVICES = flags.DEFINE_list("devices", [], "Sweep slice sizes (fsdp = devices / other axes).")
+_BATCH = flags.DEFINE_integer("batch", 64, "Sequences per optimizer step (global).")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 4096, "Tokens per training sequence.")
+_SLOTS = flags.DEFINE_integer("num_slots", 64, "Concurrent rollout episodes (global).")
+_CACHE_LEN = flags.DEFINE_integer("cache_len", 32768, "KV-cache tokens per episode.")
+_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Parameter / activation / cache dtype.")
+_CHIP = flags.DEFINE_string("chip", "", "Chip name from configs/prices.py (for the fits column).")
+_HEADROOM = flags.DEFINE_float("headroom", 0.9, "Share of HBM the plan may use.")
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  hbm = None
+  if _CHIP.value:
+    hbm = load_prices().chip(_CHIP.value)["hbm_gib"]
+  base = parse_mesh(_MESH.value)
+  meshes = [base]
+  if _DEVICES.value:
+    others = math.prod(v for k, v in base.items() if k != "fsdp")
+    meshes = []
+    for n in map(int, _DEVICES.value):
+      if n % others:
+        raise app.UsageError(f"{n} devices do not divide by data*tensor*expert = {others}")
+      meshes.append({**base, "fsdp": n // others})
+  plans = [plan(_PRESET.value, m, batch=_BATCH.value, seq_len=_SEQ_LEN.value,
+                num_slots=_SLOTS.value, cache_len=_CACHE_LEN.value, dtype=_DTYPE.value)
+           for m in meshes]
+  print(f"{_PRESET.value}: {plans[0].num_params / 1e9:.3f}B parameters, {_DTYPE.value}; "
+        f"batch {_BATCH.value} x {_SEQ_LEN.value} tokens, {_SLOTS.value} slots x "
+        f"{_CACHE_LEN.value} cache tokens; GiB per device")
+  print(format_table(plans, hbm, _HEADROOM.value))
+
+
+if __name__ == "__main__":
+  app.run(main)
