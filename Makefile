@@ -5,6 +5,7 @@
 #                PYTEST_ARGS=... or the PYTEST_ADDOPTS environment variable)
 #   make run     small offline CPU training run on BFCL
 #   make lint    ruff
+#   make appworld-setup   .venv-appworld with appworld==0.1.3.post1 and its apps unpacked
 #
 # `setup` is stamped: it reruns only when setup.py or this Makefile change (or the stamp is gone).
 # XLA_FLAGS is deliberately not set here: tests that need 8 host devices set
@@ -21,7 +22,20 @@ PYTEST_ARGS ?=
 TESTS ?= tests
 export PYTEST_ADDOPTS
 
-.PHONY: setup test run lint clean
+.PHONY: setup test run lint clean appworld-setup
+
+# AppWorld's own environment (its pins conflict with ours): appworld plus its unpacked app code.
+# Tests and the AppWorld run use it when it exists and skip or stop with this command otherwise.
+AW_VENV ?= .venv-appworld
+AW_STAMP := $(AW_VENV)/.setup-stamp
+appworld-setup: $(AW_STAMP)
+
+$(AW_STAMP):
+	@test -x $(AW_VENV)/bin/python || $(PYTHON) -m venv $(AW_VENV)
+	$(AW_VENV)/bin/python -m pip install -q $(PIP_ARGS) 'appworld==0.1.3.post1'
+	APPWORLD_ROOT=$(CURDIR)/$(AW_VENV)/appworld-root APPWORLD_CACHE=$(CURDIR)/$(AW_VENV)/appworld-cache \
+	  $(AW_VENV)/bin/appworld install
+	@touch $@
 
 setup: $(STAMP)
 

@@ -1,0 +1,347 @@
+"""Offline AppWorld world builder: seeded worlds and tasks from the shipped app models, factories.
+
+Runs INSIDE the AppWorld virtual environment (`.venv-appworld/bin/python envs/appworld_world.py
+--root DIR --num-scenarios N ...`), never in this project's environment: it imports `appworld`
+(pydantic < 2) and the standard library only. The project side calls it through
+`envs.appworld_server.build_worlds`.
+
+What one task is, in AppWorld's own on-disk format (appworld/task.py, appworld/ground_truth.py), so
+that the unmodified `AppWorld(task_id)` and `appworld.evaluator.evaluate_task` load and grade it:
+  <root>/data/tasks/<task_id>/specs.json          instruction, supervisor, datetime, db_version
+  <root>/data/tasks/<task_id>/dbs/<app>.db        the seeded world: every app's database
+  <root>/data/tasks/<task_id>/ground_truth/       evaluation.py, answer.json, test_data.json,
+                                                  metadata.json, public/private_data.json
+  <root>/data/api_docs/standard/<app>.json        API docs, built from the app code
+  <root>/data/datasets/<split>.txt                task ids per split
+  <root>/coevolve_tasks.jsonl                     our index: id, instruction, scenario, solution
+A world is a population of people (admin.MainUser; one of them the supervisor, with account
+passwords in the supervisor app) plus app records built by the shipped polyfactory factories, with
+the clock frozen at the task's datetime. Task ids follow AppWorld's `<scenario>_<n>` form: tasks of
+one scenario share an instruction template and differ in their worlds, which is what scenario goal
+completion (SGC) groups by.
+
+Nothing built here is committed: the data root lives under the run's workdir or a temp folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+
+# Run as a script, this file's folder (envs/, which holds our own appworld.py) is sys.path[0]; drop
+# it so that `import appworld` finds the installed package.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+
+ANSWER_REQUIREMENT = "assert answers match."
+NO_CHANGE_REQUIREMENT = "assert no notes were added, removed or edited."
+SPLITS = ("train", "dev", "test_normal")
+
+# Instruction templates over the Simple Note app; each gives (instruction, answer, tests, solution)
+# for a built world; `tests` is the evaluation code body (AppWorld's `evaluate` signature).
+_PREAMBLE = '''\
+pw = {a["account_name"]: a["password"] for a in apis.supervisor.show_account_passwords()}
+me = apis.supervisor.show_profile()
+token = apis.simple_note.login(username=me["email"], password=pw["simple_note"])["access_token"]
+notes, page = [], 0
+while True:
+    batch = apis.simple_note.search_notes(access_token=token, page_index=page, page_limit=20)
+    if not batch:
+        break
+    notes += batch
+    page += 1
+'''
+
+_EVAL_HEADER = '''\
+import json
+
+
+def _user(models, main_user):
+    return models.end.simple_note.User.find_one(email=main_user.email)
+
+
+def _notes(collection, user):
+    notes = collection.simple_note.Note.find_all(user_id=user.id)
+    return sorted((n.title, n.content) for n in notes)
+
+
+def evaluate(test, public_data, private_data, main_user, models, ground_truth_answer):
+    user = _user(models, main_user)
+    start_user = models.start.simple_note.User.find_one(email=main_user.email)
+    answer = json.loads(models.end.supervisor.Task.first().answer)
+'''
+
+_EVAL_ANSWER = f'''\
+    with test("{ANSWER_REQUIREMENT}"):
+        test.answer(answer, ground_truth_answer)
+    with test("{NO_CHANGE_REQUIREMENT}"):
+        test.case(_notes(models.end, user), "==", _notes(models.start, start_user))
+'''
+
+
+def _count_notes(world: dict, rng: random.Random) -> tuple[str, object, str, str]:
+  del rng
+  instruction = "How many notes do I have in my Simple Note account?"
+  solution = _PREAMBLE + "apis.supervisor.complete_task(answer=len(notes))\n"
+  return instruction, len(world["notes"]), _EVAL_ANSWER, solution
+
+
+def _count_tagged(world: dict, rng: random.Random) -> tuple[str, object, str, str]:
+  tag = rng.choice(sorted({t for n in world["notes"] for t in n["tags"]}))
+  instruction = f'How many of my Simple Note notes are tagged "{tag}"?'
+  answer = sum(tag in n["tags"] for n in world["notes"])
+  solution = _PREAMBLE + (f"apis.supervisor.complete_task(answer=sum({tag!r} in n['tags'] "
+                          "for n in notes))\n")
+  return instruction, answer, _EVAL_ANSWER, solution
+
+
+def _latest_title(world: dict, rng: random.Random) -> tuple[str, object, str, str]:
+  del rng
+  instruction = "What is the title of the note I created most recently in Simple Note?"
+  answer = max(world["notes"], key=lambda n: n["created_at"])["title"]
+  solution = _PREAMBLE + ("latest = max(notes, key=lambda n: n['created_at'])\n"
+                          "apis.supervisor.complete_task(answer=latest['title'])\n")
+  return instruction, answer, _EVAL_ANSWER, solution
+
+
+def _create_note(world: dict, rng: random.Random) -> tuple[str, object, str, str]:
+  del world
+  title = f"{rng.choice(['Groceries', 'Ideas', 'Travel', 'Books', 'Chores'])} {rng.randint(2, 99)}"
+  content = rng.choice(["milk and eggs", "call the plumber", "pack the charger", "read chapter 3"])
+  instruction = (f'Create a note in Simple Note titled "{title}" with the content "{content}". '
+                 "Mark the task complete when done.")
+  tests = f'''\
+    with test("assert the answer is None."):
+        test.case(answer, "==", None)
+    with test("assert exactly one note was added, with the requested title and content."):
+        added = sorted(set(_notes(models.end, user)) - set(_notes(models.start, start_user)))
+        test.case(added, "==", [({title!r}, {content!r})])
+    with test("assert no existing note was removed or edited."):
+        gone = set(_notes(models.start, start_user)) - set(_notes(models.end, user))
+        test.case(gone, "==", set())
+'''
+  solution = _PREAMBLE + (f"apis.simple_note.create_note(access_token=token, title={title!r}, "
+                          f"content={content!r})\napis.supervisor.complete_task()\n")
+  return instruction, None, tests, solution
+
+
+def _delete_note(world: dict, rng: random.Random) -> tuple[str, object, str, str]:
+  title = rng.choice(world["notes"])["title"]
+  instruction = (f'Delete my Simple Note note titled "{title}". Mark the task complete when done.')
+  tests = f'''\
+    with test("assert the answer is None."):
+        test.case(answer, "==", None)
+    with test("assert the note titled {title} is gone and every other note is unchanged."):
+        expected = [n for n in _notes(models.start, start_user) if n[0] != {title!r}]
+        test.case(_notes(models.end, user), "==", expected)
+'''
+  solution = _PREAMBLE + (f"target = [n for n in notes if n['title'] == {title!r}][0]\n"
+                          "apis.simple_note.delete_note(access_token=token, "
+                          "note_id=target['note_id'])\napis.supervisor.complete_task()\n")
+  return instruction, None, tests, solution
+
+
+TEMPLATES = {
+    "count_notes": (_count_notes, 1),  # name -> (builder, difficulty)
+    "count_tagged": (_count_tagged, 1),
+    "latest_title": (_latest_title, 1),
+    "create_note": (_create_note, 1),
+    "delete_note": (_delete_note, 2),
+}
+_TAGS = ("work", "personal", "ideas", "travel", "health")
+
+
+def _populate(mc, rng: random.Random, num_people: int, num_notes: int) -> tuple[object, dict]:
+  """Fills `mc` with people, the supervisor and Simple Note accounts; -> (supervisor, world)."""
+  from appworld.common.datetime import DateTime  # noqa: PLC0415
+
+  people = []
+  while len(people) < num_people:  # faker repeats names now and then; unique_by rejects them
+    person = mc.admin.MainUser.factory().build()
+    if any(p.email == person.email or p.first_name == person.first_name for p in people):
+      continue
+    person.save()
+    people.append(person)
+  boss = people[0]
+  sup = mc.supervisor.Supervisor(first_name=boss.first_name, last_name=boss.last_name,
+                                 email=boss.email, phone_number=boss.phone_number,
+                                 birthday=boss.birthday, sex=boss.sex)
+  sup.save()
+  password = f"pw-{rng.getrandbits(40):010x}"
+  mc.supervisor.AccountPassword(supervisor_id=sup.id, account_name="simple_note",
+                                password=password).save()
+  notes = []
+  for person in people:  # everyone has an account; only the supervisor's notes matter
+    user = mc.simple_note.User.factory().build(
+        first_name=person.first_name, last_name=person.last_name, email=person.email,
+        password=password if person is boss else f"pw-{rng.getrandbits(40):010x}", verified=True)
+    user.save()
+    count = num_notes if person is boss else rng.randint(1, 3)
+    titles = rng.sample(range(10, 99), count)
+    for i, number in enumerate(titles):
+      created = DateTime.now().subtract(days=rng.randint(1, 300), minutes=i)
+      tags = rng.sample(_TAGS, rng.randint(1, 2))
+      note = mc.simple_note.Note.factory().build(
+          user_id=user.id, title=f"Note {number}", content=f"content {number}", tags=tags,
+          created_at=created, updated_at=created, pinned=False)
+      note.save()
+      if person is boss:
+        notes.append({"title": note.title, "tags": tags, "created_at": created.isoformat()})
+  return sup, {"notes": notes}
+
+
+def _write_api_docs(data: str) -> None:
+  from appworld.collections.api_docs import ApiDocCollection  # noqa: PLC0415
+  from appworld.common.constants import CANARY_STRING  # noqa: PLC0415
+
+  folder = os.path.join(data, "api_docs", "standard")
+  os.makedirs(folder, exist_ok=True)
+  for app, apis in ApiDocCollection.build().items():
+    if app == "admin":
+      continue
+    docs = {name: {**dict(doc), "canary_string": CANARY_STRING} for name, doc in apis.items()}
+    with open(os.path.join(folder, f"{app}.json"), "w", encoding="utf-8") as f:
+      json.dump(docs, f, default=str)
+
+
+def _fill_api_docs_table(mc) -> None:
+  from appworld.collections.api_docs import ApiDocCollection  # noqa: PLC0415
+
+  rows = [mc.api_docs.ApiDoc(app_name_=d["app_name"], api_name=d["api_name"], path=d["path"],
+                             method=d["method"], description=d["description"],
+                             parameters=d["parameters"], response_schemas=d["response_schemas"])
+          for apis in ApiDocCollection.build().values() for d in apis.values()]
+  mc.api_docs.ApiDoc.save_all(rows)
+
+
+def _write_ground_truth(folder: str, answer, tests: str, difficulty: int, solution: str) -> None:
+  import re  # noqa: PLC0415
+
+  os.makedirs(folder, exist_ok=True)
+  requirements = re.findall(r'with test\("(.*?)"\):', tests)
+  files = {
+      "public_data.json": {}, "private_data.json": {},
+      "test_data.json": [{"requirement": r, "label": "no_op_fail"} for r in requirements],
+      "metadata.json": {"mode": "minimal", "difficulty": difficulty, "num_apps": 1,
+                        "num_apis": len(set(re.findall(r"apis\.(\w+\.\w+)", solution))),
+                        "num_solution_code_lines": len(solution.strip().splitlines())},
+  }
+  for name, value in files.items():
+    with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+      json.dump(value, f, indent=1)
+  with open(os.path.join(folder, "answer.json"), "w", encoding="utf-8") as f:
+    f.write(json.dumps(answer))
+  with open(os.path.join(folder, "evaluation.py"), "w", encoding="utf-8") as f:
+    f.write(_EVAL_HEADER + tests)
+
+
+def build_task(task_id: str, template: str, seed: int, num_people: int, num_notes: int) -> dict:
+  """Builds one task (world, instruction, evaluation, answer) under path_store.data.
+
+  Returns its row for coevolve_tasks.jsonl.
+  """
+  from appworld.apps import get_all_apps  # noqa: PLC0415
+  from appworld.apps.admin.models import MainUserMunch  # noqa: PLC0415
+  from appworld.apps.api_lib import set_local_date_and_time, unset_local_date_and_time  # noqa: PLC0415
+  from appworld.collections.models import ModelCollection  # noqa: PLC0415
+  from appworld.common.constants import DB_VERSION  # noqa: PLC0415
+  from appworld.common.datetime import DateTime  # noqa: PLC0415
+  from appworld.common.path_store import path_store  # noqa: PLC0415
+  from appworld.common.random import set_random_seed  # noqa: PLC0415
+  from appworld.task import Task  # noqa: PLC0415
+
+  rng = random.Random(seed)
+  set_random_seed(seed, python=True, faker_=True, model_factory=True)
+  when = DateTime(2023, 5, 18, 12, 0, 0).add(days=rng.randint(0, 200))
+  freezer = set_local_date_and_time(when)
+  mc = ModelCollection.load(to_db_home_path=f":memory:build-{task_id}", load_apps=get_all_apps(),
+                            create_db=True)
+  try:
+    sup, world = _populate(mc, rng, num_people, num_notes)
+    builder, difficulty = TEMPLATES[template]
+    instruction, answer, tests, solution = builder(world, rng)
+    mc.supervisor.Task(supervisor_id=sup.id, instruction=instruction).save()
+    _fill_api_docs_table(mc)
+    task = Task(id=task_id, instruction=instruction, supervisor=MainUserMunch.from_supervisor(sup),
+                datetime=when, allowed_apps=get_all_apps(skip_admin=True), db_version=DB_VERSION,
+                model_collection=mc)
+    task.save(delete_if_exists=True, save_ground_truth=False)
+    _write_ground_truth(os.path.join(path_store.data, "tasks", task_id, "ground_truth"), answer,
+                        tests, difficulty, solution)
+  finally:
+    mc.close()
+    unset_local_date_and_time(freezer)
+  return {"task_id": task_id, "scenario": task_id.split("_")[0], "template": template,
+          "instruction": instruction, "answer": answer, "difficulty": difficulty,
+          "apps": ["simple_note"], "solution": solution, "seed": seed}
+
+
+def scenario_id(template: str, seed: int, index: int) -> str:
+  """AppWorld-style 7-hex scenario id, stable for a (template, seed, index)."""
+  return hashlib.sha1(f"{template}:{seed}:{index}".encode()).hexdigest()[:7]
+
+
+def build(root: str, num_scenarios: int, tasks_per_scenario: int, seed: int,
+          templates: list[str], num_people: int, num_notes: int, eval_scenarios: int) -> list[dict]:
+  """Builds `num_scenarios` x `tasks_per_scenario` tasks; the last `eval_scenarios` scenarios form
+  test_normal, the rest train; writes the split files and coevolve_tasks.jsonl."""
+  os.environ["APPWORLD_ROOT"] = os.path.abspath(root)
+  from appworld import update_root  # noqa: PLC0415
+
+  update_root(os.path.abspath(root))
+  from appworld.common.path_store import path_store  # noqa: PLC0415
+
+  os.makedirs(os.path.join(path_store.data, "tasks"), exist_ok=True)
+  _write_api_docs(path_store.data)
+  rows, splits = [], {s: [] for s in SPLITS}
+  for k in range(num_scenarios):
+    template = templates[k % len(templates)]
+    scenario = scenario_id(template, seed, k)
+    split = "test_normal" if k >= num_scenarios - eval_scenarios else "train"
+    for n in range(1, tasks_per_scenario + 1):
+      row = build_task(f"{scenario}_{n}", template, seed * 100003 + k * 101 + n, num_people,
+                       num_notes)
+      row["split"] = split
+      rows.append(row)
+      splits[split].append(row["task_id"])
+  os.makedirs(os.path.join(path_store.data, "datasets"), exist_ok=True)
+  for split, ids in splits.items():
+    split_file = os.path.join(path_store.data, "datasets", f"{split}.txt")
+    with open(split_file, "w", encoding="utf-8") as f:
+      f.write("".join(f"{i}\n" for i in ids))
+  with open(os.path.join(root, "coevolve_tasks.jsonl"), "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in rows)
+  return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--root", required=True, help="AppWorld root to write data/ under")
+  p.add_argument("--num-scenarios", type=int, default=5)
+  p.add_argument("--tasks-per-scenario", type=int, default=3)
+  p.add_argument("--eval-scenarios", type=int, default=1)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--templates", default=",".join(TEMPLATES))
+  p.add_argument("--num-people", type=int, default=3)
+  p.add_argument("--num-notes", type=int, default=5)
+  a = p.parse_args(argv)
+  templates = [t for t in a.templates.split(",") if t]
+  unknown = sorted(set(templates) - set(TEMPLATES))
+  if unknown or not templates:
+    p.error(f"unknown templates {unknown}; known: {sorted(TEMPLATES)}")
+  if not 0 <= a.eval_scenarios < a.num_scenarios:
+    p.error("need 0 <= --eval-scenarios < --num-scenarios")
+  start = time.perf_counter()
+  rows = build(a.root, a.num_scenarios, a.tasks_per_scenario, a.seed, templates, a.num_people,
+               a.num_notes, a.eval_scenarios)
+  print(json.dumps({"tasks": len(rows), "seconds": round(time.perf_counter() - start, 1)}))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

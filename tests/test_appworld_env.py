@@ -1,0 +1,196 @@
+"""AppWorld on generated worlds: real app code in real AppWorld servers (own venv), our HTTP client.
+
+Needs `.venv-appworld` (`make appworld-setup`); every test that uses it skips with that reason when
+it is absent. One module-scoped build (5 tasks, one per template) and one server pool serve all
+tests; the built data lives in a pytest temp folder, never in the repository.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+
+from envs import appworld_server
+from envs.appworld_env import AppWorldEnv, extract_code, task_from_row
+from envs.appworld_server import ServerError, ServerPool
+from envs.base import Action
+
+
+def _appworld_python() -> str | None:
+  try:
+    python = appworld_server.venv_python()
+  except FileNotFoundError:
+    return None
+  site = os.path.dirname(os.path.dirname(python))
+  unpacked = any(os.path.exists(os.path.join(root, "appworld", "apps", "simple_note", "apis.py"))
+                 for root, _, _ in os.walk(os.path.join(site, "lib")) if root.endswith("packages"))
+  return python if unpacked else None
+
+
+PYTHON = _appworld_python()
+needs_appworld = pytest.mark.skipif(
+    PYTHON is None, reason="no AppWorld environment with unpacked apps (.venv-appworld): run "
+                           "`make appworld-setup`")
+
+
+def _act(code: str, thinking: str = "") -> Action:
+  return Action(text=f"{thinking}I will run this.\n```python\n{code}\n```")
+
+
+def test_extract_code_skips_reasoning_and_needs_a_block():
+  text = ("<think>```python\nprint('hidden')\n```</think>Sure.\n```python\nprint(1)\n```\n"
+          "```\nx\n```")
+  assert extract_code(text) == "print(1)"
+  assert extract_code("```\nprint(2)\n```") == "print(2)"
+  assert extract_code("no code here, apis.supervisor.complete_task()") is None
+  assert extract_code("<think>unfinished ```python\nprint(3)\n```") is None
+  assert extract_code("```python\n\n```") is None
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+  if PYTHON is None:
+    pytest.skip("no .venv-appworld")
+  root = str(tmp_path_factory.mktemp("appworld_root"))
+  rows = appworld_server.build_worlds(root, PYTHON, num_scenarios=5, tasks_per_scenario=1,
+                                      eval_scenarios=1, seed=3, num_people=2, num_notes=4)
+  pool = ServerPool(root, size=2, python=PYTHON, timeout_s=30.0,
+                    log_dir=str(tmp_path_factory.mktemp("logs")))
+  yield root, {r["template"]: r for r in rows}, pool
+  pool.close()
+
+
+def _episode(pool, row, actions, **kw):
+  env = AppWorldEnv(task_from_row(row), pool, experiment="test", **kw)
+  try:
+    first = env.reset()
+    result = None
+    for a in actions:
+      result = env.step(a)
+      if result.done:
+        break
+    return first, result, env
+  finally:
+    env.close()
+
+
+@needs_appworld
+def test_built_layout_and_splits(world):
+  root, rows, _ = world
+  data = os.path.join(root, "data")
+  for row in rows.values():
+    task = os.path.join(data, "tasks", row["task_id"])
+    assert os.path.isfile(os.path.join(task, "specs.json"))
+    assert os.path.isfile(os.path.join(task, "dbs", "simple_note.db"))
+    for name in ("evaluation.py", "answer.json", "test_data.json", "metadata.json"):
+      assert os.path.isfile(os.path.join(task, "ground_truth", name)), name
+  with open(os.path.join(data, "datasets", "test_normal.txt"), encoding="utf-8") as f:
+    eval_ids = f.read().split()
+  with open(os.path.join(data, "datasets", "train.txt"), encoding="utf-8") as f:
+    train_ids = f.read().split()
+  assert len(eval_ids) == 1 and len(train_ids) == 4 and not set(eval_ids) & set(train_ids)
+  assert os.path.isfile(os.path.join(data, "api_docs", "standard", "simple_note.json"))
+
+
+@needs_appworld
+@pytest.mark.parametrize("template", ["count_notes", "count_tagged", "latest_title",
+                                      "create_note", "delete_note"])
+def test_ground_truth_solution_scores_one_and_noop_scores_zero(world, template):
+  _, rows, pool = world
+  row = rows[template]
+  first, result, _ = _episode(pool, row, [_act(row["solution"])])
+  assert row["instruction"] in first.messages[0]["content"]
+  assert result.done and result.reward == 1.0, result.info
+  assert result.info["end"] == "completed" and result.info["success"]
+  assert "simple_note.login" in result.info["per_turn_calls"][0]
+  # Completing at once without doing anything (or with a wrong answer) fails the evaluation.
+  _, result, _ = _episode(pool, row, [_act("apis.supervisor.complete_task(answer=12345)")])
+  assert result.done and result.reward == 0.0 and not result.info["success"]
+
+
+@needs_appworld
+def test_pass_fraction_reward_and_step_limit(world):
+  _, rows, pool = world
+  row = rows["count_notes"]  # two tests: the answer, and no note changed
+  _, result, _ = _episode(pool, row, [_act("apis.supervisor.complete_task(answer=-1)")],
+                          reward="pass_fraction")
+  assert result.reward == pytest.approx(0.5) and (result.info["passed"], result.info["num_tests"]) \
+      == (1, 2)
+  _, result, env = _episode(pool, row, [Action(text="thinking aloud, no code"), _act("x = 1")],
+                            max_steps=2)
+  assert result.done and result.info["end"] == "max_steps" and result.reward == 0.0
+  assert env.code == ["x = 1"]
+
+
+@needs_appworld
+def test_observation_truncated_and_errors_are_observations(world):
+  _, rows, pool = world
+  env = AppWorldEnv(task_from_row(rows["count_notes"]), pool, max_obs_chars=50)
+  try:
+    env.reset()
+    out = env.step(_act("print('y' * 500)")).messages[0]["content"]
+    assert out.startswith("y" * 50) and "truncated 451 characters" in out
+    out = env.step(_act("print(1/0)")).messages[0]["content"]
+    assert out.startswith("Execution failed. Traceback:")
+    out = env.step(Action(text="no block")).messages[0]["content"]
+    assert "No code was run" in out
+  finally:
+    env.close()
+
+
+@needs_appworld
+def test_safety_guard_blocks_shell_access(world, tmp_path):
+  _, rows, pool = world
+  marker = tmp_path / "pwned"
+  env = AppWorldEnv(task_from_row(rows["count_notes"]), pool)
+  try:
+    env.reset()
+    out = env.step(_act(f"import os\nos.system('touch {marker}')")).messages[0]["content"]
+    assert "not allowed" in out
+    out = env.step(_act("import subprocess")).messages[0]["content"]
+    assert "not allowed" in out
+  finally:
+    env.close()
+  assert not marker.exists()
+
+
+@needs_appworld
+def test_dead_or_hung_server_fails_only_its_episode_and_is_restarted(world):
+  _, rows, pool = world
+  row = rows["count_notes"]
+  victim = AppWorldEnv(task_from_row(row), pool)
+  other = AppWorldEnv(task_from_row(row), pool)
+  victim.reset()
+  other.reset()
+  old_pid = victim.server.proc.pid
+  os.killpg(old_pid, signal.SIGKILL)  # the server dies mid-episode
+  victim.server.proc.wait(timeout=10)
+  with pytest.raises(ServerError):
+    victim.step(_act("print(1)"))
+  victim.close()  # hands the server back; the pool restarts it
+  result = other.step(_act(row["solution"]))  # the concurrent episode goes on
+  assert result.done and result.reward == 1.0
+  other.close()
+  restarted = [s for s in pool.idle if s.proc and s.proc.pid != old_pid]
+  assert len(pool.idle) == 2 and all(s.healthy() for s in pool.idle) and restarted
+  # A hung server (stopped process): the request times out, the episode fails, restart follows.
+  hung = AppWorldEnv(task_from_row(row), pool, exec_timeout_s=1)
+  hung.reset()
+  saved_timeout, pool.timeout_s = pool.timeout_s, 1.0
+  try:
+    os.killpg(hung.server.proc.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(ServerError, match="no usable answer"):
+      hung.step(_act("print(1)"))
+    assert time.monotonic() - start < 10
+  finally:
+    pool.timeout_s = saved_timeout
+    hung.close()
+  _, result, _ = _episode(pool, row, [_act(row["solution"])])
+  assert result.reward == 1.0
+
+
+def test_missing_appworld_venv_names_the_setup_command(tmp_path):
+  with pytest.raises(FileNotFoundError, match="make appworld-setup"):
+    appworld_server.venv_python(str(tmp_path / "nope"))
