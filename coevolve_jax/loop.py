@@ -35,7 +35,7 @@ from coevolve_jax.feedback.explorer import ProgrammaticExplorer
 from coevolve_jax.feedback.pool import TaskPool
 from coevolve_jax.feedback.signals import RolloutRecord, SignalTracker
 from coevolve_jax.metrics import MetricsWriter, PhaseTimer, truncate_jsonl
-from coevolve_jax.models import Qwen, QwenConfig
+from coevolve_jax.models import Qwen, QwenConfig, from_pretrained
 from coevolve_jax.rollout.engine import Engine
 from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.trainer import PolicyTrainer, make_batch, make_optimizer
@@ -84,11 +84,10 @@ class CoEvolveRun:
     self.tracker = SignalTracker(cfg.signals.window, cfg.signals.rare_theta_percent,
                                  cfg.signals.rare_min_total, cfg.signals.pattern)
     dtype = jnp.dtype(cfg.model.dtype)
-    if cfg.model.checkpoint:
-      raise NotImplementedError("loading Hugging Face checkpoints into the run is not wired yet; "
-                                "leave model.checkpoint empty (random init + warm-start)")
-    model_cfg = QwenConfig.preset(cfg.model.preset)
-    model = Qwen(model_cfg, rngs=nnx.Rngs(cfg.seed), dtype=dtype)
+    if cfg.model.checkpoint:  # a Hugging Face folder; its config.json replaces the preset
+      model = from_pretrained(cfg.model.checkpoint, dtype=dtype)
+    else:
+      model = Qwen(QwenConfig.preset(cfg.model.preset), rngs=nnx.Rngs(cfg.seed), dtype=dtype)
     self.gcfg = grpo.GRPOConfig(
         clip_eps_low=cfg.train.clip_eps_low, clip_eps_high=cfg.train.clip_eps_high,
         dual_clip_c=cfg.train.dual_clip_c, kl_beta=cfg.train.kl_beta,

@@ -15,6 +15,7 @@ per-head q/k RMSNorm; Qwen3-MoE softmax router with top-k experts, optionally re
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -424,3 +425,25 @@ class Qwen(nnx.Module):
   def _embed(self, ids):
     x = jnp.take(self.embed_tokens[...], ids, axis=0)
     return constrain(x, ("batch", "length", "act_embed"))
+
+
+def count_params(cfg: QwenConfig, model: Qwen | None = None) -> dict[str, int]:
+  """Parameter counts of a config from `nnx.eval_shape` (nothing is allocated), or of `model`.
+
+  Returns:
+    {"total", "embedding" (input embedding plus an untied output head), "non_embedding",
+     "active" (per token: every parameter except the experts a token does not use)}.
+  """
+  if model is None:
+    model = nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0)))
+  total = embedding = experts = 0
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    n = math.prod(var.get_value().shape)
+    total += n
+    if path[0] in ("embed_tokens", "lm_head"):
+      embedding += n
+    if "experts" in path:
+      experts += n
+  inactive = experts * (cfg.num_experts - cfg.num_experts_per_tok) // max(cfg.num_experts, 1)
+  return {"total": total, "embedding": embedding, "non_embedding": total - embedding,
+          "active": total - inactive}
