@@ -1,0 +1,101 @@
+"""AppWorld splits and TGC/SGC: a fabricated official data layout, and AppWorld's own code as the
+reference (run in .venv-appworld; those checks skip without it)."""
+
+import json
+import os
+import random
+import subprocess
+
+import pytest
+
+from envs import appworld_server
+from envs.appworld_data import OFFICIAL_SPLITS, goal_completion, load_split, scenario_of
+
+try:
+  AW_PYTHON = appworld_server.venv_python()
+except FileNotFoundError:
+  AW_PYTHON = None
+needs_appworld = pytest.mark.skipif(AW_PYTHON is None,
+                                    reason="no .venv-appworld: run `make appworld-setup`")
+
+
+def _fake_official(root, per_split=3):
+  """The official layout: data/datasets/<split>.txt (ids, some tagged) and data/tasks/<id>/."""
+  os.makedirs(root / "data" / "datasets")
+  expected = {}
+  for s, split in enumerate(OFFICIAL_SPLITS):
+    lines, ids = [], []
+    for k in range(per_split):
+      task_id = f"{s:03d}a{k:03d}_{k % 2 + 1}"
+      (root / "data" / "tasks" / task_id).mkdir(parents=True)
+      (root / "data" / "tasks" / task_id / "specs.json").write_text(
+          json.dumps({"instruction": f"do {task_id}", "db_version": "0.1.0"}))
+      lines.append(f"{task_id}:tagged" if k == 0 else task_id)
+      ids.append(task_id)
+    (root / "data" / "datasets" / f"{split}.txt").write_text("\n".join(lines) + "\n\n")
+    expected[split] = ids
+  return expected
+
+
+def test_official_splits_load_with_tags_dropped(tmp_path):
+  expected = _fake_official(tmp_path)
+  for split in OFFICIAL_SPLITS:
+    tasks = load_split(str(tmp_path), split)
+    assert [t.task_id for t in tasks] == expected[split]
+    assert tasks[1].turns == [f"do {expected[split][1]}"] and tasks[1].env == "appworld"
+    assert tasks[1].initial_config["scenario"] == expected[split][1].split("_")[0]
+    assert tasks[1].initial_config["split"] == split
+
+
+def test_missing_split_or_task_is_a_clear_error(tmp_path):
+  expected = _fake_official(tmp_path)
+  with pytest.raises(FileNotFoundError, match="appworld download data"):
+    load_split(str(tmp_path), "nope")
+  os.remove(tmp_path / "data" / "tasks" / expected["dev"][2] / "specs.json")
+  with pytest.raises(FileNotFoundError, match=expected["dev"][2]):
+    load_split(str(tmp_path), "dev")
+
+
+def test_goal_completion_by_hand():
+  results = {"aaa_1": True, "aaa_2": True, "aaa_3": False,  # scenario aaa: not all pass
+             "bbb_1": True, "bbb_2": True,                   # scenario bbb: all pass
+             "ccc_1": False}
+  m = goal_completion(results)
+  assert m["tgc"] == round(100 * round(4 / 6, 4), 1) == 66.7
+  assert m["sgc"] == round(100 * round(1 / 3, 4), 1) == 33.3
+  assert (m["tasks"], m["scenarios"]) == (6, 3)
+  assert goal_completion({})["tgc"] == 0.0
+  with pytest.raises(ValueError):
+    scenario_of("no-underscore")
+
+
+@needs_appworld
+def test_goal_completion_matches_appworld_metric_and_official_loader(tmp_path):
+  rng = random.Random(0)
+  cases = []
+  for _ in range(20):
+    ids = {f"{rng.randrange(16**7):07x}_{n}" for _ in range(rng.randint(1, 6))
+           for n in range(1, rng.randint(2, 4))}
+    cases.append({i: rng.random() < 0.6 for i in sorted(ids)})
+  expected = _fake_official(tmp_path)
+  script = """
+import json, sys
+from appworld.evaluator import Metric
+from appworld.task import load_task_ids
+cases = json.loads(sys.stdin.read())
+out = [Metric._compute_metrics({k: {"success": v, "passes": [], "failures": []}
+                                for k, v in c.items()})["aggregate"] for c in cases]
+splits = {s: load_task_ids(s) for s in SPLITS}
+print(json.dumps({"metrics": out, "splits": splits}))
+""".replace("SPLITS", repr(list(OFFICIAL_SPLITS)))
+  env = {**os.environ, "APPWORLD_ROOT": str(tmp_path)}
+  done = subprocess.run([AW_PYTHON, "-c", script], input=json.dumps(cases), capture_output=True,
+                        text=True, env=env, cwd=str(tmp_path), timeout=120, check=True)
+  reference = json.loads(done.stdout.strip().splitlines()[-1])
+  for case, ref in zip(cases, reference["metrics"]):
+    ours = goal_completion(case)
+    assert (ours["tgc"], ours["sgc"]) == (ref["task_goal_completion"],
+                                          ref["scenario_goal_completion"])
+  assert reference["splits"] == expected
+  for split in OFFICIAL_SPLITS:
+    assert [t.task_id for t in load_split(str(tmp_path), split)] == reference["splits"][split]
