@@ -57,6 +57,13 @@ def truncate(text: str, max_chars: int) -> str:
 class BfclEnv:
   """One isolated episode of a BFCL multi-turn task (implements envs.base.Env).
 
+  Two loop semantics. Training (default): a reply that cannot be parsed gets an error observation
+  and the turn goes on (a penalised step); the episode is force-terminated once a user turn has
+  taken `max_steps_per_turn` model steps. Official (`official_loop=True`, BFCL's
+  `base_handler.inference_multi_turn_*`): a reply that cannot be decoded ends the user turn, like
+  a reply without calls; only steps that executed calls count, and the episode is
+  force-terminated when that count exceeds `max_steps_per_turn` (MAXIMUM_STEP_LIMIT = 20).
+
   Attributes:
     tools: Qwen/OpenAI tool schemas offered now (miss_func tasks gain tools at later turns).
     system_prompt: a short instruction on the tool-use protocol.
@@ -72,6 +79,7 @@ class BfclEnv:
     max_obs_chars: int = DEFAULT_MAX_OBS_CHARS,
     tool_style: str = "full",
     max_steps_per_turn: int = MAX_STEPS_PER_TURN,
+    official_loop: bool = False,
   ):
     if not task.turns or len(task.turns) != len(task.ground_truth):
       raise ValueError(f"task {task.task_id}: needs turns and one ground-truth list per turn")
@@ -79,6 +87,7 @@ class BfclEnv:
     self.tool_style = tool_style
     self.max_obs_chars = max_obs_chars
     self.max_steps_per_turn = max_steps_per_turn
+    self.official_loop = official_loop
     self.model_name = new_model_name("ep_" + re.sub(r"\W", "_", episode_id)[:40])
     self.tools = tool_schemas(
       task.involved_classes, tool_style, task.provenance.get("excluded_function", ())
@@ -149,6 +158,8 @@ class BfclEnv:
     """
     if self._turn < 0 or self._done:
       raise RuntimeError("step() before reset() or after the episode ended")
+    if self.official_loop:
+      return self._official_step(action)
     self._steps += 1
     if action.error is not None:
       messages = [self._tool_message(f"Error: could not parse the tool call: {action.error}")]
@@ -162,6 +173,24 @@ class BfclEnv:
       self.calls.append([])
       return StepResult(messages=[self._user_message(self._turn)])
     if self._steps >= self.max_steps_per_turn:
+      return self._finish(messages, forced="multi_turn:force_terminated")
+    return StepResult(messages=messages)
+
+  def _next_turn(self) -> StepResult:
+    self._turn += 1
+    self._steps = 0
+    if self._turn >= len(self.task.turns):
+      return self._finish([])
+    self.calls.append([])
+    return StepResult(messages=[self._user_message(self._turn)])
+
+  def _official_step(self, action: Action) -> StepResult:
+    """BFCL's loop: undecodable or call-free replies end the turn; > limit executed steps quit."""
+    if action.error is not None or not action.tool_calls:
+      return self._next_turn()
+    messages = self._run_calls(action)
+    self._steps += 1
+    if self._steps > self.max_steps_per_turn:
       return self._finish(messages, forced="multi_turn:force_terminated")
     return StepResult(messages=messages)
 
@@ -181,6 +210,7 @@ def make_env(
   max_obs_chars: int = DEFAULT_MAX_OBS_CHARS,
   tool_style: str = "full",
   max_steps_per_turn: int = MAX_STEPS_PER_TURN,
+  official_loop: bool = False,
 ) -> BfclEnv:
   """A fresh, isolated BfclEnv for one episode of `task` (call reset() first, close() at the
   end)."""
@@ -190,4 +220,5 @@ def make_env(
     max_obs_chars=max_obs_chars,
     tool_style=tool_style,
     max_steps_per_turn=max_steps_per_turn,
+    official_loop=official_loop,
   )

@@ -9,7 +9,7 @@ from flax import nnx
 from coevolve_jax.models import Qwen, QwenConfig
 from coevolve_jax.models.qwen import rope
 from coevolve_jax.rollout import Completion, generate
-from coevolve_jax.rollout.engine import Engine
+from coevolve_jax.rollout.engine import Engine, _chunks
 from coevolve_jax.rollout.sampling import SamplingParams, processed_logprobs, sample
 from coevolve_jax.trainer import token_logprobs
 
@@ -440,3 +440,16 @@ def test_generate_rejects_bad_requests_before_any_work(model):
   assert all(engine.position(s) == 0 for s in range(SLOTS))
   with pytest.raises(ValueError, match="top_p"):
     SamplingParams(top_p=1.5)
+
+
+@pytest.mark.parametrize("n,start,cache", [(2100, 0, 4096), (700, 3300, 4096), (4, 60, 64),
+                                           (1, 0, 64), (513, 0, 1024)])
+def test_prefill_chunks_cover_the_input_and_stay_inside_the_cache(n, start, cache):
+  sizes = _chunks(n, start, cache)
+  taken = 0
+  for size in sizes:
+    assert size & (size - 1) == 0 and size <= 512  # powers of two, at most one max chunk
+    assert start + taken + size <= cache  # the padded chunk fits
+    taken += min(size, n - taken)
+  assert taken == n and sizes[-1] >= 1
+  assert sum(sizes) - n < max(sizes)  # padding is less than one chunk

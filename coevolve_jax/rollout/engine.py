@@ -64,11 +64,16 @@ def _generate(graphdef, params, state: DecodeState, active_b, rng, sampling, kv_
   return DecodeState(cache, next_pos, tok), tok, logp
 
 
-def _chunks(n: int, start: int, cache_len: int, min_chunk: int = 16) -> list[int]:
-  """Power-of-two chunk sizes covering n tokens from `start` without passing `cache_len`."""
+def _chunks(n: int, start: int, cache_len: int, min_chunk: int = 16,
+            max_chunk: int = 512) -> list[int]:
+  """Power-of-two chunk sizes covering n tokens from `start` without passing `cache_len`.
+
+  Chunks are at most `max_chunk` long, so a long prompt is padded by less than one chunk (a single
+  power-of-two chunk would pad 2049 tokens to 4096) and few shapes are compiled.
+  """
   sizes = []
   while n > 0:
-    size = max(min_chunk, 1 << (n - 1).bit_length())
+    size = min(max_chunk, max(min_chunk, 1 << (n - 1).bit_length()))
     while start + size > cache_len and size > 1:
       size //= 2
     take = min(size, n)

@@ -1,0 +1,276 @@
+"""Greedy BFCL multi-turn evaluation of a checkpoint.
+
+    python -m coevolve_jax.evaluate --config=configs/bfcl.py:cpu --checkpoint=PATH
+
+runs one greedy episode per entry of multi_turn_base, multi_turn_miss_func, multi_turn_miss_param
+and multi_turn_long_context with BFCL's own loop semantics (an undecodable or call-free reply ends
+the user turn; more than 20 executed steps in a turn force-terminate the entry; an entry passes
+only if the official `multi_turn_checker` passes every turn), prints accuracy per category and
+writes the same, with per-entry rows, to JSON.
+
+PATH is a run's orbax checkpoint folder (`<workdir>/checkpoints`, or the workdir itself; the model
+shape comes from `--config`) or a Hugging Face folder (`config.json` + safetensors).
+`--policy=ground_truth` replays each entry's ground-truth calls through the same loop instead of a
+model: a check of the harness itself (template, parsing, execution, checker), which scores 100% on
+multi_turn_base.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from envs import bfcl
+from envs.base import Task
+
+CATEGORIES = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param",
+              "multi_turn_long_context")
+
+
+class ReplayEngine:
+  """A policy in the engine's slot interface that replies with each task's ground-truth calls.
+
+  Per user turn it emits one reply per ground-truth call (`<tool_call>` JSON via the chat
+  template's own formatting), then a closing reply without calls, which ends the turn. The episode
+  is identified by its first prompt (token ids), so the agent loop is used unchanged.
+
+  Args:
+    tasks: the tasks that will be run.
+    chat: the chat format (`prompt_ids`, `assistant_text`, `encode`, `im_end_id`).
+    make_env: `(task, episode_id) -> Env`, to render each task's first prompt.
+    num_slots: decode slots offered to the agent loop.
+    cache_len: tokens per slot.
+  Raises:
+    ToolCallError: a ground-truth call string that is not a plain literal call.
+  """
+
+  CLOSING_REPLY = "Done."
+
+  def __init__(self, tasks: Sequence[Task], chat: Any, make_env, num_slots: int = 8,
+               cache_len: int = 1 << 20):
+    self.num_slots, self.cache_len = num_slots, cache_len
+    self._scripts: dict[tuple[int, ...], list[list[list[int]]]] = collections.defaultdict(list)
+    for task in tasks:
+      env = make_env(task, "replay_probe")
+      try:
+        first = env.reset()
+        system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
+        prompt = chat.prompt_ids(system + first.messages, env.tools)
+      finally:
+        env.close()
+      self._scripts[tuple(prompt)].append(self._replies(task, chat))
+    self._closing = chat.encode(self.CLOSING_REPLY) + [chat.im_end_id]
+    self._pos = [0] * num_slots
+    self._queue: list[list[int]] = [[] for _ in range(num_slots)]
+    self._replies_left: list[list[list[int]]] = [[] for _ in range(num_slots)]
+
+  def _replies(self, task: Task, chat: Any) -> list[list[int]]:
+    replies = []
+    for turn in task.ground_truth:
+      for call_text in turn:
+        call = bfcl.parse_call_string(call_text, task.involved_classes)
+        text = chat.assistant_text("", [{"name": call.name, "arguments": call.arguments}])
+        replies.append(chat.encode(text) + [chat.im_end_id])
+      replies.append(chat.encode(self.CLOSING_REPLY) + [chat.im_end_id])
+    return replies
+
+  def reset_slot(self, slot: int) -> None:
+    self._pos[slot], self._queue[slot], self._replies_left[slot] = 0, [], []
+
+  def room(self, slot: int) -> int:
+    return self.cache_len - self._pos[slot]
+
+  def prefill(self, slot: int, ids: list[int], rng, sampling) -> tuple[int, float]:
+    del rng, sampling
+    if self._pos[slot] == 0:
+      self._replies_left[slot] = list(self._scripts[tuple(ids)].pop(0))
+    self._pos[slot] += len(ids)
+    # Past the end of the script (the loop wants more replies): reply without calls.
+    left = self._replies_left[slot]
+    self._queue[slot] = list(left.pop(0) if left else self._closing)
+    return self._queue[slot].pop(0), 0.0
+
+  def generate(self, active, rng, sampling) -> tuple[np.ndarray, np.ndarray]:
+    del rng, sampling
+    toks = np.zeros(self.num_slots, np.int32)
+    for s in np.flatnonzero(active):
+      toks[s] = self._queue[s].pop(0)
+      self._pos[s] += 1
+    return toks, np.zeros(self.num_slots, np.float32)
+
+  def load_params(self, model) -> None:
+    del model
+
+
+def make_eval_env(cfg, task: Task, episode_id: str):
+  """A BFCL environment with the official loop semantics (and its 20-step limit per user turn)
+  and the config's prompt settings (tool_style, max_obs_chars)."""
+  return bfcl.make_env(task, episode_id, max_obs_chars=cfg.data.max_obs_chars,
+                       tool_style=cfg.data.tool_style,
+                       max_steps_per_turn=bfcl.MAX_STEPS_PER_TURN, official_loop=True)
+
+
+def evaluate_category(engine, chat, tasks: Sequence[Task], cfg, rng=None,
+                      max_new_tokens: int = 0) -> dict[str, Any]:
+  """Greedy episodes of `tasks` on `engine`; returns {"accuracy", "n", "entries": [...]}.
+
+  The official loop has no episode-wide step limit (only 20 executed steps per user turn, enforced
+  by the environment), so none is set here; replies are cut at `cfg.eval.max_new_tokens` tokens
+  and an episode that fills its KV cache (`cfg.rollout.cache_len`) fails with finish "context".
+
+  Args:
+    engine: a rollout `Engine` (or any object with its slot interface, e.g. `ReplayEngine`).
+    chat: the chat format (`QwenChat`).
+    tasks: BFCL tasks of one category.
+    cfg: the run config (data.tool_style, data.max_obs_chars, eval.max_new_tokens are read).
+    rng: PRNG key (greedy decoding does not use it).
+    max_new_tokens: tokens per reply; 0 = `cfg.eval.max_new_tokens`.
+  """
+  import jax  # noqa: PLC0415
+
+  from coevolve_jax.agent import AgentRunner, EpisodeLimits  # noqa: PLC0415
+  from coevolve_jax.rollout.sampling import SamplingParams  # noqa: PLC0415
+
+  most_steps = max((len(t.turns) for t in tasks), default=1) * (bfcl.MAX_STEPS_PER_TURN + 2)
+  runner = AgentRunner(engine, chat, functools.partial(make_eval_env, cfg),
+                       EpisodeLimits(max_new_tokens or cfg.eval.max_new_tokens, most_steps))
+  trajs = runner.run([(t, i) for i, t in enumerate(tasks)], SamplingParams(temperature=0.0),
+                     jax.random.key(0) if rng is None else rng)
+  rows = [{"id": t.task_id, "reward": t.reward, "finish": t.finish,
+           "model_steps": t.model_steps, "parse_errors": t.parse_errors,
+           "generated_tokens": t.num_generated, "calls": t.calls,
+           "checker": t.info.get("checker")} for t in trajs]
+  accuracy = float(np.mean([r["reward"] for r in rows])) if rows else 0.0
+  return {"accuracy": accuracy, "n": len(rows), "entries": rows}
+
+
+def load_model(cfg, checkpoint: str):
+  """The policy of `checkpoint` (orbax run checkpoint or Hugging Face folder) as a Qwen model.
+
+  Raises:
+    FileNotFoundError: the path does not exist or holds neither kind of checkpoint.
+  """
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+
+  from coevolve_jax.models import Qwen, QwenConfig  # noqa: PLC0415
+
+  path = os.path.abspath(checkpoint)
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"--checkpoint={checkpoint}: no such folder")
+  dtype = jnp.dtype(cfg.model.dtype)
+  if os.path.exists(os.path.join(path, "config.json")):
+    try:
+      from coevolve_jax.models import from_pretrained  # noqa: PLC0415
+    except ImportError as e:
+      raise FileNotFoundError(f"{path} is a Hugging Face folder, but this version has no "
+                              f"coevolve_jax.models.from_pretrained to load it") from e
+    return from_pretrained(path, dtype=dtype)
+  ckpt_dir = os.path.join(path, "checkpoints") if os.path.isdir(
+      os.path.join(path, "checkpoints")) else path
+  mgr = ocp.CheckpointManager(ckpt_dir, item_names=("params",))
+  step = mgr.latest_step()
+  if step is None:
+    raise FileNotFoundError(f"{path}: neither a Hugging Face folder (config.json) nor an orbax "
+                            f"checkpoint folder")
+  model = Qwen(QwenConfig.preset(cfg.model.preset), rngs=nnx.Rngs(0), dtype=dtype)
+  graphdef, params = nnx.split(model)
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, params)
+  restored = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))
+  mgr.close()
+  print(f"loaded step {step} from {ckpt_dir}", file=sys.stderr)
+  return nnx.merge(graphdef, restored.params)
+
+
+def run(cfg, checkpoint: str, categories: Sequence[str], max_tasks: int, policy: str,
+        output: str, max_new_tokens: int = 0) -> dict[str, Any]:
+  """Evaluates every category; prints a table and writes the JSON report to `output`."""
+  from coevolve_jax.agent import QwenChat  # noqa: PLC0415
+
+  chat = QwenChat(enable_thinking=False)
+  engine = None
+  if policy == "model":
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from coevolve_jax.rollout.engine import Engine  # noqa: PLC0415
+    model = load_model(cfg, checkpoint)
+    engine = Engine(model, cfg.rollout.num_slots, cfg.rollout.cache_len,
+                    jnp.dtype(cfg.model.dtype))
+  report: dict[str, Any] = {"checkpoint": checkpoint, "policy": policy,
+                            "max_new_tokens": max_new_tokens or cfg.eval.max_new_tokens,
+                            "tool_style": cfg.data.tool_style, "categories": {}}
+  for category in categories:
+    tasks = bfcl.load_bfcl_tasks(category)
+    tasks = tasks[:max_tasks] if max_tasks > 0 else tasks
+    start = time.perf_counter()
+    if policy == "ground_truth":
+      engine = ReplayEngine(tasks, chat, functools.partial(make_eval_env, cfg),
+                            num_slots=cfg.rollout.num_slots)
+    result = evaluate_category(engine, chat, tasks, cfg, max_new_tokens=max_new_tokens)
+    result["wall_s"] = round(time.perf_counter() - start, 2)
+    report["categories"][category] = result
+    print(f"{category:<26} {result['accuracy'] * 100:6.1f}%  ({result['n']} entries, "
+          f"{result['wall_s']:.0f} s)", flush=True)
+  os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+  with open(output, "w", encoding="utf-8") as f:
+    json.dump(report, f, indent=1)
+  print(f"wrote {output}")
+  return report
+
+
+def main(argv: list[str]) -> int:
+  from absl import flags  # noqa: PLC0415
+
+  del argv
+  f = flags.FLAGS
+  cfg = f.config
+  unknown = [c for c in f.categories if c not in CATEGORIES]
+  if unknown:
+    print(f"error: unknown categories {unknown} (known: {', '.join(CATEGORIES)})",
+          file=sys.stderr)
+    return 2
+  if f.policy == "model" and not f.checkpoint:
+    print("error: --checkpoint is required with --policy=model", file=sys.stderr)
+    return 2
+  output = f.output or os.path.join(f.checkpoint or ".", "eval_bfcl.json")
+  try:
+    run(cfg, f.checkpoint, f.categories, f.max_tasks, f.policy, output, f.max_new_tokens)
+  except FileNotFoundError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+def _define_flags() -> None:
+  from absl import flags  # noqa: PLC0415
+  from ml_collections import config_flags  # noqa: PLC0415
+
+  config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).",
+                                  lock_config=True)
+  flags.DEFINE_string("checkpoint", "", "orbax run checkpoint folder or Hugging Face folder")
+  flags.DEFINE_list("categories", list(CATEGORIES), "BFCL multi-turn categories to run")
+  flags.DEFINE_integer("max_tasks", 0, "first N entries per category (0 = all 200)")
+  flags.DEFINE_enum("policy", "model", ["model", "ground_truth"],
+                    "model: greedy decoding of the checkpoint; ground_truth: replay the "
+                    "ground-truth calls (harness check)")
+  flags.DEFINE_integer("max_new_tokens", 0, "tokens per reply (0 = config eval.max_new_tokens; "
+                       "the CPU preset's 64 cuts long ground-truth calls)")
+  flags.DEFINE_string("output", "", "JSON report path (default: <checkpoint>/eval_bfcl.json)")
+  flags.mark_flags_as_required(["config"])
+
+
+if __name__ == "__main__":
+  from absl import app
+
+  _define_flags()
+  app.run(main)

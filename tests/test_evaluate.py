@@ -1,0 +1,144 @@
+"""BFCL evaluation: official loop semantics, the ground-truth replay at 100%, the CLI end to end."""
+
+import importlib.util
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from coevolve_jax import evaluate
+from coevolve_jax.agent import QwenChat
+from coevolve_jax.models import Qwen, QwenConfig
+from envs import bfcl
+from envs.base import Action, ToolCall
+
+
+_spec = importlib.util.spec_from_file_location(
+    "_cfg_bfcl", os.path.join(os.path.dirname(__file__), "..", "configs", "bfcl.py"))
+bfcl_config = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bfcl_config)
+
+
+@pytest.fixture(scope="module")
+def cfg():
+  return bfcl_config.get_config("cpu")
+
+
+@pytest.fixture(scope="module")
+def chat():
+  return QwenChat(enable_thinking=False)
+
+
+@pytest.fixture(scope="module")
+def base_tasks():
+  return bfcl.load_bfcl_tasks("multi_turn_base")
+
+
+def test_ground_truth_replay_scores_100_percent_on_multi_turn_base(cfg, chat, base_tasks):
+  # Every 8th entry (25 of 200, all eight backends) keeps this test at a few seconds; the whole
+  # category scores 100% too: `python -m coevolve_jax.evaluate --config=configs/bfcl.py:cpu
+  # --policy=ground_truth --categories=multi_turn_base --max_new_tokens=4096` (~40 s).
+  tasks = base_tasks[::8]
+  assert len({c for t in tasks for c in t.involved_classes}) == 8
+  engine = evaluate.ReplayEngine(tasks, chat, lambda t, e: evaluate.make_eval_env(cfg, t, e),
+                                 num_slots=4)  # fewer slots than entries: slots are reused
+  result = evaluate.evaluate_category(engine, chat, tasks, cfg, max_new_tokens=4096)
+  assert result["n"] == len(tasks)
+  bad = [(r["id"], r["finish"], r["checker"]) for r in result["entries"] if r["reward"] != 1.0]
+  assert not bad and result["accuracy"] == 1.0
+  for task, row in zip(tasks, result["entries"]):
+    assert row["id"] == task.task_id and row["finish"] == "done" and row["parse_errors"] == 0
+    norm = lambda turns: [[bfcl.parse_call_string(c, task.involved_classes) for c in turn]  # noqa
+                          for turn in turns]
+    assert norm(row["calls"]) == norm(task.ground_truth)
+
+
+def test_replay_with_a_short_token_limit_fails_like_a_model_would(cfg, chat, base_tasks):
+  # The same policy cut at 16 tokens per reply: every call reply is truncated, which ends the turn
+  # under the official loop, so the checker sees empty turns and fails the entry.
+  tasks = base_tasks[:2]
+  engine = evaluate.ReplayEngine(tasks, chat, lambda t, e: evaluate.make_eval_env(cfg, t, e), 2)
+  result = evaluate.evaluate_category(engine, chat, tasks, cfg, max_new_tokens=16)
+  assert result["accuracy"] == 0.0
+  assert all(r["finish"] == "done" and r["parse_errors"] > 0 for r in result["entries"])
+
+
+def test_official_loop_semantics(cfg, base_tasks):
+  task = base_tasks[0]  # 4 user turns
+  env = evaluate.make_eval_env(cfg, task, "official")
+  try:
+    env.reset()
+    # An undecodable reply ends the user turn (BFCL: "Proceed to next turn").
+    result = env.step(Action(error="invalid JSON"))
+    assert not result.done and result.messages == [{"role": "user", "content": task.turns[1]}]
+    # 20 executed steps are allowed in a turn; the 21st force-terminates the entry.
+    ls = Action(tool_calls=[ToolCall("ls", {})])
+    for _ in range(bfcl.MAX_STEPS_PER_TURN):
+      result = env.step(ls)
+      assert not result.done and result.messages[0]["role"] == "tool"
+    result = env.step(ls)
+    assert result.done and result.reward == 0.0
+    assert result.info["checker"]["error_type"] == "multi_turn:force_terminated"
+  finally:
+    env.close()
+  # The training loop differs: a parse error is an observation and the turn goes on.
+  env = bfcl.make_env(task, "training")
+  try:
+    env.reset()
+    result = env.step(Action(error="invalid JSON"))
+    assert not result.done and result.messages[0]["role"] == "tool"
+    assert "could not parse" in result.messages[0]["content"]
+  finally:
+    env.close()
+
+
+def _save_run_checkpoint(path, model):
+  from coevolve_jax.checkpoint import RunCheckpointer  # noqa: PLC0415
+
+  params = nnx.state(model, nnx.Param)
+  ckpt = RunCheckpointer(path, keep=1)
+  ckpt.save(3, params, {"count": np.zeros((), np.int32)}, params, {"step": 3})
+  ckpt.wait()
+  ckpt.close()
+
+
+# Full vocabulary (real token ids), everything else minimal: compiles in seconds.
+TINY = QwenConfig(vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+
+
+def test_cli_model_policy_end_to_end(cfg, tmp_path, monkeypatch):
+  monkeypatch.setattr(QwenConfig, "preset", classmethod(lambda cls, name: TINY))
+  model = Qwen(TINY, rngs=nnx.Rngs(7))
+  _save_run_checkpoint(str(tmp_path / "checkpoints"), model)
+  loaded = evaluate.load_model(cfg, str(tmp_path))  # the workdir: its checkpoints/ is found
+  for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)),
+                  jax.tree.leaves(nnx.state(loaded, nnx.Param)), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  small = bfcl_config.get_config("cpu")
+  small.rollout.num_slots, small.eval.max_new_tokens = 2, 4
+  out = tmp_path / "report.json"
+  report = evaluate.run(small, str(tmp_path), ["multi_turn_miss_param"], max_tasks=2,
+                        policy="model", output=str(out))
+  on_disk = json.loads(out.read_text())
+  assert on_disk["categories"].keys() == {"multi_turn_miss_param"}
+  cat = on_disk["categories"]["multi_turn_miss_param"]
+  assert cat["n"] == 2 and cat["accuracy"] == report["categories"]["multi_turn_miss_param"][
+      "accuracy"]
+  for task, row in zip(bfcl.load_bfcl_tasks("multi_turn_miss_param"), cat["entries"]):
+    # A random model: every reply is cut at 4 tokens, which ends each user turn (official
+    # loop), so the episode sees each of the entry's turns once and fails.
+    assert row["id"] == task.task_id and row["finish"] == "done" and row["reward"] == 0.0
+    assert row["model_steps"] == len(task.turns) and row["generated_tokens"] == 4 * len(task.turns)
+
+
+def test_missing_checkpoint_is_a_clear_error(cfg, tmp_path):
+  with pytest.raises(FileNotFoundError, match="no such folder"):
+    evaluate.load_model(cfg, str(tmp_path / "nope"))
+  os.makedirs(tmp_path / "empty")
+  with pytest.raises(FileNotFoundError, match="neither a Hugging Face folder"):
+    evaluate.load_model(cfg, str(tmp_path / "empty"))
