@@ -12,6 +12,7 @@ the policy update are jitted.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import logging
@@ -30,8 +31,7 @@ from flax import nnx
 from coevolve_jax import grpo
 from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
 from coevolve_jax.checkpoint import RunCheckpointer
-from coevolve_jax.feedback import controller
-from coevolve_jax.feedback.explorer import ProgrammaticExplorer
+from coevolve_jax.feedback import controller, factory
 from coevolve_jax.feedback.pool import TaskPool
 from coevolve_jax.feedback.signals import RolloutRecord, SignalTracker
 from coevolve_jax.metrics import MetricsWriter, PhaseTimer, truncate_jsonl
@@ -46,6 +46,15 @@ from envs.base import Task
 
 log = logging.getLogger(__name__)
 PHASES = ("explore", "warmstart", "rollout", "reward", "train", "feedback", "eval", "checkpoint")
+
+
+def _event_to_dict(e: controller.SignalEvent) -> dict[str, Any]:
+  return {"task": json.loads(e.task.to_json()), "signal": e.signal, "calls": e.calls,
+          "reward": e.reward}
+
+
+def _event_from_dict(d: dict[str, Any]) -> controller.SignalEvent:
+  return controller.SignalEvent(Task.from_dict(d["task"]), d["signal"], d["calls"], d["reward"])
 
 
 class RunError(Exception):
@@ -75,12 +84,17 @@ class CoEvolveRun:
   def _setup(self) -> None:
     cfg = self.cfg
     self.chat = QwenChat(enable_thinking=False)
-    tasks = bfcl.load_bfcl_tasks(cfg.data.category)
-    self.train_entries, self.eval_split = bfcl.split_tasks(tasks, cfg.data.eval_size, cfg.seed)
+    self.suite = None  # AppWorld: real apps in AppWorld servers (envs/appworld_suite.py)
+    if cfg.env == "appworld":
+      from envs.appworld_suite import AppWorldSuite  # noqa: PLC0415
+      self.suite = AppWorldSuite(cfg, self.workdir)
+      self.train_entries, self.eval_split = self.suite.train_tasks, self.suite.eval_tasks
+    else:
+      tasks = bfcl.load_bfcl_tasks(cfg.data.category)
+      self.train_entries, self.eval_split = bfcl.split_tasks(tasks, cfg.data.eval_size, cfg.seed)
     self.eval_tasks = self.eval_split[:cfg.eval.max_tasks]
     self.pool = TaskPool(os.path.join(self.workdir, "pool.jsonl"),
                          threshold=cfg.explore.near_dup_threshold)
-    self.explorer = ProgrammaticExplorer()
     self.tracker = SignalTracker(cfg.signals.window, cfg.signals.rare_theta_percent,
                                  cfg.signals.rare_min_total, cfg.signals.pattern)
     dtype = jnp.dtype(cfg.model.dtype)
@@ -94,11 +108,15 @@ class CoEvolveRun:
         kl_estimator=cfg.train.kl_estimator, loss_agg=cfg.train.loss_agg)
     tx = make_optimizer(cfg.train.lr, cfg.train.weight_decay, cfg.train.grad_clip)
     self.trainer = PolicyTrainer(model, tx, self.gcfg, cfg.rollout.temperature)
+    self._setup_feedback()
     self.engine = Engine(model, cfg.rollout.num_slots, cfg.rollout.cache_len, dtype)
     make_env = functools.partial(bfcl.make_env, max_obs_chars=cfg.data.max_obs_chars,
                                  tool_style=cfg.data.tool_style,
                                  max_steps_per_turn=cfg.rollout.max_steps_per_turn)
     eval_env = functools.partial(make_env, max_steps_per_turn=cfg.eval.max_steps_per_turn)
+    if self.suite is not None:
+      make_env = self.suite.make_env
+      eval_env = functools.partial(make_env, max_steps=cfg.eval.max_steps_per_turn)
     self.make_env = make_env
     self.runner = AgentRunner(self.engine, self.chat, make_env, EpisodeLimits(
         cfg.rollout.max_new_tokens, cfg.rollout.max_model_steps))
@@ -106,6 +124,31 @@ class CoEvolveRun:
         cfg.eval.max_new_tokens, cfg.rollout.max_model_steps))
     self.sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
     self.ckpt = RunCheckpointer(os.path.join(self.workdir, "checkpoints"), cfg.checkpoint.keep)
+
+  def _policy_snapshot(self):
+    """A copy of the current policy (the trainer donates its own buffers at every step)."""
+    return nnx.merge(self.trainer.graphdef, jax.tree.map(jnp.copy, self.trainer.params))
+
+  def _setup_feedback(self) -> None:
+    """Explorers and LLMs (D0 and feedback rounds) and the background worker for rounds."""
+    cfg = self.cfg
+    kind = cfg.explore.explorer
+    self.llm = factory.make_llm(kind, cfg.explore, self._policy_snapshot)
+    self.explorer = factory.make_explorer(self.llm)
+    d0_kind = cfg.explore.d0_explorer or kind
+    self.d0_llm = self.llm if d0_kind == kind else factory.make_llm(d0_kind, cfg.explore,
+                                                                    self._policy_snapshot)
+    self.d0_explorer = self.explorer if d0_kind == kind else factory.make_explorer(self.d0_llm)
+    controller.select_events([], np.random.default_rng(0), 0, kinds=tuple(cfg.feedback.kinds),
+                             mode=cfg.feedback.mode)  # validates kinds and mode now
+    if cfg.feedback.lag < 0 or cfg.feedback.lag >= cfg.feedback.every:
+      raise RunError(f"feedback.lag must be in [0, feedback.every), got {cfg.feedback.lag}")
+    self.settings = controller.SynthesisSettings(
+        cfg.explore.min_calls, cfg.explore.max_calls, cfg.explore.turns_per_task,
+        cfg.explore.rounds, cfg.explore.steps_per_round, cfg.feedback.validate,
+        cfg.explore.judge)
+    self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="feedback")
+    self._pending: dict[str, Any] | None = None  # the round in flight: its inputs and future
 
   def _wall_s(self) -> float:
     """Wall seconds of the whole run: earlier sessions (from the checkpoint) plus this one."""
@@ -116,7 +159,8 @@ class CoEvolveRun:
             "key": jax.random.key_data(jax.random.key(self.cfg.seed)).tolist(),
             "signals": None, "events": [], "round": 0, "tasks_synthesized": 0,
             "tasks_accepted": 0, "tasks_dropped": 0, "validation": [], "phase_s": {},
-            "wall_s": 0.0, "eval_before": None, "d0": {}}
+            "wall_s": 0.0, "eval_before": None, "d0": {}, "pending_round": None,
+            "feedback_synth_s": 0.0}
 
   # ------------------------------------------------------------------ run
 
@@ -145,10 +189,11 @@ class CoEvolveRun:
     self.np_rng = np.random.default_rng()
     self.np_rng.bit_generator.state = self.state["np_rng"]
     self.key = jax.random.wrap_key_data(jnp.asarray(self.state["key"], jnp.uint32))
-    self.events = [controller.SignalEvent(Task.from_dict(e["task"]), e["signal"], e["calls"],
-                                          e["reward"]) for e in self.state["events"]]
+    self.events = [_event_from_dict(e) for e in self.state["events"]]
     if latest is None:
       self._bootstrap()
+    elif self.state.get("pending_round"):
+      self._resubmit(self.state["pending_round"])
     steps = self.cfg.train.steps
     with tqdm.tqdm(total=steps, initial=self.state["step"], desc="grpo", unit="step",
                    dynamic_ncols=True) as bar:
@@ -156,8 +201,8 @@ class CoEvolveRun:
         step = self.state["step"] + 1
         info = self._train_step(step)
         self.state["step"] = step
-        if self.cfg.feedback.enabled and step % self.cfg.feedback.every == 0:
-          info.update(self._feedback_round())
+        if self.cfg.feedback.enabled:
+          info.update(self._feedback_tick(step))
         info["pool/size"] = len(self.pool)
         info.update(self.timer.pop_last())
         self.metrics.write(step, info)  # before the save: a resume rewrites rows after its step
@@ -165,6 +210,10 @@ class CoEvolveRun:
           self._save(step)
         bar.set_postfix(reward=f"{info['reward/mean']:.2f}", pool=len(self.pool))
         bar.update(1)
+    if self._pending is not None:  # a round started at the last step: finish it for the record
+      with self.timer("feedback"):
+        self._commit_round()
+    self._executor.shutdown()
     with self.timer("eval"):
       eval_after = self.evaluate("after")
     self.ckpt.wait()
@@ -175,6 +224,8 @@ class CoEvolveRun:
     os.replace(tmp, self.summary_path)
     self.metrics.close()
     self.ckpt.close()
+    if self.suite is not None:
+      self.suite.close()  # stops the AppWorld servers (also at exit if the run fails)
     return summary
 
   def _bootstrap(self) -> None:
@@ -183,13 +234,16 @@ class CoEvolveRun:
     rng = self.np_rng
     with self.timer("explore"):  # the pool is empty here: a fresh start rolls it back to 0
       counts: dict[str, int] = {}
-      d0 = controller.build_initial_tasks(
-          self.train_entries, cfg.explore.initial_tasks, self.explorer, rng,
-          min_calls=cfg.explore.min_calls, max_calls=cfg.explore.max_calls,
-          max_turns=cfg.explore.turns_per_task, rounds=cfg.explore.rounds,
-          steps_per_round=cfg.explore.steps_per_round, counts=counts,
-          max_classes=cfg.explore.max_classes or None,
-          only_classes=tuple(cfg.explore.only_classes))
+      if self.suite is not None:  # generated worlds' solutions, validated by execution
+        d0, counts = self.suite.initial_tasks(cfg.explore.initial_tasks, rng)
+      else:
+        d0 = controller.build_initial_tasks(
+            self.train_entries, cfg.explore.initial_tasks, self.d0_explorer, rng,
+            min_calls=cfg.explore.min_calls, max_calls=cfg.explore.max_calls,
+            max_turns=cfg.explore.turns_per_task, rounds=cfg.explore.rounds,
+            steps_per_round=cfg.explore.steps_per_round, counts=counts,
+            max_classes=cfg.explore.max_classes or None,
+            only_classes=tuple(cfg.explore.only_classes), llm=self.d0_llm)
       report = self.pool.add(d0, eval_tasks=self.eval_split)
       self.state["d0"] = {**counts, "added": report.added, "dropped": len(report.dropped)}
       print(f"D0: {self.state['d0']}")
@@ -205,8 +259,12 @@ class CoEvolveRun:
     cfg = self.cfg.warmstart
     if cfg.steps <= 0:
       return
-    demos = [demonstration(t, self.chat, self.make_env, bfcl.parse_call_string, f"demo{i}")
-             for i, t in enumerate(self.pool.tasks)]
+    if self.suite is not None:
+      demos = [self.suite.demonstration(t, self.chat, f"demo{i}")
+               for i, t in enumerate(self.pool.tasks)]
+    else:
+      demos = [demonstration(t, self.chat, self.make_env, bfcl.parse_call_string, f"demo{i}")
+               for i, t in enumerate(self.pool.tasks)]
     print(f"warm-start on {describe(demos)}")
     warmup = min(10, max(1, cfg.steps // 5))
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
@@ -283,27 +341,89 @@ class CoEvolveRun:
 
   # ------------------------------------------------------------------ feedback, eval, ckpt
 
-  def _feedback_round(self) -> dict[str, Any]:
-    cfg = self.cfg.explore
-    self.state["round"] += 1
+  def _feedback_tick(self, step: int) -> dict[str, Any]:
+    """Starts a round after every F-th step; joins the round in flight once its step is due.
+
+    With `feedback.concurrent` the round's synthesis (exploration, abstraction, validation) runs
+    in a worker thread while the next `feedback.lag` GRPO steps go on; its tasks join the pool
+    after step start + lag, a step fixed in advance, so a run's pool does not depend on timing.
+    Time the loop spends here (selection, waiting, pool commit) is the "feedback" phase.
+    """
+    info: dict[str, Any] = {}
     with self.timer("feedback"):
-      report = controller.run_feedback_round(
-          self.events, self.pool, self.explorer, self.np_rng, self.state["round"],
-          self.eval_split, cfg.max_contexts_per_round, min_calls=cfg.min_calls,
-          max_calls=cfg.max_calls, max_turns=cfg.turns_per_task, rounds=cfg.rounds,
-          steps_per_round=cfg.steps_per_round)
+      if step % self.cfg.feedback.every == 0:
+        if self._pending is not None:  # never with lag < every; kept as a guard
+          info.update(self._commit_round())
+        self._start_round(step)
+      if self._pending is not None and step >= self._pending["commit_at"]:
+        info.update(self._commit_round())
+    return info
+
+  def _round_rngs(self, round_idx: int) -> tuple[np.random.Generator, np.random.Generator]:
+    """Selection and synthesis RNGs of a round: fixed by (seed, round), so a resumed run redoes a
+    round in flight exactly."""
+    return (np.random.default_rng([self.cfg.seed, round_idx, 0]),
+            np.random.default_rng([self.cfg.seed, round_idx, 1]))
+
+  def _start_round(self, step: int) -> None:
+    fb = self.cfg.feedback
+    self.state["round"] += 1
+    round_idx = self.state["round"]
+    chosen = controller.select_events(
+        self.events, self._round_rngs(round_idx)[0], self.cfg.explore.max_contexts_per_round,
+        kinds=tuple(fb.kinds), mode=fb.mode, pool_tasks=self.pool.tasks)
     self.events = []
+    self._submit({"round": round_idx, "start_step": step,
+                  "commit_at": step + (fb.lag if fb.concurrent else 0),
+                  "events": [_event_to_dict(e) for e in chosen]}, chosen)
+
+  def _resubmit(self, spec: dict[str, Any]) -> None:
+    """Restarts the round that was in flight when the checkpoint was written."""
+    self._submit(spec, [_event_from_dict(e) for e in spec["events"]])
+
+  def _submit(self, spec: dict[str, Any], chosen: list[controller.SignalEvent]) -> None:
+    if hasattr(self.llm, "refresh"):
+      self.llm.refresh()  # the local explorer serves the policy as of this step
+    args = (chosen, self.explorer, self._round_rngs(spec["round"])[1], spec["round"],
+            self.settings, self.llm)
+    synthesize = self.suite.synthesize_round if self.suite else controller.synthesize_round
+    if self.cfg.feedback.concurrent:
+      future = self._executor.submit(synthesize, *args)
+    else:
+      future = concurrent.futures.Future()
+      future.set_result(synthesize(*args))
+    self._pending = {**spec, "future": future}
+
+  def _commit_round(self) -> dict[str, Any]:
+    """Waits for the round in flight, adds its tasks to the pool and logs the round."""
+    pending, self._pending = self._pending, None
+    start = time.perf_counter()
+    result = pending["future"].result()
+    wait_s = time.perf_counter() - start
+    report = controller.commit_round(result, self.pool, self.eval_split)
     self.state["tasks_synthesized"] += report.synthesized
     self.state["tasks_accepted"] += report.accepted
     self.state["tasks_dropped"] += len(report.dropped)
     self.state["validation"].append(report.pass_rate if report.synthesized else None)
+    self.state["feedback_synth_s"] = self.state.get("feedback_synth_s", 0.0) + result.wall_s
+    row = {"round": pending["round"], "step": self.state["step"],
+           "start_step": pending["start_step"], "synthesized": report.synthesized,
+           "accepted": report.accepted, "pass_rate": report.pass_rate,
+           "per_signal": report.per_signal, "dropped": report.dropped,
+           "rejected": report.rejected, "llm_usage": report.llm_usage,
+           "synth_s": round(result.wall_s, 3), "wait_s": round(wait_s, 3),
+           "pool_size": len(self.pool)}
     with open(os.path.join(self.workdir, "feedback.jsonl"), "a", encoding="utf-8") as f:
-      f.write(json.dumps({"round": self.state["round"], "step": self.state["step"],
-                          "synthesized": report.synthesized, "accepted": report.accepted,
-                          "pass_rate": report.pass_rate, "per_signal": report.per_signal,
-                          "dropped": report.dropped, "rejected": report.rejected}) + "\n")
-    return {"feedback/synthesized": report.synthesized, "feedback/accepted": report.accepted,
-            "feedback/pass_rate": report.pass_rate, "feedback/dropped": len(report.dropped)}
+      f.write(json.dumps(row) + "\n")
+    with open(os.path.join(self.workdir, "exploration.jsonl"), "a", encoding="utf-8") as f:
+      f.writelines(json.dumps({"round": pending["round"], "step": self.state["step"], **t},
+                              ensure_ascii=False) + "\n" for t in result.trace)
+    out = {"feedback/synthesized": report.synthesized, "feedback/accepted": report.accepted,
+           "feedback/pass_rate": report.pass_rate, "feedback/dropped": len(report.dropped),
+           "feedback/synth_s": result.wall_s, "feedback/wait_s": wait_s}
+    if report.llm_usage:
+      out["feedback/llm_tokens"] = report.llm_usage["tokens"]
+    return out
 
   def evaluate(self, tag: str) -> float:
     """Greedy success rate on the held-out split; per-task results in eval_<tag>.jsonl."""
@@ -314,6 +434,8 @@ class CoEvolveRun:
         f.write(json.dumps({"task_id": t.task_id, "reward": t.reward, "finish": t.finish,
                             "model_steps": t.model_steps, "parse_errors": t.parse_errors,
                             "calls": t.calls}) + "\n")
+    if self.suite is not None:  # AppWorld's TGC / SGC of this evaluation
+      self.state.setdefault("appworld_eval", {})[tag] = self.suite.metrics(trajs)
     return float(np.mean([t.reward for t in trajs])) if trajs else 0.0
 
   def _save(self, step: int) -> None:
@@ -321,8 +443,9 @@ class CoEvolveRun:
       self.state.update(
           step=step, signals=self.tracker.state_dict(), phase_s=dict(self.timer.totals),
           pool_size=len(self.pool), wall_s=self._wall_s(),
-          events=[{"task": json.loads(e.task.to_json()), "signal": e.signal, "calls": e.calls,
-                   "reward": e.reward} for e in self.events],
+          events=[_event_to_dict(e) for e in self.events],
+          pending_round=(None if self._pending is None else
+                         {k: v for k, v in self._pending.items() if k != "future"}),
           np_rng=self.np_rng.bit_generator.state, key=jax.random.key_data(self.key).tolist())
       self.ckpt.save(step, self.trainer.params, self.trainer.opt_state, self.trainer.ref_params,
                      self.state)
@@ -374,6 +497,7 @@ class CoEvolveRun:
     if moved:
       print(f"task pool: {moved} tasks from after the checkpoint moved to pool.jsonl.rolled-back")
     truncate_jsonl(os.path.join(self.workdir, "feedback.jsonl"), step)
+    truncate_jsonl(os.path.join(self.workdir, "exploration.jsonl"), step)
 
   def _summary(self, eval_after: float, resumed_from: int, wall_s: float) -> dict[str, Any]:
     s = self.state
@@ -386,4 +510,10 @@ class CoEvolveRun:
         "tasks_dropped_as_duplicates": s["tasks_dropped"], "d0": s["d0"],
         "validation_pass_rate": s["validation"], "pool_size": len(self.pool),
         "wall_s": round(wall_s, 1), "phase_s": phase,
+        # Share of wall time the training loop spent on feedback work (selecting, waiting for
+        # the round in flight, committing to the pool); synthesis itself overlaps GRPO steps.
+        "feedback_share": round(phase["feedback"] / wall_s, 4) if wall_s > 0 else 0.0,
+        "feedback_synth_s": round(float(s.get("feedback_synth_s", 0.0)), 2),
+        "feedback_rounds": s["round"],
+        **({"appworld_eval": s.get("appworld_eval", {})} if self.suite is not None else {}),
     }

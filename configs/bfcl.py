@@ -30,6 +30,30 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
 
   c.explore = ml_collections.ConfigDict()
   c.explore.explorer = "programmatic"  # "programmatic" | "gemini" | "local"
+  c.explore.d0_explorer = ""  # explorer for D0 ("" = explore.explorer)
+  c.explore.judge = True  # with an LLM explorer: agent attempt + LLM judge in validation (SPEC 1.3)
+  # Gemini (google-genai). Credentials only from GEMINI_API_KEY / GOOGLE_API_KEY or, with vertex,
+  # application default credentials; never put a key in a config.
+  c.explore.gemini = ml_collections.ConfigDict()
+  c.explore.gemini.model = "gemini-2.5-flash"
+  c.explore.gemini.vertex = False  # Vertex AI instead of an API key
+  c.explore.gemini.project = ""  # Vertex AI project ("" = GOOGLE_CLOUD_PROJECT)
+  c.explore.gemini.location = ""  # Vertex AI region ("" = GOOGLE_CLOUD_LOCATION or us-central1)
+  c.explore.gemini.base_url = ""  # endpoint override ("" = default); tests use a loopback stub
+  c.explore.gemini.timeout_s = 60.0  # per request attempt
+  c.explore.gemini.attempts = 5  # tries per request on 408/429/5xx/transport errors
+  c.explore.gemini.initial_delay_s = 1.0  # exponential backoff (base 2, jittered) ...
+  c.explore.gemini.max_delay_s = 30.0  # ... capped here
+  c.explore.gemini.temperature = 0.7
+  c.explore.gemini.max_output_tokens = 1024
+  c.explore.gemini.tokens_per_round = 200_000  # token budget per feedback round (0 = unlimited)
+  # Local explorer: the current policy served by our engine.
+  c.explore.local = ml_collections.ConfigDict()
+  c.explore.local.cache_len = 8192
+  c.explore.local.max_new_tokens = 256
+  c.explore.local.temperature = 0.7
+  c.explore.local.tokens_per_round = 0
+  c.explore.local.dtype = "bfloat16"
   c.explore.initial_tasks = 100  # |D0| (paper N = 100)
   c.explore.min_calls = 3  # minimal action sequence length of a synthesized task
   c.explore.max_calls = 6
@@ -80,7 +104,12 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
 
   c.feedback = ml_collections.ConfigDict()
   c.feedback.every = 10  # F: a feedback round every F steps
-  c.feedback.enabled = True
+  c.feedback.enabled = True  # False = GRPO only (ablation)
+  c.feedback.kinds = ("forgetting", "boundary", "rare")  # signals used (drop one to ablate it)
+  c.feedback.mode = "signals"  # "signals" | "random" (random re-exploration, no signals)
+  c.feedback.validate = True  # False = accept synthesized tasks unvalidated (ablation)
+  c.feedback.concurrent = True  # synthesize in a background thread while GRPO steps go on
+  c.feedback.lag = 1  # a round started after step s joins the pool after step s + lag
 
   c.eval = ml_collections.ConfigDict()
   c.eval.max_tasks = 50  # held-out tasks evaluated greedily before and after training
@@ -136,3 +165,6 @@ def _cpu(c: ml_collections.ConfigDict) -> None:
   c.eval.max_new_tokens = 64
   c.eval.max_steps_per_turn = 3
   c.checkpoint.every = 2
+  c.explore.local.cache_len = 4096
+  c.explore.local.max_new_tokens = 64
+  c.explore.local.dtype = "float32"

@@ -31,6 +31,7 @@ from coevolve_jax.feedback.validation import validate_task
 from envs.base import Task
 
 log = logging.getLogger(__name__)
+UNGUIDED = "unguided"  # per-signal key of contexts without a signal (random re-exploration)
 
 
 @dataclasses.dataclass
@@ -323,7 +324,7 @@ def synthesize_round(
       log.warning("feedback round %d stopped after %d of %d contexts: %s", round_idx, k,
                   len(events), e)
       break
-    counts = per_signal[str(event.signal)]
+    counts = per_signal[event.signal or UNGUIDED]
     counts["events"] += 1
     made = not reason.startswith("abstraction")
     synthesized += int(made)
@@ -347,7 +348,7 @@ def commit_round(result: RoundResult, pool: TaskPool, eval_tasks: list[Task]) ->
   per_signal = {k: {**v, "accepted": 0} for k, v in result.per_signal.items()}
   for task in result.tasks:
     if task.task_id not in dropped_ids:
-      per_signal[str(task.provenance["signal"])]["accepted"] += 1
+      per_signal[task.provenance["signal"] or UNGUIDED]["accepted"] += 1
   out = FeedbackReport(
     synthesized=result.synthesized,
     accepted=report.added,

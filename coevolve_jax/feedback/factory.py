@@ -1,0 +1,51 @@
+"""Builds the configured explorer (and its LLM) from the `explore` config section."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from coevolve_jax.feedback.explorer import Explorer, ProgrammaticExplorer
+from coevolve_jax.feedback.llm import GeminiLLM, GeminiSettings, TextLLM
+from coevolve_jax.feedback.llm_explorer import LLMExplorer
+
+EXPLORERS = ("programmatic", "gemini", "local")
+
+
+def gemini_settings(section: Any) -> GeminiSettings:
+  """GeminiSettings from a config section with the same field names (credentials are not there)."""
+  fields = GeminiSettings.__dataclass_fields__
+  return GeminiSettings(**{k: section[k] for k in fields if k in section})
+
+
+def make_llm(kind: str, explore_cfg: Any, policy: Callable[[], Any] | None = None
+             ) -> TextLLM | None:
+  """The LLM behind explorer `kind` ("programmatic" -> None).
+
+  Args:
+    kind: one of EXPLORERS.
+    explore_cfg: the `explore` config section (reads `gemini` or `local`).
+    policy: zero-argument callable returning the current policy model (for "local").
+
+  Raises:
+    ValueError: unknown kind; "local" without a policy. LLMError: Gemini credentials missing.
+  """
+  if kind not in EXPLORERS:
+    raise ValueError(f"explore.explorer must be one of {EXPLORERS}, got {kind!r}")
+  if kind == "programmatic":
+    return None
+  if kind == "gemini":
+    return GeminiLLM(gemini_settings(explore_cfg.gemini))
+  if policy is None:
+    raise ValueError("the local explorer needs the policy model")
+  from coevolve_jax.feedback.local_llm import LocalLLM  # pylint: disable=g-import-not-at-top
+
+  local = explore_cfg.local
+  return LocalLLM(policy, cache_len=local.cache_len, max_new_tokens=local.max_new_tokens,
+                  temperature=local.temperature, tokens_per_round=local.tokens_per_round,
+                  dtype=local.dtype)
+
+
+def make_explorer(llm: TextLLM | None) -> Explorer:
+  """The LLM explorer for `llm`, or the programmatic one when there is no LLM."""
+  return ProgrammaticExplorer() if llm is None else LLMExplorer(llm)
