@@ -6,6 +6,7 @@ Shapes: N trajectories (rows), T token positions. All functions are pure and jit
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -36,12 +37,21 @@ def compute_advantages(rewards_n: np.ndarray, group_ids_n: np.ndarray, eps: floa
   whose rewards are all equal gets exactly 0 (never NaN). A group of one trajectory gets 0.
 
   Args:
-    rewards_n: [N] float rewards. group_ids_n: [N] group id of each trajectory.
+    rewards_n: [N] float rewards. group_ids_n: [N] group id of each trajectory (any hashable
+      numpy dtype; groups may be interleaved). eps: added to the std. scale_by_std: False gives
+      R_k - mean_group(R) (Dr. GRPO).
   Returns:
     [N] float32 advantages.
+  Raises:
+    ValueError: rewards and group ids of different shapes, not 1-D, or a non-finite reward.
   """
   rewards_n = np.asarray(rewards_n, np.float64)
   group_ids_n = np.asarray(group_ids_n)
+  if rewards_n.ndim != 1 or rewards_n.shape != group_ids_n.shape:
+    raise ValueError(f"rewards {rewards_n.shape} and group ids {group_ids_n.shape} must be the "
+                     "same 1-D shape [N]")
+  if not np.all(np.isfinite(rewards_n)):
+    raise ValueError(f"non-finite rewards at rows {np.flatnonzero(~np.isfinite(rewards_n))}")
   adv = np.zeros_like(rewards_n)
   for g in np.unique(group_ids_n):
     idx = group_ids_n == g
@@ -59,6 +69,14 @@ def kl_penalty(logp_nt: jax.Array, ref_logp_nt: jax.Array, estimator: str,
 
   k3 = exp(ref - logp) - (ref - logp) - 1, with the log-ratio clamped to [-clamp, clamp] BEFORE
   the exponent so a drifting policy cannot overflow.
+
+  Args:
+    logp_nt, ref_logp_nt: [N, T] float log-probs (nats) under the policy and the reference.
+    estimator: "k1" | "k2" | "k3". clamp: bound on |ref_logp - logp| (nats).
+  Returns:
+    [N, T] per-token estimates (k2, k3 >= 0).
+  Raises:
+    ValueError: an unknown estimator.
   """
   log_ratio = jnp.clip(ref_logp_nt - logp_nt, -clamp, clamp)
   if estimator == "k1":
@@ -70,40 +88,89 @@ def kl_penalty(logp_nt: jax.Array, ref_logp_nt: jax.Array, estimator: str,
   raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
-def aggregate(loss_nt: jax.Array, mask_nt: jax.Array, mode: str, norm_tokens: float) -> jax.Array:
-  """Reduces per-token losses.
+def aggregate_denominator(mask_nt: jax.Array, mode: str) -> jax.Array:
+  """The divisor of `aggregate`: masked tokens (token-mean) or non-empty rows (seq-mean modes).
+
+  Args:
+    mask_nt: [N, T] 0/1 mask. mode: one of the `aggregate` modes.
+  Returns:
+    float32 scalar (0 when nothing is masked in; `aggregate` then divides by 1).
+  Raises:
+    ValueError: an unknown mode.
+  """
+  mask_nt = mask_nt.astype(jnp.float32)
+  if mode == "token-mean":
+    return jnp.sum(mask_nt)
+  if mode in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
+    return jnp.sum((jnp.sum(mask_nt, axis=-1) > 0).astype(jnp.float32))
+  raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def aggregate(loss_nt: jax.Array, mask_nt: jax.Array, mode: str, norm_tokens: float,
+              denominator: jax.Array | None = None) -> jax.Array:
+  """Reduces per-token losses [N, T] to a scalar: sum of row/token terms / denominator.
 
   token-mean: sum over all tokens / number of tokens (paper Eq. 1).
   seq-mean-token-mean: mean over rows of each row's token mean (rows with no token excluded).
-  seq-mean-token-sum-norm: mean over rows of each row's token sum / norm_tokens (Dr. GRPO).
+  seq-mean-token-sum-norm: mean over rows of each row's token sum / norm_tokens (Dr. GRPO,
+  Liu et al. 2025, with a constant normaliser).
+
+  The numerator is a sum over rows, so a batch split into micro-batches aggregates exactly when
+  every micro-batch divides by the whole batch's `aggregate_denominator` and the parts are summed.
+
+  Args:
+    loss_nt: [N, T] float per-token losses. mask_nt: [N, T] 0/1 (1 = counted).
+    mode: "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum-norm".
+    norm_tokens: the constant of seq-mean-token-sum-norm (tokens).
+    denominator: scalar to divide by instead of `aggregate_denominator(mask_nt, mode)`.
+  Returns:
+    Scalar of loss_nt's dtype (0 when nothing is counted).
+  Raises:
+    ValueError: an unknown mode.
   """
   mask_nt = mask_nt.astype(loss_nt.dtype)
+  if denominator is None:
+    denominator = aggregate_denominator(mask_nt, mode)
+  denominator = jnp.maximum(denominator.astype(loss_nt.dtype), 1.0)
   if mode == "token-mean":
-    return jnp.sum(loss_nt * mask_nt) / jnp.maximum(jnp.sum(mask_nt), 1.0)
+    return jnp.sum(loss_nt * mask_nt) / denominator
   row_tokens = jnp.sum(mask_nt, axis=-1)
   row_sum = jnp.sum(loss_nt * mask_nt, axis=-1)
   has = (row_tokens > 0).astype(loss_nt.dtype)
   if mode == "seq-mean-token-mean":
-    row = row_sum / jnp.maximum(row_tokens, 1.0)
-    return jnp.sum(row * has) / jnp.maximum(jnp.sum(has), 1.0)
+    return jnp.sum(row_sum / jnp.maximum(row_tokens, 1.0) * has) / denominator
   if mode == "seq-mean-token-sum-norm":
-    return jnp.sum(row_sum / norm_tokens * has) / jnp.maximum(jnp.sum(has), 1.0)
+    return jnp.sum(row_sum / norm_tokens * has) / denominator
   raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
 def grpo_loss(logp_nt: jax.Array, old_logp_nt: jax.Array, ref_logp_nt: jax.Array | None,
-              advantages_n: jax.Array, mask_nt: jax.Array,
-              cfg: GRPOConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+              advantages_n: jax.Array, mask_nt: jax.Array, cfg: GRPOConfig,
+              loss_denominator: jax.Array | None = None,
+              token_denominator: jax.Array | None = None,
+              ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Clipped policy-gradient loss plus beta * KL (the negative of paper Eq. 1's J).
 
+  Per token: pg = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) with r = exp(logp - old_logp)
+  (log-ratio clamped to [-20, 20]); for A < 0 and dual_clip_c > 0, pg = min(pg, -A c) (dual-clip
+  PPO, Ye et al. 2020); plus kl_beta * kl_penalty(...). Aggregated by `cfg.loss_agg`.
+
   Args:
-    logp_nt: [N, T] log-probs of the sampled tokens under the current policy.
-    old_logp_nt: [N, T] under the policy that sampled them (no gradient).
-    ref_logp_nt: [N, T] under the reference policy, or None when kl_beta == 0.
+    logp_nt: [N, T] float32 log-probs (nats) of the sampled tokens under the current policy.
+    old_logp_nt: [N, T] under the policy that sampled them (no gradient flows into it).
+    ref_logp_nt: [N, T] under the reference policy (no gradient), or None when kl_beta == 0.
     advantages_n: [N] trajectory advantages, broadcast to tokens.
-    mask_nt: [N, T] 1 on tokens the policy sampled.
+    mask_nt: [N, T] 1 on tokens the policy sampled, 0 elsewhere.
+    cfg: objective settings.
+    loss_denominator: divisor of the loss and pg_loss instead of this batch's own
+      `aggregate_denominator(mask_nt, cfg.loss_agg)` (for micro-batches of a larger batch).
+    token_denominator: divisor of the token-mean metrics (kl, clip_frac, ratio_mean) instead of
+      this batch's token count.
   Returns:
-    (scalar loss, metrics dict of scalars).
+    (float32 scalar loss, dict of float32 scalar metrics: pg_loss, clip_frac, ratio_mean, and kl
+    when a reference is used).
+  Raises:
+    ValueError: unknown cfg.loss_agg or cfg.kl_estimator.
   """
   adv = advantages_n[:, None].astype(jnp.float32)
   log_ratio = jnp.clip(logp_nt - jax.lax.stop_gradient(old_logp_nt), -20.0, 20.0)
@@ -115,16 +182,16 @@ def grpo_loss(logp_nt: jax.Array, old_logp_nt: jax.Array, ref_logp_nt: jax.Array
     pg = jnp.where(adv < 0, jnp.minimum(pg, -adv * cfg.dual_clip_c), pg)
   per_token = pg
   metrics = {}
+  agg = functools.partial(aggregate, mask_nt=mask_nt, mode=cfg.loss_agg,
+                          norm_tokens=cfg.loss_norm_tokens, denominator=loss_denominator)
+  tok_mean = functools.partial(aggregate, mask_nt=mask_nt, mode="token-mean", norm_tokens=1.0,
+                               denominator=token_denominator)
   if ref_logp_nt is not None and cfg.kl_beta > 0:
     kl = kl_penalty(logp_nt, jax.lax.stop_gradient(ref_logp_nt), cfg.kl_estimator,
                     cfg.kl_log_ratio_clamp)
     per_token = per_token + cfg.kl_beta * kl
-    metrics["kl"] = aggregate(kl, mask_nt, "token-mean", 1.0)
-  loss = aggregate(per_token, mask_nt, cfg.loss_agg, cfg.loss_norm_tokens)
+    metrics["kl"] = tok_mean(kl)
+  loss = agg(per_token)
   clipped = (pg2 > pg1).astype(jnp.float32)
-  metrics.update(
-      pg_loss=aggregate(pg, mask_nt, cfg.loss_agg, cfg.loss_norm_tokens),
-      clip_frac=aggregate(clipped, mask_nt, "token-mean", 1.0),
-      ratio_mean=aggregate(ratio, mask_nt, "token-mean", 1.0),
-  )
+  metrics.update(pg_loss=agg(pg), clip_frac=tok_mean(clipped), ratio_mean=tok_mean(ratio))
   return loss, metrics

@@ -6,15 +6,20 @@ Full-vocabulary logits are computed only at the positions of sampled tokens, in 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from coevolve_jax import grpo
+from coevolve_jax.models import sharding
 from coevolve_jax.models.qwen import Qwen
 from coevolve_jax.trajectory import Trajectory
 
@@ -107,44 +112,239 @@ def make_optimizer(lr: float | optax.Schedule, weight_decay: float,
                      optax.adamw(lr, weight_decay=weight_decay))
 
 
+# ---------------------------------------------------------------------------------------------
+# Sharding of parameters, optimizer state and batches.
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _spec_for(shape: tuple[int, ...], axes, mesh: Mesh) -> PartitionSpec:
+  """Logical axes -> PartitionSpec on `mesh`; a dimension that a mesh axis does not divide is
+  replicated along it (e.g. 2 KV heads on a tensor axis of 4)."""
+  spec = sharding.logical_to_spec(axes)
+  out = []
+  for size, entry in zip(shape, spec):
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    names = tuple(n for n in names if n in mesh.shape and mesh.shape[n] > 1)
+    while names and size % math.prod(mesh.shape[n] for n in names):
+      names = names[:-1]
+    out.append(None if not names else names[0] if len(names) == 1 else names)
+  return PartitionSpec(*out)
+
+
+def tree_shardings(tree, mesh: Mesh):
+  """NamedShardings for a tree of nnx Params (parameters or an optax state that mirrors them).
+
+  A Param is sharded by its `out_sharding` logical axes through `models.sharding.LOGICAL_RULES`;
+  every other leaf (step counts, ...) is replicated. Returns a tree of the same structure.
+  """
+  leaves = jax.tree.leaves(tree, is_leaf=_is_variable)
+  out = []
+  for leaf in leaves:
+    if _is_variable(leaf):
+      axes = leaf.get_metadata().get("out_sharding")
+      value = leaf.get_value()
+      spec = PartitionSpec() if axes is None else _spec_for(value.shape, axes, mesh)
+    else:
+      spec = PartitionSpec()
+    out.append(NamedSharding(mesh, spec))
+  return jax.tree.unflatten(jax.tree.structure(tree), out)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Rows (the leading dimension) split over the data-parallel axes ("batch" logical axis)."""
+  return NamedSharding(mesh, PartitionSpec(sharding.LOGICAL_RULES["batch"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Micro-batch gradient accumulation.
+# ---------------------------------------------------------------------------------------------
+
+
+def split_micro_batches(x, k: int):
+  """[N, ...] -> [k, N / k, ...]; micro-batch j holds rows j, j + k, j + 2k, ...
+
+  Strided rows keep each device's block of a row-sharded batch on that device.
+  """
+  return x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
+
+
+def accumulate_gradients(loss_fn: Callable, params, micro, k: int):
+  """Sum over micro-batches of value_and_grad(loss_fn)(params, micro_j).
+
+  `loss_fn(params, micro_j) -> (loss, metrics)` must already divide by whole-batch denominators,
+  so the sum equals the loss of the unsplit batch (up to float summation order).
+
+  Args:
+    loss_fn: the per-micro-batch loss. params: the differentiated pytree.
+    micro: pytree of [k, M, ...] arrays (see `split_micro_batches`). k: static micro-batch count.
+  Returns:
+    (loss, metrics, grads), gradients accumulated in float32.
+  """
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  if k == 1:
+    (loss, metrics), grads = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
+    return loss, metrics, grads
+
+  def body(carry, mb):
+    (loss, metrics), grads = grad_fn(params, mb)
+    acc_grads, acc_loss, acc_metrics = carry
+    acc_grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc_grads, grads)
+    acc_metrics = jax.tree.map(jnp.add, acc_metrics, metrics)
+    return (acc_grads, acc_loss + loss, acc_metrics), None
+
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  shapes = jax.eval_shape(lambda: loss_fn(params, jax.tree.map(lambda x: x[0], micro))[1])
+  init = (zeros, jnp.zeros((), jnp.float32), jax.tree.map(lambda m: jnp.zeros_like(m), shapes))
+  (grads, loss, metrics), _ = jax.lax.scan(body, init, micro)
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+  return loss, metrics, grads
+
+
+def grpo_micro_loss(logp_fn: Callable, cfg: grpo.GRPOConfig, mask_np: jax.Array) -> Callable:
+  """The GRPO loss of one micro-batch, normalised by the whole batch (see `aggregate`).
+
+  Args:
+    logp_fn: (params, tokens [M, T], target_pos [M, P]) -> [M, P] log-probs.
+    cfg: the objective. mask_np: [N, P] target mask of the WHOLE batch (its denominators).
+  Returns:
+    loss_fn(params, micro) -> (loss, metrics) for `accumulate_gradients`; `micro` holds tokens,
+    target_pos, target_mask, advantages, old and optionally ref (each with M rows).
+  """
+  loss_den = grpo.aggregate_denominator(mask_np, cfg.loss_agg)
+  token_den = grpo.aggregate_denominator(mask_np, "token-mean")
+
+  def loss_fn(params, mb):
+    logp = logp_fn(params, mb["tokens"], mb["target_pos"])
+    return grpo.grpo_loss(logp, mb["old"], mb.get("ref"), mb["advantages"], mb["target_mask"],
+                          cfg, loss_den, token_den)
+
+  return loss_fn
+
+
 class PolicyTrainer:
   """Holds the policy's parameters and optimizer state and runs jitted updates.
 
   Params and optimizer state are plain pytrees (nnx.State / optax state) so they checkpoint and
   shard like any pytree. `model()` returns an nnx model view for the rollout engine.
+
+  With a `mesh`, parameters and optimizer state are placed by their logical axes
+  (`tree_shardings`), batch rows are split over the data axes, and every step is jitted with
+  those shardings fixed in and out (state buffers donated), so shardings never change between
+  steps and the step compiles once per batch shape. Each update accumulates gradients over
+  `micro_batches` strided slices of its batch, dividing by the whole batch's denominators, so
+  the result does not depend on the split.
   """
 
   def __init__(self, model: Qwen, tx: optax.GradientTransformation, cfg: grpo.GRPOConfig,
-               temperature: float):
-    self.graphdef, self.params = nnx.split(model)
+               temperature: float, mesh: Mesh | None = None, micro_batches: int = 1):
+    """Args:
+      model: the policy (its parameters are taken over; the trainer donates them at each step).
+      tx: the optimizer (`make_optimizer`). cfg: the GRPO objective. temperature: of the sampler.
+      mesh: a `models.sharding.make_mesh` mesh, or None for one device.
+      micro_batches: gradient-accumulation slices per update; batch rows must divide by it.
+    Raises:
+      ValueError: micro_batches < 1.
+    """
+    if micro_batches < 1:
+      raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    self.graphdef, params = nnx.split(model)
     self.tx, self.cfg, self.temperature = tx, cfg, temperature
-    self.opt_state = tx.init(self.params)
+    self.mesh, self.micro_batches = mesh, micro_batches
+    if mesh is None:
+      self._param_sh = self._opt_sh = self._rows_sh = None
+      self.params = params
+      self.opt_state = tx.init(params)
+    else:
+      self._param_sh = tree_shardings(params, mesh)
+      self._opt_sh = tree_shardings(jax.eval_shape(tx.init, params), mesh)
+      self._rows_sh = batch_sharding(mesh)
+      self.params = jax.device_put(params, self._param_sh)
+      self.opt_state = self._jit(tx.init, (self._param_sh,), self._opt_sh)(self.params)
     self.ref_params = None
-    self._logp = jax.jit(self._logp_fn)
-    self._grpo_step = jax.jit(self._grpo_step_fn, donate_argnums=(0, 1))
-    self._sft_step = jax.jit(self._sft_step_fn, donate_argnums=(0, 1))
+    self._logp = self._jit(self._logp_fn, (self._param_sh, self._rows_sh, self._rows_sh),
+                           self._rows_sh)
+    state_sh = (self._param_sh, self._opt_sh)
+    self._grpo_step = self._jit(self._grpo_step_fn, (*state_sh, self._rows_sh, self._rows_sh,
+                                                     self._rows_sh), (*state_sh, None), (0, 1))
+    self._sft_step = self._jit(self._sft_step_fn, (*state_sh, self._rows_sh), (*state_sh, None),
+                               (0, 1))
+
+  def _jit(self, fn, in_sh, out_sh, donate=()):
+    if self.mesh is None:
+      return jax.jit(fn, donate_argnums=donate)
+    replicated = NamedSharding(self.mesh, PartitionSpec())
+    fix = lambda sh: replicated if sh is None else sh  # noqa: E731
+    out_sh = tuple(fix(s) for s in out_sh) if isinstance(out_sh, tuple) else fix(out_sh)
+    return jax.jit(fn, in_shardings=tuple(fix(s) for s in in_sh), out_shardings=out_sh,
+                   donate_argnums=donate)
+
+  def _ctx(self):
+    """The mesh for activation sharding constraints while tracing."""
+    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+  def _check_rows(self, n: int) -> None:
+    data = 1 if self.mesh is None else math.prod(
+        self.mesh.shape[a] for a in ("data", "fsdp") if a in self.mesh.shape)
+    if n % (self.micro_batches * data):
+      raise ValueError(f"a batch of {n} rows does not split into {self.micro_batches} "
+                       f"micro-batches over {data} data-parallel devices")
+
+  def _rows(self, tree):
+    """Batch arrays onto the devices: rows split over the data axes with a mesh."""
+    if self.mesh is None:
+      return jax.tree.map(jnp.asarray, tree)
+    return jax.device_put(tree, self._rows_sh)
 
   def model(self) -> Qwen:
     return nnx.merge(self.graphdef, self.params)
 
   def freeze_reference(self) -> None:
-    """The KL reference policy = a copy of the current parameters."""
+    """The KL reference policy = a copy of the current parameters (same shardings)."""
     self.ref_params = jax.tree.map(jnp.copy, self.params)
+    if self._param_sh is not None:
+      self.ref_params = jax.device_put(self.ref_params, self._param_sh)
+
+  def reset_optimizer(self) -> None:
+    """Fresh optimizer state for the current parameters (e.g. after a warm-start)."""
+    init = self.tx.init if self.mesh is None else self._jit(self.tx.init, (self._param_sh,),
+                                                            self._opt_sh)
+    self.opt_state = init(self.params)
 
   def _logp_fn(self, params, tokens, target_pos):
-    return token_logprobs(nnx.merge(self.graphdef, params), tokens, target_pos, self.temperature)
+    k = self.micro_batches
+    graph = nnx.merge(self.graphdef, params)
+    if k == 1:
+      return token_logprobs(graph, tokens, target_pos, self.temperature)
+    out = jax.lax.map(lambda a: token_logprobs(graph, *a, self.temperature),
+                      (split_micro_batches(tokens, k), split_micro_batches(target_pos, k)))
+    return out.swapaxes(0, 1).reshape(target_pos.shape)  # undo the strided split
 
   def logprobs(self, batch: Batch, params=None) -> jax.Array:
-    """[N, P] log-probs of the batch's sampled tokens under `params` (default: current)."""
+    """[N, P] float32 log-probs of the batch's sampled tokens under `params` (default: current).
+
+    No gradient is taken: this is how old (sampler-side) and reference log-probs are computed.
+    Raises:
+      ValueError: N not divisible by micro_batches times the data-parallel device count.
+    """
     params = self.params if params is None else params
-    return self._logp(params, jnp.asarray(batch.tokens), jnp.asarray(batch.target_pos))
+    self._check_rows(batch.tokens.shape[0])
+    with self._ctx():
+      return self._logp(params, *self._rows((batch.tokens, batch.target_pos)))
 
   def _grpo_step_fn(self, params, opt_state, arrays, old_logp, ref_logp):
-    def loss_fn(p):
-      logp = self._logp_fn(p, arrays["tokens"], arrays["target_pos"])
-      return grpo.grpo_loss(logp, old_logp, ref_logp, arrays["advantages"],
-                            arrays["target_mask"], self.cfg)
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    k = self.micro_batches
+    logp_fn = lambda p, tokens, pos: token_logprobs(  # noqa: E731
+        nnx.merge(self.graphdef, p), tokens, pos, self.temperature)
+    loss_fn = grpo_micro_loss(logp_fn, self.cfg, arrays["target_mask"])
+    inputs = {**arrays, "old": old_logp}
+    if ref_logp is not None:
+      inputs["ref"] = ref_logp
+    micro = jax.tree.map(lambda x: split_micro_batches(x, k), inputs)
+    loss, metrics, grads = accumulate_gradients(loss_fn, params, micro, k)
     updates, opt_state = self.tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics.update(loss=loss, grad_norm=optax.tree.norm(grads))
@@ -152,23 +352,46 @@ class PolicyTrainer:
 
   def grpo_update(self, batch: Batch, old_logp: jax.Array,
                   ref_logp: jax.Array | None) -> dict[str, float]:
-    """One optimizer step on a mini-batch. Returns scalar metrics."""
-    self.params, self.opt_state, metrics = self._grpo_step(
-        self.params, self.opt_state, batch.arrays(), old_logp, ref_logp)
+    """One optimizer step on a mini-batch of N rows; gradients accumulated over micro-batches.
+
+    Args:
+      batch: N rows (`make_batch`). old_logp, ref_logp: [N, P] from `logprobs` (ref may be None).
+    Returns:
+      Scalar metrics: loss, pg_loss, clip_frac, ratio_mean, kl (with a reference), grad_norm
+      (global norm before clipping).
+    Raises:
+      ValueError: N not divisible by micro_batches times the data-parallel device count.
+    """
+    self._check_rows(batch.tokens.shape[0])
+    arrays = {k: getattr(batch, k) for k in ("tokens", "target_pos", "target_mask", "advantages")}
+    arrays, old_logp, ref_logp = self._rows((arrays, old_logp, ref_logp))
+    with self._ctx():
+      self.params, self.opt_state, metrics = self._grpo_step(
+          self.params, self.opt_state, arrays, old_logp, ref_logp)
     return {k: float(v) for k, v in metrics.items()}
 
   def _sft_step_fn(self, params, opt_state, arrays):
-    def loss_fn(p):
-      graph = nnx.merge(self.graphdef, p)
-      logp = token_logprobs(graph, arrays["tokens"], arrays["target_pos"], 1.0)
-      mask = arrays["target_mask"]
-      return -jnp.sum(logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-    loss, grads = jax.value_and_grad(loss_fn)(params)
+    k, mask = self.micro_batches, arrays["target_mask"]
+    den = jnp.maximum(jnp.sum(mask), 1.0)
+
+    def loss_fn(p, mb):
+      logp = token_logprobs(nnx.merge(self.graphdef, p), mb["tokens"], mb["target_pos"], 1.0)
+      return -jnp.sum(logp * mb["target_mask"]) / den, {}
+
+    micro = jax.tree.map(lambda x: split_micro_batches(x, k), arrays)
+    loss, _, grads = accumulate_gradients(loss_fn, params, micro, k)
     updates, opt_state = self.tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
   def sft_update(self, batch: Batch) -> float:
-    """One supervised (cross-entropy on sampled-token positions) step with this trainer's
-    optimizer."""
-    self.params, self.opt_state, loss = self._sft_step(self.params, self.opt_state, batch.arrays())
+    """One supervised step (token-mean cross-entropy on the sampled-token positions) with this
+    trainer's optimizer. Returns the loss before the step.
+
+    Raises:
+      ValueError: N not divisible by micro_batches times the data-parallel device count.
+    """
+    self._check_rows(batch.tokens.shape[0])
+    arrays = self._rows({k: getattr(batch, k) for k in ("tokens", "target_pos", "target_mask")})
+    with self._ctx():
+      self.params, self.opt_state, loss = self._sft_step(self.params, self.opt_state, arrays)
     return float(loss)

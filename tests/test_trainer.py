@@ -1,14 +1,20 @@
 """Training batches and the jitted GRPO / SFT updates on a tiny random Qwen."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 from coevolve_jax import grpo
 from coevolve_jax.models import Qwen, QwenConfig
-from coevolve_jax.trainer import PolicyTrainer, make_batch, make_optimizer
+from coevolve_jax.trainer import (PolicyTrainer, accumulate_gradients, grpo_micro_loss, make_batch,
+                                  make_optimizer, split_micro_batches)
 from coevolve_jax.trajectory import Trajectory
 
 
@@ -174,3 +180,185 @@ def test_sft_update_lowers_loss(base_model):
   assert all(b < a for a, b in zip(losses, losses[1:])), losses
   assert losses[-1] < losses[0] - 1e-3
   assert trainer._sft_step._cache_size() == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Micro-batch accumulation, sharded steps.
+# ---------------------------------------------------------------------------------------------
+
+
+def _mixed_batch(n=8, seed=11):
+  """n rows of different reply lengths, groups of 4 with mixed advantages."""
+  rng = np.random.default_rng(seed)
+  trajs = []
+  for g in range(n // 4):
+    trajs += _group(seed + g, int(rng.integers(4, 9)), [int(x) for x in rng.integers(1, 12, 4)])
+  adv = rng.normal(0.0, 1.0, n).astype(np.float32)
+  return make_batch(trajs, advantages=adv, min_len=32, min_targets=16)
+
+
+@pytest.fixture(scope="module")
+def one_layer_model():
+  cfg = QwenConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                   num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+  return Qwen(cfg, rngs=nnx.Rngs(1))
+
+
+MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_accumulated_gradient_does_not_depend_on_the_split(mode):
+  """The trainer's micro-batch loss and accumulation, on a cheap log-prob function, for every
+  aggregation: 1, 2 and 4 micro-batches give the loss, metrics and gradient of the whole batch
+  (rows of different lengths, an empty row, ratios inside and outside the clip range)."""
+  rng = np.random.default_rng(0)
+  n, t, p, v = 8, 12, 6, 16
+  arrays = {"tokens": rng.integers(0, v, (n, t)).astype(np.int32),
+            "target_pos": np.sort(rng.integers(1, t, (n, p)), axis=1).astype(np.int32),
+            "target_mask": (np.arange(p)[None, :] < rng.integers(1, p + 1, (n, 1))).astype(
+                np.float32),
+            "advantages": rng.normal(0, 1, n).astype(np.float32),
+            "old": -rng.gamma(2.0, 1.0, (n, p)).astype(np.float32),
+            "ref": -rng.gamma(2.0, 1.0, (n, p)).astype(np.float32)}
+  arrays["target_mask"][5] = 0.0
+  params = {"bias": jnp.asarray(rng.normal(0, 1, v), jnp.float32),
+            "scale": jnp.asarray(0.7, jnp.float32)}
+
+  def logp_fn(prm, tokens, pos):
+    logits = prm["scale"] * prm["bias"][None, None, :] + 0.1 * tokens[:, :, None]
+    logp = jax.nn.log_softmax(logits, axis=-1)  # [M, T, V]
+    ids = jnp.take_along_axis(tokens, pos, axis=1)
+    return jnp.take_along_axis(jnp.take_along_axis(logp, pos[..., None], axis=1),
+                               ids[..., None], axis=2)[..., 0]
+
+  cfg = grpo.GRPOConfig(loss_agg=mode, kl_beta=0.2, loss_norm_tokens=5.0)
+  whole = grpo_micro_loss(logp_fn, cfg, jnp.asarray(arrays["target_mask"]))
+  (want_loss, want_metrics), want_grads = jax.value_and_grad(whole, has_aux=True)(
+      params, jax.tree.map(jnp.asarray, arrays))
+  assert 0.0 < float(want_metrics["clip_frac"]) < 1.0
+  for k in (1, 2, 4):
+    micro = jax.tree.map(lambda x, k=k: split_micro_batches(jnp.asarray(x), k), arrays)
+    loss, metrics, grads = jax.jit(accumulate_gradients, static_argnums=(0, 3))(
+        whole, params, micro, k)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6, atol=1e-7)
+    for key, val in want_metrics.items():
+      np.testing.assert_allclose(metrics[key], val, rtol=1e-6, atol=1e-7, err_msg=key)
+    for key in params:
+      np.testing.assert_allclose(grads[key], want_grads[key], rtol=1e-5, atol=1e-7)
+  # Strided split: micro-batch j holds rows j, j + k, ...
+  np.testing.assert_array_equal(split_micro_batches(np.arange(8), 4), [[0, 4], [1, 5], [2, 6],
+                                                                        [3, 7]])
+
+
+def test_micro_batch_split_does_not_change_the_trainer_update(one_layer_model):
+  """Through the real model and jitted step: 1 and 4 micro-batches give the same metrics and
+  parameters over two steps (the second at ratio != 1, with clipping). Plain SGD makes the
+  parameter change proportional to the accumulated gradient."""
+  cfg = grpo.GRPOConfig(loss_agg="seq-mean-token-mean", kl_beta=0.1)
+  batch = _mixed_batch()
+  results = {}
+  for k in (1, 4):
+    trainer = PolicyTrainer(_fresh(one_layer_model), optax.sgd(0.5), cfg, temperature=0.9,
+                            micro_batches=k)
+    trainer.freeze_reference()
+    old = trainer.logprobs(batch)
+    ref = trainer.logprobs(batch, trainer.ref_params) - 0.05  # KL term non-zero from step 1
+    metrics = [trainer.grpo_update(batch, old, ref) for _ in range(2)]
+    results[k] = (metrics, jax.tree.map(np.asarray, trainer.params), np.asarray(old))
+  (m1, p1, old1), (m4, p4, old4) = results[1], results[4]
+  assert m1[1]["clip_frac"] > 0.0  # the second step exercises the clipped branch
+  np.testing.assert_allclose(old4, old1, rtol=1e-6, atol=1e-6)
+  for a, b in zip(m1, m4):
+    assert a.keys() == b.keys()
+    for key in a:
+      np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6, err_msg=key)
+  for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)):
+    np.testing.assert_allclose(y, x, rtol=2e-5, atol=1e-6)
+
+
+def test_micro_batches_must_divide_rows(base_model):
+  trainer = PolicyTrainer(_fresh(base_model), make_optimizer(1e-3, 0.0, 1.0), grpo.GRPOConfig(),
+                          temperature=1.0, micro_batches=4)
+  batch = make_batch(_group(3, 4, [2, 3, 4, 5, 6, 7]), min_len=16, min_targets=8)  # 6 rows
+  with pytest.raises(ValueError, match="6 rows does not split into 4 micro-batches"):
+    trainer.logprobs(batch)
+  with pytest.raises(ValueError, match="micro-batches"):
+    trainer.sft_update(batch)
+  with pytest.raises(ValueError, match="micro_batches must be >= 1"):
+    PolicyTrainer(_fresh(base_model), optax.sgd(0.1), grpo.GRPOConfig(), 1.0, micro_batches=0)
+
+
+def test_sharded_step_on_eight_cpu_devices():
+  """Runs `_sharded_child` in a fresh interpreter with 8 host devices (the main test process
+  keeps its single device)."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, __file__, "sharded"], env=env, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "sharded OK" in proc.stdout
+
+
+def _sharded_child():
+  """8 devices, mesh data=2 x fsdp=2 x tensor=2, 2 micro-batches: parameters and optimizer state
+  are sharded, the step donates them, never recompiles, and matches the single-device trainer."""
+  assert jax.device_count() == 8, jax.devices()
+  from coevolve_jax.models.sharding import make_mesh
+
+  cfg = QwenConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+  model = Qwen(cfg, rngs=nnx.Rngs(0))
+  mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  gcfg = grpo.GRPOConfig(kl_beta=0.1)
+  P = jax.sharding.PartitionSpec  # noqa: N806
+
+  # Same update on 8 devices and on 1: SGD after clipping, so parameters compare gradients (Adam's
+  # normalisation would amplify float-order noise in near-zero gradient entries).
+  sgd = lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.5))  # noqa: E731
+  sharded = PolicyTrainer(_fresh(model), sgd(), gcfg, 0.9, mesh=mesh, micro_batches=2)
+  single = PolicyTrainer(_fresh(model), sgd(), gcfg, 0.9)
+  emb = sharded.params["embed_tokens"].get_value()
+  assert emb.sharding.spec == P("tensor", "fsdp"), emb.sharding
+  assert len(emb.addressable_shards) == 8 and emb.addressable_shards[0].data.shape == (256, 32)
+  kproj = sharded.params["layers"][0]["self_attn"]["k_proj"].get_value()
+  assert kproj.sharding.spec == P("fsdp", "tensor", None)
+  for t in (sharded, single):
+    t.freeze_reference()
+  for seed in (11, 12):
+    batch = _mixed_batch(seed=seed)
+    assert batch.tokens.shape == (8, 32)  # one bucket for both batches
+    assert batch.target_pos.shape == (8, 16)
+    out = []
+    for t in (sharded, single):
+      old = t.logprobs(batch)
+      ref = t.logprobs(batch, t.ref_params)
+      before = jax.tree.leaves(t.params)
+      out.append((t.grpo_update(batch, old, ref), np.asarray(old)))
+      assert all(x.is_deleted() for x in before)  # donated
+    (ms, olds), (m1, old1) = out
+    assert olds.shape == (8, 16)
+    np.testing.assert_allclose(olds, old1, rtol=1e-5, atol=1e-5)
+    for key in m1:
+      np.testing.assert_allclose(ms[key], m1[key], rtol=1e-4, atol=1e-6, err_msg=key)
+  for x, y in zip(jax.tree.leaves(sharded.params), jax.tree.leaves(single.params)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+  assert sharded.params["embed_tokens"].get_value().sharding.spec == emb.sharding.spec
+  assert sharded._grpo_step._cache_size() == 1
+  assert sharded._logp._cache_size() == 1
+
+  # AdamW (the run's optimizer): its moments shard like their parameters and stay so.
+  adam = PolicyTrainer(_fresh(model), make_optimizer(1e-3, 0.01, 1.0), gcfg, 0.9, mesh=mesh)
+  mu = adam.opt_state[1][0].mu["embed_tokens"].get_value()
+  assert mu.sharding.spec == P("tensor", "fsdp")
+  for _ in range(2):
+    loss = adam.sft_update(_mixed_batch(seed=14))
+    assert np.isfinite(loss)
+  mu = adam.opt_state[1][0].mu["embed_tokens"].get_value()
+  assert mu.sharding.spec == P("tensor", "fsdp") and adam._sft_step._cache_size() == 1
+  print("sharded OK")
+
+
+if __name__ == "__main__":
+  if sys.argv[1:] == ["sharded"]:
+    _sharded_child()
