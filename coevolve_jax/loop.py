@@ -96,7 +96,8 @@ class CoEvolveRun:
     self.pool = TaskPool(os.path.join(self.workdir, "pool.jsonl"),
                          threshold=cfg.explore.near_dup_threshold)
     self.tracker = SignalTracker(cfg.signals.window, cfg.signals.rare_theta_percent,
-                                 cfg.signals.rare_min_total, cfg.signals.pattern)
+                                 cfg.signals.rare_min_total, cfg.signals.pattern,
+                                 cfg.signals.success_threshold)
     dtype = jnp.dtype(cfg.model.dtype)
     if cfg.model.checkpoint:  # a Hugging Face folder; its config.json replaces the preset
       model = from_pretrained(cfg.model.checkpoint, dtype=dtype)
@@ -412,6 +413,7 @@ class CoEvolveRun:
            "per_signal": report.per_signal, "dropped": report.dropped,
            "rejected": report.rejected, "llm_usage": report.llm_usage,
            "synth_s": round(result.wall_s, 3), "wait_s": round(wait_s, 3),
+           "eval_similarity": report.eval_similarity,
            "pool_size": len(self.pool)}
     with open(os.path.join(self.workdir, "feedback.jsonl"), "a", encoding="utf-8") as f:
       f.write(json.dumps(row) + "\n")

@@ -71,6 +71,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.signals.rare_theta_percent = 5.0  # theta
   c.signals.rare_min_total = 50  # N_min
   c.signals.pattern = "tool_sequence"  # or "ngram:N"
+  c.signals.success_threshold = 0.5  # a score >= this counts as solved (SPEC 1.1's 0.5)
 
   c.warmstart = ml_collections.ConfigDict()
   c.warmstart.steps = 0  # supervised steps on validated D0 solutions before RL (0 = off)

@@ -113,3 +113,39 @@ def test_rollback_keeps_the_checkpointed_prefix_and_moves_the_rest_aside(tmp_pat
     assert [Task.from_json(line).task_id for line in f] == [t.task_id for t in tasks[2:]]
   # The moved tasks can be added again (a resumed run synthesizes them again).
   assert pool.add(tasks[2:]).added == 2
+
+
+def test_same_solution_as_an_eval_task_is_dropped(tmp_path, eval_tasks):
+  pool = TaskPool(tmp_path / "pool.jsonl")
+  src = eval_tasks[3]
+  reworded = dataclasses.replace(src, task_id="syn-1", turns=["Completely different words."] *
+                                 len(src.turns), source="synth")
+  report = pool.add([reworded, _task(1)], eval_tasks=eval_tasks)
+  assert report.dropped == [("syn-1", "solution_eval", src.task_id)]
+  assert report.added == 1 and set(report.eval_similarity) == {"explore-1"}
+  assert 0.0 <= report.eval_similarity["explore-1"] < 0.2  # unrelated words
+
+
+def test_eval_similarity_is_reported_for_added_tasks(tmp_path, eval_tasks):
+  pool = TaskPool(tmp_path / "pool.jsonl", threshold=0.95)
+  src = eval_tasks[0]
+  words = src.turns[0].split()
+  close = dataclasses.replace(src, task_id="syn-2", turns=[" ".join(words[:-2])] + src.turns[1:],
+                              ground_truth=[["ls()"]] * len(src.turns), source="synth")
+  report = pool.add([close], eval_tasks=eval_tasks)
+  assert report.added == 1
+  assert 0.5 < report.eval_similarity["syn-2"] < 0.95  # similar, below the drop threshold
+
+
+def test_each_append_is_durable_and_whole(tmp_path):
+  path = tmp_path / "pool.jsonl"
+  pool = TaskPool(path)
+  pool.add([_task(1), _task(2)])
+  lines = path.read_bytes().split(b"\n")
+  assert lines[-1] == b"" and len(lines) == 3  # two whole lines, newline-terminated
+  with open(path, "ab") as f:  # a crash in the middle of the third append
+    f.write(_task(3).to_json().encode()[:30])
+  reloaded = TaskPool(path)
+  assert [t.task_id for t in reloaded.tasks] == ["explore-1", "explore-2"]
+  reloaded.add([_task(3)])
+  assert [t.task_id for t in TaskPool(path).tasks] == ["explore-1", "explore-2", "explore-3"]

@@ -210,3 +210,12 @@ def test_load_state_trims_to_smaller_window():
   small.load_state_dict(tr.state_dict())
   assert list(small.history["t"]) == [0.0, 0.0]
   assert kinds(small.update([rec("t", 0.0, 0)]), FORGETTING) == []
+
+
+def test_success_threshold_is_configurable():
+  tr = SignalTracker(rare_min_total=10**9, success_threshold=0.8)
+  tr.update([rec("t", 0.8, 0)])                               # 0.8 >= 0.8: solved
+  sig = tr.update([rec("t", 0.7, 0), rec("t", 0.9, 1)])       # 0.7 < 0.8 after a solve
+  assert kinds(sig, FORGETTING) == [0] and kinds(sig, BOUNDARY) == [0, 1]
+  with pytest.raises(ValueError):
+    SignalTracker(success_threshold=1.5)

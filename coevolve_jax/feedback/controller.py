@@ -54,6 +54,7 @@ class FeedbackReport:
   per_signal: dict[str, dict[str, int]]
   rejected: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (task_id, reason)
   llm_usage: dict[str, int] | None = None  # {"tokens", "requests"} of the round's LLM calls
+  eval_similarity: dict[str, float] = dataclasses.field(default_factory=dict)  # added id -> max
 
 
 def summarize_event(event: SignalEvent) -> tuple[dict[str, Any], list[str]]:
@@ -357,6 +358,7 @@ def commit_round(result: RoundResult, pool: TaskPool, eval_tasks: list[Task]) ->
     per_signal=per_signal,
     rejected=result.rejected,
     llm_usage=result.llm_usage,
+    eval_similarity=report.eval_similarity,
   )
   log.info("feedback round %d: synthesized %d, accepted %d, dropped %d, pass rate %.2f",
            result.round_idx, out.synthesized, out.accepted, len(out.dropped), out.pass_rate)

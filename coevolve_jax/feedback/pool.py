@@ -1,15 +1,19 @@
 """The growing task pool (SPEC 1.3-1.4): append-only JSON lines on disk, with leak and duplicate
 filtering.
 
-Every accepted task is appended with flush + fsync, so a crash mid-round loses no accepted task; a
-torn last line (a crash during a write) is skipped with a warning and cut off on load. `add` drops
-exact and near-duplicates (MinHash over word 3-gram shingles of the user turns plus the ground-truth
-calls) of the evaluation split and of the pool itself, and logs every drop.
+Every accepted task is appended as one O_APPEND write of its whole line followed by fsync, so a
+crash mid-round loses no task accepted before it; a torn last line (a crash during a write) is
+skipped with a warning and cut off on load. `add` drops exact and near-duplicates (MinHash over
+word 3-gram shingles of the user turns plus the ground-truth calls, estimated Jaccard >=
+`threshold`) of the evaluation split and of the pool itself, and tasks whose ground-truth calls
+and initial state equal an evaluation task's (its solution under another wording), logging every
+drop. It also reports each added task's highest similarity to the evaluation split.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -40,10 +44,25 @@ def minhash(text: str, num_perm: int = 128, shingle: int = 3) -> MinHash:
   return m
 
 
+def _solution_key(task: Task) -> str:
+  """A task's initial state and ground-truth calls (its solution), canonical JSON."""
+  return json.dumps([task.initial_config, task.ground_truth], sort_keys=True, default=str)
+
+
 @dataclasses.dataclass
 class AddReport:
+  """What `TaskPool.add` did.
+
+  Attributes:
+    added: tasks appended.
+    dropped: (task_id, reason, id of the task it duplicates) per dropped task.
+    eval_similarity: added task id -> highest estimated Jaccard similarity (MinHash, word
+      3-grams) to any evaluation task, in [0, 1] (0.0 when no evaluation tasks were given).
+  """
+
   added: int
-  dropped: list[tuple[str, str, str | None]]  # (task_id, reason, similar_to)
+  dropped: list[tuple[str, str, str | None]]
+  eval_similarity: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class TaskPool:
@@ -120,10 +139,15 @@ class TaskPool:
     self._lsh.insert(f"pool:{task.task_id}", m)
 
   def _append(self, task: Task) -> None:
-    with open(self.path, "a", encoding="utf-8") as f:
-      f.write(task.to_json() + "\n")
-      f.flush()
-      os.fsync(f.fileno())
+    data = (task.to_json() + "\n").encode("utf-8")
+    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+      view = memoryview(data)
+      while view:  # one write() for any normal line; loop only on a short write
+        view = view[os.write(fd, view):]
+      os.fsync(fd)
+    finally:
+      os.close(fd)
 
   def _near(self, m: MinHash, lsh: MinHashLSH, hashes: dict[str, MinHash]) -> str | None:
     """The most similar indexed key with estimated Jaccard >= threshold, or None."""
@@ -139,17 +163,20 @@ class TaskPool:
     batch).
 
     Returns:
-      AddReport with the number added and (task_id, reason, similar_to) per dropped task; reasons
-        are "duplicate_id", "exact_eval", "near_eval", "exact_pool", "near_pool".
+      AddReport with the number added, (task_id, reason, similar_to) per dropped task, and each
+        added task's highest similarity to the evaluation split. Reasons are "duplicate_id",
+        "exact_eval", "solution_eval" (same initial state and ground-truth calls as an evaluation
+        task), "near_eval", "exact_pool", "near_pool".
     """
     eval_list = list(eval_tasks)
     eval_exact = {task_text(t): t.task_id for t in eval_list}
+    eval_solutions = {_solution_key(t): t.task_id for t in eval_list}
     eval_hashes = {f"eval:{t.task_id}": minhash(task_text(t), self.num_perm) for t in eval_list}
     eval_lsh = MinHashLSH(threshold=self.threshold, num_perm=self.num_perm)
     for key, m in eval_hashes.items():
       eval_lsh.insert(key, m)
     pool_hashes = {f"pool:{k}": m for k, m in self._hashes.items()}
-    added, dropped = 0, []
+    added, dropped, similarity = 0, [], {}
     for task in tasks:
       text, m = task_text(task), minhash(task_text(task), self.num_perm)
       if f"pool:{task.task_id}" in pool_hashes:
@@ -158,6 +185,8 @@ class TaskPool:
         drop = ("exact_eval", eval_exact[text])
       elif (near := self._near(m, eval_lsh, eval_hashes)) is not None:
         drop = ("near_eval", near.split(":", 1)[1])
+      elif _solution_key(task) in eval_solutions:
+        drop = ("solution_eval", eval_solutions[_solution_key(task)])
       elif text in self._exact:
         drop = ("exact_pool", self._exact[text])
       elif (near := self._near(m, self._lsh, pool_hashes)) is not None:
@@ -166,11 +195,12 @@ class TaskPool:
         self._append(task)
         self._index(task)
         pool_hashes[f"pool:{task.task_id}"] = m
+        similarity[task.task_id] = max((m.jaccard(e) for e in eval_hashes.values()), default=0.0)
         added += 1
         continue
       log.info("task pool: dropped %s (%s, similar to %s)", task.task_id, *drop)
       dropped.append((task.task_id, drop[0], drop[1]))
-    return AddReport(added=added, dropped=dropped)
+    return AddReport(added=added, dropped=dropped, eval_similarity=similarity)
 
   @property
   def tasks(self) -> list[Task]:
