@@ -49,9 +49,40 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.appworld.split = "train"  # data/datasets/<split>.txt: train|dev|test_normal|test_challenge
   c.appworld.eval_split = "test_normal"  # the paper's evaluation split (168 tasks)
   c.appworld.timeout_s = 30.0 if variant == "cpu" else 60.0  # per HTTP request to a server
+  # Where tasks come from: "official" (appworld download data under data_root) or "generated"
+  # (worlds built offline from the shipped app models and factories, under <workdir>).
+  c.appworld.source = "generated" if variant == "cpu" else "official"
+  c.appworld.venv = ""  # AppWorld's own virtual environment ("" = .venv-appworld in the repo)
+  c.appworld.startup_timeout_s = 120.0  # per server start (first health check)
+  c.appworld.exec_timeout_s = 20  # AppWorld's own limit per code execution, seconds
+  c.appworld.max_steps = 10  # code replies per training episode before it is graded anyway
+  c.appworld.max_obs_chars = 4000  # execution output shown to the model, characters
+  c.appworld.reward = "binary"  # "binary" (task goal completion) | "pass_fraction" (tests passed)
+  c.appworld.max_contexts = 8  # marked trajectories turned into new worlds per feedback round
+  c.appworld.build = ml_collections.ConfigDict()  # generated worlds (source = "generated")
+  c.appworld.build.num_scenarios = 40  # scenarios; each is one task family, several worlds
+  c.appworld.build.tasks_per_scenario = 3  # worlds (tasks) per scenario, as SGC groups them
+  c.appworld.build.eval_scenarios = 8  # the last scenarios form test_normal (held out)
+  c.appworld.build.templates = ()  # task families (envs/appworld_world.py TEMPLATES; () = all)
+  c.appworld.build.num_people = 3  # people per world (each with a Simple Note account)
+  c.appworld.build.num_notes = 5  # the supervisor's notes per world
 
   c.data.category = ""  # unused for AppWorld (BFCL only); see c.appworld.split / eval_split
   c.explore.only_classes = ()  # BFCL backends: not used for AppWorld
+  if variant == "cpu":  # generated worlds; one code reply solves a task (~150 tokens)
+    c.appworld.build.num_scenarios = 10
+    c.appworld.build.tasks_per_scenario = 2
+    c.appworld.build.eval_scenarios = 2
+    c.appworld.max_steps = 2
+    c.appworld.max_obs_chars = 600
+    c.appworld.max_contexts = 3
+    c.explore.initial_tasks = 12
+    c.rollout.num_slots = 8
+    c.rollout.max_new_tokens = 256
+    c.rollout.max_model_steps = 2
+    c.eval.max_tasks = 4
+    c.eval.max_new_tokens = 256
+    c.eval.max_steps_per_turn = 2  # AppWorld: code replies per evaluation episode
   if variant != "cpu":
     c.data.eval_size = 168  # evaluation tasks from c.appworld.eval_split (test_normal has 168)
     c.eval.max_tasks = 168

@@ -59,15 +59,15 @@ def truncate(text: str, max_chars: int) -> str:
 def task_from_row(row: dict[str, Any], source: str = "appworld") -> Task:
   """A project Task for one AppWorld task (a coevolve_tasks.jsonl row, or {task_id, instruction}).
 
-  `turns` holds the instruction; `ground_truth` the solution code when known (generated worlds);
-  `initial_config` the AppWorld task id, scenario and split.
+  `turns` holds the instruction; `ground_truth` is empty (AppWorld grades end states with the
+  task's evaluation code, there are no reference call strings); `initial_config` holds the AppWorld
+  task id, scenario, split and, for generated worlds, the solution code (warm-start, validation).
   """
-  solution = row.get("solution")
   return Task(task_id=row["task_id"], env="appworld", turns=[row["instruction"]],
-              ground_truth=[[solution] if solution else []],
+              ground_truth=[[]],
               initial_config={"appworld_task_id": row["task_id"],
                               "scenario": row.get("scenario", row["task_id"].split("_")[0]),
-                              "split": row.get("split", "")},
+                              "split": row.get("split", ""), "solution": row.get("solution", "")},
               involved_classes=list(row.get("apps", [])), source=source,
               provenance={k: row[k] for k in ("template", "seed", "difficulty") if k in row})
 

@@ -15,6 +15,8 @@ does not answer in time, refuses the connection or has exited is a `ServerError`
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import json
 import os
 import shutil
@@ -28,8 +30,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-__all__ = ["DEFAULT_VENV", "AppWorldServer", "ServerError", "ServerPool", "build_worlds",
-           "venv_python"]
+__all__ = ["DEFAULT_VENV", "AppWorldServer", "ServerError", "ServerPool", "add_worlds",
+           "build_worlds", "venv_python"]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_VENV = os.path.join(REPO, ".venv-appworld")
@@ -54,6 +56,14 @@ def _free_port() -> int:
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+  """In the child before exec: SIGTERM when our process dies, even by SIGKILL (Linux prctl)."""
+  try:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+  except OSError:
+    pass
 
 
 def _env(root: str) -> dict[str, str]:
@@ -97,7 +107,7 @@ class AppWorldServer:
           [self.python, "-m", "uvicorn", "appworld.serve.environment:app", "--host", "127.0.0.1",
            "--port", str(self.port), "--log-level", "warning"],
           cwd=self.root, env=_env(self.root), stdout=out, stderr=subprocess.STDOUT,
-          stdin=subprocess.DEVNULL, start_new_session=True)
+          stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
     finally:
       if out is not subprocess.DEVNULL:
         out.close()
@@ -193,6 +203,7 @@ class ServerPool:
     self.busy: list[AppWorldServer] = []
     self.restarts = 0
     self._lock = threading.Lock()
+    atexit.register(self.close)  # no server outlives the run (SIGKILL: see _die_with_parent)
 
   def _new(self) -> AppWorldServer:
     index = len(self.idle) + len(self.busy)
@@ -285,3 +296,34 @@ def build_worlds(root: str, python: str = "", num_scenarios: int = 5, tasks_per_
 def _read_rows(path: str) -> list[dict]:
   with open(path, encoding="utf-8") as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+def add_worlds(root: str, specs: list[dict], python: str = "", num_people: int = 3,
+               num_notes: int = 5, timeout_s: float = 900.0) -> list[dict]:
+  """Builds more tasks ({task_id, template, seed} each) into the built root `root`.
+
+  Running servers see them at once (AppWorld loads a task from disk when it is initialized).
+  Returns their index rows (split "synth"). Raises RuntimeError when the builder fails.
+  """
+  if not specs:
+    return []
+  python = python or venv_python()
+  spec_path = os.path.join(root, f"coevolve_add_{os.getpid()}_{time.monotonic_ns()}.json")
+  with open(spec_path, "w", encoding="utf-8") as f:
+    json.dump(specs, f)
+  script = os.path.join(REPO, "envs", "appworld_world.py")
+  try:
+    done = subprocess.run([python, script, "--root", os.path.abspath(root), "--add", spec_path,
+                           "--num-people", str(num_people), "--num-notes", str(num_notes)],
+                          env=_env(root), capture_output=True, text=True, timeout=timeout_s,
+                          check=False)
+  except subprocess.TimeoutExpired as e:
+    raise RuntimeError(f"the AppWorld world builder took over {timeout_s:g} s") from e
+  finally:
+    os.remove(spec_path)
+  if done.returncode != 0:
+    raise RuntimeError(f"the AppWorld world builder failed (exit {done.returncode}):\n"
+                       f"{done.stderr[-4000:]}")
+  wanted = {s["task_id"] for s in specs}
+  return [r for r in _read_rows(os.path.join(root, "coevolve_tasks.jsonl"))
+          if r["task_id"] in wanted]

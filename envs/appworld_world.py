@@ -85,11 +85,18 @@ _EVAL_ANSWER = f'''\
 '''
 
 
+def _cutoff(world: dict, rng: random.Random) -> str:
+  """A date (YYYY-MM-DD) taken from one of the supervisor's notes, so the answer is non-trivial."""
+  return rng.choice(sorted(n["created_at"][:10] for n in world["notes"]))
+
+
 def _count_notes(world: dict, rng: random.Random) -> tuple[str, object, str, str]:
-  del rng
-  instruction = "How many notes do I have in my Simple Note account?"
-  solution = _PREAMBLE + "apis.supervisor.complete_task(answer=len(notes))\n"
-  return instruction, len(world["notes"]), _EVAL_ANSWER, solution
+  day = _cutoff(world, rng)
+  instruction = f"How many notes have I created in Simple Note since {day} (that day included)?"
+  answer = sum(n["created_at"][:10] >= day for n in world["notes"])
+  solution = _PREAMBLE + (f"apis.supervisor.complete_task(answer=sum(n['created_at'][:10] >= "
+                          f"{day!r} for n in notes))\n")
+  return instruction, answer, _EVAL_ANSWER, solution
 
 
 def _count_tagged(world: dict, rng: random.Random) -> tuple[str, object, str, str]:
@@ -102,11 +109,16 @@ def _count_tagged(world: dict, rng: random.Random) -> tuple[str, object, str, st
 
 
 def _latest_title(world: dict, rng: random.Random) -> tuple[str, object, str, str]:
-  del rng
-  instruction = "What is the title of the note I created most recently in Simple Note?"
-  answer = max(world["notes"], key=lambda n: n["created_at"])["title"]
-  solution = _PREAMBLE + ("latest = max(notes, key=lambda n: n['created_at'])\n"
-                          "apis.supervisor.complete_task(answer=latest['title'])\n")
+  days = sorted({n["created_at"][:10] for n in world["notes"]})
+  day = rng.choice(days[1:] or days)  # some note was created before it
+  instruction = (f"What is the title of the last note I created in Simple Note before {day}? "
+                 "If there is none, answer None.")
+  earlier = [n for n in world["notes"] if n["created_at"][:10] < day]
+  answer = max(earlier, key=lambda n: n["created_at"])["title"] if earlier else None
+  solution = _PREAMBLE + (
+      f"earlier = [n for n in notes if n['created_at'][:10] < {day!r}]\n"
+      "latest = max(earlier, key=lambda n: n['created_at']) if earlier else None\n"
+      "apis.supervisor.complete_task(answer=latest['title'] if latest else None)\n")
   return instruction, answer, _EVAL_ANSWER, solution
 
 
@@ -328,6 +340,30 @@ def build(root: str, num_scenarios: int, tasks_per_scenario: int, seed: int,
   return rows
 
 
+def add_tasks(root: str, specs: list[dict], num_people: int, num_notes: int) -> list[dict]:
+  """Builds the given tasks into an already built root; appends their rows to the index."""
+  from appworld import update_root  # noqa: PLC0415
+
+  update_root(os.path.abspath(root))
+  from appworld.common.path_store import path_store  # noqa: PLC0415
+
+  index = os.path.join(root, "coevolve_tasks.jsonl")
+  with open(index, encoding="utf-8") as f:
+    first = json.loads(f.readline())
+  api_docs_db = os.path.join(path_store.data, "tasks", first["task_id"], "dbs", "api_docs.db")
+  rows = []
+  for spec in specs:
+    if spec["template"] not in TEMPLATES:
+      raise ValueError(f"unknown template {spec['template']!r}; known: {sorted(TEMPLATES)}")
+    row = build_task(spec["task_id"], spec["template"], int(spec["seed"]), num_people, num_notes,
+                     api_docs_db)
+    row["split"] = "synth"
+    rows.append(row)
+  with open(index, "a", encoding="utf-8") as f:
+    f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in rows)
+  return rows
+
+
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--root", required=True, help="AppWorld root to write data/ under")
@@ -338,7 +374,15 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--templates", default=",".join(TEMPLATES))
   p.add_argument("--num-people", type=int, default=3)
   p.add_argument("--num-notes", type=int, default=5)
+  p.add_argument("--add", default="", help="JSON file with a list of {task_id, template, seed}: "
+                 "build these tasks into an existing root (split 'synth'), nothing else")
   a = p.parse_args(argv)
+  if a.add:
+    with open(a.add, encoding="utf-8") as f:
+      specs = json.load(f)
+    rows = add_tasks(a.root, specs, a.num_people, a.num_notes)
+    print(json.dumps({"tasks": len(rows)}))
+    return 0
   templates = [t for t in a.templates.split(",") if t]
   unknown = sorted(set(templates) - set(TEMPLATES))
   if unknown or not templates:

@@ -5,6 +5,7 @@ it is absent. One module-scoped build (5 tasks, one per template) and one server
 tests; the built data lives in a pytest temp folder, never in the repository.
 """
 
+import importlib.util
 import os
 import signal
 import time
@@ -13,8 +14,10 @@ import pytest
 
 from envs import appworld_server
 from envs.appworld_env import AppWorldEnv, extract_code, task_from_row
-from envs.appworld_server import ServerError, ServerPool
+from envs.appworld_server import ServerError
 from envs.base import Action
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _appworld_python() -> str | None:
@@ -48,17 +51,35 @@ def test_extract_code_skips_reasoning_and_needs_a_block():
   assert extract_code("```python\n\n```") is None
 
 
+def _config(seed=3):
+  spec = importlib.util.spec_from_file_location("_cfg_appworld", os.path.join(ROOT, "configs",
+                                                                                "appworld.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config("cpu")
+  c.seed = seed
+  c.appworld.build.update(num_scenarios=5, tasks_per_scenario=1, eval_scenarios=1, num_people=2,
+                          num_notes=4)
+  c.rollout.num_slots = 1  # pool of 2 servers
+  return c
+
+
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def suite(tmp_path_factory):
   if PYTHON is None:
     pytest.skip("no .venv-appworld")
-  root = str(tmp_path_factory.mktemp("appworld_root"))
-  rows = appworld_server.build_worlds(root, PYTHON, num_scenarios=5, tasks_per_scenario=1,
+  from envs.appworld_suite import AppWorldSuite  # noqa: PLC0415
+
+  s = AppWorldSuite(_config(), str(tmp_path_factory.mktemp("run")))
+  yield s
+  s.close()
+
+
+@pytest.fixture(scope="module")
+def world(suite):
+  rows = appworld_server.build_worlds(suite.root, PYTHON, num_scenarios=5, tasks_per_scenario=1,
                                       eval_scenarios=1, seed=3, num_people=2, num_notes=4)
-  pool = ServerPool(root, size=2, python=PYTHON, timeout_s=30.0,
-                    log_dir=str(tmp_path_factory.mktemp("logs")))
-  yield root, {r["template"]: r for r in rows}, pool
-  pool.close()
+  return suite.root, {r["template"]: r for r in rows}, suite.pool
 
 
 def _episode(pool, row, actions, **kw):
@@ -194,3 +215,41 @@ def test_dead_or_hung_server_fails_only_its_episode_and_is_restarted(world):
 def test_missing_appworld_venv_names_the_setup_command(tmp_path):
   with pytest.raises(FileNotFoundError, match="make appworld-setup"):
     appworld_server.venv_python(str(tmp_path / "nope"))
+
+
+@needs_appworld
+def test_suite_d0_warmstart_demo_api_discovery_and_feedback_round(suite):
+  import types  # noqa: PLC0415
+
+  import numpy as np  # noqa: PLC0415
+
+  from coevolve_jax.agent import QwenChat  # noqa: PLC0415
+  from envs.appworld_suite import FAMILY_APIS, code_reply  # noqa: PLC0415
+
+  rng = np.random.default_rng(0)
+  d0, counts = suite.initial_tasks(10, rng)
+  assert counts == {"candidates": 4, "validated": 4, "rejected": 0}
+  assert all(t.source == "explore" and t.env == "appworld" for t in d0)
+  assert {t.task_id for t in d0}.isdisjoint(t.task_id for t in suite.eval_tasks)
+  chat = QwenChat(enable_thinking=False)
+  demo = suite.demonstration(d0[0], chat, "demo0")
+  assert demo.reward == 1.0 and demo.finish == "done"
+  reply_ids = chat.encode(code_reply(d0[0].initial_config["solution"])) + [chat.im_end_id]
+  assert demo.num_generated == len(reply_ids) and demo.token_ids[-len(reply_ids):] == reply_ids
+  inventory = suite.discover_apis()  # read in a live world through apis.api_docs
+  assert {"login", "search_notes", "create_note", "delete_note"} <= set(inventory["simple_note"])
+  assert sorted(suite.families()) == sorted(FAMILY_APIS)
+  events = [types.SimpleNamespace(task=d0[0], signal="boundary"),
+            types.SimpleNamespace(task=d0[1], signal="forgetting")]
+  result = suite.synthesize_round(events, None, rng, round_idx=1)
+  assert result.synthesized == 2 and len(result.tasks) + len(result.rejected) == 2
+  assert len(result.tasks) == 2, result.rejected  # each new world's solution passes, no-op fails
+  for task, event in zip(sorted(result.tasks, key=lambda t: t.provenance["parent"]),
+                         sorted(events, key=lambda e: e.task.task_id)):
+    assert task.source == "synth" and task.provenance["parent"] == event.task.task_id
+    assert task.provenance["template"] == event.task.provenance["template"]
+    assert task.task_id not in {t.task_id for t in d0}
+  assert sum(v["validated"] for v in result.per_signal.values()) == 2
+  trajs = [types.SimpleNamespace(task_id=t.task_id, info={"success": i == 0})
+           for i, t in enumerate(d0[:2])]
+  assert suite.metrics(trajs)["tgc"] == 50.0

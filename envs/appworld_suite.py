@@ -1,0 +1,289 @@
+"""AppWorld for the CoEvolve loop: task sets, servers, D0, warm-start demonstrations, feedback
+synthesis and evaluation metrics, behind one object the loop calls when `cfg.env == "appworld"`.
+
+Task source (`cfg.appworld.source`):
+  "generated": worlds built offline (envs/appworld_world.py) under <workdir>/appworld_root: the
+    train split feeds D0, test_normal is the held-out evaluation set.
+  "official": `appworld download data` under `cfg.appworld.data_root`: `cfg.appworld.split` and
+    `cfg.appworld.eval_split` (train/dev/test_normal/test_challenge). Official tasks carry no
+    solution here, so D0 and warm-start need generated worlds; an official run evaluates and trains
+    by RL on the split's tasks only.
+Servers: a ServerPool of `cfg.rollout.num_slots` AppWorld servers (one per concurrent episode).
+
+Feedback (SPEC 1.2-1.3 on AppWorld): the programmatic explorer discovers the apps' APIs in a live
+world through `apis.api_docs` (show_app_descriptions, show_api_descriptions, show_api_doc); the
+task families whose every API it found are the ones it may synthesize. For each marked trajectory
+it builds a new world of the marked task's family (a fresh seed: new people, notes, question), and
+validates it by execution: the family's solution must score 1.0 in that world and completing at
+once without acting must score 0.0. Accepted tasks join the pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from envs.appworld import AppWorldUnavailable
+from envs.appworld_data import goal_completion, load_split
+from envs.appworld_env import AppWorldEnv, rows_to_tasks, task_from_row
+from envs.appworld_server import ServerError, ServerPool, add_worlds, build_worlds, venv_python
+from envs.base import Action, Task
+
+__all__ = ["AppWorldSuite", "check_setup", "code_reply"]
+
+# APIs each generated task family's solution calls (envs/appworld_world.py _PREAMBLE + template).
+FAMILY_APIS = {
+    "count_notes": ("supervisor.show_account_passwords", "supervisor.show_profile",
+                    "simple_note.login", "simple_note.search_notes", "supervisor.complete_task"),
+    "count_tagged": ("simple_note.login", "simple_note.search_notes", "supervisor.complete_task"),
+    "latest_title": ("simple_note.login", "simple_note.search_notes", "supervisor.complete_task"),
+    "create_note": ("simple_note.login", "simple_note.create_note", "supervisor.complete_task"),
+    "delete_note": ("simple_note.login", "simple_note.search_notes", "simple_note.delete_note",
+                    "supervisor.complete_task"),
+}
+_DISCOVER = """\
+import json
+found = {}
+for app in apis.api_docs.show_app_descriptions():
+    names = [a["name"] for a in apis.api_docs.show_api_descriptions(app_name=app["name"])]
+    found[app["name"]] = names
+print(json.dumps(found))
+"""
+
+
+def code_reply(code: str) -> str:
+  """The assistant reply that runs `code`: one fenced python block."""
+  return f"```python\n{code.rstrip()}\n```"
+
+
+SETUP_STEPS = """\
+How to set AppWorld up (its pins, pydantic<2, conflict with this project's: it gets its own venv):
+  1. make appworld-setup
+       = python3.11 -m venv .venv-appworld; .venv-appworld/bin/pip install appworld==0.1.3.post1;
+         appworld install   (unpacks the encrypted app code, offline, seconds)
+     (or --config.appworld.venv=PATH for an environment made that way elsewhere)
+  2. Generated worlds (offline): --config=configs/appworld.py:cpu
+     (or --config.appworld.source=generated)
+     Official data (needs the internet): .venv-appworld/bin/appworld download data --root DIR
+       then --config.appworld.data_root=DIR (or APPWORLD_ROOT=DIR)
+The run starts and stops its own servers (the equivalent of `appworld serve environment`:
+uvicorn appworld.serve.environment:app on 127.0.0.1), one per concurrent episode."""
+
+
+def check_setup(cfg: Any) -> None:
+  """Raises AppWorldUnavailable (with the set-up steps) unless this run's AppWorld needs are met.
+
+  Checks the AppWorld environment (`cfg.appworld.venv`), and for `source="official"` the data
+  under `cfg.appworld.data_root` (split files and their first task).
+  """
+  aw = cfg.appworld
+  errors = []
+  try:
+    venv_python(aw.venv)
+  except FileNotFoundError as e:
+    errors.append(str(e))
+  if aw.source == "official":
+    from envs.appworld import _data_errors  # noqa: PLC0415
+    errors += _data_errors(str(aw.data_root or ""), [str(aw.split), str(aw.eval_split)])
+  elif aw.source != "generated":
+    errors.append(f"appworld.source must be 'generated' or 'official', got {aw.source!r}")
+  if errors:
+    problems = "\n".join(f"  - {e}" for e in errors)
+    raise AppWorldUnavailable(f"AppWorld is not available:\n{problems}\n{SETUP_STEPS}")
+
+
+class AppWorldSuite:
+  """Everything AppWorld-specific that one CoEvolve run needs (see the module docstring).
+
+  Args:
+    cfg: the full run config (configs/appworld.py).
+    workdir: the run's folder; generated worlds go to <workdir>/appworld_root, server logs to
+      <workdir>/appworld_logs.
+  """
+
+  def __init__(self, cfg: Any, workdir: str):
+    check_setup(cfg)
+    aw = self.aw = cfg.appworld
+    self.python = venv_python(aw.venv)
+    b = aw.build
+    self.build_args = {"num_people": int(b.num_people), "num_notes": int(b.num_notes)}
+    if aw.source == "generated":
+      self.root = os.path.join(workdir, "appworld_root")
+      rows = build_worlds(self.root, self.python, num_scenarios=b.num_scenarios,
+                          tasks_per_scenario=b.tasks_per_scenario,
+                          eval_scenarios=b.eval_scenarios, seed=cfg.seed,
+                          templates=tuple(b.templates), **self.build_args)
+      self.train_tasks = rows_to_tasks(rows, "train")
+      self.eval_tasks = rows_to_tasks(rows, "test_normal")
+    else:
+      self.root = str(aw.data_root)
+      self.train_tasks = load_split(self.root, str(aw.split))
+      self.eval_tasks = load_split(self.root, str(aw.eval_split))
+    log_dir = os.path.join(workdir, "appworld_logs")
+    os.makedirs(log_dir, exist_ok=True)
+    # One server per decode slot, plus one for the feedback round running beside the rollouts.
+    self.pool = ServerPool(self.root, size=int(cfg.rollout.num_slots) + 1, python=self.python,
+                           timeout_s=float(aw.timeout_s),
+                           startup_timeout_s=float(aw.startup_timeout_s), log_dir=log_dir)
+    self.api_inventory: dict[str, list[str]] | None = None
+
+  # ------------------------------------------------------------------ episodes
+
+  def make_env(self, task: Task, episode_id: str, max_steps: int | None = None) -> AppWorldEnv:
+    """A fresh episode of `task` (the episode id is unused: the server port keeps them apart)."""
+    del episode_id
+    return AppWorldEnv(task, self.pool, experiment="coevolve",
+                       max_steps=int(max_steps or self.aw.max_steps),
+                       max_obs_chars=int(self.aw.max_obs_chars), reward=str(self.aw.reward),
+                       exec_timeout_s=int(self.aw.exec_timeout_s))
+
+  def run_code(self, task: Task, code: str) -> tuple[float, dict[str, Any]]:
+    """Runs `code` as the one reply of an episode of `task`; returns (reward, info)."""
+    env = self.make_env(task, "check", max_steps=1)
+    try:
+      env.reset()
+      result = env.step(Action(text=code_reply(code)))
+      return float(result.reward), dict(result.info)
+    finally:
+      env.close()
+
+  def validate(self, task: Task) -> str | None:
+    """None when the task is valid by execution; else why not (solution fails, or no-op passes)."""
+    solution = task.initial_config.get("solution", "")
+    if not solution:
+      return "no solution code"
+    try:
+      reward, info = self.run_code(task, solution)
+      if reward < 1.0:
+        return f"solution scored {reward} ({info.get('passed')}/{info.get('num_tests')} tests)"
+      reward, _ = self.run_code(task, "apis.supervisor.complete_task()")
+      if reward > 0.0:
+        return "completing without acting already passes"
+    except ServerError as e:
+      return f"server error: {e}"
+    return None
+
+  def demonstration(self, task: Task, chat: Any, episode_id: str):
+    """Teacher-forced trajectory: one reply holding the task's solution code, really executed."""
+    from coevolve_jax.trajectory import Trajectory  # noqa: PLC0415
+
+    env = self.make_env(task, episode_id, max_steps=1)
+    traj = Trajectory(task_id=task.task_id, group_id=-1)
+    try:
+      first = env.reset()
+      ids = chat.prompt_ids([{"role": "system", "content": env.system_prompt}] + first.messages,
+                            env.tools)
+      traj.prompt_len = len(ids)
+      traj.extend(ids, sampled=False)
+      reply = code_reply(task.initial_config["solution"])
+      traj.extend(chat.encode(reply) + [chat.im_end_id], sampled=True)
+      result = env.step(Action(text=reply))
+      traj.reward, traj.finish = float(result.reward), "done" if result.done else "incomplete"
+      return traj
+    finally:
+      env.close()
+
+  # ------------------------------------------------------------------ D0 and feedback
+
+  def initial_tasks(self, n: int, rng: np.random.Generator) -> tuple[list[Task], dict[str, int]]:
+    """D0: up to `n` training tasks with solutions, each validated by execution."""
+    candidates = [t for t in self.train_tasks if t.initial_config.get("solution")]
+    order = rng.permutation(len(candidates))
+    accepted, rejected = [], 0
+    for i in order[:n]:
+      task = candidates[int(i)]
+      if self.validate(task) is None:
+        accepted.append(Task.from_dict({**json.loads(task.to_json()), "source": "explore"}))
+      else:
+        rejected += 1
+    return accepted, {"candidates": len(candidates), "validated": len(accepted),
+                      "rejected": rejected}
+
+  def discover_apis(self) -> dict[str, list[str]]:
+    """App -> API names, read in a live world through apis.api_docs (cached for the run)."""
+    if self.api_inventory is None:
+      task = (self.train_tasks or self.eval_tasks)[0]
+      env = AppWorldEnv(task, self.pool, experiment="discover", max_steps=2,
+                        max_obs_chars=1 << 20, exec_timeout_s=int(self.aw.exec_timeout_s))
+      try:
+        env.reset()
+        out = env.step(Action(text=code_reply(_DISCOVER))).messages
+        text = out[0]["content"] if out else "{}"
+        try:
+          self.api_inventory = json.loads(text)
+        except ValueError as e:
+          raise RuntimeError(f"API discovery through apis.api_docs failed: {text[:500]}") from e
+      finally:
+        env.close()
+    return self.api_inventory
+
+  def families(self) -> list[str]:
+    """Task families whose every API the explorer discovered."""
+    found = {f"{app}.{name}" for app, names in self.discover_apis().items() for name in names}
+    return [f for f, needed in FAMILY_APIS.items() if set(needed) <= found]
+
+  def synthesize(self, events: Sequence[Any], rng: np.random.Generator, round_idx: int,
+                 max_contexts: int) -> tuple[list[Task], list[tuple[str, str]], dict[str, int]]:
+    """New validated tasks for up to `max_contexts` signal events (SignalEvent: task, signal).
+
+    Returns (accepted tasks, [(task_id, reason)] rejected, per-signal counts of accepted tasks).
+    """
+    families = set(self.families())
+    picked = [events[int(i)] for i in rng.permutation(len(events))[:max_contexts]]
+    specs, signals = [], {}
+    for k, event in enumerate(picked):
+      family = event.task.provenance.get("template")
+      if family not in families:
+        family = str(rng.choice(sorted(families)))
+      seed = int(rng.integers(1 << 30))
+      scenario = hashlib.sha1(f"syn:{round_idx}:{k}:{seed}".encode()).hexdigest()[:7]
+      specs.append({"task_id": f"{scenario}_1", "template": family, "seed": seed})
+      signals[f"{scenario}_1"] = (event.signal or "random", event.task.task_id)
+    rows = add_worlds(self.root, specs, self.python, **self.build_args)
+    accepted, rejected, per_signal = [], [], {}
+    for row in rows:
+      signal, parent = signals[row["task_id"]]
+      task = task_from_row(row, source="synth")
+      task.provenance.update(signal=signal, round=round_idx, parent=parent,
+                             explorer="appworld-programmatic")
+      why = self.validate(task)
+      if why is None:
+        accepted.append(task)
+        per_signal[signal] = per_signal.get(signal, 0) + 1
+      else:
+        rejected.append((task.task_id, why))
+    return accepted, rejected, per_signal
+
+  def synthesize_round(self, events: Sequence[Any], explorer: Any, rng: np.random.Generator,
+                       round_idx: int, settings: Any = None, llm: Any = None):
+    """A feedback round with `controller.synthesize_round`'s signature and result type."""
+    del explorer, settings, llm  # AppWorld's explorer is programmatic and lives here
+    import time  # noqa: PLC0415
+
+    from coevolve_jax.feedback.controller import RoundResult  # noqa: PLC0415
+
+    start = time.perf_counter()
+    tasks, rejected, accepted = self.synthesize(events, rng, round_idx, self.aw.max_contexts)
+    per_signal = {signal: {"validated": n} for signal, n in accepted.items()}
+    trace = [{"task_id": t.task_id, "family": t.provenance.get("template"),
+              "signal": t.provenance.get("signal"), "parent": t.provenance.get("parent"),
+              "instruction": t.turns[0]} for t in tasks]
+    trace += [{"task_id": tid, "rejected": why} for tid, why in rejected]
+    return RoundResult(round_idx=round_idx, tasks=tasks, synthesized=len(tasks) + len(rejected),
+                       per_signal=per_signal, rejected=rejected, trace=trace,
+                       wall_s=time.perf_counter() - start)
+
+  # ------------------------------------------------------------------ evaluation
+
+  @staticmethod
+  def metrics(trajs: Sequence[Any]) -> dict[str, float]:
+    """TGC and SGC (percent) of evaluation trajectories: success = every test passed."""
+    return goal_completion({t.task_id: bool(t.info.get("success")) for t in trajs})
+
+  def close(self) -> None:
+    self.pool.close()
