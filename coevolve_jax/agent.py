@@ -2,7 +2,9 @@
 
 Each episode holds one decode slot for its whole life: its conversation stays in that slot's KV
 cache across turns, so a new turn only prefills the new tokens (tool observations or the next user
-message). When an episode ends its slot is freed and the next waiting episode is inserted.
+message). While an episode's environment step runs on a host thread, its slot sits out of the
+batch and the device decodes the others. When an episode ends its slot is freed and the next
+waiting episode is inserted.
 
 Token-in / token-out: the trajectory records exactly the sampled ids (loss mask 1) and the ids the
 chat template inserts around them (mask 0); the conversation is never re-rendered.
@@ -13,16 +15,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from concurrent import futures
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from coevolve_jax.rollout.engine import Engine
-from coevolve_jax.rollout.sampling import SamplingParams
+from coevolve_jax.rollout.sampling import SamplingParams, per_row_keys
 from coevolve_jax.trajectory import Trajectory
-from envs.base import Action, Env, Task
+from envs.base import Action, Env, StepResult, Task
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,24 +46,44 @@ class _Episode:
   traj: Trajectory
   env: Env
   slot: int
+  key: jax.Array  # the episode's PRNG key; token n samples with fold_in(key, n)
+  sampled: int = 0  # tokens sampled so far (all replies)
+  stopped: bool = False  # the last reply ended with a stop token (else it was cut)
+  last_tok: int = 0  # the last sampled token: pending, not yet in the slot's cache
   turn_ids: list[int] = dataclasses.field(default_factory=list)
   turn_logprobs: list[float] = dataclasses.field(default_factory=list)
+
+
+def _timed_step(env: Env, action: Action) -> tuple[StepResult, float]:
+  start = time.perf_counter()
+  result = env.step(action)
+  return result, time.perf_counter() - start
 
 
 class AgentRunner:
   """Runs batches of episodes on an engine.
 
+  Continuous batching: every episode holds a decode slot; when a reply ends, its environment step
+  runs on a host thread while the device keeps decoding the other slots, and the episode rejoins
+  the batch once the step's observation is prefilled. A finished episode frees its slot for the
+  next job. Each episode samples with its own key (fold_in(rng, job index), then per token), so
+  its tokens do not depend on which episodes share a step or on thread timing.
+
   Args:
-    engine: decode slots and KV cache.
+    engine: decode slots and KV cache (`reset_slot`, `room`, `prefill`, `generate`, `num_slots`).
     chat: chat format with `prompt_ids(messages, tools)`, `continuation_ids(messages)`,
       `parse_tool_calls(text, truncated=...)`, `decode(ids)`, `im_end_id`.
     make_env: `(task, episode_id) -> Env`.
     limits: episode limits.
+    env_threads: host threads for environment steps (at least 1).
   """
 
   def __init__(self, engine: Engine, chat: Any, make_env: Callable[[Task, str], Env],
-               limits: EpisodeLimits):
+               limits: EpisodeLimits, env_threads: int = 4):
+    if env_threads < 1:
+      raise ValueError(f"env_threads must be >= 1, got {env_threads}")
     self.engine, self.chat, self.make_env, self.limits = engine, chat, make_env, limits
+    self.env_threads = env_threads
     self.stop_ids = {chat.im_end_id}
     self._episode_counter = 0
     self.timings: dict[str, float] = collections.defaultdict(float)  # seconds in env steps
@@ -72,22 +96,43 @@ class AgentRunner:
     self._sampling, self._on_done = sampling, on_done
     self._results: list[Trajectory | None] = [None] * len(jobs)
     self._free = list(range(self.engine.num_slots))[::-1]
-    self._active: dict[int, _Episode] = {}
-    while pending or self._active:
-      while pending and self._free:
-        index, (task, group_id) = pending.popleft()
-        rng, sub = jax.random.split(rng)
-        self._start(index, task, group_id, self._free.pop(), sub)
-      if not self._active:
-        continue
-      mask = np.zeros((self.engine.num_slots,), bool)
-      mask[list(self._active)] = True
-      rng, sub = jax.random.split(rng)
-      tokens, logprobs = self.engine.generate(mask, sub, sampling)
-      for slot in list(self._active):
-        rng, sub = jax.random.split(rng)
-        self._on_token(self._active[slot], int(tokens[slot]), float(logprobs[slot]), sub)
+    self._active: dict[int, _Episode] = {}  # slot -> episode being decoded
+    self._stepping: dict[futures.Future, _Episode] = {}  # env step in flight on a host thread
+    self._slot_keys = jax.random.split(rng, self.engine.num_slots)
+    with futures.ThreadPoolExecutor(self.env_threads, thread_name_prefix="env") as pool:
+      self._pool = pool
+      while pending or self._active or self._stepping:
+        while pending and self._free:
+          index, (task, group_id) = pending.popleft()
+          self._start(index, task, group_id, self._free.pop(), jax.random.fold_in(rng, index))
+        self._collect_steps(block=not self._active)
+        if not self._active:
+          continue
+        mask = np.zeros((self.engine.num_slots,), bool)
+        counts = np.zeros((self.engine.num_slots,), np.int32)
+        for slot, ep in self._active.items():
+          mask[slot], counts[slot] = True, ep.sampled
+        keys = per_row_keys(self._slot_keys, jnp.asarray(counts))
+        tokens, logprobs = self.engine.generate(mask, keys, sampling)
+        for slot in list(self._active):
+          self._on_token(self._active[slot], int(tokens[slot]), float(logprobs[slot]))
     return self._results  # type: ignore[return-value]
+
+  def _collect_steps(self, block: bool) -> None:
+    """Handles finished environment steps; waits for one when nothing else can run."""
+    if not self._stepping:
+      return
+    if block:
+      futures.wait(list(self._stepping), return_when=futures.FIRST_COMPLETED)
+    for fut in [f for f in self._stepping if f.done()]:
+      ep = self._stepping.pop(fut)
+      try:
+        result, seconds = fut.result()
+      except Exception as e:  # environment failure: this episode fails, the batch goes on
+        self._finish(ep, "error", info={"error": f"step: {e!r}"})
+        continue
+      self.timings["reward" if result.done else "env"] += seconds
+      self._after_step(ep, result)
 
   def _finish(self, ep: _Episode, how: str, reward: float = 0.0, info: dict | None = None):
     """Ends an episode: records the outcome, closes its environment, frees its slot."""
@@ -104,12 +149,13 @@ class AgentRunner:
     if self._on_done:
       self._on_done(ep.traj)
 
-  def _start(self, index, task, group_id, slot, rng):
+  def _start(self, index, task, group_id, slot, key):
     self._episode_counter += 1
     env = self.make_env(task, f"ep{self._episode_counter}")
     traj = Trajectory(task_id=task.task_id, group_id=group_id)
-    ep = _Episode(index, traj, env, slot)
+    ep = _Episode(index, traj, env, slot, key)
     self._active[slot] = ep
+    self._slot_keys = self._slot_keys.at[slot].set(key)
     try:
       first = env.reset()
     except Exception as e:  # an environment that fails to start fails this episode only
@@ -120,41 +166,43 @@ class AgentRunner:
     traj.prompt_len = len(ids)
     traj.extend(ids, sampled=False)
     self.engine.reset_slot(slot)
-    self._feed(ep, ids, rng)
+    self._feed(ep, ids)
 
-  def _feed(self, ep: _Episode, ids: list[int], rng) -> None:
+  def _feed(self, ep: _Episode, ids: list[int]) -> None:
     """Prefills `ids` into the episode's slot and handles the first sampled token."""
     if self.engine.room(ep.slot) < len(ids) + 1:
       self._finish(ep, "context")
       return
-    tok, logp = self.engine.prefill(ep.slot, ids, rng, self._sampling)
-    self._on_token(ep, tok, logp, rng)
+    self._active[ep.slot] = ep
+    key = jax.random.fold_in(ep.key, ep.sampled)
+    tok, logp = self.engine.prefill(ep.slot, ids, key, self._sampling)
+    self._on_token(ep, tok, logp)
 
-  def _on_token(self, ep: _Episode, tok: int, logp: float, rng) -> None:
+  def _on_token(self, ep: _Episode, tok: int, logp: float) -> None:
+    ep.sampled += 1
     ep.turn_ids.append(tok)
     ep.turn_logprobs.append(logp)
     stopped = tok in self.stop_ids
     if stopped or len(ep.turn_ids) >= self.limits.max_new_tokens or self.engine.room(ep.slot) <= 1:
-      self._end_reply(ep, stopped, rng)
+      self._end_reply(ep, stopped)
 
-  def _end_reply(self, ep: _Episode, stopped: bool, rng) -> None:
+  def _end_reply(self, ep: _Episode, stopped: bool) -> None:
+    """Records the reply, parses it and hands the environment step to a host thread."""
     traj = ep.traj
     body = ep.turn_ids[:-1] if stopped else ep.turn_ids
     text = self.chat.decode(body)
     traj.extend(ep.turn_ids, sampled=True, logprobs=ep.turn_logprobs)
-    last_tok = ep.turn_ids[-1]
+    ep.stopped, ep.last_tok = stopped, ep.turn_ids[-1]
     ep.turn_ids, ep.turn_logprobs = [], []
     traj.model_steps += 1
     action = self.chat.parse_tool_calls(text, truncated=not stopped)
     traj.parse_errors += action.error is not None
     traj.tool_names.extend(c.name for c in action.tool_calls)
-    start = time.perf_counter()
-    try:
-      result = ep.env.step(action)
-    except Exception as e:  # environment failure: this episode fails, the batch goes on
-      self._finish(ep, "error", info={"error": f"step: {e!r}"})
-      return
-    self.timings["reward" if result.done else "env"] += time.perf_counter() - start
+    del self._active[ep.slot]  # the slot keeps its cache but sits out of the batch meanwhile
+    self._stepping[self._pool.submit(_timed_step, ep.env, action)] = ep
+
+  def _after_step(self, ep: _Episode, result: StepResult) -> None:
+    traj = ep.traj
     if result.done:
       traj.calls = result.info.get("per_turn_calls", traj.calls)
       self._finish(ep, "done", float(result.reward), result.info)
@@ -162,9 +210,10 @@ class AgentRunner:
     if traj.model_steps >= self.limits.max_model_steps:
       self._finish(ep, "max_model_steps")
       return
-    cont = ([] if stopped else [self.chat.im_end_id]) + self.chat.continuation_ids(result.messages)
+    cont = ([] if ep.stopped else [self.chat.im_end_id]) + self.chat.continuation_ids(
+        result.messages)
     traj.extend(cont, sampled=False)
-    self._feed(ep, [last_tok] + cont, rng)
+    self._feed(ep, [ep.last_tok] + cont)
 
 
 class QwenChat:

@@ -6,6 +6,8 @@ else is real: chat template, token accumulation, tool-call parsing, BFCL executi
 checker. This pins down the loop's semantics independently of any model.
 """
 
+import threading
+
 import jax
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
 from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.warmstart import CLOSING_REPLY, demonstration
 from envs import bfcl
+from envs.base import Action, Task
 
 
 class ScriptedEngine:
@@ -114,3 +117,195 @@ def test_malformed_and_code_like_replies_become_error_observations(entries):
   observations = chat.decode(traj.token_ids[traj.prompt_len:])
   assert "invalid JSON" in observations
   assert "invalid tool call" in observations or "unknown tool" in observations
+
+
+def _first_prompt(chat, task, make_env=_make_env):
+  env = make_env(task, "probe")
+  try:
+    first = env.reset()
+    return chat.prompt_ids([{"role": "system", "content": env.system_prompt}] + first.messages,
+                           env.tools)
+  finally:
+    env.close()
+
+
+def _ticket_task(entries):
+  return next(t for t in bfcl.load_bfcl_tasks("multi_turn_base") if "TicketAPI" in
+              t.involved_classes)
+
+
+def test_masked_tokens_decode_to_exactly_the_assistant_text(entries):
+  chat = QwenChat()
+  task = entries[0]  # GorillaFileSystem + TwitterAPI, 4 user turns
+  texts = [
+      # Two calls in one reply, one with list-valued arguments.
+      '<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": '
+      '"post_tweet", "arguments": {"content": "hi", "tags": ["#a", "#b"], "mentions": []}}\n'
+      '</tool_call>',
+      '<tool_call>\n{"name": "ls", "arguments": {"a": tru}\n</tool_call>',  # malformed JSON
+      '<tool_call>\n{"name": "ls", "arguments": ["a"]}\n</tool_call>',  # list, not an object
+      "Done.",  # ends turn 1
+  ] + ["Done."] * (len(task.turns) - 1)
+  cut = '<tool_call>\n{"name": "ls", "arguments": {"a": "' + "x" * 400 + '"}}\n</tool_call>'
+  limit = 64  # more than any full reply above takes
+  replies = [chat.encode(t) + [chat.im_end_id] for t in texts]
+  cut_ids = chat.encode(cut)
+  assert len(cut_ids) > limit and max(map(len, replies)) <= limit
+  replies.insert(3, cut_ids)  # sampled until the token limit: cut, no end-of-turn token
+  engine = ScriptedEngine({tuple(_first_prompt(chat, task)): replies}, num_slots=1)
+  runner = AgentRunner(engine, chat, _make_env, EpisodeLimits(max_new_tokens=limit,
+                                                              max_model_steps=50))
+  (traj,) = runner.run([(task, 0)], SamplingParams(0.0), rng=jax.random.key(0))
+  assert traj.finish == "done" and traj.model_steps == len(replies)
+  assert traj.parse_errors == 3  # malformed JSON, list arguments, the cut reply
+  mask = np.array(traj.loss_mask, bool)
+  sampled = [t for t, m in zip(traj.token_ids, mask) if m]
+  want_ids = [t for r in replies[:3] for t in r] + cut_ids[:limit] + [
+      t for r in replies[4:] for t in r]
+  assert sampled == want_ids
+  want_text = ("".join(t + "<|im_end|>" for t in texts[:3]) + chat.decode(cut_ids[:limit])
+               + "".join(t + "<|im_end|>" for t in texts[3:]))
+  assert chat.decode(sampled) == want_text
+  # Log-probs exactly on the sampled tokens; the template closes the cut reply (mask 0).
+  assert all((lp != 0.0) == m for lp, m in zip(traj.logprobs, mask))
+  cut_end = [k for k in range(1, len(mask)) if mask[k - 1] and not mask[k]]
+  assert any(traj.token_ids[k] == chat.im_end_id for k in cut_end)
+  # The two calls of the first reply ran, in order, with the list argument intact.
+  assert traj.calls[0][:2] == ["ls()", "post_tweet(content='hi', tags=['#a', '#b'], mentions=[])"]
+  observations = chat.decode(traj.token_ids[traj.prompt_len:])
+  assert "invalid JSON" in observations and "must be a JSON object" in observations
+  assert "cut off at the token limit" in observations
+
+
+def test_dict_valued_arguments_reach_the_backend(entries):
+  chat = QwenChat()
+  task = _ticket_task(entries)
+  text = ('<tool_call>\n{"name": "edit_ticket", "arguments": {"ticket_id": 1, "updates": '
+          '{"priority": 3, "status": "open"}}}\n</tool_call>')
+  replies = [chat.encode(text) + [chat.im_end_id]] + [
+      chat.encode("Done.") + [chat.im_end_id]] * len(task.turns)
+  engine = ScriptedEngine({tuple(_first_prompt(chat, task)): replies}, num_slots=1)
+  runner = AgentRunner(engine, chat, _make_env, EpisodeLimits(4096, 50))
+  (traj,) = runner.run([(task, 0)], SamplingParams(0.0), rng=jax.random.key(0))
+  assert traj.parse_errors == 0 and traj.finish == "done"
+  assert traj.calls[0] == ["edit_ticket(ticket_id=1, updates={'priority': 3, 'status': 'open'})"]
+
+
+def test_limits_on_steps_and_observation_length(entries):
+  chat = QwenChat()
+  task = entries[0]
+  ls = chat.encode('<tool_call>\n{"name": "ls", "arguments": {"a": true}}\n</tool_call>') + [
+      chat.im_end_id]
+
+  def short_obs_env(t, episode_id):
+    return bfcl.make_env(t, episode_id, max_obs_chars=10, tool_style="compact")
+
+  engine = ScriptedEngine({tuple(_first_prompt(chat, task, short_obs_env)): [ls] * 10},
+                          num_slots=1)
+  runner = AgentRunner(engine, chat, short_obs_env, EpisodeLimits(4096, max_model_steps=3))
+  (traj,) = runner.run([(task, 0)], SamplingParams(0.0), rng=jax.random.key(0))
+  assert traj.finish == "max_model_steps" and traj.model_steps == 3 and traj.reward == 0.0
+  observations = chat.decode(traj.token_ids[traj.prompt_len:])
+  assert observations.count("[truncated ") == 2  # the third observation is never fed
+
+
+class _FakeChat:
+  """Token ids are the text's characters' codes; every reply is one token plus the stop id."""
+
+  im_end_id = 0
+
+  def prompt_ids(self, messages, tools):
+    return [ord(c) for c in messages[-1]["content"]]
+
+  def continuation_ids(self, messages):
+    return [1, 2]
+
+  def parse_tool_calls(self, text, truncated=False):
+    return Action(text=text)
+
+  def decode(self, ids):
+    return "".join(chr(i) for i in ids)
+
+
+class _ThreadEnv:
+  """Episode "slow" blocks in step() until released; "fast" episodes end after one step."""
+
+  system_prompt, tools = None, []
+
+  def __init__(self, task, release, log):
+    self.task, self.release, self.log = task, release, log
+
+  def reset(self):
+    return _step_result([{"role": "user", "content": self.task.task_id}])
+
+  def step(self, action):
+    self.log.append(("step", self.task.task_id, threading.current_thread().name))
+    if self.task.task_id == "slow":
+      assert self.release.wait(timeout=10), "the device loop never ran while this step blocked"
+    return _step_result([], done=True, reward=1.0)
+
+  def close(self):
+    pass
+
+
+def _step_result(messages, done=False, reward=0.0):
+  from envs.base import StepResult  # noqa: PLC0415
+  return StepResult(messages=messages, done=done, reward=reward)
+
+
+class _CountingEngine:
+  """Replies "x" then the stop id; "fast" episodes take 6 tokens. Releases the slow env once it
+  has decoded 3 steps of another slot while the slow episode was out of the batch."""
+
+  num_slots, cache_len = 2, 1000
+
+  def __init__(self, release, log):
+    self.release, self.log = release, log
+    self.left = {}
+    self.steps_without_slow = 0
+    self.slow_slot = None
+
+  def reset_slot(self, slot):
+    pass
+
+  def room(self, slot):
+    return 1000
+
+  def prefill(self, slot, ids, rng, sampling):
+    name = "".join(chr(i) for i in ids)
+    if name == "slow":
+      self.slow_slot = slot
+    self.left[slot] = 1 if name == "slow" else 5
+    return ord("x"), -0.1
+
+  def generate(self, active, rng, sampling):
+    self.log.append(("generate", tuple(np.flatnonzero(active))))
+    if self.slow_slot is not None and not active[self.slow_slot]:
+      self.steps_without_slow += 1
+      if self.steps_without_slow >= 3:
+        self.release.set()
+    toks = np.zeros(self.num_slots, np.int32)
+    for s in np.flatnonzero(active):
+      self.left[s] -= 1
+      toks[s] = ord("x") if self.left[s] > 0 else 0
+    return toks, np.full(self.num_slots, -0.1, np.float32)
+
+
+def test_env_steps_run_on_host_threads_while_other_slots_decode():
+  release, log = threading.Event(), []
+  engine = _CountingEngine(release, log)
+  tasks = [Task(task_id=n, env="fake", turns=["q"], ground_truth=[[]])
+           for n in ("slow", "fast", "fast2")]
+  runner = AgentRunner(engine, _FakeChat(), lambda t, e: _ThreadEnv(t, release, log),
+                       EpisodeLimits(100, 10), env_threads=2)
+  trajs = runner.run([(t, i) for i, t in enumerate(tasks)], SamplingParams(0.0),
+                     rng=jax.random.key(0))
+  assert [t.finish for t in trajs] == ["done"] * 3 and [t.reward for t in trajs] == [1.0] * 3
+  steps = [e for e in log if e[0] == "step"]
+  assert all(name.startswith("env") for _, _, name in steps)  # host threads, not the main one
+  # After the slow episode's reply (2 tokens) its step blocked on a thread while the device kept
+  # decoding the other slot, which the release required.
+  assert release.is_set() and engine.steps_without_slow >= 3
+  slow_slot = engine.slow_slot
+  slow_done = log.index(next(e for e in steps if e[1] == "slow"))
+  assert any(e[0] == "generate" and slow_slot not in e[1] for e in log[slow_done:])

@@ -453,3 +453,17 @@ def test_prefill_chunks_cover_the_input_and_stay_inside_the_cache(n, start, cach
     taken += min(size, n - taken)
   assert taken == n and sizes[-1] >= 1
   assert sum(sizes) - n < max(sizes)  # padding is less than one chunk
+
+
+def test_generate_samples_do_not_depend_on_batching(model):
+  prompts = [_prompt(90 + i, n) for i, n in enumerate((5, 9, 3, 14))]
+  sampling = SamplingParams(temperature=0.9, top_p=0.9)
+  rng = jax.random.key(11)
+  three = generate(Engine(model, SLOTS, CACHE), prompts, sampling, max_new_tokens=7, rng=rng)
+  one = generate(Engine(model, 1, CACHE), prompts, sampling, max_new_tokens=7, rng=rng)
+  for a, b in zip(three, one):
+    assert a.token_ids == b.token_ids
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+  other = generate(Engine(model, SLOTS, CACHE), prompts, sampling, max_new_tokens=7,
+                   rng=jax.random.key(12))
+  assert [c.token_ids for c in other] != [c.token_ids for c in three]  # the key matters

@@ -170,6 +170,8 @@ class Engine:
                sampling: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     """One decode step for every slot; only `active` ([B] bool) slots advance.
 
+    `rng` is one key for the step, or [B] keys (one per slot: see `sample`).
+
     Each active slot writes its pending token at cache index `position(slot)` and samples the next.
 
     Returns:

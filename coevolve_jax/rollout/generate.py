@@ -13,11 +13,12 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from coevolve_jax.models.qwen import Qwen
 from coevolve_jax.rollout.engine import Engine
-from coevolve_jax.rollout.sampling import SamplingParams
+from coevolve_jax.rollout.sampling import SamplingParams, per_row_keys
 
 FINISH_STOP = "stop"  # a stop token was sampled (it is the last token of the completion)
 FINISH_LENGTH = "length"  # max_new_tokens reached, or the slot's KV cache is full
@@ -51,8 +52,8 @@ def generate(model: Qwen | Engine, prompts: Sequence[Sequence[int]], sampling: S
     sampling: temperature / top-k / top-p (temperature 0 = greedy).
     max_new_tokens: most tokens sampled per request (>= 1).
     stop_ids: ids that end a request (kept as its last token).
-    rng: PRNG key for sampling (default key 0). Results depend on which requests share a step,
-      so they are reproducible for the same inputs and slot count.
+    rng: PRNG key for sampling (default key 0). Request i samples with fold_in(rng, i), token by
+      token, so its completion does not depend on the slot count or on the other requests.
     num_slots: concurrent requests when an engine is built here.
     cache_len: KV cache length per slot when built here (default: longest prompt +
       max_new_tokens, rounded up to a multiple of 128).
@@ -96,21 +97,26 @@ class _Batcher:
     pending = collections.deque(enumerate(prompts))
     free = list(range(self.engine.num_slots))[::-1]
     busy: dict[int, tuple[int, Completion]] = {}  # slot -> (request index, partial completion)
+    keys = jax.random.split(rng, self.engine.num_slots)  # per slot: its request's key
     while pending or busy:
       while pending and free:
         index, prompt = pending.popleft()
         slot = free.pop()
-        rng, sub = jax.random.split(rng)
+        request_key = jax.random.fold_in(rng, index)
+        keys = keys.at[slot].set(request_key)
         self.engine.reset_slot(slot)
-        tok, logp = self.engine.prefill(slot, prompt, sub, self.sampling)
+        tok, logp = self.engine.prefill(slot, prompt, jax.random.fold_in(request_key, 0),
+                                        self.sampling)
         busy[slot] = (index, Completion([], [], ""))
         self._append(busy, free, out, slot, tok, logp)
       if not busy:
         continue
       active = np.zeros((self.engine.num_slots,), bool)
-      active[list(busy)] = True
-      rng, sub = jax.random.split(rng)
-      tokens, logprobs = self.engine.generate(active, sub, self.sampling)
+      counts = np.zeros((self.engine.num_slots,), np.int32)
+      for slot, (_, comp) in busy.items():
+        active[slot], counts[slot] = True, len(comp.token_ids)
+      step_keys = per_row_keys(keys, jnp.asarray(counts))
+      tokens, logprobs = self.engine.generate(active, step_keys, self.sampling)
       for slot in list(busy):
         self._append(busy, free, out, slot, int(tokens[slot]), float(logprobs[slot]))
     return out  # type: ignore[return-value]

@@ -93,7 +93,8 @@ def sample(logits_bv: jax.Array, rng: jax.Array,
 
   Args:
     logits_bv: [B, V] logits.
-    rng: PRNG key.
+    rng: one PRNG key for the batch, or [B] keys, one per row (a row's draw then depends only on
+      its own key, not on which other rows share the batch).
     params: static sampling parameters.
   Returns:
     (tokens [B] int32, logprobs [B] float32): each log-prob is `processed_logprobs` of the token,
@@ -107,7 +108,11 @@ def sample(logits_bv: jax.Array, rng: jax.Array,
     # (the latter dominates a CPU decode step at V = 152k).
     probs = jax.nn.softmax(filtered, axis=-1)
     cdf = jnp.cumsum(probs, axis=-1)
-    u = jax.random.uniform(rng, (logits_bv.shape[0], 1), jnp.float32) * cdf[:, -1:]
+    if rng.ndim == 0:
+      u = jax.random.uniform(rng, (logits_bv.shape[0], 1), jnp.float32)
+    else:
+      u = jax.vmap(lambda k: jax.random.uniform(k, (1,), jnp.float32))(rng)
+    u = u * cdf[:, -1:]
     tokens = jnp.sum(cdf <= u, axis=-1).astype(jnp.int32)
     # Float rounding can put u at the very end of the cdf; clamp to the last kept token.
     last_kept = logits_bv.shape[-1] - 1 - jnp.argmax(
@@ -115,3 +120,14 @@ def sample(logits_bv: jax.Array, rng: jax.Array,
     tokens = jnp.minimum(tokens, last_kept)
   logp = jax.nn.log_softmax(filtered, axis=-1)
   return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+@jax.jit
+def per_row_keys(keys_b: jax.Array, counts_b: jax.Array) -> jax.Array:
+  """[B] keys: row b's key is fold_in(keys_b[b], counts_b[b]).
+
+  With a key per request and its count of tokens sampled so far, every token's randomness depends
+  only on (request, token index): the same request samples the same tokens whatever else shares
+  the batch, and whenever (host threads, slot order) it is stepped.
+  """
+  return jax.vmap(jax.random.fold_in)(keys_b, counts_b.astype(jnp.uint32))
