@@ -39,7 +39,8 @@ class ReplayEngine:
   """A policy in the engine's slot interface that replies with each task's ground-truth calls.
 
   Per user turn it emits one reply per ground-truth call (`<tool_call>` JSON via the chat
-  template's own formatting), then a closing reply without calls, which ends the turn. The episode
+  template's own formatting; several calls per reply only where a turn has more than 20), then a
+  closing reply without calls, which ends the turn. The episode
   is identified by its first prompt (token ids), so the agent loop is used unchanged.
 
   Args:
@@ -75,9 +76,13 @@ class ReplayEngine:
   def _replies(self, task: Task, chat: Any) -> list[list[int]]:
     replies = []
     for turn in task.ground_truth:
-      for call_text in turn:
-        call = bfcl.parse_call_string(call_text, task.involved_classes)
-        text = chat.assistant_text("", [{"name": call.name, "arguments": call.arguments}])
+      calls = [bfcl.parse_call_string(c, task.involved_classes) for c in turn]
+      # One call per reply, unless the turn has more calls than the loop allows steps: then
+      # consecutive calls share a reply (a few long_context turns have 34 calls).
+      per_reply = -(-len(calls) // bfcl.MAX_STEPS_PER_TURN) if calls else 1
+      for i in range(0, len(calls), per_reply):
+        text = chat.assistant_text("", [{"name": c.name, "arguments": c.arguments}
+                                        for c in calls[i:i + per_reply]])
         replies.append(chat.encode(text) + [chat.im_end_id])
       replies.append(chat.encode(self.CLOSING_REPLY) + [chat.im_end_id])
     return replies
