@@ -1,11 +1,11 @@
-"""AppWorld: availability check for the environment servers and the official data.
+"""AppWorld: availability check for servers started by hand, and for the official data.
 
 AppWorld (`appworld==0.1.3.post1`) pins pydantic < 2, which conflicts with this project's
-environment, so it runs in its own virtual environment as HTTP servers (`appworld serve
-environment`) and we talk to them over loopback HTTP (SPEC section 3). Only this check exists
-today: `check_available(cfg)` fails fast, with the exact setup steps, when a server does not answer
-or the data is missing. Episodes, rewards and task synthesis on AppWorld are tracked in a separate
-issue; nothing here pretends to run them.
+environment, so it runs in its own virtual environment as HTTP servers and we talk to them over
+loopback HTTP (SPEC section 3). A CoEvolve run starts and stops its own servers
+(envs/appworld_server.py, envs/appworld_suite.py); `check_available(cfg)` is for servers started by
+hand (`cfg.appworld.server_urls`) and fails fast, with the exact setup steps, when a server does not
+answer or the official data is missing. Its data checks are reused by `appworld_suite.check_setup`.
 
 What the check relies on, from the appworld 0.1.3.post1 source:
 - `appworld/serve/environment.py`: a FastAPI app whose `GET /` returns
@@ -56,8 +56,8 @@ conflicts with this project's pydantic>=2 dependencies; never install it into th
        export APPWORLD_SERVER_URLS=http://127.0.0.1:8000   # comma-separated, loopback only
      (or --config.appworld.data_root=... and
       --config.appworld.server_urls="('http://127.0.0.1:8000', 'http://127.0.0.1:8001')")
-AppWorld support beyond this availability check (episodes, rewards, task synthesis) is not
-implemented yet; it is tracked in a separate issue."""
+A CoEvolve run does not need steps 5-6: it starts its own servers from .venv-appworld
+(`make appworld-setup`; see docs/appworld.md)."""
 
 
 class AppWorldUnavailable(RuntimeError):

@@ -16,7 +16,6 @@ does not answer in time, refuses the connection or has exited is a `ServerError`
 from __future__ import annotations
 
 import atexit
-import ctypes
 import json
 import os
 import shutil
@@ -58,12 +57,21 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-  """In the child before exec: SIGTERM when our process dies, even by SIGKILL (Linux prctl)."""
-  try:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-  except OSError:
+# The server command: a small launcher asks the kernel to SIGTERM the server when the thread that
+# started it dies, even by SIGKILL (Linux PR_SET_PDEATHSIG = 1), then execs uvicorn. Done in the
+# child itself, not by subprocess's preexec_fn: forking a multithreaded (JAX) process to run Python
+# code before exec can deadlock.
+_LAUNCHER = """\
+import ctypes, os, signal, sys
+parent = int(sys.argv[1])
+try:
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
+except OSError:
     pass
+if os.getppid() != parent:  # the parent died before prctl
+    sys.exit(0)
+os.execv(sys.executable, [sys.executable, "-m", "uvicorn", *sys.argv[2:]])
+"""
 
 
 def _env(root: str) -> dict[str, str]:
@@ -104,10 +112,10 @@ class AppWorldServer:
     out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
     try:
       self.proc = subprocess.Popen(
-          [self.python, "-m", "uvicorn", "appworld.serve.environment:app", "--host", "127.0.0.1",
-           "--port", str(self.port), "--log-level", "warning"],
+          [self.python, "-c", _LAUNCHER, str(os.getpid()), "appworld.serve.environment:app",
+           "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"],
           cwd=self.root, env=_env(self.root), stdout=out, stderr=subprocess.STDOUT,
-          stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+          stdin=subprocess.DEVNULL, start_new_session=True)
     finally:
       if out is not subprocess.DEVNULL:
         out.close()
@@ -203,7 +211,7 @@ class ServerPool:
     self.busy: list[AppWorldServer] = []
     self.restarts = 0
     self._lock = threading.Lock()
-    atexit.register(self.close)  # no server outlives the run (SIGKILL: see _die_with_parent)
+    atexit.register(self.close)  # no server outlives the run (SIGKILL: see _LAUNCHER)
 
   def _new(self) -> AppWorldServer:
     index = len(self.idle) + len(self.busy)

@@ -208,8 +208,7 @@ def test_dead_or_hung_server_fails_only_its_episode_and_is_restarted(world):
   finally:
     pool.timeout_s = saved_timeout
     hung.close()
-  _, result, _ = _episode(pool, row, [_act(row["solution"])])
-  assert result.reward == 1.0
+  assert len(pool.idle) == 2 and all(s.healthy() for s in pool.idle)
 
 
 def test_missing_appworld_venv_names_the_setup_command(tmp_path):

@@ -19,7 +19,7 @@ from envs.appworld import AppWorldUnavailable, check_available
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 SETUP_COMMANDS = ("pip install appworld==0.1.3.post1", "appworld install", "appworld download data",
                   "appworld serve environment --port 8000", "APPWORLD_ROOT", "APPWORLD_SERVER_URLS",
-                  "pydantic<2", "SEPARATE virtual environment", "separate issue")
+                  "pydantic<2", "SEPARATE virtual environment", "make appworld-setup")
 
 
 def _load_config_module(name: str):
