@@ -49,6 +49,7 @@ EXTRAS_REQUIRE = {
         "transformers>=5,<6",
         "ruff",
     ],
+    "plots": ["matplotlib"],  # scripts/ablations.py figures
     "tpu": ["jax[tpu]>=0.10.2"],
     "gpu": ["jax[cuda12]>=0.10.2"],
 }

@@ -211,7 +211,7 @@ class CoEvolveRun:
           self._save(step)
         bar.set_postfix(reward=f"{info['reward/mean']:.2f}", pool=len(self.pool))
         bar.update(1)
-    if self._pending is not None:  # a round started at the last step: finish it for the record
+    if self._pending is not None:  # resumed with fewer steps than a round in flight needed
       with self.timer("feedback"):
         self._commit_round()
     self._executor.shutdown()
@@ -375,7 +375,9 @@ class CoEvolveRun:
         kinds=tuple(fb.kinds), mode=fb.mode, pool_tasks=self.pool.tasks)
     self.events = []
     self._submit({"round": round_idx, "start_step": step,
-                  "commit_at": step + (fb.lag if fb.concurrent else 0),
+                  # the last step's round is joined at once, before the final checkpoint
+                  "commit_at": min(step + fb.lag, self.cfg.train.steps) if fb.concurrent
+                               else step,
                   "events": [_event_to_dict(e) for e in chosen]}, chosen)
 
   def _resubmit(self, spec: dict[str, Any]) -> None:

@@ -2,6 +2,7 @@
 key anywhere: config dump, logs, metrics, feedback and exploration logs, pool, checkpoints."""
 
 import importlib.util
+import json
 import logging
 import os
 import uuid
@@ -49,22 +50,62 @@ def tiny_gemini_config(base_url: str):
   return cfg
 
 
-@pytest.mark.timeout(600)
-def test_api_key_never_reaches_the_workdir_or_logs(tmp_path, monkeypatch, capsys, caplog):
+def _pool_lines(path):
+  with open(path, encoding="utf-8") as f:
+    return [line for line in f if line.strip()]
+
+
+@pytest.mark.timeout(900)
+def test_key_never_leaks_and_a_round_in_flight_resumes_exactly(tmp_path, monkeypatch, capsys,
+                                                                caplog):
+  """Run 1 starts a feedback round after step 2 (joined after step 3), checkpoints step 2 with
+  the round in flight, and dies in step 3. Run 2 resumes from step 2, redoes the round and must
+  add exactly the tasks run 1's worker had synthesized. No file or log holds the API key."""
   key = f"AIzaLEAKCHECK-{uuid.uuid4().hex}"
   monkeypatch.delenv("GOOGLE_API_KEY", raising=False)
   monkeypatch.setenv("GEMINI_API_KEY", key)
   caplog.set_level(logging.DEBUG)
-  workdir = tmp_path / "run"
+  workdir = str(tmp_path / "run")
   with GeminiStub() as stub:
-    summary = CoEvolveRun(tiny_gemini_config(stub.url), str(workdir)).fit()
+    cfg = tiny_gemini_config(stub.url)
+    cfg.train.steps, cfg.feedback.every, cfg.feedback.lag = 3, 2, 1
+    run = CoEvolveRun(cfg, workdir)
+    real_step = CoEvolveRun._train_step
+
+    def dies_in_step_3(self, step):
+      if step == 3:
+        raise KeyboardInterrupt("killed in step 3")
+      return real_step(self, step)
+
+    monkeypatch.setattr(CoEvolveRun, "_train_step", dies_in_step_3)
+    with pytest.raises(KeyboardInterrupt):
+      run.fit()
+    run.ckpt.wait()
+    in_flight = run._pending["future"].result().tasks  # what run 1's worker synthesized
+    assert run._pending["round"] == 1 and run._pending["commit_at"] == 3
+    assert len(_pool_lines(os.path.join(workdir, "pool.jsonl"))) == 2  # D0 only: not committed
+    monkeypatch.setattr(CoEvolveRun, "_train_step", real_step)
+
+    cfg = tiny_gemini_config(stub.url)
+    cfg.train.steps, cfg.feedback.every, cfg.feedback.lag = 3, 2, 1
+    summary = CoEvolveRun(cfg, workdir).fit()
+  assert summary["resumed_from_step"] == 2 and summary["steps"] == 3
+  assert summary["feedback_rounds"] == 1 and 0.0 <= summary["feedback_share"] < 1.0
+  assert in_flight, "the round synthesized nothing: the comparison would be empty"
+  with open(os.path.join(workdir, "feedback.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  assert [(r["round"], r["start_step"], r["step"]) for r in rows] == [(1, 2, 3)]
+  dropped = {d[0] for d in rows[0]["dropped"]}
+  pool = _pool_lines(os.path.join(workdir, "pool.jsonl"))
+  assert len(pool) > 2 and rows[0]["synthesized"] >= len(in_flight)
+  assert pool[2:] == [t.to_json() + "\n" for t in in_flight if t.task_id not in dropped]
+
   assert stub.requests, "the feedback round never called the Gemini endpoint"
   assert all(r["headers"].get("x-goog-api-key") == key for r in stub.requests)
-  assert summary["feedback_rounds"] == 1 and "feedback_share" in summary
-
   files = [os.path.join(d, f) for d, _, fs in os.walk(workdir) for f in fs]
   assert any(f.endswith("config.json") for f in files)
   assert any("checkpoints" in f for f in files)
+  assert any(f.endswith("exploration.jsonl") for f in files)
   needle = key.encode()
   leaked = [f for f in files if needle in open(f, "rb").read()]
   assert not leaked, f"API key written to {leaked}"
