@@ -2,8 +2,13 @@
 
 Metadata (JSON) holds the step, host and device RNG states, signal histories, pending feedback
 events, counters and timings; the task pool lives in its own append-only file beside.
-Saving is asynchronous (training continues while it writes); orbax commits a step atomically, so a
-run killed mid-save resumes from the previous complete step.
+Saving is asynchronous: `save` copies the arrays off the devices and returns, and the files are
+written in the background while training continues (the next step may donate the saved buffers).
+Orbax commits a step atomically (a temporary folder renamed when complete), so a run killed
+mid-save resumes from the previous complete step; a damaged step is skipped with a warning.
+
+Restoring places every array with the sharding of the example trees it is given, so a checkpoint
+saved on one device count or mesh restores onto another.
 """
 
 from __future__ import annotations
@@ -16,10 +21,18 @@ import orbax.checkpoint as ocp
 
 
 class RunCheckpointer:
+  """The run's checkpoints in `directory`, newest `keep` kept (orbax CheckpointManager).
+
+  Items per step: params, opt_state, ref_params (pytrees of arrays) and meta (JSON: step, RNG
+  states, signal histories, pool size, config, ...).
+  """
 
   ITEMS = ("params", "opt_state", "ref_params", "meta")
 
   def __init__(self, directory: str, keep: int):
+    """Raises: ValueError when keep < 1."""
+    if keep < 1:
+      raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                            enable_async_checkpointing=True)
     self._mgr = ocp.CheckpointManager(directory, options=options, item_names=self.ITEMS)
@@ -27,7 +40,15 @@ class RunCheckpointer:
   def latest_step(self) -> int | None:
     return self._mgr.latest_step()
 
+  def all_steps(self) -> list[int]:
+    """Steps of the committed checkpoints, ascending (unfinished saves are not listed)."""
+    return sorted(self._mgr.all_steps())
+
   def save(self, step: int, params, opt_state, ref_params, meta: dict[str, Any]) -> None:
+    """Starts an asynchronous save of `step` and returns once the arrays are copied to the host.
+
+    `meta` must be JSON-serialisable. Older checkpoints beyond `keep` are deleted.
+    """
     args = ocp.args.Composite(
         params=ocp.args.StandardSave(params),
         opt_state=ocp.args.StandardSave(opt_state),

@@ -1,13 +1,23 @@
-"""Run checkpoints: round trip, and a damaged newest checkpoint falls back to the previous one."""
+"""Run checkpoints: round trip, keep-last-N, damaged checkpoints fall back to the previous one, a
+resumed run's next step is bit-identical, and restoring onto another device count or mesh."""
 
 import os
 import shutil
+import subprocess
+import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from flax import nnx
 
+from coevolve_jax import grpo
 from coevolve_jax.checkpoint import RunCheckpointer
 from coevolve_jax.metrics import truncate_jsonl
+from coevolve_jax.models import Qwen, QwenConfig
+from coevolve_jax.trainer import PolicyTrainer, make_batch, make_optimizer
+from coevolve_jax.trajectory import Trajectory
 
 
 def _trees(scale):
@@ -50,3 +60,187 @@ def test_truncate_jsonl_drops_rows_after_the_resume_step_and_torn_lines(tmp_path
   assert truncate_jsonl(path, -1) == 3
   with open(path) as f:
     assert f.read() == ""
+
+
+def test_keep_last_n_and_unfinished_saves_are_ignored(tmp_path):
+  with pytest.raises(ValueError, match="keep must be >= 1"):
+    RunCheckpointer(str(tmp_path / "bad"), keep=0)
+  ckpt = RunCheckpointer(str(tmp_path / "ck"), keep=2)
+  for step in (1, 2, 3, 4):
+    ckpt.save(step, *_trees(float(step)), {"step": step})
+  ckpt.wait()
+  assert ckpt.all_steps() == [3, 4]
+  assert sorted(os.listdir(tmp_path / "ck")) == ["3", "4"]
+  ckpt.close()
+  # A save killed before its commit leaves a temporary folder: never taken for a checkpoint.
+  shutil.copytree(tmp_path / "ck" / "4", tmp_path / "ck" / "5.orbax-checkpoint-tmp-1234")
+  ckpt = RunCheckpointer(str(tmp_path / "ck"), keep=2)
+  assert ckpt.all_steps() == [3, 4]
+  step, params, _, _, _ = ckpt.restore_latest(*_trees(0.0))
+  assert step == 4 and float(params["w"][0, 0]) == 4.0
+  ckpt.close()
+
+
+def test_corrupt_metadata_falls_back_with_a_warning(tmp_path, capsys):
+  ckpt = RunCheckpointer(str(tmp_path / "ck"), keep=3)
+  for step in (1, 2):
+    ckpt.save(step, *_trees(float(step)), {"step": step})
+  ckpt.wait()
+  ckpt.close()
+  with open(tmp_path / "ck" / "2" / "meta" / "metadata", "w") as f:
+    f.write('{"step": 2, "trunc')  # a torn JSON write
+  ckpt = RunCheckpointer(str(tmp_path / "ck"), keep=3)
+  step, params, _, _, meta = ckpt.restore_latest(*_trees(0.0))
+  assert step == 1 and meta == {"step": 1} and float(params["w"][0, 0]) == 1.0
+  assert "checkpoint step 2 is unreadable" in capsys.readouterr().out
+  ckpt.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume of a real trainer.
+# ---------------------------------------------------------------------------------------------
+
+TINY = QwenConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+
+
+def _trainer(seed, mesh=None):
+  return PolicyTrainer(Qwen(TINY, rngs=nnx.Rngs(seed)), make_optimizer(1e-2, 0.01, 1.0),
+                       grpo.GRPOConfig(), temperature=0.9, mesh=mesh)
+
+
+def _batch(key, np_rng):
+  """8 rows drawn from the run's two RNGs (device key: tokens; host generator: lengths)."""
+  tokens = np.asarray(jax.random.randint(key, (8, 24), 1, TINY.vocab_size))
+  trajs = []
+  for r in range(8):
+    n_prompt, n_reply = int(np_rng.integers(3, 8)), int(np_rng.integers(1, 12))
+    tr = Trajectory(task_id=str(r // 4), group_id=r // 4)
+    tr.extend(tokens[r, :n_prompt].tolist(), sampled=False)
+    tr.extend(tokens[r, n_prompt:n_prompt + n_reply].tolist(), sampled=True,
+              logprobs=[-1.0] * n_reply)
+    trajs.append(tr)
+  return make_batch(trajs, np_rng.normal(0.0, 1.0, 8), min_len=32, min_targets=16)
+
+
+def _step(trainer, rngs):
+  key, np_rng = rngs
+  key, sub = jax.random.split(key)
+  batch = _batch(sub, np_rng)
+  metrics = trainer.grpo_update(batch, trainer.logprobs(batch),
+                                trainer.logprobs(batch, trainer.ref_params))
+  return metrics, (key, np_rng)
+
+
+def _meta(step, rngs):
+  key, np_rng = rngs
+  return {"step": step, "key": jax.random.key_data(key).tolist(),
+          "np_rng": np_rng.bit_generator.state}
+
+
+def _rngs_from(meta):
+  np_rng = np.random.default_rng()
+  np_rng.bit_generator.state = meta["np_rng"]
+  return jax.random.wrap_key_data(jnp.asarray(meta["key"], jnp.uint32)), np_rng
+
+
+def test_resumed_run_takes_the_next_step_bit_identically(tmp_path):
+  """Uninterrupted steps 1-3 versus steps 1-2, save, a fresh process state restored from the
+  checkpoint (other initial weights, other RNG seeds), step 3: identical bits. The save is not
+  waited for: step 3 of the first run donates the buffers while the save is in flight."""
+  ckpt = RunCheckpointer(str(tmp_path / "ck"), keep=2)
+  a = _trainer(0)
+  a.freeze_reference()
+  rngs = (jax.random.key(42), np.random.default_rng(7))
+  for _ in range(2):
+    _, rngs = _step(a, rngs)
+  at_save = jax.tree.map(np.array, (a.params, a.opt_state))
+  ckpt.save(2, a.params, a.opt_state, a.ref_params, _meta(2, rngs))
+  want_metrics, _ = _step(a, rngs)  # no wait: the step runs while the save writes
+  ckpt.wait()
+  ckpt.close()
+
+  b = _trainer(1)  # different weights and RNGs until restored
+  b.freeze_reference()
+  ckpt = RunCheckpointer(str(tmp_path / "ck"), keep=2)
+  step, b.params, b.opt_state, b.ref_params, meta = ckpt.restore_latest(
+      b.params, b.opt_state, b.ref_params)
+  ckpt.close()
+  assert step == 2 and meta["step"] == 2
+  for x, y in zip(jax.tree.leaves(at_save), jax.tree.leaves((b.params, b.opt_state))):
+    np.testing.assert_array_equal(np.asarray(y), x)  # the saved state, not the donated one
+  got_metrics, _ = _step(b, _rngs_from(meta))
+  assert got_metrics == want_metrics
+  for x, y in zip(jax.tree.leaves((a.params, a.opt_state)),
+                  jax.tree.leaves((b.params, b.opt_state))):
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+
+
+def test_restore_onto_another_device_count_and_mesh(tmp_path):
+  """Saved on 1 device here; restored in a fresh interpreter with 8 devices onto two meshes, saved
+  from one mesh and restored onto another and onto a single device (`_mesh_child`)."""
+  a = _trainer(0)
+  a.freeze_reference()
+  rngs = (jax.random.key(3), np.random.default_rng(3))
+  _, rngs = _step(a, rngs)
+  ckpt = RunCheckpointer(str(tmp_path / "ck"), keep=2)
+  ckpt.save(1, a.params, a.opt_state, a.ref_params, _meta(1, rngs))
+  ckpt.wait()
+  ckpt.close()
+  np.savez(tmp_path / "want.npz", *[np.asarray(x) for x in jax.tree.leaves(
+      (a.params, a.opt_state))])
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, __file__, "mesh", str(tmp_path)], env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "mesh OK" in proc.stdout
+
+
+def _mesh_child(folder):
+  from coevolve_jax.models.sharding import make_mesh
+
+  assert jax.device_count() == 8
+  P = jax.sharding.PartitionSpec  # noqa: N806
+  with np.load(os.path.join(folder, "want.npz")) as f:
+    want = [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
+
+  def restored(directory, mesh):
+    t = _trainer(5, mesh)
+    t.freeze_reference()
+    ckpt = RunCheckpointer(directory, keep=2)
+    step, t.params, t.opt_state, t.ref_params, meta = ckpt.restore_latest(
+        t.params, t.opt_state, t.ref_params)
+    ckpt.close()
+    return step, t, meta
+
+  mesh_a = make_mesh({"fsdp": 2, "tensor": 4})
+  step, a, meta = restored(os.path.join(folder, "ck"), mesh_a)  # 1 device -> 8
+  assert step == 1
+  emb = a.params["embed_tokens"].get_value()
+  assert emb.sharding.spec == P("tensor", "fsdp") and len(emb.sharding.device_set) == 8
+  assert a.opt_state[1][0].mu["embed_tokens"].get_value().sharding.spec == P("tensor", "fsdp")
+  for x, y in zip(want, jax.tree.leaves((a.params, a.opt_state))):
+    np.testing.assert_array_equal(np.asarray(y), x)
+  _, rngs = _step(a, _rngs_from(meta))  # the restored state trains on the mesh
+  ckpt = RunCheckpointer(os.path.join(folder, "ck8"), keep=2)
+  ckpt.save(2, a.params, a.opt_state, a.ref_params, _meta(2, rngs))
+  ckpt.wait()
+  ckpt.close()
+  want2 = [np.asarray(x) for x in jax.tree.leaves((a.params, a.opt_state, a.ref_params))]
+
+  mesh_b = make_mesh({"data": 2, "fsdp": 4})  # other mesh shape, same devices
+  _, b, _ = restored(os.path.join(folder, "ck8"), mesh_b)
+  assert b.params["embed_tokens"].get_value().sharding.spec == P(None, "fsdp")
+  one = make_mesh({}, devices=jax.devices()[:1])  # 8 devices -> 1
+  _, c, _ = restored(os.path.join(folder, "ck8"), one)
+  assert len(c.params["embed_tokens"].get_value().sharding.device_set) == 1
+  for t in (b, c):
+    for x, y in zip(want2, jax.tree.leaves((t.params, t.opt_state, t.ref_params))):
+      np.testing.assert_array_equal(np.asarray(y), x)
+  print("mesh OK")
+
+
+if __name__ == "__main__":
+  if sys.argv[1] == "mesh":
+    _mesh_child(sys.argv[2])
