@@ -452,7 +452,7 @@ class CoEvolveRun:
                          {k: v for k, v in self._pending.items() if k != "future"}),
           np_rng=self.np_rng.bit_generator.state, key=jax.random.key_data(self.key).tolist())
       self.ckpt.save(step, self.trainer.params, self.trainer.opt_state, self.trainer.ref_params,
-                     self.state)
+                     {**self.state, "config": json.loads(self.cfg.to_json_best_effort())})
 
   def _restore(self) -> int | None:
     """Restores the newest readable checkpoint; returns its step, or None for a fresh start."""
