@@ -1,0 +1,319 @@
+"""Rollout throughput: our engine against transformers `generate` and google-tunix's sampler.
+
+    .venv/bin/python benchmarks/rollout_bench.py [--batches=1,8,32,64] [--new_tokens=32]
+
+One random Qwen3 (8 layers, hidden 512, full 151,936-token vocabulary, float32; saved once as a
+Hugging Face folder that every contender loads) and one set of random 128-token prompts. For each
+batch size it prints generated tokens/s (new tokens over the wall time of a whole generate call,
+prefill included, after a warm-up call of the same shapes) greedy and sampled (T = 0.9, full
+vocabulary), the ratio of ours to the faster peer, whether our greedy tokens equal transformers',
+and how one decode step's time grows with batch size and with cache length.
+
+google-tunix conflicts with our pins, so it runs in its own environment (`--tunix_python`,
+default .venv-tunix/bin/python) as a subprocess of this script (`--worker=tunix`), on the same
+folder and prompts. The machine (CPU, cores, load, library versions, date) is printed with the
+results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+VOCAB = 151936
+T_SAMPLED = 0.9
+
+
+def _config_kwargs(layers: int, hidden: int) -> dict:
+  heads = hidden // 64
+  return dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=3 * hidden,
+              num_hidden_layers=layers, num_attention_heads=heads,
+              num_key_value_heads=max(1, heads // 2), head_dim=64)
+
+
+def _prompts(batch: int, length: int, seed: int = 0) -> np.ndarray:
+  return np.random.default_rng(seed).integers(1, VOCAB, (batch, length)).astype(np.int64)
+
+
+# ------------------------------------------------------------------------------------- tunix
+
+
+def tunix_worker(args) -> None:
+  """Runs in the tunix environment: prints one JSON line {mode: {batch: [tok/s, tokens]}}."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from tunix.generate import sampler as sampler_lib  # noqa: PLC0415
+  from tunix.models.qwen3 import model as qwen3_model  # noqa: PLC0415
+  from tunix.models.qwen3 import params as qwen3_params  # noqa: PLC0415
+
+  kw = _config_kwargs(args.layers, args.hidden)
+  cfg = qwen3_model.ModelConfig(
+      num_layers=kw["num_hidden_layers"], vocab_size=VOCAB, embed_dim=kw["hidden_size"],
+      hidden_dim=kw["intermediate_size"], num_heads=kw["num_attention_heads"],
+      head_dim=kw["head_dim"], num_kv_heads=kw["num_key_value_heads"], rope_theta=1_000_000,
+      norm_eps=1e-6, use_tied_embedding=False)
+  mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with mesh:
+    model = qwen3_params.create_model_from_safe_tensors(args.folder, cfg, mesh,
+                                                        dtype=jnp.float32)
+
+  class IdTokenizer:
+    """Prompts travel as space-separated token ids, so tunix sees exactly our ids."""
+
+    def encode(self, text, **kw):
+      return [int(x) for x in text.split()]
+
+    def decode(self, ids, **kw):
+      return " ".join(str(int(i)) for i in ids)
+
+    def bos_id(self):
+      return 0  # falsy: no BOS is prepended
+
+    def eos_id(self):
+      return -1  # never sampled: every row generates exactly max_generation_steps tokens
+
+    def pad_id(self):
+      return 0
+
+  out = {}
+  prompts = _prompts(max(args.batches), args.prompt_len)
+  for mode in ("greedy", "sampled"):
+    out[mode] = {}
+    for b in args.batches:
+      sampler = sampler_lib.Sampler(model, IdTokenizer(), sampler_lib.CacheConfig(
+          cache_size=args.prompt_len + args.new_tokens + 8, num_layers=cfg.num_layers,
+          num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim))
+      texts = [" ".join(map(str, p)) for p in prompts[:b]]
+      kwargs = dict(max_generation_steps=args.new_tokens, max_prompt_length=args.prompt_len,
+                    echo=False, eos_tokens=[-1])
+      if mode == "sampled":
+        kwargs.update(temperature=T_SAMPLED, top_p=1.0, top_k=None, seed=0)
+      sampler(texts, **kwargs)  # warm-up: compiles these shapes
+      start = time.perf_counter()
+      res = sampler(texts, **kwargs)
+      wall = time.perf_counter() - start
+      tokens = [list(map(int, t))[:args.new_tokens] for t in res.tokens]
+      n = sum(len(t) for t in tokens)
+      out[mode][str(b)] = [n / wall, tokens[:8]]
+      print(f"tunix {mode} b={b}: {n / wall:.1f} tok/s", file=sys.stderr, flush=True)
+  print(json.dumps(out))
+
+
+def run_tunix(args) -> dict | None:
+  python = os.path.join(ROOT, args.tunix_python) if not os.path.isabs(
+      args.tunix_python) else args.tunix_python
+  if not os.path.exists(python):
+    print(f"tunix: {python} not found; skipped", file=sys.stderr)
+    return None
+  cmd = [python, os.path.abspath(__file__), "--worker=tunix", f"--folder={args.folder}",
+         f"--batches={','.join(map(str, args.batches))}", f"--new_tokens={args.new_tokens}",
+         f"--prompt_len={args.prompt_len}", f"--layers={args.layers}", f"--hidden={args.hidden}"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  sys.stderr.write(proc.stderr[-3000:] if proc.returncode else "")
+  if proc.returncode:
+    print(f"tunix worker failed (exit {proc.returncode}); skipped", file=sys.stderr)
+    return None
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# -------------------------------------------------------------------------------- transformers
+
+
+def run_transformers(args, prompts: np.ndarray) -> dict:
+  import torch  # noqa: PLC0415
+  import transformers  # noqa: PLC0415
+
+  torch.set_num_threads(os.cpu_count() or 1)
+  model = transformers.AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.float32)
+  model.eval()
+  out = {}
+  for mode in ("greedy", "sampled"):
+    out[mode] = {}
+    for b in args.batches:
+      ids = torch.tensor(prompts[:b])
+      kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                    attention_mask=torch.ones_like(ids), pad_token_id=0)
+      if mode == "sampled":
+        kwargs.update(do_sample=True, temperature=T_SAMPLED, top_k=0, top_p=1.0)
+      else:
+        kwargs.update(do_sample=False)
+      with torch.inference_mode():
+        torch.manual_seed(0)
+        model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
+        start = time.perf_counter()
+        res = model.generate(ids, **kwargs)
+        wall = time.perf_counter() - start
+      new = res[:, ids.shape[1]:].tolist()
+      out[mode][str(b)] = [sum(map(len, new)) / wall, new[:8]]
+      print(f"transformers {mode} b={b}: {out[mode][str(b)][0]:.1f} tok/s", file=sys.stderr,
+            flush=True)
+  return out
+
+
+# ---------------------------------------------------------------------------------------- ours
+
+
+def run_ours(args, model, prompts: np.ndarray) -> dict:
+  from coevolve_jax.rollout import Engine, SamplingParams, generate  # noqa: PLC0415
+
+  cache = -(-(args.prompt_len + args.new_tokens) // 128) * 128
+  out = {}
+  for mode, sampling in (("greedy", SamplingParams(temperature=0.0)),
+                         ("sampled", SamplingParams(temperature=T_SAMPLED))):
+    out[mode] = {}
+    for b in args.batches:
+      engine = Engine(model, b, cache)
+      batch = prompts[:b].tolist()
+      generate(engine, batch, sampling, max_new_tokens=args.new_tokens)  # warm-up (compiles)
+      start = time.perf_counter()
+      res = generate(engine, batch, sampling, max_new_tokens=args.new_tokens)
+      wall = time.perf_counter() - start
+      n = sum(len(c.token_ids) for c in res)
+      out[mode][str(b)] = [n / wall, [c.token_ids for c in res[:8]]]
+      print(f"ours {mode} b={b}: {n / wall:.1f} tok/s", file=sys.stderr, flush=True)
+  return out
+
+
+def step_times(args, model) -> dict:
+  """Seconds per greedy decode step by batch size and by cache positions filled."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from coevolve_jax.rollout import Engine, SamplingParams  # noqa: PLC0415
+
+  greedy = SamplingParams(temperature=0.0)
+  out = {}
+  for b in args.batches:
+    engine = Engine(model, b, max(args.kv_lengths))
+    for kv in args.kv_lengths:
+      # Timing only: every slot pretends kv - 1 entries are filled (contents do not matter).
+      engine._pos[:] = kv - 1  # pylint: disable=protected-access
+      engine.state = engine.state._replace(next_pos=jnp.full((b,), kv - 1, jnp.int32))
+      active = np.ones((b,), bool)
+      engine.generate(active, jax.random.key(0), greedy)  # compile
+      times = []
+      for i in range(args.step_repeats):
+        engine._pos[:] = kv - 1  # pylint: disable=protected-access
+        engine.state = engine.state._replace(next_pos=jnp.full((b,), kv - 1, jnp.int32))
+        start = time.perf_counter()
+        engine.generate(active, jax.random.key(i), greedy)
+        times.append(time.perf_counter() - start)
+      out[(b, kv)] = float(np.median(times))
+  return out
+
+
+# ---------------------------------------------------------------------------------------- main
+
+
+def machine() -> str:
+  import jax  # noqa: PLC0415
+
+  try:
+    import torch  # noqa: PLC0415
+    torch_v = torch.__version__
+  except ImportError:
+    torch_v = "absent"
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+  except (OSError, StopIteration):
+    pass
+  return (f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {cpu}; "
+          f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}; "
+          f"jax {jax.__version__} on {jax.devices()[0].platform}; torch {torch_v}")
+
+
+def _table(rows: list[list[str]]) -> str:
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+  lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+  return "\n".join(lines)
+
+
+def report(args, ours, hf, tunix, steps) -> None:
+  print(f"\nmachine: {machine()}")
+  print(f"model: Qwen3, {args.layers} layers, hidden {args.hidden}, vocab {VOCAB}, float32; "
+        f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens per row\n")
+  rows = [["mode", "batch", "ours tok/s", "transformers tok/s", "tunix tok/s",
+           "ours / faster peer"]]
+  for mode in ("greedy", "sampled"):
+    for b in map(str, args.batches):
+      peers = [p[mode][b][0] for p in (hf, tunix) if p]
+      ratio = f"{ours[mode][b][0] / max(peers):.2f}x" if peers else "-"
+      rows.append([mode, b, f"{ours[mode][b][0]:.1f}",
+                   f"{hf[mode][b][0]:.1f}" if hf else "-",
+                   f"{tunix[mode][b][0]:.1f}" if tunix else "-", ratio])
+  print(_table(rows))
+  print()
+  cost = [["batch", "sampled / greedy time (ours)"]]
+  for b in map(str, args.batches):
+    cost.append([b, f"{ours['greedy'][b][0] / ours['sampled'][b][0]:.3f}"])
+  print(_table(cost))
+  for name, peer in (("transformers", hf), ("tunix", tunix)):
+    if not peer:
+      continue
+    same = []
+    for b in map(str, args.batches):
+      pairs = list(zip(ours["greedy"][b][1], peer["greedy"][b][1]))
+      same.append(f"b={b}: {sum(a == h for a, h in pairs)}/{len(pairs)} rows identical")
+    print(f"\ngreedy tokens equal {name}' (first 8 rows): " + "; ".join(same))
+  kvs = args.kv_lengths
+  srows = [["batch"] + [f"step ms @ kv {k}" for k in kvs]]
+  for b in args.batches:
+    srows.append([str(b)] + [f"{steps[(b, k)] * 1e3:.1f}" for k in kvs])
+  print("\nours: one decode step (median of "
+        f"{args.step_repeats}), by batch size and cache length\n")
+  print(_table(srows))
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--batches", default="1,8,32,64")
+  p.add_argument("--new_tokens", type=int, default=32)
+  p.add_argument("--prompt_len", type=int, default=128)
+  p.add_argument("--layers", type=int, default=8)
+  p.add_argument("--hidden", type=int, default=512)
+  p.add_argument("--kv_lengths", default="256,1024,4096")
+  p.add_argument("--step_repeats", type=int, default=5)
+  p.add_argument("--peers", default="transformers,tunix")
+  p.add_argument("--tunix_python", default=".venv-tunix/bin/python")
+  p.add_argument("--folder", default="", help="(worker) the Hugging Face folder")
+  p.add_argument("--worker", default="", help="(internal) run a peer in its own environment")
+  args = p.parse_args()
+  args.batches = [int(x) for x in args.batches.split(",")]
+  args.kv_lengths = [int(x) for x in args.kv_lengths.split(",")]
+  if args.worker == "tunix":
+    tunix_worker(args)
+    return
+  sys.path.insert(0, ROOT)
+  from flax import nnx  # noqa: PLC0415
+
+  from coevolve_jax.models import Qwen, QwenConfig, save_pretrained  # noqa: PLC0415
+
+  model = Qwen(QwenConfig(**_config_kwargs(args.layers, args.hidden)), rngs=nnx.Rngs(0))
+  prompts = _prompts(max(args.batches), args.prompt_len)
+  peers = args.peers.split(",") if args.peers else []
+  with tempfile.TemporaryDirectory() as folder:
+    args.folder = folder
+    save_pretrained(model, folder)
+    ours = run_ours(args, model, prompts)
+    hf = run_transformers(args, prompts) if "transformers" in peers else None
+    tunix = run_tunix(args) if "tunix" in peers else None
+  steps = step_times(args, model)
+  report(args, ours, hf, tunix, steps)
+
+
+if __name__ == "__main__":
+  main()
