@@ -202,6 +202,8 @@ def build_initial_tasks(
     Accepted tasks with ids "d0-00000", ... and source "explore".
   """
   settings = SynthesisSettings(min_calls, max_calls, max_turns, rounds, steps_per_round)
+  if llm is not None:
+    llm.budget.reset()  # D0 gets one round's token budget
   counts = counts if counts is not None else {}
   counts.update(attempted=0, abstracted=0, accepted=0, rejected=0)
   out: list[Task] = []

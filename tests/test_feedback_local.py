@@ -1,0 +1,44 @@
+"""The local explorer LLM: our engine serving a Qwen model behind the TextLLM interface."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from coevolve_jax.feedback.explorer import ExplorationContext
+from coevolve_jax.feedback.llm import BudgetExhausted, LLMError
+from coevolve_jax.feedback.llm_explorer import LLMExplorer
+from coevolve_jax.feedback.local_llm import LocalLLM
+from coevolve_jax.models import Qwen, QwenConfig
+
+
+@pytest.fixture(scope="module")
+def model():
+  return Qwen(QwenConfig.preset("tiny_cpu"), rngs=nnx.Rngs(0), dtype=np.float32)
+
+
+def test_local_llm_generates_charges_tokens_and_feeds_the_explorer(model):
+  llm = LocalLLM(lambda: model, cache_len=1024, max_new_tokens=8, temperature=1.0,
+                 tokens_per_round=10**6)
+  text = llm.generate("You are terse.", "Say something.")
+  assert isinstance(text, str) and text
+  assert llm.budget.requests == 1 and llm.budget.used > 8  # prompt + reply tokens
+  llm.refresh()  # re-reads the (same) model from the callable
+  explorer = LLMExplorer(llm)
+  ctx = ExplorationContext("x", {}, ["MessageAPI"], signal="rare", rounds=1, steps_per_round=2)
+  triplets = explorer.explore(ctx, np.random.default_rng(0))
+  # A random-init model writes no valid call: every step is logged and nothing is executed.
+  assert len(explorer.trace) == 2 and not any(r["ok"] for r in explorer.trace)
+  assert triplets == []
+
+
+def test_local_llm_limits(model):
+  llm = LocalLLM(model, cache_len=1024, max_new_tokens=4, temperature=1.0, tokens_per_round=1)
+  with pytest.raises(LLMError, match="does not fit"):
+    llm.generate("word " * 1100, "user")
+  assert llm.budget.requests == 0  # nothing was generated
+  try:
+    llm.generate("s", "u")
+  except LLMError:  # an empty reply is possible from random weights; the tokens are still spent
+    pass
+  with pytest.raises(BudgetExhausted):
+    llm.generate("s", "u")
