@@ -213,3 +213,14 @@ def test_judge_decides_when_the_checker_fails(stub, message_task):
   assert not accepted and info["checker_reward"] == 0.0
   assert info["judge"] == {"success": False, "reason": "no call made"}
   assert gemini_stub.feedback_responder("You judge x", "")  # default judge answer exists
+
+
+def test_vertex_without_credentials_is_a_clear_error(monkeypatch, stub, tmp_path):
+  monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
+  try:
+    llm = make_llm(stub, vertex=True, project="p", location="us-central1")
+  except LLMError as e:
+    assert "application-default" in str(e)
+  else:  # the client may defer reading credentials to the first request
+    with pytest.raises(LLMError):
+      llm.generate("s", "p")

@@ -148,8 +148,13 @@ class GeminiLLM:
         raise LLMError("Vertex AI needs a project: set explore.gemini.project or "
                        "GOOGLE_CLOUD_PROJECT (credentials come from application default "
                        "credentials)")
-      self._client = genai.Client(vertexai=True, project=project, location=location,
-                                  http_options=http)
+      try:  # reads application default credentials
+        self._client = genai.Client(vertexai=True, project=project, location=location,
+                                    http_options=http)
+      except Exception as e:  # google.auth errors: no ADC, bad ADC file, ...
+        raise LLMError(f"cannot create the Vertex AI client ({type(e).__name__}: {e}); run "
+                       "`gcloud auth application-default login` or set "
+                       "GOOGLE_APPLICATION_CREDENTIALS") from None
     else:
       key = api_key_from_env()
       if key is None:
