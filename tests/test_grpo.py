@@ -438,3 +438,48 @@ def test_k3_clamps_before_exp_float32_overflow():
   assert np.isfinite(loss) and np.all(np.isfinite(grad))
   assert metrics["kl"] == pytest.approx(float(kl.mean()), rel=1e-6)
   assert loss == pytest.approx(cfg.kl_beta * float(kl.mean()), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole-batch denominators (micro-batches) and input checks.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_parts_with_whole_batch_denominators_sum_to_the_reference(mode):
+  """Rows split in two parts, each aggregated with the whole batch's denominators: the parts'
+  losses and metrics add up to the reference's values for the whole batch."""
+  logp, old, ref, adv, mask = _random_batch(7)
+  cfg = _cfg(mode, "k2")
+  want, want_grad, want_metrics = ref_loss(logp, old, ref, adv, mask, cfg)
+  loss_den = grpo.aggregate_denominator(jnp.asarray(mask), mode)
+  token_den = grpo.aggregate_denominator(jnp.asarray(mask), "token-mean")
+  assert float(token_den) == mask.sum()
+  assert float(grpo.aggregate_denominator(jnp.asarray(mask), "seq-mean-token-mean")) == 5.0
+  total, metrics, grads = 0.0, {}, []
+  for rows in (np.array([0, 2, 5]), np.array([1, 3, 4])):
+    f = lambda lp, rows=rows: grpo_loss(  # noqa: E731
+        lp, jnp.asarray(old[rows], jnp.float32), jnp.asarray(ref[rows], jnp.float32),
+        jnp.asarray(adv[rows], jnp.float32), jnp.asarray(mask[rows], jnp.float32), cfg,
+        loss_den, token_den)
+    (loss, m), g = jax.value_and_grad(f, has_aux=True)(jnp.asarray(logp[rows], jnp.float32))
+    total += float(loss)
+    for k, v in m.items():
+      metrics[k] = metrics.get(k, 0.0) + float(v)
+    grads.append((rows, np.asarray(g)))
+  np.testing.assert_allclose(total, want, rtol=1e-5, atol=1e-6)
+  for k, v in want_metrics.items():
+    np.testing.assert_allclose(metrics[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+  for rows, g in grads:
+    np.testing.assert_allclose(g, want_grad[rows], rtol=1e-4, atol=1e-6)
+  with pytest.raises(ValueError):
+    grpo.aggregate_denominator(jnp.asarray(mask), "sum")
+
+
+def test_advantages_reject_bad_input():
+  with pytest.raises(ValueError, match="same 1-D shape"):
+    compute_advantages(np.zeros(3), np.zeros(4))
+  with pytest.raises(ValueError, match="same 1-D shape"):
+    compute_advantages(np.zeros((2, 2)), np.zeros((2, 2)))
+  with pytest.raises(ValueError, match="non-finite rewards at rows \\[1\\]"):
+    compute_advantages(np.array([0.0, np.nan, 1.0]), np.zeros(3))
