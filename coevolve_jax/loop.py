@@ -108,7 +108,8 @@ class CoEvolveRun:
         dual_clip_c=cfg.train.dual_clip_c, kl_beta=cfg.train.kl_beta,
         kl_estimator=cfg.train.kl_estimator, loss_agg=cfg.train.loss_agg)
     tx = make_optimizer(cfg.train.lr, cfg.train.weight_decay, cfg.train.grad_clip)
-    self.trainer = PolicyTrainer(model, tx, self.gcfg, cfg.rollout.temperature)
+    self.trainer = PolicyTrainer(model, tx, self.gcfg, cfg.rollout.temperature,
+                                 micro_batches=cfg.train.micro_batches)
     self._setup_feedback()
     self.engine = Engine(model, cfg.rollout.num_slots, cfg.rollout.cache_len, dtype)
     make_env = functools.partial(bfcl.make_env, max_obs_chars=cfg.data.max_obs_chars,

@@ -96,6 +96,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.train.weight_decay = 0.01
   c.train.grad_clip = 1.0
   c.train.mini_batches = 4  # optimizer updates per step (1 epoch over the step's rollouts)
+  c.train.micro_batches = 1  # gradient-accumulation slices per update (memory only: the
+  # update does not depend on it); must divide each mini-batch's rows
   c.train.clip_eps_low = 0.20
   c.train.clip_eps_high = 0.28
   c.train.dual_clip_c = 3.0
