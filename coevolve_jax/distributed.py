@@ -1,0 +1,145 @@
+"""Multi-process (multi-host) JAX set-up from the environment, and placing state on a global mesh.
+
+`initialize_from_env()` is called by the entry point before any JAX computation. It decides from
+the environment whether this process is one of several and, if so, calls
+`jax.distributed.initialize` (JAX's multi-controller runtime: every process runs the same program
+over the global device mesh). Sources, first match wins:
+
+1. `COEVOLVE_DISTRIBUTED=0`: never initialise (a single-process run on a multi-host machine).
+2. Explicit: `JAX_COORDINATOR_ADDRESS` (host:port of process 0), `JAX_NUM_PROCESSES`,
+   `JAX_PROCESS_ID`. Use this on GPU clusters without a scheduler JAX knows.
+3. Vertex AI custom jobs with more than one replica: `CLUSTER_SPEC` (JSON set by Vertex AI on
+   every replica: `cluster.workerpool0..3` host:port lists and `task.type` / `task.index`). The
+   coordinator is the first replica of the first pool; process ids follow pool order.
+4. `COEVOLVE_DISTRIBUTED=auto` (set by `tpu/launch.py` on every worker of a TPU VM slice), or a
+   Slurm job with more than one task: JAX's own cluster detection (Cloud TPU metadata, Slurm,
+   Open MPI) with `jax.distributed.initialize()` and no arguments.
+
+Anything else is a single-process run and nothing is initialised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from coevolve_jax.models import sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSpec:
+  """How to initialise this process. None fields are left to JAX's cluster detection."""
+
+  source: str  # "env", "vertex" or "auto"
+  coordinator_address: str | None = None
+  num_processes: int | None = None
+  process_id: int | None = None
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+  try:
+    return int(env[name])
+  except (KeyError, ValueError):
+    raise ValueError(f"{name} must be set to an integer with JAX_COORDINATOR_ADDRESS, got "
+                     f"{env.get(name)!r}") from None
+
+
+def _from_vertex(text: str) -> ProcessSpec | None:
+  try:
+    spec = json.loads(text)
+    cluster, task = spec["cluster"], spec["task"]
+    pools = [cluster[k] for k in sorted(cluster) if k.startswith("workerpool")]
+    offsets = {k: sum(len(cluster[j]) for j in sorted(cluster)
+                      if j.startswith("workerpool") and j < k) for k in cluster}
+    total = sum(len(p) for p in pools)
+    process_id = offsets[task["type"]] + int(task["index"])
+    coordinator = pools[0][0]
+  except (ValueError, KeyError, IndexError, TypeError) as e:
+    raise ValueError(f"CLUSTER_SPEC is not a Vertex AI cluster spec ({e!r}): "
+                     f"{text[:200]}") from None
+  if total <= 1:
+    return None
+  return ProcessSpec("vertex", coordinator, total, process_id)
+
+
+def detect(env: Mapping[str, str] | None = None) -> ProcessSpec | None:
+  """The multi-process set-up the environment describes, or None for a single process.
+
+  Raises:
+    ValueError: an explicit coordinator without integer JAX_NUM_PROCESSES / JAX_PROCESS_ID, a
+      process id outside [0, num_processes), or a malformed CLUSTER_SPEC.
+  """
+  env = os.environ if env is None else env
+  mode = env.get("COEVOLVE_DISTRIBUTED", "").strip().lower()
+  if mode in ("0", "off", "false"):
+    return None
+  if env.get("JAX_COORDINATOR_ADDRESS"):
+    n, i = _int(env, "JAX_NUM_PROCESSES"), _int(env, "JAX_PROCESS_ID")
+    if not 0 <= i < n:
+      raise ValueError(f"JAX_PROCESS_ID={i} is outside [0, JAX_NUM_PROCESSES={n})")
+    return ProcessSpec("env", env["JAX_COORDINATOR_ADDRESS"], n, i)
+  if env.get("CLUSTER_SPEC"):
+    spec = _from_vertex(env["CLUSTER_SPEC"])
+    if spec is not None:
+      return spec
+  if mode == "auto" or int(env.get("SLURM_NTASKS", "1") or 1) > 1:
+    return ProcessSpec("auto")
+  return None
+
+
+def initialize_from_env(env: Mapping[str, str] | None = None) -> ProcessSpec | None:
+  """Calls `jax.distributed.initialize` when the environment describes several processes.
+
+  Must run before any JAX computation. Idempotent: returns None without acting when JAX's
+  distributed runtime is already up. On CPU, cross-process collectives use gloo (JAX's default
+  CPU collectives implementation).
+
+  Returns:
+    The `ProcessSpec` used, or None for a single-process run.
+  Raises:
+    ValueError: see `detect`.
+  """
+  spec = detect(env)
+  if spec is None or jax.distributed.is_initialized():
+    return None
+  jax.distributed.initialize(coordinator_address=spec.coordinator_address,
+                             num_processes=spec.num_processes, process_id=spec.process_id)
+  return spec
+
+
+def global_array(value: np.ndarray, mesh: Mesh, axes) -> jax.Array:
+  """A global array on `mesh`, sharded by logical `axes`, from a host value every process holds.
+
+  Works in one process and across processes: each process supplies only its addressable shards.
+
+  Raises:
+    KeyError: a logical axis without a rule in `sharding.LOGICAL_RULES`.
+  """
+  value = np.asarray(value)
+  spec = sharding.logical_to_spec(axes) if axes is not None else jax.sharding.PartitionSpec()
+  return jax.make_array_from_callback(value.shape, NamedSharding(mesh, spec),
+                                      lambda index: value[index])
+
+
+def shard_params(state: nnx.State, mesh: Mesh) -> nnx.State:
+  """Places an nnx parameter state on `mesh` by each parameter's logical axes (`out_sharding`).
+
+  The host values must be identical on every process (same seed or same checkpoint).
+
+  Raises:
+    ValueError: a parameter without logical axes.
+  """
+  def place(var):
+    axes = var.get_metadata().get("out_sharding")
+    value = var.get_value()
+    if axes is None or len(axes) != np.ndim(value):
+      raise ValueError(f"parameter of shape {np.shape(value)} has no logical axes ({axes})")
+    return var.replace(global_array(np.asarray(jax.device_get(value)), mesh, axes))
+  return jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
