@@ -41,6 +41,13 @@ def main(argv: list[str]) -> int:
   except OSError as e:
     print(f"error: cannot use --workdir={workdir}: {e}", file=sys.stderr)
     return 2
+  from coevolve_jax import distributed  # noqa: PLC0415 (imports JAX; keep --help fast)
+
+  try:  # several hosts (TPU pod slice, Vertex AI replicas, GPU cluster): before any computation
+    distributed.initialize_from_env()
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   from coevolve_jax.loop import CoEvolveRun, RunError  # noqa: PLC0415 (imports JAX; keep --help fast)
 
   try:

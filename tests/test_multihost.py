@@ -152,3 +152,12 @@ def test_detect_auto_and_off():
   assert distributed.detect({"COEVOLVE_DISTRIBUTED": "auto"}) == distributed.ProcessSpec("auto")
   assert distributed.detect({"SLURM_NTASKS": "8"}) == distributed.ProcessSpec("auto")
   assert distributed.detect({"COEVOLVE_DISTRIBUTED": "0", "JAX_COORDINATOR_ADDRESS": "h:1"}) is None
+
+
+def test_entry_point_rejects_a_half_set_coordinator(tmp_path):
+  env = _env(1, JAX_COORDINATOR_ADDRESS="127.0.0.1:1", JAX_PROCESS_ID="0")
+  proc = subprocess.run([sys.executable, "-m", "coevolve_jax.main", "--config=configs/bfcl.py:cpu",
+                         f"--workdir={tmp_path}"], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 2
+  assert "JAX_NUM_PROCESSES must be set" in proc.stderr
