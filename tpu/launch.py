@@ -1,0 +1,154 @@
+"""Cloud TPU VM launcher: create a TPU VM or pod slice, install, run on every worker, logs, delete.
+
+    python tpu/launch.py up --name=coevolve --zone=us-east5-a --accelerator-type=v5p-16 \
+        --version=v2-alpha-tpuv5 -- --config=configs/bfcl.py --workdir=/tmp/runs/bfcl
+    python tpu/launch.py delete --name=coevolve --zone=us-east5-a
+
+Subcommands: `create`, `setup` (copy this checkout as a `git archive` of HEAD to every worker and
+install it in a Python 3.11 venv with the `tpu` extra), `run` (start the main job in the
+background on all workers at once; JAX's distributed runtime finds the other workers from the
+TPU metadata), `logs` (follow worker 0's log), `delete`, and `up` (create, setup, run, logs).
+Every subcommand takes `--dry-run`, which prints the exact commands instead of running them.
+Everything runs through the `gcloud` CLI (`gcloud compute tpus tpu-vm ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import shutil
+import subprocess
+import sys
+
+BFCL_EVAL = "bfcl-eval==2026.3.23"  # same pin as setup.py; installed with --no-deps
+ARCHIVE = "coevolve_jax.tar.gz"
+REMOTE_DIR = "coevolve_jax"
+LOG = "run.log"
+
+
+def _base(args: argparse.Namespace) -> list[str]:
+  flags = [f"--zone={args.zone}"]
+  if args.project:
+    flags.append(f"--project={args.project}")
+  return flags
+
+
+def _ssh(args: argparse.Namespace, command: str, worker: str = "all") -> list[str]:
+  return ["gcloud", "compute", "tpus", "tpu-vm", "ssh", args.name, *_base(args),
+          f"--worker={worker}", f"--command={command}"]
+
+
+def create_commands(args: argparse.Namespace) -> list[list[str]]:
+  """`gcloud compute tpus tpu-vm create` for a single host or a pod slice."""
+  cmd = ["gcloud", "compute", "tpus", "tpu-vm", "create", args.name, *_base(args),
+         f"--accelerator-type={args.accelerator_type}", f"--version={args.version}"]
+  if args.spot:
+    cmd.append("--spot")
+  return [cmd]
+
+
+def setup_commands(args: argparse.Namespace) -> list[list[str]]:
+  """Archive HEAD, copy it to every worker, install Python 3.11, the package and bfcl-eval."""
+  archive = f"/tmp/{ARCHIVE}"
+  install = " && ".join([
+      "set -e",
+      "sudo apt-get update -qq",
+      "sudo apt-get install -y -qq python3.11 python3.11-venv",
+      f"rm -rf {REMOTE_DIR}",
+      f"mkdir {REMOTE_DIR}",
+      f"tar -xzf {ARCHIVE} -C {REMOTE_DIR}",
+      f"cd {REMOTE_DIR}",
+      "python3.11 -m venv .venv",
+      ".venv/bin/pip install -q --upgrade pip",
+      ".venv/bin/pip install -q -e '.[tpu]'",
+      f".venv/bin/pip install -q --no-deps {BFCL_EVAL}",
+      ".venv/bin/python -c 'import jax; print(jax.process_index(), jax.local_devices())'",
+  ])
+  return [
+      ["git", "archive", "--format=tar.gz", f"--output={archive}", "HEAD"],
+      ["gcloud", "compute", "tpus", "tpu-vm", "scp", archive, f"{args.name}:~/", *_base(args),
+       "--worker=all"],
+      _ssh(args, install),
+  ]
+
+
+def run_commands(args: argparse.Namespace) -> list[list[str]]:
+  """Starts the main job on all workers (in the background, surviving the ssh session)."""
+  job = shlex.join([".venv/bin/python", "-m", "coevolve_jax.main", *args.job_args])
+  command = (f"cd {REMOTE_DIR} && COEVOLVE_DISTRIBUTED=auto nohup {job} > {LOG} 2>&1 "
+             f"< /dev/null &")
+  return [_ssh(args, command)]
+
+
+def logs_commands(args: argparse.Namespace) -> list[list[str]]:
+  return [_ssh(args, f"tail -n +1 -F {REMOTE_DIR}/{LOG}", worker=str(args.worker))]
+
+
+def delete_commands(args: argparse.Namespace) -> list[list[str]]:
+  return [["gcloud", "compute", "tpus", "tpu-vm", "delete", args.name, *_base(args), "--quiet"]]
+
+
+def up_commands(args: argparse.Namespace) -> list[list[str]]:
+  return (create_commands(args) + setup_commands(args) + run_commands(args)
+          + logs_commands(args))
+
+
+COMMANDS = {"create": create_commands, "setup": setup_commands, "run": run_commands,
+            "logs": logs_commands, "delete": delete_commands, "up": up_commands}
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  sub = p.add_subparsers(dest="action", required=True)
+  for name in COMMANDS:
+    s = sub.add_parser(name)
+    s.add_argument("--name", required=True, help="TPU VM name.")
+    s.add_argument("--zone", required=True, help="Zone, e.g. us-east5-a.")
+    s.add_argument("--project", default="", help="Project (default: gcloud's configured one).")
+    s.add_argument("--dry-run", action="store_true", help="Print the commands; run nothing.")
+    if name in ("create", "up"):
+      s.add_argument("--accelerator-type", required=True,
+                     help="e.g. v5litepod-16, v5p-16 (cores), v6e-8; more than one host "
+                          "makes a multi-host slice.")
+      s.add_argument("--version", required=True,
+                     help="TPU software version, e.g. v2-alpha-tpuv5 (configs/prices.py lists one "
+                          "per chip).")
+      s.add_argument("--spot", action="store_true", help="Spot (preemptible) capacity.")
+    if name in ("logs", "up"):
+      s.add_argument("--worker", type=int, default=0, help="Worker whose log to follow.")
+    if name in ("run", "up"):
+      s.add_argument("job_args", nargs="*",
+                     help="Arguments of coevolve_jax.main after `--`, e.g. --config=... "
+                          "--workdir=...")
+  return p
+
+
+def build(argv: list[str]) -> tuple[argparse.Namespace, list[list[str]]]:
+  """Parses `argv` and returns (args, the commands to run in order)."""
+  args = parser().parse_args(argv)
+  if args.action in ("run", "up") and not any(a.startswith("--config") for a in args.job_args):
+    parser().error("run/up need the job's arguments after `--`, at least --config and --workdir")
+  return args, COMMANDS[args.action](args)
+
+
+def main(argv: list[str] | None = None) -> int:
+  args, commands = build(sys.argv[1:] if argv is None else argv)
+  if args.dry_run:
+    for cmd in commands:
+      print(shlex.join(cmd))
+    return 0
+  if shutil.which("gcloud") is None:
+    print("error: the gcloud CLI is not on PATH (install the Google Cloud CLI and run "
+          "`gcloud auth login`), or use --dry-run to see the commands", file=sys.stderr)
+    return 2
+  for cmd in commands:
+    print("+", shlex.join(cmd), file=sys.stderr)
+    rc = subprocess.run(cmd, check=False).returncode
+    if rc:
+      print(f"error: command failed with exit status {rc}: {shlex.join(cmd)}", file=sys.stderr)
+      return rc
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
