@@ -47,8 +47,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.explore.gemini.temperature = 0.7
   c.explore.gemini.max_output_tokens = 1024
   c.explore.gemini.tokens_per_round = 200_000  # token budget per feedback round (0 = unlimited)
-  # Local explorer: the current policy served by our engine.
+  # Local explorer: the current policy, or another Hugging Face checkpoint, served by our engine.
   c.explore.local = ml_collections.ConfigDict()
+  c.explore.local.checkpoint = ""  # Hugging Face folder ("" = the policy being trained)
   c.explore.local.cache_len = 8192
   c.explore.local.max_new_tokens = 256
   c.explore.local.temperature = 0.7

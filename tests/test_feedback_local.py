@@ -1,5 +1,6 @@
 """The local explorer LLM: our engine serving a Qwen model behind the TextLLM interface."""
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -42,3 +43,23 @@ def test_local_llm_limits(model):
     pass
   with pytest.raises(BudgetExhausted):
     llm.generate("s", "u")
+
+
+def test_local_explorer_from_another_checkpoint(model, tmp_path):
+  import ml_collections  # noqa: PLC0415
+
+  from coevolve_jax.feedback import factory  # noqa: PLC0415
+  from coevolve_jax.models.hf import save_pretrained  # noqa: PLC0415
+
+  save_pretrained(model, tmp_path / "explorer-ckpt")
+  cfg = ml_collections.ConfigDict({"local": {
+      "checkpoint": str(tmp_path / "explorer-ckpt"), "cache_len": 1024, "max_new_tokens": 4,
+      "temperature": 0.0, "tokens_per_round": 0, "dtype": "float32"}})
+  llm = factory.make_llm("local", cfg)
+  assert llm.name == "local:explorer-ckpt"
+  ref = LocalLLM(model, cache_len=1024, max_new_tokens=4, temperature=0.0)
+  for a, b in zip(jax.tree.leaves(nnx.state(llm.engine.params)),  # same weights were loaded
+                  jax.tree.leaves(nnx.state(ref.engine.params))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="policy"):
+    factory.make_llm("local", ml_collections.ConfigDict({"local": {**cfg.local, "checkpoint": ""}}))

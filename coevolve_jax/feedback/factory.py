@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -25,10 +26,12 @@ def make_llm(kind: str, explore_cfg: Any, policy: Callable[[], Any] | None = Non
   Args:
     kind: one of EXPLORERS.
     explore_cfg: the `explore` config section (reads `gemini` or `local`).
-    policy: zero-argument callable returning the current policy model (for "local").
+    policy: zero-argument callable returning the current policy model (for "local" without
+      `explore.local.checkpoint`; with it, that Hugging Face folder is served instead).
 
   Raises:
-    ValueError: unknown kind; "local" without a policy. LLMError: Gemini credentials missing.
+    ValueError: unknown kind; "local" without a policy or checkpoint.
+    LLMError: Gemini credentials missing.
   """
   if kind not in EXPLORERS:
     raise ValueError(f"explore.explorer must be one of {EXPLORERS}, got {kind!r}")
@@ -36,14 +39,22 @@ def make_llm(kind: str, explore_cfg: Any, policy: Callable[[], Any] | None = Non
     return None
   if kind == "gemini":
     return GeminiLLM(gemini_settings(explore_cfg.gemini))
-  if policy is None:
-    raise ValueError("the local explorer needs the policy model")
   from coevolve_jax.feedback.local_llm import LocalLLM  # pylint: disable=g-import-not-at-top
 
   local = explore_cfg.local
+  name = "local:policy"
+  if local.get("checkpoint"):  # another model: a Hugging Face folder, loaded once
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+    from coevolve_jax.models.hf import from_pretrained  # pylint: disable=g-import-not-at-top
+
+    policy = from_pretrained(local.checkpoint, dtype=jnp.dtype(local.dtype))
+    name = f"local:{os.path.basename(os.path.normpath(local.checkpoint))}"
+  elif policy is None:
+    raise ValueError("the local explorer needs the policy model or explore.local.checkpoint")
   return LocalLLM(policy, cache_len=local.cache_len, max_new_tokens=local.max_new_tokens,
                   temperature=local.temperature, tokens_per_round=local.tokens_per_round,
-                  dtype=local.dtype)
+                  dtype=local.dtype, name=name)
 
 
 def make_explorer(llm: TextLLM | None) -> Explorer:
