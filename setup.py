@@ -8,8 +8,8 @@ every vendor SDK) and its AST checker still fails to import. Its offline parts o
 set listed under "bfcl-eval offline dependencies" below, so `make setup` installs bfcl-eval itself
 with `--no-deps` after this package (SPEC section 3).
 
-Extras: `test` (pytest, torch CPU and transformers for parity tests, ruff), `tpu` (jax[tpu]),
-`gpu` (jax[cuda12]).
+Extras: `test` (pytest, torch CPU and transformers for parity tests, ruff, google-cloud-aiplatform
+for the Vertex AI job tests), `tpu` (jax[tpu]), `gpu` (jax[cuda12]), `cloud` (Vertex AI launcher).
 """
 
 import setuptools
@@ -48,8 +48,13 @@ EXTRAS_REQUIRE = {
         "torch==2.13.0",  # CPU wheel is enough: parity references in tests only
         "transformers>=5,<6",
         "ruff",
+        # tests build Vertex AI job specs with its types, offline; >=2 wants google-genai<3
+        "google-cloud-aiplatform>=1.91",
+        "matplotlib",  # bench compare plot
     ],
     "plots": ["matplotlib"],  # scripts/ablations.py figures
+    # Vertex AI launcher (tpu/vertex.py); `bench compare` plots
+    "cloud": ["google-cloud-aiplatform>=1.91", "matplotlib"],
     "tpu": ["jax[tpu]>=0.10.2"],
     "gpu": ["jax[cuda12]>=0.10.2"],
 }
