@@ -2,9 +2,9 @@
 
 An Explorer acts in fresh backend instances for an ExplorationContext and returns (action,
 observation, run id) triplets. `ProgrammaticExplorer` needs no LLM: it samples valid calls from the
-tool schemas and values seen in the environment state. LLM explorers (Gemini via google-genai, a
-local model served by our engine) are not implemented yet; they should implement the same `Explorer`
-protocol and use the GUIDANCE texts below in their prompts.
+tool schemas and values seen in the environment state. The LLM explorers (Gemini via google-genai,
+a local model served by our engine) are `llm_explorer.LLMExplorer` over a `llm.TextLLM`; they
+implement the same `Explorer` protocol and put the GUIDANCE texts below in their prompts.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class ExplorationContext:
     initial_config / involved_classes: the BFCL environment state.
     signal: None (unguided), "forgetting", "boundary" or "rare".
     focus_calls: call strings from the marked trajectory or the task's ground truth.
-    summary: SPEC 1.2 context with keys SUMMARY_KEYS (template-made for now).
+    summary: SPEC 1.2 context with keys SUMMARY_KEYS (by the LLM when one is configured, else
+      from a template).
     rounds: independent runs, each in a fresh backend. steps_per_round: call attempts per run.
   """
 

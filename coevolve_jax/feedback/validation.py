@@ -4,8 +4,8 @@ A task is accepted when (1) it has >= min_calls ground-truth calls, each a safe 
 tools (re-parsed and rebuilt by call_to_string), (2) every call succeeds when replayed from the
 initial state in a fresh backend, (3) two replays reach the same final state (determinism), and (4)
 the official BFCL multi-turn checker scores the ground truth itself as valid.
-Not done (needs an LLM): SPEC 1.3's agent attempting the query with the calls as hints, plus a
-judge.
+With an LLM configured, the controller then also runs SPEC 1.3's agent attempt plus judge
+(`llm_explorer.attempt_and_judge`).
 """
 
 from __future__ import annotations
