@@ -289,41 +289,48 @@ def format_table(plans: Sequence[MemoryPlan], hbm_gib: float | None = None,
   return "\n".join(lines)
 
 
-_PRESET = flags.DEFINE_string("preset", "qwen3_4b", "QwenConfig preset name.")
-_MESH = flags.DEFINE_string("mesh", "fsdp=1", "Mesh axis sizes, e.g. 'fsdp=8,tensor=2'.")
-_DEVICES = flags.DEFINE_list("devices", [], "Sweep slice sizes (fsdp = devices / other axes).")
-_BATCH = flags.DEFINE_integer("batch", 64, "Sequences per optimizer step (global).")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 4096, "Tokens per training sequence.")
-_SLOTS = flags.DEFINE_integer("num_slots", 64, "Concurrent rollout episodes (global).")
-_CACHE_LEN = flags.DEFINE_integer("cache_len", 32768, "KV-cache tokens per episode.")
-_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Parameter / activation / cache dtype.")
-_CHIP = flags.DEFINE_string("chip", "", "Chip name from configs/prices.py (for the fits column).")
-_HEADROOM = flags.DEFINE_float("headroom", 0.9, "Share of HBM the plan may use.")
+def _define_flags() -> None:
+  """Command-line flags (defined only when run as a script, so importing defines none)."""
+  flags.DEFINE_string("preset", "qwen3_4b", "QwenConfig preset name.")
+  flags.DEFINE_string("mesh", "fsdp=1", "Mesh axis sizes, e.g. 'fsdp=8,tensor=2'.")
+  flags.DEFINE_list("devices", [], "Sweep slice sizes (fsdp = devices / other axes).")
+  flags.DEFINE_integer("batch", 64, "Sequences per optimizer step (global).")
+  flags.DEFINE_integer("seq_len", 4096, "Tokens per training sequence.")
+  flags.DEFINE_integer("num_slots", 64, "Concurrent rollout episodes (global).")
+  flags.DEFINE_integer("cache_len", 32768, "KV-cache tokens per episode.")
+  flags.DEFINE_string("dtype", "bfloat16", "Parameter / activation / cache dtype.")
+  flags.DEFINE_string("chip", "", "Chip name from configs/prices.py (for the fits column).")
+  flags.DEFINE_float("headroom", 0.9, "Share of HBM the plan may use.")
 
 
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  F = flags.FLAGS  # noqa: N806
   hbm = None
-  if _CHIP.value:
-    hbm = load_prices().chip(_CHIP.value)["hbm_gib"]
-  base = parse_mesh(_MESH.value)
+  try:
+    if F.chip:
+      hbm = load_prices().chip(F.chip)["hbm_gib"]
+    base = parse_mesh(F.mesh)
+  except (ValueError, KeyError) as e:
+    raise app.UsageError(str(e)) from None
   meshes = [base]
-  if _DEVICES.value:
+  if F.devices:
     others = math.prod(v for k, v in base.items() if k != "fsdp")
     meshes = []
-    for n in map(int, _DEVICES.value):
+    for n in map(int, F.devices):
       if n % others:
         raise app.UsageError(f"{n} devices do not divide by data*tensor*expert = {others}")
       meshes.append({**base, "fsdp": n // others})
-  plans = [plan(_PRESET.value, m, batch=_BATCH.value, seq_len=_SEQ_LEN.value,
-                num_slots=_SLOTS.value, cache_len=_CACHE_LEN.value, dtype=_DTYPE.value)
+  plans = [plan(F.preset, m, batch=F.batch, seq_len=F.seq_len,
+                num_slots=F.num_slots, cache_len=F.cache_len, dtype=F.dtype)
            for m in meshes]
-  print(f"{_PRESET.value}: {plans[0].num_params / 1e9:.3f}B parameters, {_DTYPE.value}; "
-        f"batch {_BATCH.value} x {_SEQ_LEN.value} tokens, {_SLOTS.value} slots x "
-        f"{_CACHE_LEN.value} cache tokens; GiB per device")
-  print(format_table(plans, hbm, _HEADROOM.value))
+  print(f"{F.preset}: {plans[0].num_params / 1e9:.3f}B parameters, {F.dtype}; "
+        f"batch {F.batch} x {F.seq_len} tokens, {F.num_slots} slots x "
+        f"{F.cache_len} cache tokens; GiB per device")
+  print(format_table(plans, hbm, F.headroom))
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)
