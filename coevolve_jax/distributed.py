@@ -1,4 +1,4 @@
-"""Multi-process (multi-host) JAX set-up from the environment, and placing state on a global mesh.
+"""Multi-process (multi-host) JAX set-up from the environment.
 
 `initialize_from_env()` is called by the entry point before any JAX computation. It decides from
 the environment whether this process is one of several and, if so, calls
@@ -15,7 +15,9 @@ over the global device mesh). Sources, first match wins:
    Slurm job with more than one task: JAX's own cluster detection (Cloud TPU metadata, Slurm,
    Open MPI) with `jax.distributed.initialize()` and no arguments.
 
-Anything else is a single-process run and nothing is initialised.
+Anything else is a single-process run and nothing is initialised. Placing parameters and batches
+on the global mesh is the trainer's job (`PolicyTrainer(..., mesh=...)`): host values that are
+identical on every process go onto the mesh with `jax.device_put`.
 """
 
 from __future__ import annotations
@@ -26,11 +28,6 @@ import os
 from collections.abc import Mapping
 
 import jax
-import numpy as np
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-
-from coevolve_jax.models import sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,33 +110,3 @@ def initialize_from_env(env: Mapping[str, str] | None = None) -> ProcessSpec | N
                              num_processes=spec.num_processes, process_id=spec.process_id)
   return spec
 
-
-def global_array(value: np.ndarray, mesh: Mesh, axes) -> jax.Array:
-  """A global array on `mesh`, sharded by logical `axes`, from a host value every process holds.
-
-  Works in one process and across processes: each process supplies only its addressable shards.
-
-  Raises:
-    KeyError: a logical axis without a rule in `sharding.LOGICAL_RULES`.
-  """
-  value = np.asarray(value)
-  spec = sharding.logical_to_spec(axes) if axes is not None else jax.sharding.PartitionSpec()
-  return jax.make_array_from_callback(value.shape, NamedSharding(mesh, spec),
-                                      lambda index: value[index])
-
-
-def shard_params(state: nnx.State, mesh: Mesh) -> nnx.State:
-  """Places an nnx parameter state on `mesh` by each parameter's logical axes (`out_sharding`).
-
-  The host values must be identical on every process (same seed or same checkpoint).
-
-  Raises:
-    ValueError: a parameter without logical axes.
-  """
-  def place(var):
-    axes = var.get_metadata().get("out_sharding")
-    value = var.get_value()
-    if axes is None or len(axes) != np.ndim(value):
-      raise ValueError(f"parameter of shape {np.shape(value)} has no logical axes ({axes})")
-    return var.replace(global_array(np.asarray(jax.device_get(value)), mesh, axes))
-  return jax.tree.map(place, state, is_leaf=lambda x: isinstance(x, nnx.Variable))

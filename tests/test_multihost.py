@@ -48,21 +48,19 @@ WORKER = textwrap.dedent("""
     # steps compare at float32 precision (Adam's 1/sqrt(v) would magnify reduction-order noise
     # on near-zero gradients).
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
-    trainer = PolicyTrainer(Qwen(cfg, rngs=nnx.Rngs(0)), tx, grpo.GRPOConfig(), 1.0)
     info = {"processes": jax.process_count(), "devices": jax.device_count(),
             "source": spec.source if spec else None}
     if mode == "multi":
       mesh = sharding.make_mesh({"fsdp": -1})  # the config default: 4 devices over 2 processes
-      trainer.params = distributed.shard_params(trainer.params, mesh)
-      trainer.opt_state = trainer.tx.init(trainer.params)
+      trainer = PolicyTrainer(Qwen(cfg, rngs=nnx.Rngs(0)), tx, grpo.GRPOConfig(), 1.0, mesh=mesh)
       emb = jax.tree.leaves(trainer.params)[0]
       info["local_fraction"] = (sum(s.data.size for s in emb.addressable_shards) / emb.size)
-      with jax.set_mesh(mesh):  # activations follow the logical "batch" -> (data, fsdp) rule
-        old = trainer.logprobs(batch)
-        metrics = [trainer.grpo_update(batch, old, None) for _ in range(2)]
+      old = trainer.logprobs(batch)
+      metrics = [trainer.grpo_update(batch, old, None) for _ in range(2)]
       params = [np.asarray(multihost_utils.process_allgather(x, tiled=True))
                 for x in jax.tree.leaves(trainer.params)]
     else:
+      trainer = PolicyTrainer(Qwen(cfg, rngs=nnx.Rngs(0)), tx, grpo.GRPOConfig(), 1.0)
       old = trainer.logprobs(batch)
       metrics = [trainer.grpo_update(batch, old, None) for _ in range(2)]
       params = [np.asarray(x) for x in jax.tree.leaves(trainer.params)]
