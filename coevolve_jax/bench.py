@@ -7,7 +7,8 @@
 model preset, dtype and mesh, random weights and random token ids (throughput does not depend on
 the values), and prints a table. It measures, as medians over `--repeats` after a compile run:
 - rollout: prefill of `--prompt_len` tokens into each of `rollout.num_slots` slots, then
-  `--gen_len` decode steps of all slots (`rollout.engine.Engine`);
+  `--gen_len` decode steps of all slots (`rollout.engine.Engine`, which runs on one device:
+  per-chip figures divide by the devices each phase used);
 - training: old and reference log-probs and one GRPO update (`trainer.PolicyTrainer`) on
   `--train_rows` sequences of `--train_seq` tokens, the second half of each sampled;
 - reference, in the same run: a dense `jnp.dot` of two N x N matrices in the model dtype, the
@@ -106,7 +107,9 @@ def _rollout(model, cfg, prompt_len: int, gen_len: int, repeats: int) -> dict:
   mc = model.config
   flops = (slots * model_flops(mc, prompt_len, (prompt_len + 1) / 2, 1)
            + slots * model_flops(mc, gen_len, prompt_len + (gen_len + 1) / 2, gen_len))
-  return {"slots": slots, "prompt_len": prompt_len, "gen_len": gen_len, "prefill_s": prefill_s,
+  devices = len(jax.tree.leaves(engine.params)[0].devices())
+  return {"slots": slots, "devices": devices, "prompt_len": prompt_len, "gen_len": gen_len,
+          "prefill_s": prefill_s,
           "decode_s": decode_s,
           "prefill_tokens_per_s": slots * prompt_len / prefill_s,
           "decode_tokens_per_s": slots * gen_len / decode_s,
@@ -187,12 +190,14 @@ def run_bench(cfg, *, prompt_len: int, gen_len: int, rows: int, seq: int, repeat
   model = Qwen(model_cfg, rngs=nnx.Rngs(0), dtype=dtype)  # the trainer takes over its buffers
   train = _training(model, cfg, mesh, rows, seq, repeats)
   n = jax.device_count()
+  train["devices"] = n if mesh is not None else 1
   for part in (rollout, train):
-    part["tokens_per_s_per_chip"] = part["tokens_per_s"] / n
-    part["mfu"] = (part["model_flops_per_s"] / (n * facts["peak_tflops_bf16"] * 1e12)
+    used = part["devices"]  # the engine has no mesh: it decodes on one device
+    part["tokens_per_s_per_chip"] = part["tokens_per_s"] / used
+    part["mfu"] = (part["model_flops_per_s"] / (used * facts["peak_tflops_bf16"] * 1e12)
                    if facts else None)
-    # the reference matmul runs on one device; the model's work is spread over n
-    part["of_matmul"] = part["model_flops_per_s"] / (n * matmul)
+    # the reference matmul runs on one device
+    part["of_matmul"] = part["model_flops_per_s"] / (used * matmul)
   return {
       "schema": SCHEMA,
       "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -257,7 +262,7 @@ def compare(records: Sequence[dict], labels: Sequence[str], prices) -> tuple[str
     row = {"label": label, "device": f"{m['device_kind']} x {n}", "preset": rec["config"]["preset"],
            "date": rec["date"][:10], "usd_per_chip_hour": price}
     for part in ("rollout", "train"):
-      per_chip = rec[part]["tokens_per_s"] / n
+      per_chip = rec[part]["tokens_per_s"] / rec[part].get("devices", n)
       row[f"{part}_per_chip"] = per_chip
       row[f"{part}_per_usd"] = per_chip * 3600 / price if price else None
       row[f"{part}_mfu"] = rec[part]["mfu"]
@@ -271,7 +276,8 @@ def compare(records: Sequence[dict], labels: Sequence[str], prices) -> tuple[str
              _fmt(r["train_per_usd"]), _fmt(r["rollout_mfu"], ".2%"), _fmt(r["train_mfu"], ".2%")]
     lines.append("| " + " | ".join(cells) + " |")
   notes = [f"Prices: on-demand list prices per chip-hour as of {prices.PRICES_AS_OF} "
-           "(configs/prices.py); tok/$ = tokens per chip-second * 3600 / price."]
+           "(configs/prices.py); tok/$ = tokens per chip-second * 3600 / price. Per chip = "
+           "over the chips the phase used (the rollout engine decodes on one device)."]
   if len({r["preset"] for r in rows}) > 1:
     notes.append("Warning: the records measure different models; compare like with like.")
   return "\n".join(lines + [""] + notes) + "\n", rows

@@ -35,8 +35,8 @@ def _record(chip, n, rollout, train, preset="qwen3_4b", kind="TPU v5 lite"):
   return {"schema": bench.SCHEMA, "date": "2026-11-30T00:00:00+00:00",
           "machine": {"device_kind": kind, "device_count": n, "chip": chip},
           "config": {"preset": preset},
-          "rollout": {"tokens_per_s": rollout, "mfu": 0.25},
-          "train": {"tokens_per_s": train, "mfu": None}}
+          "rollout": {"tokens_per_s": rollout, "mfu": 0.25, "devices": n},
+          "train": {"tokens_per_s": train, "mfu": None, "devices": n}}
 
 
 def test_compare_per_chip_and_per_dollar():
