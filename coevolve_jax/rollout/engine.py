@@ -152,13 +152,16 @@ class Engine:
       )
     ids = np.asarray(token_ids, np.int32)
     offset = 0
-    for size in _chunks(len(ids), start, self.cache_len):
+    sizes = _chunks(len(ids), start, self.cache_len)
+    # One key-length bucket for all chunks of this call: a long prompt compiles one shape
+    # (max_chunk, bucket) rather than one per bucket it passes through.
+    kv_len = _kv_bucket(start + len(ids) + sizes[-1], self.cache_len)
+    for size in sizes:
       part = ids[offset:offset + size]
       true_len = len(part)
       padded = np.zeros((size,), np.int32)
       padded[:true_len] = part
       rng, sub = jax.random.split(rng)
-      kv_len = _kv_bucket(start + offset + size, self.cache_len)
       self.state, tok, logp = _prefill(self.graphdef, self.params, self.state, jnp.int32(slot),
                                        jnp.asarray(padded), jnp.int32(true_len), sub, sampling,
                                        kv_len)
