@@ -266,18 +266,23 @@ def compare(records: Sequence[dict], labels: Sequence[str], prices) -> tuple[str
       row[f"{part}_per_chip"] = per_chip
       row[f"{part}_per_usd"] = per_chip * 3600 / price if price else None
       row[f"{part}_mfu"] = rec[part]["mfu"]
+      row[f"{part}_of_matmul"] = rec[part].get("of_matmul")
     rows.append(row)
   head = ["machine", "device", "model", "date", "$/chip-h", "rollout tok/s/chip",
-          "train tok/s/chip", "rollout tok/$", "train tok/$", "MFU rollout", "MFU train"]
+          "train tok/s/chip", "rollout tok/$", "train tok/$", "MFU rollout", "MFU train",
+          "train / matmul"]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
     cells = [r["label"], r["device"], r["preset"], r["date"], _fmt(r["usd_per_chip_hour"], ".2f"),
              _fmt(r["rollout_per_chip"]), _fmt(r["train_per_chip"]), _fmt(r["rollout_per_usd"]),
-             _fmt(r["train_per_usd"]), _fmt(r["rollout_mfu"], ".2%"), _fmt(r["train_mfu"], ".2%")]
+             _fmt(r["train_per_usd"]), _fmt(r["rollout_mfu"], ".2%"), _fmt(r["train_mfu"], ".2%"),
+             _fmt(r["train_of_matmul"], ".1%")]
     lines.append("| " + " | ".join(cells) + " |")
   notes = [f"Prices: on-demand list prices per chip-hour as of {prices.PRICES_AS_OF} "
            "(configs/prices.py); tok/$ = tokens per chip-second * 3600 / price. Per chip = "
-           "over the chips the phase used (the rollout engine decodes on one device)."]
+           "over the chips the phase used (the rollout engine decodes on one device). "
+           "train / matmul: training model FLOP/s over the dense matmul rate measured on the "
+           "same device in the same run (the reference where no vendor peak is known)."]
   if len({r["preset"] for r in rows}) > 1:
     notes.append("Warning: the records measure different models; compare like with like.")
   return "\n".join(lines + [""] + notes) + "\n", rows
@@ -294,12 +299,15 @@ def plot(rows: Sequence[dict], path: str) -> None:
   x = np.arange(len(rows))
   for ax, unit, title in ((axes[0], "per_chip", "tokens/s per chip"),
                           (axes[1], "per_usd", "tokens per dollar")):
+    ax.set_title(title)
+    ax.set_xticks(x, [r["label"] for r in rows], rotation=20)
+    if not any(r[f"{part}_{unit}"] for r in rows for part in ("rollout", "train")):
+      ax.text(0.5, 0.5, "no prices for these machines", ha="center", transform=ax.transAxes)
+      continue
     for k, part in enumerate(("rollout", "train")):
       vals = [r[f"{part}_{unit}"] or 0.0 for r in rows]
       ax.bar(x + (k - 0.5) * 0.4, vals, 0.4, label=part)
-    ax.set_xticks(x, [r["label"] for r in rows], rotation=20)
     ax.set_yscale("log")
-    ax.set_title(title)
     ax.legend()
   fig.tight_layout()
   fig.savefig(path, dpi=100)

@@ -233,7 +233,8 @@ def kv_cache_bytes(preset: str, mesh: Mapping[str, int], num_slots: int, cache_l
 
 
 def plan(preset: str, mesh: Mapping[str, int], *, batch: int, seq_len: int, num_slots: int,
-         cache_len: int, dtype: str = "bfloat16", targets: int | None = None) -> MemoryPlan:
+         cache_len: int, dtype: str = "bfloat16", targets: int | None = None,
+         micro_batches: int = 1) -> MemoryPlan:
   """Memory per device for training and rollout of `preset` on a mesh of `mesh` axis sizes.
 
   Args:
@@ -245,13 +246,15 @@ def plan(preset: str, mesh: Mapping[str, int], *, batch: int, seq_len: int, num_
     cache_len: KV-cache tokens per slot.
     dtype: parameter, activation and cache dtype.
     targets: sampled (trained) positions per sequence; default seq_len // 2.
+    micro_batches: gradient-accumulation slices per step (the trainer's `micro_batches`): only
+      one slice's activations are alive at a time.
   Returns:
     A `MemoryPlan` in bytes per device.
   Raises:
     ValueError: unknown preset, or non-positive sizes.
   """
-  if min(batch, seq_len, num_slots, cache_len) < 1:
-    raise ValueError("batch, seq_len, num_slots and cache_len must be >= 1")
+  if min(batch, seq_len, num_slots, cache_len, micro_batches) < 1:
+    raise ValueError("batch, seq_len, num_slots, cache_len and micro_batches must be >= 1")
   mesh = {a: int(mesh.get(a, 1)) for a in sharding.MESH_AXES}
   cfg = QwenConfig.preset(preset)
   dt = jnp.dtype(dtype)
@@ -262,7 +265,7 @@ def plan(preset: str, mesh: Mapping[str, int], *, batch: int, seq_len: int, num_
   opt_bytes = _sharded_tree_bytes(opt_state, axes, mesh)
   batch_shards = _axis_size(mesh, "batch")
   leaves = _activation_leaves(preset, str(dt), seq_len, targets or max(1, seq_len // 2))
-  act = _activation_bytes(leaves, cfg, mesh, -(-batch // batch_shards))
+  act = _activation_bytes(leaves, cfg, mesh, -(-batch // (batch_shards * micro_batches)))
   kv = kv_cache_bytes(preset, mesh, num_slots, cache_len, dtype)
   return MemoryPlan(preset=preset, mesh=mesh, dtype=str(dt), batch=batch, seq_len=seq_len,
                     num_slots=num_slots, cache_len=cache_len, num_params=num_params,
@@ -296,6 +299,7 @@ def _define_flags() -> None:
   flags.DEFINE_list("devices", [], "Sweep slice sizes (fsdp = devices / other axes).")
   flags.DEFINE_integer("batch", 64, "Sequences per optimizer step (global).")
   flags.DEFINE_integer("seq_len", 4096, "Tokens per training sequence.")
+  flags.DEFINE_integer("micro_batches", 1, "Gradient-accumulation slices per step.")
   flags.DEFINE_integer("num_slots", 64, "Concurrent rollout episodes (global).")
   flags.DEFINE_integer("cache_len", 32768, "KV-cache tokens per episode.")
   flags.DEFINE_string("dtype", "bfloat16", "Parameter / activation / cache dtype.")
@@ -323,10 +327,12 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError(f"{n} devices do not divide by data*tensor*expert = {others}")
       meshes.append({**base, "fsdp": n // others})
   plans = [plan(F.preset, m, batch=F.batch, seq_len=F.seq_len,
-                num_slots=F.num_slots, cache_len=F.cache_len, dtype=F.dtype)
+                num_slots=F.num_slots, cache_len=F.cache_len, dtype=F.dtype,
+                micro_batches=F.micro_batches)
            for m in meshes]
   print(f"{F.preset}: {plans[0].num_params / 1e9:.3f}B parameters, {F.dtype}; "
-        f"batch {F.batch} x {F.seq_len} tokens, {F.num_slots} slots x "
+        f"batch {F.batch} x {F.seq_len} tokens in {F.micro_batches} micro-batches, "
+        f"{F.num_slots} slots x "
         f"{F.cache_len} cache tokens; GiB per device")
   print(format_table(plans, hbm, F.headroom))
 

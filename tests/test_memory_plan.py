@@ -59,6 +59,8 @@ def test_activations_scale_with_sequences_per_device():
   one = memory.plan("tiny_cpu", {}, batch=4, **kw)
   split = memory.plan("tiny_cpu", {"data": 2, "fsdp": 2}, batch=4, **kw)
   assert one.activations == 4 * split.activations
+  micro = memory.plan("tiny_cpu", {}, batch=4, micro_batches=4, **kw)
+  assert micro.activations == split.activations
   tensor = memory.plan("tiny_cpu", {"tensor": 2}, batch=4, **kw)
   assert one.activations / 2 < tensor.activations < one.activations  # some are tensor-sharded
 
