@@ -222,13 +222,15 @@ class ServerPool:
 
   def acquire(self) -> AppWorldServer:
     with self._lock:
-      while self.idle:
+      if self.idle:
         server = self.idle.pop()
-        if server.healthy():
-          self.busy.append(server)
-          return server
-        self.restarts += 1
-        server.restart()
+        if not server.healthy():  # died or hung while idle
+          self.restarts += 1
+          try:
+            server.restart()
+          except ServerError:
+            server.stop()
+            raise
         self.busy.append(server)
         return server
       if len(self.busy) >= self.size:

@@ -191,7 +191,14 @@ class AppWorldSuite:
   # ------------------------------------------------------------------ D0 and feedback
 
   def initial_tasks(self, n: int, rng: np.random.Generator) -> tuple[list[Task], dict[str, int]]:
-    """D0: up to `n` training tasks with solutions, each validated by execution."""
+    """D0: up to `n` training tasks with solutions, each validated by execution.
+
+    Official tasks carry no solution here: they join D0 as they are (AppWorld's own evaluation
+    code grades them), so RL can start; there is nothing to warm-start on.
+    """
+    if self.aw.source == "official":
+      picked = [self.train_tasks[int(i)] for i in rng.permutation(len(self.train_tasks))[:n]]
+      return picked, {"candidates": len(self.train_tasks), "official": len(picked)}
     candidates = [t for t in self.train_tasks if t.initial_config.get("solution")]
     order = rng.permutation(len(candidates))
     accepted, rejected = [], 0
@@ -232,7 +239,11 @@ class AppWorldSuite:
     """New validated tasks for up to `max_contexts` signal events (SignalEvent: task, signal).
 
     Returns (accepted tasks, [(task_id, reason)] rejected, per-signal counts of accepted tasks).
+    New worlds are built into the generated root only: with official data nothing is synthesized
+    (the official data folder is never written to).
     """
+    if self.aw.source != "generated":
+      return [], [], {}
     families = set(self.families())
     picked = [events[int(i)] for i in rng.permutation(len(events))[:max_contexts]]
     specs, signals = [], {}

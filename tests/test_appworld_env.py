@@ -252,3 +252,36 @@ def test_suite_d0_warmstart_demo_api_discovery_and_feedback_round(suite):
   trajs = [types.SimpleNamespace(task_id=t.task_id, info={"success": i == 0})
            for i, t in enumerate(d0[:2])]
   assert suite.metrics(trajs)["tgc"] == 50.0
+
+
+@needs_appworld
+def test_official_source_loads_splits_and_never_writes_into_the_data(suite, tmp_path):
+  import numpy as np  # noqa: PLC0415
+
+  from envs.appworld_suite import AppWorldSuite  # noqa: PLC0415
+
+  c = _config()
+  c.appworld.update(source="official", data_root=suite.root, split="train",
+                    eval_split="test_normal")
+  official = AppWorldSuite(c, str(tmp_path))  # the built root in the official layout
+  try:
+    assert [t.task_id for t in official.train_tasks] == [t.task_id for t in suite.train_tasks]
+    assert [t.task_id for t in official.eval_tasks] == [t.task_id for t in suite.eval_tasks]
+    assert all(not t.initial_config["solution"] for t in official.eval_tasks)
+    d0, counts = official.initial_tasks(3, np.random.default_rng(0))
+    assert len(d0) == 3 and counts == {"candidates": 4, "official": 3}
+    before = sorted(os.listdir(os.path.join(suite.root, "data", "tasks")))
+    assert official.synthesize([], np.random.default_rng(0), 1, 4) == ([], [], {})
+    assert sorted(os.listdir(os.path.join(suite.root, "data", "tasks"))) == before
+    assert not official.pool.idle and not official.pool.busy  # servers start only on demand
+  finally:
+    official.close()
+  # An official-style task (instruction only) runs and is graded in the same servers.
+  task = official.eval_tasks[0]
+  env = suite.make_env(task, "e0")
+  try:
+    assert task.turns[0] in env.reset().messages[0]["content"]
+    result = env.step(_act("apis.supervisor.complete_task()"))
+    assert result.done and result.reward == 0.0 and result.info["num_tests"] >= 2
+  finally:
+    env.close()
