@@ -18,6 +18,7 @@ import logging
 import os
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 from datasketch import MinHash, MinHashLSH
@@ -77,6 +78,7 @@ class TaskPool:
     self._exact: dict[str, str] = {}  # normalized text -> task id
     self._hashes: dict[str, MinHash] = {}
     self._lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
+    self._eval_cache: tuple[Any, Any] = (None, None)  # (split key, index) of the last eval split
     for task in self._load():
       self._index(task)
 
@@ -158,6 +160,19 @@ class TaskPool:
         best, best_sim = key, sim
     return best
 
+  def _eval_index(self, eval_list: list[Task]):
+    """Exact texts, solutions, MinHashes and LSH of an evaluation split; the last one is cached
+    (every round passes the same split), keyed by the tasks' ids and texts."""
+    key = tuple((t.task_id, task_text(t), _solution_key(t)) for t in eval_list)
+    if self._eval_cache[0] != key:
+      hashes = {f"eval:{t.task_id}": minhash(task_text(t), self.num_perm) for t in eval_list}
+      lsh = MinHashLSH(threshold=self.threshold, num_perm=self.num_perm)
+      for k, m in hashes.items():
+        lsh.insert(k, m)
+      self._eval_cache = (key, ({task_text(t): t.task_id for t in eval_list},
+                                {_solution_key(t): t.task_id for t in eval_list}, hashes, lsh))
+    return self._eval_cache[1]
+
   def add(self, tasks: Iterable[Task], *, eval_tasks: Iterable[Task] = ()) -> AddReport:
     """Appends the tasks that are not duplicates of an evaluation task or of the pool (incl. this
     batch).
@@ -168,13 +183,7 @@ class TaskPool:
         "exact_eval", "solution_eval" (same initial state and ground-truth calls as an evaluation
         task), "near_eval", "exact_pool", "near_pool".
     """
-    eval_list = list(eval_tasks)
-    eval_exact = {task_text(t): t.task_id for t in eval_list}
-    eval_solutions = {_solution_key(t): t.task_id for t in eval_list}
-    eval_hashes = {f"eval:{t.task_id}": minhash(task_text(t), self.num_perm) for t in eval_list}
-    eval_lsh = MinHashLSH(threshold=self.threshold, num_perm=self.num_perm)
-    for key, m in eval_hashes.items():
-      eval_lsh.insert(key, m)
+    eval_exact, eval_solutions, eval_hashes, eval_lsh = self._eval_index(list(eval_tasks))
     pool_hashes = {f"pool:{k}": m for k, m in self._hashes.items()}
     added, dropped, similarity = 0, [], {}
     for task in tasks:
