@@ -149,3 +149,12 @@ def test_each_append_is_durable_and_whole(tmp_path):
   assert [t.task_id for t in reloaded.tasks] == ["explore-1", "explore-2"]
   reloaded.add([_task(3)])
   assert [t.task_id for t in TaskPool(path).tasks] == ["explore-1", "explore-2", "explore-3"]
+
+
+def test_eval_index_follows_the_split_it_is_given(tmp_path, eval_tasks):
+  pool = TaskPool(tmp_path / "pool.jsonl")
+  copy = dataclasses.replace(eval_tasks[7], task_id="copy7", source="synth")
+  assert pool.add([_task(1)], eval_tasks=eval_tasks[:5]).added == 1  # index of split A cached
+  report = pool.add([copy], eval_tasks=eval_tasks[5:10])  # split B contains the original
+  assert report.dropped == [("copy7", "exact_eval", eval_tasks[7].task_id)]
+  assert pool.add([copy], eval_tasks=eval_tasks[:5]).added == 1  # back to A: not a leak there
