@@ -9,9 +9,10 @@ by both implementations (ours is loaded from the transformers checkpoint).
 Rows:
   transformers      `model(input_ids, attention_mask=...)` under torch.no_grad: full logits.
   ours full logits  jitted `model(input_ids, attention_mask=...)`: the same [B, T, V] output.
-  ours loss logits  the training case: hidden states for all T positions, logits and target
-                    log-probs only for the completion positions a policy-gradient loss needs (the
-                    last quarter, 128 of 512, as in a 128-token completion after the prompt).
+  ours loss logits  the training case, through the trainer's own `token_logprobs`: hidden states
+                    for all T positions, logits and target log-probs only at the completion
+                    positions a policy-gradient loss needs (the last quarter, 128 of 512, as in a
+                    128-token completion after the prompt).
 Each row is timed `repeats` times after a warm-up, interleaved so machine load hits all rows alike;
 the median counts. Tokens/s = batch * seq / seconds (every input token is processed in each row).
 """
@@ -33,6 +34,7 @@ import transformers
 from flax import nnx
 
 from coevolve_jax.models import from_pretrained
+from coevolve_jax.trainer import token_logprobs
 
 CONFIG = dict(vocab_size=151936, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
               num_attention_heads=8, num_key_value_heads=4, head_dim=64, rope_theta=1e6,
@@ -60,17 +62,15 @@ def main() -> None:
     return nnx.merge(graphdef, state)(ids, attention_mask=mask)
 
   @jax.jit
-  def loss_logits(state, ids, mask):
-    model = nnx.merge(graphdef, state)
-    hidden = model.hidden_states(ids, attention_mask_bt=mask)[:, -completion - 1:-1]
-    logp = jax.nn.log_softmax(model.logits(hidden), axis=-1)
-    return jnp.take_along_axis(logp, ids[:, -completion:, None], axis=-1)[..., 0]
+  def loss_logits(state, ids, target_pos):
+    return token_logprobs(nnx.merge(graphdef, state), ids, target_pos)
 
   rng = np.random.default_rng(0)
   ids_np = rng.integers(0, CONFIG["vocab_size"], size=(b, t))
   mask_np = np.ones((b, t), np.int64)
   ids, mask = jnp.asarray(ids_np, jnp.int32), jnp.asarray(mask_np, jnp.int32)
   ids_pt, mask_pt = torch.tensor(ids_np), torch.tensor(mask_np)
+  target_pos = jnp.broadcast_to(jnp.arange(t - completion, t, dtype=jnp.int32), (b, completion))
 
   def run_hf():
     with torch.no_grad():
@@ -79,7 +79,8 @@ def main() -> None:
   rows = {
       "transformers (torch) full logits": run_hf,
       "ours full logits": lambda: full_logits(state, ids, mask).block_until_ready(),
-      "ours loss logits (last 1/4)": lambda: loss_logits(state, ids, mask).block_until_ready(),
+      "ours loss logits (last 1/4)":
+          lambda: loss_logits(state, ids, target_pos).block_until_ready(),
   }
   compile_s = {}
   for name, fn in rows.items():  # warm-up (and compile)
