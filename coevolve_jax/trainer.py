@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from coevolve_jax import grpo
 from coevolve_jax.models import sharding
 from coevolve_jax.models.qwen import Qwen
+from coevolve_jax.rollout.sampling import SamplingParams, processed_logprobs
 from coevolve_jax.trajectory import Trajectory
 
 
@@ -73,12 +74,18 @@ def make_batch(trajs: Sequence[Trajectory], advantages: np.ndarray | None = None
 
 
 def token_logprobs(model: Qwen, tokens_nt: jax.Array, target_pos_np: jax.Array,
-                   temperature: float = 1.0, chunk: int = 32) -> jax.Array:
+                   temperature: float = 1.0, chunk: int = 32,
+                   sampling: SamplingParams | None = None) -> jax.Array:
   """log pi(token[pos] | tokens[:pos]) at the target positions, under logits / temperature.
 
   Args:
     tokens_nt: [N, T] int32 right-padded sequences starting at position 0.
     target_pos_np: [N, P] int32 positions (>= 1) of the tokens to score.
+    sampling: when given (static), score under the sampler's processed distribution instead
+      (`rollout.sampling.processed_logprobs`: tempered, restricted to the top-k / top-p set and
+      renormalised), which reproduces the engine's log-probs with top-p / top-k. A token outside
+      the current policy's set then scores -inf, so the GRPO objective keeps the default (the
+      full tempered softmax).
   Returns:
     [N, P] float32 log-probs.
   """
@@ -98,7 +105,11 @@ def token_logprobs(model: Qwen, tokens_nt: jax.Array, target_pos_np: jax.Array,
   @jax.checkpoint
   def one(args):
     h, y = args
-    logp = jax.nn.log_softmax(model.logits(h) / temperature, axis=-1)
+    logits = model.logits(h)
+    if sampling is not None:  # the sampler's processed distribution (its top-k / top-p set)
+      return processed_logprobs(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                sampling).reshape(y.shape)
+    logp = jax.nn.log_softmax(logits / temperature, axis=-1)
     return jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0]
 
   out = jax.lax.map(one, (h_chunks, y_chunks))  # [P/c, N, c]

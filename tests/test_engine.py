@@ -245,17 +245,6 @@ def _nucleus_logprobs(lp_tv, top_p):
   return out
 
 
-@nnx.jit(static_argnames=("sampling",))
-def _trainer_forward_processed(model, tokens, pos, sampling):
-  """The trainer's forward (hidden states at target - 1, then the head) scored like the sampler."""
-  hidden = model.hidden_states(tokens, jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape))
-  h = jnp.take_along_axis(hidden, (pos - 1)[..., None], axis=1)
-  y = jnp.take_along_axis(tokens, pos, axis=1)
-  n, p, d = h.shape
-  return processed_logprobs(model.logits(h.reshape(n * p, d)), y.reshape(-1),
-                            sampling).reshape(n, p)
-
-
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
 def test_sampled_logprobs_match_trainer(model, full_logprobs, top_p):
   sampling = SamplingParams(temperature=0.9, top_p=top_p)
@@ -291,12 +280,11 @@ def test_sampled_logprobs_match_trainer(model, full_logprobs, top_p):
     np.testing.assert_allclose(lps[slot], ref[np.arange(len(seqs[slot])), seqs[slot]], atol=1e-5)
   if top_p < 1.0:  # the nucleus really is smaller than the vocabulary at these positions
     assert np.isfinite(ref).sum(-1).max() < model.config.vocab_size
-  if top_p == 1.0:
-    scorer = nnx.jit(token_logprobs, static_argnames=("temperature",))
+  scorer = nnx.jit(token_logprobs, static_argnames=("temperature", "sampling"))
+  if top_p == 1.0:  # the trainer's default: the full tempered softmax
     got = np.asarray(scorer(model, jnp.asarray(tokens), jnp.asarray(pos), temperature=0.9))
-  else:
-    got = np.asarray(_trainer_forward_processed(model, jnp.asarray(tokens), jnp.asarray(pos),
-                                                sampling))
+  else:  # the trainer scoring under the sampler's nucleus
+    got = np.asarray(scorer(model, jnp.asarray(tokens), jnp.asarray(pos), sampling=sampling))
   assert got.shape == (2, p_max)
   for r, slot in enumerate(prompts):
     n = len(seqs[slot])
