@@ -18,16 +18,15 @@ results.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
+from common import machine, markdown_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -216,34 +215,8 @@ def step_times(args, model) -> dict:
 # ---------------------------------------------------------------------------------------- main
 
 
-def machine() -> str:
-  import jax  # noqa: PLC0415
-
-  try:
-    import torch  # noqa: PLC0415
-    torch_v = torch.__version__
-  except ImportError:
-    torch_v = "absent"
-  cpu = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-  except (OSError, StopIteration):
-    pass
-  return (f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {cpu}; "
-          f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}; "
-          f"jax {jax.__version__} on {jax.devices()[0].platform}; torch {torch_v}")
-
-
-def _table(rows: list[list[str]]) -> str:
-  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-  lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
-  lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-  return "\n".join(lines)
-
-
 def report(args, ours, hf, tunix, steps) -> None:
-  print(f"\nmachine: {machine()}")
+  print(f"\nmachine: {machine(torch_version=True)}")
   print(f"model: Qwen3, {args.layers} layers, hidden {args.hidden}, vocab {VOCAB}, float32; "
         f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens per row\n")
   rows = [["mode", "batch", "ours tok/s", "transformers tok/s", "tunix tok/s",
@@ -255,12 +228,12 @@ def report(args, ours, hf, tunix, steps) -> None:
       rows.append([mode, b, f"{ours[mode][b][0]:.1f}",
                    f"{hf[mode][b][0]:.1f}" if hf else "-",
                    f"{tunix[mode][b][0]:.1f}" if tunix else "-", ratio])
-  print(_table(rows))
+  print(markdown_table(rows))
   print()
   cost = [["batch", "sampled / greedy time (ours)"]]
   for b in map(str, args.batches):
     cost.append([b, f"{ours['greedy'][b][0] / ours['sampled'][b][0]:.3f}"])
-  print(_table(cost))
+  print(markdown_table(cost))
   for name, peer in (("transformers", hf), ("tunix", tunix)):
     if not peer:
       continue
@@ -275,7 +248,7 @@ def report(args, ours, hf, tunix, steps) -> None:
     srows.append([str(b)] + [f"{steps[(b, k)] * 1e3:.1f}" for k in kvs])
   print("\nours: one decode step (median of "
         f"{args.step_repeats}), by batch size and cache length\n")
-  print(_table(srows))
+  print(markdown_table(srows))
 
 
 def main() -> None:

@@ -30,16 +30,15 @@ meaningful peak here, so on CPU only the achieved model TFLOP/s is printed.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
 import numpy as np
+from common import machine, markdown_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -197,27 +196,6 @@ def run_worker(args, name: str, python: str) -> dict | None:
 # ---------------------------------------------------------------------------------------- main
 
 
-def machine() -> str:
-  import jax  # noqa: PLC0415
-
-  cpu = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-  except (OSError, StopIteration):
-    pass
-  return (f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {cpu}; "
-          f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}; "
-          f"jax {jax.__version__} on {jax.devices()[0].platform}")
-
-
-def _table(rows: list[list[str]]) -> str:
-  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-  lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
-  lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-  return "\n".join(lines)
-
-
 def report(args, ours: dict, tunix: dict | None) -> None:
   tokens = args.batch * (args.prompt_len + args.completion_len)
   flops = model_flops(args)
@@ -230,7 +208,7 @@ def report(args, ours: dict, tunix: dict | None) -> None:
     mfu = f"{tflops / args.peak_tflops:.1%}" if args.peak_tflops else "n/a (CPU)"
     rows.append([name, f"{tokens / r['step_s']:.1f}", f"{r['step_s']:.2f}",
                  f"{r['compile_s']:.1f}", f"{tflops:.3f}", mfu])
-  print(_table(rows))
+  print(markdown_table(rows))
   if tunix:
     print(f"\nratio ours / tunix (tokens/s): {tunix['step_s'] / ours['step_s']:.2f}x "
           "(target >= 1.3x)")
