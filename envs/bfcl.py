@@ -166,12 +166,7 @@ class BfclEnv:
     elif action.tool_calls:
       messages = self._run_calls(action)
     else:
-      self._turn += 1
-      self._steps = 0
-      if self._turn >= len(self.task.turns):
-        return self._finish([])
-      self.calls.append([])
-      return StepResult(messages=[self._user_message(self._turn)])
+      return self._next_turn()
     if self._steps >= self.max_steps_per_turn:
       return self._finish(messages, forced="multi_turn:force_terminated")
     return StepResult(messages=messages)
