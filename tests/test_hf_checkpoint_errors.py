@@ -1,0 +1,60 @@
+"""Bad Hugging Face folders raise CheckpointFormatError (or FileNotFoundError) naming the cause."""
+
+import json
+
+import pytest
+import safetensors.numpy
+from flax import nnx
+
+from coevolve_jax.models import (CheckpointFormatError, Qwen, QwenConfig, from_pretrained,
+                                 save_pretrained)
+
+CFG = QwenConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+
+
+@pytest.fixture
+def folder(tmp_path):
+  return save_pretrained(Qwen(CFG, rngs=nnx.Rngs(0)), tmp_path / "m")
+
+
+def test_missing_config(tmp_path):
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    from_pretrained(tmp_path)
+
+
+def test_unsupported_model_type_and_rope_scaling(folder):
+  cfg = json.loads((folder / "config.json").read_text())
+  (folder / "config.json").write_text(json.dumps(dict(cfg, model_type="llama")))
+  with pytest.raises(CheckpointFormatError, match="llama"):
+    from_pretrained(folder)
+  (folder / "config.json").write_text(json.dumps(dict(cfg, rope_scaling={"rope_type": "yarn"})))
+  with pytest.raises(CheckpointFormatError, match="RoPE scaling"):
+    from_pretrained(folder)
+
+
+def test_missing_and_unknown_tensors(folder):
+  path = folder / "model.safetensors"
+  tensors = safetensors.numpy.load_file(path)
+  safetensors.numpy.save_file({k: v for k, v in tensors.items() if "q_proj" not in k}, path)
+  with pytest.raises(CheckpointFormatError, match="lacks 1 tensors"):
+    from_pretrained(folder)
+  safetensors.numpy.save_file(dict(tensors, **{"model.layers.0.extra.weight": tensors[
+      "model.norm.weight"]}), path)
+  with pytest.raises(CheckpointFormatError, match="extra"):
+    from_pretrained(folder)
+
+
+def test_shape_that_does_not_fit_the_config(folder):
+  cfg = json.loads((folder / "config.json").read_text())
+  (folder / "config.json").write_text(json.dumps(dict(cfg, intermediate_size=40)))
+  with pytest.raises(CheckpointFormatError, match="does not fit"):
+    from_pretrained(folder)
+
+
+def test_truncated_file(folder):
+  path = folder / "model.safetensors"
+  data = path.read_bytes()
+  path.write_bytes(data[:len(data) // 2])
+  with pytest.raises(CheckpointFormatError, match="unreadable"):
+    from_pretrained(folder)
