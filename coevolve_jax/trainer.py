@@ -132,20 +132,6 @@ def _is_variable(x) -> bool:
   return isinstance(x, nnx.Variable)
 
 
-def _spec_for(shape: tuple[int, ...], axes, mesh: Mesh) -> PartitionSpec:
-  """Logical axes -> PartitionSpec on `mesh`; a dimension that a mesh axis does not divide is
-  replicated along it (e.g. 2 KV heads on a tensor axis of 4)."""
-  spec = sharding.logical_to_spec(axes)
-  out = []
-  for size, entry in zip(shape, spec):
-    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    names = tuple(n for n in names if n in mesh.shape and mesh.shape[n] > 1)
-    while names and size % math.prod(mesh.shape[n] for n in names):
-      names = names[:-1]
-    out.append(None if not names else names[0] if len(names) == 1 else names)
-  return PartitionSpec(*out)
-
-
 def tree_shardings(tree, mesh: Mesh):
   """NamedShardings for a tree of nnx Params (parameters or an optax state that mirrors them).
 
@@ -158,10 +144,10 @@ def tree_shardings(tree, mesh: Mesh):
     if _is_variable(leaf):
       axes = leaf.get_metadata().get("out_sharding")
       value = leaf.get_value()
-      spec = PartitionSpec() if axes is None else _spec_for(value.shape, axes, mesh)
+      out.append(NamedSharding(mesh, PartitionSpec()) if axes is None
+                 else sharding.param_sharding(mesh, axes, value.shape))
     else:
-      spec = PartitionSpec()
-    out.append(NamedSharding(mesh, spec))
+      out.append(NamedSharding(mesh, PartitionSpec()))
   return jax.tree.unflatten(jax.tree.structure(tree), out)
 
 

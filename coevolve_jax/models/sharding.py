@@ -113,7 +113,8 @@ def param_sharding(
   """The sharding of a parameter of `shape` with logical `axes` on `mesh`.
 
   A mesh axis that does not divide its dimension is dropped for that dimension, which then stays
-  replicated over it: e.g. Qwen2.5-7B's 4 KV heads on a tensor axis of 8 devices.
+  replicated over it: e.g. Qwen2.5-7B's 4 KV heads on a tensor axis of 8 devices. Mesh axes of
+  size 1 are left out of the spec.
 
   Raises:
     ValueError: `axes` and `shape` of different lengths. KeyError: an unknown logical axis.
@@ -126,7 +127,7 @@ def param_sharding(
     kept, size = [], 1
     for name in names:
       n = mesh.shape.get(name, 1)
-      if name in mesh.shape and dim % (size * n) == 0:
+      if n > 1 and dim % (size * n) == 0:  # size-1 axes split nothing: leave them out
         kept.append(name)
         size *= n
     spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
