@@ -58,3 +58,16 @@ def test_truncated_file(folder):
   path.write_bytes(data[:len(data) // 2])
   with pytest.raises(CheckpointFormatError, match="unreadable"):
     from_pretrained(folder)
+
+
+def test_expert_outside_the_config(tmp_path):
+  moe = QwenConfig(**{**CFG.__dict__, "num_experts": 2, "num_experts_per_tok": 1,
+                      "moe_intermediate_size": 8})
+  folder = save_pretrained(Qwen(moe, rngs=nnx.Rngs(0)), tmp_path / "moe")
+  path = folder / "model.safetensors"
+  tensors = safetensors.numpy.load_file(path)
+  extra = tensors["model.layers.0.mlp.experts.0.up_proj.weight"]
+  safetensors.numpy.save_file(dict(tensors, **{"model.layers.0.mlp.experts.5.up_proj.weight":
+                                               extra}), path)
+  with pytest.raises(CheckpointFormatError, match="expert 5"):
+    from_pretrained(folder)

@@ -207,6 +207,9 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | Non
     var = variables[target]
     if expert is not None:
       want = var.get_value()
+      if expert >= want.shape[0] or tuple(value.shape) != tuple(want.shape[1:]):
+        raise CheckpointFormatError(f"{name}: expert {expert} of shape {value.shape} does not fit "
+                                    f"{target} {tuple(want.shape)}")
       buf, filled = experts.setdefault(target, (np.empty(want.shape, want.dtype), set()))
       buf[expert] = value
       filled.add(expert)
