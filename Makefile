@@ -2,7 +2,9 @@
 #
 #   make setup   create .venv (Python 3.11) and install the package with test extras + bfcl-eval
 #   make test    run the test suite (TESTS=tests/test_x.py to narrow it; extra pytest flags:
-#                PYTEST_ARGS=... or the PYTEST_ADDOPTS environment variable)
+#                PYTEST_ARGS=... or the PYTEST_ADDOPTS environment variable). Builds
+#                .venv-appworld first (appworld-setup) so the AppWorld tests run rather than
+#                skip; AW_SETUP= (empty) leaves it out.
 #   make run     small offline CPU training run on BFCL
 #   make lint    ruff
 #   make appworld-setup   .venv-appworld with appworld==0.1.3.post1 and its apps unpacked
@@ -47,7 +49,8 @@ $(STAMP): setup.py Makefile
 	$(VPY) -m pip install -q $(PIP_ARGS) --no-deps '$(BFCL_EVAL)'
 	@touch $@
 
-test: setup
+AW_SETUP ?= appworld-setup
+test: setup $(AW_SETUP)
 	$(VPY) -m pytest -q $(PYTEST_ARGS) $(TESTS)
 
 run: setup
