@@ -97,9 +97,9 @@ def token_logprobs(model: Qwen, tokens_nt: jax.Array, target_pos_np: jax.Array,
   Returns:
     [N, P] float32 log-probs.
   """
-  hidden = model.hidden_states(tokens_nt, jnp.broadcast_to(jnp.arange(tokens_nt.shape[1]),
-                                                           tokens_nt.shape))
-  h_sel = jnp.take_along_axis(hidden, (target_pos_np - 1)[..., None], axis=1)  # [N, P, D]
+  h_sel = model.hidden_states(  # [N, P, D]: the last layer runs only at the scored positions
+      tokens_nt, jnp.broadcast_to(jnp.arange(tokens_nt.shape[1]), tokens_nt.shape),
+      output_index_bp=target_pos_np - 1)
   targets = jnp.take_along_axis(tokens_nt, target_pos_np, axis=1)  # [N, P]
   n, p, d = h_sel.shape
   c = min(p, max(1, -(-chunk_rows // n)))  # positions per chunk
