@@ -93,22 +93,22 @@ def test_logits_match_transformers_and_round_trip(tmp_path, family, tie, n_heads
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_long_batch_paths_match_transformers(tmp_path, family):
-  """The paths a long batch takes: causal attention in query blocks (T = 256 > ATTN_MIN_BLOCK),
-  the full-logits projection in row chunks on CPU (B * T = 768 rows > CPU_LOGITS_ROWS), and
+  """The paths a long batch takes: causal attention in query blocks (T = 512: 4 blocks of 128),
+  the full-logits projection in row chunks on CPU (B * T = 1536 rows > CPU_LOGITS_ROWS), and
   hidden states only at chosen positions (`output_index_bp`, the last layer run there only)."""
   from coevolve_jax.models import qwen  # noqa: PLC0415
 
-  assert qwen.attention_block(256) == 128 and 3 * 256 > qwen.CPU_LOGITS_ROWS
+  assert qwen.attention_block(512) == 128 and 3 * 512 > qwen.CPU_LOGITS_ROWS
   hf, folder = _hf_folder(tmp_path, family, False, 4, 2)
   ours = from_pretrained(folder)
-  ids, mask = _batch(2, shape=(3, 256))  # 768 rows; row 2 right-padded after 8 tokens
+  ids, mask = _batch(2, shape=(3, 512))  # 1536 rows; row 2 right-padded after 8 tokens
   mask[1, :37] = 0  # left padding
   ref = _hf_logits(hf, ids, mask)
   got = np.asarray(ours(jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
   valid = mask.astype(bool)
   np.testing.assert_allclose(got[valid], ref[valid], atol=1e-4, rtol=0)
 
-  index = np.stack([np.arange(200, 256, 2), np.arange(37, 256, 8),  # [B, P], P = 28, real tokens
+  index = np.stack([np.arange(456, 512, 2), np.arange(37, 512, 17),  # [B, P], P = 28, real tokens
                     np.arange(28) % 8])
   hidden = ours.hidden_states(jnp.asarray(ids), attention_mask_bt=jnp.asarray(mask),
                               output_index_bp=jnp.asarray(index))
