@@ -231,6 +231,40 @@ def test_prefill_near_end_of_cache(model, full_logprobs):
     np.testing.assert_array_equal(x, y)
 
 
+def test_prefill_many_equals_each_request_alone(model, full_logprobs):
+  """Three slots prefilled in one call: a fresh long prompt, a fresh short one, and a
+  continuation so near the end of its cache that it runs alone, in two chunks. Each gets the
+  full forward's greedy token and log-prob and its own keys in the cache, and with a sampler
+  the same token as `prefill` alone with the same key."""
+  engine = Engine(model, SLOTS, CACHE)
+  first = _prompt(40, 50)
+  engine.prefill(0, first, jax.random.key(0), GREEDY)
+  convs = [first + _prompt(41, 9), _prompt(42, 40), _prompt(43, 3)]
+  new = [convs[0][50:], convs[1], convs[2]]
+  results = engine.prefill_many([(s, ids, jax.random.key(s)) for s, ids in enumerate(new)],
+                                GREEDY)
+  for slot, (conv, (tok, lp)) in enumerate(zip(convs, results)):
+    want = full_logprobs(conv)[-1]
+    assert tok == int(np.argmax(want)) and lp == pytest.approx(want[tok], abs=1e-5)
+    assert engine.position(slot) == len(conv)
+    k_want, v_want = _layer0_kv(model, conv)
+    np.testing.assert_allclose(np.asarray(engine.state.cache.k[0][slot, :len(conv)]), k_want,
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(engine.state.cache.v[0][slot, :len(conv)]), v_want,
+                               atol=1e-5)
+  with pytest.raises(ValueError, match="distinct"):
+    engine.prefill_many([(1, [1], jax.random.key(0)), (1, [2], jax.random.key(1))], GREEDY)
+
+  sampling = SamplingParams(temperature=0.9)
+  prompts = [_prompt(44 + i, n) for i, n in enumerate((17, 5, 30))]
+  keys = [jax.random.key(100 + i) for i in range(3)]
+  together = Engine(model, SLOTS, CACHE).prefill_many(
+      [(s, p, k) for s, (p, k) in enumerate(zip(prompts, keys))], sampling)
+  for slot, (p, k) in enumerate(zip(prompts, keys)):
+    tok, lp = Engine(model, SLOTS, CACHE).prefill(slot, p, k, sampling)
+    assert together[slot][0] == tok and together[slot][1] == pytest.approx(lp, abs=1e-5)
+
+
 # (e) -----------------------------------------------------------------------------------------
 
 
@@ -302,7 +336,7 @@ def _chi2(counts, probs):
 
 
 # Chi-square quantiles at 1 - 1e-4, by degrees of freedom.
-CHI2_CRIT = {1: 15.14, 2: 18.42, 7: 29.88}
+CHI2_CRIT = {1: 15.14, 2: 18.42, 4: 23.51, 5: 25.74, 7: 29.88}
 
 
 def _softmax(x):
@@ -339,6 +373,34 @@ def test_sampling_frequencies_match_softmax(temp):
   # The test has power: the untempered distribution is rejected at T = 0.7.
   if temp != 1.0:
     assert _chi2(counts, _softmax(logits.astype(np.float64))) > CHI2_CRIT[7]
+
+
+@pytest.mark.parametrize("v", [4 * 1024 + 37, 5 * 1187])
+def test_sampling_across_vocabulary_blocks(v):
+  """A vocabulary of several sampler blocks (padded: 4133 has no divisor near 1024; exact: 5 x
+  1187, as 151,936 = 128 x 1187): mass at block edges and in the last block is drawn at its
+  softmax frequency, and nothing outside top-k is."""
+  from coevolve_jax.rollout.sampling import _sample_block  # noqa: PLC0415
+
+  block = _sample_block(v)
+  assert block == (1024 if v == 4133 else 1187)
+  heavy = np.array([0, block - 1, block, 3 * block + 5, v - 1])
+  logits = np.full((v,), -4.0, np.float32)  # light tail: about a fifth of the mass in all
+  logits[heavy] = [2.0, 3.0, 1.0, 2.5, 3.0]
+  n = 40_000
+  batch = jnp.broadcast_to(jnp.asarray(logits), (n, v))
+  tok, lp = sample(batch, jax.random.key(11), SamplingParams(temperature=1.0))
+  tok = np.asarray(tok)
+  probs = _softmax(logits.astype(np.float64))
+  bins = np.searchsorted(heavy, tok)  # 5 heavy tokens, and everything else as one bin
+  bins = np.where(np.isin(tok, heavy), bins, len(heavy))
+  binned = np.append(probs[heavy], 1.0 - probs[heavy].sum())
+  assert _chi2(np.bincount(bins, minlength=6), binned) < CHI2_CRIT[5], np.bincount(bins)
+  np.testing.assert_allclose(np.asarray(lp), np.log(probs)[tok], atol=1e-5)
+  tok, lp = sample(batch, jax.random.key(12), SamplingParams(temperature=1.0, top_k=5))
+  counts = np.bincount(np.searchsorted(heavy, np.asarray(tok)), minlength=5)
+  assert np.all(np.isin(np.asarray(tok), heavy))
+  assert _chi2(counts, _softmax(logits[heavy].astype(np.float64))) < CHI2_CRIT[4], counts
 
 
 def test_top_p_keeps_only_the_nucleus():

@@ -32,22 +32,24 @@ class DecodeState(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "kv_len"),
                    donate_argnames=("state",))
-def _prefill(graphdef, params, state: DecodeState, slot, chunk_t, true_len, rng, sampling, kv_len):
+def _prefill_rows(graphdef, params, state: DecodeState, slots_r, chunk_rt, true_len_r, keys_r,
+                  sampling, kv_len):
+  """One chunk into R slots at once. Rows may repeat a slot only as exact copies (padding)."""
   model = nnx.merge(graphdef, params)
-  start = state.next_pos[slot]
-  t = chunk_t.shape[0]
-  one = lambda c: jax.lax.dynamic_slice_in_dim(c, slot, 1, axis=0)  # noqa: E731
-  cache = KVCache(tuple(map(one, state.cache.k)), tuple(map(one, state.cache.v)))
-  positions = (start + jnp.arange(t, dtype=jnp.int32))[None]
-  hidden, cache = model.decode(chunk_t[None], positions, cache, start[None], kv_len)
-  last = jax.lax.dynamic_index_in_dim(hidden[0], true_len - 1, axis=0, keepdims=False)
-  tok, logp = sample(model.logits(last[None]), rng, sampling)
-  put = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, slot, axis=0)  # noqa
+  starts = state.next_pos[slots_r]
+  t = chunk_rt.shape[1]
+  take = lambda c: c[slots_r]  # noqa: E731
+  cache = KVCache(tuple(map(take, state.cache.k)), tuple(map(take, state.cache.v)))
+  positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+  hidden, cache = model.decode(chunk_rt, positions, cache, starts, kv_len)
+  last = jnp.take_along_axis(hidden, (true_len_r - 1)[:, None, None], axis=1)[:, 0]
+  tok, logp = sample(model.logits(last), keys_r, sampling)
+  put = lambda full, part: full.at[slots_r].set(part)  # noqa: E731
   new_cache = KVCache(tuple(map(put, state.cache.k, cache.k)),
                       tuple(map(put, state.cache.v, cache.v)))
-  state = DecodeState(new_cache, state.next_pos.at[slot].add(true_len),
-                      state.tokens.at[slot].set(tok[0]))
-  return state, tok[0], logp[0]
+  state = DecodeState(new_cache, state.next_pos.at[slots_r].set(starts + true_len_r),
+                      state.tokens.at[slots_r].set(tok))
+  return state, tok, logp
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "kv_len"),
@@ -64,8 +66,11 @@ def _generate(graphdef, params, state: DecodeState, active_b, rng, sampling, kv_
   return DecodeState(cache, next_pos, tok), tok, logp
 
 
+MAX_PREFILL_CHUNK = 512  # longest prefill chunk (tokens); longer inputs take several
+
+
 def _chunks(n: int, start: int, cache_len: int, min_chunk: int = 16,
-            max_chunk: int = 512) -> list[int]:
+            max_chunk: int = MAX_PREFILL_CHUNK) -> list[int]:
   """Power-of-two chunk sizes covering n tokens from `start` without passing `cache_len`.
 
   Chunks are at most `max_chunk` long, so a long prompt is padded by less than one chunk (a single
@@ -136,38 +141,77 @@ class Engine:
 
   def prefill(self, slot: int, token_ids: list[int], rng: jax.Array,
               sampling: SamplingParams) -> tuple[int, float]:
-    """Appends `token_ids` to the slot's cache and samples the next token.
+    """Appends `token_ids` to the slot's cache and samples the next token with `rng`.
 
     Raises:
       ValueError: empty input, or more tokens than the slot has room for.
     Returns:
       (first sampled token id, its log-prob).
     """
-    if not token_ids:
-      raise ValueError("prefill needs at least one token")
-    start = self.position(slot)
-    if start + len(token_ids) > self.cache_len:
-      raise ValueError(
-        f"slot {slot}: {start} + {len(token_ids)} tokens exceed cache {self.cache_len}"
-      )
-    ids = np.asarray(token_ids, np.int32)
-    offset = 0
-    sizes = _chunks(len(ids), start, self.cache_len)
-    # One key-length bucket for all chunks of this call: a long prompt compiles one shape
-    # (max_chunk, bucket) rather than one per bucket it passes through.
-    kv_len = _kv_bucket(start + len(ids) + sizes[-1], self.cache_len)
-    for size in sizes:
-      part = ids[offset:offset + size]
-      true_len = len(part)
-      padded = np.zeros((size,), np.int32)
-      padded[:true_len] = part
-      rng, sub = jax.random.split(rng)
-      self.state, tok, logp = _prefill(self.graphdef, self.params, self.state, jnp.int32(slot),
-                                       jnp.asarray(padded), jnp.int32(true_len), sub, sampling,
-                                       kv_len)
-      offset += true_len
-      self._pos[slot] += true_len
-    return int(tok), float(logp)
+    return self.prefill_many([(slot, token_ids, rng)], sampling)[0]
+
+  def prefill_many(self, requests: list[tuple[int, list[int], jax.Array]],
+                   sampling: SamplingParams) -> list[tuple[int, float]]:
+    """`prefill` for several slots at once: one batched forward per chunk, not one per slot.
+
+    Inputs are cut into chunks of at most MAX_PREFILL_CHUNK tokens. In each round every request
+    with tokens left contributes its next chunk; the chunks are padded to a power-of-two length
+    (the longest chunk's) and row count and run as one batch. A slot too near the end of its
+    cache for that length runs alone with a chunk that fits (`_chunks`). The next token is
+    sampled after a request's last chunk with its own key, so a request's result does not
+    depend on what it is batched with. Padding keys land at cache indices >= the slot's new
+    position, which nothing attends to before they are overwritten.
+
+    Args:
+      requests: (slot, token ids, PRNG key) per request; slots distinct.
+    Returns:
+      (first sampled token id, its log-prob) per request, in order.
+    Raises:
+      ValueError: a repeated slot, an empty input, or more tokens than a slot has room for
+        (checked for every request before any work is done).
+    """
+    slots = [slot for slot, _, _ in requests]
+    if len(set(slots)) != len(slots):
+      raise ValueError(f"prefill_many needs distinct slots, got {slots}")
+    for slot, ids, _ in requests:
+      if not len(ids):
+        raise ValueError("prefill needs at least one token")
+      if self.position(slot) + len(ids) > self.cache_len:
+        raise ValueError(f"slot {slot}: {self.position(slot)} + {len(ids)} tokens exceed cache "
+                         f"{self.cache_len}")
+    ids_list = [np.asarray(ids, np.int32) for _, ids, _ in requests]
+    offsets = [0] * len(requests)
+    out: list[tuple[int, float] | None] = [None] * len(requests)
+
+    def run(rows: list[int], t: int) -> None:
+      padded = rows + [rows[0]] * ((1 << (len(rows) - 1).bit_length()) - len(rows))  # copies
+      chunk = np.zeros((len(padded), t), np.int32)
+      true_len = np.zeros((len(padded),), np.int32)
+      for r, i in enumerate(padded):
+        piece = ids_list[i][offsets[i]:offsets[i] + t]
+        chunk[r, :len(piece)], true_len[r] = piece, len(piece)
+      slot_rows = np.array([slots[i] for i in padded], np.int32)
+      kv_len = _kv_bucket(int(self._pos[slot_rows].max()) + t, self.cache_len)
+      self.state, tok, logp = _prefill_rows(
+          self.graphdef, self.params, self.state, jnp.asarray(slot_rows), jnp.asarray(chunk),
+          jnp.asarray(true_len), jnp.stack([requests[i][2] for i in padded]), sampling, kv_len)
+      tok, logp = np.asarray(tok), np.asarray(logp)
+      for r, i in enumerate(rows):
+        self._pos[slots[i]] += true_len[r]
+        offsets[i] += int(true_len[r])
+        if offsets[i] == len(ids_list[i]):  # its last chunk: the sample counts
+          out[i] = (int(tok[r]), float(logp[r]))
+
+    while live := [i for i in range(len(requests)) if offsets[i] < len(ids_list[i])]:
+      t = max(_chunks(len(ids_list[i]) - offsets[i], 0, self.cache_len)[0] for i in live)
+      group = [i for i in live if self._pos[slots[i]] + t <= self.cache_len]
+      if group:
+        run(group, t)
+      for i in live:
+        if i not in group:  # near the end of its cache: alone, with a chunk that fits
+          run([i], _chunks(len(ids_list[i]) - offsets[i], int(self._pos[slots[i]]),
+                           self.cache_len)[0])
+    return out  # type: ignore[return-value]
 
   def generate(self, active: np.ndarray, rng: jax.Array,
                sampling: SamplingParams) -> tuple[np.ndarray, np.ndarray]:

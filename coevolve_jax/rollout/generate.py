@@ -99,16 +99,20 @@ class _Batcher:
     busy: dict[int, tuple[int, Completion]] = {}  # slot -> (request index, partial completion)
     keys = jax.random.split(rng, self.engine.num_slots)  # per slot: its request's key
     while pending or busy:
+      inserts = []  # (slot, request index, prompt, request key): prefilled in one batch
       while pending and free:
         index, prompt = pending.popleft()
         slot = free.pop()
-        request_key = jax.random.fold_in(rng, index)
-        keys = keys.at[slot].set(request_key)
         self.engine.reset_slot(slot)
-        tok, logp = self.engine.prefill(slot, prompt, jax.random.fold_in(request_key, 0),
-                                        self.sampling)
-        busy[slot] = (index, Completion([], [], ""))
-        self._append(busy, free, out, slot, tok, logp)
+        inserts.append((slot, index, prompt, jax.random.fold_in(rng, index)))
+      if inserts:
+        keys = keys.at[jnp.asarray([x[0] for x in inserts])].set(jnp.stack([x[3] for x in inserts]))
+        firsts = self.engine.prefill_many(
+            [(slot, prompt, jax.random.fold_in(key, 0)) for slot, _, prompt, key in inserts],
+            self.sampling)
+        for (slot, index, _, _), (tok, logp) in zip(inserts, firsts):
+          busy[slot] = (index, Completion([], [], ""))
+          self._append(busy, free, out, slot, tok, logp)
       if not busy:
         continue
       active = np.zeros((self.engine.num_slots,), bool)

@@ -36,7 +36,7 @@ except Exception:  # pylint: disable=broad-except  # ImportError, or its own imp
 
 JETSTREAM_AVAILABLE = _jetstream_api is not None
 # The slot engine's jitted steps, shared so both front ends compute identically.
-_prefill_step = engine_lib._prefill  # pylint: disable=protected-access
+_prefill_rows = engine_lib._prefill_rows  # pylint: disable=protected-access
 _generate_step = engine_lib._generate  # pylint: disable=protected-access
 _kv_bucket = engine_lib._kv_bucket  # pylint: disable=protected-access
 GREEDY = SamplingParams(temperature=0.0)
@@ -161,10 +161,10 @@ class JetStreamEngine(_Base):
     if start + padded.shape[0] > self._cache_len:
       raise ValueError(f"{start} + {padded.shape[0]} tokens exceed the cache ({self._cache_len})")
     kv_len = _kv_bucket(start + padded.shape[0], self._cache_len)
-    state, tok, logp = _prefill_step(
-        self._graphdef, params, state, jnp.int32(0), jnp.asarray(padded), jnp.int32(true_length),
-        self._next_key(), self.sampling, kv_len)
-    return Prefix(state, start + int(true_length), int(tok), float(logp))
+    state, tok, logp = _prefill_rows(
+        self._graphdef, params, state, jnp.zeros((1,), jnp.int32), jnp.asarray(padded)[None],
+        jnp.asarray([true_length], jnp.int32), self._next_key()[None], self.sampling, kv_len)
+    return Prefix(state, start + int(true_length), int(tok[0]), float(logp[0]))
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
     """Puts a prefilled request into `slot` (its first token becomes the slot's pending one).
