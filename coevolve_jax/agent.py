@@ -70,7 +70,8 @@ class AgentRunner:
   its tokens do not depend on which episodes share a step or on thread timing.
 
   Args:
-    engine: decode slots and KV cache (`reset_slot`, `room`, `prefill`, `generate`, `num_slots`).
+    engine: decode slots and KV cache (`reset_slot`, `room`, `prefill`, `generate`, `num_slots`;
+      `prefill_many` when it has it, to prefill the episodes that start or resume together).
     chat: chat format with `prompt_ids(messages, tools)`, `continuation_ids(messages)`,
       `parse_tool_calls(text, truncated=...)`, `decode(ids)`, `im_end_id`.
     make_env: `(task, episode_id) -> Env`.
@@ -99,6 +100,7 @@ class AgentRunner:
     self._active: dict[int, _Episode] = {}  # slot -> episode being decoded
     self._stepping: dict[futures.Future, _Episode] = {}  # env step in flight on a host thread
     self._slot_keys = jax.random.split(rng, self.engine.num_slots)
+    self._to_prefill: list[tuple[_Episode, list[int]]] = []  # fed, prefilled together
     with futures.ThreadPoolExecutor(self.env_threads, thread_name_prefix="env") as pool:
       self._pool = pool
       while pending or self._active or self._stepping:
@@ -106,6 +108,7 @@ class AgentRunner:
           index, (task, group_id) = pending.popleft()
           self._start(index, task, group_id, self._free.pop(), jax.random.fold_in(rng, index))
         self._collect_steps(block=not self._active)
+        self._flush_prefills()
         if not self._active:
           continue
         mask = np.zeros((self.engine.num_slots,), bool)
@@ -169,14 +172,25 @@ class AgentRunner:
     self._feed(ep, ids)
 
   def _feed(self, ep: _Episode, ids: list[int]) -> None:
-    """Prefills `ids` into the episode's slot and handles the first sampled token."""
+    """Queues `ids` for the episode's slot (`_flush_prefills` runs them before the next step)."""
     if self.engine.room(ep.slot) < len(ids) + 1:
       self._finish(ep, "context")
       return
     self._active[ep.slot] = ep
-    key = jax.random.fold_in(ep.key, ep.sampled)
-    tok, logp = self.engine.prefill(ep.slot, ids, key, self._sampling)
-    self._on_token(ep, tok, logp)
+    self._to_prefill.append((ep, ids))
+
+  def _flush_prefills(self) -> None:
+    """Prefills every fed episode in one batched call and handles their first tokens."""
+    batch, self._to_prefill = self._to_prefill, []
+    if not batch:
+      return
+    requests = [(ep.slot, ids, jax.random.fold_in(ep.key, ep.sampled)) for ep, ids in batch]
+    if hasattr(self.engine, "prefill_many"):
+      firsts = self.engine.prefill_many(requests, self._sampling)
+    else:  # a scripted or replaying engine with the single-slot call only
+      firsts = [self.engine.prefill(*request, self._sampling) for request in requests]
+    for (ep, _), (tok, logp) in zip(batch, firsts):
+      self._on_token(ep, tok, logp)
 
   def _on_token(self, ep: _Episode, tok: int, logp: float) -> None:
     ep.sampled += 1

@@ -309,3 +309,33 @@ def test_env_steps_run_on_host_threads_while_other_slots_decode():
   slow_slot = engine.slow_slot
   slow_done = log.index(next(e for e in steps if e[1] == "slow"))
   assert any(e[0] == "generate" and slow_slot not in e[1] for e in log[slow_done:])
+
+
+def test_real_engine_episodes_do_not_depend_on_batching(entries):
+  """The real engine under the loop: three episodes started together (their prompts, and their
+  continuations after each environment step, prefilled in batches) produce the same tokens as
+  the same jobs run one at a time through a single slot, and the trainer's recomputed log-probs
+  of every sampled token equal the engine's."""
+  from flax import nnx  # noqa: PLC0415
+
+  from coevolve_jax.models import Qwen, QwenConfig  # noqa: PLC0415
+  from coevolve_jax.rollout.engine import Engine  # noqa: PLC0415
+  from coevolve_jax.trainer import token_logprobs  # noqa: PLC0415
+
+  chat = QwenChat()
+  model = Qwen(QwenConfig.tiny_cpu(), rngs=nnx.Rngs(3))
+  limits = EpisodeLimits(max_new_tokens=4, max_model_steps=2)
+  sampling = SamplingParams(temperature=0.9)
+  jobs = [(t, i) for i, t in enumerate(entries[:3])]
+  together = AgentRunner(Engine(model, 3, 4096), chat, _make_env, limits).run(
+      jobs, sampling, rng=jax.random.key(5))
+  one_slot = AgentRunner(Engine(model, 1, 4096), chat, _make_env, limits).run(  # one at a time
+      jobs, sampling, rng=jax.random.key(5))
+  for traj, alone in zip(together, one_slot):
+    assert traj.model_steps >= 2  # at least one continuation after an environment step
+    assert traj.token_ids == alone.token_ids and traj.loss_mask == alone.loss_mask
+    np.testing.assert_allclose(traj.logprobs, alone.logprobs, atol=1e-5)
+    pos = [i for i, m in enumerate(traj.loss_mask) if m]
+    recomputed = np.asarray(token_logprobs(model, np.asarray([traj.token_ids], np.int32),
+                                           np.asarray([pos], np.int32), temperature=0.9))[0]
+    np.testing.assert_allclose(recomputed, [traj.logprobs[i] for i in pos], atol=1e-5)
