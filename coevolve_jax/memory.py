@@ -20,7 +20,7 @@ How each figure is obtained:
   with the sequences per device (batch / (data * fsdp)) and are divided by the tensor axis when a
   dimension is a tensor-sharded one (heads, kv heads, MLP, vocab; the `act_*`/`mlp` rules).
   Transient buffers inside one op are not counted: leave headroom (see `--headroom`).
-- KV cache: `KVCache.zeros` shapes ([slots, cache_len, K, H] per layer for k and v), slots over
+- KV cache: `KVCache.zeros` shapes ([slots, K, cache_len, H] per layer for k and v), slots over
   (data, fsdp), kv heads over tensor, as the rollout engine allocates it.
 """
 

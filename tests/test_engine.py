@@ -74,11 +74,13 @@ def _decode_alone(model, slot, ids, steps):
 
 
 def _layer0_kv(model, ids):
-  """Layer-0 keys and values depend only on (token, position): [T, K, H] each, computed by hand."""
+  """Layer-0 keys and values depend only on (token, position): [K, T, H] each (the cache's
+  layout), computed by hand."""
   padded = np.zeros((CACHE,), np.int32)
   padded[:len(ids)] = ids
   k, v = _layer0_kv_jit(model, jnp.asarray(padded))
-  return np.asarray(k[:len(ids)]), np.asarray(v[:len(ids)])
+  return (np.asarray(k[:len(ids)]).transpose(1, 0, 2),
+          np.asarray(v[:len(ids)]).transpose(1, 0, 2))
 
 
 @nnx.jit
@@ -171,8 +173,8 @@ def test_multi_turn_continuation_equals_single_forward(model, full_logprobs):
   for layer in range(model.config.num_hidden_layers):
     for multi_c, single_c in ((engine.state.cache.k, single.state.cache.k),
                               (engine.state.cache.v, single.state.cache.v)):
-      np.testing.assert_allclose(np.asarray(single_c[layer][1, :n]),
-                                 np.asarray(multi_c[layer][1, :n]), atol=1e-5)
+      np.testing.assert_allclose(np.asarray(single_c[layer][1, :, :n]),
+                                 np.asarray(multi_c[layer][1, :, :n]), atol=1e-5)
 
 
 # (d) -----------------------------------------------------------------------------------------
@@ -212,10 +214,11 @@ def test_prefill_near_end_of_cache(model, full_logprobs):
   k_want, v_want = _layer0_kv(model, conv)
   np.testing.assert_allclose(np.asarray(engine.state.cache.k[0][0]), k_want, atol=1e-5)
   np.testing.assert_allclose(np.asarray(engine.state.cache.v[0][0]), v_want, atol=1e-5)
+  assert engine.state.cache.k[0].shape == (SLOTS, 2, CACHE, 16)  # [B, K, S, H]
   # The other slot is untouched.
   n = len(other)
-  np.testing.assert_allclose(np.asarray(engine.state.cache.k[0][2, :n]), k_other, atol=1e-5)
-  np.testing.assert_allclose(np.asarray(engine.state.cache.v[0][2, :n]), v_other, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(engine.state.cache.k[0][2, :, :n]), k_other, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(engine.state.cache.v[0][2, :, :n]), v_other, atol=1e-5)
 
   # A full slot takes nothing more; a prefill that does not fit is refused and changes nothing.
   before = jax.tree.map(np.asarray, engine.state)
@@ -248,9 +251,9 @@ def test_prefill_many_equals_each_request_alone(model, full_logprobs):
     assert tok == int(np.argmax(want)) and lp == pytest.approx(want[tok], abs=1e-5)
     assert engine.position(slot) == len(conv)
     k_want, v_want = _layer0_kv(model, conv)
-    np.testing.assert_allclose(np.asarray(engine.state.cache.k[0][slot, :len(conv)]), k_want,
+    np.testing.assert_allclose(np.asarray(engine.state.cache.k[0][slot, :, :len(conv)]), k_want,
                                atol=1e-5)
-    np.testing.assert_allclose(np.asarray(engine.state.cache.v[0][slot, :len(conv)]), v_want,
+    np.testing.assert_allclose(np.asarray(engine.state.cache.v[0][slot, :, :len(conv)]), v_want,
                                atol=1e-5)
   with pytest.raises(ValueError, match="distinct"):
     engine.prefill_many([(1, [1], jax.random.key(0)), (1, [2], jax.random.key(1))], GREEDY)
@@ -471,7 +474,7 @@ def test_generate_ends_with_length_at_the_end_of_the_cache(model, full_logprobs)
   # Every entry holds its own token (a write clamped at the end would overwrite index 63).
   k_want, _ = _layer0_kv(model, prompt + c.token_ids[:-1])
   np.testing.assert_allclose(np.asarray(engine.state.cache.k[0][slot]), k_want, atol=1e-5)
-  np.testing.assert_allclose(np.asarray(engine.state.cache.k[0][2, :5]), k_other, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(engine.state.cache.k[0][2, :, :5]), k_other, atol=1e-5)
   # The engine refuses to advance a full slot rather than write past the cache.
   active = np.zeros(SLOTS, bool)
   active[slot] = True

@@ -1,6 +1,6 @@
 """KV-cached inference engine over decode slots (the shape of JetStream's `Engine` contract).
 
-A decode state holds `B` slots sharing one KV cache `[B, S, K, H]` per layer. `prefill` runs a
+A decode state holds `B` slots sharing one KV cache `[B, K, S, H]` per layer. `prefill` runs a
 request's prompt (or the continuation of a multi-turn conversation) into one slot and samples its
 first token; `generate` advances every slot by one token. Both are jitted once per shape: prompts
 are cut into power-of-two chunks so that few shapes exist.
@@ -25,7 +25,7 @@ from coevolve_jax.rollout.sampling import SamplingParams, sample
 
 
 class DecodeState(NamedTuple):
-  cache: KVCache  # per layer [B, S, K, H]
+  cache: KVCache  # per layer [B, K, S, H]
   next_pos: jax.Array  # [B] int32: cache index for the next token
   tokens: jax.Array  # [B] int32: last sampled token per slot
 
@@ -56,7 +56,7 @@ def _prefill_rows(graphdef, params, state: DecodeState, slots_r, chunk_rt, true_
                    donate_argnames=("state",))
 def _generate(graphdef, params, state: DecodeState, active_b, rng, sampling, kv_len):
   model = nnx.merge(graphdef, params)
-  s = state.cache.k[0].shape[1]
+  s = state.cache.k[0].shape[2]
   write = jnp.minimum(state.next_pos, s - 1)  # inactive slots may sit at S; never write past it
   hidden, cache = model.decode(state.tokens[:, None], write[:, None], state.cache, write,
                                kv_len)

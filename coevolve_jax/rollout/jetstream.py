@@ -78,7 +78,7 @@ _Base = _jetstream_api.Engine if JETSTREAM_AVAILABLE else abc.ABC
 
 
 class Prefix(NamedTuple):
-  """A prefilled request: a one-slot decode state (cache [1, S, K, H] per layer), the length in
+  """A prefilled request: a one-slot decode state (cache [1, K, S, H] per layer), the length in
   the cache, the first sampled token and its log-prob."""
 
   state: engine_lib.DecodeState
