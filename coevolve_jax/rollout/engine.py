@@ -180,6 +180,10 @@ class Engine:
         raise ValueError(f"slot {slot}: {self.position(slot)} + {len(ids)} tokens exceed cache "
                          f"{self.cache_len}")
     ids_list = [np.asarray(ids, np.int32) for _, ids, _ in requests]
+    # One key-length bucket for the whole call where the padding allows: a long prompt compiles
+    # one (chunk, bucket) shape rather than one per bucket it passes through.
+    kv_call = _kv_bucket(max(self.position(s) + len(x) for s, x in zip(slots, ids_list)),
+                         self.cache_len)
     offsets = [0] * len(requests)
     out: list[tuple[int, float] | None] = [None] * len(requests)
 
@@ -191,7 +195,7 @@ class Engine:
         piece = ids_list[i][offsets[i]:offsets[i] + t]
         chunk[r, :len(piece)], true_len[r] = piece, len(piece)
       slot_rows = np.array([slots[i] for i in padded], np.int32)
-      kv_len = _kv_bucket(int(self._pos[slot_rows].max()) + t, self.cache_len)
+      kv_len = max(kv_call, _kv_bucket(int(self._pos[slot_rows].max()) + t, self.cache_len))
       self.state, tok, logp = _prefill_rows(
           self.graphdef, self.params, self.state, jnp.asarray(slot_rows), jnp.asarray(chunk),
           jnp.asarray(true_len), jnp.stack([requests[i][2] for i in padded]), sampling, kv_len)
