@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from coevolve_jax.models.sharding import constrain
+from coevolve_jax.models.sharding import active_mesh, constrain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -428,10 +428,9 @@ class Qwen(nnx.Module):
     in transformers. input_ids: [B, T] int; attention_mask: [B, T] (1 = real token, left or right
     padding). Memory-heavy for long T: training code projects only the positions it needs."""
     hidden = self.hidden_states(input_ids, positions, attention_mask)
-    mesh = jax.sharding.get_abstract_mesh()
-    if jax.default_backend() == "cpu" and (mesh is None or mesh.empty):
-      # XLA:CPU runs the [B*T, D] x [D, V] product about 8% faster in 256-row pieces than whole
-      # (benchmarks/model_forward.py); on accelerators, or sharded, it stays one product.
+    if jax.default_backend() == "cpu" and active_mesh() is None:
+      # XLA:CPU ran the [4096, 512] x [512, 151936] product at 0.92x of torch's rate whole and
+      # 0.99x in 256-row pieces (docs/benchmarks/model.md); accelerators, or sharded, keep one.
       return self._logits_in_row_chunks(hidden, CPU_LOGITS_ROWS)
     return self.logits(hidden)
 

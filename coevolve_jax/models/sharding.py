@@ -81,10 +81,16 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
   return Mesh(arr, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
+def active_mesh():
+  """The mesh set for tracing (`jax.set_mesh`), or None when none is active."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return None if mesh is None or mesh.empty else mesh
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   """`with_sharding_constraint` by logical axes; a no-op when no mesh is active."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or mesh.empty:
+  mesh = active_mesh()
+  if mesh is None:
     return x
   spec = logical_to_spec(axes)
   spec = PartitionSpec(*(_drop_missing(s, mesh.axis_names) for s in spec))
