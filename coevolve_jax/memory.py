@@ -20,8 +20,9 @@ How each figure is obtained:
   with the sequences per device (batch / (data * fsdp)) and are divided by the tensor axis when a
   dimension is a tensor-sharded one (heads, kv heads, MLP, vocab; the `act_*`/`mlp` rules).
   Transient buffers inside one op are not counted: leave headroom (see `--headroom`).
-- KV cache: `KVCache.zeros` shapes ([slots, K, cache_len, H] per layer for k and v), slots over
-  (data, fsdp), kv heads over tensor, as the rollout engine allocates it.
+- KV cache: `KVCache.zeros` shapes ([slots, K, H, cache_len] keys and [slots, K, cache_len, H]
+  values per layer), slots over (data, fsdp), kv heads over tensor, as the rollout engine
+  allocates it.
 """
 
 from __future__ import annotations
@@ -228,8 +229,9 @@ def kv_cache_bytes(preset: str, mesh: Mapping[str, int], num_slots: int, cache_l
   """
   cfg = QwenConfig.preset(preset)
   cache = jax.eval_shape(lambda: KVCache.zeros(cfg, num_slots, cache_len, jnp.dtype(dtype)))
-  kv_axes = ("batch", "cache_length", "act_kv_heads", None)
-  return sum(shard_bytes(x.shape, x.dtype, kv_axes, mesh) for x in jax.tree.leaves(cache))
+  return sum(shard_bytes(x.shape, x.dtype, axes, mesh)
+             for arrays, axes in ((cache.k, KVCache.KEY_AXES), (cache.v, KVCache.VALUE_AXES))
+             for x in arrays)
 
 
 def plan(preset: str, mesh: Mapping[str, int], *, batch: int, seq_len: int, num_slots: int,

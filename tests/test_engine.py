@@ -74,13 +74,18 @@ def _decode_alone(model, slot, ids, steps):
 
 
 def _layer0_kv(model, ids):
-  """Layer-0 keys and values depend only on (token, position): [K, T, H] each (the cache's
-  layout), computed by hand."""
+  """Layer-0 keys and values depend only on (token, position): [K, T, H] each (the value
+  cache's layout; compare keys through `_keys`), computed by hand."""
   padded = np.zeros((CACHE,), np.int32)
   padded[:len(ids)] = ids
   k, v = _layer0_kv_jit(model, jnp.asarray(padded))
   return (np.asarray(k[:len(ids)]).transpose(1, 0, 2),
           np.asarray(v[:len(ids)]).transpose(1, 0, 2))
+
+
+def _keys(cache_k):
+  """A key cache [B, K, H, S] as [B, K, S, H], the layout `_layer0_kv` returns."""
+  return np.asarray(cache_k).swapaxes(-1, -2)
 
 
 @nnx.jit
@@ -171,10 +176,11 @@ def test_multi_turn_continuation_equals_single_forward(model, full_logprobs):
   assert tok1 == after[0] and lp1 == pytest.approx(after_lp[0], abs=1e-5)
   n = len(conv)
   for layer in range(model.config.num_hidden_layers):
-    for multi_c, single_c in ((engine.state.cache.k, single.state.cache.k),
-                              (engine.state.cache.v, single.state.cache.v)):
-      np.testing.assert_allclose(np.asarray(single_c[layer][1, :, :n]),
-                                 np.asarray(multi_c[layer][1, :, :n]), atol=1e-5)
+    for multi_c, single_c, cut in (
+        (engine.state.cache.k, single.state.cache.k, lambda c: c[1, ..., :n]),  # [K, H, S]
+        (engine.state.cache.v, single.state.cache.v, lambda c: c[1, :, :n])):  # [K, S, H]
+      np.testing.assert_allclose(np.asarray(cut(single_c[layer])),
+                                 np.asarray(cut(multi_c[layer])), atol=1e-5)
 
 
 # (d) -----------------------------------------------------------------------------------------
@@ -212,12 +218,13 @@ def test_prefill_near_end_of_cache(model, full_logprobs):
   assert int(t3[0]) == int(np.argmax(want)) and lp3[0] == pytest.approx(want[t3[0]], abs=1e-5)
   # Every cache entry sits at its own index (a write clamped at the end would shift entries).
   k_want, v_want = _layer0_kv(model, conv)
-  np.testing.assert_allclose(np.asarray(engine.state.cache.k[0][0]), k_want, atol=1e-5)
+  np.testing.assert_allclose(_keys(engine.state.cache.k[0])[0], k_want, atol=1e-5)
   np.testing.assert_allclose(np.asarray(engine.state.cache.v[0][0]), v_want, atol=1e-5)
-  assert engine.state.cache.k[0].shape == (SLOTS, 2, CACHE, 16)  # [B, K, S, H]
+  assert engine.state.cache.k[0].shape == (SLOTS, 2, 16, CACHE)  # [B, K, H, S]
+  assert engine.state.cache.v[0].shape == (SLOTS, 2, CACHE, 16)  # [B, K, S, H]
   # The other slot is untouched.
   n = len(other)
-  np.testing.assert_allclose(np.asarray(engine.state.cache.k[0][2, :, :n]), k_other, atol=1e-5)
+  np.testing.assert_allclose(_keys(engine.state.cache.k[0])[2, :, :n], k_other, atol=1e-5)
   np.testing.assert_allclose(np.asarray(engine.state.cache.v[0][2, :, :n]), v_other, atol=1e-5)
 
   # A full slot takes nothing more; a prefill that does not fit is refused and changes nothing.
@@ -251,7 +258,7 @@ def test_prefill_many_equals_each_request_alone(model, full_logprobs):
     assert tok == int(np.argmax(want)) and lp == pytest.approx(want[tok], abs=1e-5)
     assert engine.position(slot) == len(conv)
     k_want, v_want = _layer0_kv(model, conv)
-    np.testing.assert_allclose(np.asarray(engine.state.cache.k[0][slot, :, :len(conv)]), k_want,
+    np.testing.assert_allclose(_keys(engine.state.cache.k[0])[slot, :, :len(conv)], k_want,
                                atol=1e-5)
     np.testing.assert_allclose(np.asarray(engine.state.cache.v[0][slot, :, :len(conv)]), v_want,
                                atol=1e-5)
@@ -473,8 +480,8 @@ def test_generate_ends_with_length_at_the_end_of_the_cache(model, full_logprobs)
   slot = next(s for s in range(SLOTS) if engine.position(s) == CACHE)
   # Every entry holds its own token (a write clamped at the end would overwrite index 63).
   k_want, _ = _layer0_kv(model, prompt + c.token_ids[:-1])
-  np.testing.assert_allclose(np.asarray(engine.state.cache.k[0][slot]), k_want, atol=1e-5)
-  np.testing.assert_allclose(np.asarray(engine.state.cache.k[0][2, :, :5]), k_other, atol=1e-5)
+  np.testing.assert_allclose(_keys(engine.state.cache.k[0])[slot], k_want, atol=1e-5)
+  np.testing.assert_allclose(_keys(engine.state.cache.k[0])[2, :, :5], k_other, atol=1e-5)
   # The engine refuses to advance a full slot rather than write past the cache.
   active = np.zeros(SLOTS, bool)
   active[slot] = True

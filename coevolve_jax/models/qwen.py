@@ -132,21 +132,34 @@ CPU_LOGITS_ROWS = 256  # full-logits projection on XLA:CPU: rows per product (se
 
 
 class KVCache(NamedTuple):
-  """Per-layer key and value caches, each [B, K, S, H]. Cache index == absolute position.
+  """Per-layer key caches [B, K, H, S] and value caches [B, K, S, H]. Cache index == position.
 
-  Heads before positions: a decode step's attention is then a batched product over (B, K) that
-  reads the cache as laid out; with [B, S, K, H] XLA:CPU transposed every layer's whole cache
-  each step (at batch 64, 2.6x the attention time).
+  Heads before positions, so a decode step's attention is a batched product over (B, K) that
+  reads the cache as laid out (with [B, S, K, H], XLA:CPU transposed every layer's whole cache
+  each step). Keys are stored transposed, position minor: the scores product q [G, H] x k [H, S]
+  then runs in the standard layout (see `_attend`; docs/benchmarks/rollout.md). Values stay
+  [S, H], the layout probs [G, S] x v [S, H] wants.
   """
 
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
 
+  # Logical axes (models/sharding.py) of each key and value array.
+  KEY_AXES = ("batch", "act_kv_heads", None, "cache_length")
+  VALUE_AXES = ("batch", "act_kv_heads", "cache_length", None)
+
   @classmethod
   def zeros(cls, cfg: QwenConfig, batch: int, length: int, dtype=jnp.float32) -> "KVCache":
-    shape = (batch, cfg.num_key_value_heads, length, cfg.head_dim)
-    z = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
-    return cls(k=z, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)))
+    b, k, h = batch, cfg.num_key_value_heads, cfg.head_dim
+    n = cfg.num_hidden_layers
+    # Distinct buffers per layer: engines donate the cache, and a buffer donated twice is an error.
+    return cls(k=tuple(jnp.zeros((b, k, h, length), dtype) for _ in range(n)),
+               v=tuple(jnp.zeros((b, k, length, h), dtype) for _ in range(n)))
+
+  @property
+  def length(self) -> int:
+    """S, entries per slot."""
+    return self.v[0].shape[2]
 
 
 def _init(rngs: nnx.Rngs, shape, axes, dtype, scale: float = 0.02) -> nnx.Param:
@@ -193,22 +206,31 @@ def attention_block(t: int) -> int | None:
   return block if t % block == 0 and t // block >= ATTN_MIN_BLOCKS else None
 
 
-def _attend(q_btnh, keys, values, q_pos_bt, k_pos_bs, k_valid_bs, heads_first=False) -> jax.Array:
+def _attend(q_btnh, keys, values, q_pos_bt, k_pos_bs, k_valid_bs, cache_layout=False
+            ) -> jax.Array:
   """Masked softmax attention with GQA. Returns [B, T, N, H]; a query sees keys whose position is
   <= its own and that are valid.
 
-  Keys and values are [B, S, K, H] (the projections' own layout, the cache-free path), or
-  [B, K, S, H] with `heads_first` (the KV cache's layout)."""
+  Keys and values are [B, S, K, H] (the projections' own layout, the cache-free path), or with
+  `cache_layout` the KV cache's: keys [B, K, H, S], values [B, K, S, H] (see KVCache). The
+  former are transposed to the latter, and the queries regrouped [B, K, G * T, H], so both
+  products are plain [B, K] batches of row-major matrix products. XLA:CPU ran the
+  [B, T, K, G, H] x [B, S, K, H] spelling 2.9x slower in a batch-64 decode step and 1.3-1.7x
+  slower over whole sequences, backward included (docs/benchmarks/rollout.md).
+  """
+  if not cache_layout:
+    keys, values = keys.transpose(0, 2, 3, 1), values.transpose(0, 2, 1, 3)
   b, t, n, h = q_btnh.shape
-  kh = keys.shape[1 if heads_first else 2]
-  kv = "BKSH" if heads_first else "BSKH"
-  q = q_btnh.reshape(b, t, kh, n // kh, h)
-  scores = jnp.einsum(f"BTKGH,{kv}->BKGTS", q, keys.astype(q.dtype)).astype(jnp.float32)
-  scores = scores * (h ** -0.5)
-  mask = (k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]) & k_valid_bs[:, None, :]
+  kh, s = keys.shape[1], keys.shape[3]
+  g = n // kh
+  q = q_btnh.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, h)
+  scores = jnp.einsum("BKQH,BKHS->BKQS", q, keys.astype(q.dtype)).astype(jnp.float32)
+  scores = scores.reshape(b, kh, g, t, s) * (h ** -0.5)
+  mask = (k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]) & k_valid_bs[:, None, :]  # [B, T, S]
   scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-  return jnp.einsum(f"BKGTS,{kv}->BTKGH", probs, values).reshape(b, t, n, h)
+  probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype).reshape(b, kh, g * t, s)
+  out = jnp.einsum("BKQS,BKSH->BKQH", probs, values)
+  return out.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 class Attention(nnx.Module):
@@ -232,14 +254,15 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
       self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
 
-  def __call__(self, x_btd, positions_bt, k_cache_bksh, v_cache_bksh, write_b, key_pos_bs,
+  def __call__(self, x_btd, positions_bt, k_cache_bkhs, v_cache_bksh, write_b, key_pos_bs,
                key_valid_bs, query_index_bp=None):
     """Attention over [cache ++ new keys].
 
     Args:
       x_btd: [B, T, D] inputs.
       positions_bt: [B, T] absolute positions of the inputs.
-      k_cache_bksh, v_cache_bksh: [B, K, S, H] caches, or None (keys are the inputs themselves).
+      k_cache_bkhs, v_cache_bksh: [B, K, H, S] key and [B, K, S, H] value caches (KVCache), or
+        None (keys are the inputs themselves).
       write_b: [B] int cache index at which the T new keys are written (cache mode only).
       key_pos_bs: [B, S] absolute position of each key; key_valid_bs: [B, S] bool.
       query_index_bp: optional [B, P] int indices into T (cache-free mode only): queries, and so
@@ -262,16 +285,18 @@ class Attention(nnx.Module):
     q = rope(q, q_pos, cfg.rope_theta)
     k = rope(k, positions_bt, cfg.rope_theta)
     q = constrain(q, ("batch", "length", "act_heads", None))
-    if k_cache_bksh is not None:
-      write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (0, i, 0)))
-      k_cache_bksh = write(k_cache_bksh, k.swapaxes(1, 2).astype(k_cache_bksh.dtype), write_b)
-      v_cache_bksh = write(v_cache_bksh, v.swapaxes(1, 2).astype(v_cache_bksh.dtype), write_b)
+    if k_cache_bkhs is not None:
+      write_k = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (0, 0, i)))
+      write_v = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (0, i, 0)))
+      k_cache_bkhs = write_k(k_cache_bkhs, k.transpose(0, 2, 3, 1).astype(k_cache_bkhs.dtype),
+                             write_b)
+      v_cache_bksh = write_v(v_cache_bksh, v.swapaxes(1, 2).astype(v_cache_bksh.dtype), write_b)
       s = key_pos_bs.shape[1]  # attend only to the first s cache entries (a static bucket)
-      keys, values = k_cache_bksh[:, :, :s], v_cache_bksh[:, :, :s]
+      keys, values = k_cache_bkhs[..., :s], v_cache_bksh[:, :, :s]
     else:
       keys, values = k, v
     b, t, n, h = q.shape
-    block = attention_block(t) if k_cache_bksh is None and query_index_bp is None else None
+    block = attention_block(t) if k_cache_bkhs is None and query_index_bp is None else None
     if block:
       # Causal block skipping without a cache: query block i only needs keys [0, (i+1)*block)
       # (positions grow with the index for every real token), and each block is rematerialised
@@ -285,9 +310,9 @@ class Attention(nnx.Module):
       out = jnp.concatenate(outs, axis=1)
     else:
       out = _attend(q, keys, values, q_pos, key_pos_bs, key_valid_bs,
-                    heads_first=k_cache_bksh is not None)
+                    cache_layout=k_cache_bkhs is not None)
     out = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...])
-    return out, k_cache_bksh, v_cache_bksh
+    return out, k_cache_bkhs, v_cache_bksh
 
 
 class MLP(nnx.Module):
@@ -448,7 +473,8 @@ class Qwen(nnx.Module):
     Args:
       input_ids_bt: [B, T] int32 new tokens.
       positions_bt: [B, T] int32 absolute positions; must equal write_b[:, None] + arange(T).
-      cache: KVCache with [B, K, S, H] arrays; entries at index <= position are attended.
+      cache: KVCache ([B, K, H, S] keys, [B, K, S, H] values); entries at index <= position
+        are attended.
       write_b: [B] int32 cache index where the new keys go. The caller guarantees
         write_b + T <= S (dynamic_update_slice would otherwise clamp the write).
       kv_len: static; attend only to cache entries [0, kv_len) (default S). The caller guarantees
@@ -456,7 +482,7 @@ class Qwen(nnx.Module):
     Returns:
       ([B, T, D] hidden states after the final norm, updated cache).
     """
-    s = cache.k[0].shape[2] if kv_len is None else kv_len
+    s = cache.length if kv_len is None else kv_len
     key_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (input_ids_bt.shape[0], s))
     key_valid = jnp.ones_like(key_pos, jnp.bool_)
     x = self._embed(input_ids_bt)

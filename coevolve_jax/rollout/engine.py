@@ -1,9 +1,9 @@
 """KV-cached inference engine over decode slots (the shape of JetStream's `Engine` contract).
 
-A decode state holds `B` slots sharing one KV cache `[B, K, S, H]` per layer. `prefill` runs a
-request's prompt (or the continuation of a multi-turn conversation) into one slot and samples its
-first token; `generate` advances every slot by one token. Both are jitted once per shape: prompts
-are cut into power-of-two chunks so that few shapes exist.
+A decode state holds `B` slots sharing one KV cache per layer (`KVCache`: B slots of S entries).
+`prefill` runs a request's prompt (or the continuation of a multi-turn conversation) into one slot
+and samples its first token; `generate` advances every slot by one token. Both are jitted once per
+shape: prompts are cut into power-of-two chunks so that few shapes exist.
 
 Invariant per slot: cache indices [0, next_pos) hold keys of tokens already consumed; `tokens[b]`
 is the last sampled token, not yet in the cache. Nothing is written at index >= S: the host checks
@@ -25,7 +25,7 @@ from coevolve_jax.rollout.sampling import SamplingParams, sample
 
 
 class DecodeState(NamedTuple):
-  cache: KVCache  # per layer [B, K, S, H]
+  cache: KVCache  # per layer: keys [B, K, H, S], values [B, K, S, H]
   next_pos: jax.Array  # [B] int32: cache index for the next token
   tokens: jax.Array  # [B] int32: last sampled token per slot
 
@@ -56,7 +56,7 @@ def _prefill_rows(graphdef, params, state: DecodeState, slots_r, chunk_rt, true_
                    donate_argnames=("state",))
 def _generate(graphdef, params, state: DecodeState, active_b, rng, sampling, kv_len):
   model = nnx.merge(graphdef, params)
-  s = state.cache.k[0].shape[2]
+  s = state.cache.length
   write = jnp.minimum(state.next_pos, s - 1)  # inactive slots may sit at S; never write past it
   hidden, cache = model.decode(state.tokens[:, None], write[:, None], state.cache, write,
                                kv_len)
@@ -88,7 +88,16 @@ def _chunks(n: int, start: int, cache_len: int, min_chunk: int = 16,
   return sizes
 
 
-def _kv_bucket(n: int, cache_len: int, minimum: int = 256) -> int:
+# Smallest key-length bucket (cache entries a call attends to) of a decode step and of a prefill
+# chunk. Decode steps share one shape until 256 tokens; a prefill chunk attends to no more than
+# it needs: a fresh 128-token prompt to 128 keys, not 256, and its attention (most of a prefill
+# after the matmuls: XLA:CPU runs the small batched products at a fraction of the matmul rate)
+# costs half.
+DECODE_MIN_KV = 256
+PREFILL_MIN_KV = 16
+
+
+def _kv_bucket(n: int, cache_len: int, minimum: int = DECODE_MIN_KV) -> int:
   """Smallest power of two >= n (at least `minimum`), capped at the cache length."""
   return min(cache_len, max(minimum, 1 << max(0, (n - 1).bit_length())))
 
@@ -183,7 +192,7 @@ class Engine:
     # One key-length bucket for the whole call where the padding allows: a long prompt compiles
     # one (chunk, bucket) shape rather than one per bucket it passes through.
     kv_call = _kv_bucket(max(self.position(s) + len(x) for s, x in zip(slots, ids_list)),
-                         self.cache_len)
+                         self.cache_len, PREFILL_MIN_KV)
     offsets = [0] * len(requests)
     out: list[tuple[int, float] | None] = [None] * len(requests)
 
@@ -195,7 +204,8 @@ class Engine:
         piece = ids_list[i][offsets[i]:offsets[i] + t]
         chunk[r, :len(piece)], true_len[r] = piece, len(piece)
       slot_rows = np.array([slots[i] for i in padded], np.int32)
-      kv_len = max(kv_call, _kv_bucket(int(self._pos[slot_rows].max()) + t, self.cache_len))
+      kv_len = max(kv_call, _kv_bucket(int(self._pos[slot_rows].max()) + t, self.cache_len,
+                                       PREFILL_MIN_KV))
       self.state, tok, logp = _prefill_rows(
           self.graphdef, self.params, self.state, jnp.asarray(slot_rows), jnp.asarray(chunk),
           jnp.asarray(true_len), jnp.stack([requests[i][2] for i in padded]), sampling, kv_len)

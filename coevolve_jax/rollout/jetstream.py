@@ -160,7 +160,7 @@ class JetStreamEngine(_Base):
       state, start = existing_prefix.state, existing_prefix.length
     if start + padded.shape[0] > self._cache_len:
       raise ValueError(f"{start} + {padded.shape[0]} tokens exceed the cache ({self._cache_len})")
-    kv_len = _kv_bucket(start + padded.shape[0], self._cache_len)
+    kv_len = _kv_bucket(start + padded.shape[0], self._cache_len, engine_lib.PREFILL_MIN_KV)
     state, tok, logp = _prefill_rows(
         self._graphdef, params, state, jnp.zeros((1,), jnp.int32), jnp.asarray(padded)[None],
         jnp.asarray([true_length], jnp.int32), self._next_key()[None], self.sampling, kv_len)
