@@ -7,7 +7,9 @@ Hugging Face folder that every contender loads) and one set of random 128-token 
 batch size it prints generated tokens/s (new tokens over the wall time of a whole generate call,
 prefill included, after a warm-up call of the same shapes) greedy and sampled (T = 0.9, full
 vocabulary), the ratio of ours to the faster peer, whether our greedy tokens equal transformers',
-and how one decode step's time grows with batch size and with cache length.
+how one decode step's time grows with batch size and with cache length, and the matmul bound:
+the most tokens/s any implementation could reach here if every product ran at the best rate XLA
+or torch reaches on it in this run (`matmul_bound`).
 
 google-tunix conflicts with our pins, so it runs in its own environment (`--tunix_python`,
 default .venv-tunix/bin/python) as a subprocess of this script (`--worker=tunix`), on the same
@@ -212,10 +214,66 @@ def step_times(args, model) -> dict:
   return out
 
 
+# ------------------------------------------------------------------------------ matmul bound
+
+
+def _best_rate(m: int, k: int, n: int, repeats: int = 5) -> float:
+  """FLOP/s of the faster of XLA's and torch's bare [m, k] x [k, n] float32 product here (median
+  of `repeats`), so the bound below holds for any implementation built on either library."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import torch  # noqa: PLC0415
+
+  rng = np.random.default_rng(0)
+  a = rng.standard_normal((m, k), np.float32)
+  b = rng.standard_normal((k, n), np.float32)
+  xa, xb, ta, tb = jnp.asarray(a), jnp.asarray(b), torch.from_numpy(a), torch.from_numpy(b)
+  product = jax.jit(jnp.matmul)
+
+  def median(run) -> float:
+    run()
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      run()
+      times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+  seconds = min(median(lambda: product(xa, xb).block_until_ready()), median(lambda: ta @ tb))
+  return 2 * m * k * n / seconds
+
+
+def matmul_bound(args, model) -> dict:
+  """Fastest generate call the matmul rate of this machine allows, per batch size.
+
+  FLOPs of one call (attention, norms and sampling left out, so the bound is generous): the
+  prompts through every layer plus the head at each prompt's last position, then new_tokens - 1
+  decode steps through layers and head. Prefill FLOPs run at the best rate measured for the
+  prefill's MLP products ([B * P, D] x [D, F], [B * P, F] x [F, D]), decode FLOPs at the best
+  for a step's ([B, D] x [D, V] head, [B, D] x [D, F] MLP).
+  """
+  from coevolve_jax.models.qwen import count_params  # noqa: PLC0415
+
+  cfg = model.config
+  layers = count_params(cfg, model)["non_embedding"]
+  head = cfg.hidden_size * cfg.vocab_size
+  d, f, p = cfg.hidden_size, cfg.intermediate_size, args.prompt_len
+  out = {}
+  for b in args.batches:
+    prefill_flops = 2 * b * p * layers + 2 * b * head
+    decode_flops = 2 * b * (args.new_tokens - 1) * (layers + head)
+    prefill_rate = max(_best_rate(b * p, d, f), _best_rate(b * p, f, d))
+    decode_rate = max(_best_rate(b, d, cfg.vocab_size), _best_rate(b, d, f))
+    seconds = prefill_flops / prefill_rate + decode_flops / decode_rate
+    out[b] = dict(gflop=(prefill_flops + decode_flops) / 1e9, prefill_rate=prefill_rate / 1e9,
+                  decode_rate=decode_rate / 1e9, tok_s=b * args.new_tokens / seconds)
+  return out
+
+
 # ---------------------------------------------------------------------------------------- main
 
 
-def report(args, ours, hf, tunix, steps) -> None:
+def report(args, ours, hf, tunix, steps, bound) -> None:
   print(f"\nmachine: {machine(torch_version=True)}")
   print(f"model: Qwen3, {args.layers} layers, hidden {args.hidden}, vocab {VOCAB}, float32; "
         f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens per row\n")
@@ -249,6 +307,20 @@ def report(args, ours, hf, tunix, steps) -> None:
   print("\nours: one decode step (median of "
         f"{args.step_repeats}), by batch size and cache length\n")
   print(markdown_table(srows))
+  if not bound:
+    return
+  print("\nmatmul bound: the fastest generate call this machine's measured matmul rate allows "
+        "(best of XLA and torch per product; attention, norms and sampling not counted)\n")
+  brows = [["batch", "GFLOP per call", "GFLOP/s prefill / decode", "bound tok/s",
+            "1.5x faster greedy peer", "ours greedy", "ours / bound"]]
+  for b in args.batches:
+    x = bound[b]
+    peers = [peer["greedy"][str(b)][0] for peer in (hf, tunix) if peer]
+    target = f"{1.5 * max(peers):.1f}" if peers else "-"
+    mine = ours["greedy"][str(b)][0]
+    brows.append([str(b), f"{x['gflop']:.0f}", f"{x['prefill_rate']:.0f} / {x['decode_rate']:.0f}",
+                  f"{x['tok_s']:.1f}", target, f"{mine:.1f}", f"{mine / x['tok_s']:.0%}"])
+  print(markdown_table(brows))
 
 
 def main() -> None:
@@ -262,6 +334,7 @@ def main() -> None:
   p.add_argument("--step_repeats", type=int, default=5)
   p.add_argument("--peers", default="transformers,tunix")
   p.add_argument("--tunix_python", default=".venv-tunix/bin/python")
+  p.add_argument("--bound", type=int, default=1, help="print the matmul bound (0: skip)")
   p.add_argument("--folder", default="", help="(worker) the Hugging Face folder")
   p.add_argument("--worker", default="", help="(internal) run a peer in its own environment")
   args = p.parse_args()
@@ -285,7 +358,8 @@ def main() -> None:
     hf = run_transformers(args, prompts) if "transformers" in peers else None
     tunix = run_tunix(args) if "tunix" in peers else None
   steps = step_times(args, model)
-  report(args, ours, hf, tunix, steps)
+  bound = matmul_bound(args, model) if args.bound else None
+  report(args, ours, hf, tunix, steps, bound)
 
 
 if __name__ == "__main__":

@@ -143,7 +143,10 @@ def sample(logits_bv: jax.Array, rng: jax.Array,
   filtered = filtered_logits(logits_bv, params)
   if params.greedy:
     tokens = jnp.argmax(filtered, axis=-1).astype(jnp.int32)
-    return tokens, gathered_logprobs(filtered, tokens)
+    # The argmax's logit is the row's max: log p = -log(sum(exp(z - max))), one pass over [B, V]
+    # after the argmax's instead of logsumexp's two.
+    top = jnp.take_along_axis(filtered, tokens[:, None], axis=-1)
+    return tokens, -jnp.log(jnp.sum(jnp.exp(filtered - top), axis=-1))
   b, v = filtered.shape
   top = jnp.max(filtered, axis=-1, keepdims=True)  # finite: the top token is always kept
   unnorm = jnp.exp(filtered - top)  # [B, V], 0 outside the kept set
