@@ -241,12 +241,14 @@ def test_prefill_near_end_of_cache(model, full_logprobs):
     np.testing.assert_array_equal(x, y)
 
 
-def test_prefill_many_equals_each_request_alone(model, full_logprobs):
+@pytest.mark.parametrize("max_prefill_tokens", [1024, 32])
+def test_prefill_many_equals_each_request_alone(model, full_logprobs, max_prefill_tokens):
   """Three slots prefilled in one call: a fresh long prompt, a fresh short one, and a
   continuation so near the end of its cache that it runs alone, in two chunks. Each gets the
   full forward's greedy token and log-prob and its own keys in the cache, and with a sampler
-  the same token as `prefill` alone with the same key."""
-  engine = Engine(model, SLOTS, CACHE)
+  the same token as `prefill` alone with the same key. With max_prefill_tokens = 32 a round's
+  chunks run as several forwards (one row each at chunk length 64)."""
+  engine = Engine(model, SLOTS, CACHE, max_prefill_tokens=max_prefill_tokens)
   first = _prompt(40, 50)
   engine.prefill(0, first, jax.random.key(0), GREEDY)
   convs = [first + _prompt(41, 9), _prompt(42, 40), _prompt(43, 3)]
@@ -268,7 +270,7 @@ def test_prefill_many_equals_each_request_alone(model, full_logprobs):
   sampling = SamplingParams(temperature=0.9)
   prompts = [_prompt(44 + i, n) for i, n in enumerate((17, 5, 30))]
   keys = [jax.random.key(100 + i) for i in range(3)]
-  together = Engine(model, SLOTS, CACHE).prefill_many(
+  together = Engine(model, SLOTS, CACHE, max_prefill_tokens=max_prefill_tokens).prefill_many(
       [(s, p, k) for s, (p, k) in enumerate(zip(prompts, keys))], sampling)
   for slot, (p, k) in enumerate(zip(prompts, keys)):
     tok, lp = Engine(model, SLOTS, CACHE).prefill(slot, p, k, sampling)
@@ -500,6 +502,9 @@ def test_generate_rejects_bad_requests_before_any_work(model):
   assert all(engine.position(s) == 0 for s in range(SLOTS))
   with pytest.raises(ValueError, match="top_p"):
     SamplingParams(top_p=1.5)
+  for bad in (dict(num_slots=0), dict(cache_len=0), dict(max_prefill_tokens=0)):
+    with pytest.raises(ValueError, match="must be >= 1"):
+      Engine(model, **{"num_slots": SLOTS, "cache_len": CACHE, **bad})
 
 
 @pytest.mark.parametrize("n,start,cache", [(2100, 0, 4096), (700, 3300, 4096), (4, 60, 64),

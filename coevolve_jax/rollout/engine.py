@@ -109,13 +109,25 @@ class Engine:
     model: a Qwen model (its parameters are read at each call through `params`).
     num_slots: max concurrent decodes B.
     cache_len: S, tokens per slot (prompt + all turns).
+    dtype: KV cache dtype.
+    max_prefill_tokens: most tokens (rows x chunk length) one prefill forward takes; a larger
+      batch of prompts runs as several forwards. On a 2-core CPU, 64 prompts of 128 tokens
+      prefilled 10-15% faster as 8 calls of 1024 tokens than as one of 8192 (activations that
+      fit the cache); accelerators may want more.
+  Raises:
+    ValueError: num_slots, cache_len or max_prefill_tokens below 1.
   """
 
-  def __init__(self, model: Qwen, num_slots: int, cache_len: int, dtype=jnp.float32):
+  def __init__(self, model: Qwen, num_slots: int, cache_len: int, dtype=jnp.float32,
+               max_prefill_tokens: int = 1024):
+    if min(num_slots, cache_len, max_prefill_tokens) < 1:
+      raise ValueError(f"num_slots ({num_slots}), cache_len ({cache_len}) and "
+                       f"max_prefill_tokens ({max_prefill_tokens}) must be >= 1")
     self.graphdef, self.params = nnx.split(model)
     self.config = model.config
     self.num_slots = num_slots
     self.cache_len = cache_len
+    self.max_prefill_tokens = max_prefill_tokens
     self.dtype = dtype
     self.state = self.init_decode_state()
     # Host mirror of state.next_pos: room checks and kv buckets need no device round trip.
@@ -165,7 +177,8 @@ class Engine:
 
     Inputs are cut into chunks of at most MAX_PREFILL_CHUNK tokens. In each round every request
     with tokens left contributes its next chunk; the chunks are padded to a power-of-two length
-    (the longest chunk's) and row count and run as one batch. A slot too near the end of its
+    (the longest chunk's) and row count and run as one batch (several when they hold more than
+    `max_prefill_tokens`). A slot too near the end of its
     cache for that length runs alone with a chunk that fits (`_chunks`). The next token is
     sampled after a request's last chunk with its own key, so a request's result does not
     depend on what it is batched with. Padding keys land at cache indices >= the slot's new
@@ -219,8 +232,9 @@ class Engine:
     while live := [i for i in range(len(requests)) if offsets[i] < len(ids_list[i])]:
       t = max(_chunks(len(ids_list[i]) - offsets[i], 0, self.cache_len)[0] for i in live)
       group = [i for i in live if self._pos[slots[i]] + t <= self.cache_len]
-      if group:
-        run(group, t)
+      rows = max(1, self.max_prefill_tokens // t)  # per forward
+      for first in range(0, len(group), rows):
+        run(group[first:first + rows], t)
       for i in live:
         if i not in group:  # near the end of its cache: alone, with a chunk that fits
           run([i], _chunks(len(ids_list[i]) - offsets[i], int(self._pos[slots[i]]),
