@@ -206,30 +206,26 @@ def attention_block(t: int) -> int | None:
   return block if t % block == 0 and t // block >= ATTN_MIN_BLOCKS else None
 
 
-def _attend(q_btnh, keys, values, q_pos_bt, k_pos_bs, k_valid_bs, cache_layout=False
-            ) -> jax.Array:
+def _attend(q_btnh, keys_bkhs, values_bksh, q_pos_bt, k_pos_bs, k_valid_bs) -> jax.Array:
   """Masked softmax attention with GQA. Returns [B, T, N, H]; a query sees keys whose position is
   <= its own and that are valid.
 
-  Keys and values are [B, S, K, H] (the projections' own layout, the cache-free path), or with
-  `cache_layout` the KV cache's: keys [B, K, H, S], values [B, K, S, H] (see KVCache). The
-  former are transposed to the latter, and the queries regrouped [B, K, G * T, H], so both
-  products are plain [B, K] batches of row-major matrix products. XLA:CPU ran the
-  [B, T, K, G, H] x [B, S, K, H] spelling 2.9x slower in a batch-64 decode step and 1.3-1.7x
-  slower over whole sequences, backward included (docs/benchmarks/rollout.md).
+  Keys are [B, K, H, S] and values [B, K, S, H] (the KV cache's layout, see KVCache), and the
+  queries are regrouped [B, K, G * T, H], so both products are plain [B, K] batches of
+  row-major matrix products. XLA:CPU ran the [B, T, K, G, H] x [B, S, K, H] spelling 2.9x slower
+  in a batch-64 decode step and 1.3-1.7x slower over whole sequences, backward included
+  (docs/benchmarks/rollout.md).
   """
-  if not cache_layout:
-    keys, values = keys.transpose(0, 2, 3, 1), values.transpose(0, 2, 1, 3)
   b, t, n, h = q_btnh.shape
-  kh, s = keys.shape[1], keys.shape[3]
+  kh, s = keys_bkhs.shape[1], keys_bkhs.shape[3]
   g = n // kh
   q = q_btnh.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, h)
-  scores = jnp.einsum("BKQH,BKHS->BKQS", q, keys.astype(q.dtype)).astype(jnp.float32)
+  scores = jnp.einsum("BKQH,BKHS->BKQS", q, keys_bkhs.astype(q.dtype)).astype(jnp.float32)
   scores = scores.reshape(b, kh, g, t, s) * (h ** -0.5)
   mask = (k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]) & k_valid_bs[:, None, :]  # [B, T, S]
   scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype).reshape(b, kh, g * t, s)
-  out = jnp.einsum("BKQS,BKSH->BKQH", probs, values)
+  probs = jax.nn.softmax(scores, axis=-1).astype(values_bksh.dtype).reshape(b, kh, g * t, s)
+  out = jnp.einsum("BKQS,BKSH->BKQH", probs, values_bksh)
   return out.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
@@ -285,16 +281,15 @@ class Attention(nnx.Module):
     q = rope(q, q_pos, cfg.rope_theta)
     k = rope(k, positions_bt, cfg.rope_theta)
     q = constrain(q, ("batch", "length", "act_heads", None))
+    # Keys [B, K, H, S] and values [B, K, S, H], the cache's layout, in both modes (`_attend`).
+    keys, values = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
     if k_cache_bkhs is not None:
       write_k = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (0, 0, i)))
       write_v = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (0, i, 0)))
-      k_cache_bkhs = write_k(k_cache_bkhs, k.transpose(0, 2, 3, 1).astype(k_cache_bkhs.dtype),
-                             write_b)
-      v_cache_bksh = write_v(v_cache_bksh, v.swapaxes(1, 2).astype(v_cache_bksh.dtype), write_b)
+      k_cache_bkhs = write_k(k_cache_bkhs, keys.astype(k_cache_bkhs.dtype), write_b)
+      v_cache_bksh = write_v(v_cache_bksh, values.astype(v_cache_bksh.dtype), write_b)
       s = key_pos_bs.shape[1]  # attend only to the first s cache entries (a static bucket)
       keys, values = k_cache_bkhs[..., :s], v_cache_bksh[:, :, :s]
-    else:
-      keys, values = k, v
     b, t, n, h = q.shape
     block = attention_block(t) if k_cache_bkhs is None and query_index_bp is None else None
     if block:
@@ -305,12 +300,11 @@ class Attention(nnx.Module):
       for i in range(t // block):
         lo, hi = i * block, (i + 1) * block
         outs.append(jax.checkpoint(_attend)(
-            q[:, lo:hi], keys[:, :hi], values[:, :hi], positions_bt[:, lo:hi],
+            q[:, lo:hi], keys[..., :hi], values[:, :, :hi], positions_bt[:, lo:hi],
             key_pos_bs[:, :hi], key_valid_bs[:, :hi]))
       out = jnp.concatenate(outs, axis=1)
     else:
-      out = _attend(q, keys, values, q_pos, key_pos_bs, key_valid_bs,
-                    cache_layout=k_cache_bkhs is not None)
+      out = _attend(q, keys, values, q_pos, key_pos_bs, key_valid_bs)
     out = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...])
     return out, k_cache_bkhs, v_cache_bksh
 
