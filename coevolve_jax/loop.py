@@ -249,6 +249,11 @@ class CoEvolveRun:
       report = self.pool.add(d0, eval_tasks=self.eval_split)
       self.state["d0"] = {**counts, "added": report.added, "dropped": len(report.dropped)}
       print(f"D0: {self.state['d0']}")
+      if not len(self.pool):
+        raise RunError(
+            f"D0 exploration left the task pool empty ({self.state['d0']}): there is nothing to "
+            f"train on. Raise explore.initial_tasks or explore.rounds, or check the explorer "
+            f"(its errors are logged above).")
     with self.timer("warmstart"):
       self._warmstart(rng)
     self.trainer.freeze_reference()

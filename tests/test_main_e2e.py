@@ -10,7 +10,8 @@ import os
 
 import pytest
 
-from coevolve_jax.loop import CoEvolveRun
+from coevolve_jax import loop
+from coevolve_jax.loop import CoEvolveRun, RunError
 
 _CONFIG = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "bfcl.py")
 
@@ -83,3 +84,12 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys)
   again = CoEvolveRun(small_config(), workdir).fit()  # rerun after completion: nothing to do
   assert again == summary
   assert "complete" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_an_empty_d0_pool_stops_with_a_clear_error(tmp_path, monkeypatch):
+  """Exploration that yields no task (every candidate failed) ends the run before warm-start
+  with RunError (exit 2 from main) instead of a bare `max()` of an empty demo list."""
+  monkeypatch.setattr(loop.controller, "build_initial_tasks", lambda *a, **k: [])
+  with pytest.raises(RunError, match="task pool empty"):
+    CoEvolveRun(small_config(), str(tmp_path / "run")).fit()
