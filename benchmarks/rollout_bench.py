@@ -5,11 +5,12 @@
 One random Qwen3 (8 layers, hidden 512, full 151,936-token vocabulary, float32; saved once as a
 Hugging Face folder that every contender loads) and one set of random 128-token prompts. For each
 batch size it prints generated tokens/s (new tokens over the wall time of a whole generate call,
-prefill included, after a warm-up call of the same shapes) greedy and sampled (T = 0.9, full
-vocabulary), the ratio of ours to the faster peer, whether our greedy tokens equal transformers',
-how one decode step's time grows with batch size and with cache length, and the matmul bound:
-the most tokens/s any implementation could reach here if every product ran at the best rate XLA
-or torch reaches on it in this run (`matmul_bound`).
+prefill included, median of --repeats calls after a warm-up call of the same shapes) greedy and
+sampled (T = 0.9, full vocabulary), the ratio of ours to the faster peer, whether our greedy
+tokens equal transformers', how one decode step's time grows with batch size and with cache
+length, and the matmul bound: the most tokens/s an implementation could reach here if every
+product ran at the rate XLA (or the faster of XLA and torch) reaches on it in this run
+(`matmul_bound`).
 
 google-tunix conflicts with our pins, so it runs in its own environment (`--tunix_python`,
 default .venv-tunix/bin/python) as a subprocess of this script (`--worker=tunix`), on the same
@@ -45,6 +46,16 @@ def _config_kwargs(layers: int, hidden: int) -> dict:
 
 def _prompts(batch: int, length: int, seed: int = 0) -> np.ndarray:
   return np.random.default_rng(seed).integers(1, VOCAB, (batch, length)).astype(np.int64)
+
+
+def _timed(call, repeats: int):
+  """(median wall seconds over `repeats` calls, the last call's result)."""
+  times, result = [], None
+  for _ in range(repeats):
+    start = time.perf_counter()
+    result = call()
+    times.append(time.perf_counter() - start)
+  return float(np.median(times)), result
 
 
 # ------------------------------------------------------------------------------------- tunix
@@ -101,9 +112,7 @@ def tunix_worker(args) -> None:
       if mode == "sampled":
         kwargs.update(temperature=T_SAMPLED, top_p=1.0, top_k=None, seed=0)
       sampler(texts, **kwargs)  # warm-up: compiles these shapes
-      start = time.perf_counter()
-      res = sampler(texts, **kwargs)
-      wall = time.perf_counter() - start
+      wall, res = _timed(lambda: sampler(texts, **kwargs), args.repeats)  # noqa: B023
       tokens = [list(map(int, t))[:args.new_tokens] for t in res.tokens]
       n = sum(len(t) for t in tokens)
       out[mode][str(b)] = [n / wall, tokens[:8]]
@@ -119,7 +128,8 @@ def run_tunix(args) -> dict | None:
     return None
   cmd = [python, os.path.abspath(__file__), "--worker=tunix", f"--folder={args.folder}",
          f"--batches={','.join(map(str, args.batches))}", f"--new_tokens={args.new_tokens}",
-         f"--prompt_len={args.prompt_len}", f"--layers={args.layers}", f"--hidden={args.hidden}"]
+         f"--prompt_len={args.prompt_len}", f"--layers={args.layers}", f"--hidden={args.hidden}",
+         f"--repeats={args.repeats}"]
   proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
   sys.stderr.write(proc.stderr[-3000:] if proc.returncode else "")
   if proc.returncode:
@@ -152,9 +162,7 @@ def run_transformers(args, prompts: np.ndarray) -> dict:
       with torch.inference_mode():
         torch.manual_seed(0)
         model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
-        start = time.perf_counter()
-        res = model.generate(ids, **kwargs)
-        wall = time.perf_counter() - start
+        wall, res = _timed(lambda: model.generate(ids, **kwargs), args.repeats)  # noqa: B023
       new = res[:, ids.shape[1]:].tolist()
       out[mode][str(b)] = [sum(map(len, new)) / wall, new[:8]]
       print(f"transformers {mode} b={b}: {out[mode][str(b)][0]:.1f} tok/s", file=sys.stderr,
@@ -166,23 +174,29 @@ def run_transformers(args, prompts: np.ndarray) -> dict:
 
 
 def run_ours(args, model, prompts: np.ndarray) -> dict:
+  """Per batch size, greedy and sampled calls alternate (one engine, warmed up in both modes), so
+  the sampled / greedy ratio compares neighbouring runs rather than runs minutes apart."""
   from coevolve_jax.rollout import Engine, SamplingParams, generate  # noqa: PLC0415
 
   cache = -(-(args.prompt_len + args.new_tokens) // 128) * 128
-  out = {}
-  for mode, sampling in (("greedy", SamplingParams(temperature=0.0)),
-                         ("sampled", SamplingParams(temperature=T_SAMPLED))):
-    out[mode] = {}
-    for b in args.batches:
-      engine = Engine(model, b, cache)
-      batch = prompts[:b].tolist()
-      generate(engine, batch, sampling, max_new_tokens=args.new_tokens)  # warm-up (compiles)
-      start = time.perf_counter()
-      res = generate(engine, batch, sampling, max_new_tokens=args.new_tokens)
-      wall = time.perf_counter() - start
-      n = sum(len(c.token_ids) for c in res)
-      out[mode][str(b)] = [n / wall, [c.token_ids for c in res[:8]]]
-      print(f"ours {mode} b={b}: {n / wall:.1f} tok/s", file=sys.stderr, flush=True)
+  modes = {"greedy": SamplingParams(temperature=0.0),
+           "sampled": SamplingParams(temperature=T_SAMPLED)}
+  out = {mode: {} for mode in modes}
+  for b in args.batches:
+    engine = Engine(model, b, cache)
+    batch = prompts[:b].tolist()
+    times = {mode: [] for mode in modes}
+    for rep in range(args.repeats + 1):  # the first round warms up (compiles)
+      for mode, sampling in modes.items():
+        start = time.perf_counter()
+        res = generate(engine, batch, sampling, max_new_tokens=args.new_tokens)
+        if rep:
+          times[mode].append(time.perf_counter() - start)
+          n = sum(len(c.token_ids) for c in res)
+          out[mode][str(b)] = [n / float(np.median(times[mode])),
+                               [c.token_ids for c in res[:8]]]
+    for mode in modes:
+      print(f"ours {mode} b={b}: {out[mode][str(b)][0]:.1f} tok/s", file=sys.stderr, flush=True)
   return out
 
 
@@ -340,6 +354,8 @@ def main() -> None:
   p.add_argument("--hidden", type=int, default=512)
   p.add_argument("--kv_lengths", default="256,1024,4096")
   p.add_argument("--step_repeats", type=int, default=5)
+  p.add_argument("--repeats", type=int, default=3, help="timed generate calls per contender and "
+                 "setting (the median is reported)")
   p.add_argument("--peers", default="transformers,tunix")
   p.add_argument("--tunix_python", default=".venv-tunix/bin/python")
   p.add_argument("--bound", type=int, default=1, help="print the matmul bound (0: skip)")
