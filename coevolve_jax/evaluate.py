@@ -210,7 +210,7 @@ def run(cfg, checkpoint: str, categories: Sequence[str], max_tasks: int, policy:
     from coevolve_jax.rollout.engine import Engine  # noqa: PLC0415
     model = load_model(cfg, checkpoint)
     engine = Engine(model, cfg.rollout.num_slots, cfg.rollout.cache_len,
-                    jnp.dtype(cfg.model.dtype))
+                    jnp.dtype(cfg.model.dtype), cfg.rollout.max_prefill_tokens)
   report: dict[str, Any] = {"checkpoint": checkpoint, "policy": policy,
                             "max_new_tokens": max_new_tokens or cfg.eval.max_new_tokens,
                             "tool_style": cfg.data.tool_style, "categories": {}}

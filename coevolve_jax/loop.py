@@ -111,7 +111,8 @@ class CoEvolveRun:
     self.trainer = PolicyTrainer(model, tx, self.gcfg, cfg.rollout.temperature,
                                  micro_batches=cfg.train.micro_batches)
     self._setup_feedback()
-    self.engine = Engine(model, cfg.rollout.num_slots, cfg.rollout.cache_len, dtype)
+    self.engine = Engine(model, cfg.rollout.num_slots, cfg.rollout.cache_len, dtype,
+                         max_prefill_tokens=cfg.rollout.max_prefill_tokens)
     make_env = functools.partial(bfcl.make_env, max_obs_chars=cfg.data.max_obs_chars,
                                  tool_style=cfg.data.tool_style,
                                  max_steps_per_turn=cfg.rollout.max_steps_per_turn)

@@ -87,6 +87,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.rollout.top_k = 0
   c.rollout.num_slots = 64  # concurrent episodes (decode slots)
   c.rollout.cache_len = 32768  # tokens per episode (prompt + all turns)
+  c.rollout.max_prefill_tokens = 8192  # tokens per prefill forward (rows x chunk)
   c.rollout.max_new_tokens = 4096  # per model reply
   c.rollout.max_steps_per_turn = 20
   c.rollout.max_model_steps = 30
@@ -158,6 +159,7 @@ def _cpu(c: ml_collections.ConfigDict) -> None:
   c.rollout.tasks_per_step = 4
   c.rollout.num_slots = 16
   c.rollout.cache_len = 4096
+  c.rollout.max_prefill_tokens = 1024  # fastest on 2 CPU cores (docs/benchmarks/rollout.md)
   c.rollout.max_new_tokens = 64
   c.rollout.max_steps_per_turn = 5
   c.rollout.max_model_steps = 6
