@@ -16,6 +16,7 @@ from coevolve_jax.trainer import token_logprobs
 CACHE = 64  # every engine below uses this cache length and 3 slots, so compilations are shared
 SLOTS = 3
 GREEDY = SamplingParams(temperature=0.0)
+KEY = jax.random.key(0)
 
 
 @pytest.fixture(scope="module")
@@ -371,6 +372,24 @@ def test_top_k_one_equals_greedy():
       np.testing.assert_array_equal(np.asarray(lp), np.zeros(64, np.float32))
 
 
+def test_tiny_temperatures_keep_exact_logprobs():
+  """At T -> 0 the draw is the argmax and its log-prob tends to 0 from below; dividing the raw
+  logits by T = 1e-8 first left no float32 digits for the gaps (log-probs of +1.26 were seen)."""
+  logits = jax.random.normal(jax.random.key(0), (16, 512)) * 3.0 + 10.0
+  want_tok = np.argmax(np.asarray(logits), -1)
+  for temp in (1e-3, 1e-6, 1e-8, 1e-30):
+    params = SamplingParams(temperature=temp)
+    tok, lp = jax.jit(lambda x, k, p=params: sample(x, k, p))(logits, jax.random.key(1))
+    np.testing.assert_array_equal(np.asarray(tok), want_tok)
+    lp = np.asarray(lp)
+    assert np.all(lp <= 0.0) and np.all(lp > -1e-6), (temp, lp)
+    np.testing.assert_allclose(np.asarray(processed_logprobs(logits, tok, params)), lp, atol=1e-6)
+  with pytest.raises(ValueError, match="temperature"):
+    SamplingParams(temperature=float("nan"))
+  with pytest.raises(ValueError, match="top_k"):
+    SamplingParams(top_k=2.5)
+
+
 @pytest.mark.parametrize("temp", [1.0, 0.7])
 def test_sampling_frequencies_match_softmax(temp):
   logits = np.array([1.0, 0.5, -0.3, 2.0, 0.0, -1.5, 1.2, 0.1], np.float32)
@@ -505,6 +524,22 @@ def test_generate_rejects_bad_requests_before_any_work(model):
   for bad in (dict(num_slots=0), dict(cache_len=0), dict(max_prefill_tokens=0)):
     with pytest.raises(ValueError, match="must be >= 1"):
       Engine(model, **{"num_slots": SLOTS, "cache_len": CACHE, **bad})
+  # Ids outside the vocabulary (512) would embed as NaN and poison the slot's cache; a
+  # negative slot would alias the last one on the device. All refused before any work.
+  with pytest.raises(ValueError, match=r"prompt 1: token ids must lie in \[0, 512\)"):
+    generate(engine, [[1, 2], [3, 512]], GREEDY)
+  with pytest.raises(ValueError, match="must be integers"):
+    generate(engine, [[1.5, 2.0]], GREEDY)
+  before = jax.tree.map(np.asarray, engine.state)
+  for requests, match in (([(0, [1, 2], KEY), (1, [-1], KEY)], "slot 1: token ids"),
+                          ([(SLOTS - 1, [1], KEY), (-1, [2], KEY)], "outside"),
+                          ([(SLOTS, [1], KEY)], "outside")):
+    with pytest.raises(ValueError, match=match):
+      engine.prefill_many(requests, GREEDY)
+  for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(jax.tree.map(np.asarray, engine.state))):
+    np.testing.assert_array_equal(x, y)
+  assert all(engine.position(s) == 0 for s in range(SLOTS))
+  assert engine.prefill_many([], GREEDY) == []
 
 
 @pytest.mark.parametrize("n,start,cache", [(2100, 0, 4096), (700, 3300, 4096), (4, 60, 64),

@@ -102,6 +102,24 @@ def _kv_bucket(n: int, cache_len: int, minimum: int = DECODE_MIN_KV) -> int:
   return min(cache_len, max(minimum, 1 << max(0, (n - 1).bit_length())))
 
 
+def check_token_ids(ids, vocab_size: int, what: str) -> np.ndarray:
+  """`ids` as an int32 array after checking they are integers in [0, vocab_size).
+
+  An id outside the vocabulary would embed as NaN (or wrap around when negative), and NaN keys
+  left in the cache poison every later request of the slot.
+
+  Raises:
+    ValueError: a non-integer id or one outside [0, vocab_size); the message starts with `what`.
+  """
+  arr = np.asarray(ids)
+  if arr.size and arr.dtype.kind not in "iu":
+    raise ValueError(f"{what}: token ids must be integers, got dtype {arr.dtype}")
+  if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+    bad = arr[(arr < 0) | (arr >= vocab_size)]
+    raise ValueError(f"{what}: token ids must lie in [0, {vocab_size}), got {bad[:5].tolist()}")
+  return arr.astype(np.int32).reshape(-1)
+
+
 class Engine:
   """Decode slots over a KV cache for one model.
 
@@ -189,19 +207,26 @@ class Engine:
     Returns:
       (first sampled token id, its log-prob) per request, in order.
     Raises:
-      ValueError: a repeated slot, an empty input, or more tokens than a slot has room for
-        (checked for every request before any work is done).
+      ValueError: a slot outside [0, num_slots) or repeated, an empty input, a token id that is
+        not an integer in [0, vocab_size), or more tokens than a slot has room for (checked for
+        every request before any work is done).
     """
+    if not requests:
+      return []
     slots = [slot for slot, _, _ in requests]
+    for slot in slots:  # a negative index would alias slot B - 1 on the device
+      if not 0 <= slot < self.num_slots:
+        raise ValueError(f"slot {slot} is outside [0, {self.num_slots})")
     if len(set(slots)) != len(slots):
       raise ValueError(f"prefill_many needs distinct slots, got {slots}")
+    ids_list = []
     for slot, ids, _ in requests:
-      if not len(ids):
+      ids_list.append(check_token_ids(ids, self.config.vocab_size, f"slot {slot}"))
+      if not len(ids_list[-1]):
         raise ValueError("prefill needs at least one token")
-      if self.position(slot) + len(ids) > self.cache_len:
+      if self.position(slot) + len(ids_list[-1]) > self.cache_len:
         raise ValueError(f"slot {slot}: {self.position(slot)} + {len(ids)} tokens exceed cache "
                          f"{self.cache_len}")
-    ids_list = [np.asarray(ids, np.int32) for _, ids, _ in requests]
     # One key-length bucket for the whole call where the padding allows: a long prompt compiles
     # one (chunk, bucket) shape rather than one per bucket it passes through.
     kv_call = _kv_bucket(max(self.position(s) + len(x) for s, x in zip(slots, ids_list)),

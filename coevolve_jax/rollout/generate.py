@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from coevolve_jax.models.qwen import Qwen
-from coevolve_jax.rollout.engine import Engine
+from coevolve_jax.rollout.engine import Engine, check_token_ids
 from coevolve_jax.rollout.sampling import SamplingParams, per_row_keys
 
 FINISH_STOP = "stop"  # a stop token was sampled (it is the last token of the completion)
@@ -61,12 +61,14 @@ def generate(model: Qwen | Engine, prompts: Sequence[Sequence[int]], sampling: S
     One `Completion` per prompt. A request whose cache fills up ends with "length"; nothing is
     written past the end of the cache.
   Raises:
-    ValueError: an empty prompt, max_new_tokens < 1, or a prompt that leaves no room in the cache
-      for a single sampled token (checked for all prompts before any work is done).
+    ValueError: an empty prompt, a token id that is not an integer in [0, vocab_size),
+      max_new_tokens < 1, or a prompt that leaves no room in the cache for a single sampled
+      token (checked for all prompts before any work is done).
   """
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-  prompts = [list(map(int, p)) for p in prompts]
+  vocab = model.config.vocab_size
+  prompts = [check_token_ids(p, vocab, f"prompt {i}").tolist() for i, p in enumerate(prompts)]
   for i, p in enumerate(prompts):
     if not p:
       raise ValueError(f"prompt {i} is empty")
@@ -74,7 +76,8 @@ def generate(model: Qwen | Engine, prompts: Sequence[Sequence[int]], sampling: S
     engine = model
   else:
     longest = max((len(p) for p in prompts), default=1)
-    cache_len = cache_len or -(-(longest + max_new_tokens) // 128) * 128
+    if cache_len is None:
+      cache_len = -(-(longest + max_new_tokens) // 128) * 128
     engine = Engine(model, min(num_slots, max(1, len(prompts))), cache_len)
   for i, p in enumerate(prompts):
     if len(p) >= engine.cache_len:

@@ -147,9 +147,10 @@ class JetStreamEngine(_Base):
     An `existing_prefix` is consumed (its buffers are donated to the new prefix).
 
     Raises:
-      ValueError: true_length outside [1, len(padded_tokens)], or the tokens do not fit the cache.
+      ValueError: true_length outside [1, len(padded_tokens)], a token id (padding included: it
+        is embedded too) outside [0, vocab_size), or the tokens do not fit the cache.
     """
-    padded = np.asarray(padded_tokens, np.int32).reshape(-1)
+    padded = engine_lib.check_token_ids(padded_tokens, self._config.vocab_size, "padded_tokens")
     if not 1 <= true_length <= padded.shape[0]:
       raise ValueError(f"true_length {true_length} outside [1, {padded.shape[0]}]")
     if existing_prefix is None:

@@ -9,6 +9,7 @@ gets the sampler's numbers (SPEC 2: trainer and sampler compute the same log-pro
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +31,10 @@ class SamplingParams:
   top_p: float = 1.0
 
   def __post_init__(self):
-    if self.top_k < 0:
-      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+    if math.isnan(self.temperature):
+      raise ValueError("temperature must be a number (<= 0 for greedy), got nan")
+    if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+      raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
     if not 0.0 <= self.top_p <= 1.0:
       raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
 
@@ -47,12 +50,14 @@ def filtered_logits(logits_bv: jax.Array, params: SamplingParams) -> jax.Array:
     logits_bv: [B, V] logits (any float dtype; computed in float32).
     params: sampling parameters; greedy counts as temperature 1 with no filtering.
   Returns:
-    [B, V] float32 logits / T, -inf outside the kept set.
+    [B, V] float32 (logits - row max) / T, -inf outside the kept set. The shift changes no
+    probability; taken before the division it keeps a small T exact (z / T at T = 1e-8 has no
+    float32 digits left for the gaps between the top logits).
   """
   scaled = logits_bv.astype(jnp.float32)
   if params.greedy:
     return scaled
-  scaled = scaled / params.temperature
+  scaled = (scaled - jnp.max(scaled, axis=-1, keepdims=True)) / params.temperature
   filtered = scaled
   if params.top_k > 0:
     kth = jax.lax.top_k(scaled, params.top_k)[0][:, -1:]
