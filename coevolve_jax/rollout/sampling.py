@@ -43,6 +43,9 @@ class SamplingParams:
     return self.temperature <= 0.0
 
 
+SHIFT_BELOW_TEMPERATURE = 0.25  # see filtered_logits
+
+
 def filtered_logits(logits_bv: jax.Array, params: SamplingParams) -> jax.Array:
   """Tempered logits with the tokens top-k / top-p drop set to -inf.
 
@@ -50,14 +53,18 @@ def filtered_logits(logits_bv: jax.Array, params: SamplingParams) -> jax.Array:
     logits_bv: [B, V] logits (any float dtype; computed in float32).
     params: sampling parameters; greedy counts as temperature 1 with no filtering.
   Returns:
-    [B, V] float32 (logits - row max) / T, -inf outside the kept set. The shift changes no
-    probability; taken before the division it keeps a small T exact (z / T at T = 1e-8 has no
-    float32 digits left for the gaps between the top logits).
+    [B, V] float32 logits / T, -inf outside the kept set; below T = SHIFT_BELOW_TEMPERATURE,
+    (logits - row max) / T. The shift changes no probability, and taken before the division it
+    keeps a small T exact: z / T at T = 1e-8 has no float32 digits left for the gaps between
+    the top logits (log-probs of +1.26 were seen). Above it the shift is left out: it made a
+    sampled batch-64 decode step on the 2-core CPU 15% slower (measured 2026-11-30).
   """
   scaled = logits_bv.astype(jnp.float32)
   if params.greedy:
     return scaled
-  scaled = (scaled - jnp.max(scaled, axis=-1, keepdims=True)) / params.temperature
+  if params.temperature < SHIFT_BELOW_TEMPERATURE:
+    scaled = scaled - jnp.max(scaled, axis=-1, keepdims=True)
+  scaled = scaled / params.temperature
   filtered = scaled
   if params.top_k > 0:
     kth = jax.lax.top_k(scaled, params.top_k)[0][:, -1:]
