@@ -21,7 +21,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from coevolve_jax import grpo
 from coevolve_jax.models import sharding
 from coevolve_jax.models.qwen import Qwen
-from coevolve_jax.rollout.sampling import SamplingParams, gathered_logprobs, processed_logprobs
+from coevolve_jax.rollout.sampling import (SamplingParams, filtered_logits, gathered_logprobs,
+                                           processed_logprobs)
 from coevolve_jax.trajectory import Trajectory
 
 
@@ -117,7 +118,9 @@ def token_logprobs(model: Qwen, tokens_nt: jax.Array, target_pos_np: jax.Array,
     if sampling is not None:  # the sampler's processed distribution (its top-k / top-p set)
       return processed_logprobs(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
                                 sampling).reshape(y.shape)
-    return gathered_logprobs(logits / temperature, y)
+    # The sampler's own tempering (filtered_logits: below T = 0.25 it shifts by the row max
+    # first), so trainer and engine round alike at every temperature.
+    return gathered_logprobs(filtered_logits(logits, SamplingParams(temperature)), y)
 
   out = jax.lax.map(one, (h_chunks, y_chunks))  # [P/c, N, c]
   return out.swapaxes(0, 1).reshape(n, p + pad)[:, :p]

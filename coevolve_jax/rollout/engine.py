@@ -197,10 +197,10 @@ class Engine:
     with tokens left contributes its next chunk; the chunks are padded to a power-of-two length
     (the longest chunk's) and row count and run as one batch (several when they hold more than
     `max_prefill_tokens`). A slot too near the end of its cache for that length runs alone with
-    a chunk that fits (`_chunks`). The next token is
-    sampled after a request's last chunk with its own key, so a request's result does not
-    depend on what it is batched with. Padding keys land at cache indices >= the slot's new
-    position, which nothing attends to before they are overwritten.
+    a chunk that fits (`_chunks`). The next token is sampled after a request's last chunk with
+    its own key, so a request's result does not depend on what it is batched with. Padding keys
+    land at cache indices >= the slot's new position, which nothing attends to before they are
+    overwritten.
 
     Args:
       requests: (slot, token ids, PRNG key) per request; slots distinct.
@@ -222,10 +222,11 @@ class Engine:
     ids_list = []
     for slot, ids, _ in requests:
       ids_list.append(check_token_ids(ids, self.config.vocab_size, f"slot {slot}"))
-      if not len(ids_list[-1]):
+      n = len(ids_list[-1])
+      if not n:
         raise ValueError("prefill needs at least one token")
-      if self.position(slot) + len(ids_list[-1]) > self.cache_len:
-        raise ValueError(f"slot {slot}: {self.position(slot)} + {len(ids)} tokens exceed cache "
+      if self.position(slot) + n > self.cache_len:
+        raise ValueError(f"slot {slot}: {self.position(slot)} + {n} tokens exceed cache "
                          f"{self.cache_len}")
     # One key-length bucket for the whole call where the padding allows: a long prompt compiles
     # one (chunk, bucket) shape rather than one per bucket it passes through.

@@ -78,8 +78,8 @@ _Base = _jetstream_api.Engine if JETSTREAM_AVAILABLE else abc.ABC
 
 
 class Prefix(NamedTuple):
-  """A prefilled request: a one-slot decode state (cache [1, K, S, H] per layer), the length in
-  the cache, the first sampled token and its log-prob."""
+  """A prefilled request: a one-slot decode state (per layer, keys [1, K, H, S] and values
+  [1, K, S, H]), the length in the cache, the first sampled token and its log-prob."""
 
   state: engine_lib.DecodeState
   length: int
