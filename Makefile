@@ -6,7 +6,7 @@
 #                .venv-appworld first (appworld-setup) so the AppWorld tests run rather than
 #                skip; AW_SETUP= (empty) leaves it out.
 #   make run     small offline CPU training run on BFCL
-#   make lint    ruff
+#   make lint    ruff check and ruff format --check (CI runs it before the tests)
 #   make appworld-setup   .venv-appworld with appworld==0.1.3.post1 and its apps unpacked
 #
 # `setup` is stamped: it reruns only when setup.py or this Makefile change (or the stamp is gone).
@@ -24,7 +24,7 @@ PYTEST_ARGS ?=
 TESTS ?= tests
 export PYTEST_ADDOPTS
 
-.PHONY: setup test run lint clean appworld-setup
+.PHONY: setup test run lint format clean appworld-setup
 
 # AppWorld's own environment (its pins conflict with ours): appworld plus its unpacked app code.
 # Tests and the AppWorld run use it when it exists and skip or stop with this command otherwise.
@@ -56,8 +56,13 @@ test: setup $(AW_SETUP)
 run: setup
 	$(VPY) -m coevolve_jax.main --config=configs/bfcl.py:cpu --workdir=runs/bfcl-cpu
 
+LINT_PATHS := coevolve_jax envs tests configs tpu benchmarks scripts
 lint: setup
-	$(VENV)/bin/ruff check coevolve_jax envs tests
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+
+format: setup
+	$(VENV)/bin/ruff format $(LINT_PATHS)
 
 clean:
 	rm -rf build *.egg-info .pytest_cache .ruff_cache

@@ -19,12 +19,15 @@ def machine(torch_version: bool = False) -> str:
       cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
   except (OSError, StopIteration):
     pass
-  line = (f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {cpu}; "
-          f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}; "
-          f"jax {jax.__version__} on {jax.devices()[0].platform}")
+  line = (
+    f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {cpu}; "
+    f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}; "
+    f"jax {jax.__version__} on {jax.devices()[0].platform}"
+  )
   if torch_version:
     try:
       import torch  # noqa: PLC0415
+
       line += f"; torch {torch.__version__}"
     except ImportError:
       line += "; torch absent"

@@ -49,6 +49,7 @@ def _child(mode: str, folder: str) -> None:
   from coevolve_jax.models import Qwen, from_pretrained
   from coevolve_jax.models.hf import config_from_hf
   from coevolve_jax.models.params import hf_to_path
+
   if mode == "transformers":
     import torch  # noqa: F401
     import transformers
@@ -72,6 +73,7 @@ def _child(mode: str, folder: str) -> None:
     model = from_pretrained(folder, dtype=jnp.bfloat16)
   elif mode == "naive_reference":
     from flax import nnx
+
     tensors = safetensors.numpy.load_file(os.path.join(folder, "model.safetensors"))
     cfg = config_from_hf(json.load(open(os.path.join(folder, "config.json"))))
     model = Qwen(cfg, rngs=nnx.Rngs(0))
@@ -87,10 +89,17 @@ def _child(mode: str, folder: str) -> None:
   stop.set()
   thread.join()
   del model
-  print(json.dumps({"mode": mode, "seconds": seconds,
-                    "peak_anon_growth_mb": (peak["anon"] - base_anon) / 1024,
-                    "peak_rss_growth_mb": (peak["rss"] - base_rss) / 1024,
-                    "numpy": np.__version__}))
+  print(
+    json.dumps(
+      {
+        "mode": mode,
+        "seconds": seconds,
+        "peak_anon_growth_mb": (peak["anon"] - base_anon) / 1024,
+        "peak_rss_growth_mb": (peak["rss"] - base_rss) / 1024,
+        "numpy": np.__version__,
+      }
+    )
+  )
 
 
 def main() -> None:
@@ -104,28 +113,40 @@ def main() -> None:
     return
   folder = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="load_memory_"))
   if not (folder / "config.json").exists():
-    code = ("from flax import nnx; from coevolve_jax.models import Qwen, QwenConfig, "
-            "save_pretrained; cfg = QwenConfig(vocab_size=151936, hidden_size=1024, "
-            f"intermediate_size=3072, num_hidden_layers={args.layers}, num_attention_heads=16, "
-            "num_key_value_heads=8, head_dim=128, tie_word_embeddings=True); "
-            f"save_pretrained(Qwen(cfg, rngs=nnx.Rngs(0)), {str(folder)!r})")
+    code = (
+      "from flax import nnx; from coevolve_jax.models import Qwen, QwenConfig, "
+      "save_pretrained; cfg = QwenConfig(vocab_size=151936, hidden_size=1024, "
+      f"intermediate_size=3072, num_hidden_layers={args.layers}, num_attention_heads=16, "
+      "num_key_value_heads=8, head_dim=128, tie_word_embeddings=True); "
+      f"save_pretrained(Qwen(cfg, rngs=nnx.Rngs(0)), {str(folder)!r})"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
   size_mb = sum(p.stat().st_size for p in folder.glob("*.safetensors")) / 2**20
   rows = []
   for mode in MODES:
-    out = subprocess.run([sys.executable, __file__, "--child", mode, str(folder)], check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+      [sys.executable, __file__, "--child", mode, str(folder)],
+      check=True,
+      capture_output=True,
+      text=True,
+    ).stdout
     rows.append(json.loads(out.strip().splitlines()[-1]))
   embed_mb = 151936 * 1024 * 4 / 2**20
-  print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs; checkpoint {folder} "
-        f"{size_mb:.0f} MiB float32 (largest tensor: embedding {embed_mb:.0f} MiB)")
+  print(
+    f"machine: {platform.machine()}, {os.cpu_count()} CPUs; checkpoint {folder} "
+    f"{size_mb:.0f} MiB float32 (largest tensor: embedding {embed_mb:.0f} MiB)"
+  )
   print()
-  print(f"| {'loader':16} | {'seconds':>7} | {'peak anon MiB':>13} | {'x checkpoint':>12} |"
-        f" {'peak RSS MiB':>12} |")
+  print(
+    f"| {'loader':16} | {'seconds':>7} | {'peak anon MiB':>13} | {'x checkpoint':>12} |"
+    f" {'peak RSS MiB':>12} |"
+  )
   print(f"|{'-' * 18}|{'-' * 9}|{'-' * 15}|{'-' * 14}|{'-' * 14}|")
   for r in rows:
-    print(f"| {r['mode']:16} | {r['seconds']:7.1f} | {r['peak_anon_growth_mb']:13.0f} |"
-          f" {r['peak_anon_growth_mb'] / size_mb:11.2f}x | {r['peak_rss_growth_mb']:12.0f} |")
+    print(
+      f"| {r['mode']:16} | {r['seconds']:7.1f} | {r['peak_anon_growth_mb']:13.0f} |"
+      f" {r['peak_anon_growth_mb'] / size_mb:11.2f}x | {r['peak_rss_growth_mb']:12.0f} |"
+    )
   if not args.keep:
     for p in folder.iterdir():
       p.unlink()

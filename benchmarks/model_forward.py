@@ -36,9 +36,19 @@ from flax import nnx
 from coevolve_jax.models import from_pretrained
 from coevolve_jax.trainer import token_logprobs
 
-CONFIG = dict(vocab_size=151936, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-              num_attention_heads=8, num_key_value_heads=4, head_dim=64, rope_theta=1e6,
-              rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=4096)
+CONFIG = dict(
+  vocab_size=151936,
+  hidden_size=512,
+  intermediate_size=1536,
+  num_hidden_layers=8,
+  num_attention_heads=8,
+  num_key_value_heads=4,
+  head_dim=64,
+  rope_theta=1e6,
+  rms_norm_eps=1e-6,
+  tie_word_embeddings=False,
+  max_position_embeddings=4096,
+)
 
 
 def main() -> None:
@@ -77,10 +87,9 @@ def main() -> None:
       return hf(input_ids=ids_pt, attention_mask=mask_pt).logits
 
   rows = {
-      "transformers (torch) full logits": run_hf,
-      "ours full logits": lambda: full_logits(state, ids, mask).block_until_ready(),
-      "ours loss logits (last 1/4)":
-          lambda: loss_logits(state, ids, target_pos).block_until_ready(),
+    "transformers (torch) full logits": run_hf,
+    "ours full logits": lambda: full_logits(state, ids, mask).block_until_ready(),
+    "ours loss logits (last 1/4)": lambda: loss_logits(state, ids, target_pos).block_until_ready(),
   }
   compile_s = {}
   for name, fn in rows.items():  # warm-up (and compile)
@@ -99,20 +108,28 @@ def main() -> None:
       times[name].append(time.perf_counter() - start)
 
   ref = statistics.median(times["transformers (torch) full logits"])
-  print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), transformers {transformers.__version__}")
-  print(f"config: 8 layers, hidden 512, heads 8/4, head_dim 64, MLP 1536, vocab 151936, fp32; "
-        f"batch {b} x {t} tokens; median of {args.repeats}; max |logit diff| vs transformers "
-        f"{max_err:.1e}")
+  print(
+    f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+    f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
+    f"({torch.get_num_threads()} threads), transformers {transformers.__version__}"
+  )
+  print(
+    f"config: 8 layers, hidden 512, heads 8/4, head_dim 64, MLP 1536, vocab 151936, fp32; "
+    f"batch {b} x {t} tokens; median of {args.repeats}; max |logit diff| vs transformers "
+    f"{max_err:.1e}"
+  )
   print()
-  print(f"| {'implementation':34} | {'median s':>8} | {'tokens/s':>9} | {'vs transformers':>15} |"
-        f" {'first call s':>12} |")
+  print(
+    f"| {'implementation':34} | {'median s':>8} | {'tokens/s':>9} | {'vs transformers':>15} |"
+    f" {'first call s':>12} |"
+  )
   print(f"|{'-' * 36}|{'-' * 10}|{'-' * 11}|{'-' * 17}|{'-' * 14}|")
   for name, ts in times.items():
     med = statistics.median(ts)
-    print(f"| {name:34} | {med:8.2f} | {b * t / med:9.1f} | {ref / med:14.2f}x |"
-          f" {compile_s[name]:12.1f} |")
+    print(
+      f"| {name:34} | {med:8.2f} | {b * t / med:9.1f} | {ref / med:14.2f}x |"
+      f" {compile_s[name]:12.1f} |"
+    )
 
 
 if __name__ == "__main__":

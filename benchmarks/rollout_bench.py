@@ -39,9 +39,15 @@ T_SAMPLED = 0.9
 
 def _config_kwargs(layers: int, hidden: int) -> dict:
   heads = hidden // 64
-  return dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=3 * hidden,
-              num_hidden_layers=layers, num_attention_heads=heads,
-              num_key_value_heads=max(1, heads // 2), head_dim=64)
+  return dict(
+    vocab_size=VOCAB,
+    hidden_size=hidden,
+    intermediate_size=3 * hidden,
+    num_hidden_layers=layers,
+    num_attention_heads=heads,
+    num_key_value_heads=max(1, heads // 2),
+    head_dim=64,
+  )
 
 
 def _prompts(batch: int, length: int, seed: int = 0) -> np.ndarray:
@@ -71,14 +77,20 @@ def tunix_worker(args) -> None:
 
   kw = _config_kwargs(args.layers, args.hidden)
   cfg = qwen3_model.ModelConfig(
-      num_layers=kw["num_hidden_layers"], vocab_size=VOCAB, embed_dim=kw["hidden_size"],
-      hidden_dim=kw["intermediate_size"], num_heads=kw["num_attention_heads"],
-      head_dim=kw["head_dim"], num_kv_heads=kw["num_key_value_heads"], rope_theta=1_000_000,
-      norm_eps=1e-6, use_tied_embedding=False)
+    num_layers=kw["num_hidden_layers"],
+    vocab_size=VOCAB,
+    embed_dim=kw["hidden_size"],
+    hidden_dim=kw["intermediate_size"],
+    num_heads=kw["num_attention_heads"],
+    head_dim=kw["head_dim"],
+    num_kv_heads=kw["num_key_value_heads"],
+    rope_theta=1_000_000,
+    norm_eps=1e-6,
+    use_tied_embedding=False,
+  )
   mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   with mesh:
-    model = qwen3_params.create_model_from_safe_tensors(args.folder, cfg, mesh,
-                                                        dtype=jnp.float32)
+    model = qwen3_params.create_model_from_safe_tensors(args.folder, cfg, mesh, dtype=jnp.float32)
 
   class IdTokenizer:
     """Prompts travel as space-separated token ids, so tunix sees exactly our ids."""
@@ -103,17 +115,28 @@ def tunix_worker(args) -> None:
   for mode in ("greedy", "sampled"):
     out[mode] = {}
     for b in args.batches:
-      sampler = sampler_lib.Sampler(model, IdTokenizer(), sampler_lib.CacheConfig(
-          cache_size=args.prompt_len + args.new_tokens + 8, num_layers=cfg.num_layers,
-          num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim))
+      sampler = sampler_lib.Sampler(
+        model,
+        IdTokenizer(),
+        sampler_lib.CacheConfig(
+          cache_size=args.prompt_len + args.new_tokens + 8,
+          num_layers=cfg.num_layers,
+          num_kv_heads=cfg.num_kv_heads,
+          head_dim=cfg.head_dim,
+        ),
+      )
       texts = [" ".join(map(str, p)) for p in prompts[:b]]
-      kwargs = dict(max_generation_steps=args.new_tokens, max_prompt_length=args.prompt_len,
-                    echo=False, eos_tokens=[-1])
+      kwargs = dict(
+        max_generation_steps=args.new_tokens,
+        max_prompt_length=args.prompt_len,
+        echo=False,
+        eos_tokens=[-1],
+      )
       if mode == "sampled":
         kwargs.update(temperature=T_SAMPLED, top_p=1.0, top_k=None, seed=0)
       sampler(texts, **kwargs)  # warm-up: compiles these shapes
       wall, res = _timed(lambda: sampler(texts, **kwargs), args.repeats)  # noqa: B023
-      tokens = [list(map(int, t))[:args.new_tokens] for t in res.tokens]
+      tokens = [list(map(int, t))[: args.new_tokens] for t in res.tokens]
       n = sum(len(t) for t in tokens)
       out[mode][str(b)] = [n / wall, tokens[:8]]
       print(f"tunix {mode} b={b}: {n / wall:.1f} tok/s", file=sys.stderr, flush=True)
@@ -121,15 +144,26 @@ def tunix_worker(args) -> None:
 
 
 def run_tunix(args) -> dict | None:
-  python = os.path.join(ROOT, args.tunix_python) if not os.path.isabs(
-      args.tunix_python) else args.tunix_python
+  python = (
+    os.path.join(ROOT, args.tunix_python)
+    if not os.path.isabs(args.tunix_python)
+    else args.tunix_python
+  )
   if not os.path.exists(python):
     print(f"tunix: {python} not found; skipped", file=sys.stderr)
     return None
-  cmd = [python, os.path.abspath(__file__), "--worker=tunix", f"--folder={args.folder}",
-         f"--batches={','.join(map(str, args.batches))}", f"--new_tokens={args.new_tokens}",
-         f"--prompt_len={args.prompt_len}", f"--layers={args.layers}", f"--hidden={args.hidden}",
-         f"--repeats={args.repeats}"]
+  cmd = [
+    python,
+    os.path.abspath(__file__),
+    "--worker=tunix",
+    f"--folder={args.folder}",
+    f"--batches={','.join(map(str, args.batches))}",
+    f"--new_tokens={args.new_tokens}",
+    f"--prompt_len={args.prompt_len}",
+    f"--layers={args.layers}",
+    f"--hidden={args.hidden}",
+    f"--repeats={args.repeats}",
+  ]
   proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
   sys.stderr.write(proc.stderr[-3000:] if proc.returncode else "")
   if proc.returncode:
@@ -153,8 +187,12 @@ def run_transformers(args, prompts: np.ndarray) -> dict:
     out[mode] = {}
     for b in args.batches:
       ids = torch.tensor(prompts[:b])
-      kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                    attention_mask=torch.ones_like(ids), pad_token_id=0)
+      kwargs = dict(
+        max_new_tokens=args.new_tokens,
+        min_new_tokens=args.new_tokens,
+        attention_mask=torch.ones_like(ids),
+        pad_token_id=0,
+      )
       if mode == "sampled":
         kwargs.update(do_sample=True, temperature=T_SAMPLED, top_k=0, top_p=1.0)
       else:
@@ -163,10 +201,11 @@ def run_transformers(args, prompts: np.ndarray) -> dict:
         torch.manual_seed(0)
         model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
         wall, res = _timed(lambda: model.generate(ids, **kwargs), args.repeats)  # noqa: B023
-      new = res[:, ids.shape[1]:].tolist()
+      new = res[:, ids.shape[1] :].tolist()
       out[mode][str(b)] = [sum(map(len, new)) / wall, new[:8]]
-      print(f"transformers {mode} b={b}: {out[mode][str(b)][0]:.1f} tok/s", file=sys.stderr,
-            flush=True)
+      print(
+        f"transformers {mode} b={b}: {out[mode][str(b)][0]:.1f} tok/s", file=sys.stderr, flush=True
+      )
   return out
 
 
@@ -179,8 +218,10 @@ def run_ours(args, model, prompts: np.ndarray) -> dict:
   from coevolve_jax.rollout import Engine, SamplingParams, generate  # noqa: PLC0415
 
   cache = -(-(args.prompt_len + args.new_tokens) // 128) * 128
-  modes = {"greedy": SamplingParams(temperature=0.0),
-           "sampled": SamplingParams(temperature=T_SAMPLED)}
+  modes = {
+    "greedy": SamplingParams(temperature=0.0),
+    "sampled": SamplingParams(temperature=T_SAMPLED),
+  }
   out = {mode: {} for mode in modes}
   for b in args.batches:
     engine = Engine(model, b, cache)
@@ -193,8 +234,7 @@ def run_ours(args, model, prompts: np.ndarray) -> dict:
         if rep:
           times[mode].append(time.perf_counter() - start)
           n = sum(len(c.token_ids) for c in res)
-          out[mode][str(b)] = [n / float(np.median(times[mode])),
-                               [c.token_ids for c in res[:8]]]
+          out[mode][str(b)] = [n / float(np.median(times[mode])), [c.token_ids for c in res[:8]]]
     for mode in modes:
       print(f"ours {mode} b={b}: {out[mode][str(b)][0]:.1f} tok/s", file=sys.stderr, flush=True)
   return out
@@ -254,8 +294,10 @@ def _rates(m: int, k: int, n: int, repeats: int = 5) -> tuple[float, float]:
     return float(np.median(times))
 
   flops = 2 * m * k * n
-  return (flops / median(lambda: product(xa, xb).block_until_ready()),
-          flops / median(lambda: ta @ tb))
+  return (
+    flops / median(lambda: product(xa, xb).block_until_ready()),
+    flops / median(lambda: ta @ tb),
+  )
 
 
 def matmul_bound(args, model) -> dict:
@@ -295,17 +337,27 @@ def matmul_bound(args, model) -> dict:
 
 def report(args, ours, hf, tunix, steps, bound) -> None:
   print(f"\nmachine: {machine(torch_version=True)}")
-  print(f"model: Qwen3, {args.layers} layers, hidden {args.hidden}, vocab {VOCAB}, float32; "
-        f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens per row\n")
-  rows = [["mode", "batch", "ours tok/s", "transformers tok/s", "tunix tok/s",
-           "ours / faster peer"]]
+  print(
+    f"model: Qwen3, {args.layers} layers, hidden {args.hidden}, vocab {VOCAB}, float32; "
+    f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens per row\n"
+  )
+  rows = [
+    ["mode", "batch", "ours tok/s", "transformers tok/s", "tunix tok/s", "ours / faster peer"]
+  ]
   for mode in ("greedy", "sampled"):
     for b in map(str, args.batches):
       peers = [p[mode][b][0] for p in (hf, tunix) if p]
       ratio = f"{ours[mode][b][0] / max(peers):.2f}x" if peers else "-"
-      rows.append([mode, b, f"{ours[mode][b][0]:.1f}",
-                   f"{hf[mode][b][0]:.1f}" if hf else "-",
-                   f"{tunix[mode][b][0]:.1f}" if tunix else "-", ratio])
+      rows.append(
+        [
+          mode,
+          b,
+          f"{ours[mode][b][0]:.1f}",
+          f"{hf[mode][b][0]:.1f}" if hf else "-",
+          f"{tunix[mode][b][0]:.1f}" if tunix else "-",
+          ratio,
+        ]
+      )
   print(markdown_table(rows))
   print()
   cost = [["batch", "sampled / greedy time (ours)"]]
@@ -324,24 +376,48 @@ def report(args, ours, hf, tunix, steps, bound) -> None:
   srows = [["batch"] + [f"step ms @ kv {k}" for k in kvs]]
   for b in args.batches:
     srows.append([str(b)] + [f"{steps[(b, k)] * 1e3:.1f}" for k in kvs])
-  print("\nours: one decode step (median of "
-        f"{args.step_repeats}), by batch size and cache length\n")
+  print(
+    f"\nours: one decode step (median of {args.step_repeats}), by batch size and cache length\n"
+  )
   print(markdown_table(srows))
   if not bound:
     return
-  print("\nmatmul bound: the fastest generate call this machine's measured matmul rates allow "
-        "(attention, norms and sampling not counted), with XLA's products and with the faster "
-        "of XLA and torch per product\n")
-  brows = [["batch", "GFLOP per call", "XLA GFLOP/s prefill / decode", "XLA bound tok/s",
-            "best GFLOP/s", "best bound tok/s", "1.5x faster greedy peer", "ours greedy",
-            "ours / XLA bound"]]
+  print(
+    "\nmatmul bound: the fastest generate call this machine's measured matmul rates allow "
+    "(attention, norms and sampling not counted), with XLA's products and with the faster "
+    "of XLA and torch per product\n"
+  )
+  brows = [
+    [
+      "batch",
+      "GFLOP per call",
+      "XLA GFLOP/s prefill / decode",
+      "XLA bound tok/s",
+      "best GFLOP/s",
+      "best bound tok/s",
+      "1.5x faster greedy peer",
+      "ours greedy",
+      "ours / XLA bound",
+    ]
+  ]
   for b in args.batches:
     x = bound[b]
     peers = [peer["greedy"][str(b)][0] for peer in (hf, tunix) if peer]
     target = f"{1.5 * max(peers):.1f}" if peers else "-"
     mine = ours["greedy"][str(b)][0]
-    brows.append([str(b), f"{x['gflop']:.0f}", x["xla_rates"], f"{x['xla']:.1f}", x["any_rates"],
-                  f"{x['any']:.1f}", target, f"{mine:.1f}", f"{mine / x['xla']:.0%}"])
+    brows.append(
+      [
+        str(b),
+        f"{x['gflop']:.0f}",
+        x["xla_rates"],
+        f"{x['xla']:.1f}",
+        x["any_rates"],
+        f"{x['any']:.1f}",
+        target,
+        f"{mine:.1f}",
+        f"{mine / x['xla']:.0%}",
+      ]
+    )
   print(markdown_table(brows))
 
 
@@ -354,8 +430,12 @@ def main() -> None:
   p.add_argument("--hidden", type=int, default=512)
   p.add_argument("--kv_lengths", default="256,1024,4096")
   p.add_argument("--step_repeats", type=int, default=5)
-  p.add_argument("--repeats", type=int, default=3, help="timed generate calls per contender and "
-                 "setting (the median is reported)")
+  p.add_argument(
+    "--repeats",
+    type=int,
+    default=3,
+    help="timed generate calls per contender and setting (the median is reported)",
+  )
   p.add_argument("--peers", default="transformers,tunix")
   p.add_argument("--tunix_python", default=".venv-tunix/bin/python")
   p.add_argument("--bound", type=int, default=1, help="print the matmul bound (0: skip)")

@@ -79,8 +79,14 @@ class AgentRunner:
     env_threads: host threads for environment steps (at least 1).
   """
 
-  def __init__(self, engine: Engine, chat: Any, make_env: Callable[[Task, str], Env],
-               limits: EpisodeLimits, env_threads: int = 4):
+  def __init__(
+    self,
+    engine: Engine,
+    chat: Any,
+    make_env: Callable[[Task, str], Env],
+    limits: EpisodeLimits,
+    env_threads: int = 4,
+  ):
     if env_threads < 1:
       raise ValueError(f"env_threads must be >= 1, got {env_threads}")
     self.engine, self.chat, self.make_env, self.limits = engine, chat, make_env, limits
@@ -89,8 +95,13 @@ class AgentRunner:
     self._episode_counter = 0
     self.timings: dict[str, float] = collections.defaultdict(float)  # seconds in env steps
 
-  def run(self, jobs: Sequence[tuple[Task, int]], sampling: SamplingParams, rng: jax.Array,
-          on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+  def run(
+    self,
+    jobs: Sequence[tuple[Task, int]],
+    sampling: SamplingParams,
+    rng: jax.Array,
+    on_done: Callable[[Trajectory], None] | None = None,
+  ) -> list[Trajectory]:
     """Runs one episode per (task, group_id) job; returns trajectories in job order."""
     pending = collections.deque(enumerate(jobs))
     # Per-run state, read by the episode callbacks below.
@@ -142,9 +153,7 @@ class AgentRunner:
     ep.traj.finish, ep.traj.reward = how, reward
     ep.traj.info.update(info or {})
     if not ep.traj.calls:  # episodes cut short still report what they called, per user turn
-      ep.traj.calls = [
-        [c for step in turn for c in step] for turn in getattr(ep.env, "calls", [])
-      ]
+      ep.traj.calls = [[c for step in turn for c in step] for turn in getattr(ep.env, "calls", [])]
     ep.env.close()
     self._results[ep.index] = ep.traj
     self._active.pop(ep.slot, None)
@@ -164,7 +173,7 @@ class AgentRunner:
     except Exception as e:  # an environment that fails to start fails this episode only
       self._finish(ep, "error", info={"error": f"reset: {e!r}"})
       return
-    messages = ([{"role": "system", "content": env.system_prompt}] if env.system_prompt else [])
+    messages = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
     ids = self.chat.prompt_ids(messages + first.messages, env.tools)
     traj.prompt_len = len(ids)
     traj.extend(ids, sampled=False)
@@ -225,7 +234,8 @@ class AgentRunner:
       self._finish(ep, "max_model_steps")
       return
     cont = ([] if ep.stopped else [self.chat.im_end_id]) + self.chat.continuation_ids(
-        result.messages)
+      result.messages
+    )
     traj.extend(cont, sampled=False)
     self._feed(ep, [ep.last_tok] + cont)
 
@@ -236,6 +246,7 @@ class QwenChat:
   def __init__(self, enable_thinking: bool | None = False):
     from coevolve_jax import chat as chat_lib  # noqa: PLC0415
     from coevolve_jax.tokenizer import get_tokenizer  # noqa: PLC0415
+
     self._chat, self._tok = chat_lib, get_tokenizer()
     self.enable_thinking = enable_thinking
     self.im_end_id = self._tok.im_end_id

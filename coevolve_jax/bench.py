@@ -47,6 +47,8 @@ from ml_collections import config_flags
 from coevolve_jax import memory
 
 SCHEMA = 1
+
+
 def model_flops(cfg, tokens: int, context: float, logits: int) -> float:
   """Forward model FLOPs for `tokens` tokens attending to `context` keys on average, with
   `logits` output projections. See the module docstring for the formula and its sources."""
@@ -105,16 +107,22 @@ def _rollout(model, cfg, prompt_len: int, gen_len: int, repeats: int) -> dict:
       times["decode"].append(end - mid)
   prefill_s, decode_s = statistics.median(times["prefill"]), statistics.median(times["decode"])
   mc = model.config
-  flops = (slots * model_flops(mc, prompt_len, (prompt_len + 1) / 2, 1)
-           + slots * model_flops(mc, gen_len, prompt_len + (gen_len + 1) / 2, gen_len))
+  flops = slots * model_flops(mc, prompt_len, (prompt_len + 1) / 2, 1) + slots * model_flops(
+    mc, gen_len, prompt_len + (gen_len + 1) / 2, gen_len
+  )
   devices = len(jax.tree.leaves(engine.params)[0].devices())
-  return {"slots": slots, "devices": devices, "prompt_len": prompt_len, "gen_len": gen_len,
-          "prefill_s": prefill_s,
-          "decode_s": decode_s,
-          "prefill_tokens_per_s": slots * prompt_len / prefill_s,
-          "decode_tokens_per_s": slots * gen_len / decode_s,
-          "tokens_per_s": slots * (prompt_len + gen_len) / (prefill_s + decode_s),
-          "model_flops_per_s": flops / (prefill_s + decode_s)}
+  return {
+    "slots": slots,
+    "devices": devices,
+    "prompt_len": prompt_len,
+    "gen_len": gen_len,
+    "prefill_s": prefill_s,
+    "decode_s": decode_s,
+    "prefill_tokens_per_s": slots * prompt_len / prefill_s,
+    "decode_tokens_per_s": slots * gen_len / decode_s,
+    "tokens_per_s": slots * (prompt_len + gen_len) / (prefill_s + decode_s),
+    "model_flops_per_s": flops / (prefill_s + decode_s),
+  }
 
 
 def _training(model, cfg, mesh, rows: int, seq: int, repeats: int) -> dict:
@@ -127,19 +135,22 @@ def _training(model, cfg, mesh, rows: int, seq: int, repeats: int) -> dict:
   for i in range(rows):
     tr = Trajectory(task_id=f"bench{i}", group_id=i // max(1, cfg.rollout.group_size))
     ids = rng.integers(1, model.config.vocab_size, seq)
-    tr.extend(ids[:seq // 2].tolist(), sampled=False)
-    tr.extend(ids[seq // 2:].tolist(), sampled=True,
-              logprobs=(-rng.random(seq - seq // 2)).tolist())
+    tr.extend(ids[: seq // 2].tolist(), sampled=False)
+    tr.extend(
+      ids[seq // 2 :].tolist(), sampled=True, logprobs=(-rng.random(seq - seq // 2)).tolist()
+    )
     trajs.append(tr)
   adv = rng.standard_normal(rows).astype(np.float32)
   batch = make_batch(trajs, adv)
   kwargs = {"mesh": mesh} if mesh is not None else {}
-  trainer = PolicyTrainer(model, make_optimizer(1e-6, 0.0, 1.0), grpo.GRPOConfig(),
-                          cfg.rollout.temperature, **kwargs)
+  trainer = PolicyTrainer(
+    model, make_optimizer(1e-6, 0.0, 1.0), grpo.GRPOConfig(), cfg.rollout.temperature, **kwargs
+  )
   trainer.freeze_reference()
 
   def logp(params=None):
     return jax.block_until_ready(trainer.logprobs(batch, params))
+
   old = logp()
   ref = logp(trainer.ref_params)
   trainer.grpo_update(batch, old, ref)  # compile
@@ -149,21 +160,37 @@ def _training(model, cfg, mesh, rows: int, seq: int, repeats: int) -> dict:
   targets = rows * (seq - seq // 2)
   fwd = model_flops(model.config, rows * seq, (seq + 1) / 2, targets)
   step_s = old_s + ref_s + update_s
-  return {"rows": rows, "seq": seq, "old_logprobs_s": old_s, "ref_logprobs_s": ref_s,
-          "update_s": update_s, "tokens_per_s": rows * seq / step_s,
-          "update_tokens_per_s": rows * seq / update_s,
-          "model_flops_per_s": (2 * fwd + 3 * fwd) / step_s}
+  return {
+    "rows": rows,
+    "seq": seq,
+    "old_logprobs_s": old_s,
+    "ref_logprobs_s": ref_s,
+    "update_s": update_s,
+    "tokens_per_s": rows * seq / step_s,
+    "update_tokens_per_s": rows * seq / update_s,
+    "model_flops_per_s": (2 * fwd + 3 * fwd) / step_s,
+  }
 
 
 def _mesh(cfg):
   if jax.device_count() == 1:
     return None
   from coevolve_jax.models import sharding  # noqa: PLC0415
+
   return sharding.make_mesh(dict(cfg.mesh))
 
 
-def run_bench(cfg, *, prompt_len: int, gen_len: int, rows: int, seq: int, repeats: int,
-              matmul_n: int, chip: str = "") -> dict:
+def run_bench(
+  cfg,
+  *,
+  prompt_len: int,
+  gen_len: int,
+  rows: int,
+  seq: int,
+  repeats: int,
+  matmul_n: int,
+  chip: str = "",
+) -> dict:
   """Measures rollout and training throughput of `cfg`'s model on the local devices.
 
   Returns:
@@ -172,8 +199,9 @@ def run_bench(cfg, *, prompt_len: int, gen_len: int, rows: int, seq: int, repeat
     ValueError: non-positive sizes, or an unknown `chip`.
   """
   if min(prompt_len, gen_len, rows, seq, repeats, matmul_n) < 1:
-    raise ValueError("prompt_len, gen_len, train_rows, train_seq, repeats and matmul_n must be "
-                     ">= 1")
+    raise ValueError(
+      "prompt_len, gen_len, train_rows, train_seq, repeats and matmul_n must be >= 1"
+    )
   from flax import nnx  # noqa: PLC0415
   from coevolve_jax.models.qwen import Qwen, QwenConfig  # noqa: PLC0415
 
@@ -194,27 +222,45 @@ def run_bench(cfg, *, prompt_len: int, gen_len: int, rows: int, seq: int, repeat
   for part in (rollout, train):
     used = part["devices"]  # the engine has no mesh: it decodes on one device
     part["tokens_per_s_per_chip"] = part["tokens_per_s"] / used
-    part["mfu"] = (part["model_flops_per_s"] / (used * facts["peak_tflops_bf16"] * 1e12)
-                   if facts else None)
+    part["mfu"] = (
+      part["model_flops_per_s"] / (used * facts["peak_tflops_bf16"] * 1e12) if facts else None
+    )
     # the reference matmul runs on one device
     part["of_matmul"] = part["model_flops_per_s"] / (used * matmul)
   return {
-      "schema": SCHEMA,
-      "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-      "machine": {"backend": jax.default_backend(), "device_kind": dev.device_kind,
-                  "device_count": n, "process_count": jax.process_count(), "chip": chip or None,
-                  "platform": platform.platform(), "cpu_count": os.cpu_count(),
-                  "load_avg_1m": os.getloadavg()[0], "python": platform.python_version(),
-                  "jax": jax.__version__},
-      "config": {"preset": cfg.model.preset, "dtype": str(dtype), "mesh": dict(cfg.mesh),
-                 "repeats": repeats},
-      "reference": {"name": f"jnp.dot {matmul_n}x{matmul_n} {dtype} (one device)",
-                    "flops_per_s": matmul},
-      "rollout": rollout,
-      "train": train,
-      "step_breakdown_s": {"prefill": rollout["prefill_s"], "decode": rollout["decode_s"],
-                           "old_logprobs": train["old_logprobs_s"],
-                           "ref_logprobs": train["ref_logprobs_s"], "update": train["update_s"]},
+    "schema": SCHEMA,
+    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    "machine": {
+      "backend": jax.default_backend(),
+      "device_kind": dev.device_kind,
+      "device_count": n,
+      "process_count": jax.process_count(),
+      "chip": chip or None,
+      "platform": platform.platform(),
+      "cpu_count": os.cpu_count(),
+      "load_avg_1m": os.getloadavg()[0],
+      "python": platform.python_version(),
+      "jax": jax.__version__,
+    },
+    "config": {
+      "preset": cfg.model.preset,
+      "dtype": str(dtype),
+      "mesh": dict(cfg.mesh),
+      "repeats": repeats,
+    },
+    "reference": {
+      "name": f"jnp.dot {matmul_n}x{matmul_n} {dtype} (one device)",
+      "flops_per_s": matmul,
+    },
+    "rollout": rollout,
+    "train": train,
+    "step_breakdown_s": {
+      "prefill": rollout["prefill_s"],
+      "decode": rollout["decode_s"],
+      "old_logprobs": train["old_logprobs_s"],
+      "ref_logprobs": train["ref_logprobs_s"],
+      "update": train["update_s"],
+    },
   }
 
 
@@ -226,17 +272,21 @@ def format_record(rec: dict) -> str:
   """Markdown summary table of one benchmark record."""
   m, r, t = rec["machine"], rec["rollout"], rec["train"]
   rows = [
-      ("device", f"{m['device_kind']} x {m['device_count']} ({m['backend']})"),
-      ("model", f"{rec['config']['preset']} {rec['config']['dtype']}"),
-      ("rollout tokens/s (prefill / decode)",
-       f"{_fmt(r['tokens_per_s'])} ({_fmt(r['prefill_tokens_per_s'])} / "
-       f"{_fmt(r['decode_tokens_per_s'])})"),
-      ("training tokens/s (GRPO step incl. old + ref log-probs)", _fmt(t["tokens_per_s"])),
-      ("MFU rollout / training (vendor peak)", f"{_fmt(r['mfu'])} / {_fmt(t['mfu'])}"),
-      (f"of measured matmul ({rec['reference']['name']}: "
-       f"{rec['reference']['flops_per_s'] / 1e9:.1f} GFLOP/s)",
-       f"{_fmt(r['of_matmul'])} / {_fmt(t['of_matmul'])}"),
-      ("step breakdown s", ", ".join(f"{k} {v:.3f}" for k, v in rec["step_breakdown_s"].items())),
+    ("device", f"{m['device_kind']} x {m['device_count']} ({m['backend']})"),
+    ("model", f"{rec['config']['preset']} {rec['config']['dtype']}"),
+    (
+      "rollout tokens/s (prefill / decode)",
+      f"{_fmt(r['tokens_per_s'])} ({_fmt(r['prefill_tokens_per_s'])} / "
+      f"{_fmt(r['decode_tokens_per_s'])})",
+    ),
+    ("training tokens/s (GRPO step incl. old + ref log-probs)", _fmt(t["tokens_per_s"])),
+    ("MFU rollout / training (vendor peak)", f"{_fmt(r['mfu'])} / {_fmt(t['mfu'])}"),
+    (
+      f"of measured matmul ({rec['reference']['name']}: "
+      f"{rec['reference']['flops_per_s'] / 1e9:.1f} GFLOP/s)",
+      f"{_fmt(r['of_matmul'])} / {_fmt(t['of_matmul'])}",
+    ),
+    ("step breakdown s", ", ".join(f"{k} {v:.3f}" for k, v in rec["step_breakdown_s"].items())),
   ]
   return "\n".join(["| measure | value |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows])
 
@@ -259,8 +309,13 @@ def compare(records: Sequence[dict], labels: Sequence[str], prices) -> tuple[str
     chip = m.get("chip")
     price = prices.chip(chip)["usd_per_chip_hour"] if chip else None
     n = m["device_count"]
-    row = {"label": label, "device": f"{m['device_kind']} x {n}", "preset": rec["config"]["preset"],
-           "date": rec["date"][:10], "usd_per_chip_hour": price}
+    row = {
+      "label": label,
+      "device": f"{m['device_kind']} x {n}",
+      "preset": rec["config"]["preset"],
+      "date": rec["date"][:10],
+      "usd_per_chip_hour": price,
+    }
     for part in ("rollout", "train"):
       per_chip = rec[part]["tokens_per_s"] / rec[part].get("devices", n)
       row[f"{part}_per_chip"] = per_chip
@@ -268,21 +323,44 @@ def compare(records: Sequence[dict], labels: Sequence[str], prices) -> tuple[str
       row[f"{part}_mfu"] = rec[part]["mfu"]
       row[f"{part}_of_matmul"] = rec[part].get("of_matmul")
     rows.append(row)
-  head = ["machine", "device", "model", "date", "$/chip-h", "rollout tok/s/chip",
-          "train tok/s/chip", "rollout tok/$", "train tok/$", "MFU rollout", "MFU train",
-          "train / matmul"]
+  head = [
+    "machine",
+    "device",
+    "model",
+    "date",
+    "$/chip-h",
+    "rollout tok/s/chip",
+    "train tok/s/chip",
+    "rollout tok/$",
+    "train tok/$",
+    "MFU rollout",
+    "MFU train",
+    "train / matmul",
+  ]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
-    cells = [r["label"], r["device"], r["preset"], r["date"], _fmt(r["usd_per_chip_hour"], ".2f"),
-             _fmt(r["rollout_per_chip"]), _fmt(r["train_per_chip"]), _fmt(r["rollout_per_usd"]),
-             _fmt(r["train_per_usd"]), _fmt(r["rollout_mfu"], ".2%"), _fmt(r["train_mfu"], ".2%"),
-             _fmt(r["train_of_matmul"], ".1%")]
+    cells = [
+      r["label"],
+      r["device"],
+      r["preset"],
+      r["date"],
+      _fmt(r["usd_per_chip_hour"], ".2f"),
+      _fmt(r["rollout_per_chip"]),
+      _fmt(r["train_per_chip"]),
+      _fmt(r["rollout_per_usd"]),
+      _fmt(r["train_per_usd"]),
+      _fmt(r["rollout_mfu"], ".2%"),
+      _fmt(r["train_mfu"], ".2%"),
+      _fmt(r["train_of_matmul"], ".1%"),
+    ]
     lines.append("| " + " | ".join(cells) + " |")
-  notes = [f"Prices: on-demand list prices per chip-hour as of {prices.PRICES_AS_OF} "
-           "(configs/prices.py); tok/$ = tokens per chip-second * 3600 / price. Per chip = "
-           "over the chips the phase used (the rollout engine decodes on one device). "
-           "train / matmul: training model FLOP/s over the dense matmul rate measured on the "
-           "same device in the same run (the reference where no vendor peak is known)."]
+  notes = [
+    f"Prices: on-demand list prices per chip-hour as of {prices.PRICES_AS_OF} "
+    "(configs/prices.py); tok/$ = tokens per chip-second * 3600 / price. Per chip = "
+    "over the chips the phase used (the rollout engine decodes on one device). "
+    "train / matmul: training model FLOP/s over the dense matmul rate measured on the "
+    "same device in the same run (the reference where no vendor peak is known)."
+  ]
   if len({r["preset"] for r in rows}) > 1:
     notes.append("Warning: the records measure different models; compare like with like.")
   return "\n".join(lines + [""] + notes) + "\n", rows
@@ -297,8 +375,10 @@ def plot(rows: Sequence[dict], path: str) -> None:
 
   fig, axes = plt.subplots(1, 2, figsize=(10, 4))
   x = np.arange(len(rows))
-  for ax, unit, title in ((axes[0], "per_chip", "tokens/s per chip"),
-                          (axes[1], "per_usd", "tokens per dollar")):
+  for ax, unit, title in (
+    (axes[0], "per_chip", "tokens/s per chip"),
+    (axes[1], "per_usd", "tokens per dollar"),
+  ):
     ax.set_title(title)
     ax.set_xticks(x, [r["label"] for r in rows], rotation=20)
     if not any(r[f"{part}_{unit}"] for r in rows for part in ("rollout", "train")):
@@ -334,8 +414,10 @@ def _compare_main(paths: Sequence[str], report: str = "") -> int:
     png = os.path.splitext(report)[0] + ".png"
     plot(rows, png)
     with open(report, "w") as f:
-      f.write(f"# Throughput comparison\n\n{text}\n![tokens per chip and per dollar]"
-              f"({os.path.basename(png)})\n")
+      f.write(
+        f"# Throughput comparison\n\n{text}\n![tokens per chip and per dollar]"
+        f"({os.path.basename(png)})\n"
+      )
     print(f"wrote {report} and {png}")
   return 0
 
@@ -350,8 +432,7 @@ def _define_flags() -> None:
   flags.DEFINE_integer("train_rows", 8, "Sequences per GRPO update.")
   flags.DEFINE_integer("train_seq", 1024, "Tokens per training sequence.")
   flags.DEFINE_integer("matmul_n", 2048, "Size of the reference matmul.")
-  flags.DEFINE_string("chip", "", "Chip name of configs/prices.py (default: from the "
-                     "device kind).")
+  flags.DEFINE_string("chip", "", "Chip name of configs/prices.py (default: from the device kind).")
   flags.DEFINE_string("report", "", "compare: markdown file to write (and .png beside).")
 
 
@@ -364,9 +445,16 @@ def main(argv: Sequence[str]) -> int:
   if F.config is None:
     raise app.UsageError("--config is required (e.g. --config=configs/bfcl.py:cpu)")
   try:
-    rec = run_bench(F.config, prompt_len=F.prompt_len, gen_len=F.gen_len,
-                    rows=F.train_rows, seq=F.train_seq, repeats=F.repeats,
-                    matmul_n=F.matmul_n, chip=F.chip)
+    rec = run_bench(
+      F.config,
+      prompt_len=F.prompt_len,
+      gen_len=F.gen_len,
+      rows=F.train_rows,
+      seq=F.train_seq,
+      repeats=F.repeats,
+      matmul_n=F.matmul_n,
+      chip=F.chip,
+    )
   except (ValueError, KeyError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

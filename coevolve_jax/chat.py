@@ -50,11 +50,17 @@ def _raise_exception(message: str):
   raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+  x: Any,
+  ensure_ascii: bool = False,
+  indent: int | None = None,
+  separators: tuple[str, str] | None = None,
+  sort_keys: bool = False,
+) -> str:
   # Same as transformers' override: Jinja's own tojson escapes HTML characters.
-  return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                    sort_keys=sort_keys)
+  return json.dumps(
+    x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+  )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -64,8 +70,9 @@ def _strftime_now(fmt: str) -> str:
 @functools.lru_cache(maxsize=8)
 def compile_template(template: str) -> jinja2.Template:
   """Compiles a chat template the way transformers does (cached per template string)."""
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                      extensions=[jinja2.ext.loopcontrols])
+  env = ImmutableSandboxedEnvironment(
+    trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+  )
   env.filters["tojson"] = _tojson
   env.globals["raise_exception"] = _raise_exception
   env.globals["strftime_now"] = _strftime_now
@@ -108,9 +115,15 @@ def _normalize_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
   return out
 
 
-def render(messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None, *,
-           add_generation_prompt: bool = False, enable_thinking: bool | None = None,
-           template: str | None = None, **kwargs: Any) -> str:
+def render(
+  messages: Sequence[Message],
+  tools: Sequence[Mapping[str, Any]] | None = None,
+  *,
+  add_generation_prompt: bool = False,
+  enable_thinking: bool | None = None,
+  template: str | None = None,
+  **kwargs: Any,
+) -> str:
   """Renders a conversation with the Qwen chat template.
 
   Args:
@@ -138,15 +151,20 @@ def render(messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | Non
   if enable_thinking is not None:
     variables["enable_thinking"] = enable_thinking
   return compile_template(template).render(
-      messages=_normalize_messages(messages),
-      tools=_plain(list(tools)) if tools is not None else None,
-      documents=None,
-      add_generation_prompt=add_generation_prompt,
-      **_plain(variables))
+    messages=_normalize_messages(messages),
+    tools=_plain(list(tools)) if tools is not None else None,
+    documents=None,
+    add_generation_prompt=add_generation_prompt,
+    **_plain(variables),
+  )
 
 
-def prompt_ids(messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None, *,
-               enable_thinking: bool | None = None) -> list[int]:
+def prompt_ids(
+  messages: Sequence[Message],
+  tools: Sequence[Mapping[str, Any]] | None = None,
+  *,
+  enable_thinking: bool | None = None,
+) -> list[int]:
   """Token ids of the rendered conversation followed by the generation prompt.
 
   Returns:
@@ -158,23 +176,33 @@ def prompt_ids(messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] |
 
 
 @functools.lru_cache(maxsize=1024)
-def _continuation_text_cached(new_messages_json: str, enable_thinking: bool | None,
-                              template: str) -> str:
+def _continuation_text_cached(
+  new_messages_json: str, enable_thinking: bool | None, template: str
+) -> str:
   new_messages = json.loads(new_messages_json)
-  context = [{"role": "user", "content": "."},
-             {"role": "assistant", "content": _SENTINEL}]
+  context = [{"role": "user", "content": "."}, {"role": "assistant", "content": _SENTINEL}]
   marker = _SENTINEL + tokenizer_lib.IM_END
-  full = render(context + new_messages, add_generation_prompt=True,
-                enable_thinking=enable_thinking, template=template)
+  full = render(
+    context + new_messages,
+    add_generation_prompt=True,
+    enable_thinking=enable_thinking,
+    template=template,
+  )
   without = render(context, add_generation_prompt=False, template=template)
   if full.count(marker) != 1 or without.count(marker) != 1:
-    raise ValueError("chat template does not end an assistant message with <|im_end|> right after "
-                     "its content; cannot derive continuations")
-  return full[full.index(marker) + len(marker):]
+    raise ValueError(
+      "chat template does not end an assistant message with <|im_end|> right after "
+      "its content; cannot derive continuations"
+    )
+  return full[full.index(marker) + len(marker) :]
 
 
-def continuation_text(new_messages: Sequence[Message], *, enable_thinking: bool | None = None,
-                      template: str | None = None) -> str:
+def continuation_text(
+  new_messages: Sequence[Message],
+  *,
+  enable_thinking: bool | None = None,
+  template: str | None = None,
+) -> str:
   """Text the template puts after an assistant reply's `<|im_end|>`, for `new_messages`.
 
   Consecutive tool messages are grouped by the template into one user block with
@@ -203,8 +231,9 @@ def continuation_text(new_messages: Sequence[Message], *, enable_thinking: bool 
   return _continuation_text_cached(key, enable_thinking, template)
 
 
-def continuation_ids(new_messages: Sequence[Message], *,
-                     enable_thinking: bool | None = None) -> list[int]:
+def continuation_ids(
+  new_messages: Sequence[Message], *, enable_thinking: bool | None = None
+) -> list[int]:
   """Ids to append after a sampled assistant reply (ending in `<|im_end|>`) for `new_messages`.
 
   Returns:
@@ -212,7 +241,8 @@ def continuation_ids(new_messages: Sequence[Message], *,
     prompt `<|im_start|>assistant\\n`.
   """
   return tokenizer_lib.get_tokenizer().encode(
-      continuation_text(new_messages, enable_thinking=enable_thinking))
+    continuation_text(new_messages, enable_thinking=enable_thinking)
+  )
 
 
 def assistant_text(content: str, tool_calls: Sequence[Mapping[str, Any]] = ()) -> str:
@@ -221,9 +251,11 @@ def assistant_text(content: str, tool_calls: Sequence[Mapping[str, Any]] = ()) -
   Useful to build the text a model would sample for a given tool call (tests, teacher forcing).
   Derived from the template by rendering [user, assistant, user].
   """
-  msgs = [{"role": "user", "content": "."},
-          {"role": "assistant", "content": content, "tool_calls": list(tool_calls) or None},
-          {"role": "user", "content": "."}]
+  msgs = [
+    {"role": "user", "content": "."},
+    {"role": "assistant", "content": content, "tool_calls": list(tool_calls) or None},
+    {"role": "user", "content": "."},
+  ]
   full = render(msgs)
   head = tokenizer_lib.IM_START + "assistant\n"
   start = full.index(head) + len(head)
@@ -234,8 +266,7 @@ def assistant_text(content: str, tool_calls: Sequence[Mapping[str, Any]] = ()) -
 # --------------------------------------------------------------------------------------------
 # Tool-call parsing.
 
-_BLOCK_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE),
-                       re.DOTALL)
+_BLOCK_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 
 
 def strip_thinking(text: str) -> str:
@@ -256,22 +287,21 @@ def _parse_one(body: str, index: int) -> ToolCall | str:
     msg = e.msg if isinstance(e, json.JSONDecodeError) else "nesting too deep"
     return f"{where}: invalid JSON ({msg}): {body.strip()[:200]!r}"
   if not isinstance(obj, dict):
-    return (f"{where}: expected a JSON object with \"name\" and \"arguments\", "
-            f"got {type(obj).__name__}")
+    return f'{where}: expected a JSON object with "name" and "arguments", got {type(obj).__name__}'
   name = obj.get("name")
   if not isinstance(name, str) or not name.strip():
-    return f"{where}: missing or non-string \"name\""
+    return f'{where}: missing or non-string "name"'
   extra = sorted(set(obj) - {"name", "arguments"})
   if extra:
-    return f"{where} ({name}): unexpected keys {extra}; expected only \"name\" and \"arguments\""
+    return f'{where} ({name}): unexpected keys {extra}; expected only "name" and "arguments"'
   args = obj.get("arguments", {})
   if isinstance(args, str):
     try:
       args = json.loads(args) if args.strip() else {}
     except (json.JSONDecodeError, RecursionError):
-      return f"{where} ({name}): \"arguments\" is a string that is not valid JSON"
+      return f'{where} ({name}): "arguments" is a string that is not valid JSON'
   if not isinstance(args, dict):
-    return f"{where} ({name}): \"arguments\" must be a JSON object, got {type(args).__name__}"
+    return f'{where} ({name}): "arguments" must be a JSON object, got {type(args).__name__}'
   return ToolCall(name=name.strip(), arguments=args)
 
 
@@ -293,20 +323,24 @@ def parse_tool_calls(text: str, *, truncated: bool = False) -> Action:
     a missing name, non-object arguments, unexpected keys, or unbalanced tags.
   """
   if truncated:
-    return Action(error="the reply was cut off at the token limit before it finished; no tool call "
-                  "was executed. Reply with shorter output.", text=text)
+    return Action(
+      error="the reply was cut off at the token limit before it finished; no tool call "
+      "was executed. Reply with shorter output.",
+      text=text,
+    )
   try:
     body = strip_thinking(text)
     if body.endswith(tokenizer_lib.IM_END):
-      body = body[:-len(tokenizer_lib.IM_END)]
+      body = body[: -len(tokenizer_lib.IM_END)]
     errors: list[str] = []
     calls: list[ToolCall] = []
     blocks = list(_BLOCK_RE.finditer(body))
     for i, m in enumerate(blocks):
       inner = m.group(1)
       if TOOL_CALL_OPEN in inner:
-        errors.append(f"tool call #{i + 1}: {TOOL_CALL_OPEN} opened twice without "
-                      f"{TOOL_CALL_CLOSE}")
+        errors.append(
+          f"tool call #{i + 1}: {TOOL_CALL_OPEN} opened twice without {TOOL_CALL_CLOSE}"
+        )
         continue
       parsed = _parse_one(inner, i)
       if isinstance(parsed, str):

@@ -33,8 +33,9 @@ class RunCheckpointer:
     """Raises: ValueError when keep < 1."""
     if keep < 1:
       raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                           enable_async_checkpointing=True)
+    options = ocp.CheckpointManagerOptions(
+      max_to_keep=keep, create=True, enable_async_checkpointing=True
+    )
     self._mgr = ocp.CheckpointManager(directory, options=options, item_names=self.ITEMS)
 
   def latest_step(self) -> int | None:
@@ -50,20 +51,25 @@ class RunCheckpointer:
     `meta` must be JSON-serialisable. Older checkpoints beyond `keep` are deleted.
     """
     args = ocp.args.Composite(
-        params=ocp.args.StandardSave(params),
-        opt_state=ocp.args.StandardSave(opt_state),
-        ref_params=ocp.args.StandardSave(ref_params),
-        meta=ocp.args.JsonSave(meta))
+      params=ocp.args.StandardSave(params),
+      opt_state=ocp.args.StandardSave(opt_state),
+      ref_params=ocp.args.StandardSave(ref_params),
+      meta=ocp.args.JsonSave(meta),
+    )
     self._mgr.save(step, args=args, force=True)
 
   def restore(self, step: int, params, opt_state, ref_params) -> tuple[Any, Any, Any, dict]:
     """Restores onto the structure (and shardings) of the given example pytrees."""
     abstract = lambda tree: jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)  # noqa: E731
-    out = self._mgr.restore(step, args=ocp.args.Composite(
+    out = self._mgr.restore(
+      step,
+      args=ocp.args.Composite(
         params=ocp.args.StandardRestore(abstract(params)),
         opt_state=ocp.args.StandardRestore(abstract(opt_state)),
         ref_params=ocp.args.StandardRestore(abstract(ref_params)),
-        meta=ocp.args.JsonRestore()))
+        meta=ocp.args.JsonRestore(),
+      ),
+    )
     logging.info("restored checkpoint step %d", step)
     return out.params, out.opt_state, out.ref_params, out.meta
 
@@ -81,13 +87,18 @@ class RunCheckpointer:
         return (step, *self.restore(step, params, opt_state, ref_params))
       except Exception as e:  # orbax raises many types for a damaged checkpoint
         first_line = str(e).strip().splitlines()[0][:300] if str(e).strip() else repr(e)
-        logging.warning("checkpoint step %d is unreadable (%s); trying an older one", step,
-                        first_line)
-        print(f"warning: checkpoint step {step} is unreadable ({type(e).__name__}: "
-              f"{first_line}); trying an older one")
+        logging.warning(
+          "checkpoint step %d is unreadable (%s); trying an older one", step, first_line
+        )
+        print(
+          f"warning: checkpoint step {step} is unreadable ({type(e).__name__}: "
+          f"{first_line}); trying an older one"
+        )
     if steps:
-      raise RuntimeError(f"no readable checkpoint among steps {steps} in {self._mgr.directory}; "
-                         "delete the checkpoints folder to start over")
+      raise RuntimeError(
+        f"no readable checkpoint among steps {steps} in {self._mgr.directory}; "
+        "delete the checkpoints folder to start over"
+      )
     return None
 
   def wait(self) -> None:

@@ -44,8 +44,9 @@ def _int(env: Mapping[str, str], name: str) -> int:
   try:
     return int(env[name])
   except (KeyError, ValueError):
-    raise ValueError(f"{name} must be set to an integer with JAX_COORDINATOR_ADDRESS, got "
-                     f"{env.get(name)!r}") from None
+    raise ValueError(
+      f"{name} must be set to an integer with JAX_COORDINATOR_ADDRESS, got {env.get(name)!r}"
+    ) from None
 
 
 def _from_vertex(text: str) -> ProcessSpec | None:
@@ -53,14 +54,17 @@ def _from_vertex(text: str) -> ProcessSpec | None:
     spec = json.loads(text)
     cluster, task = spec["cluster"], spec["task"]
     pools = [cluster[k] for k in sorted(cluster) if k.startswith("workerpool")]
-    offsets = {k: sum(len(cluster[j]) for j in sorted(cluster)
-                      if j.startswith("workerpool") and j < k) for k in cluster}
+    offsets = {
+      k: sum(len(cluster[j]) for j in sorted(cluster) if j.startswith("workerpool") and j < k)
+      for k in cluster
+    }
     total = sum(len(p) for p in pools)
     process_id = offsets[task["type"]] + int(task["index"])
     coordinator = pools[0][0]
   except (ValueError, KeyError, IndexError, TypeError) as e:
-    raise ValueError(f"CLUSTER_SPEC is not a Vertex AI cluster spec ({e!r}): "
-                     f"{text[:200]}") from None
+    raise ValueError(
+      f"CLUSTER_SPEC is not a Vertex AI cluster spec ({e!r}): {text[:200]}"
+    ) from None
   if total <= 1:
     return None
   return ProcessSpec("vertex", coordinator, total, process_id)
@@ -106,7 +110,9 @@ def initialize_from_env(env: Mapping[str, str] | None = None) -> ProcessSpec | N
   spec = detect(env)
   if spec is None or jax.distributed.is_initialized():
     return None
-  jax.distributed.initialize(coordinator_address=spec.coordinator_address,
-                             num_processes=spec.num_processes, process_id=spec.process_id)
+  jax.distributed.initialize(
+    coordinator_address=spec.coordinator_address,
+    num_processes=spec.num_processes,
+    process_id=spec.process_id,
+  )
   return spec
-

@@ -31,8 +31,12 @@ import numpy as np
 from envs import bfcl
 from envs.base import Task
 
-CATEGORIES = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param",
-              "multi_turn_long_context")
+CATEGORIES = (
+  "multi_turn_base",
+  "multi_turn_miss_func",
+  "multi_turn_miss_param",
+  "multi_turn_long_context",
+)
 
 
 class ReplayEngine:
@@ -55,8 +59,9 @@ class ReplayEngine:
 
   CLOSING_REPLY = "Done."
 
-  def __init__(self, tasks: Sequence[Task], chat: Any, make_env, num_slots: int = 8,
-               cache_len: int = 1 << 20):
+  def __init__(
+    self, tasks: Sequence[Task], chat: Any, make_env, num_slots: int = 8, cache_len: int = 1 << 20
+  ):
     self.num_slots, self.cache_len = num_slots, cache_len
     self._scripts: dict[tuple[int, ...], list[list[list[int]]]] = collections.defaultdict(list)
     for task in tasks:
@@ -81,8 +86,9 @@ class ReplayEngine:
       # consecutive calls share a reply (a few long_context turns have 34 calls).
       per_reply = -(-len(calls) // bfcl.MAX_STEPS_PER_TURN) if calls else 1
       for i in range(0, len(calls), per_reply):
-        text = chat.assistant_text("", [{"name": c.name, "arguments": c.arguments}
-                                        for c in calls[i:i + per_reply]])
+        text = chat.assistant_text(
+          "", [{"name": c.name, "arguments": c.arguments} for c in calls[i : i + per_reply]]
+        )
         replies.append(chat.encode(text) + [chat.im_end_id])
       replies.append(chat.encode(self.CLOSING_REPLY) + [chat.im_end_id])
     return replies
@@ -118,13 +124,19 @@ class ReplayEngine:
 def make_eval_env(cfg, task: Task, episode_id: str):
   """A BFCL environment with the official loop semantics (and its 20-step limit per user turn)
   and the config's prompt settings (tool_style, max_obs_chars)."""
-  return bfcl.make_env(task, episode_id, max_obs_chars=cfg.data.max_obs_chars,
-                       tool_style=cfg.data.tool_style,
-                       max_steps_per_turn=bfcl.MAX_STEPS_PER_TURN, official_loop=True)
+  return bfcl.make_env(
+    task,
+    episode_id,
+    max_obs_chars=cfg.data.max_obs_chars,
+    tool_style=cfg.data.tool_style,
+    max_steps_per_turn=bfcl.MAX_STEPS_PER_TURN,
+    official_loop=True,
+  )
 
 
-def evaluate_category(engine, chat, tasks: Sequence[Task], cfg, rng=None,
-                      max_new_tokens: int = 0) -> dict[str, Any]:
+def evaluate_category(
+  engine, chat, tasks: Sequence[Task], cfg, rng=None, max_new_tokens: int = 0
+) -> dict[str, Any]:
   """Greedy episodes of `tasks` on `engine`; returns {"accuracy", "n", "entries": [...]}.
 
   The official loop has no episode-wide step limit (only 20 executed steps per user turn, enforced
@@ -145,14 +157,30 @@ def evaluate_category(engine, chat, tasks: Sequence[Task], cfg, rng=None,
   from coevolve_jax.rollout.sampling import SamplingParams  # noqa: PLC0415
 
   most_steps = max((len(t.turns) for t in tasks), default=1) * (bfcl.MAX_STEPS_PER_TURN + 2)
-  runner = AgentRunner(engine, chat, functools.partial(make_eval_env, cfg),
-                       EpisodeLimits(max_new_tokens or cfg.eval.max_new_tokens, most_steps))
-  trajs = runner.run([(t, i) for i, t in enumerate(tasks)], SamplingParams(temperature=0.0),
-                     jax.random.key(0) if rng is None else rng)
-  rows = [{"id": t.task_id, "reward": t.reward, "finish": t.finish,
-           "model_steps": t.model_steps, "parse_errors": t.parse_errors,
-           "generated_tokens": t.num_generated, "calls": t.calls,
-           "checker": t.info.get("checker")} for t in trajs]
+  runner = AgentRunner(
+    engine,
+    chat,
+    functools.partial(make_eval_env, cfg),
+    EpisodeLimits(max_new_tokens or cfg.eval.max_new_tokens, most_steps),
+  )
+  trajs = runner.run(
+    [(t, i) for i, t in enumerate(tasks)],
+    SamplingParams(temperature=0.0),
+    jax.random.key(0) if rng is None else rng,
+  )
+  rows = [
+    {
+      "id": t.task_id,
+      "reward": t.reward,
+      "finish": t.finish,
+      "model_steps": t.model_steps,
+      "parse_errors": t.parse_errors,
+      "generated_tokens": t.num_generated,
+      "calls": t.calls,
+      "checker": t.info.get("checker"),
+    }
+    for t in trajs
+  ]
   accuracy = float(np.mean([r["reward"] for r in rows])) if rows else 0.0
   return {"accuracy": accuracy, "n": len(rows), "entries": rows}
 
@@ -178,16 +206,20 @@ def load_model(cfg, checkpoint: str):
     try:
       from coevolve_jax.models import from_pretrained  # noqa: PLC0415
     except ImportError as e:
-      raise FileNotFoundError(f"{path} is a Hugging Face folder, but this version has no "
-                              f"coevolve_jax.models.from_pretrained to load it") from e
+      raise FileNotFoundError(
+        f"{path} is a Hugging Face folder, but this version has no "
+        f"coevolve_jax.models.from_pretrained to load it"
+      ) from e
     return from_pretrained(path, dtype=dtype)
-  ckpt_dir = os.path.join(path, "checkpoints") if os.path.isdir(
-      os.path.join(path, "checkpoints")) else path
+  ckpt_dir = (
+    os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+  )
   mgr = ocp.CheckpointManager(ckpt_dir, item_names=("params",))
   step = mgr.latest_step()
   if step is None:
-    raise FileNotFoundError(f"{path}: neither a Hugging Face folder (config.json) nor an orbax "
-                            f"checkpoint folder")
+    raise FileNotFoundError(
+      f"{path}: neither a Hugging Face folder (config.json) nor an orbax checkpoint folder"
+    )
   model = Qwen(QwenConfig.preset(cfg.model.preset), rngs=nnx.Rngs(0), dtype=dtype)
   graphdef, params = nnx.split(model)
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, params)
@@ -197,8 +229,15 @@ def load_model(cfg, checkpoint: str):
   return nnx.merge(graphdef, restored.params)
 
 
-def run(cfg, checkpoint: str, categories: Sequence[str], max_tasks: int, policy: str,
-        output: str, max_new_tokens: int = 0) -> dict[str, Any]:
+def run(
+  cfg,
+  checkpoint: str,
+  categories: Sequence[str],
+  max_tasks: int,
+  policy: str,
+  output: str,
+  max_new_tokens: int = 0,
+) -> dict[str, Any]:
   """Evaluates every category; prints a table and writes the JSON report to `output`."""
   from coevolve_jax.agent import QwenChat  # noqa: PLC0415
 
@@ -208,24 +247,38 @@ def run(cfg, checkpoint: str, categories: Sequence[str], max_tasks: int, policy:
     import jax.numpy as jnp  # noqa: PLC0415
 
     from coevolve_jax.rollout.engine import Engine  # noqa: PLC0415
+
     model = load_model(cfg, checkpoint)
-    engine = Engine(model, cfg.rollout.num_slots, cfg.rollout.cache_len,
-                    jnp.dtype(cfg.model.dtype), cfg.rollout.max_prefill_tokens)
-  report: dict[str, Any] = {"checkpoint": checkpoint, "policy": policy,
-                            "max_new_tokens": max_new_tokens or cfg.eval.max_new_tokens,
-                            "tool_style": cfg.data.tool_style, "categories": {}}
+    engine = Engine(
+      model,
+      cfg.rollout.num_slots,
+      cfg.rollout.cache_len,
+      jnp.dtype(cfg.model.dtype),
+      cfg.rollout.max_prefill_tokens,
+    )
+  report: dict[str, Any] = {
+    "checkpoint": checkpoint,
+    "policy": policy,
+    "max_new_tokens": max_new_tokens or cfg.eval.max_new_tokens,
+    "tool_style": cfg.data.tool_style,
+    "categories": {},
+  }
   for category in categories:
     tasks = bfcl.load_bfcl_tasks(category)
     tasks = tasks[:max_tasks] if max_tasks > 0 else tasks
     start = time.perf_counter()
     if policy == "ground_truth":
-      engine = ReplayEngine(tasks, chat, functools.partial(make_eval_env, cfg),
-                            num_slots=cfg.rollout.num_slots)
+      engine = ReplayEngine(
+        tasks, chat, functools.partial(make_eval_env, cfg), num_slots=cfg.rollout.num_slots
+      )
     result = evaluate_category(engine, chat, tasks, cfg, max_new_tokens=max_new_tokens)
     result["wall_s"] = round(time.perf_counter() - start, 2)
     report["categories"][category] = result
-    print(f"{category:<26} {result['accuracy'] * 100:6.1f}%  ({result['n']} entries, "
-          f"{result['wall_s']:.0f} s)", flush=True)
+    print(
+      f"{category:<26} {result['accuracy'] * 100:6.1f}%  ({result['n']} entries, "
+      f"{result['wall_s']:.0f} s)",
+      flush=True,
+    )
   os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
   with open(output, "w", encoding="utf-8") as f:
     json.dump(report, f, indent=1)
@@ -241,8 +294,7 @@ def main(argv: list[str]) -> int:
   cfg = f.config
   unknown = [c for c in f.categories if c not in CATEGORIES]
   if unknown:
-    print(f"error: unknown categories {unknown} (known: {', '.join(CATEGORIES)})",
-          file=sys.stderr)
+    print(f"error: unknown categories {unknown} (known: {', '.join(CATEGORIES)})", file=sys.stderr)
     return 2
   if f.policy == "model" and not f.checkpoint:
     print("error: --checkpoint is required with --policy=model", file=sys.stderr)
@@ -260,16 +312,23 @@ def _define_flags() -> None:
   from absl import flags  # noqa: PLC0415
   from ml_collections import config_flags  # noqa: PLC0415
 
-  config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).",
-                                  lock_config=True)
+  config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).", lock_config=True)
   flags.DEFINE_string("checkpoint", "", "orbax run checkpoint folder or Hugging Face folder")
   flags.DEFINE_list("categories", list(CATEGORIES), "BFCL multi-turn categories to run")
   flags.DEFINE_integer("max_tasks", 0, "first N entries per category (0 = all 200)")
-  flags.DEFINE_enum("policy", "model", ["model", "ground_truth"],
-                    "model: greedy decoding of the checkpoint; ground_truth: replay the "
-                    "ground-truth calls (harness check)")
-  flags.DEFINE_integer("max_new_tokens", 0, "tokens per reply (0 = config eval.max_new_tokens; "
-                       "the CPU preset's 64 cuts long ground-truth calls)")
+  flags.DEFINE_enum(
+    "policy",
+    "model",
+    ["model", "ground_truth"],
+    "model: greedy decoding of the checkpoint; ground_truth: replay the "
+    "ground-truth calls (harness check)",
+  )
+  flags.DEFINE_integer(
+    "max_new_tokens",
+    0,
+    "tokens per reply (0 = config eval.max_new_tokens; "
+    "the CPU preset's 64 cuts long ground-truth calls)",
+  )
   flags.DEFINE_string("output", "", "JSON report path (default: <checkpoint>/eval_bfcl.json)")
   flags.mark_flags_as_required(["config"])
 

@@ -29,8 +29,9 @@ class GRPOConfig:
   scale_by_std: bool = True
 
 
-def compute_advantages(rewards_n: np.ndarray, group_ids_n: np.ndarray, eps: float = 1e-6,
-                       scale_by_std: bool = True) -> np.ndarray:
+def compute_advantages(
+  rewards_n: np.ndarray, group_ids_n: np.ndarray, eps: float = 1e-6, scale_by_std: bool = True
+) -> np.ndarray:
   """Group-relative advantages A_k = (R_k - mean_group(R)) / (std_group(R) + eps) (paper Eq. 1).
 
   Statistics are per group id (not over the batch); std is the population std (ddof=0). A group
@@ -48,8 +49,9 @@ def compute_advantages(rewards_n: np.ndarray, group_ids_n: np.ndarray, eps: floa
   rewards_n = np.asarray(rewards_n, np.float64)
   group_ids_n = np.asarray(group_ids_n)
   if rewards_n.ndim != 1 or rewards_n.shape != group_ids_n.shape:
-    raise ValueError(f"rewards {rewards_n.shape} and group ids {group_ids_n.shape} must be the "
-                     "same 1-D shape [N]")
+    raise ValueError(
+      f"rewards {rewards_n.shape} and group ids {group_ids_n.shape} must be the same 1-D shape [N]"
+    )
   if not np.all(np.isfinite(rewards_n)):
     raise ValueError(f"non-finite rewards at rows {np.flatnonzero(~np.isfinite(rewards_n))}")
   adv = np.zeros_like(rewards_n)
@@ -63,8 +65,9 @@ def compute_advantages(rewards_n: np.ndarray, group_ids_n: np.ndarray, eps: floa
   return adv.astype(np.float32)
 
 
-def kl_penalty(logp_nt: jax.Array, ref_logp_nt: jax.Array, estimator: str,
-               clamp: float) -> jax.Array:
+def kl_penalty(
+  logp_nt: jax.Array, ref_logp_nt: jax.Array, estimator: str, clamp: float
+) -> jax.Array:
   """Per-token KL(pi || pi_ref) estimate from sampled tokens (Schulman 2020 k1/k2/k3).
 
   k3 = exp(ref - logp) - (ref - logp) - 1, with the log-ratio clamped to [-clamp, clamp] BEFORE
@@ -106,8 +109,13 @@ def aggregate_denominator(mask_nt: jax.Array, mode: str) -> jax.Array:
   raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
-def aggregate(loss_nt: jax.Array, mask_nt: jax.Array, mode: str, norm_tokens: float,
-              denominator: jax.Array | None = None) -> jax.Array:
+def aggregate(
+  loss_nt: jax.Array,
+  mask_nt: jax.Array,
+  mode: str,
+  norm_tokens: float,
+  denominator: jax.Array | None = None,
+) -> jax.Array:
   """Reduces per-token losses [N, T] to a scalar: sum of row/token terms / denominator.
 
   token-mean: sum over all tokens / number of tokens (paper Eq. 1).
@@ -144,11 +152,16 @@ def aggregate(loss_nt: jax.Array, mask_nt: jax.Array, mode: str, norm_tokens: fl
   raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
-def grpo_loss(logp_nt: jax.Array, old_logp_nt: jax.Array, ref_logp_nt: jax.Array | None,
-              advantages_n: jax.Array, mask_nt: jax.Array, cfg: GRPOConfig,
-              loss_denominator: jax.Array | None = None,
-              token_denominator: jax.Array | None = None,
-              ) -> tuple[jax.Array, dict[str, jax.Array]]:
+def grpo_loss(
+  logp_nt: jax.Array,
+  old_logp_nt: jax.Array,
+  ref_logp_nt: jax.Array | None,
+  advantages_n: jax.Array,
+  mask_nt: jax.Array,
+  cfg: GRPOConfig,
+  loss_denominator: jax.Array | None = None,
+  token_denominator: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Clipped policy-gradient loss plus beta * KL (the negative of paper Eq. 1's J).
 
   Per token: pg = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) with r = exp(logp - old_logp)
@@ -182,13 +195,20 @@ def grpo_loss(logp_nt: jax.Array, old_logp_nt: jax.Array, ref_logp_nt: jax.Array
     pg = jnp.where(adv < 0, jnp.minimum(pg, -adv * cfg.dual_clip_c), pg)
   per_token = pg
   metrics = {}
-  agg = functools.partial(aggregate, mask_nt=mask_nt, mode=cfg.loss_agg,
-                          norm_tokens=cfg.loss_norm_tokens, denominator=loss_denominator)
-  tok_mean = functools.partial(aggregate, mask_nt=mask_nt, mode="token-mean", norm_tokens=1.0,
-                               denominator=token_denominator)
+  agg = functools.partial(
+    aggregate,
+    mask_nt=mask_nt,
+    mode=cfg.loss_agg,
+    norm_tokens=cfg.loss_norm_tokens,
+    denominator=loss_denominator,
+  )
+  tok_mean = functools.partial(
+    aggregate, mask_nt=mask_nt, mode="token-mean", norm_tokens=1.0, denominator=token_denominator
+  )
   if ref_logp_nt is not None and cfg.kl_beta > 0:
-    kl = kl_penalty(logp_nt, jax.lax.stop_gradient(ref_logp_nt), cfg.kl_estimator,
-                    cfg.kl_log_ratio_clamp)
+    kl = kl_penalty(
+      logp_nt, jax.lax.stop_gradient(ref_logp_nt), cfg.kl_estimator, cfg.kl_log_ratio_clamp
+    )
     per_token = per_token + cfg.kl_beta * kl
     metrics["kl"] = tok_mean(kl)
   loss = agg(per_token)

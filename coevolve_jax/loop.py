@@ -49,8 +49,12 @@ PHASES = ("explore", "warmstart", "rollout", "reward", "train", "feedback", "eva
 
 
 def _event_to_dict(e: controller.SignalEvent) -> dict[str, Any]:
-  return {"task": json.loads(e.task.to_json()), "signal": e.signal, "calls": e.calls,
-          "reward": e.reward}
+  return {
+    "task": json.loads(e.task.to_json()),
+    "signal": e.signal,
+    "calls": e.calls,
+    "reward": e.reward,
+  }
 
 
 def _event_from_dict(d: dict[str, Any]) -> controller.SignalEvent:
@@ -87,44 +91,71 @@ class CoEvolveRun:
     self.suite = None  # AppWorld: real apps in AppWorld servers (envs/appworld_suite.py)
     if cfg.env == "appworld":
       from envs.appworld_suite import AppWorldSuite  # noqa: PLC0415
+
       self.suite = AppWorldSuite(cfg, self.workdir)
       self.train_entries, self.eval_split = self.suite.train_tasks, self.suite.eval_tasks
     else:
       tasks = bfcl.load_bfcl_tasks(cfg.data.category)
       self.train_entries, self.eval_split = bfcl.split_tasks(tasks, cfg.data.eval_size, cfg.seed)
-    self.eval_tasks = self.eval_split[:cfg.eval.max_tasks]
-    self.pool = TaskPool(os.path.join(self.workdir, "pool.jsonl"),
-                         threshold=cfg.explore.near_dup_threshold)
-    self.tracker = SignalTracker(cfg.signals.window, cfg.signals.rare_theta_percent,
-                                 cfg.signals.rare_min_total, cfg.signals.pattern,
-                                 cfg.signals.success_threshold)
+    self.eval_tasks = self.eval_split[: cfg.eval.max_tasks]
+    self.pool = TaskPool(
+      os.path.join(self.workdir, "pool.jsonl"), threshold=cfg.explore.near_dup_threshold
+    )
+    self.tracker = SignalTracker(
+      cfg.signals.window,
+      cfg.signals.rare_theta_percent,
+      cfg.signals.rare_min_total,
+      cfg.signals.pattern,
+      cfg.signals.success_threshold,
+    )
     dtype = jnp.dtype(cfg.model.dtype)
     if cfg.model.checkpoint:  # a Hugging Face folder; its config.json replaces the preset
       model = from_pretrained(cfg.model.checkpoint, dtype=dtype)
     else:
       model = Qwen(QwenConfig.preset(cfg.model.preset), rngs=nnx.Rngs(cfg.seed), dtype=dtype)
     self.gcfg = grpo.GRPOConfig(
-        clip_eps_low=cfg.train.clip_eps_low, clip_eps_high=cfg.train.clip_eps_high,
-        dual_clip_c=cfg.train.dual_clip_c, kl_beta=cfg.train.kl_beta,
-        kl_estimator=cfg.train.kl_estimator, loss_agg=cfg.train.loss_agg)
+      clip_eps_low=cfg.train.clip_eps_low,
+      clip_eps_high=cfg.train.clip_eps_high,
+      dual_clip_c=cfg.train.dual_clip_c,
+      kl_beta=cfg.train.kl_beta,
+      kl_estimator=cfg.train.kl_estimator,
+      loss_agg=cfg.train.loss_agg,
+    )
     tx = make_optimizer(cfg.train.lr, cfg.train.weight_decay, cfg.train.grad_clip)
-    self.trainer = PolicyTrainer(model, tx, self.gcfg, cfg.rollout.temperature,
-                                 micro_batches=cfg.train.micro_batches)
+    self.trainer = PolicyTrainer(
+      model, tx, self.gcfg, cfg.rollout.temperature, micro_batches=cfg.train.micro_batches
+    )
     self._setup_feedback()
-    self.engine = Engine(model, cfg.rollout.num_slots, cfg.rollout.cache_len, dtype,
-                         max_prefill_tokens=cfg.rollout.max_prefill_tokens)
-    make_env = functools.partial(bfcl.make_env, max_obs_chars=cfg.data.max_obs_chars,
-                                 tool_style=cfg.data.tool_style,
-                                 max_steps_per_turn=cfg.rollout.max_steps_per_turn)
+    self.engine = Engine(
+      model,
+      cfg.rollout.num_slots,
+      cfg.rollout.cache_len,
+      dtype,
+      max_prefill_tokens=cfg.rollout.max_prefill_tokens,
+    )
+    make_env = functools.partial(
+      bfcl.make_env,
+      max_obs_chars=cfg.data.max_obs_chars,
+      tool_style=cfg.data.tool_style,
+      max_steps_per_turn=cfg.rollout.max_steps_per_turn,
+    )
     eval_env = functools.partial(make_env, max_steps_per_turn=cfg.eval.max_steps_per_turn)
     if self.suite is not None:
       make_env = self.suite.make_env
       eval_env = functools.partial(make_env, max_steps=cfg.eval.max_steps_per_turn)
     self.make_env = make_env
-    self.runner = AgentRunner(self.engine, self.chat, make_env, EpisodeLimits(
-        cfg.rollout.max_new_tokens, cfg.rollout.max_model_steps))
-    self.eval_runner = AgentRunner(self.engine, self.chat, eval_env, EpisodeLimits(
-        cfg.eval.max_new_tokens, cfg.rollout.max_model_steps))
+    self.runner = AgentRunner(
+      self.engine,
+      self.chat,
+      make_env,
+      EpisodeLimits(cfg.rollout.max_new_tokens, cfg.rollout.max_model_steps),
+    )
+    self.eval_runner = AgentRunner(
+      self.engine,
+      self.chat,
+      eval_env,
+      EpisodeLimits(cfg.eval.max_new_tokens, cfg.rollout.max_model_steps),
+    )
     self.sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
     self.ckpt = RunCheckpointer(os.path.join(self.workdir, "checkpoints"), cfg.checkpoint.keep)
 
@@ -139,17 +170,24 @@ class CoEvolveRun:
     self.llm = factory.make_llm(kind, cfg.explore, self._policy_snapshot)
     self.explorer = factory.make_explorer(self.llm)
     d0_kind = cfg.explore.d0_explorer or kind
-    self.d0_llm = self.llm if d0_kind == kind else factory.make_llm(d0_kind, cfg.explore,
-                                                                    self._policy_snapshot)
+    self.d0_llm = (
+      self.llm if d0_kind == kind else factory.make_llm(d0_kind, cfg.explore, self._policy_snapshot)
+    )
     self.d0_explorer = self.explorer if d0_kind == kind else factory.make_explorer(self.d0_llm)
-    controller.select_events([], np.random.default_rng(0), 0, kinds=tuple(cfg.feedback.kinds),
-                             mode=cfg.feedback.mode)  # validates kinds and mode now
+    controller.select_events(
+      [], np.random.default_rng(0), 0, kinds=tuple(cfg.feedback.kinds), mode=cfg.feedback.mode
+    )  # validates kinds and mode now
     if cfg.feedback.lag < 0 or cfg.feedback.lag >= cfg.feedback.every:
       raise RunError(f"feedback.lag must be in [0, feedback.every), got {cfg.feedback.lag}")
     self.settings = controller.SynthesisSettings(
-        cfg.explore.min_calls, cfg.explore.max_calls, cfg.explore.turns_per_task,
-        cfg.explore.rounds, cfg.explore.steps_per_round, cfg.feedback.validate,
-        cfg.explore.judge)
+      cfg.explore.min_calls,
+      cfg.explore.max_calls,
+      cfg.explore.turns_per_task,
+      cfg.explore.rounds,
+      cfg.explore.steps_per_round,
+      cfg.feedback.validate,
+      cfg.explore.judge,
+    )
     self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="feedback")
     self._pending: dict[str, Any] | None = None  # the round in flight: its inputs and future
 
@@ -158,12 +196,24 @@ class CoEvolveRun:
     return self._wall_before + time.perf_counter() - self._session_start
 
   def _fresh_state(self) -> dict[str, Any]:
-    return {"step": 0, "np_rng": np.random.default_rng(self.cfg.seed).bit_generator.state,
-            "key": jax.random.key_data(jax.random.key(self.cfg.seed)).tolist(),
-            "signals": None, "events": [], "round": 0, "tasks_synthesized": 0,
-            "tasks_accepted": 0, "tasks_dropped": 0, "validation": [], "phase_s": {},
-            "wall_s": 0.0, "eval_before": None, "d0": {}, "pending_round": None,
-            "feedback_synth_s": 0.0}
+    return {
+      "step": 0,
+      "np_rng": np.random.default_rng(self.cfg.seed).bit_generator.state,
+      "key": jax.random.key_data(jax.random.key(self.cfg.seed)).tolist(),
+      "signals": None,
+      "events": [],
+      "round": 0,
+      "tasks_synthesized": 0,
+      "tasks_accepted": 0,
+      "tasks_dropped": 0,
+      "validation": [],
+      "phase_s": {},
+      "wall_s": 0.0,
+      "eval_before": None,
+      "d0": {},
+      "pending_round": None,
+      "feedback_synth_s": 0.0,
+    }
 
   # ------------------------------------------------------------------ run
 
@@ -198,8 +248,9 @@ class CoEvolveRun:
     elif self.state.get("pending_round"):
       self._resubmit(self.state["pending_round"])
     steps = self.cfg.train.steps
-    with tqdm.tqdm(total=steps, initial=self.state["step"], desc="grpo", unit="step",
-                   dynamic_ncols=True) as bar:
+    with tqdm.tqdm(
+      total=steps, initial=self.state["step"], desc="grpo", unit="step", dynamic_ncols=True
+    ) as bar:
       while self.state["step"] < steps:
         step = self.state["step"] + 1
         info = self._train_step(step)
@@ -241,20 +292,29 @@ class CoEvolveRun:
         d0, counts = self.suite.initial_tasks(cfg.explore.initial_tasks, rng)
       else:
         d0 = controller.build_initial_tasks(
-            self.train_entries, cfg.explore.initial_tasks, self.d0_explorer, rng,
-            min_calls=cfg.explore.min_calls, max_calls=cfg.explore.max_calls,
-            max_turns=cfg.explore.turns_per_task, rounds=cfg.explore.rounds,
-            steps_per_round=cfg.explore.steps_per_round, counts=counts,
-            max_classes=cfg.explore.max_classes or None,
-            only_classes=tuple(cfg.explore.only_classes), llm=self.d0_llm)
+          self.train_entries,
+          cfg.explore.initial_tasks,
+          self.d0_explorer,
+          rng,
+          min_calls=cfg.explore.min_calls,
+          max_calls=cfg.explore.max_calls,
+          max_turns=cfg.explore.turns_per_task,
+          rounds=cfg.explore.rounds,
+          steps_per_round=cfg.explore.steps_per_round,
+          counts=counts,
+          max_classes=cfg.explore.max_classes or None,
+          only_classes=tuple(cfg.explore.only_classes),
+          llm=self.d0_llm,
+        )
       report = self.pool.add(d0, eval_tasks=self.eval_split)
       self.state["d0"] = {**counts, "added": report.added, "dropped": len(report.dropped)}
       print(f"D0: {self.state['d0']}")
       if not len(self.pool):
         raise RunError(
-            f"D0 exploration left the task pool empty ({self.state['d0']}): there is nothing to "
-            f"train on. Raise explore.initial_tasks or explore.rounds, or check the explorer "
-            f"(its errors are logged above).")
+          f"D0 exploration left the task pool empty ({self.state['d0']}): there is nothing to "
+          f"train on. Raise explore.initial_tasks or explore.rounds, or check the explorer "
+          f"(its errors are logged above)."
+        )
     with self.timer("warmstart"):
       self._warmstart(rng)
     self.trainer.freeze_reference()
@@ -268,21 +328,32 @@ class CoEvolveRun:
     if cfg.steps <= 0:
       return
     if self.suite is not None:
-      demos = [self.suite.demonstration(t, self.chat, f"demo{i}")
-               for i, t in enumerate(self.pool.tasks)]
+      demos = [
+        self.suite.demonstration(t, self.chat, f"demo{i}") for i, t in enumerate(self.pool.tasks)
+      ]
     else:
-      demos = [demonstration(t, self.chat, self.make_env, bfcl.parse_call_string, f"demo{i}")
-               for i, t in enumerate(self.pool.tasks)]
+      demos = [
+        demonstration(t, self.chat, self.make_env, bfcl.parse_call_string, f"demo{i}")
+        for i, t in enumerate(self.pool.tasks)
+      ]
     print(f"warm-start on {describe(demos)}")
     warmup = min(10, max(1, cfg.steps // 5))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
-                                                  cfg.lr * 0.05)
-    sft = PolicyTrainer(self.trainer.model(),
-                        make_optimizer(schedule, 0.0, self.cfg.train.grad_clip), self.gcfg, 1.0)
+    schedule = optax.warmup_cosine_decay_schedule(
+      0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), cfg.lr * 0.05
+    )
+    sft = PolicyTrainer(
+      self.trainer.model(), make_optimizer(schedule, 0.0, self.cfg.train.grad_clip), self.gcfg, 1.0
+    )
     t_max = max(len(d.token_ids) for d in demos)  # one shape for every warm-start batch
     p_max = max(d.num_generated for d in demos)
-    for i, batch in enumerate(tqdm.tqdm(sft_batches(demos, cfg.batch_size, rng, cfg.steps),
-                                        total=cfg.steps, desc="warm-start", dynamic_ncols=True)):
+    for i, batch in enumerate(
+      tqdm.tqdm(
+        sft_batches(demos, cfg.batch_size, rng, cfg.steps),
+        total=cfg.steps,
+        desc="warm-start",
+        dynamic_ncols=True,
+      )
+    ):
       loss = sft.sft_update(make_batch(batch, min_len=t_max, min_targets=p_max))
       if i % 10 == 0 or i == cfg.steps - 1:
         self.metrics.write(0, {"warmstart/loss": loss, "warmstart/step": i})
@@ -306,8 +377,11 @@ class CoEvolveRun:
 
   def _train_step(self, step: int) -> dict[str, Any]:
     cfg = self.cfg
-    tasks = self.pool.sample(cfg.rollout.tasks_per_step, self.np_rng,
-                             None if cfg.explore.synth_fraction < 0 else cfg.explore.synth_fraction)
+    tasks = self.pool.sample(
+      cfg.rollout.tasks_per_step,
+      self.np_rng,
+      None if cfg.explore.synth_fraction < 0 else cfg.explore.synth_fraction,
+    )
     jobs = [(t, g) for g, t in enumerate(tasks) for _ in range(cfg.rollout.group_size)]
     trajs = self._rollout(jobs, self.sampling, self.runner)
     rewards = np.array([t.reward for t in trajs], np.float32)
@@ -315,20 +389,26 @@ class CoEvolveRun:
     adv = grpo.compute_advantages(rewards, groups, self.gcfg.adv_eps, self.gcfg.scale_by_std)
     with self.timer("train"):
       metrics = self._update(trajs, adv)
-    records = [RolloutRecord(t.task_id, t.group_id, t.reward, t.tool_names, i)
-               for i, t in enumerate(trajs)]
+    records = [
+      RolloutRecord(t.task_id, t.group_id, t.reward, t.tool_names, i) for i, t in enumerate(trajs)
+    ]
     for s in self.tracker.update(records):
       tr = trajs[s.trajectory_index]
       self.events.append(controller.SignalEvent(tasks[tr.group_id], s.kind, tr.calls, tr.reward))
     finishes = [t.finish for t in trajs]
-    metrics.update({
-        "reward/mean": float(rewards.mean()), "reward/max": float(rewards.max()),
+    metrics.update(
+      {
+        "reward/mean": float(rewards.mean()),
+        "reward/max": float(rewards.max()),
         "rollout/tokens_generated": int(sum(t.num_generated for t in trajs)),
         "rollout/parse_errors": int(sum(t.parse_errors for t in trajs)),
         "rollout/finished_done": finishes.count("done"),
-        "rollout/mixed_groups": int(sum(len(set(rewards[groups == g])) > 1
-                                        for g in np.unique(groups))),
-        **{f"signals/{k}": v for k, v in self.tracker.counts.items()}})
+        "rollout/mixed_groups": int(
+          sum(len(set(rewards[groups == g])) > 1 for g in np.unique(groups))
+        ),
+        **{f"signals/{k}": v for k, v in self.tracker.counts.items()},
+      }
+    )
     return metrics
 
   def _update(self, trajs: list[Trajectory], adv: np.ndarray) -> dict[str, float]:
@@ -342,10 +422,10 @@ class CoEvolveRun:
     for mb, o, r in zip(minis, old, ref):
       for k, v in self.trainer.grpo_update(mb, o, r).items():
         out.setdefault(f"train/{k}", []).append(v)
-    sampler_gap = max(float(jnp.max(jnp.abs((o - mb.sampler_logp) * mb.target_mask)))
-                      for mb, o in zip(minis, old))
-    return {**{k: float(np.mean(v)) for k, v in out.items()},
-            "train/sampler_logp_gap": sampler_gap}
+    sampler_gap = max(
+      float(jnp.max(jnp.abs((o - mb.sampler_logp) * mb.target_mask))) for mb, o in zip(minis, old)
+    )
+    return {**{k: float(np.mean(v)) for k, v in out.items()}, "train/sampler_logp_gap": sampler_gap}
 
   # ------------------------------------------------------------------ feedback, eval, ckpt
 
@@ -370,22 +450,34 @@ class CoEvolveRun:
   def _round_rngs(self, round_idx: int) -> tuple[np.random.Generator, np.random.Generator]:
     """Selection and synthesis RNGs of a round: fixed by (seed, round), so a resumed run redoes a
     round in flight exactly."""
-    return (np.random.default_rng([self.cfg.seed, round_idx, 0]),
-            np.random.default_rng([self.cfg.seed, round_idx, 1]))
+    return (
+      np.random.default_rng([self.cfg.seed, round_idx, 0]),
+      np.random.default_rng([self.cfg.seed, round_idx, 1]),
+    )
 
   def _start_round(self, step: int) -> None:
     fb = self.cfg.feedback
     self.state["round"] += 1
     round_idx = self.state["round"]
     chosen = controller.select_events(
-        self.events, self._round_rngs(round_idx)[0], self.cfg.explore.max_contexts_per_round,
-        kinds=tuple(fb.kinds), mode=fb.mode, pool_tasks=self.pool.tasks)
+      self.events,
+      self._round_rngs(round_idx)[0],
+      self.cfg.explore.max_contexts_per_round,
+      kinds=tuple(fb.kinds),
+      mode=fb.mode,
+      pool_tasks=self.pool.tasks,
+    )
     self.events = []
-    self._submit({"round": round_idx, "start_step": step,
-                  # the last step's round is joined at once, before the final checkpoint
-                  "commit_at": min(step + fb.lag, self.cfg.train.steps) if fb.concurrent
-                               else step,
-                  "events": [_event_to_dict(e) for e in chosen]}, chosen)
+    self._submit(
+      {
+        "round": round_idx,
+        "start_step": step,
+        # the last step's round is joined at once, before the final checkpoint
+        "commit_at": min(step + fb.lag, self.cfg.train.steps) if fb.concurrent else step,
+        "events": [_event_to_dict(e) for e in chosen],
+      },
+      chosen,
+    )
 
   def _resubmit(self, spec: dict[str, Any]) -> None:
     """Restarts the round that was in flight when the checkpoint was written."""
@@ -394,8 +486,14 @@ class CoEvolveRun:
   def _submit(self, spec: dict[str, Any], chosen: list[controller.SignalEvent]) -> None:
     if hasattr(self.llm, "refresh"):
       self.llm.refresh()  # the local explorer serves the policy as of this step
-    args = (chosen, self.explorer, self._round_rngs(spec["round"])[1], spec["round"],
-            self.settings, self.llm)
+    args = (
+      chosen,
+      self.explorer,
+      self._round_rngs(spec["round"])[1],
+      spec["round"],
+      self.settings,
+      self.llm,
+    )
     synthesize = self.suite.synthesize_round if self.suite else controller.synthesize_round
     if self.cfg.feedback.concurrent:
       future = self._executor.submit(synthesize, *args)
@@ -416,22 +514,38 @@ class CoEvolveRun:
     self.state["tasks_dropped"] += len(report.dropped)
     self.state["validation"].append(report.pass_rate if report.synthesized else None)
     self.state["feedback_synth_s"] = self.state.get("feedback_synth_s", 0.0) + result.wall_s
-    row = {"round": pending["round"], "step": self.state["step"],
-           "start_step": pending["start_step"], "synthesized": report.synthesized,
-           "accepted": report.accepted, "pass_rate": report.pass_rate,
-           "per_signal": report.per_signal, "dropped": report.dropped,
-           "rejected": report.rejected, "llm_usage": report.llm_usage,
-           "synth_s": round(result.wall_s, 3), "wait_s": round(wait_s, 3),
-           "eval_similarity": report.eval_similarity,
-           "pool_size": len(self.pool)}
+    row = {
+      "round": pending["round"],
+      "step": self.state["step"],
+      "start_step": pending["start_step"],
+      "synthesized": report.synthesized,
+      "accepted": report.accepted,
+      "pass_rate": report.pass_rate,
+      "per_signal": report.per_signal,
+      "dropped": report.dropped,
+      "rejected": report.rejected,
+      "llm_usage": report.llm_usage,
+      "synth_s": round(result.wall_s, 3),
+      "wait_s": round(wait_s, 3),
+      "eval_similarity": report.eval_similarity,
+      "pool_size": len(self.pool),
+    }
     with open(os.path.join(self.workdir, "feedback.jsonl"), "a", encoding="utf-8") as f:
       f.write(json.dumps(row) + "\n")
     with open(os.path.join(self.workdir, "exploration.jsonl"), "a", encoding="utf-8") as f:
-      f.writelines(json.dumps({"round": pending["round"], "step": self.state["step"], **t},
-                              ensure_ascii=False) + "\n" for t in result.trace)
-    out = {"feedback/synthesized": report.synthesized, "feedback/accepted": report.accepted,
-           "feedback/pass_rate": report.pass_rate, "feedback/dropped": len(report.dropped),
-           "feedback/synth_s": result.wall_s, "feedback/wait_s": wait_s}
+      f.writelines(
+        json.dumps({"round": pending["round"], "step": self.state["step"], **t}, ensure_ascii=False)
+        + "\n"
+        for t in result.trace
+      )
+    out = {
+      "feedback/synthesized": report.synthesized,
+      "feedback/accepted": report.accepted,
+      "feedback/pass_rate": report.pass_rate,
+      "feedback/dropped": len(report.dropped),
+      "feedback/synth_s": result.wall_s,
+      "feedback/wait_s": wait_s,
+    }
     if report.llm_usage:
       out["feedback/llm_tokens"] = report.llm_usage["tokens"]
     return out
@@ -442,9 +556,19 @@ class CoEvolveRun:
     trajs = self._rollout(jobs, SamplingParams(temperature=0.0), self.eval_runner)
     with open(os.path.join(self.workdir, f"eval_{tag}.jsonl"), "w", encoding="utf-8") as f:
       for t in trajs:
-        f.write(json.dumps({"task_id": t.task_id, "reward": t.reward, "finish": t.finish,
-                            "model_steps": t.model_steps, "parse_errors": t.parse_errors,
-                            "calls": t.calls}) + "\n")
+        f.write(
+          json.dumps(
+            {
+              "task_id": t.task_id,
+              "reward": t.reward,
+              "finish": t.finish,
+              "model_steps": t.model_steps,
+              "parse_errors": t.parse_errors,
+              "calls": t.calls,
+            }
+          )
+          + "\n"
+        )
     if self.suite is not None:  # AppWorld's TGC / SGC of this evaluation
       self.state.setdefault("appworld_eval", {})[tag] = self.suite.metrics(trajs)
     return float(np.mean([t.reward for t in trajs])) if trajs else 0.0
@@ -452,29 +576,45 @@ class CoEvolveRun:
   def _save(self, step: int) -> None:
     with self.timer("checkpoint"):
       self.state.update(
-          step=step, signals=self.tracker.state_dict(), phase_s=dict(self.timer.totals),
-          pool_size=len(self.pool), wall_s=self._wall_s(),
-          events=[_event_to_dict(e) for e in self.events],
-          pending_round=(None if self._pending is None else
-                         {k: v for k, v in self._pending.items() if k != "future"}),
-          np_rng=self.np_rng.bit_generator.state, key=jax.random.key_data(self.key).tolist())
-      self.ckpt.save(step, self.trainer.params, self.trainer.opt_state, self.trainer.ref_params,
-                     {**self.state, "config": json.loads(self.cfg.to_json_best_effort())})
+        step=step,
+        signals=self.tracker.state_dict(),
+        phase_s=dict(self.timer.totals),
+        pool_size=len(self.pool),
+        wall_s=self._wall_s(),
+        events=[_event_to_dict(e) for e in self.events],
+        pending_round=(
+          None
+          if self._pending is None
+          else {k: v for k, v in self._pending.items() if k != "future"}
+        ),
+        np_rng=self.np_rng.bit_generator.state,
+        key=jax.random.key_data(self.key).tolist(),
+      )
+      self.ckpt.save(
+        step,
+        self.trainer.params,
+        self.trainer.opt_state,
+        self.trainer.ref_params,
+        {**self.state, "config": json.loads(self.cfg.to_json_best_effort())},
+      )
 
   def _restore(self) -> int | None:
     """Restores the newest readable checkpoint; returns its step, or None for a fresh start."""
     self.trainer.freeze_reference()  # gives ref_params its structure
     try:
-      restored = self.ckpt.restore_latest(self.trainer.params, self.trainer.opt_state,
-                                          self.trainer.ref_params)
+      restored = self.ckpt.restore_latest(
+        self.trainer.params, self.trainer.opt_state, self.trainer.ref_params
+      )
     except RuntimeError as e:  # no readable checkpoint at all
       raise RunError(str(e)) from e
     if restored is None:
       return None
     step, params, opt_state, ref, meta = restored
     if step > self.cfg.train.steps:
-      raise RunError(f"{self.workdir} holds a checkpoint at step {step}, past "
-                       f"train.steps={self.cfg.train.steps}; use another --workdir")
+      raise RunError(
+        f"{self.workdir} holds a checkpoint at step {step}, past "
+        f"train.steps={self.cfg.train.steps}; use another --workdir"
+      )
     self.trainer.params, self.trainer.opt_state, self.trainer.ref_params = params, opt_state, ref
     self.state = meta
     if meta.get("signals"):
@@ -492,11 +632,14 @@ class CoEvolveRun:
       return
     with open(path, encoding="utf-8") as f:
       before = json.load(f)
-    changed = sorted(k for k in set(_flat(now)) | set(_flat(before))
-                     if _flat(now).get(k) != _flat(before).get(k))
+    changed = sorted(
+      k for k in set(_flat(now)) | set(_flat(before)) if _flat(now).get(k) != _flat(before).get(k)
+    )
     for key in changed:
-      print(f"warning: config {key} changed since this run started: "
-            f"{_flat(before).get(key)!r} -> {_flat(now).get(key)!r}")
+      print(
+        f"warning: config {key} changed since this run started: "
+        f"{_flat(before).get(key)!r} -> {_flat(now).get(key)!r}"
+      )
 
   def _roll_back_logs(self, step: int, pool_size: int) -> None:
     """Brings the workdir's logs and pool back to the restored step (-1: a fresh start).
@@ -514,17 +657,25 @@ class CoEvolveRun:
     s = self.state
     phase = {k: round(float(self.timer.totals.get(k, 0.0)), 2) for k in PHASES}
     return {
-        "complete": True, "steps": s["step"], "resumed_from_step": resumed_from,
-        "eval_before": s["eval_before"], "eval_after": eval_after,
-        "eval_tasks": len(self.eval_tasks), "signals": dict(self.tracker.counts),
-        "tasks_synthesized": s["tasks_synthesized"], "tasks_accepted": s["tasks_accepted"],
-        "tasks_dropped_as_duplicates": s["tasks_dropped"], "d0": s["d0"],
-        "validation_pass_rate": s["validation"], "pool_size": len(self.pool),
-        "wall_s": round(wall_s, 1), "phase_s": phase,
-        # Share of wall time the training loop spent on feedback work (selecting, waiting for
-        # the round in flight, committing to the pool); synthesis itself overlaps GRPO steps.
-        "feedback_share": round(phase["feedback"] / wall_s, 4) if wall_s > 0 else 0.0,
-        "feedback_synth_s": round(float(s.get("feedback_synth_s", 0.0)), 2),
-        "feedback_rounds": s["round"],
-        **({"appworld_eval": s.get("appworld_eval", {})} if self.suite is not None else {}),
+      "complete": True,
+      "steps": s["step"],
+      "resumed_from_step": resumed_from,
+      "eval_before": s["eval_before"],
+      "eval_after": eval_after,
+      "eval_tasks": len(self.eval_tasks),
+      "signals": dict(self.tracker.counts),
+      "tasks_synthesized": s["tasks_synthesized"],
+      "tasks_accepted": s["tasks_accepted"],
+      "tasks_dropped_as_duplicates": s["tasks_dropped"],
+      "d0": s["d0"],
+      "validation_pass_rate": s["validation"],
+      "pool_size": len(self.pool),
+      "wall_s": round(wall_s, 1),
+      "phase_s": phase,
+      # Share of wall time the training loop spent on feedback work (selecting, waiting for
+      # the round in flight, committing to the pool); synthesis itself overlaps GRPO steps.
+      "feedback_share": round(phase["feedback"] / wall_s, 4) if wall_s > 0 else 0.0,
+      "feedback_synth_s": round(float(s.get("feedback_synth_s", 0.0)), 2),
+      "feedback_rounds": s["round"],
+      **({"appworld_eval": s.get("appworld_eval", {})} if self.suite is not None else {}),
     }

@@ -15,8 +15,9 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", None, "Config file (path[:variant]).", lock_config=True
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and summary.")
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -28,6 +29,7 @@ def main(argv: list[str]) -> int:
   cfg = _CONFIG.value
   if cfg.env == "appworld":  # fail at once, with the set-up steps, before any JAX work
     from envs.appworld_suite import AppWorldUnavailable, check_setup  # noqa: PLC0415
+
     try:
       check_setup(cfg)
     except AppWorldUnavailable as e:
@@ -56,8 +58,11 @@ def main(argv: list[str]) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
-    print(f"\ninterrupted; rerun the same command to resume from the last checkpoint in "
-          f"{workdir}/checkpoints", file=sys.stderr)
+    print(
+      f"\ninterrupted; rerun the same command to resume from the last checkpoint in "
+      f"{workdir}/checkpoints",
+      file=sys.stderr,
+    )
     return 130
   print(json.dumps(summary, indent=1, sort_keys=True))
   return 0

@@ -45,8 +45,9 @@ from coevolve_jax.models.qwen import KVCache, Qwen, QwenConfig
 from coevolve_jax.trainer import make_optimizer, token_logprobs
 
 GIB = 2**30
-PRICES_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
-                           "prices.py")
+PRICES_FILE = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "prices.py"
+)
 
 
 def load_prices(path: str = PRICES_FILE) -> types.ModuleType:
@@ -84,8 +85,14 @@ class MemoryPlan:
 
   @property
   def total(self) -> int:
-    return (self.params + self.gradients + self.optimizer + self.reference + self.activations
-            + self.kv_cache)
+    return (
+      self.params
+      + self.gradients
+      + self.optimizer
+      + self.reference
+      + self.activations
+      + self.kv_cache
+    )
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -112,8 +119,9 @@ def _axis_size(mesh: Mapping[str, int], logical: str | None) -> int:
   if logical is None:
     return 1
   if logical not in sharding.LOGICAL_RULES:
-    raise KeyError(f"logical axis {logical!r} has no sharding rule; known: "
-                   f"{sorted(sharding.LOGICAL_RULES)}")
+    raise KeyError(
+      f"logical axis {logical!r} has no sharding rule; known: {sorted(sharding.LOGICAL_RULES)}"
+    )
   target = sharding.LOGICAL_RULES[logical]
   if target is None:
     return 1
@@ -121,8 +129,9 @@ def _axis_size(mesh: Mapping[str, int], logical: str | None) -> int:
   return math.prod(mesh.get(n, 1) for n in names)
 
 
-def shard_bytes(shape: Sequence[int], dtype, axes: Sequence[str | None],
-                mesh: Mapping[str, int]) -> int:
+def shard_bytes(
+  shape: Sequence[int], dtype, axes: Sequence[str | None], mesh: Mapping[str, int]
+) -> int:
   """Bytes one device holds of an array of `shape` sharded by logical `axes` over `mesh`.
 
   Raises:
@@ -159,8 +168,9 @@ def _sharded_tree_bytes(tree, param_axes: dict[tuple, tuple], mesh) -> int:
   total = 0
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     keys = tuple(str(k) for k in path if not str(k).endswith(".value"))
-    match = next((v for p, v in param_axes.items() if keys[-len(p):] == p and
-                  v[0] == leaf.shape), None)
+    match = next(
+      (v for p, v in param_axes.items() if keys[-len(p) :] == p and v[0] == leaf.shape), None
+    )
     if match is None:  # scalars such as the step count: replicated
       total += leaf.size * leaf.dtype.itemsize
     else:
@@ -172,25 +182,32 @@ def _sharded_tree_bytes(tree, param_axes: dict[tuple, tuple], mesh) -> int:
 def _activation_leaves(preset: str, dtype: str, seq_len: int, targets: int):
   """Residual shapes of the training forward that depend on the batch, at batch 1."""
   graphdef, state = abstract_model(QwenConfig.preset(preset), jnp.dtype(dtype))
+
   def residuals(batch):
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
     pos = jax.ShapeDtypeStruct((batch, targets), jnp.int32)
 
     def loss(p, t, q):
       return jnp.sum(token_logprobs(nnx.merge(graphdef, p), t, q))
-    vjp = jax.eval_shape(lambda p, t, q: jax.vjp(lambda x: loss(x, t, q), p)[1], state, tokens,
-                         pos)
+
+    vjp = jax.eval_shape(lambda p, t, q: jax.vjp(lambda x: loss(x, t, q), p)[1], state, tokens, pos)
     return jax.tree.leaves(vjp)
+
   one, two = residuals(1), residuals(2)
   if len(one) != len(two):
-    raise RuntimeError("residual structure changed with the batch size; cannot separate "
-                       "activations from parameters")
+    raise RuntimeError(
+      "residual structure changed with the batch size; cannot separate activations from parameters"
+    )
   return [a for a, b in zip(one, two) if a.shape != b.shape]
 
 
 def _activation_bytes(leaves, cfg: QwenConfig, mesh: Mapping[str, int], seqs_per_device: int):
-  tensor_dims = {cfg.num_attention_heads: "act_heads", cfg.num_key_value_heads: "act_kv_heads",
-                 cfg.intermediate_size: "mlp", cfg.vocab_size: "act_vocab"}
+  tensor_dims = {
+    cfg.num_attention_heads: "act_heads",
+    cfg.num_key_value_heads: "act_kv_heads",
+    cfg.intermediate_size: "mlp",
+    cfg.vocab_size: "act_vocab",
+  }
   total = 0
   for leaf in leaves:
     size = leaf.size * leaf.dtype.itemsize * seqs_per_device
@@ -207,8 +224,9 @@ def _abstract_params(preset: str, dtype: str):
   return params_state, _param_axes(params_state)
 
 
-def parameter_bytes(preset: str, mesh: Mapping[str, int], dtype: str = "bfloat16"
-                    ) -> tuple[int, int]:
+def parameter_bytes(
+  preset: str, mesh: Mapping[str, int], dtype: str = "bfloat16"
+) -> tuple[int, int]:
   """(parameter count, parameter bytes per device) of `preset` on `mesh`, from shapes only.
 
   Raises:
@@ -219,8 +237,9 @@ def parameter_bytes(preset: str, mesh: Mapping[str, int], dtype: str = "bfloat16
   return count, sum(shard_bytes(s, d, a, mesh) for s, d, a in axes.values())
 
 
-def kv_cache_bytes(preset: str, mesh: Mapping[str, int], num_slots: int, cache_len: int,
-                   dtype: str = "bfloat16") -> int:
+def kv_cache_bytes(
+  preset: str, mesh: Mapping[str, int], num_slots: int, cache_len: int, dtype: str = "bfloat16"
+) -> int:
   """Bytes per device of the rollout engine's KV cache (`KVCache.zeros` shapes, k and v for every
   layer), slots over the batch mesh axes and kv heads over the tensor axis.
 
@@ -229,14 +248,25 @@ def kv_cache_bytes(preset: str, mesh: Mapping[str, int], num_slots: int, cache_l
   """
   cfg = QwenConfig.preset(preset)
   cache = jax.eval_shape(lambda: KVCache.zeros(cfg, num_slots, cache_len, jnp.dtype(dtype)))
-  return sum(shard_bytes(x.shape, x.dtype, axes, mesh)
-             for arrays, axes in ((cache.k, KVCache.KEY_AXES), (cache.v, KVCache.VALUE_AXES))
-             for x in arrays)
+  return sum(
+    shard_bytes(x.shape, x.dtype, axes, mesh)
+    for arrays, axes in ((cache.k, KVCache.KEY_AXES), (cache.v, KVCache.VALUE_AXES))
+    for x in arrays
+  )
 
 
-def plan(preset: str, mesh: Mapping[str, int], *, batch: int, seq_len: int, num_slots: int,
-         cache_len: int, dtype: str = "bfloat16", targets: int | None = None,
-         micro_batches: int = 1) -> MemoryPlan:
+def plan(
+  preset: str,
+  mesh: Mapping[str, int],
+  *,
+  batch: int,
+  seq_len: int,
+  num_slots: int,
+  cache_len: int,
+  dtype: str = "bfloat16",
+  targets: int | None = None,
+  micro_batches: int = 1,
+) -> MemoryPlan:
   """Memory per device for training and rollout of `preset` on a mesh of `mesh` axis sizes.
 
   Args:
@@ -269,25 +299,49 @@ def plan(preset: str, mesh: Mapping[str, int], *, batch: int, seq_len: int, num_
   leaves = _activation_leaves(preset, str(dt), seq_len, targets or max(1, seq_len // 2))
   act = _activation_bytes(leaves, cfg, mesh, -(-batch // (batch_shards * micro_batches)))
   kv = kv_cache_bytes(preset, mesh, num_slots, cache_len, dtype)
-  return MemoryPlan(preset=preset, mesh=mesh, dtype=str(dt), batch=batch, seq_len=seq_len,
-                    num_slots=num_slots, cache_len=cache_len, num_params=num_params,
-                    params=param_bytes, gradients=param_bytes, optimizer=opt_bytes,
-                    reference=param_bytes, activations=act, kv_cache=kv)
+  return MemoryPlan(
+    preset=preset,
+    mesh=mesh,
+    dtype=str(dt),
+    batch=batch,
+    seq_len=seq_len,
+    num_slots=num_slots,
+    cache_len=cache_len,
+    num_params=num_params,
+    params=param_bytes,
+    gradients=param_bytes,
+    optimizer=opt_bytes,
+    reference=param_bytes,
+    activations=act,
+    kv_cache=kv,
+  )
 
 
-def format_table(plans: Sequence[MemoryPlan], hbm_gib: float | None = None,
-                 headroom: float = 0.9) -> str:
+def format_table(
+  plans: Sequence[MemoryPlan], hbm_gib: float | None = None, headroom: float = 0.9
+) -> str:
   """Markdown table of plans in GiB per device; `fits` compares the total with headroom * HBM."""
-  cols = ["preset", "mesh (data,fsdp,tensor,expert)", "params", "grads", "optimizer",
-          "reference", "activations", "kv cache", "total"]
+  cols = [
+    "preset",
+    "mesh (data,fsdp,tensor,expert)",
+    "params",
+    "grads",
+    "optimizer",
+    "reference",
+    "activations",
+    "kv cache",
+    "total",
+  ]
   if hbm_gib:
     cols.append(f"fits {headroom:.0%} of {hbm_gib:g} GiB")
   lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   for p in plans:
     m = p.mesh
     row = [p.preset, f"{m['data']},{m['fsdp']},{m['tensor']},{m['expert']}"]
-    row += [f"{b / GIB:.2f}" for b in (p.params, p.gradients, p.optimizer, p.reference,
-                                        p.activations, p.kv_cache, p.total)]
+    row += [
+      f"{b / GIB:.2f}"
+      for b in (p.params, p.gradients, p.optimizer, p.reference, p.activations, p.kv_cache, p.total)
+    ]
     if hbm_gib:
       row.append("yes" if p.total <= headroom * hbm_gib * GIB else "no")
     lines.append("| " + " | ".join(row) + " |")
@@ -328,14 +382,25 @@ def main(argv: Sequence[str]) -> None:
       if n % others:
         raise app.UsageError(f"{n} devices do not divide by data*tensor*expert = {others}")
       meshes.append({**base, "fsdp": n // others})
-  plans = [plan(F.preset, m, batch=F.batch, seq_len=F.seq_len,
-                num_slots=F.num_slots, cache_len=F.cache_len, dtype=F.dtype,
-                micro_batches=F.micro_batches)
-           for m in meshes]
-  print(f"{F.preset}: {plans[0].num_params / 1e9:.3f}B parameters, {F.dtype}; "
-        f"batch {F.batch} x {F.seq_len} tokens in {F.micro_batches} micro-batches, "
-        f"{F.num_slots} slots x "
-        f"{F.cache_len} cache tokens; GiB per device")
+  plans = [
+    plan(
+      F.preset,
+      m,
+      batch=F.batch,
+      seq_len=F.seq_len,
+      num_slots=F.num_slots,
+      cache_len=F.cache_len,
+      dtype=F.dtype,
+      micro_batches=F.micro_batches,
+    )
+    for m in meshes
+  ]
+  print(
+    f"{F.preset}: {plans[0].num_params / 1e9:.3f}B parameters, {F.dtype}; "
+    f"batch {F.batch} x {F.seq_len} tokens in {F.micro_batches} micro-batches, "
+    f"{F.num_slots} slots x "
+    f"{F.cache_len} cache tokens; GiB per device"
+  )
   print(format_table(plans, hbm, F.headroom))
 
 

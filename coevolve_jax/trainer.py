@@ -21,8 +21,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from coevolve_jax import grpo
 from coevolve_jax.models import sharding
 from coevolve_jax.models.qwen import Qwen
-from coevolve_jax.rollout.sampling import (SamplingParams, filtered_logits, gathered_logprobs,
-                                           processed_logprobs)
+from coevolve_jax.rollout.sampling import (
+  SamplingParams,
+  filtered_logits,
+  gathered_logprobs,
+  processed_logprobs,
+)
 from coevolve_jax.trajectory import Trajectory
 
 
@@ -54,8 +58,12 @@ class Batch:
     return {f.name: jnp.asarray(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
-def make_batch(trajs: Sequence[Trajectory], advantages: np.ndarray | None = None,
-               min_len: int = 128, min_targets: int = 32) -> Batch:
+def make_batch(
+  trajs: Sequence[Trajectory],
+  advantages: np.ndarray | None = None,
+  min_len: int = 128,
+  min_targets: int = 32,
+) -> Batch:
   """Pads trajectories into bucketed shapes (powers of two) so the step compiles rarely."""
   n = len(trajs)
   t = _bucket(max(len(tr.token_ids) for tr in trajs), min_len)
@@ -66,17 +74,22 @@ def make_batch(trajs: Sequence[Trajectory], advantages: np.ndarray | None = None
   target_mask = np.zeros((n, p), np.float32)
   sampler_logp = np.zeros((n, p), np.float32)
   for r, (tr, pos) in enumerate(zip(trajs, pos_lists)):
-    tokens[r, :len(tr.token_ids)] = tr.token_ids
-    target_pos[r, :len(pos)] = pos
-    target_mask[r, :len(pos)] = 1.0
-    sampler_logp[r, :len(pos)] = [tr.logprobs[i] for i in pos]
+    tokens[r, : len(tr.token_ids)] = tr.token_ids
+    target_pos[r, : len(pos)] = pos
+    target_mask[r, : len(pos)] = 1.0
+    sampler_logp[r, : len(pos)] = [tr.logprobs[i] for i in pos]
   adv = np.zeros((n,), np.float32) if advantages is None else np.asarray(advantages, np.float32)
   return Batch(tokens, target_pos, target_mask, sampler_logp, adv)
 
 
-def token_logprobs(model: Qwen, tokens_nt: jax.Array, target_pos_np: jax.Array,
-                   temperature: float = 1.0, chunk_rows: int = 128,
-                   sampling: SamplingParams | None = None) -> jax.Array:
+def token_logprobs(
+  model: Qwen,
+  tokens_nt: jax.Array,
+  target_pos_np: jax.Array,
+  temperature: float = 1.0,
+  chunk_rows: int = 128,
+  sampling: SamplingParams | None = None,
+) -> jax.Array:
   """log pi(token[pos] | tokens[:pos]) at the target positions, under logits / temperature.
 
   Vocabulary logits are computed only at the target positions, in chunks of about `chunk_rows`
@@ -99,8 +112,10 @@ def token_logprobs(model: Qwen, tokens_nt: jax.Array, target_pos_np: jax.Array,
     [N, P] float32 log-probs.
   """
   h_sel = model.hidden_states(  # [N, P, D]: the last layer runs only at the scored positions
-      tokens_nt, jnp.broadcast_to(jnp.arange(tokens_nt.shape[1]), tokens_nt.shape),
-      output_index_bp=target_pos_np - 1)
+    tokens_nt,
+    jnp.broadcast_to(jnp.arange(tokens_nt.shape[1]), tokens_nt.shape),
+    output_index_bp=target_pos_np - 1,
+  )
   targets = jnp.take_along_axis(tokens_nt, target_pos_np, axis=1)  # [N, P]
   n, p, d = h_sel.shape
   c = min(p, max(1, -(-chunk_rows // n)))  # positions per chunk
@@ -116,8 +131,9 @@ def token_logprobs(model: Qwen, tokens_nt: jax.Array, target_pos_np: jax.Array,
     h, y = args
     logits = model.logits(h)
     if sampling is not None:  # the sampler's processed distribution (its top-k / top-p set)
-      return processed_logprobs(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
-                                sampling).reshape(y.shape)
+      return processed_logprobs(
+        logits.reshape(-1, logits.shape[-1]), y.reshape(-1), sampling
+      ).reshape(y.shape)
     # The sampler's own tempering (filtered_logits: below T = 0.25 it shifts by the row max
     # first), so trainer and engine round alike at every temperature.
     return gathered_logprobs(filtered_logits(logits, SamplingParams(temperature)), y)
@@ -126,11 +142,13 @@ def token_logprobs(model: Qwen, tokens_nt: jax.Array, target_pos_np: jax.Array,
   return out.swapaxes(0, 1).reshape(n, p + pad)[:, :p]
 
 
-def make_optimizer(lr: float | optax.Schedule, weight_decay: float,
-                   grad_clip: float) -> optax.GradientTransformation:
+def make_optimizer(
+  lr: float | optax.Schedule, weight_decay: float, grad_clip: float
+) -> optax.GradientTransformation:
   """AdamW after global-norm gradient clipping (SPEC 1.1: constant lr; a schedule is accepted)."""
-  return optax.chain(optax.clip_by_global_norm(grad_clip),
-                     optax.adamw(lr, weight_decay=weight_decay))
+  return optax.chain(
+    optax.clip_by_global_norm(grad_clip), optax.adamw(lr, weight_decay=weight_decay)
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,8 +172,11 @@ def tree_shardings(tree, mesh: Mesh):
     if _is_variable(leaf):
       axes = leaf.get_metadata().get("out_sharding")
       value = leaf.get_value()
-      out.append(NamedSharding(mesh, PartitionSpec()) if axes is None
-                 else sharding.param_sharding(mesh, axes, value.shape))
+      out.append(
+        NamedSharding(mesh, PartitionSpec())
+        if axes is None
+        else sharding.param_sharding(mesh, axes, value.shape)
+      )
     else:
       out.append(NamedSharding(mesh, PartitionSpec()))
   return jax.tree.unflatten(jax.tree.structure(tree), out)
@@ -226,8 +247,9 @@ def grpo_micro_loss(logp_fn: Callable, cfg: grpo.GRPOConfig, mask_np: jax.Array)
 
   def loss_fn(params, mb):
     logp = logp_fn(params, mb["tokens"], mb["target_pos"])
-    return grpo.grpo_loss(logp, mb["old"], mb.get("ref"), mb["advantages"], mb["target_mask"],
-                          cfg, loss_den, token_den)
+    return grpo.grpo_loss(
+      logp, mb["old"], mb.get("ref"), mb["advantages"], mb["target_mask"], cfg, loss_den, token_den
+    )
 
   return loss_fn
 
@@ -246,8 +268,15 @@ class PolicyTrainer:
   the result does not depend on the split.
   """
 
-  def __init__(self, model: Qwen, tx: optax.GradientTransformation, cfg: grpo.GRPOConfig,
-               temperature: float, mesh: Mesh | None = None, micro_batches: int = 1):
+  def __init__(
+    self,
+    model: Qwen,
+    tx: optax.GradientTransformation,
+    cfg: grpo.GRPOConfig,
+    temperature: float,
+    mesh: Mesh | None = None,
+    micro_batches: int = 1,
+  ):
     """Args:
       model: the policy (its parameters are taken over; the trainer donates them at each step).
       tx: the optimizer (`make_optimizer`). cfg: the GRPO objective. temperature: of the sampler.
@@ -272,13 +301,19 @@ class PolicyTrainer:
       self.params = jax.device_put(params, self._param_sh)
       self.opt_state = self._jit(tx.init, (self._param_sh,), self._opt_sh)(self.params)
     self.ref_params = None
-    self._logp = self._jit(self._logp_fn, (self._param_sh, self._rows_sh, self._rows_sh),
-                           self._rows_sh)
+    self._logp = self._jit(
+      self._logp_fn, (self._param_sh, self._rows_sh, self._rows_sh), self._rows_sh
+    )
     state_sh = (self._param_sh, self._opt_sh)
-    self._grpo_step = self._jit(self._grpo_step_fn, (*state_sh, self._rows_sh, self._rows_sh,
-                                                     self._rows_sh), (*state_sh, None), (0, 1))
-    self._sft_step = self._jit(self._sft_step_fn, (*state_sh, self._rows_sh), (*state_sh, None),
-                               (0, 1))
+    self._grpo_step = self._jit(
+      self._grpo_step_fn,
+      (*state_sh, self._rows_sh, self._rows_sh, self._rows_sh),
+      (*state_sh, None),
+      (0, 1),
+    )
+    self._sft_step = self._jit(
+      self._sft_step_fn, (*state_sh, self._rows_sh), (*state_sh, None), (0, 1)
+    )
 
   def _jit(self, fn, in_sh, out_sh, donate=()):
     if self.mesh is None:
@@ -286,19 +321,25 @@ class PolicyTrainer:
     replicated = NamedSharding(self.mesh, PartitionSpec())
     fix = lambda sh: replicated if sh is None else sh  # noqa: E731
     out_sh = tuple(fix(s) for s in out_sh) if isinstance(out_sh, tuple) else fix(out_sh)
-    return jax.jit(fn, in_shardings=tuple(fix(s) for s in in_sh), out_shardings=out_sh,
-                   donate_argnums=donate)
+    return jax.jit(
+      fn, in_shardings=tuple(fix(s) for s in in_sh), out_shardings=out_sh, donate_argnums=donate
+    )
 
   def _ctx(self):
     """The mesh for activation sharding constraints while tracing."""
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
   def _check_rows(self, n: int) -> None:
-    data = 1 if self.mesh is None else math.prod(
-        self.mesh.shape[a] for a in ("data", "fsdp") if a in self.mesh.shape)
+    data = (
+      1
+      if self.mesh is None
+      else math.prod(self.mesh.shape[a] for a in ("data", "fsdp") if a in self.mesh.shape)
+    )
     if n % (self.micro_batches * data):
-      raise ValueError(f"a batch of {n} rows does not split into {self.micro_batches} "
-                       f"micro-batches over {data} data-parallel devices")
+      raise ValueError(
+        f"a batch of {n} rows does not split into {self.micro_batches} "
+        f"micro-batches over {data} data-parallel devices"
+      )
 
   def _rows(self, tree):
     """Batch arrays onto the devices: rows split over the data axes with a mesh."""
@@ -317,8 +358,11 @@ class PolicyTrainer:
 
   def reset_optimizer(self) -> None:
     """Fresh optimizer state for the current parameters (e.g. after a warm-start)."""
-    init = self.tx.init if self.mesh is None else self._jit(self.tx.init, (self._param_sh,),
-                                                            self._opt_sh)
+    init = (
+      self.tx.init
+      if self.mesh is None
+      else self._jit(self.tx.init, (self._param_sh,), self._opt_sh)
+    )
     self.opt_state = init(self.params)
 
   def _logp_fn(self, params, tokens, target_pos):
@@ -326,8 +370,10 @@ class PolicyTrainer:
     graph = nnx.merge(self.graphdef, params)
     if k == 1:
       return token_logprobs(graph, tokens, target_pos, self.temperature)
-    out = jax.lax.map(lambda a: token_logprobs(graph, *a, self.temperature),
-                      (split_micro_batches(tokens, k), split_micro_batches(target_pos, k)))
+    out = jax.lax.map(
+      lambda a: token_logprobs(graph, *a, self.temperature),
+      (split_micro_batches(tokens, k), split_micro_batches(target_pos, k)),
+    )
     return out.swapaxes(0, 1).reshape(target_pos.shape)  # undo the strided split
 
   def logprobs(self, batch: Batch, params=None) -> jax.Array:
@@ -345,7 +391,8 @@ class PolicyTrainer:
   def _grpo_step_fn(self, params, opt_state, arrays, old_logp, ref_logp):
     k = self.micro_batches
     logp_fn = lambda p, tokens, pos: token_logprobs(  # noqa: E731
-        nnx.merge(self.graphdef, p), tokens, pos, self.temperature)
+      nnx.merge(self.graphdef, p), tokens, pos, self.temperature
+    )
     loss_fn = grpo_micro_loss(logp_fn, self.cfg, arrays["target_mask"])
     inputs = {**arrays, "old": old_logp}
     if ref_logp is not None:
@@ -357,8 +404,9 @@ class PolicyTrainer:
     metrics.update(loss=loss, grad_norm=optax.tree.norm(grads))
     return params, opt_state, metrics
 
-  def grpo_update(self, batch: Batch, old_logp: jax.Array,
-                  ref_logp: jax.Array | None) -> dict[str, float]:
+  def grpo_update(
+    self, batch: Batch, old_logp: jax.Array, ref_logp: jax.Array | None
+  ) -> dict[str, float]:
     """One optimizer step on a mini-batch of N rows; gradients accumulated over micro-batches.
 
     Args:
@@ -374,7 +422,8 @@ class PolicyTrainer:
     arrays, old_logp, ref_logp = self._rows((arrays, old_logp, ref_logp))
     with self._ctx():
       self.params, self.opt_state, metrics = self._grpo_step(
-          self.params, self.opt_state, arrays, old_logp, ref_logp)
+        self.params, self.opt_state, arrays, old_logp, ref_logp
+      )
     return {k: float(v) for k, v in metrics.items()}
 
   def _sft_step_fn(self, params, opt_state, arrays):

@@ -21,8 +21,13 @@ from envs.base import Action, Env, Task, ToolCall
 CLOSING_REPLY = "Done."
 
 
-def demonstration(task: Task, chat: QwenChat, make_env: Callable[[Task, str], Env],
-                  parse_call: Callable[[str, list[str]], ToolCall], episode_id: str) -> Trajectory:
+def demonstration(
+  task: Task,
+  chat: QwenChat,
+  make_env: Callable[[Task, str], Env],
+  parse_call: Callable[[str, list[str]], ToolCall],
+  episode_id: str,
+) -> Trajectory:
   """Teacher-forced trajectory of `task`'s ground truth. Raises if the environment fails."""
   env = make_env(task, episode_id)
   traj = Trajectory(task_id=task.task_id, group_id=-1)
@@ -59,8 +64,9 @@ def _reply(traj: Trajectory, chat: QwenChat, env: Env, text: str, action: Action
   return result
 
 
-def sft_batches(demos: Sequence[Trajectory], batch_size: int, rng: np.random.Generator,
-                steps: int) -> Iterator[list[Trajectory]]:
+def sft_batches(
+  demos: Sequence[Trajectory], batch_size: int, rng: np.random.Generator, steps: int
+) -> Iterator[list[Trajectory]]:
   """`steps` batches drawn by epochs of shuffled demonstrations."""
   order: list[int] = []
   for _ in range(steps):
@@ -74,6 +80,11 @@ def sft_batches(demos: Sequence[Trajectory], batch_size: int, rng: np.random.Gen
 
 def describe(demos: Sequence[Trajectory]) -> str:
   lens = [len(d.token_ids) for d in demos]
-  return json.dumps({"demos": len(demos), "tokens_mean": float(np.mean(lens)),
-                     "tokens_max": int(max(lens)), "reward_mean": float(np.mean(
-                         [d.reward for d in demos]))})
+  return json.dumps(
+    {
+      "demos": len(demos),
+      "tokens_mean": float(np.mean(lens)),
+      "tokens_max": int(max(lens)),
+      "reward_mean": float(np.mean([d.reward for d in demos])),
+    }
+  )

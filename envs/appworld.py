@@ -107,8 +107,10 @@ def _server_error(url: str, timeout_s: float) -> str | None:
     message = ""
   if _HEALTH_MARKER not in str(message):
     expected = '{"message": "Welcome to AppWorld Server! ..."}'
-    return (f"{root} answered, but not like an AppWorld environment server "
-            f"(expected JSON {expected}, got {body[:120]!r})")
+    return (
+      f"{root} answered, but not like an AppWorld environment server "
+      f"(expected JSON {expected}, got {body[:120]!r})"
+    )
   return None
 
 
@@ -135,8 +137,10 @@ def _data_errors(data_root: str, splits: list[str]) -> list[str]:
   for split in dict.fromkeys(splits):
     split_file = os.path.join(data, "datasets", f"{split}.txt")
     if not os.path.isfile(split_file):
-      errors.append(f"no split file {split_file} (known splits: train, dev, test_normal, "
-                    f"test_challenge): {step}")
+      errors.append(
+        f"no split file {split_file} (known splits: train, dev, test_normal, "
+        f"test_challenge): {step}"
+      )
       continue
     task_id = _first_task_id(split_file)
     if task_id is None:
@@ -168,14 +172,19 @@ def check_available(cfg: Any) -> None:
   timeout_s = min(float(aw.timeout_s), HEALTH_TIMEOUT_S)
   errors = []
   if not urls:
-    errors.append("no AppWorld server URLs: set APPWORLD_SERVER_URLS or "
-                  "--config.appworld.server_urls, and run step 5 (appworld serve environment)")
+    errors.append(
+      "no AppWorld server URLs: set APPWORLD_SERVER_URLS or "
+      "--config.appworld.server_urls, and run step 5 (appworld serve environment)"
+    )
   if urls:
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(urls), 16)) as pool:
       for url, error in zip(urls, pool.map(lambda u: _server_error(u, timeout_s), urls)):
         if error:
-          hint = "" if "loopback" in error or "http(s)" in error else (
-              "; run step 5 (appworld serve environment) for this port")
+          hint = (
+            ""
+            if "loopback" in error or "http(s)" in error
+            else ("; run step 5 (appworld serve environment) for this port")
+          )
           errors.append(f"server {url}: {error}{hint}")
   errors += _data_errors(str(aw.data_root or ""), [str(aw.split), str(aw.eval_split)])
   if errors:

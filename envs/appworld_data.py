@@ -47,20 +47,32 @@ def load_split(root: str, split: str) -> list[Task]:
   """
   path = os.path.join(root, "data", "datasets", f"{split}.txt")
   if not os.path.isfile(path):
-    raise FileNotFoundError(f"no AppWorld split file {path} (splits: {', '.join(OFFICIAL_SPLITS)}"
-                            "); run `appworld download data` or build worlds offline")
+    raise FileNotFoundError(
+      f"no AppWorld split file {path} (splits: {', '.join(OFFICIAL_SPLITS)}"
+      "); run `appworld download data` or build worlds offline"
+    )
   with open(path, encoding="utf-8") as f:
     ids = [line.strip().split(":")[0] for line in f if line.strip()]
   tasks = []
   for task_id in ids:
     specs = os.path.join(root, "data", "tasks", task_id, "specs.json")
     if not os.path.isfile(specs):
-      raise FileNotFoundError(f"task {task_id} of split {split!r} has no {specs}; the data under "
-                              f"{root} is incomplete (run `appworld download data` again)")
+      raise FileNotFoundError(
+        f"task {task_id} of split {split!r} has no {specs}; the data under "
+        f"{root} is incomplete (run `appworld download data` again)"
+      )
     with open(specs, encoding="utf-8") as f:
       instruction = json.load(f)["instruction"]
-    tasks.append(task_from_row({"task_id": task_id, "instruction": instruction,
-                                "scenario": scenario_of(task_id), "split": split}))
+    tasks.append(
+      task_from_row(
+        {
+          "task_id": task_id,
+          "instruction": instruction,
+          "scenario": scenario_of(task_id),
+          "split": split,
+        }
+      )
+    )
   return tasks
 
 
@@ -79,5 +91,9 @@ def goal_completion(success: Mapping[str, bool]) -> dict[str, float]:
     mean = round(sum(values) / len(values), 4) if values else 0.0
     return round(100 * mean, 1)
 
-  return {"tgc": percent(scores), "sgc": percent(strict), "tasks": len(scores),
-          "scenarios": len(by_scenario)}
+  return {
+    "tgc": percent(scores),
+    "sgc": percent(strict),
+    "tasks": len(scores),
+    "scenarios": len(by_scenario),
+  }

@@ -63,13 +63,21 @@ def task_from_row(row: dict[str, Any], source: str = "appworld") -> Task:
   task's evaluation code, there are no reference call strings); `initial_config` holds the AppWorld
   task id, scenario, split and, for generated worlds, the solution code (warm-start, validation).
   """
-  return Task(task_id=row["task_id"], env="appworld", turns=[row["instruction"]],
-              ground_truth=[[]],
-              initial_config={"appworld_task_id": row["task_id"],
-                              "scenario": row.get("scenario", row["task_id"].split("_")[0]),
-                              "split": row.get("split", ""), "solution": row.get("solution", "")},
-              involved_classes=list(row.get("apps", [])), source=source,
-              provenance={k: row[k] for k in ("template", "seed", "difficulty") if k in row})
+  return Task(
+    task_id=row["task_id"],
+    env="appworld",
+    turns=[row["instruction"]],
+    ground_truth=[[]],
+    initial_config={
+      "appworld_task_id": row["task_id"],
+      "scenario": row.get("scenario", row["task_id"].split("_")[0]),
+      "split": row.get("split", ""),
+      "solution": row.get("solution", ""),
+    },
+    involved_classes=list(row.get("apps", [])),
+    source=source,
+    provenance={k: row[k] for k in ("template", "seed", "difficulty") if k in row},
+  )
 
 
 def rows_to_tasks(rows: list[dict[str, Any]], split: str) -> list[Task]:
@@ -94,9 +102,16 @@ class AppWorldEnv:
   tools: list[dict[str, Any]] = []
   system_prompt: str | None = SYSTEM_PROMPT
 
-  def __init__(self, task: Task, pool: ServerPool, experiment: str = "coevolve",
-               max_steps: int = 10, max_obs_chars: int = 4000, reward: str = "binary",
-               exec_timeout_s: int = 20):
+  def __init__(
+    self,
+    task: Task,
+    pool: ServerPool,
+    experiment: str = "coevolve",
+    max_steps: int = 10,
+    max_obs_chars: int = 4000,
+    reward: str = "binary",
+    exec_timeout_s: int = 20,
+  ):
     if reward not in REWARD_MODES:
       raise ValueError(f"reward must be one of {REWARD_MODES}, got {reward!r}")
     self.task, self.pool, self.experiment = task, pool, experiment
@@ -112,28 +127,37 @@ class AppWorldEnv:
   def _call(self, method: str, **payload: Any) -> Any:
     assert self.server is not None
     try:
-      return self.server.call(method, timeout_s=self.exec_timeout_s + self.pool.timeout_s,
-                              task_id=self.aw_id, **payload)
+      return self.server.call(
+        method, timeout_s=self.exec_timeout_s + self.pool.timeout_s, task_id=self.aw_id, **payload
+      )
     except ServerError:
       self.failed = True
       raise
 
   def reset(self) -> StepResult:
     self.server = self.pool.acquire()
-    out = self._call("initialize", experiment_name=f"{self.experiment}-{self.server.port}",
-                     timeout_seconds=self.exec_timeout_s, raise_on_unsafe_syntax=True,
-                     null_patch_unsafe_execution=True)
+    out = self._call(
+      "initialize",
+      experiment_name=f"{self.experiment}-{self.server.port}",
+      timeout_seconds=self.exec_timeout_s,
+      raise_on_unsafe_syntax=True,
+      null_patch_unsafe_execution=True,
+    )
     sup = out["supervisor"]
-    message = (f"{out['instruction']}\n\nI am your supervisor: {sup['first_name']} "
-               f"{sup['last_name']}, email {sup['email']}, phone {sup['phone_number']}.")
+    message = (
+      f"{out['instruction']}\n\nI am your supervisor: {sup['first_name']} "
+      f"{sup['last_name']}, email {sup['email']}, phone {sup['phone_number']}."
+    )
     return StepResult(messages=[{"role": "user", "content": message}])
 
   def step(self, action: Action) -> StepResult:
     self.steps += 1
     code = extract_code(action.text)
     if code is None:
-      output = ("No code was run: reply with one ```python code block (call "
-                "apis.supervisor.complete_task(...) when the task is done).")
+      output = (
+        "No code was run: reply with one ```python code block (call "
+        "apis.supervisor.complete_task(...) when the task is done)."
+      )
       self.calls[0].append([])
     else:
       self.code.append(code)
@@ -143,17 +167,21 @@ class AppWorldEnv:
         return self._grade("completed")
     if self.steps >= self.max_steps:
       return self._grade("max_steps")
-    return StepResult(messages=[{"role": "user",
-                                 "content": truncate(output, self.max_obs_chars)}])
+    return StepResult(messages=[{"role": "user", "content": truncate(output, self.max_obs_chars)}])
 
   def _grade(self, how: str) -> StepResult:
     report = self._call("evaluate", suppress_errors=True)
     passed, total = len(report.get("passes", [])), int(report.get("num_tests") or 0)
     success = bool(report.get("success"))
     reward = float(success) if self.reward_mode == "binary" else (passed / total if total else 0.0)
-    info = {"end": how, "success": success, "passed": passed, "num_tests": total,
-            "scenario": self.task.initial_config.get("scenario", ""),
-            "per_turn_calls": [[c for step in turn for c in step] for turn in self.calls]}
+    info = {
+      "end": how,
+      "success": success,
+      "passed": passed,
+      "num_tests": total,
+      "scenario": self.task.initial_config.get("scenario", ""),
+      "per_turn_calls": [[c for step in turn for c in step] for turn in self.calls],
+    }
     return StepResult(messages=[], done=True, reward=reward, info=info)
 
   def close(self) -> None:

@@ -29,8 +29,15 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-__all__ = ["DEFAULT_VENV", "AppWorldServer", "ServerError", "ServerPool", "add_worlds",
-           "build_worlds", "venv_python"]
+__all__ = [
+  "DEFAULT_VENV",
+  "AppWorldServer",
+  "ServerError",
+  "ServerPool",
+  "add_worlds",
+  "build_worlds",
+  "venv_python",
+]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_VENV = os.path.join(REPO, ".venv-appworld")
@@ -45,9 +52,11 @@ def venv_python(venv: str = "") -> str:
   """The AppWorld environment's interpreter; raises FileNotFoundError with the set-up command."""
   python = os.path.join(os.path.abspath(venv or DEFAULT_VENV), "bin", "python")
   if not os.access(python, os.X_OK):
-    raise FileNotFoundError(f"no AppWorld environment at {os.path.dirname(os.path.dirname(python))}"
-                            ": run `make appworld-setup` (creates .venv-appworld, installs "
-                            "appworld==0.1.3.post1, runs `appworld install`)")
+    raise FileNotFoundError(
+      f"no AppWorld environment at {os.path.dirname(os.path.dirname(python))}"
+      ": run `make appworld-setup` (creates .venv-appworld, installs "
+      "appworld==0.1.3.post1, runs `appworld install`)"
+    )
   return python
 
 
@@ -76,9 +85,12 @@ os.execv(sys.executable, [sys.executable, "-m", "uvicorn", *sys.argv[2:]])
 
 def _env(root: str) -> dict[str, str]:
   env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-  env.update(APPWORLD_ROOT=os.path.abspath(root),
-             APPWORLD_CACHE=os.path.join(os.path.abspath(root), "cache"),
-             NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
+  env.update(
+    APPWORLD_ROOT=os.path.abspath(root),
+    APPWORLD_CACHE=os.path.join(os.path.abspath(root), "cache"),
+    NO_PROXY="127.0.0.1,localhost",
+    no_proxy="127.0.0.1,localhost",
+  )
   return env
 
 
@@ -93,8 +105,14 @@ class AppWorldServer:
     log_path: file for the server's stdout and stderr ('' = discard).
   """
 
-  def __init__(self, root: str, python: str, timeout_s: float = 60.0,
-               startup_timeout_s: float = 60.0, log_path: str = ""):
+  def __init__(
+    self,
+    root: str,
+    python: str,
+    timeout_s: float = 60.0,
+    startup_timeout_s: float = 60.0,
+    log_path: str = "",
+  ):
     self.root, self.python, self.timeout_s = os.path.abspath(root), python, float(timeout_s)
     self.startup_timeout_s, self.log_path = float(startup_timeout_s), log_path
     self.port = 0
@@ -112,24 +130,43 @@ class AppWorldServer:
     out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
     try:
       self.proc = subprocess.Popen(
-          [self.python, "-c", _LAUNCHER, str(os.getpid()), "appworld.serve.environment:app",
-           "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"],
-          cwd=self.root, env=_env(self.root), stdout=out, stderr=subprocess.STDOUT,
-          stdin=subprocess.DEVNULL, start_new_session=True)
+        [
+          self.python,
+          "-c",
+          _LAUNCHER,
+          str(os.getpid()),
+          "appworld.serve.environment:app",
+          "--host",
+          "127.0.0.1",
+          "--port",
+          str(self.port),
+          "--log-level",
+          "warning",
+        ],
+        cwd=self.root,
+        env=_env(self.root),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+      )
     finally:
       if out is not subprocess.DEVNULL:
         out.close()
     deadline = time.monotonic() + self.startup_timeout_s
     while time.monotonic() < deadline:
       if self.proc.poll() is not None:
-        raise ServerError(f"AppWorld server on port {self.port} exited with code "
-                          f"{self.proc.returncode} while starting (log: {self.log_path or 'off'})")
+        raise ServerError(
+          f"AppWorld server on port {self.port} exited with code "
+          f"{self.proc.returncode} while starting (log: {self.log_path or 'off'})"
+        )
       if self.healthy(timeout_s=1.0):
         return
       time.sleep(0.2)
     self.stop()
-    raise ServerError(f"AppWorld server on port {self.port} did not answer within "
-                      f"{self.startup_timeout_s:g} s")
+    raise ServerError(
+      f"AppWorld server on port {self.port} did not answer within {self.startup_timeout_s:g} s"
+    )
 
   def alive(self) -> bool:
     return self.proc is not None and self.proc.poll() is None
@@ -154,8 +191,9 @@ class AppWorldServer:
     if not self.alive():
       raise ServerError(f"AppWorld server on port {self.port} is not running")
     data = json.dumps(payload).encode()
-    request = urllib.request.Request(f"{self.url}/{method}", data=data, method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+      f"{self.url}/{method}", data=data, method="POST", headers={"Content-Type": "application/json"}
+    )
     return self._open(request, self.timeout_s if timeout_s is None else timeout_s)["output"]
 
   def _open(self, request: urllib.request.Request, timeout_s: float) -> dict:
@@ -167,8 +205,9 @@ class AppWorldServer:
       detail = e.read(2000).decode("utf-8", "replace")
       raise ServerError(f"{request.full_url} answered HTTP {e.code}: {detail}") from e
     except (urllib.error.URLError, OSError, ValueError) as e:  # refused, reset, timeout, bad JSON
-      raise ServerError(f"{request.full_url}: no usable answer within {timeout_s:g} s "
-                        f"({type(e).__name__}: {e})") from e
+      raise ServerError(
+        f"{request.full_url}: no usable answer within {timeout_s:g} s ({type(e).__name__}: {e})"
+      ) from e
 
   def stop(self) -> None:
     """Terminates the server's process group (SIGTERM, then SIGKILL after 5 s); idempotent."""
@@ -201,8 +240,15 @@ class ServerPool:
   context manager. Raises ServerError from `acquire` when all `size` servers are busy.
   """
 
-  def __init__(self, root: str, size: int, python: str = "", timeout_s: float = 60.0,
-               startup_timeout_s: float = 60.0, log_dir: str = ""):
+  def __init__(
+    self,
+    root: str,
+    size: int,
+    python: str = "",
+    timeout_s: float = 60.0,
+    startup_timeout_s: float = 60.0,
+    log_dir: str = "",
+  ):
     if size < 1:
       raise ValueError(f"pool size must be >= 1, got {size}")
     self.root, self.size, self.python = root, int(size), python or venv_python()
@@ -266,9 +312,18 @@ class ServerPool:
     self.close()
 
 
-def build_worlds(root: str, python: str = "", num_scenarios: int = 5, tasks_per_scenario: int = 3,
-                 eval_scenarios: int = 1, seed: int = 0, templates: tuple[str, ...] = (),
-                 num_people: int = 3, num_notes: int = 5, timeout_s: float = 900.0) -> list[dict]:
+def build_worlds(
+  root: str,
+  python: str = "",
+  num_scenarios: int = 5,
+  tasks_per_scenario: int = 3,
+  eval_scenarios: int = 1,
+  seed: int = 0,
+  templates: tuple[str, ...] = (),
+  num_people: int = 3,
+  num_notes: int = 5,
+  timeout_s: float = 900.0,
+) -> list[dict]:
   """Builds generated worlds and tasks under `root` with envs/appworld_world.py in the AppWorld env.
 
   Returns the rows of <root>/coevolve_tasks.jsonl (task_id, scenario, split, instruction, answer,
@@ -276,9 +331,22 @@ def build_worlds(root: str, python: str = "", num_scenarios: int = 5, tasks_per_
   Raises FileNotFoundError without the AppWorld environment, RuntimeError when the builder fails.
   """
   python = python or venv_python()
-  args = ["--root", os.path.abspath(root), "--num-scenarios", str(num_scenarios),
-          "--tasks-per-scenario", str(tasks_per_scenario), "--eval-scenarios", str(eval_scenarios),
-          "--seed", str(seed), "--num-people", str(num_people), "--num-notes", str(num_notes)]
+  args = [
+    "--root",
+    os.path.abspath(root),
+    "--num-scenarios",
+    str(num_scenarios),
+    "--tasks-per-scenario",
+    str(tasks_per_scenario),
+    "--eval-scenarios",
+    str(eval_scenarios),
+    "--seed",
+    str(seed),
+    "--num-people",
+    str(num_people),
+    "--num-notes",
+    str(num_notes),
+  ]
   if templates:
     args += ["--templates", ",".join(templates)]
   index = os.path.join(root, "coevolve_tasks.jsonl")
@@ -291,13 +359,20 @@ def build_worlds(root: str, python: str = "", num_scenarios: int = 5, tasks_per_
   os.makedirs(root, exist_ok=True)
   script = os.path.join(REPO, "envs", "appworld_world.py")
   try:
-    done = subprocess.run([python, script, *args], env=_env(root), capture_output=True, text=True,
-                          timeout=timeout_s, check=False)
+    done = subprocess.run(
+      [python, script, *args],
+      env=_env(root),
+      capture_output=True,
+      text=True,
+      timeout=timeout_s,
+      check=False,
+    )
   except subprocess.TimeoutExpired as e:
     raise RuntimeError(f"the AppWorld world builder took over {timeout_s:g} s") from e
   if done.returncode != 0:
-    raise RuntimeError(f"the AppWorld world builder failed (exit {done.returncode}):\n"
-                       f"{done.stderr[-4000:]}")
+    raise RuntimeError(
+      f"the AppWorld world builder failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
+    )
   with open(stamp, "w", encoding="utf-8") as f:
     json.dump(args, f)
   return _read_rows(index)
@@ -308,8 +383,14 @@ def _read_rows(path: str) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
-def add_worlds(root: str, specs: list[dict], python: str = "", num_people: int = 3,
-               num_notes: int = 5, timeout_s: float = 900.0) -> list[dict]:
+def add_worlds(
+  root: str,
+  specs: list[dict],
+  python: str = "",
+  num_people: int = 3,
+  num_notes: int = 5,
+  timeout_s: float = 900.0,
+) -> list[dict]:
   """Builds more tasks ({task_id, template, seed} each) into the built root `root`.
 
   Running servers see them at once (AppWorld loads a task from disk when it is initialized).
@@ -323,17 +404,34 @@ def add_worlds(root: str, specs: list[dict], python: str = "", num_people: int =
     json.dump(specs, f)
   script = os.path.join(REPO, "envs", "appworld_world.py")
   try:
-    done = subprocess.run([python, script, "--root", os.path.abspath(root), "--add", spec_path,
-                           "--num-people", str(num_people), "--num-notes", str(num_notes)],
-                          env=_env(root), capture_output=True, text=True, timeout=timeout_s,
-                          check=False)
+    done = subprocess.run(
+      [
+        python,
+        script,
+        "--root",
+        os.path.abspath(root),
+        "--add",
+        spec_path,
+        "--num-people",
+        str(num_people),
+        "--num-notes",
+        str(num_notes),
+      ],
+      env=_env(root),
+      capture_output=True,
+      text=True,
+      timeout=timeout_s,
+      check=False,
+    )
   except subprocess.TimeoutExpired as e:
     raise RuntimeError(f"the AppWorld world builder took over {timeout_s:g} s") from e
   finally:
     os.remove(spec_path)
   if done.returncode != 0:
-    raise RuntimeError(f"the AppWorld world builder failed (exit {done.returncode}):\n"
-                       f"{done.stderr[-4000:]}")
+    raise RuntimeError(
+      f"the AppWorld world builder failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
+    )
   wanted = {s["task_id"] for s in specs}
-  return [r for r in _read_rows(os.path.join(root, "coevolve_tasks.jsonl"))
-          if r["task_id"] in wanted]
+  return [
+    r for r in _read_rows(os.path.join(root, "coevolve_tasks.jsonl")) if r["task_id"] in wanted
+  ]

@@ -38,13 +38,22 @@ __all__ = ["AppWorldSuite", "check_setup", "code_reply"]
 
 # APIs each generated task family's solution calls (envs/appworld_world.py _PREAMBLE + template).
 FAMILY_APIS = {
-    "count_notes": ("supervisor.show_account_passwords", "supervisor.show_profile",
-                    "simple_note.login", "simple_note.search_notes", "supervisor.complete_task"),
-    "count_tagged": ("simple_note.login", "simple_note.search_notes", "supervisor.complete_task"),
-    "latest_title": ("simple_note.login", "simple_note.search_notes", "supervisor.complete_task"),
-    "create_note": ("simple_note.login", "simple_note.create_note", "supervisor.complete_task"),
-    "delete_note": ("simple_note.login", "simple_note.search_notes", "simple_note.delete_note",
-                    "supervisor.complete_task"),
+  "count_notes": (
+    "supervisor.show_account_passwords",
+    "supervisor.show_profile",
+    "simple_note.login",
+    "simple_note.search_notes",
+    "supervisor.complete_task",
+  ),
+  "count_tagged": ("simple_note.login", "simple_note.search_notes", "supervisor.complete_task"),
+  "latest_title": ("simple_note.login", "simple_note.search_notes", "supervisor.complete_task"),
+  "create_note": ("simple_note.login", "simple_note.create_note", "supervisor.complete_task"),
+  "delete_note": (
+    "simple_note.login",
+    "simple_note.search_notes",
+    "simple_note.delete_note",
+    "supervisor.complete_task",
+  ),
 }
 _DISCOVER = """\
 import json
@@ -89,6 +98,7 @@ def check_setup(cfg: Any) -> None:
     errors.append(str(e))
   if aw.source == "official":
     from envs.appworld import _data_errors  # noqa: PLC0415
+
     errors += _data_errors(str(aw.data_root or ""), [str(aw.split), str(aw.eval_split)])
   elif aw.source != "generated":
     errors.append(f"appworld.source must be 'generated' or 'official', got {aw.source!r}")
@@ -114,10 +124,16 @@ class AppWorldSuite:
     self.build_args = {"num_people": int(b.num_people), "num_notes": int(b.num_notes)}
     if aw.source == "generated":
       self.root = os.path.join(workdir, "appworld_root")
-      rows = build_worlds(self.root, self.python, num_scenarios=b.num_scenarios,
-                          tasks_per_scenario=b.tasks_per_scenario,
-                          eval_scenarios=b.eval_scenarios, seed=cfg.seed,
-                          templates=tuple(b.templates), **self.build_args)
+      rows = build_worlds(
+        self.root,
+        self.python,
+        num_scenarios=b.num_scenarios,
+        tasks_per_scenario=b.tasks_per_scenario,
+        eval_scenarios=b.eval_scenarios,
+        seed=cfg.seed,
+        templates=tuple(b.templates),
+        **self.build_args,
+      )
       self.train_tasks = rows_to_tasks(rows, "train")
       self.eval_tasks = rows_to_tasks(rows, "test_normal")
     else:
@@ -127,9 +143,14 @@ class AppWorldSuite:
     log_dir = os.path.join(workdir, "appworld_logs")
     os.makedirs(log_dir, exist_ok=True)
     # One server per decode slot, plus one for the feedback round running beside the rollouts.
-    self.pool = ServerPool(self.root, size=int(cfg.rollout.num_slots) + 1, python=self.python,
-                           timeout_s=float(aw.timeout_s),
-                           startup_timeout_s=float(aw.startup_timeout_s), log_dir=log_dir)
+    self.pool = ServerPool(
+      self.root,
+      size=int(cfg.rollout.num_slots) + 1,
+      python=self.python,
+      timeout_s=float(aw.timeout_s),
+      startup_timeout_s=float(aw.startup_timeout_s),
+      log_dir=log_dir,
+    )
     self.api_inventory: dict[str, list[str]] | None = None
 
   # ------------------------------------------------------------------ episodes
@@ -137,10 +158,15 @@ class AppWorldSuite:
   def make_env(self, task: Task, episode_id: str, max_steps: int | None = None) -> AppWorldEnv:
     """A fresh episode of `task` (the episode id is unused: the server port keeps them apart)."""
     del episode_id
-    return AppWorldEnv(task, self.pool, experiment="coevolve",
-                       max_steps=int(max_steps or self.aw.max_steps),
-                       max_obs_chars=int(self.aw.max_obs_chars), reward=str(self.aw.reward),
-                       exec_timeout_s=int(self.aw.exec_timeout_s))
+    return AppWorldEnv(
+      task,
+      self.pool,
+      experiment="coevolve",
+      max_steps=int(max_steps or self.aw.max_steps),
+      max_obs_chars=int(self.aw.max_obs_chars),
+      reward=str(self.aw.reward),
+      exec_timeout_s=int(self.aw.exec_timeout_s),
+    )
 
   def run_code(self, task: Task, code: str) -> tuple[float, dict[str, Any]]:
     """Runs `code` as the one reply of an episode of `task`; returns (reward, info)."""
@@ -176,8 +202,9 @@ class AppWorldSuite:
     traj = Trajectory(task_id=task.task_id, group_id=-1)
     try:
       first = env.reset()
-      ids = chat.prompt_ids([{"role": "system", "content": env.system_prompt}] + first.messages,
-                            env.tools)
+      ids = chat.prompt_ids(
+        [{"role": "system", "content": env.system_prompt}] + first.messages, env.tools
+      )
       traj.prompt_len = len(ids)
       traj.extend(ids, sampled=False)
       reply = code_reply(task.initial_config["solution"])
@@ -208,15 +235,24 @@ class AppWorldSuite:
         accepted.append(Task.from_dict({**json.loads(task.to_json()), "source": "explore"}))
       else:
         rejected += 1
-    return accepted, {"candidates": len(candidates), "validated": len(accepted),
-                      "rejected": rejected}
+    return accepted, {
+      "candidates": len(candidates),
+      "validated": len(accepted),
+      "rejected": rejected,
+    }
 
   def discover_apis(self) -> dict[str, list[str]]:
     """App -> API names, read in a live world through apis.api_docs (cached for the run)."""
     if self.api_inventory is None:
       task = (self.train_tasks or self.eval_tasks)[0]
-      env = AppWorldEnv(task, self.pool, experiment="discover", max_steps=2,
-                        max_obs_chars=1 << 20, exec_timeout_s=int(self.aw.exec_timeout_s))
+      env = AppWorldEnv(
+        task,
+        self.pool,
+        experiment="discover",
+        max_steps=2,
+        max_obs_chars=1 << 20,
+        exec_timeout_s=int(self.aw.exec_timeout_s),
+      )
       try:
         env.reset()
         out = env.step(Action(text=code_reply(_DISCOVER))).messages
@@ -234,8 +270,9 @@ class AppWorldSuite:
     found = {f"{app}.{name}" for app, names in self.discover_apis().items() for name in names}
     return [f for f, needed in FAMILY_APIS.items() if set(needed) <= found]
 
-  def synthesize(self, events: Sequence[Any], rng: np.random.Generator, round_idx: int,
-                 max_contexts: int) -> tuple[list[Task], list[tuple[str, str]], dict[str, int]]:
+  def synthesize(
+    self, events: Sequence[Any], rng: np.random.Generator, round_idx: int, max_contexts: int
+  ) -> tuple[list[Task], list[tuple[str, str]], dict[str, int]]:
     """New validated tasks for up to `max_contexts` signal events (SignalEvent: task, signal).
 
     Returns (accepted tasks, [(task_id, reason)] rejected, per-signal counts of accepted tasks).
@@ -260,8 +297,9 @@ class AppWorldSuite:
     for row in rows:
       signal, parent = signals[row["task_id"]]
       task = task_from_row(row, source="synth")
-      task.provenance.update(signal=signal, round=round_idx, parent=parent,
-                             explorer="appworld-programmatic")
+      task.provenance.update(
+        signal=signal, round=round_idx, parent=parent, explorer="appworld-programmatic"
+      )
       why = self.validate(task)
       if why is None:
         accepted.append(task)
@@ -270,8 +308,15 @@ class AppWorldSuite:
         rejected.append((task.task_id, why))
     return accepted, rejected, per_signal
 
-  def synthesize_round(self, events: Sequence[Any], explorer: Any, rng: np.random.Generator,
-                       round_idx: int, settings: Any = None, llm: Any = None):
+  def synthesize_round(
+    self,
+    events: Sequence[Any],
+    explorer: Any,
+    rng: np.random.Generator,
+    round_idx: int,
+    settings: Any = None,
+    llm: Any = None,
+  ):
     """A feedback round with `controller.synthesize_round`'s signature and result type."""
     del explorer, settings, llm  # AppWorld's explorer is programmatic and lives here
     import time  # noqa: PLC0415
@@ -281,13 +326,26 @@ class AppWorldSuite:
     start = time.perf_counter()
     tasks, rejected, accepted = self.synthesize(events, rng, round_idx, self.aw.max_contexts)
     per_signal = {signal: {"validated": n} for signal, n in accepted.items()}
-    trace = [{"task_id": t.task_id, "family": t.provenance.get("template"),
-              "signal": t.provenance.get("signal"), "parent": t.provenance.get("parent"),
-              "instruction": t.turns[0]} for t in tasks]
+    trace = [
+      {
+        "task_id": t.task_id,
+        "family": t.provenance.get("template"),
+        "signal": t.provenance.get("signal"),
+        "parent": t.provenance.get("parent"),
+        "instruction": t.turns[0],
+      }
+      for t in tasks
+    ]
     trace += [{"task_id": tid, "rejected": why} for tid, why in rejected]
-    return RoundResult(round_idx=round_idx, tasks=tasks, synthesized=len(tasks) + len(rejected),
-                       per_signal=per_signal, rejected=rejected, trace=trace,
-                       wall_s=time.perf_counter() - start)
+    return RoundResult(
+      round_idx=round_idx,
+      tasks=tasks,
+      synthesized=len(tasks) + len(rejected),
+      per_signal=per_signal,
+      rejected=rejected,
+      trace=trace,
+      wall_s=time.perf_counter() - start,
+    )
 
   # ------------------------------------------------------------------ evaluation
 

@@ -45,7 +45,7 @@ SPLITS = ("train", "dev", "test_normal")
 
 # Instruction templates over the Simple Note app; each gives (instruction, answer, tests, solution)
 # for a built world; `tests` is the evaluation code body (AppWorld's `evaluate` signature).
-_PREAMBLE = '''\
+_PREAMBLE = """\
 pw = {a["account_name"]: a["password"] for a in apis.supervisor.show_account_passwords()}
 me = apis.supervisor.show_profile()
 token = apis.simple_note.login(username=me["email"], password=pw["simple_note"])["access_token"]
@@ -56,9 +56,9 @@ while True:
         break
     notes += batch
     page += 1
-'''
+"""
 
-_EVAL_HEADER = '''\
+_EVAL_HEADER = """\
 import json
 
 
@@ -75,7 +75,7 @@ def evaluate(test, public_data, private_data, main_user, models, ground_truth_an
     user = _user(models, main_user)
     start_user = models.start.simple_note.User.find_one(email=main_user.email)
     answer = json.loads(models.end.supervisor.Task.first().answer)
-'''
+"""
 
 _EVAL_ANSWER = f'''\
     with test("{ANSWER_REQUIREMENT}"):
@@ -94,8 +94,9 @@ def _count_notes(world: dict, rng: random.Random) -> tuple[str, object, str, str
   day = _cutoff(world, rng)
   instruction = f"How many notes have I created in Simple Note since {day} (that day included)?"
   answer = sum(n["created_at"][:10] >= day for n in world["notes"])
-  solution = _PREAMBLE + (f"apis.supervisor.complete_task(answer=sum(n['created_at'][:10] >= "
-                          f"{day!r} for n in notes))\n")
+  solution = _PREAMBLE + (
+    f"apis.supervisor.complete_task(answer=sum(n['created_at'][:10] >= {day!r} for n in notes))\n"
+  )
   return instruction, answer, _EVAL_ANSWER, solution
 
 
@@ -103,22 +104,26 @@ def _count_tagged(world: dict, rng: random.Random) -> tuple[str, object, str, st
   tag = rng.choice(sorted({t for n in world["notes"] for t in n["tags"]}))
   instruction = f'How many of my Simple Note notes are tagged "{tag}"?'
   answer = sum(tag in n["tags"] for n in world["notes"])
-  solution = _PREAMBLE + (f"apis.supervisor.complete_task(answer=sum({tag!r} in n['tags'] "
-                          "for n in notes))\n")
+  solution = _PREAMBLE + (
+    f"apis.supervisor.complete_task(answer=sum({tag!r} in n['tags'] for n in notes))\n"
+  )
   return instruction, answer, _EVAL_ANSWER, solution
 
 
 def _latest_title(world: dict, rng: random.Random) -> tuple[str, object, str, str]:
   days = sorted({n["created_at"][:10] for n in world["notes"]})
   day = rng.choice(days[1:] or days)  # some note was created before it
-  instruction = (f"What is the title of the last note I created in Simple Note before {day}? "
-                 "If there is none, answer None.")
+  instruction = (
+    f"What is the title of the last note I created in Simple Note before {day}? "
+    "If there is none, answer None."
+  )
   earlier = [n for n in world["notes"] if n["created_at"][:10] < day]
   answer = max(earlier, key=lambda n: n["created_at"])["title"] if earlier else None
   solution = _PREAMBLE + (
-      f"earlier = [n for n in notes if n['created_at'][:10] < {day!r}]\n"
-      "latest = max(earlier, key=lambda n: n['created_at']) if earlier else None\n"
-      "apis.supervisor.complete_task(answer=latest['title'] if latest else None)\n")
+    f"earlier = [n for n in notes if n['created_at'][:10] < {day!r}]\n"
+    "latest = max(earlier, key=lambda n: n['created_at']) if earlier else None\n"
+    "apis.supervisor.complete_task(answer=latest['title'] if latest else None)\n"
+  )
   return instruction, answer, _EVAL_ANSWER, solution
 
 
@@ -126,9 +131,11 @@ def _create_note(world: dict, rng: random.Random) -> tuple[str, object, str, str
   del world
   title = f"{rng.choice(['Groceries', 'Ideas', 'Travel', 'Books', 'Chores'])} {rng.randint(2, 99)}"
   content = rng.choice(["milk and eggs", "call the plumber", "pack the charger", "read chapter 3"])
-  instruction = (f'Create a note in Simple Note titled "{title}" with the content "{content}". '
-                 "Mark the task complete when done.")
-  tests = f'''\
+  instruction = (
+    f'Create a note in Simple Note titled "{title}" with the content "{content}". '
+    "Mark the task complete when done."
+  )
+  tests = f"""\
     with test("assert the answer is None."):
         test.case(answer, "==", None)
     with test("assert exactly one note was added, with the requested title and content."):
@@ -137,34 +144,38 @@ def _create_note(world: dict, rng: random.Random) -> tuple[str, object, str, str
     with test("assert no existing note was removed or edited."):
         gone = set(_notes(models.start, start_user)) - set(_notes(models.end, user))
         test.case(gone, "==", set())
-'''
-  solution = _PREAMBLE + (f"apis.simple_note.create_note(access_token=token, title={title!r}, "
-                          f"content={content!r})\napis.supervisor.complete_task()\n")
+"""
+  solution = _PREAMBLE + (
+    f"apis.simple_note.create_note(access_token=token, title={title!r}, "
+    f"content={content!r})\napis.supervisor.complete_task()\n"
+  )
   return instruction, None, tests, solution
 
 
 def _delete_note(world: dict, rng: random.Random) -> tuple[str, object, str, str]:
   title = rng.choice(world["notes"])["title"]
-  instruction = (f'Delete my Simple Note note titled "{title}". Mark the task complete when done.')
-  tests = f'''\
+  instruction = f'Delete my Simple Note note titled "{title}". Mark the task complete when done.'
+  tests = f"""\
     with test("assert the answer is None."):
         test.case(answer, "==", None)
     with test("assert the note titled {title} is gone and every other note is unchanged."):
         expected = [n for n in _notes(models.start, start_user) if n[0] != {title!r}]
         test.case(_notes(models.end, user), "==", expected)
-'''
-  solution = _PREAMBLE + (f"target = [n for n in notes if n['title'] == {title!r}][0]\n"
-                          "apis.simple_note.delete_note(access_token=token, "
-                          "note_id=target['note_id'])\napis.supervisor.complete_task()\n")
+"""
+  solution = _PREAMBLE + (
+    f"target = [n for n in notes if n['title'] == {title!r}][0]\n"
+    "apis.simple_note.delete_note(access_token=token, "
+    "note_id=target['note_id'])\napis.supervisor.complete_task()\n"
+  )
   return instruction, None, tests, solution
 
 
 TEMPLATES = {
-    "count_notes": (_count_notes, 1),  # name -> (builder, difficulty)
-    "count_tagged": (_count_tagged, 1),
-    "latest_title": (_latest_title, 1),
-    "create_note": (_create_note, 1),
-    "delete_note": (_delete_note, 2),
+  "count_notes": (_count_notes, 1),  # name -> (builder, difficulty)
+  "count_tagged": (_count_tagged, 1),
+  "latest_title": (_latest_title, 1),
+  "create_note": (_create_note, 1),
+  "delete_note": (_delete_note, 2),
 }
 _TAGS = ("work", "personal", "ideas", "travel", "health")
 
@@ -181,18 +192,28 @@ def _populate(mc, rng: random.Random, num_people: int, num_notes: int) -> tuple[
     person.save()
     people.append(person)
   boss = people[0]
-  sup = mc.supervisor.Supervisor(first_name=boss.first_name, last_name=boss.last_name,
-                                 email=boss.email, phone_number=boss.phone_number,
-                                 birthday=boss.birthday, sex=boss.sex)
+  sup = mc.supervisor.Supervisor(
+    first_name=boss.first_name,
+    last_name=boss.last_name,
+    email=boss.email,
+    phone_number=boss.phone_number,
+    birthday=boss.birthday,
+    sex=boss.sex,
+  )
   sup.save()
   password = f"pw-{rng.getrandbits(40):010x}"
-  mc.supervisor.AccountPassword(supervisor_id=sup.id, account_name="simple_note",
-                                password=password).save()
+  mc.supervisor.AccountPassword(
+    supervisor_id=sup.id, account_name="simple_note", password=password
+  ).save()
   notes = []
   for person in people:  # everyone has an account; only the supervisor's notes matter
     user = mc.simple_note.User.factory().build(
-        first_name=person.first_name, last_name=person.last_name, email=person.email,
-        password=password if person is boss else f"pw-{rng.getrandbits(40):010x}", verified=True)
+      first_name=person.first_name,
+      last_name=person.last_name,
+      email=person.email,
+      password=password if person is boss else f"pw-{rng.getrandbits(40):010x}",
+      verified=True,
+    )
     user.save()
     count = num_notes if person is boss else rng.randint(1, 3)
     titles = rng.sample(range(10, 99), count)
@@ -200,8 +221,14 @@ def _populate(mc, rng: random.Random, num_people: int, num_notes: int) -> tuple[
       created = DateTime.now().subtract(days=rng.randint(1, 300), minutes=i)
       tags = rng.sample(_TAGS, rng.randint(1, 2))
       note = mc.simple_note.Note.factory().build(
-          user_id=user.id, title=f"Note {number}", content=f"content {number}", tags=tags,
-          created_at=created, updated_at=created, pinned=False)
+        user_id=user.id,
+        title=f"Note {number}",
+        content=f"content {number}",
+        tags=tags,
+        created_at=created,
+        updated_at=created,
+        pinned=False,
+      )
       note.save()
       if person is boss:
         notes.append({"title": note.title, "tags": tags, "created_at": created.isoformat()})
@@ -225,10 +252,19 @@ def _write_api_docs(data: str) -> None:
 def _fill_api_docs_table(mc) -> None:
   from appworld.collections.api_docs import ApiDocCollection  # noqa: PLC0415
 
-  rows = [mc.api_docs.ApiDoc(app_name_=d["app_name"], api_name=d["api_name"], path=d["path"],
-                             method=d["method"], description=d["description"],
-                             parameters=d["parameters"], response_schemas=d["response_schemas"])
-          for apis in ApiDocCollection.build().values() for d in apis.values()]
+  rows = [
+    mc.api_docs.ApiDoc(
+      app_name_=d["app_name"],
+      api_name=d["api_name"],
+      path=d["path"],
+      method=d["method"],
+      description=d["description"],
+      parameters=d["parameters"],
+      response_schemas=d["response_schemas"],
+    )
+    for apis in ApiDocCollection.build().values()
+    for d in apis.values()
+  ]
   mc.api_docs.ApiDoc.save_all(rows)
 
 
@@ -238,11 +274,16 @@ def _write_ground_truth(folder: str, answer, tests: str, difficulty: int, soluti
   os.makedirs(folder, exist_ok=True)
   requirements = re.findall(r'with test\("(.*?)"\):', tests)
   files = {
-      "public_data.json": {}, "private_data.json": {},
-      "test_data.json": [{"requirement": r, "label": "no_op_fail"} for r in requirements],
-      "metadata.json": {"mode": "minimal", "difficulty": difficulty, "num_apps": 1,
-                        "num_apis": len(set(re.findall(r"apis\.(\w+\.\w+)", solution))),
-                        "num_solution_code_lines": len(solution.strip().splitlines())},
+    "public_data.json": {},
+    "private_data.json": {},
+    "test_data.json": [{"requirement": r, "label": "no_op_fail"} for r in requirements],
+    "metadata.json": {
+      "mode": "minimal",
+      "difficulty": difficulty,
+      "num_apps": 1,
+      "num_apis": len(set(re.findall(r"apis\.(\w+\.\w+)", solution))),
+      "num_solution_code_lines": len(solution.strip().splitlines()),
+    },
   }
   for name, value in files.items():
     with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
@@ -253,8 +294,9 @@ def _write_ground_truth(folder: str, answer, tests: str, difficulty: int, soluti
     f.write(_EVAL_HEADER + tests)
 
 
-def build_task(task_id: str, template: str, seed: int, num_people: int, num_notes: int,
-               api_docs_db: str = "") -> dict:
+def build_task(
+  task_id: str, template: str, seed: int, num_people: int, num_notes: int, api_docs_db: str = ""
+) -> dict:
   """Builds one task (world, instruction, evaluation, answer) under path_store.data.
 
   The api_docs table is the same in every world: with `api_docs_db` (an earlier task's
@@ -275,8 +317,9 @@ def build_task(task_id: str, template: str, seed: int, num_people: int, num_note
   set_random_seed(seed, python=True, faker_=True, model_factory=True)
   when = DateTime(2023, 5, 18, 12, 0, 0).add(days=rng.randint(0, 200))
   freezer = set_local_date_and_time(when)
-  mc = ModelCollection.load(to_db_home_path=f":memory:build-{task_id}", load_apps=get_all_apps(),
-                            create_db=True)
+  mc = ModelCollection.load(
+    to_db_home_path=f":memory:build-{task_id}", load_apps=get_all_apps(), create_db=True
+  )
   try:
     sup, world = _populate(mc, rng, num_people, num_notes)
     builder, difficulty = TEMPLATES[template]
@@ -284,21 +327,41 @@ def build_task(task_id: str, template: str, seed: int, num_people: int, num_note
     mc.supervisor.Task(supervisor_id=sup.id, instruction=instruction).save()
     if not api_docs_db:
       _fill_api_docs_table(mc)
-    task = Task(id=task_id, instruction=instruction, supervisor=MainUserMunch.from_supervisor(sup),
-                datetime=when, allowed_apps=get_all_apps(skip_admin=True), db_version=DB_VERSION,
-                model_collection=mc)
+    task = Task(
+      id=task_id,
+      instruction=instruction,
+      supervisor=MainUserMunch.from_supervisor(sup),
+      datetime=when,
+      allowed_apps=get_all_apps(skip_admin=True),
+      db_version=DB_VERSION,
+      model_collection=mc,
+    )
     task.save(delete_if_exists=True, save_ground_truth=False)
     if api_docs_db:
-      shutil.copyfile(api_docs_db, os.path.join(path_store.data, "tasks", task_id, "dbs",
-                                                "api_docs.db"))
-    _write_ground_truth(os.path.join(path_store.data, "tasks", task_id, "ground_truth"), answer,
-                        tests, difficulty, solution)
+      shutil.copyfile(
+        api_docs_db, os.path.join(path_store.data, "tasks", task_id, "dbs", "api_docs.db")
+      )
+    _write_ground_truth(
+      os.path.join(path_store.data, "tasks", task_id, "ground_truth"),
+      answer,
+      tests,
+      difficulty,
+      solution,
+    )
   finally:
     mc.close()
     unset_local_date_and_time(freezer)
-  return {"task_id": task_id, "scenario": task_id.split("_")[0], "template": template,
-          "instruction": instruction, "answer": answer, "difficulty": difficulty,
-          "apps": ["simple_note"], "solution": solution, "seed": seed}
+  return {
+    "task_id": task_id,
+    "scenario": task_id.split("_")[0],
+    "template": template,
+    "instruction": instruction,
+    "answer": answer,
+    "difficulty": difficulty,
+    "apps": ["simple_note"],
+    "solution": solution,
+    "seed": seed,
+  }
 
 
 def scenario_id(template: str, seed: int, index: int) -> str:
@@ -306,8 +369,16 @@ def scenario_id(template: str, seed: int, index: int) -> str:
   return hashlib.sha1(f"{template}:{seed}:{index}".encode()).hexdigest()[:7]
 
 
-def build(root: str, num_scenarios: int, tasks_per_scenario: int, seed: int,
-          templates: list[str], num_people: int, num_notes: int, eval_scenarios: int) -> list[dict]:
+def build(
+  root: str,
+  num_scenarios: int,
+  tasks_per_scenario: int,
+  seed: int,
+  templates: list[str],
+  num_people: int,
+  num_notes: int,
+  eval_scenarios: int,
+) -> list[dict]:
   """Builds `num_scenarios` x `tasks_per_scenario` tasks; the last `eval_scenarios` scenarios form
   test_normal, the rest train; writes the split files and coevolve_tasks.jsonl."""
   os.environ["APPWORLD_ROOT"] = os.path.abspath(root)
@@ -324,8 +395,9 @@ def build(root: str, num_scenarios: int, tasks_per_scenario: int, seed: int,
     scenario = scenario_id(template, seed, k)
     split = "test_normal" if k >= num_scenarios - eval_scenarios else "train"
     for n in range(1, tasks_per_scenario + 1):
-      row = build_task(f"{scenario}_{n}", template, seed * 100003 + k * 101 + n, num_people,
-                       num_notes, api_docs_db)
+      row = build_task(
+        f"{scenario}_{n}", template, seed * 100003 + k * 101 + n, num_people, num_notes, api_docs_db
+      )
       api_docs_db = os.path.join(path_store.data, "tasks", row["task_id"], "dbs", "api_docs.db")
       row["split"] = split
       rows.append(row)
@@ -355,8 +427,9 @@ def add_tasks(root: str, specs: list[dict], num_people: int, num_notes: int) -> 
   for spec in specs:
     if spec["template"] not in TEMPLATES:
       raise ValueError(f"unknown template {spec['template']!r}; known: {sorted(TEMPLATES)}")
-    row = build_task(spec["task_id"], spec["template"], int(spec["seed"]), num_people, num_notes,
-                     api_docs_db)
+    row = build_task(
+      spec["task_id"], spec["template"], int(spec["seed"]), num_people, num_notes, api_docs_db
+    )
     row["split"] = "synth"
     rows.append(row)
   with open(index, "a", encoding="utf-8") as f:
@@ -374,8 +447,12 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--templates", default=",".join(TEMPLATES))
   p.add_argument("--num-people", type=int, default=3)
   p.add_argument("--num-notes", type=int, default=5)
-  p.add_argument("--add", default="", help="JSON file with a list of {task_id, template, seed}: "
-                 "build these tasks into an existing root (split 'synth'), nothing else")
+  p.add_argument(
+    "--add",
+    default="",
+    help="JSON file with a list of {task_id, template, seed}: "
+    "build these tasks into an existing root (split 'synth'), nothing else",
+  )
   a = p.parse_args(argv)
   if a.add:
     with open(a.add, encoding="utf-8") as f:
@@ -390,8 +467,16 @@ def main(argv: list[str] | None = None) -> int:
   if not 0 <= a.eval_scenarios < a.num_scenarios:
     p.error("need 0 <= --eval-scenarios < --num-scenarios")
   start = time.perf_counter()
-  rows = build(a.root, a.num_scenarios, a.tasks_per_scenario, a.seed, templates, a.num_people,
-               a.num_notes, a.eval_scenarios)
+  rows = build(
+    a.root,
+    a.num_scenarios,
+    a.tasks_per_scenario,
+    a.seed,
+    templates,
+    a.num_people,
+    a.num_notes,
+    a.eval_scenarios,
+  )
   print(json.dumps({"tasks": len(rows), "seconds": round(time.perf_counter() - start, 1)}))
   return 0
 

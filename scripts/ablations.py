@@ -31,20 +31,21 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 sys.path.insert(0, ROOT)
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    "coevolve": {},
-    "no_forgetting": {"feedback.kinds": ("boundary", "rare")},
-    "no_boundary": {"feedback.kinds": ("forgetting", "rare")},
-    "no_rare": {"feedback.kinds": ("forgetting", "boundary")},
-    "random_reexplore": {"feedback.mode": "random"},
-    "no_validation": {"feedback.validate": False},
-    "grpo_only": {"feedback.enabled": False},
+  "coevolve": {},
+  "no_forgetting": {"feedback.kinds": ("boundary", "rare")},
+  "no_boundary": {"feedback.kinds": ("forgetting", "rare")},
+  "no_rare": {"feedback.kinds": ("forgetting", "boundary")},
+  "random_reexplore": {"feedback.mode": "random"},
+  "no_validation": {"feedback.validate": False},
+  "grpo_only": {"feedback.enabled": False},
 }
 REFERENCE = "grpo_only"
 
 
 def load_config(variant: str, seed: int, overrides: dict[str, Any]):
-  spec = importlib.util.spec_from_file_location("bfcl_config", os.path.join(ROOT, "configs",
-                                                                            "bfcl.py"))
+  spec = importlib.util.spec_from_file_location(
+    "bfcl_config", os.path.join(ROOT, "configs", "bfcl.py")
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   cfg = module.get_config("cpu")
@@ -72,8 +73,12 @@ def collect(workdir: str) -> dict[str, Any]:
   metrics = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "reward/mean" in r]
   rounds = read_jsonl(os.path.join(workdir, "feedback.jsonl"))
   sims = [v for r in rounds for v in (r.get("eval_similarity") or {}).values()]
-  return {"summary": summary, "rewards": [(r["step"], r["reward/mean"]) for r in metrics],
-          "rounds": rounds, "similarity": sims}
+  return {
+    "summary": summary,
+    "rewards": [(r["step"], r["reward/mean"]) for r in metrics],
+    "rounds": rounds,
+    "similarity": sims,
+  }
 
 
 def mean(xs: list[float]) -> float | None:
@@ -88,9 +93,11 @@ def fmt(x: Any, digits: int = 3) -> str:
 
 def table(results: dict[str, list[dict[str, Any]]]) -> list[str]:
   ref = mean([mean([r for _, r in run["rewards"]]) or 0.0 for run in results.get(REFERENCE, [])])
-  head = ("| variant | runs | eval before | eval after | mean rollout reward | vs grpo_only | "
-          "tasks accepted | validation pass rate | signals F/B/R | max sim. to eval (mean) | "
-          "feedback_share | wall s |")
+  head = (
+    "| variant | runs | eval before | eval after | mean rollout reward | vs grpo_only | "
+    "tasks accepted | validation pass rate | signals F/B/R | max sim. to eval (mean) | "
+    "feedback_share | wall s |"
+  )
   lines = [head, "|" + " --- |" * (head.count("|") - 1)]
   for name, runs in results.items():
     s = [run["summary"] for run in runs]
@@ -98,15 +105,28 @@ def table(results: dict[str, list[dict[str, Any]]]) -> list[str]:
     passes = [p for x in s for p in x.get("validation_pass_rate", []) if p is not None]
     sig = [x["signals"] for x in s]
     sims = [v for run in runs for v in run["similarity"]]
-    lines.append("| " + " | ".join([
-        name, str(len(runs)), fmt(mean([x["eval_before"] for x in s])),
-        fmt(mean([x["eval_after"] for x in s])), fmt(reward),
-        fmt(reward / ref, 2) + "x" if ref else "-",
-        fmt(mean([float(x["tasks_accepted"]) for x in s]), 1), fmt(mean(passes), 2),
-        "/".join(fmt(mean([float(g[k]) for g in sig]), 1) for k in ("forgetting", "boundary",
-                                                                     "rare")),
-        fmt(mean(sims), 2), fmt(mean([float(x.get("feedback_share", 0.0)) for x in s]), 4),
-        fmt(mean([float(x["wall_s"]) for x in s]), 0)]) + " |")
+    lines.append(
+      "| "
+      + " | ".join(
+        [
+          name,
+          str(len(runs)),
+          fmt(mean([x["eval_before"] for x in s])),
+          fmt(mean([x["eval_after"] for x in s])),
+          fmt(reward),
+          fmt(reward / ref, 2) + "x" if ref else "-",
+          fmt(mean([float(x["tasks_accepted"]) for x in s]), 1),
+          fmt(mean(passes), 2),
+          "/".join(
+            fmt(mean([float(g[k]) for g in sig]), 1) for k in ("forgetting", "boundary", "rare")
+          ),
+          fmt(mean(sims), 2),
+          fmt(mean([float(x.get("feedback_share", 0.0)) for x in s]), 4),
+          fmt(mean([float(x["wall_s"]) for x in s]), 0),
+        ]
+      )
+      + " |"
+    )
   return lines
 
 
@@ -157,12 +177,17 @@ def plots(results: dict[str, list[dict[str, Any]]], out: str) -> list[str]:
       total = sum(ev.values()) or 1
       shares.append(ev.get("boundary", 0) / total)
     axes[0].plot([r["round"] for r in rounds], shares, marker="o", label=variant)
-    axes[1].plot([r["round"] for r in rounds], [r["pass_rate"] for r in rounds], marker="o",
-                 label=variant)
-  axes[0].set(xlabel="feedback round", ylabel="boundary share of explored contexts",
-              title="Signal shares per round")
-  axes[1].set(xlabel="feedback round", ylabel="validation pass rate",
-              title="Validation pass rate per round")
+    axes[1].plot(
+      [r["round"] for r in rounds], [r["pass_rate"] for r in rounds], marker="o", label=variant
+    )
+  axes[0].set(
+    xlabel="feedback round",
+    ylabel="boundary share of explored contexts",
+    title="Signal shares per round",
+  )
+  axes[1].set(
+    xlabel="feedback round", ylabel="validation pass rate", title="Validation pass rate per round"
+  )
   axes[0].legend(fontsize=7)
   save(fig, "signals_and_validation.png")
 
@@ -172,8 +197,10 @@ def plots(results: dict[str, list[dict[str, Any]]], out: str) -> list[str]:
   if data:
     ax.boxplot([d for _, d in data], tick_labels=[v for v, _ in data])
     ax.tick_params(axis="x", rotation=30, labelsize=7)
-  ax.set(ylabel="max MinHash Jaccard to any eval task",
-         title="Similarity of synthesized tasks to evaluation tasks")
+  ax.set(
+    ylabel="max MinHash Jaccard to any eval task",
+    title="Similarity of synthesized tasks to evaluation tasks",
+  )
   save(fig, "eval_similarity.png")
   return names
 
@@ -182,9 +209,11 @@ def machine() -> str:
   import jax  # pylint: disable=g-import-not-at-top
 
   load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",)
-  return (f"{platform.node()}: {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPU cores, Python {platform.python_version()}, JAX {jax.__version__} "
-          f"on {jax.default_backend()}, load average at the end {load[0]:.1f}")
+  return (
+    f"{platform.node()}: {platform.processor() or platform.machine()}, "
+    f"{os.cpu_count()} CPU cores, Python {platform.python_version()}, JAX {jax.__version__} "
+    f"on {jax.default_backend()}, load average at the end {load[0]:.1f}"
+  )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,8 +222,13 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--workdir", default=os.path.join(ROOT, "runs", "ablations"))
   p.add_argument("--seeds", default="0", help="comma-separated seeds")
   p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
-  p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
-                 help="extra config override for every variant, e.g. train.steps=9")
+  p.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    metavar="KEY=JSON",
+    help="extra config override for every variant, e.g. train.steps=9",
+  )
   args = p.parse_args(argv)
   variants = args.variants.split(",")
   if unknown := set(variants) - set(VARIANTS):
@@ -219,13 +253,29 @@ def main(argv: list[str] | None = None) -> int:
   except ImportError:
     pngs = []
     print("matplotlib is not installed: no plots (pip install -e '.[plots]')")
-  command = " ".join(shlex.quote(a) for a in [".venv/bin/python", "scripts/ablations.py",
-                                              *(argv if argv is not None else sys.argv[1:])])
-  doc = [f"# CoEvolve ablations at CPU scale ({datetime.date.today().isoformat()})", "",
-         f"Command: `{command}`", "", f"Machine: {machine()}", "",
-         "Each row is `configs/bfcl.py:cpu` with one switch changed; `vs grpo_only` is the ratio "
-         "of mean rollout rewards to the GRPO-only run of this same invocation.", "", *lines, "",
-         *[f"![{n}]({n})" for n in pngs], ""]
+  command = " ".join(
+    shlex.quote(a)
+    for a in [
+      ".venv/bin/python",
+      "scripts/ablations.py",
+      *(argv if argv is not None else sys.argv[1:]),
+    ]
+  )
+  doc = [
+    f"# CoEvolve ablations at CPU scale ({datetime.date.today().isoformat()})",
+    "",
+    f"Command: `{command}`",
+    "",
+    f"Machine: {machine()}",
+    "",
+    "Each row is `configs/bfcl.py:cpu` with one switch changed; `vs grpo_only` is the ratio "
+    "of mean rollout rewards to the GRPO-only run of this same invocation.",
+    "",
+    *lines,
+    "",
+    *[f"![{n}]({n})" for n in pngs],
+    "",
+  ]
   with open(os.path.join(args.out, "ablations.md"), "w", encoding="utf-8") as f:
     f.write("\n".join(doc))
   print("\n".join(lines))

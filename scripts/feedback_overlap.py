@@ -42,11 +42,23 @@ def main() -> int:
   args = p.parse_args()
   train, held = split_tasks(load_bfcl_tasks("multi_turn_base"), 20, seed=0)
   d0 = controller.build_initial_tasks(
-      train, 12, ProgrammaticExplorer(), np.random.default_rng(0), min_calls=1, max_calls=2,
-      max_turns=1, rounds=2, steps_per_round=8, max_classes=1,
-      only_classes=("MessageAPI", "TicketAPI"))
-  events = [controller.SignalEvent(t, kind, t.ground_truth, reward) for t in d0
-            for kind, reward in (("boundary", 1.0), ("rare", 0.0), ("forgetting", 0.0))]
+    train,
+    12,
+    ProgrammaticExplorer(),
+    np.random.default_rng(0),
+    min_calls=1,
+    max_calls=2,
+    max_turns=1,
+    rounds=2,
+    steps_per_round=8,
+    max_classes=1,
+    only_classes=("MessageAPI", "TicketAPI"),
+  )
+  events = [
+    controller.SignalEvent(t, kind, t.ground_truth, reward)
+    for t in d0
+    for kind, reward in (("boundary", 1.0), ("rare", 0.0), ("forgetting", 0.0))
+  ]
   settings = controller.SynthesisSettings(1, 2, 1, 2, 8)
   rows = {"synchronous": [], "overlapped": []}
   with tempfile.TemporaryDirectory() as tmp:
@@ -54,11 +66,13 @@ def main() -> int:
     pool.add(d0, eval_tasks=held)
     for r in range(1, args.rounds + 1):
       t0 = time.perf_counter()
-      chosen = controller.select_events(events, np.random.default_rng([0, r, 0]), 6,
-                                        pool_tasks=pool.tasks)
+      chosen = controller.select_events(
+        events, np.random.default_rng([0, r, 0]), 6, pool_tasks=pool.tasks
+      )
       t1 = time.perf_counter()
-      result = controller.synthesize_round(chosen, ProgrammaticExplorer(),
-                                           np.random.default_rng([0, r, 1]), r, settings)
+      result = controller.synthesize_round(
+        chosen, ProgrammaticExplorer(), np.random.default_rng([0, r, 1]), r, settings
+      )
       t2 = time.perf_counter()
       controller.commit_round(result, pool, held)
       t3 = time.perf_counter()
@@ -71,8 +85,10 @@ def main() -> int:
     per = ", ".join(f"{x:.3f}" for x in rows[name.split()[0]])
     print(f"| {name} | {mean:.3f} | {per} | {mean / sync:.2f}x |")
   load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-  print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
-        f"Python {platform.python_version()}, load average {load:.1f}")
+  print(
+    f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
+    f"Python {platform.python_version()}, load average {load:.1f}"
+  )
   return 0
 
 

@@ -10,8 +10,9 @@ import os
 import sys
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8")
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -22,31 +23,69 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from coevolve_jax.models import Qwen, QwenConfig, from_pretrained, save_pretrained  # noqa: E402
 from coevolve_jax.models.sharding import make_mesh, named_sharding, param_sharding  # noqa: E402
 
-DENSE = QwenConfig(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e4)
-MOE = QwenConfig(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e4,
-                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                 norm_topk_prob=True)
+DENSE = QwenConfig(
+  vocab_size=320,
+  hidden_size=64,
+  intermediate_size=96,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=16,
+  rope_theta=1e4,
+)
+MOE = QwenConfig(
+  vocab_size=320,
+  hidden_size=64,
+  intermediate_size=96,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=16,
+  rope_theta=1e4,
+  num_experts=4,
+  num_experts_per_tok=2,
+  moe_intermediate_size=48,
+  norm_topk_prob=True,
+)
 
 CASES = [  # (config name, mesh axes, expected specs of a few parameters on that mesh)
-    ("dense", {"fsdp": 8}, {
-        "embed_tokens": P(None, "fsdp"),
-        "layers.0.self_attn.q_proj": P("fsdp", None, None),
-        "layers.0.mlp.down_proj": P(None, "fsdp")}),
-    ("dense", {"fsdp": 2, "tensor": 4}, {
-        "embed_tokens": P("tensor", "fsdp"),
-        "layers.0.self_attn.q_proj": P("fsdp", "tensor", None),
-        "layers.0.self_attn.k_proj": P("fsdp", None, None),  # 2 kv heads do not split 4 ways
-        "layers.0.self_attn.o_proj": P("tensor", None, "fsdp"),
-        "layers.0.mlp.gate_proj": P("fsdp", "tensor")}),
-    ("moe", {"fsdp": 2, "expert": 4}, {
-        "layers.0.mlp.gate": P("fsdp", None),
-        "layers.0.mlp.experts.gate_proj": P("expert", "fsdp", None),
-        "layers.1.mlp.experts.down_proj": P("expert", None, "fsdp")}),
-    ("moe", {"data": 2, "tensor": 2, "expert": 2}, {
-        "layers.0.mlp.experts.up_proj": P("expert", None, "tensor"),
-        "layers.0.self_attn.k_proj": P(None, "tensor", None)}),
+  (
+    "dense",
+    {"fsdp": 8},
+    {
+      "embed_tokens": P(None, "fsdp"),
+      "layers.0.self_attn.q_proj": P("fsdp", None, None),
+      "layers.0.mlp.down_proj": P(None, "fsdp"),
+    },
+  ),
+  (
+    "dense",
+    {"fsdp": 2, "tensor": 4},
+    {
+      "embed_tokens": P("tensor", "fsdp"),
+      "layers.0.self_attn.q_proj": P("fsdp", "tensor", None),
+      "layers.0.self_attn.k_proj": P("fsdp", None, None),  # 2 kv heads do not split 4 ways
+      "layers.0.self_attn.o_proj": P("tensor", None, "fsdp"),
+      "layers.0.mlp.gate_proj": P("fsdp", "tensor"),
+    },
+  ),
+  (
+    "moe",
+    {"fsdp": 2, "expert": 4},
+    {
+      "layers.0.mlp.gate": P("fsdp", None),
+      "layers.0.mlp.experts.gate_proj": P("expert", "fsdp", None),
+      "layers.1.mlp.experts.down_proj": P("expert", None, "fsdp"),
+    },
+  ),
+  (
+    "moe",
+    {"data": 2, "tensor": 2, "expert": 2},
+    {
+      "layers.0.mlp.experts.up_proj": P("expert", None, "tensor"),
+      "layers.0.self_attn.k_proj": P(None, "tensor", None),
+    },
+  ),
 ]
 
 
@@ -101,8 +140,18 @@ def main() -> int:
     err = float(np.max(np.abs(np.asarray(logits) - reference[name])))
     ok = err <= 1e-5 and not mismatched
     failures += not ok
-    print(json.dumps({"model": name, "mesh": dict(mesh.shape), "max_abs_err": err,
-                      "sharding_mismatches": mismatched[:5], "ok": ok}), flush=True)
+    print(
+      json.dumps(
+        {
+          "model": name,
+          "mesh": dict(mesh.shape),
+          "max_abs_err": err,
+          "sharding_mismatches": mismatched[:5],
+          "ok": ok,
+        }
+      ),
+      flush=True,
+    )
   return 1 if failures else 0
 
 

@@ -74,18 +74,22 @@ def test_ground_truth_replay_through_the_full_loop_scores_one(entries):
         if tok == chat.im_end_id:
           replies.append(cur)
           cur = []
-    scripts[tuple(demo.token_ids[:demo.prompt_len])] = replies
+    scripts[tuple(demo.token_ids[: demo.prompt_len])] = replies
   engine = ScriptedEngine(scripts, num_slots=3)  # fewer slots than episodes: slots are reused
-  runner = AgentRunner(engine, chat, _make_env, EpisodeLimits(max_new_tokens=4096,
-                                                              max_model_steps=200))
+  runner = AgentRunner(
+    engine, chat, _make_env, EpisodeLimits(max_new_tokens=4096, max_model_steps=200)
+  )
   trajs = runner.run(
     [(t, i) for i, t in enumerate(entries)], SamplingParams(0.0), rng=jax.random.key(0)
   )
   assert [t.task_id for t in trajs] == [t.task_id for t in entries]
   for task, traj in zip(entries, trajs):
     assert traj.finish == "done" and traj.reward == 1.0, (task.task_id, traj.info.get("checker"))
-    norm = lambda turns: [[bfcl.parse_call_string(c, task.involved_classes) for c in turn]  # noqa
-                          for turn in turns]
+    classes = task.involved_classes
+
+    def norm(turns, classes=classes):
+      return [[bfcl.parse_call_string(c, classes) for c in turn] for turn in turns]
+
     assert norm(traj.calls) == norm(task.ground_truth)
     # The masked tokens decode to exactly the assistant replies, and nothing else is masked.
     sampled = [t for t, m in zip(traj.token_ids, traj.loss_mask) if m]
@@ -98,13 +102,16 @@ def test_ground_truth_replay_through_the_full_loop_scores_one(entries):
 def test_malformed_and_code_like_replies_become_error_observations(entries):
   chat = QwenChat()
   task = entries[0]
-  bad = ['<tool_call>\n{"name": "ls", "arguments": {"a": tru}\n</tool_call>',  # malformed JSON
-         '<tool_call>\n{"name": "__import__(\'os\').system", "arguments": {}}\n</tool_call>',
-         '<tool_call>\n{"name": "ls", "arguments": {"a": true}}']  # no closing tag
+  bad = [
+    '<tool_call>\n{"name": "ls", "arguments": {"a": tru}\n</tool_call>',  # malformed JSON
+    '<tool_call>\n{"name": "__import__(\'os\').system", "arguments": {}}\n</tool_call>',
+    '<tool_call>\n{"name": "ls", "arguments": {"a": true}}',
+  ]  # no closing tag
   env = _make_env(task, "probe")
   first = env.reset()
-  prompt = chat.prompt_ids([{"role": "system", "content": env.system_prompt}] + first.messages,
-                           env.tools)
+  prompt = chat.prompt_ids(
+    [{"role": "system", "content": env.system_prompt}] + first.messages, env.tools
+  )
   env.close()
   replies = [chat.encode(b) + [chat.im_end_id] for b in bad]
   replies.append(chat.encode(CLOSING_REPLY) + [chat.im_end_id])
@@ -114,7 +121,7 @@ def test_malformed_and_code_like_replies_become_error_observations(entries):
   (traj,) = runner.run([(task, 0)], SamplingParams(0.0), rng=jax.random.key(0))
   assert traj.finish == "done" and traj.reward == 0.0
   assert traj.parse_errors == 2  # malformed JSON, unclosed block
-  observations = chat.decode(traj.token_ids[traj.prompt_len:])
+  observations = chat.decode(traj.token_ids[traj.prompt_len :])
   assert "invalid JSON" in observations
   assert "invalid tool call" in observations or "unknown tool" in observations
 
@@ -123,28 +130,30 @@ def _first_prompt(chat, task, make_env=_make_env):
   env = make_env(task, "probe")
   try:
     first = env.reset()
-    return chat.prompt_ids([{"role": "system", "content": env.system_prompt}] + first.messages,
-                           env.tools)
+    return chat.prompt_ids(
+      [{"role": "system", "content": env.system_prompt}] + first.messages, env.tools
+    )
   finally:
     env.close()
 
 
 def _ticket_task(entries):
-  return next(t for t in bfcl.load_bfcl_tasks("multi_turn_base") if "TicketAPI" in
-              t.involved_classes)
+  return next(
+    t for t in bfcl.load_bfcl_tasks("multi_turn_base") if "TicketAPI" in t.involved_classes
+  )
 
 
 def test_masked_tokens_decode_to_exactly_the_assistant_text(entries):
   chat = QwenChat()
   task = entries[0]  # GorillaFileSystem + TwitterAPI, 4 user turns
   texts = [
-      # Two calls in one reply, one with list-valued arguments.
-      '<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": '
-      '"post_tweet", "arguments": {"content": "hi", "tags": ["#a", "#b"], "mentions": []}}\n'
-      '</tool_call>',
-      '<tool_call>\n{"name": "ls", "arguments": {"a": tru}\n</tool_call>',  # malformed JSON
-      '<tool_call>\n{"name": "ls", "arguments": ["a"]}\n</tool_call>',  # list, not an object
-      "Done.",  # ends turn 1
+    # Two calls in one reply, one with list-valued arguments.
+    '<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": '
+    '"post_tweet", "arguments": {"content": "hi", "tags": ["#a", "#b"], "mentions": []}}\n'
+    "</tool_call>",
+    '<tool_call>\n{"name": "ls", "arguments": {"a": tru}\n</tool_call>',  # malformed JSON
+    '<tool_call>\n{"name": "ls", "arguments": ["a"]}\n</tool_call>',  # list, not an object
+    "Done.",  # ends turn 1
   ] + ["Done."] * (len(task.turns) - 1)
   cut = '<tool_call>\n{"name": "ls", "arguments": {"a": "' + "x" * 400 + '"}}\n</tool_call>'
   limit = 64  # more than any full reply above takes
@@ -153,18 +162,23 @@ def test_masked_tokens_decode_to_exactly_the_assistant_text(entries):
   assert len(cut_ids) > limit and max(map(len, replies)) <= limit
   replies.insert(3, cut_ids)  # sampled until the token limit: cut, no end-of-turn token
   engine = ScriptedEngine({tuple(_first_prompt(chat, task)): replies}, num_slots=1)
-  runner = AgentRunner(engine, chat, _make_env, EpisodeLimits(max_new_tokens=limit,
-                                                              max_model_steps=50))
+  runner = AgentRunner(
+    engine, chat, _make_env, EpisodeLimits(max_new_tokens=limit, max_model_steps=50)
+  )
   (traj,) = runner.run([(task, 0)], SamplingParams(0.0), rng=jax.random.key(0))
   assert traj.finish == "done" and traj.model_steps == len(replies)
   assert traj.parse_errors == 3  # malformed JSON, list arguments, the cut reply
   mask = np.array(traj.loss_mask, bool)
   sampled = [t for t, m in zip(traj.token_ids, mask) if m]
-  want_ids = [t for r in replies[:3] for t in r] + cut_ids[:limit] + [
-      t for r in replies[4:] for t in r]
+  want_ids = (
+    [t for r in replies[:3] for t in r] + cut_ids[:limit] + [t for r in replies[4:] for t in r]
+  )
   assert sampled == want_ids
-  want_text = ("".join(t + "<|im_end|>" for t in texts[:3]) + chat.decode(cut_ids[:limit])
-               + "".join(t + "<|im_end|>" for t in texts[3:]))
+  want_text = (
+    "".join(t + "<|im_end|>" for t in texts[:3])
+    + chat.decode(cut_ids[:limit])
+    + "".join(t + "<|im_end|>" for t in texts[3:])
+  )
   assert chat.decode(sampled) == want_text
   # Log-probs exactly on the sampled tokens; the template closes the cut reply (mask 0).
   assert all((lp != 0.0) == m for lp, m in zip(traj.logprobs, mask))
@@ -172,7 +186,7 @@ def test_masked_tokens_decode_to_exactly_the_assistant_text(entries):
   assert any(traj.token_ids[k] == chat.im_end_id for k in cut_end)
   # The two calls of the first reply ran, in order, with the list argument intact.
   assert traj.calls[0][:2] == ["ls()", "post_tweet(content='hi', tags=['#a', '#b'], mentions=[])"]
-  observations = chat.decode(traj.token_ids[traj.prompt_len:])
+  observations = chat.decode(traj.token_ids[traj.prompt_len :])
   assert "invalid JSON" in observations and "must be a JSON object" in observations
   assert "cut off at the token limit" in observations
 
@@ -180,10 +194,13 @@ def test_masked_tokens_decode_to_exactly_the_assistant_text(entries):
 def test_dict_valued_arguments_reach_the_backend(entries):
   chat = QwenChat()
   task = _ticket_task(entries)
-  text = ('<tool_call>\n{"name": "edit_ticket", "arguments": {"ticket_id": 1, "updates": '
-          '{"priority": 3, "status": "open"}}}\n</tool_call>')
+  text = (
+    '<tool_call>\n{"name": "edit_ticket", "arguments": {"ticket_id": 1, "updates": '
+    '{"priority": 3, "status": "open"}}}\n</tool_call>'
+  )
   replies = [chat.encode(text) + [chat.im_end_id]] + [
-      chat.encode("Done.") + [chat.im_end_id]] * len(task.turns)
+    chat.encode("Done.") + [chat.im_end_id]
+  ] * len(task.turns)
   engine = ScriptedEngine({tuple(_first_prompt(chat, task)): replies}, num_slots=1)
   runner = AgentRunner(engine, chat, _make_env, EpisodeLimits(4096, 50))
   (traj,) = runner.run([(task, 0)], SamplingParams(0.0), rng=jax.random.key(0))
@@ -195,17 +212,17 @@ def test_limits_on_steps_and_observation_length(entries):
   chat = QwenChat()
   task = entries[0]
   ls = chat.encode('<tool_call>\n{"name": "ls", "arguments": {"a": true}}\n</tool_call>') + [
-      chat.im_end_id]
+    chat.im_end_id
+  ]
 
   def short_obs_env(t, episode_id):
     return bfcl.make_env(t, episode_id, max_obs_chars=10, tool_style="compact")
 
-  engine = ScriptedEngine({tuple(_first_prompt(chat, task, short_obs_env)): [ls] * 10},
-                          num_slots=1)
+  engine = ScriptedEngine({tuple(_first_prompt(chat, task, short_obs_env)): [ls] * 10}, num_slots=1)
   runner = AgentRunner(engine, chat, short_obs_env, EpisodeLimits(4096, max_model_steps=3))
   (traj,) = runner.run([(task, 0)], SamplingParams(0.0), rng=jax.random.key(0))
   assert traj.finish == "max_model_steps" and traj.model_steps == 3 and traj.reward == 0.0
-  observations = chat.decode(traj.token_ids[traj.prompt_len:])
+  observations = chat.decode(traj.token_ids[traj.prompt_len :])
   assert observations.count("[truncated ") == 2  # the third observation is never fed
 
 
@@ -250,6 +267,7 @@ class _ThreadEnv:
 
 def _step_result(messages, done=False, reward=0.0):
   from envs.base import StepResult  # noqa: PLC0415
+
   return StepResult(messages=messages, done=done, reward=reward)
 
 
@@ -294,12 +312,19 @@ class _CountingEngine:
 def test_env_steps_run_on_host_threads_while_other_slots_decode():
   release, log = threading.Event(), []
   engine = _CountingEngine(release, log)
-  tasks = [Task(task_id=n, env="fake", turns=["q"], ground_truth=[[]])
-           for n in ("slow", "fast", "fast2")]
-  runner = AgentRunner(engine, _FakeChat(), lambda t, e: _ThreadEnv(t, release, log),
-                       EpisodeLimits(100, 10), env_threads=2)
-  trajs = runner.run([(t, i) for i, t in enumerate(tasks)], SamplingParams(0.0),
-                     rng=jax.random.key(0))
+  tasks = [
+    Task(task_id=n, env="fake", turns=["q"], ground_truth=[[]]) for n in ("slow", "fast", "fast2")
+  ]
+  runner = AgentRunner(
+    engine,
+    _FakeChat(),
+    lambda t, e: _ThreadEnv(t, release, log),
+    EpisodeLimits(100, 10),
+    env_threads=2,
+  )
+  trajs = runner.run(
+    [(t, i) for i, t in enumerate(tasks)], SamplingParams(0.0), rng=jax.random.key(0)
+  )
   assert [t.finish for t in trajs] == ["done"] * 3 and [t.reward for t in trajs] == [1.0] * 3
   steps = [e for e in log if e[0] == "step"]
   assert all(name.startswith("env") for _, _, name in steps)  # host threads, not the main one
@@ -328,14 +353,19 @@ def test_real_engine_episodes_do_not_depend_on_batching(entries):
   sampling = SamplingParams(temperature=0.9)
   jobs = [(t, i) for i, t in enumerate(entries[:3])]
   together = AgentRunner(Engine(model, 3, 4096), chat, _make_env, limits).run(
-      jobs, sampling, rng=jax.random.key(5))
+    jobs, sampling, rng=jax.random.key(5)
+  )
   one_slot = AgentRunner(Engine(model, 1, 4096), chat, _make_env, limits).run(  # one at a time
-      jobs, sampling, rng=jax.random.key(5))
+    jobs, sampling, rng=jax.random.key(5)
+  )
   for traj, alone in zip(together, one_slot):
     assert traj.model_steps >= 2  # at least one continuation after an environment step
     assert traj.token_ids == alone.token_ids and traj.loss_mask == alone.loss_mask
     np.testing.assert_allclose(traj.logprobs, alone.logprobs, atol=1e-5)
     pos = [i for i, m in enumerate(traj.loss_mask) if m]
-    recomputed = np.asarray(token_logprobs(model, np.asarray([traj.token_ids], np.int32),
-                                           np.asarray([pos], np.int32), temperature=0.9))[0]
+    recomputed = np.asarray(
+      token_logprobs(
+        model, np.asarray([traj.token_ids], np.int32), np.asarray([pos], np.int32), temperature=0.9
+      )
+    )[0]
     np.testing.assert_allclose(recomputed, [traj.logprobs[i] for i in pos], atol=1e-5)

@@ -15,8 +15,9 @@ try:
   AW_PYTHON = appworld_server.venv_python()
 except FileNotFoundError:
   AW_PYTHON = None
-needs_appworld = pytest.mark.skipif(AW_PYTHON is None,
-                                    reason="no .venv-appworld: run `make appworld-setup`")
+needs_appworld = pytest.mark.skipif(
+  AW_PYTHON is None, reason="no .venv-appworld: run `make appworld-setup`"
+)
 
 
 def _fake_official(root, per_split=3):
@@ -29,7 +30,8 @@ def _fake_official(root, per_split=3):
       task_id = f"{s:03d}a{k:03d}_{k % 2 + 1}"
       (root / "data" / "tasks" / task_id).mkdir(parents=True)
       (root / "data" / "tasks" / task_id / "specs.json").write_text(
-          json.dumps({"instruction": f"do {task_id}", "db_version": "0.1.0"}))
+        json.dumps({"instruction": f"do {task_id}", "db_version": "0.1.0"})
+      )
       lines.append(f"{task_id}:tagged" if k == 0 else task_id)
       ids.append(task_id)
     (root / "data" / "datasets" / f"{split}.txt").write_text("\n".join(lines) + "\n\n")
@@ -57,9 +59,14 @@ def test_missing_split_or_task_is_a_clear_error(tmp_path):
 
 
 def test_goal_completion_by_hand():
-  results = {"aaa_1": True, "aaa_2": True, "aaa_3": False,  # scenario aaa: not all pass
-             "bbb_1": True, "bbb_2": True,                   # scenario bbb: all pass
-             "ccc_1": False}
+  results = {
+    "aaa_1": True,
+    "aaa_2": True,
+    "aaa_3": False,  # scenario aaa: not all pass
+    "bbb_1": True,
+    "bbb_2": True,  # scenario bbb: all pass
+    "ccc_1": False,
+  }
   m = goal_completion(results)
   assert m["tgc"] == round(100 * round(4 / 6, 4), 1) == 66.7
   assert m["sgc"] == round(100 * round(1 / 3, 4), 1) == 33.3
@@ -74,8 +81,11 @@ def test_goal_completion_matches_appworld_metric_and_official_loader(tmp_path):
   rng = random.Random(0)
   cases = []
   for _ in range(20):
-    ids = {f"{rng.randrange(16**7):07x}_{n}" for _ in range(rng.randint(1, 6))
-           for n in range(1, rng.randint(2, 4))}
+    ids = {
+      f"{rng.randrange(16**7):07x}_{n}"
+      for _ in range(rng.randint(1, 6))
+      for n in range(1, rng.randint(2, 4))
+    }
     cases.append({i: rng.random() < 0.6 for i in sorted(ids)})
   expected = _fake_official(tmp_path)
   script = """
@@ -89,13 +99,23 @@ splits = {s: load_task_ids(s) for s in SPLITS}
 print(json.dumps({"metrics": out, "splits": splits}))
 """.replace("SPLITS", repr(list(OFFICIAL_SPLITS)))
   env = {**os.environ, "APPWORLD_ROOT": str(tmp_path)}
-  done = subprocess.run([AW_PYTHON, "-c", script], input=json.dumps(cases), capture_output=True,
-                        text=True, env=env, cwd=str(tmp_path), timeout=120, check=True)
+  done = subprocess.run(
+    [AW_PYTHON, "-c", script],
+    input=json.dumps(cases),
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=str(tmp_path),
+    timeout=120,
+    check=True,
+  )
   reference = json.loads(done.stdout.strip().splitlines()[-1])
   for case, ref in zip(cases, reference["metrics"]):
     ours = goal_completion(case)
-    assert (ours["tgc"], ours["sgc"]) == (ref["task_goal_completion"],
-                                          ref["scenario_goal_completion"])
+    assert (ours["tgc"], ours["sgc"]) == (
+      ref["task_goal_completion"],
+      ref["scenario_goal_completion"],
+    )
   assert reference["splits"] == expected
   for split in OFFICIAL_SPLITS:
     assert [t.task_id for t in load_split(str(tmp_path), split)] == reference["splits"][split]

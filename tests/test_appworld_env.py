@@ -26,15 +26,19 @@ def _appworld_python() -> str | None:
   except FileNotFoundError:
     return None
   site = os.path.dirname(os.path.dirname(python))
-  unpacked = any(os.path.exists(os.path.join(root, "appworld", "apps", "simple_note", "apis.py"))
-                 for root, _, _ in os.walk(os.path.join(site, "lib")) if root.endswith("packages"))
+  unpacked = any(
+    os.path.exists(os.path.join(root, "appworld", "apps", "simple_note", "apis.py"))
+    for root, _, _ in os.walk(os.path.join(site, "lib"))
+    if root.endswith("packages")
+  )
   return python if unpacked else None
 
 
 PYTHON = _appworld_python()
 needs_appworld = pytest.mark.skipif(
-    PYTHON is None, reason="no AppWorld environment with unpacked apps (.venv-appworld): run "
-                           "`make appworld-setup`")
+  PYTHON is None,
+  reason="no AppWorld environment with unpacked apps (.venv-appworld): run `make appworld-setup`",
+)
 
 
 def _act(code: str, thinking: str = "") -> Action:
@@ -42,8 +46,9 @@ def _act(code: str, thinking: str = "") -> Action:
 
 
 def test_extract_code_skips_reasoning_and_needs_a_block():
-  text = ("<think>```python\nprint('hidden')\n```</think>Sure.\n```python\nprint(1)\n```\n"
-          "```\nx\n```")
+  text = (
+    "<think>```python\nprint('hidden')\n```</think>Sure.\n```python\nprint(1)\n```\n```\nx\n```"
+  )
   assert extract_code(text) == "print(1)"
   assert extract_code("```\nprint(2)\n```") == "print(2)"
   assert extract_code("no code here, apis.supervisor.complete_task()") is None
@@ -52,14 +57,16 @@ def test_extract_code_skips_reasoning_and_needs_a_block():
 
 
 def _config(seed=3):
-  spec = importlib.util.spec_from_file_location("_cfg_appworld", os.path.join(ROOT, "configs",
-                                                                                "appworld.py"))
+  spec = importlib.util.spec_from_file_location(
+    "_cfg_appworld", os.path.join(ROOT, "configs", "appworld.py")
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   c = module.get_config("cpu")
   c.seed = seed
-  c.appworld.build.update(num_scenarios=5, tasks_per_scenario=1, eval_scenarios=1, num_people=2,
-                          num_notes=4)
+  c.appworld.build.update(
+    num_scenarios=5, tasks_per_scenario=1, eval_scenarios=1, num_people=2, num_notes=4
+  )
   c.rollout.num_slots = 1  # pool of 2 servers
   return c
 
@@ -77,8 +84,16 @@ def suite(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world(suite):
-  rows = appworld_server.build_worlds(suite.root, PYTHON, num_scenarios=5, tasks_per_scenario=1,
-                                      eval_scenarios=1, seed=3, num_people=2, num_notes=4)
+  rows = appworld_server.build_worlds(
+    suite.root,
+    PYTHON,
+    num_scenarios=5,
+    tasks_per_scenario=1,
+    eval_scenarios=1,
+    seed=3,
+    num_people=2,
+    num_notes=4,
+  )
   return suite.root, {r["template"]: r for r in rows}, suite.pool
 
 
@@ -115,8 +130,9 @@ def test_built_layout_and_splits(world):
 
 
 @needs_appworld
-@pytest.mark.parametrize("template", ["count_notes", "count_tagged", "latest_title",
-                                      "create_note", "delete_note"])
+@pytest.mark.parametrize(
+  "template", ["count_notes", "count_tagged", "latest_title", "create_note", "delete_note"]
+)
 def test_ground_truth_solution_scores_one_and_noop_scores_zero(world, template):
   _, rows, pool = world
   row = rows[template]
@@ -134,12 +150,16 @@ def test_ground_truth_solution_scores_one_and_noop_scores_zero(world, template):
 def test_pass_fraction_reward_and_step_limit(world):
   _, rows, pool = world
   row = rows["count_notes"]  # two tests: the answer, and no note changed
-  _, result, _ = _episode(pool, row, [_act("apis.supervisor.complete_task(answer=-1)")],
-                          reward="pass_fraction")
-  assert result.reward == pytest.approx(0.5) and (result.info["passed"], result.info["num_tests"]) \
-      == (1, 2)
-  _, result, env = _episode(pool, row, [Action(text="thinking aloud, no code"), _act("x = 1")],
-                            max_steps=2)
+  _, result, _ = _episode(
+    pool, row, [_act("apis.supervisor.complete_task(answer=-1)")], reward="pass_fraction"
+  )
+  assert result.reward == pytest.approx(0.5) and (
+    result.info["passed"],
+    result.info["num_tests"],
+  ) == (1, 2)
+  _, result, env = _episode(
+    pool, row, [Action(text="thinking aloud, no code"), _act("x = 1")], max_steps=2
+  )
   assert result.done and result.info["end"] == "max_steps" and result.reward == 0.0
   assert env.code == ["x = 1"]
 
@@ -234,23 +254,28 @@ def test_suite_d0_warmstart_demo_api_discovery_and_feedback_round(suite):
   demo = suite.demonstration(d0[0], chat, "demo0")
   assert demo.reward == 1.0 and demo.finish == "done"
   reply_ids = chat.encode(code_reply(d0[0].initial_config["solution"])) + [chat.im_end_id]
-  assert demo.num_generated == len(reply_ids) and demo.token_ids[-len(reply_ids):] == reply_ids
+  assert demo.num_generated == len(reply_ids) and demo.token_ids[-len(reply_ids) :] == reply_ids
   inventory = suite.discover_apis()  # read in a live world through apis.api_docs
   assert {"login", "search_notes", "create_note", "delete_note"} <= set(inventory["simple_note"])
   assert sorted(suite.families()) == sorted(FAMILY_APIS)
-  events = [types.SimpleNamespace(task=d0[0], signal="boundary"),
-            types.SimpleNamespace(task=d0[1], signal="forgetting")]
+  events = [
+    types.SimpleNamespace(task=d0[0], signal="boundary"),
+    types.SimpleNamespace(task=d0[1], signal="forgetting"),
+  ]
   result = suite.synthesize_round(events, None, rng, round_idx=1)
   assert result.synthesized == 2 and len(result.tasks) + len(result.rejected) == 2
   assert len(result.tasks) == 2, result.rejected  # each new world's solution passes, no-op fails
-  for task, event in zip(sorted(result.tasks, key=lambda t: t.provenance["parent"]),
-                         sorted(events, key=lambda e: e.task.task_id)):
+  for task, event in zip(
+    sorted(result.tasks, key=lambda t: t.provenance["parent"]),
+    sorted(events, key=lambda e: e.task.task_id),
+  ):
     assert task.source == "synth" and task.provenance["parent"] == event.task.task_id
     assert task.provenance["template"] == event.task.provenance["template"]
     assert task.task_id not in {t.task_id for t in d0}
   assert sum(v["validated"] for v in result.per_signal.values()) == 2
-  trajs = [types.SimpleNamespace(task_id=t.task_id, info={"success": i == 0})
-           for i, t in enumerate(d0[:2])]
+  trajs = [
+    types.SimpleNamespace(task_id=t.task_id, info={"success": i == 0}) for i, t in enumerate(d0[:2])
+  ]
   assert suite.metrics(trajs)["tgc"] == 50.0
 
 
@@ -261,8 +286,9 @@ def test_official_source_loads_splits_and_never_writes_into_the_data(suite, tmp_
   from envs.appworld_suite import AppWorldSuite  # noqa: PLC0415
 
   c = _config()
-  c.appworld.update(source="official", data_root=suite.root, split="train",
-                    eval_split="test_normal")
+  c.appworld.update(
+    source="official", data_root=suite.root, split="train", eval_split="test_normal"
+  )
   official = AppWorldSuite(c, str(tmp_path))  # the built root in the official layout
   try:
     assert [t.task_id for t in official.train_tasks] == [t.task_id for t in suite.train_tasks]

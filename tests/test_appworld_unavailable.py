@@ -17,9 +17,17 @@ import pytest
 from envs.appworld import AppWorldUnavailable, check_available
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-SETUP_COMMANDS = ("pip install appworld==0.1.3.post1", "appworld install", "appworld download data",
-                  "appworld serve environment --port 8000", "APPWORLD_ROOT", "APPWORLD_SERVER_URLS",
-                  "pydantic<2", "SEPARATE virtual environment", "make appworld-setup")
+SETUP_COMMANDS = (
+  "pip install appworld==0.1.3.post1",
+  "appworld install",
+  "appworld download data",
+  "appworld serve environment --port 8000",
+  "APPWORLD_ROOT",
+  "APPWORLD_SERVER_URLS",
+  "pydantic<2",
+  "SEPARATE virtual environment",
+  "make appworld-setup",
+)
 
 
 def _load_config_module(name: str):
@@ -44,8 +52,12 @@ def _free_port() -> int:
 
 class _Handler(http.server.BaseHTTPRequestHandler):
   status = 200
-  payload = {"message": ("Welcome to AppWorld Server! "
-                         "Checkout /redoc or /docs for FastAPI documentation of this Server.")}
+  payload = {
+    "message": (
+      "Welcome to AppWorld Server! "
+      "Checkout /redoc or /docs for FastAPI documentation of this Server."
+    )
+  }
 
   def do_GET(self):  # noqa: N802 (http.server's name)
     body = json.dumps(self.payload).encode()
@@ -153,7 +165,9 @@ def test_server_that_accepts_but_never_answers_times_out(tmp_path):
     assert time.monotonic() - start < 2.0
 
 
-@pytest.mark.parametrize("url", ["http://10.1.2.3:8000", "http://example.com:8000", "ftp://127.0.0.1:8000"])
+@pytest.mark.parametrize(
+  "url", ["http://10.1.2.3:8000", "http://example.com:8000", "ftp://127.0.0.1:8000"]
+)
 def test_non_loopback_urls_are_refused_without_connecting(url, tmp_path):
   _fake_data(tmp_path)
   start = time.monotonic()

@@ -100,13 +100,25 @@ def test_corrupt_metadata_falls_back_with_a_warning(tmp_path, capsys):
 # Resume of a real trainer.
 # ---------------------------------------------------------------------------------------------
 
-TINY = QwenConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+TINY = QwenConfig(
+  vocab_size=256,
+  hidden_size=32,
+  intermediate_size=64,
+  num_hidden_layers=1,
+  num_attention_heads=2,
+  num_key_value_heads=1,
+  head_dim=16,
+)
 
 
 def _trainer(seed, mesh=None):
-  return PolicyTrainer(Qwen(TINY, rngs=nnx.Rngs(seed)), make_optimizer(1e-2, 0.01, 1.0),
-                       grpo.GRPOConfig(), temperature=0.9, mesh=mesh)
+  return PolicyTrainer(
+    Qwen(TINY, rngs=nnx.Rngs(seed)),
+    make_optimizer(1e-2, 0.01, 1.0),
+    grpo.GRPOConfig(),
+    temperature=0.9,
+    mesh=mesh,
+  )
 
 
 def _batch(key, np_rng):
@@ -117,8 +129,9 @@ def _batch(key, np_rng):
     n_prompt, n_reply = int(np_rng.integers(3, 8)), int(np_rng.integers(1, 12))
     tr = Trajectory(task_id=str(r // 4), group_id=r // 4)
     tr.extend(tokens[r, :n_prompt].tolist(), sampled=False)
-    tr.extend(tokens[r, n_prompt:n_prompt + n_reply].tolist(), sampled=True,
-              logprobs=[-1.0] * n_reply)
+    tr.extend(
+      tokens[r, n_prompt : n_prompt + n_reply].tolist(), sampled=True, logprobs=[-1.0] * n_reply
+    )
     trajs.append(tr)
   return make_batch(trajs, np_rng.normal(0.0, 1.0, 8), min_len=32, min_targets=16)
 
@@ -127,15 +140,19 @@ def _step(trainer, rngs):
   key, np_rng = rngs
   key, sub = jax.random.split(key)
   batch = _batch(sub, np_rng)
-  metrics = trainer.grpo_update(batch, trainer.logprobs(batch),
-                                trainer.logprobs(batch, trainer.ref_params))
+  metrics = trainer.grpo_update(
+    batch, trainer.logprobs(batch), trainer.logprobs(batch, trainer.ref_params)
+  )
   return metrics, (key, np_rng)
 
 
 def _meta(step, rngs):
   key, np_rng = rngs
-  return {"step": step, "key": jax.random.key_data(key).tolist(),
-          "np_rng": np_rng.bit_generator.state}
+  return {
+    "step": step,
+    "key": jax.random.key_data(key).tolist(),
+    "np_rng": np_rng.bit_generator.state,
+  }
 
 
 def _rngs_from(meta):
@@ -164,15 +181,17 @@ def test_resumed_run_takes_the_next_step_bit_identically(tmp_path):
   b.freeze_reference()
   ckpt = RunCheckpointer(str(tmp_path / "ck"), keep=2)
   step, b.params, b.opt_state, b.ref_params, meta = ckpt.restore_latest(
-      b.params, b.opt_state, b.ref_params)
+    b.params, b.opt_state, b.ref_params
+  )
   ckpt.close()
   assert step == 2 and meta["step"] == 2
   for x, y in zip(jax.tree.leaves(at_save), jax.tree.leaves((b.params, b.opt_state))):
     np.testing.assert_array_equal(np.asarray(y), x)  # the saved state, not the donated one
   got_metrics, _ = _step(b, _rngs_from(meta))
   assert got_metrics == want_metrics
-  for x, y in zip(jax.tree.leaves((a.params, a.opt_state)),
-                  jax.tree.leaves((b.params, b.opt_state))):
+  for x, y in zip(
+    jax.tree.leaves((a.params, a.opt_state)), jax.tree.leaves((b.params, b.opt_state))
+  ):
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
 
 
@@ -187,12 +206,17 @@ def test_restore_onto_another_device_count_and_mesh(tmp_path):
   ckpt.save(1, a.params, a.opt_state, a.ref_params, _meta(1, rngs))
   ckpt.wait()
   ckpt.close()
-  np.savez(tmp_path / "want.npz", *[np.asarray(x) for x in jax.tree.leaves(
-      (a.params, a.opt_state))])
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, __file__, "mesh", str(tmp_path)], env=env,
-                        capture_output=True, text=True, timeout=300)
+  np.savez(
+    tmp_path / "want.npz", *[np.asarray(x) for x in jax.tree.leaves((a.params, a.opt_state))]
+  )
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+    [sys.executable, __file__, "mesh", str(tmp_path)],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "mesh OK" in proc.stdout
 
@@ -210,7 +234,8 @@ def _mesh_child(folder):
     t.freeze_reference()
     ckpt = RunCheckpointer(directory, keep=2)
     step, t.params, t.opt_state, t.ref_params, meta = ckpt.restore_latest(
-        t.params, t.opt_state, t.ref_params)
+      t.params, t.opt_state, t.ref_params
+    )
     ckpt.close()
     return step, t, meta
 

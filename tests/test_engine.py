@@ -21,8 +21,15 @@ KEY = jax.random.key(0)
 
 @pytest.fixture(scope="module")
 def model():
-  cfg = QwenConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+  cfg = QwenConfig(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+  )
   return Qwen(cfg, rngs=nnx.Rngs(0))
 
 
@@ -37,8 +44,8 @@ def full_logprobs(model):
 
   def f(ids, temperature=1.0):
     padded = np.zeros((1, CACHE), np.int32)  # right padding cannot reach earlier positions
-    padded[0, :len(ids)] = ids
-    logits = np.asarray(fwd(state, jnp.asarray(padded)), np.float64)[:len(ids)] / temperature
+    padded[0, : len(ids)] = ids
+    logits = np.asarray(fwd(state, jnp.asarray(padded)), np.float64)[: len(ids)] / temperature
     logits -= logits.max(-1, keepdims=True)
     return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
 
@@ -78,10 +85,12 @@ def _layer0_kv(model, ids):
   """Layer-0 keys and values depend only on (token, position): [K, T, H] each (the value
   cache's layout; compare keys through `_keys`), computed by hand."""
   padded = np.zeros((CACHE,), np.int32)
-  padded[:len(ids)] = ids
+  padded[: len(ids)] = ids
   k, v = _layer0_kv_jit(model, jnp.asarray(padded))
-  return (np.asarray(k[:len(ids)]).transpose(1, 0, 2),
-          np.asarray(v[:len(ids)]).transpose(1, 0, 2))
+  return (
+    np.asarray(k[: len(ids)]).transpose(1, 0, 2),
+    np.asarray(v[: len(ids)]).transpose(1, 0, 2),
+  )
 
 
 def _keys(cache_k):
@@ -178,10 +187,12 @@ def test_multi_turn_continuation_equals_single_forward(model, full_logprobs):
   n = len(conv)
   for layer in range(model.config.num_hidden_layers):
     for multi_c, single_c, cut in (
-        (engine.state.cache.k, single.state.cache.k, lambda c: c[1, ..., :n]),  # [K, H, S]
-        (engine.state.cache.v, single.state.cache.v, lambda c: c[1, :, :n])):  # [K, S, H]
-      np.testing.assert_allclose(np.asarray(cut(single_c[layer])),
-                                 np.asarray(cut(multi_c[layer])), atol=1e-5)
+      (engine.state.cache.k, single.state.cache.k, lambda c: c[1, ..., :n]),  # [K, H, S]
+      (engine.state.cache.v, single.state.cache.v, lambda c: c[1, :, :n]),
+    ):  # [K, S, H]
+      np.testing.assert_allclose(
+        np.asarray(cut(single_c[layer])), np.asarray(cut(multi_c[layer])), atol=1e-5
+      )
 
 
 # (d) -----------------------------------------------------------------------------------------
@@ -254,17 +265,18 @@ def test_prefill_many_equals_each_request_alone(model, full_logprobs, max_prefil
   engine.prefill(0, first, jax.random.key(0), GREEDY)
   convs = [first + _prompt(41, 9), _prompt(42, 40), _prompt(43, 3)]
   new = [convs[0][50:], convs[1], convs[2]]
-  results = engine.prefill_many([(s, ids, jax.random.key(s)) for s, ids in enumerate(new)],
-                                GREEDY)
+  results = engine.prefill_many([(s, ids, jax.random.key(s)) for s, ids in enumerate(new)], GREEDY)
   for slot, (conv, (tok, lp)) in enumerate(zip(convs, results)):
     want = full_logprobs(conv)[-1]
     assert tok == int(np.argmax(want)) and lp == pytest.approx(want[tok], abs=1e-5)
     assert engine.position(slot) == len(conv)
     k_want, v_want = _layer0_kv(model, conv)
-    np.testing.assert_allclose(_keys(engine.state.cache.k[0])[slot, :, :len(conv)], k_want,
-                               atol=1e-5)
-    np.testing.assert_allclose(np.asarray(engine.state.cache.v[0][slot, :, :len(conv)]), v_want,
-                               atol=1e-5)
+    np.testing.assert_allclose(
+      _keys(engine.state.cache.k[0])[slot, :, : len(conv)], k_want, atol=1e-5
+    )
+    np.testing.assert_allclose(
+      np.asarray(engine.state.cache.v[0][slot, :, : len(conv)]), v_want, atol=1e-5
+    )
   with pytest.raises(ValueError, match="distinct"):
     engine.prefill_many([(1, [1], jax.random.key(0)), (1, [2], jax.random.key(1))], GREEDY)
 
@@ -272,7 +284,8 @@ def test_prefill_many_equals_each_request_alone(model, full_logprobs, max_prefil
   prompts = [_prompt(44 + i, n) for i, n in enumerate((17, 5, 30))]
   keys = [jax.random.key(100 + i) for i in range(3)]
   together = Engine(model, SLOTS, CACHE, max_prefill_tokens=max_prefill_tokens).prefill_many(
-      [(s, p, k) for s, (p, k) in enumerate(zip(prompts, keys))], sampling)
+    [(s, p, k) for s, (p, k) in enumerate(zip(prompts, keys))], sampling
+  )
   for slot, (p, k) in enumerate(zip(prompts, keys)):
     tok, lp = Engine(model, SLOTS, CACHE).prefill(slot, p, k, sampling)
     assert together[slot][0] == tok and together[slot][1] == pytest.approx(lp, abs=1e-5)
@@ -316,9 +329,9 @@ def test_sampled_logprobs_match_trainer(model, full_logprobs, top_p):
   want = np.zeros((2, p_max))
   for r, slot in enumerate(prompts):
     full = prompts[slot] + seqs[slot]
-    tokens[r, :len(full)] = full
-    pos[r, :len(seqs[slot])] = np.arange(len(prompts[slot]), len(full))
-    want[r, :len(seqs[slot])] = lps[slot]
+    tokens[r, : len(full)] = full
+    pos[r, : len(seqs[slot])] = np.arange(len(prompts[slot]), len(full))
+    want[r, : len(seqs[slot])] = lps[slot]
     # Engine log-probs are those of the distribution sampled from, computed here independently
     # (float64, numpy) from the full uncached forward.
     ref = full_logprobs(full, 0.9)[np.arange(len(prompts[slot]) - 1, len(full) - 1)]
@@ -362,8 +375,10 @@ def test_top_k_one_equals_greedy():
   greedy_tok, greedy_lp = sample(logits, jax.random.key(1), GREEDY)
   np.testing.assert_array_equal(np.asarray(greedy_tok), np.argmax(np.asarray(logits), -1))
   np.testing.assert_allclose(
-      np.asarray(greedy_lp),
-      np.asarray(jax.nn.log_softmax(logits))[np.arange(64), np.asarray(greedy_tok)], atol=1e-6)
+    np.asarray(greedy_lp),
+    np.asarray(jax.nn.log_softmax(logits))[np.arange(64), np.asarray(greedy_tok)],
+    atol=1e-6,
+  )
   for seed in range(2):
     for temp in (0.5, 2.0):
       tok, lp = sample(logits, jax.random.key(seed), SamplingParams(temperature=temp, top_k=1))
@@ -394,8 +409,11 @@ def test_tiny_temperatures_keep_exact_logprobs():
 def test_sampling_frequencies_match_softmax(temp):
   logits = np.array([1.0, 0.5, -0.3, 2.0, 0.0, -1.5, 1.2, 0.1], np.float32)
   n = 40_000
-  tok, lp = sample(jnp.broadcast_to(jnp.asarray(logits), (n, 8)), jax.random.key(7),
-                   SamplingParams(temperature=temp))
+  tok, lp = sample(
+    jnp.broadcast_to(jnp.asarray(logits), (n, 8)),
+    jax.random.key(7),
+    SamplingParams(temperature=temp),
+  )
   tok = np.asarray(tok)
   probs = _softmax(logits.astype(np.float64) / temp)
   counts = np.bincount(tok, minlength=8)
@@ -451,9 +469,14 @@ def test_top_p_keeps_only_the_nucleus():
   want[[1, 3, 4]] = np.log(kept)
   np.testing.assert_allclose(np.asarray(lp), want[np.asarray(tok)], atol=1e-5)
   np.testing.assert_allclose(
-      np.asarray(processed_logprobs(batch[:3], jnp.array([1, 4, 0]),
-                                    SamplingParams(temperature=1.0, top_p=0.75))),
-      [np.log(0.4 / 0.85), np.log(0.3 / 0.85), -np.inf], atol=1e-6)
+    np.asarray(
+      processed_logprobs(
+        batch[:3], jnp.array([1, 4, 0]), SamplingParams(temperature=1.0, top_p=0.75)
+      )
+    ),
+    [np.log(0.4 / 0.85), np.log(0.3 / 0.85), -np.inf],
+    atol=1e-6,
+  )
   # top_p = 0.35, or even 0: only the top token.
   for top_p in (0.35, 0.0):
     tok, _ = sample(batch, jax.random.key(4), SamplingParams(temperature=1.0, top_p=top_p))
@@ -531,9 +554,11 @@ def test_generate_rejects_bad_requests_before_any_work(model):
   with pytest.raises(ValueError, match="must be integers"):
     generate(engine, [[1.5, 2.0]], GREEDY)
   before = jax.tree.map(np.asarray, engine.state)
-  for requests, match in (([(0, [1, 2], KEY), (1, [-1], KEY)], "slot 1: token ids"),
-                          ([(SLOTS - 1, [1], KEY), (-1, [2], KEY)], "outside"),
-                          ([(SLOTS, [1], KEY)], "outside")):
+  for requests, match in (
+    ([(0, [1, 2], KEY), (1, [-1], KEY)], "slot 1: token ids"),
+    ([(SLOTS - 1, [1], KEY), (-1, [2], KEY)], "outside"),
+    ([(SLOTS, [1], KEY)], "outside"),
+  ):
     with pytest.raises(ValueError, match=match):
       engine.prefill_many(requests, GREEDY)
   for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(jax.tree.map(np.asarray, engine.state))):
@@ -542,8 +567,9 @@ def test_generate_rejects_bad_requests_before_any_work(model):
   assert engine.prefill_many([], GREEDY) == []
 
 
-@pytest.mark.parametrize("n,start,cache", [(2100, 0, 4096), (700, 3300, 4096), (4, 60, 64),
-                                           (1, 0, 64), (513, 0, 1024)])
+@pytest.mark.parametrize(
+  "n,start,cache", [(2100, 0, 4096), (700, 3300, 4096), (4, 60, 64), (1, 0, 64), (513, 0, 1024)]
+)
 def test_prefill_chunks_cover_the_input_and_stay_inside_the_cache(n, start, cache):
   sizes = _chunks(n, start, cache)
   taken = 0
@@ -564,6 +590,7 @@ def test_generate_samples_do_not_depend_on_batching(model):
   for a, b in zip(three, one):
     assert a.token_ids == b.token_ids
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
-  other = generate(Engine(model, SLOTS, CACHE), prompts, sampling, max_new_tokens=7,
-                   rng=jax.random.key(12))
+  other = generate(
+    Engine(model, SLOTS, CACHE), prompts, sampling, max_new_tokens=7, rng=jax.random.key(12)
+  )
   assert [c.token_ids for c in other] != [c.token_ids for c in three]  # the key matters

@@ -17,7 +17,8 @@ from envs.base import Action, ToolCall
 
 
 _spec = importlib.util.spec_from_file_location(
-    "_cfg_bfcl", os.path.join(os.path.dirname(__file__), "..", "configs", "bfcl.py"))
+  "_cfg_bfcl", os.path.join(os.path.dirname(__file__), "..", "configs", "bfcl.py")
+)
 bfcl_config = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bfcl_config)
 
@@ -43,16 +44,20 @@ def test_ground_truth_replay_scores_100_percent_on_multi_turn_base(cfg, chat, ba
   # --policy=ground_truth --categories=multi_turn_base --max_new_tokens=4096` (~40 s).
   tasks = base_tasks[::8]
   assert len({c for t in tasks for c in t.involved_classes}) == 8
-  engine = evaluate.ReplayEngine(tasks, chat, lambda t, e: evaluate.make_eval_env(cfg, t, e),
-                                 num_slots=4)  # fewer slots than entries: slots are reused
+  engine = evaluate.ReplayEngine(
+    tasks, chat, lambda t, e: evaluate.make_eval_env(cfg, t, e), num_slots=4
+  )  # fewer slots than entries: slots are reused
   result = evaluate.evaluate_category(engine, chat, tasks, cfg, max_new_tokens=4096)
   assert result["n"] == len(tasks)
   bad = [(r["id"], r["finish"], r["checker"]) for r in result["entries"] if r["reward"] != 1.0]
   assert not bad and result["accuracy"] == 1.0
   for task, row in zip(tasks, result["entries"]):
     assert row["id"] == task.task_id and row["finish"] == "done" and row["parse_errors"] == 0
-    norm = lambda turns: [[bfcl.parse_call_string(c, task.involved_classes) for c in turn]  # noqa
-                          for turn in turns]
+    classes = task.involved_classes
+
+    def norm(turns, classes=classes):
+      return [[bfcl.parse_call_string(c, classes) for c in turn] for turn in turns]
+
     assert norm(row["calls"]) == norm(task.ground_truth)
 
 
@@ -106,8 +111,15 @@ def _save_run_checkpoint(path, model):
 
 
 # Full vocabulary (real token ids), everything else minimal: compiles in seconds.
-TINY = QwenConfig(vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                  num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+TINY = QwenConfig(
+  vocab_size=151936,
+  hidden_size=16,
+  intermediate_size=32,
+  num_hidden_layers=1,
+  num_attention_heads=2,
+  num_key_value_heads=1,
+  head_dim=8,
+)
 
 
 def test_cli_model_policy_end_to_end(cfg, tmp_path, monkeypatch):
@@ -115,20 +127,25 @@ def test_cli_model_policy_end_to_end(cfg, tmp_path, monkeypatch):
   model = Qwen(TINY, rngs=nnx.Rngs(7))
   _save_run_checkpoint(str(tmp_path / "checkpoints"), model)
   loaded = evaluate.load_model(cfg, str(tmp_path))  # the workdir: its checkpoints/ is found
-  for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)),
-                  jax.tree.leaves(nnx.state(loaded, nnx.Param)), strict=True):
+  for a, b in zip(
+    jax.tree.leaves(nnx.state(model, nnx.Param)),
+    jax.tree.leaves(nnx.state(loaded, nnx.Param)),
+    strict=True,
+  ):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
   small = bfcl_config.get_config("cpu")
   small.rollout.num_slots, small.eval.max_new_tokens = 2, 4
   out = tmp_path / "report.json"
-  report = evaluate.run(small, str(tmp_path), ["multi_turn_miss_param"], max_tasks=2,
-                        policy="model", output=str(out))
+  report = evaluate.run(
+    small, str(tmp_path), ["multi_turn_miss_param"], max_tasks=2, policy="model", output=str(out)
+  )
   on_disk = json.loads(out.read_text())
   assert on_disk["categories"].keys() == {"multi_turn_miss_param"}
   cat = on_disk["categories"]["multi_turn_miss_param"]
-  assert cat["n"] == 2 and cat["accuracy"] == report["categories"]["multi_turn_miss_param"][
-      "accuracy"]
+  assert (
+    cat["n"] == 2 and cat["accuracy"] == report["categories"]["multi_turn_miss_param"]["accuracy"]
+  )
   for task, row in zip(bfcl.load_bfcl_tasks("multi_turn_miss_param"), cat["entries"]):
     # A random model: every reply is cut at 4 tokens, which ends each user turn (official
     # loop), so the episode sees each of the entry's turns once and fails.

@@ -20,12 +20,14 @@ def ablations():
 
 def test_each_variant_changes_only_its_switch(ablations):
   base = json.loads(ablations.load_config("coevolve", 0, {}).to_json_best_effort())
-  expected = {"no_forgetting": ("feedback", "kinds", ["boundary", "rare"]),
-              "no_boundary": ("feedback", "kinds", ["forgetting", "rare"]),
-              "no_rare": ("feedback", "kinds", ["forgetting", "boundary"]),
-              "random_reexplore": ("feedback", "mode", "random"),
-              "no_validation": ("feedback", "validate", False),
-              "grpo_only": ("feedback", "enabled", False)}
+  expected = {
+    "no_forgetting": ("feedback", "kinds", ["boundary", "rare"]),
+    "no_boundary": ("feedback", "kinds", ["forgetting", "rare"]),
+    "no_rare": ("feedback", "kinds", ["forgetting", "boundary"]),
+    "random_reexplore": ("feedback", "mode", "random"),
+    "no_validation": ("feedback", "validate", False),
+    "grpo_only": ("feedback", "enabled", False),
+  }
   assert set(expected) | {"coevolve"} == set(ablations.VARIANTS)
   for variant, (section, key, value) in expected.items():
     cfg = json.loads(ablations.load_config(variant, 0, {}).to_json_best_effort())
@@ -38,9 +40,15 @@ def test_each_variant_changes_only_its_switch(ablations):
 
 def _fake_run(path, reward, accepted, signals, rounds, share):
   os.makedirs(path)
-  summary = {"eval_before": 0.0, "eval_after": 0.25, "tasks_accepted": accepted,
-             "validation_pass_rate": [r["pass_rate"] for r in rounds], "signals": signals,
-             "feedback_share": share, "wall_s": 100.0}
+  summary = {
+    "eval_before": 0.0,
+    "eval_after": 0.25,
+    "tasks_accepted": accepted,
+    "validation_pass_rate": [r["pass_rate"] for r in rounds],
+    "signals": signals,
+    "feedback_share": share,
+    "wall_s": 100.0,
+  }
   with open(os.path.join(path, "summary.json"), "w") as f:
     json.dump(summary, f)
   with open(os.path.join(path, "metrics.jsonl"), "w") as f:
@@ -52,13 +60,20 @@ def _fake_run(path, reward, accepted, signals, rounds, share):
 
 
 def test_table_and_plots_from_run_outputs(ablations, tmp_path):
-  rnd = {"round": 1, "step": 3, "pass_rate": 0.5, "eval_similarity": {"a": 0.2, "b": 0.4},
-         "per_signal": {"boundary": {"events": 3}, "rare": {"events": 1}}}
+  rnd = {
+    "round": 1,
+    "step": 3,
+    "pass_rate": 0.5,
+    "eval_similarity": {"a": 0.2, "b": 0.4},
+    "per_signal": {"boundary": {"events": 3}, "rare": {"events": 1}},
+  }
   sig = {"forgetting": 1, "boundary": 3, "rare": 1}
   _fake_run(tmp_path / "co", [0.4, 0.8], 2, sig, [rnd], 0.01)
   _fake_run(tmp_path / "ref", [0.2, 0.4], 0, {"forgetting": 0, "boundary": 0, "rare": 0}, [], 0.0)
-  results = {"coevolve": [ablations.collect(str(tmp_path / "co"))],
-             "grpo_only": [ablations.collect(str(tmp_path / "ref"))]}
+  results = {
+    "coevolve": [ablations.collect(str(tmp_path / "co"))],
+    "grpo_only": [ablations.collect(str(tmp_path / "ref"))],
+  }
   lines = ablations.table(results)
   assert len(lines) == 4 and lines[1].count("---") == lines[0].count("|") - 1
   co = [c.strip() for c in lines[2].strip("|").split("|")]

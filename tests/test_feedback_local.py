@@ -18,8 +18,9 @@ def model():
 
 
 def test_local_llm_generates_charges_tokens_and_feeds_the_explorer(model):
-  llm = LocalLLM(lambda: model, cache_len=1024, max_new_tokens=8, temperature=1.0,
-                 tokens_per_round=10**6)
+  llm = LocalLLM(
+    lambda: model, cache_len=1024, max_new_tokens=8, temperature=1.0, tokens_per_round=10**6
+  )
   text = llm.generate("You are terse.", "Say something.")
   assert isinstance(text, str) and text
   assert llm.budget.requests == 1 and llm.budget.used > 8  # prompt + reply tokens
@@ -52,14 +53,25 @@ def test_local_explorer_from_another_checkpoint(model, tmp_path):
   from coevolve_jax.models.hf import save_pretrained  # noqa: PLC0415
 
   save_pretrained(model, tmp_path / "explorer-ckpt")
-  cfg = ml_collections.ConfigDict({"local": {
-      "checkpoint": str(tmp_path / "explorer-ckpt"), "cache_len": 1024, "max_new_tokens": 4,
-      "temperature": 0.0, "tokens_per_round": 0, "dtype": "float32"}})
+  cfg = ml_collections.ConfigDict(
+    {
+      "local": {
+        "checkpoint": str(tmp_path / "explorer-ckpt"),
+        "cache_len": 1024,
+        "max_new_tokens": 4,
+        "temperature": 0.0,
+        "tokens_per_round": 0,
+        "dtype": "float32",
+      }
+    }
+  )
   llm = factory.make_llm("local", cfg)
   assert llm.name == "local:explorer-ckpt"
   ref = LocalLLM(model, cache_len=1024, max_new_tokens=4, temperature=0.0)
-  for a, b in zip(jax.tree.leaves(nnx.state(llm.engine.params)),  # same weights were loaded
-                  jax.tree.leaves(nnx.state(ref.engine.params))):
+  for a, b in zip(
+    jax.tree.leaves(nnx.state(llm.engine.params)),  # same weights were loaded
+    jax.tree.leaves(nnx.state(ref.engine.params)),
+  ):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   with pytest.raises(ValueError, match="policy"):
     factory.make_llm("local", ml_collections.ConfigDict({"local": {**cfg.local, "checkpoint": ""}}))

@@ -8,8 +8,13 @@ import numpy as np
 import pytest
 
 from coevolve_jax.feedback import controller
-from coevolve_jax.feedback.controller import (SignalEvent, SynthesisSettings, commit_round,
-                                              select_events, synthesize_round)
+from coevolve_jax.feedback.controller import (
+  SignalEvent,
+  SynthesisSettings,
+  commit_round,
+  select_events,
+  synthesize_round,
+)
 from coevolve_jax.feedback.explorer import ProgrammaticExplorer
 from coevolve_jax.feedback.gemini_stub import GeminiStub
 from coevolve_jax.feedback.llm import GeminiLLM, GeminiSettings
@@ -24,18 +29,28 @@ SETTINGS = SynthesisSettings(min_calls=2, max_calls=4, max_turns=1, rounds=2, st
 @pytest.fixture(scope="module")
 def data():
   train, held = split_tasks(load_bfcl_tasks("multi_turn_base"), 20, seed=0)
-  d0 = controller.build_initial_tasks(train, 3, ProgrammaticExplorer(), np.random.default_rng(0),
-                                      min_calls=2, max_calls=4, max_turns=1, rounds=2,
-                                      steps_per_round=6)
+  d0 = controller.build_initial_tasks(
+    train,
+    3,
+    ProgrammaticExplorer(),
+    np.random.default_rng(0),
+    min_calls=2,
+    max_calls=4,
+    max_turns=1,
+    rounds=2,
+    steps_per_round=6,
+  )
   assert len(d0) == 3
   return d0, held
 
 
 def events_of(d0):
-  return [SignalEvent(d0[0], "forgetting", [[]], 0.0),
-          SignalEvent(d0[1], "boundary", d0[1].ground_truth, 1.0),
-          SignalEvent(d0[2], "rare", d0[2].ground_truth, 1.0),
-          SignalEvent(d0[0], "boundary", [[]], 0.0)]
+  return [
+    SignalEvent(d0[0], "forgetting", [[]], 0.0),
+    SignalEvent(d0[1], "boundary", d0[1].ground_truth, 1.0),
+    SignalEvent(d0[2], "rare", d0[2].ground_truth, 1.0),
+    SignalEvent(d0[0], "boundary", [[]], 0.0),
+  ]
 
 
 def test_select_events_kinds_mode_and_limit(data):
@@ -64,8 +79,9 @@ def test_synthesis_in_a_thread_matches_the_main_thread_and_spares_the_pool(data,
   pool.add(d0)
   main = synthesize_round(events, ProgrammaticExplorer(), np.random.default_rng(5), 1, SETTINGS)
   with concurrent.futures.ThreadPoolExecutor(1) as ex:
-    worker = ex.submit(synthesize_round, events, ProgrammaticExplorer(),
-                       np.random.default_rng(5), 1, SETTINGS).result()
+    worker = ex.submit(
+      synthesize_round, events, ProgrammaticExplorer(), np.random.default_rng(5), 1, SETTINGS
+    ).result()
   assert [t.to_json() for t in worker.tasks] == [t.to_json() for t in main.tasks]
   assert main.tasks and len(pool) == 3  # synthesis never touches the pool
   report = commit_round(main, pool, held)
@@ -78,8 +94,9 @@ def test_synthesis_in_a_thread_matches_the_main_thread_and_spares_the_pool(data,
     assert prov["abstraction"] == "template" and prov["validation"] == "execution"
   assert set(report.eval_similarity) == {t.task_id for t in pool.tasks[3:]}
   # every exploration step is in the trace, tagged with its task and parent
-  assert main.trace and all({"task_id", "parent", "signal", "run", "action", "ok"} <= set(r)
-                            for r in main.trace)
+  assert main.trace and all(
+    {"task_id", "parent", "signal", "run", "action", "ok"} <= set(r) for r in main.trace
+  )
   # committing the same round again adds nothing: every task is a duplicate of the pool
   again = commit_round(main, pool, held)
   assert again.accepted == 0 and len(again.dropped) == len(main.tasks)
@@ -88,8 +105,9 @@ def test_synthesis_in_a_thread_matches_the_main_thread_and_spares_the_pool(data,
 
 def test_eval_copies_are_dropped_at_commit(data, tmp_path):
   d0, _ = data
-  result = synthesize_round(events_of(d0)[:2], ProgrammaticExplorer(), np.random.default_rng(1),
-                            2, SETTINGS)
+  result = synthesize_round(
+    events_of(d0)[:2], ProgrammaticExplorer(), np.random.default_rng(1), 2, SETTINGS
+  )
   assert result.tasks
   pool = TaskPool(tmp_path / "pool.jsonl")
   report = commit_round(result, pool, eval_tasks=result.tasks)  # as if they were eval tasks
@@ -99,13 +117,19 @@ def test_eval_copies_are_dropped_at_commit(data, tmp_path):
 
 def test_no_validation_switch_accepts_what_validation_rejects(data, monkeypatch):
   d0, _ = data
-  monkeypatch.setattr(controller, "validate_task",
-                      lambda task, min_calls: ValidationResult(False, "forced"))
+  monkeypatch.setattr(
+    controller, "validate_task", lambda task, min_calls: ValidationResult(False, "forced")
+  )
   events = events_of(d0)[:2]
   strict = synthesize_round(events, ProgrammaticExplorer(), np.random.default_rng(3), 1, SETTINGS)
   assert strict.tasks == [] and {r for _, r in strict.rejected} == {"forced"}
-  loose = synthesize_round(events, ProgrammaticExplorer(), np.random.default_rng(3), 1,
-                           dataclasses.replace(SETTINGS, validate=False))
+  loose = synthesize_round(
+    events,
+    ProgrammaticExplorer(),
+    np.random.default_rng(3),
+    1,
+    dataclasses.replace(SETTINGS, validate=False),
+  )
   assert len(loose.tasks) == strict.synthesized > 0
   assert all(t.provenance["validation"] == "skipped" for t in loose.tasks)
 
@@ -116,8 +140,14 @@ def test_llm_round_summary_abstraction_judge_and_budget(data, monkeypatch):
   with GeminiStub() as stub:
     llm = GeminiLLM(GeminiSettings(model="m", base_url=stub.url, attempts=1))
     events = events_of(d0)[1:3]
-    result = synthesize_round(events, LLMExplorer(llm), np.random.default_rng(0), 1,
-                              dataclasses.replace(SETTINGS, min_calls=1), llm)
+    result = synthesize_round(
+      events,
+      LLMExplorer(llm),
+      np.random.default_rng(0),
+      1,
+      dataclasses.replace(SETTINGS, min_calls=1),
+      llm,
+    )
     assert result.llm_usage["requests"] == len(stub.requests) > 0
     systems = [r["body"]["systemInstruction"]["parts"][0]["text"] for r in stub.requests]
     assert any(s.startswith("You analyse") for s in systems)  # SPEC 1.2 context summary
@@ -128,9 +158,16 @@ def test_llm_round_summary_abstraction_judge_and_budget(data, monkeypatch):
       assert task.provenance["validation"]["checker_reward"] == 1.0
 
     n = len(stub.requests)
-    small = GeminiLLM(GeminiSettings(model="m", base_url=stub.url, attempts=1,
-                                     tokens_per_round=30))  # two 15-token requests
-    cut = synthesize_round(events, LLMExplorer(small), np.random.default_rng(0), 2,
-                           dataclasses.replace(SETTINGS, min_calls=1), small)
+    small = GeminiLLM(
+      GeminiSettings(model="m", base_url=stub.url, attempts=1, tokens_per_round=30)
+    )  # two 15-token requests
+    cut = synthesize_round(
+      events,
+      LLMExplorer(small),
+      np.random.default_rng(0),
+      2,
+      dataclasses.replace(SETTINGS, min_calls=1),
+      small,
+    )
     assert len(stub.requests) - n == 2 and cut.llm_usage == {"tokens": 30, "requests": 2}
     assert cut.tasks == []  # the budget ran out inside the first context

@@ -10,10 +10,19 @@ import pytest
 from coevolve_jax.feedback import gemini_stub
 from coevolve_jax.feedback.explorer import ExplorationContext
 from coevolve_jax.feedback.gemini_stub import GeminiStub, Reply, error_body, ok_body
-from coevolve_jax.feedback.llm import (BudgetExhausted, GeminiLLM, GeminiSettings, LLMError,
-                                       parse_json_reply)
-from coevolve_jax.feedback.llm_explorer import (LLMExplorer, abstract_with_llm,
-                                                attempt_and_judge, parse_call_reply)
+from coevolve_jax.feedback.llm import (
+  BudgetExhausted,
+  GeminiLLM,
+  GeminiSettings,
+  LLMError,
+  parse_json_reply,
+)
+from coevolve_jax.feedback.llm_explorer import (
+  LLMExplorer,
+  abstract_with_llm,
+  attempt_and_judge,
+  parse_call_reply,
+)
 from coevolve_jax.feedback.sandbox import Sandbox
 from envs.base import Task
 from envs.bfcl import load_bfcl_tasks
@@ -55,8 +64,13 @@ def test_success_uses_env_key_and_charges_reported_tokens(stub):
 
 
 def test_429_then_success_is_retried(stub):
-  stub.script.extend([Reply(429, error_body(429, "RESOURCE_EXHAUSTED")),
-                      Reply(503, error_body(503, "UNAVAILABLE")), Reply(200, ok_body("ok"))])
+  stub.script.extend(
+    [
+      Reply(429, error_body(429, "RESOURCE_EXHAUSTED")),
+      Reply(503, error_body(503, "UNAVAILABLE")),
+      Reply(200, ok_body("ok")),
+    ]
+  )
   assert make_llm(stub).generate("s", "p") == "ok"
   assert len(stub.requests) == 3
 
@@ -88,8 +102,9 @@ def test_empty_candidates(stub):
 
 
 def test_timeout(stub):
-  stub.script.extend([Reply(200, ok_body("late"), delay_s=1.5), Reply(200, ok_body("late"),
-                                                                      delay_s=1.5)])
+  stub.script.extend(
+    [Reply(200, ok_body("late"), delay_s=1.5), Reply(200, ok_body("late"), delay_s=1.5)]
+  )
   start = time.perf_counter()
   with pytest.raises(LLMError, match="timeout"):
     make_llm(stub, timeout_s=0.3, attempts=2).generate("s", "p")
@@ -143,17 +158,29 @@ def message_task():
 
 
 def _context(task, **kw):
-  return ExplorationContext(task.task_id, task.initial_config, task.involved_classes,
-                            signal="boundary", summary={"summary": "s"}, **kw)
+  return ExplorationContext(
+    task.task_id,
+    task.initial_config,
+    task.involved_classes,
+    signal="boundary",
+    summary={"summary": "s"},
+    **kw,
+  )
 
 
 def test_explorer_executes_valid_calls_and_rejects_bad_ones(stub, message_task):
   evil = json.dumps({"name": "__import__('os').system('touch /tmp/pwned')", "arguments": {}})
-  stub.script.extend([Reply(200, ok_body(evil)), Reply(200, ok_body("not json at all")),
-                      Reply(200, ok_body(json.dumps({"name": "list_users", "arguments": {}})))])
+  stub.script.extend(
+    [
+      Reply(200, ok_body(evil)),
+      Reply(200, ok_body("not json at all")),
+      Reply(200, ok_body(json.dumps({"name": "list_users", "arguments": {}}))),
+    ]
+  )
   explorer = LLMExplorer(make_llm(stub))
-  triplets = explorer.explore(_context(message_task, rounds=2, steps_per_round=3),
-                              np.random.default_rng(0))
+  triplets = explorer.explore(
+    _context(message_task, rounds=2, steps_per_round=3), np.random.default_rng(0)
+  )
   assert [t["ok"] for t in explorer.trace[:3]] == [False, False, True]
   assert len(explorer.trace) == 6 and {t["run"] for t in explorer.trace} == {0, 1}
   assert triplets and all(t.action.endswith(")") for t in triplets)
@@ -165,18 +192,21 @@ def test_explorer_executes_valid_calls_and_rejects_bad_ones(stub, message_task):
 
 def test_explorer_keeps_results_when_the_budget_runs_out(stub, message_task):
   explorer = LLMExplorer(make_llm(stub, tokens_per_round=45))  # three 15-token requests
-  triplets = explorer.explore(_context(message_task, rounds=3, steps_per_round=2),
-                              np.random.default_rng(0))
+  triplets = explorer.explore(
+    _context(message_task, rounds=3, steps_per_round=2), np.random.default_rng(0)
+  )
   assert len(stub.requests) == 3 and len(explorer.trace) == 3  # then no request is sent
-  assert triplets and [t.action for t in triplets] == [r["action"] for r in explorer.trace
-                                                       if r["ok"]]
+  assert triplets and [t.action for t in triplets] == [
+    r["action"] for r in explorer.trace if r["ok"]
+  ]
 
 
 def test_explorer_run_survives_a_failed_request(stub, message_task):
   stub.script.extend(Reply(500, error_body(500, "INTERNAL")) for _ in range(3))
   explorer = LLMExplorer(make_llm(stub))
-  triplets = explorer.explore(_context(message_task, rounds=2, steps_per_round=2),
-                              np.random.default_rng(0))
+  triplets = explorer.explore(
+    _context(message_task, rounds=2, steps_per_round=2), np.random.default_rng(0)
+  )
   assert explorer.trace[0]["run"] == 0 and not explorer.trace[0]["ok"]
   assert {t.run_id for t in triplets} == {1}  # run 0 ended, run 1 went on
 
@@ -184,31 +214,54 @@ def test_explorer_run_survives_a_failed_request(stub, message_task):
 def test_abstraction_and_attempt_and_judge(stub, message_task):
   llm = make_llm(stub)
   ctx = _context(message_task, rounds=1, steps_per_round=4)
-  for name, args in [("list_users", {}), ("get_user_id", {"user": "Alice"}),
-                     ("add_contact", {"user_name": "Zed"}), ("message_get_login_status", {})]:
+  for name, args in [
+    ("list_users", {}),
+    ("get_user_id", {"user": "Alice"}),
+    ("add_contact", {"user_name": "Zed"}),
+    ("message_get_login_status", {}),
+  ]:
     stub.script.append(Reply(200, ok_body(json.dumps({"name": name, "arguments": args}))))
   triplets = LLMExplorer(llm).explore(ctx, np.random.default_rng(0))
   assert len(triplets) == 4
   choice = abstract_with_llm(llm, triplets, ctx, min_calls=3, max_calls=3)
   assert choice.calls == [t.action for t in triplets[:3]]
   assert choice.query == "Please do the stub task."
-  task = Task("syn-x", "bfcl", [choice.query], [choice.calls], ctx.initial_config,
-              ctx.involved_classes, "synth")
+  task = Task(
+    "syn-x",
+    "bfcl",
+    [choice.query],
+    [choice.calls],
+    ctx.initial_config,
+    ctx.involved_classes,
+    "synth",
+  )
   accepted, info = attempt_and_judge(llm, task)
   assert accepted and info["checker_reward"] == 1.0 and info["judge"] is None
 
   # An out-of-range step choice is rejected rather than trusted.
-  stub.script.append(Reply(200, ok_body(json.dumps({"run_id": 0, "steps": [0, 1, 99],
-                                                    "query": "q"}))))
+  stub.script.append(
+    Reply(200, ok_body(json.dumps({"run_id": 0, "steps": [0, 1, 99], "query": "q"})))
+  )
   assert abstract_with_llm(llm, triplets, ctx, min_calls=3, max_calls=3) is None
 
 
 def test_judge_decides_when_the_checker_fails(stub, message_task):
   llm = make_llm(stub)
-  task = Task("syn-y", "bfcl", ["Add a contact."], [["add_contact(user_name='Zed')"]],
-              message_task.initial_config, message_task.involved_classes, "synth")
-  stub.script.extend([Reply(200, ok_body('{"stop": true}')),  # the attempt does nothing
-                      Reply(200, ok_body('{"success": false, "reason": "no call made"}'))])
+  task = Task(
+    "syn-y",
+    "bfcl",
+    ["Add a contact."],
+    [["add_contact(user_name='Zed')"]],
+    message_task.initial_config,
+    message_task.involved_classes,
+    "synth",
+  )
+  stub.script.extend(
+    [
+      Reply(200, ok_body('{"stop": true}')),  # the attempt does nothing
+      Reply(200, ok_body('{"success": false, "reason": "no call made"}')),
+    ]
+  )
   accepted, info = attempt_and_judge(llm, task)
   assert not accepted and info["checker_reward"] == 0.0
   assert info["judge"] == {"success": False, "reason": "no call made"}

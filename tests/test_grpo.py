@@ -109,8 +109,9 @@ def ref_loss(logp, old, ref, adv, mask, cfg):
       if use_kl:
         kl = ref_kl(float(logp[i, j]), float(ref[i, j]), cfg.kl_estimator, cfg.kl_log_ratio_clamp)
         tok += cfg.kl_beta * kl
-        dtok += cfg.kl_beta * ref_kl_grad(float(logp[i, j]), float(ref[i, j]), cfg.kl_estimator,
-                                          cfg.kl_log_ratio_clamp)
+        dtok += cfg.kl_beta * ref_kl_grad(
+          float(logp[i, j]), float(ref[i, j]), cfg.kl_estimator, cfg.kl_log_ratio_clamp
+        )
         kl_metric += w_tok[i][j] * kl
       loss += w[i][j] * tok
       pg_loss += w[i][j] * pg
@@ -132,8 +133,10 @@ PAD = (6, 9)  # inputs are embedded in a masked batch of this shape, so that jit
 
 
 def _cfg(mode="token-mean", estimator="k3", **overrides):
-  return dataclasses.replace(GRPOConfig(loss_agg=mode, kl_estimator=estimator, kl_beta=0.3,
-                                        loss_norm_tokens=4.0), **overrides)
+  return dataclasses.replace(
+    GRPOConfig(loss_agg=mode, kl_estimator=estimator, kl_beta=0.3, loss_norm_tokens=4.0),
+    **overrides,
+  )
 
 
 def _run(logp, old, ref, adv, mask, cfg, pad=True):
@@ -154,8 +157,9 @@ def _run(logp, old, ref, adv, mask, cfg, pad=True):
       x = out
     return jnp.asarray(x)
 
-  (loss, metrics), g = _loss_and_grad(prep(logp), prep(old), prep(ref), prep(adv, row=True),
-                                      prep(mask), cfg)
+  (loss, metrics), g = _loss_and_grad(
+    prep(logp), prep(old), prep(ref), prep(adv, row=True), prep(mask), cfg
+  )
   return float(loss), np.asarray(g)[:n, :t], {k: float(v) for k, v in metrics.items()}
 
 
@@ -331,11 +335,14 @@ def _hand_batch():
   return logp, adv, mask
 
 
-@pytest.mark.parametrize("mode,want", [
+@pytest.mark.parametrize(
+  "mode,want",
+  [
     ("token-mean", (-1.0 + 3 * 2.0) / 4),  # 1.25
     ("seq-mean-token-mean", (-1.0 + 2.0) / 2),  # 0.5; the empty row is not counted
     ("seq-mean-token-sum-norm", (-1.0 / 4 + 6.0 / 4) / 2),  # 0.625 with norm_tokens = 4
-])
+  ],
+)
 def test_aggregation_hand_computed(mode, want):
   logp, adv, mask = _hand_batch()
   cfg = _cfg(mode)  # ref == logp: KL is exactly 0 for every estimator
@@ -353,12 +360,15 @@ def test_aggregation_direct():
   assert float(grpo.aggregate(loss_nt, mask, "token-mean", 1.0)) == pytest.approx(16.0 / 4)
   assert float(grpo.aggregate(loss_nt, mask, "seq-mean-token-mean", 1.0)) == pytest.approx(6.0)
   assert float(grpo.aggregate(loss_nt, mask, "seq-mean-token-sum-norm", 2.0)) == pytest.approx(
-      (6.0 / 2 + 10.0 / 2) / 2)
+    (6.0 / 2 + 10.0 / 2) / 2
+  )
   with pytest.raises(ValueError):
     grpo.aggregate(loss_nt, mask, "sum", 1.0)
 
 
-@pytest.mark.parametrize("ratio,adv,want_pg,want_grad", [
+@pytest.mark.parametrize(
+  "ratio,adv,want_pg,want_grad",
+  [
     (1.25, 1.0, -1.25, -1.25),  # inside [0.8, 1.28]: unclipped (a symmetric 0.2 would clip)
     (1.5, 1.0, -1.28, 0.0),  # above 1 + eps_high: clipped, no gradient
     (0.5, 1.0, -0.5, -0.5),  # below 1 - eps_low with A > 0: pessimistic min keeps ratio
@@ -369,7 +379,8 @@ def test_aggregation_direct():
     (5.0, -1.0, 3.0, 0.0),  # dual clip: bounded at c * |A|
     (5.0, -2.0, 6.0, 0.0),  # dual clip scales with |A|
     (5.0, 1.0, -1.28, 0.0),  # no dual clip for positive advantages
-])
+  ],
+)
 def test_clip_asymmetry_and_dual_clip(ratio, adv, want_pg, want_grad):
   logp = np.array([[math.log(ratio)]])
   old = np.zeros((1, 1))
@@ -378,8 +389,9 @@ def test_clip_asymmetry_and_dual_clip(ratio, adv, want_pg, want_grad):
   assert loss == pytest.approx(want_pg, rel=1e-5)
   assert float(grad[0, 0]) == pytest.approx(want_grad, rel=1e-5, abs=1e-7)
   # Dual clip disabled: the loss for a negative advantage is unbounded in the ratio.
-  loss0, _, _ = _run(logp, old, logp, np.array([adv]), np.ones((1, 1)),
-                     dataclasses.replace(cfg, dual_clip_c=0.0))
+  loss0, _, _ = _run(
+    logp, old, logp, np.array([adv]), np.ones((1, 1)), dataclasses.replace(cfg, dual_clip_c=0.0)
+  )
   if adv < 0:
     assert loss0 == pytest.approx(max(-adv * ratio, -adv * min(max(ratio, 0.8), 1.28)), rel=1e-5)
   _ = metrics
@@ -387,8 +399,9 @@ def test_clip_asymmetry_and_dual_clip(ratio, adv, want_pg, want_grad):
 
 def test_clip_frac_metric():
   logp = np.log(np.array([[1.5, 1.0, 0.5, 1.1]]))
-  loss, _, metrics = _run(logp, np.zeros_like(logp), logp, np.array([1.0]), np.ones_like(logp),
-                          _cfg())
+  loss, _, metrics = _run(
+    logp, np.zeros_like(logp), logp, np.array([1.0]), np.ones_like(logp), _cfg()
+  )
   # Only the 1.5 token takes the clipped branch (0.5 keeps the unclipped, more pessimistic one).
   assert metrics["clip_frac"] == pytest.approx(0.25)
   assert metrics["ratio_mean"] == pytest.approx((1.5 + 1.0 + 0.5 + 1.1) / 4, rel=1e-6)
@@ -422,19 +435,22 @@ def test_k3_clamps_before_exp_float32_overflow():
   logp = jnp.array([[-100.0, 0.0, -95.0]], jnp.float32)
   ref = jnp.array([[0.0, -100.0, 0.0]], jnp.float32)
   kl = np.asarray(grpo.kl_penalty(logp, ref, "k3", 20.0))
-  np.testing.assert_allclose(kl[0], [math.exp(20.0) - 21.0, math.exp(-20.0) + 19.0,
-                                     math.exp(20.0) - 21.0], rtol=1e-6)
+  np.testing.assert_allclose(
+    kl[0], [math.exp(20.0) - 21.0, math.exp(-20.0) + 19.0, math.exp(20.0) - 21.0], rtol=1e-6
+  )
   g = jax.grad(lambda lp: jnp.sum(grpo.kl_penalty(lp, ref, "k3", 20.0)))(logp)
   assert np.all(np.isfinite(np.asarray(g)))
   # A custom clamp is honoured.
   kl5 = np.asarray(grpo.kl_penalty(logp, ref, "k3", 5.0))
-  np.testing.assert_allclose(kl5[0], [math.exp(5.0) - 6.0, math.exp(-5.0) + 4.0,
-                                      math.exp(5.0) - 6.0], rtol=1e-6)
+  np.testing.assert_allclose(
+    kl5[0], [math.exp(5.0) - 6.0, math.exp(-5.0) + 4.0, math.exp(5.0) - 6.0], rtol=1e-6
+  )
   # Through the full loss.
   cfg = _cfg()
   assert cfg.kl_estimator == "k3" and cfg.kl_log_ratio_clamp == 20.0
-  loss, grad, metrics = _run(np.asarray(logp), np.asarray(logp), np.asarray(ref),
-                             np.array([0.0]), np.ones((1, 3)), cfg)
+  loss, grad, metrics = _run(
+    np.asarray(logp), np.asarray(logp), np.asarray(ref), np.array([0.0]), np.ones((1, 3)), cfg
+  )
   assert np.isfinite(loss) and np.all(np.isfinite(grad))
   assert metrics["kl"] == pytest.approx(float(kl.mean()), rel=1e-6)
   assert loss == pytest.approx(cfg.kl_beta * float(kl.mean()), rel=1e-6)
@@ -459,9 +475,15 @@ def test_parts_with_whole_batch_denominators_sum_to_the_reference(mode):
   total, metrics, grads = 0.0, {}, []
   for rows in (np.array([0, 2, 5]), np.array([1, 3, 4])):
     f = lambda lp, rows=rows: grpo_loss(  # noqa: E731
-        lp, jnp.asarray(old[rows], jnp.float32), jnp.asarray(ref[rows], jnp.float32),
-        jnp.asarray(adv[rows], jnp.float32), jnp.asarray(mask[rows], jnp.float32), cfg,
-        loss_den, token_den)
+      lp,
+      jnp.asarray(old[rows], jnp.float32),
+      jnp.asarray(ref[rows], jnp.float32),
+      jnp.asarray(adv[rows], jnp.float32),
+      jnp.asarray(mask[rows], jnp.float32),
+      cfg,
+      loss_den,
+      token_den,
+    )
     (loss, m), g = jax.value_and_grad(f, has_aux=True)(jnp.asarray(logp[rows], jnp.float32))
     total += float(loss)
     for k, v in m.items():

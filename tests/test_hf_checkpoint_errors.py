@@ -6,11 +6,23 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from coevolve_jax.models import (CheckpointFormatError, Qwen, QwenConfig, from_pretrained,
-                                 save_pretrained)
+from coevolve_jax.models import (
+  CheckpointFormatError,
+  Qwen,
+  QwenConfig,
+  from_pretrained,
+  save_pretrained,
+)
 
-CFG = QwenConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                 num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+CFG = QwenConfig(
+  vocab_size=64,
+  hidden_size=32,
+  intermediate_size=48,
+  num_hidden_layers=1,
+  num_attention_heads=2,
+  num_key_value_heads=1,
+  head_dim=16,
+)
 
 
 @pytest.fixture
@@ -39,8 +51,9 @@ def test_missing_and_unknown_tensors(folder):
   safetensors.numpy.save_file({k: v for k, v in tensors.items() if "q_proj" not in k}, path)
   with pytest.raises(CheckpointFormatError, match="lacks 1 tensors"):
     from_pretrained(folder)
-  safetensors.numpy.save_file(dict(tensors, **{"model.layers.0.extra.weight": tensors[
-      "model.norm.weight"]}), path)
+  safetensors.numpy.save_file(
+    dict(tensors, **{"model.layers.0.extra.weight": tensors["model.norm.weight"]}), path
+  )
   with pytest.raises(CheckpointFormatError, match="extra"):
     from_pretrained(folder)
 
@@ -55,19 +68,21 @@ def test_shape_that_does_not_fit_the_config(folder):
 def test_truncated_file(folder):
   path = folder / "model.safetensors"
   data = path.read_bytes()
-  path.write_bytes(data[:len(data) // 2])
+  path.write_bytes(data[: len(data) // 2])
   with pytest.raises(CheckpointFormatError, match="unreadable"):
     from_pretrained(folder)
 
 
 def test_expert_outside_the_config(tmp_path):
-  moe = QwenConfig(**{**CFG.__dict__, "num_experts": 2, "num_experts_per_tok": 1,
-                      "moe_intermediate_size": 8})
+  moe = QwenConfig(
+    **{**CFG.__dict__, "num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 8}
+  )
   folder = save_pretrained(Qwen(moe, rngs=nnx.Rngs(0)), tmp_path / "moe")
   path = folder / "model.safetensors"
   tensors = safetensors.numpy.load_file(path)
   extra = tensors["model.layers.0.mlp.experts.0.up_proj.weight"]
-  safetensors.numpy.save_file(dict(tensors, **{"model.layers.0.mlp.experts.5.up_proj.weight":
-                                               extra}), path)
+  safetensors.numpy.save_file(
+    dict(tensors, **{"model.layers.0.mlp.experts.5.up_proj.weight": extra}), path
+  )
   with pytest.raises(CheckpointFormatError, match="expert 5"):
     from_pretrained(folder)

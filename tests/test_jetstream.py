@@ -18,8 +18,15 @@ CACHE, SLOTS = 64, 3
 
 @pytest.fixture(scope="module")
 def model():
-  cfg = QwenConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+  cfg = QwenConfig(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+  )
   return Qwen(cfg, rngs=nnx.Rngs(0))
 
 
@@ -29,7 +36,7 @@ def _greedy_reference(model, ids, steps):
   fwd = nnx.jit(lambda m, x: m(x))
   for _ in range(steps):
     padded = np.zeros((1, CACHE), np.int32)
-    padded[0, :len(ids)] = ids
+    padded[0, : len(ids)] = ids
     tok = int(np.argmax(np.asarray(fwd(model, jnp.asarray(padded)))[0, len(ids) - 1]))
     out.append(tok)
     ids.append(tok)
@@ -43,9 +50,10 @@ def _drive(engine, model, prompts):
   got = {}
   for slot, prompt in zip((2, 0), prompts):
     padded = np.zeros((16,), np.int32)
-    padded[:len(prompt)] = prompt
-    prefix = engine.prefill(params=params, padded_tokens=jnp.asarray(padded),
-                            true_length=len(prompt))
+    padded[: len(prompt)] = prompt
+    prefix = engine.prefill(
+      params=params, padded_tokens=jnp.asarray(padded), true_length=len(prompt)
+    )
     assert prefix.length == len(prompt)
     state = engine.insert(prefix, state, slot)
     got[slot] = [prefix.token]
@@ -72,10 +80,13 @@ def test_contract_prefill_insert_generate_matches_full_forward(model):
   assert np.all(np.asarray(state.logprobs)[[0, 2]] < 0)
   # A continuation prefix: prefill on top of an existing prefix equals one prefill of both.
   params = engine.load_params()
-  first = engine.prefill(params=params, padded_tokens=jnp.asarray([5, 17, 301, 0]),
-                         true_length=3)
-  both = engine.prefill(params=params, existing_prefix=first,
-                        padded_tokens=jnp.asarray([44, 9, 250, 3, 0, 0, 0, 0]), true_length=4)
+  first = engine.prefill(params=params, padded_tokens=jnp.asarray([5, 17, 301, 0]), true_length=3)
+  both = engine.prefill(
+    params=params,
+    existing_prefix=first,
+    padded_tokens=jnp.asarray([44, 9, 250, 3, 0, 0, 0, 0]),
+    true_length=4,
+  )
   assert both.length == 7 and both.token == got[2][0]
   with pytest.raises(ValueError, match="true_length"):
     engine.prefill(params=params, padded_tokens=jnp.asarray([1, 2]), true_length=3)

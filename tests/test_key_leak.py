@@ -56,8 +56,9 @@ def _pool_lines(path):
 
 
 @pytest.mark.timeout(900)
-def test_key_never_leaks_and_a_round_in_flight_resumes_exactly(tmp_path, monkeypatch, capsys,
-                                                                caplog):
+def test_key_never_leaks_and_a_round_in_flight_resumes_exactly(
+  tmp_path, monkeypatch, capsys, caplog
+):
   """Run 1 starts a feedback round after step 2 (joined after step 3), checkpoints step 2 with
   the round in flight, and dies in step 3. Run 2 resumes from step 2, redoes the round and must
   add exactly the tasks run 1's worker had synthesized. No file or log holds the API key."""

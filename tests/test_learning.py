@@ -51,10 +51,18 @@ def _expected_reward(model: Qwen, prompts, answers) -> float:
 
 def test_grpo_learns_max_of_two_digits():
   start = time.perf_counter()
-  cfg = QwenConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                   num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-  trainer = PolicyTrainer(Qwen(cfg, rngs=nnx.Rngs(0)), make_optimizer(LR, 0.0, 1.0),
-                          grpo.GRPOConfig(), temperature=1.0)
+  cfg = QwenConfig(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+  )
+  trainer = PolicyTrainer(
+    Qwen(cfg, rngs=nnx.Rngs(0)), make_optimizer(LR, 0.0, 1.0), grpo.GRPOConfig(), temperature=1.0
+  )
   trainer.freeze_reference()
   prompts, answers = _prompts()
   before = _expected_reward(trainer.model(), prompts, answers)
@@ -87,8 +95,10 @@ def test_grpo_learns_max_of_two_digits():
     if step % 10 == 9 and _expected_reward(trainer.model(), prompts, answers) >= 0.9:
       break
   after = _expected_reward(trainer.model(), prompts, answers)
-  print(f"expected reward {before:.3f} -> {after:.3f} in {step + 1} steps, "
-        f"{time.perf_counter() - start:.1f} s")
+  print(
+    f"expected reward {before:.3f} -> {after:.3f} in {step + 1} steps, "
+    f"{time.perf_counter() - start:.1f} s"
+  )
   assert after >= 0.8, (before, after, history[-10:])
 
 
@@ -97,4 +107,3 @@ def _sample(model, prompts_bt, key):
   logp = _next_token_logp(model, prompts_bt)
   tokens = jax.random.categorical(key, logp, axis=-1)
   return tokens, logp[jnp.arange(tokens.shape[0]), tokens]
-

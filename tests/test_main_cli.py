@@ -16,25 +16,52 @@ def _free_port() -> int:
 
 
 def test_appworld_without_server_or_data_stops_at_once_with_setup_steps(tmp_path):
-  env = dict(os.environ, APPWORLD_SERVER_URLS=f"http://127.0.0.1:{_free_port()}",
-             APPWORLD_ROOT=str(tmp_path / "no-data"))
+  env = dict(
+    os.environ,
+    APPWORLD_SERVER_URLS=f"http://127.0.0.1:{_free_port()}",
+    APPWORLD_ROOT=str(tmp_path / "no-data"),
+  )
   start = time.monotonic()
   proc = subprocess.run(
-      [sys.executable, "-m", "coevolve_jax.main", "--config=configs/appworld.py",
-       f"--workdir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True,
-      timeout=60)
+    [
+      sys.executable,
+      "-m",
+      "coevolve_jax.main",
+      "--config=configs/appworld.py",
+      f"--workdir={tmp_path / 'run'}",
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
   assert proc.returncode == 2, proc.stderr
   assert time.monotonic() - start < 20
-  for step in ("pip install appworld", "appworld install", "appworld download data",
-               "appworld serve environment"):
+  for step in (
+    "pip install appworld",
+    "appworld install",
+    "appworld download data",
+    "appworld serve environment",
+  ):
     assert step in proc.stderr
   assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_unknown_config_variant_is_a_clear_error(tmp_path):
   proc = subprocess.run(
-      [sys.executable, "-m", "coevolve_jax.main", "--config=configs/bfcl.py:tpu-typo",
-       f"--workdir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    [
+      sys.executable,
+      "-m",
+      "coevolve_jax.main",
+      "--config=configs/bfcl.py:tpu-typo",
+      f"--workdir={tmp_path}",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
   assert proc.returncode != 0
   assert "unknown variant 'tpu-typo'" in proc.stderr
 
@@ -44,8 +71,18 @@ def test_unusable_workdir_fails_fast_with_a_clear_error(tmp_path):
   afile.write_text("keep me")
   start = time.monotonic()
   proc = subprocess.run(
-      [sys.executable, "-m", "coevolve_jax.main", "--config=configs/bfcl.py:cpu",
-       f"--workdir={afile}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    [
+      sys.executable,
+      "-m",
+      "coevolve_jax.main",
+      "--config=configs/bfcl.py:cpu",
+      f"--workdir={afile}",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
   assert proc.returncode == 2
   assert "cannot use --workdir" in proc.stderr
   assert time.monotonic() - start < 20

@@ -22,8 +22,19 @@ def _load_config_module():
   spec.loader.exec_module(module)
   return module
 
-SUMMARY_KEYS = {"eval_before", "eval_after", "steps", "resumed_from_step", "signals",
-                "tasks_synthesized", "tasks_accepted", "pool_size", "wall_s", "phase_s"}
+
+SUMMARY_KEYS = {
+  "eval_before",
+  "eval_after",
+  "steps",
+  "resumed_from_step",
+  "signals",
+  "tasks_synthesized",
+  "tasks_accepted",
+  "pool_size",
+  "wall_s",
+  "phase_s",
+}
 PHASES = {"rollout", "reward", "train", "feedback", "eval", "checkpoint"}
 
 

@@ -17,11 +17,14 @@ from coevolve_jax.trainer import token_logprobs
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("preset,published", [
+@pytest.mark.parametrize(
+  "preset,published",
+  [
     ("qwen3_0_6b", 0.596e9),  # Qwen3-0.6B model card: 0.6B (0.44B non-embedding)
     ("qwen3_4b", 4.02e9),  # Qwen3-4B model card: 4.0B
     ("qwen2_5_7b", 7.61e9),  # Qwen2.5-7B model card: 7.61B
-])
+  ],
+)
 def test_parameter_count_matches_published(preset, published):
   count, nbytes = memory.parameter_bytes(preset, {})
   assert abs(count - published) / published < 0.005
@@ -31,18 +34,25 @@ def test_parameter_count_matches_published(preset, published):
 def test_optimizer_is_two_moments_and_a_count():
   p = memory.plan("tiny_cpu", {}, batch=1, seq_len=8, num_slots=1, cache_len=8, dtype="float32")
   assert p.optimizer == 2 * p.params + 4  # AdamW mu and nu in the parameter dtype + int32 count
-  sharded = memory.plan("tiny_cpu", {"fsdp": 4}, batch=1, seq_len=8, num_slots=1, cache_len=8,
-                        dtype="float32")
+  sharded = memory.plan(
+    "tiny_cpu", {"fsdp": 4}, batch=1, seq_len=8, num_slots=1, cache_len=8, dtype="float32"
+  )
   assert sharded.optimizer == 2 * sharded.params + 4
 
 
 def test_kv_cache_matches_hand_formula():
   cfg = QwenConfig.preset("qwen3_0_6b")
-  got = memory.kv_cache_bytes("qwen3_0_6b", {"fsdp": 4, "tensor": 2}, num_slots=64,
-                              cache_len=32768)
+  got = memory.kv_cache_bytes("qwen3_0_6b", {"fsdp": 4, "tensor": 2}, num_slots=64, cache_len=32768)
   # k and v, per layer: slots over data*fsdp, kv heads over tensor, bf16.
-  want = (2 * cfg.num_hidden_layers * (64 // 4) * 32768 * (cfg.num_key_value_heads // 2)
-          * cfg.head_dim * 2)
+  want = (
+    2
+    * cfg.num_hidden_layers
+    * (64 // 4)
+    * 32768
+    * (cfg.num_key_value_heads // 2)
+    * cfg.head_dim
+    * 2
+  )
   assert got == want
 
 
@@ -73,9 +83,13 @@ def test_activations_are_a_lower_bound_of_compiled_temporaries():
 
   def loss(s, tok, pos):
     return jnp.sum(token_logprobs(nnx.merge(graphdef, s), tok, pos))
+
   b, t = 2, 128
-  compiled = jax.jit(jax.grad(loss)).lower(state, jnp.zeros((b, t), jnp.int32),
-                                           jnp.ones((b, t // 2), jnp.int32)).compile()
+  compiled = (
+    jax.jit(jax.grad(loss))
+    .lower(state, jnp.zeros((b, t), jnp.int32), jnp.ones((b, t // 2), jnp.int32))
+    .compile()
+  )
   temp = compiled.memory_analysis().temp_size_in_bytes
   p = memory.plan("tiny_cpu", {}, batch=b, seq_len=t, num_slots=1, cache_len=8, dtype="float32")
   assert 0 < p.activations <= temp
@@ -113,10 +127,10 @@ def test_per_device_params_equal_real_shards_on_8_cpu_devices():
         real += sum(s.data.nbytes for s in arr.addressable_shards if s.device == dev0)
       print(real, memory.parameter_bytes("tiny_cpu", {"fsdp": 4, "tensor": 2}, "float32")[1])
   """)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  out = subprocess.run(
+    [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+  )
   assert out.returncode == 0, out.stderr[-2000:]
   real, planned = map(int, out.stdout.split()[-2:])
   assert real == planned
@@ -124,12 +138,32 @@ def test_per_device_params_equal_real_shards_on_8_cpu_devices():
 
 def test_cli_sweep_prints_table():
   out = subprocess.run(
-      [sys.executable, "-m", "coevolve_jax.memory", "--preset=tiny_cpu", "--devices=1,2",
-       "--batch=2", "--seq_len=128", "--num_slots=2", "--cache_len=256", "--dtype=float32",
-       "--chip=v5e"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    [
+      sys.executable,
+      "-m",
+      "coevolve_jax.memory",
+      "--preset=tiny_cpu",
+      "--devices=1,2",
+      "--batch=2",
+      "--seq_len=128",
+      "--num_slots=2",
+      "--cache_len=256",
+      "--dtype=float32",
+      "--chip=v5e",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert out.returncode == 0, out.stderr[-2000:]
   rows = [line for line in out.stdout.splitlines() if line.startswith("| tiny_cpu")]
   assert len(rows) == 2 and rows[0].endswith("yes |")
-  bad = subprocess.run([sys.executable, "-m", "coevolve_jax.memory", "--mesh=fsdp=0"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+  bad = subprocess.run(
+    [sys.executable, "-m", "coevolve_jax.memory", "--mesh=fsdp=0"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert bad.returncode != 0 and "bad mesh size" in bad.stderr

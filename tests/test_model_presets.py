@@ -16,11 +16,11 @@ from coevolve_jax.models.sharding import LOGICAL_RULES
 # Published counts, as printed in each model card ("Number of Parameters" and "... (Non-Embedding)";
 # non-embedding excludes the input embedding and an untied output head).
 PUBLISHED = {
-    "qwen3_0_6b": ("0.6e9", "0.44e9", "Qwen3-0.6B"),
-    "qwen3_1_7b": ("1.7e9", "1.4e9", "Qwen3-1.7B"),
-    "qwen3_4b": ("4.0e9", "3.6e9", "Qwen3-4B-Instruct-2507"),
-    "qwen2_5_7b": ("7.61e9", "6.53e9", "Qwen2.5-7B-Instruct"),
-    "qwen3_30b_a3b": ("30.5e9", "29.9e9", "Qwen3-30B-A3B-Instruct-2507"),
+  "qwen3_0_6b": ("0.6e9", "0.44e9", "Qwen3-0.6B"),
+  "qwen3_1_7b": ("1.7e9", "1.4e9", "Qwen3-1.7B"),
+  "qwen3_4b": ("4.0e9", "3.6e9", "Qwen3-4B-Instruct-2507"),
+  "qwen2_5_7b": ("7.61e9", "6.53e9", "Qwen2.5-7B-Instruct"),
+  "qwen3_30b_a3b": ("30.5e9", "29.9e9", "Qwen3-30B-A3B-Instruct-2507"),
 }
 
 

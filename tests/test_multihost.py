@@ -78,10 +78,14 @@ def _free_port() -> int:
 
 
 def _env(devices: int, **extra) -> dict:
-  env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROC", "JAX_PROCESS", "CLUSTER_SPEC"))}
-  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-             **extra)
+  env = {
+    k: v
+    for k, v in os.environ.items()
+    if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROC", "JAX_PROCESS", "CLUSTER_SPEC"))
+  }
+  env.update(
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", **extra
+  )
   return env
 
 
@@ -89,14 +93,27 @@ def test_grpo_step_across_two_processes_equals_single_process(tmp_path):
   script = tmp_path / "worker.py"
   script.write_text(WORKER)
   port = _free_port()
-  single = subprocess.Popen([sys.executable, str(script), "single", str(tmp_path / "single")],
-                            cwd=ROOT, env=_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-  procs = [single] + [subprocess.Popen(
-      [sys.executable, str(script), "multi", str(tmp_path / f"p{i}")], cwd=ROOT,
-      env=_env(2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-               JAX_PROCESS_ID=str(i)),
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  single = subprocess.Popen(
+    [sys.executable, str(script), "single", str(tmp_path / "single")],
+    cwd=ROOT,
+    env=_env(1),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  procs = [single] + [
+    subprocess.Popen(
+      [sys.executable, str(script), "multi", str(tmp_path / f"p{i}")],
+      cwd=ROOT,
+      env=_env(
+        2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)
+      ),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
   for p in procs:
     try:
       _, err = p.communicate(timeout=300)
@@ -122,24 +139,27 @@ def test_grpo_step_across_two_processes_equals_single_process(tmp_path):
 
 
 def test_detect_explicit_coordinator():
-  spec = distributed.detect({"JAX_COORDINATOR_ADDRESS": "10.0.0.2:1234",
-                             "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"})
+  spec = distributed.detect(
+    {"JAX_COORDINATOR_ADDRESS": "10.0.0.2:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+  )
   assert spec == distributed.ProcessSpec("env", "10.0.0.2:1234", 4, 3)
   with pytest.raises(ValueError, match="JAX_NUM_PROCESSES must be set"):
     distributed.detect({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_PROCESS_ID": "0"})
   with pytest.raises(ValueError, match="outside"):
-    distributed.detect({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2",
-                        "JAX_PROCESS_ID": "2"})
+    distributed.detect(
+      {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"}
+    )
 
 
 def test_detect_vertex_cluster_spec():
   cluster = {"workerpool0": ["chief:2222"], "workerpool1": ["w0:2222", "w1:2222", "w2:2222"]}
-  text = json.dumps({"cluster": cluster, "task": {"type": "workerpool1", "index": 2},
-                     "job": "{}"})
+  text = json.dumps({"cluster": cluster, "task": {"type": "workerpool1", "index": 2}, "job": "{}"})
   assert distributed.detect({"CLUSTER_SPEC": text}) == distributed.ProcessSpec(
-      "vertex", "chief:2222", 4, 3)
-  one = json.dumps({"cluster": {"workerpool0": ["chief:2222"]},
-                    "task": {"type": "workerpool0", "index": 0}})
+    "vertex", "chief:2222", 4, 3
+  )
+  one = json.dumps(
+    {"cluster": {"workerpool0": ["chief:2222"]}, "task": {"type": "workerpool0", "index": 0}}
+  )
   assert distributed.detect({"CLUSTER_SPEC": one}) is None  # a single replica
   with pytest.raises(ValueError, match="not a Vertex AI cluster spec"):
     distributed.detect({"CLUSTER_SPEC": "{not json"})
@@ -154,8 +174,19 @@ def test_detect_auto_and_off():
 
 def test_entry_point_rejects_a_half_set_coordinator(tmp_path):
   env = _env(1, JAX_COORDINATOR_ADDRESS="127.0.0.1:1", JAX_PROCESS_ID="0")
-  proc = subprocess.run([sys.executable, "-m", "coevolve_jax.main", "--config=configs/bfcl.py:cpu",
-                         f"--workdir={tmp_path}"], cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=120)
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "coevolve_jax.main",
+      "--config=configs/bfcl.py:cpu",
+      f"--workdir={tmp_path}",
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert proc.returncode == 2
   assert "JAX_NUM_PROCESSES must be set" in proc.stderr

@@ -118,8 +118,9 @@ def test_rollback_keeps_the_checkpointed_prefix_and_moves_the_rest_aside(tmp_pat
 def test_same_solution_as_an_eval_task_is_dropped(tmp_path, eval_tasks):
   pool = TaskPool(tmp_path / "pool.jsonl")
   src = eval_tasks[3]
-  reworded = dataclasses.replace(src, task_id="syn-1", turns=["Completely different words."] *
-                                 len(src.turns), source="synth")
+  reworded = dataclasses.replace(
+    src, task_id="syn-1", turns=["Completely different words."] * len(src.turns), source="synth"
+  )
   report = pool.add([reworded, _task(1)], eval_tasks=eval_tasks)
   assert report.dropped == [("syn-1", "solution_eval", src.task_id)]
   assert report.added == 1 and set(report.eval_similarity) == {"explore-1"}
@@ -130,8 +131,13 @@ def test_eval_similarity_is_reported_for_added_tasks(tmp_path, eval_tasks):
   pool = TaskPool(tmp_path / "pool.jsonl", threshold=0.95)
   src = eval_tasks[0]
   words = src.turns[0].split()
-  close = dataclasses.replace(src, task_id="syn-2", turns=[" ".join(words[:-2])] + src.turns[1:],
-                              ground_truth=[["ls()"]] * len(src.turns), source="synth")
+  close = dataclasses.replace(
+    src,
+    task_id="syn-2",
+    turns=[" ".join(words[:-2])] + src.turns[1:],
+    ground_truth=[["ls()"]] * len(src.turns),
+    source="synth",
+  )
   report = pool.add([close], eval_tasks=eval_tasks)
   assert report.added == 1
   assert 0.5 < report.eval_similarity["syn-2"] < 0.95  # similar, below the drop threshold

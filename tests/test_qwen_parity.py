@@ -20,29 +20,53 @@ VOCAB = 320
 
 # name: (transformers config class, model class, extra config)
 FAMILIES = {
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40,
-                       norm_topk_prob=True)),
-    # Sparse only every second layer; layer 2 is forced dense; no top-k renormalisation.
-    "qwen3_moe_mixed": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                        dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
-                             norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[2],
-                             num_hidden_layers=4)),
+  "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+  "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+  "qwen3_moe": (
+    "Qwen3MoeConfig",
+    "Qwen3MoeForCausalLM",
+    dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True),
+  ),
+  # Sparse only every second layer; layer 2 is forced dense; no top-k renormalisation.
+  "qwen3_moe_mixed": (
+    "Qwen3MoeConfig",
+    "Qwen3MoeForCausalLM",
+    dict(
+      num_experts=6,
+      num_experts_per_tok=2,
+      moe_intermediate_size=40,
+      norm_topk_prob=False,
+      decoder_sparse_step=2,
+      mlp_only_layers=[2],
+      num_hidden_layers=4,
+    ),
+  ),
 }
 
 CASES = [  # (family, tied head, query heads, kv heads): GQA ratios 1, 2 and 4
-    ("qwen3", True, 4, 2), ("qwen3", False, 4, 4), ("qwen2", False, 4, 1), ("qwen2", True, 4, 2),
-    ("qwen3_moe", False, 4, 2), ("qwen3_moe_mixed", True, 4, 1),
+  ("qwen3", True, 4, 2),
+  ("qwen3", False, 4, 4),
+  ("qwen2", False, 4, 1),
+  ("qwen2", True, 4, 2),
+  ("qwen3_moe", False, 4, 2),
+  ("qwen3_moe_mixed", True, 4, 1),
 ]
 
 
 def _hf_folder(tmp_path, family, tie, n_heads, n_kv):
   config_cls, model_cls, extra = FAMILIES[family]
-  kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=16,
-                rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=tie)
+  kwargs = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=n_heads,
+    num_key_value_heads=n_kv,
+    head_dim=16,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=tie,
+  )
   kwargs.update(extra)
   torch.manual_seed(0)
   hf = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
@@ -108,14 +132,21 @@ def test_long_batch_paths_match_transformers(tmp_path, family):
   valid = mask.astype(bool)
   np.testing.assert_allclose(got[valid], ref[valid], atol=1e-4, rtol=0)
 
-  index = np.stack([np.arange(456, 512, 2), np.arange(37, 512, 17),  # [B, P], P = 28, real tokens
-                    np.arange(28) % 8])
-  hidden = ours.hidden_states(jnp.asarray(ids), attention_mask_bt=jnp.asarray(mask),
-                              output_index_bp=jnp.asarray(index))
+  index = np.stack(
+    [
+      np.arange(456, 512, 2),
+      np.arange(37, 512, 17),  # [B, P], P = 28, real tokens
+      np.arange(28) % 8,
+    ]
+  )
+  hidden = ours.hidden_states(
+    jnp.asarray(ids), attention_mask_bt=jnp.asarray(mask), output_index_bp=jnp.asarray(index)
+  )
   assert hidden.shape == (3, 28, 64)
   picked = np.asarray(ours.logits(hidden))
-  np.testing.assert_allclose(picked, np.take_along_axis(ref, index[..., None], axis=1),
-                             atol=1e-4, rtol=0)
+  np.testing.assert_allclose(
+    picked, np.take_along_axis(ref, index[..., None], axis=1), atol=1e-4, rtol=0
+  )
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
@@ -148,7 +179,7 @@ def test_kv_cache_decode_equals_full_forward(tmp_path, family):
   h, cache = ours.decode(ids[:, :5], pos, cache, jnp.zeros((2,), jnp.int32))
   outs = [ours.logits(h)]
   for t in range(5, 9):
-    h, cache = ours.decode(ids[:, t:t + 1], jnp.full((2, 1), t), cache, jnp.full((2,), t))
+    h, cache = ours.decode(ids[:, t : t + 1], jnp.full((2, 1), t), cache, jnp.full((2,), t))
     outs.append(ours.logits(h))
   np.testing.assert_allclose(np.concatenate(outs, axis=1), full, atol=1e-4, rtol=0)
 
@@ -181,12 +212,15 @@ def test_sharded_checkpoint_index_round_trip(tmp_path):
   assert not list(out.glob(".*"))  # no temporary files left behind
   again = from_pretrained(out)
   ids, mask = _batch(3)
-  np.testing.assert_array_equal(np.asarray(again(jnp.asarray(ids), attention_mask=mask)),
-                                np.asarray(ours(jnp.asarray(ids), attention_mask=mask)))
+  np.testing.assert_array_equal(
+    np.asarray(again(jnp.asarray(ids), attention_mask=mask)),
+    np.asarray(ours(jnp.asarray(ids), attention_mask=mask)),
+  )
 
 
 def test_config_round_trip_for_presets():
   from coevolve_jax.models import PRESETS, config_from_hf, hf_config
+
   for name in PRESETS:
     cfg = QwenConfig.preset(name)
     assert config_from_hf(hf_config(cfg)) == cfg, name

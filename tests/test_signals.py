@@ -6,13 +6,24 @@ import json
 
 import pytest
 
-from coevolve_jax.feedback.signals import (BOUNDARY, FORGETTING, RARE, RolloutRecord, Signal,
-                                           SignalTracker)
+from coevolve_jax.feedback.signals import (
+  BOUNDARY,
+  FORGETTING,
+  RARE,
+  RolloutRecord,
+  Signal,
+  SignalTracker,
+)
 
 
 def rec(task, score, idx, tools=("a",), group=None):
-  return RolloutRecord(task_id=task, group_id=group if group is not None else task, score=score,
-                       tool_names=list(tools), trajectory_index=idx)
+  return RolloutRecord(
+    task_id=task,
+    group_id=group if group is not None else task,
+    score=score,
+    tool_names=list(tools),
+    trajectory_index=idx,
+  )
 
 
 def kinds(signals, kind):
@@ -20,6 +31,7 @@ def kinds(signals, kind):
 
 
 # ------------------------------------------------------------------ forgetting
+
 
 def test_first_visit_never_forgets():
   tr = SignalTracker(rare_min_total=10**9)
@@ -30,15 +42,15 @@ def test_first_visit_never_forgets():
 
 def test_forgetting_after_success():
   tr = SignalTracker(rare_min_total=10**9)
-  tr.update([rec("t", 1.0, 0), rec("t", 1.0, 1)])          # visit mean 1.0
+  tr.update([rec("t", 1.0, 0), rec("t", 1.0, 1)])  # visit mean 1.0
   sig = tr.update([rec("t", 0.0, 0), rec("t", 1.0, 1), rec("u", 0.0, 2)])
-  assert kinds(sig, FORGETTING) == [0]                    # only the failed rollout of t
+  assert kinds(sig, FORGETTING) == [0]  # only the failed rollout of t
   assert [s for s in sig if s.kind == FORGETTING] == [Signal(FORGETTING, "t", 0)]
 
 
 def test_forgetting_edges_exactly_half():
   tr = SignalTracker(rare_min_total=10**9)
-  tr.update([rec("t", 0.5, 0)])                            # 0.5 counts as "was solved" (>= 0.5)
+  tr.update([rec("t", 0.5, 0)])  # 0.5 counts as "was solved" (>= 0.5)
   assert kinds(tr.update([rec("t", 0.49, 0)]), FORGETTING) == [0]
   tr = SignalTracker(rare_min_total=10**9)
   tr.update([rec("t", 1.0, 0)])
@@ -52,7 +64,7 @@ def test_forgetting_uses_group_mean_as_visit_score():
   tr = SignalTracker(rare_min_total=10**9)
   tr.update([rec("t", 1.0, 0), rec("t", 0.0, 1), rec("t", 0.0, 2)])  # mean 1/3 < 0.5
   assert kinds(tr.update([rec("t", 0.0, 0)]), FORGETTING) == []
-  tr.update([rec("t", 1.0, 0), rec("t", 0.0, 1)])                   # mean 0.5 >= 0.5
+  tr.update([rec("t", 1.0, 0), rec("t", 0.0, 1)])  # mean 0.5 >= 0.5
   assert kinds(tr.update([rec("t", 0.0, 7)]), FORGETTING) == [7]
 
 
@@ -66,14 +78,15 @@ def test_current_step_does_not_count_as_earlier():
 def test_forgetting_window_expires():
   tr = SignalTracker(window=2, rare_min_total=10**9)
   tr.update([rec("t", 1.0, 0)])
-  tr.update([rec("t", 0.0, 0)])   # fires; history [1.0, 0.0]
-  sig = tr.update([rec("t", 0.0, 0)])   # history [1.0, 0.0] still has 1.0 -> fires
+  tr.update([rec("t", 0.0, 0)])  # fires; history [1.0, 0.0]
+  sig = tr.update([rec("t", 0.0, 0)])  # history [1.0, 0.0] still has 1.0 -> fires
   assert kinds(sig, FORGETTING) == [0]
   # history now [0.0, 0.0]: the success fell out of the window.
   assert kinds(tr.update([rec("t", 0.0, 0)]), FORGETTING) == []
 
 
 # ------------------------------------------------------------------ boundary
+
 
 def test_boundary_mixed_group_marks_all():
   tr = SignalTracker(rare_min_total=10**9)
@@ -82,8 +95,9 @@ def test_boundary_mixed_group_marks_all():
   assert all(s.task_id == "t" for s in sig if s.kind == BOUNDARY)
 
 
-@pytest.mark.parametrize("scores", [[1.0, 1.0, 1.0], [0.0, 0.0], [0.5, 0.5], [0.5, 1.0],
-                                    [0.5, 0.0], [0.7]])
+@pytest.mark.parametrize(
+  "scores", [[1.0, 1.0, 1.0], [0.0, 0.0], [0.5, 0.5], [0.5, 1.0], [0.5, 0.0], [0.7]]
+)
 def test_boundary_no_fire(scores):
   tr = SignalTracker(rare_min_total=10**9)
   sig = tr.update([rec("t", s, i) for i, s in enumerate(scores)])
@@ -104,15 +118,16 @@ def test_boundary_groups_by_task_across_group_ids():
 
 # ------------------------------------------------------------------ rare
 
+
 def test_rare_needs_min_total():
   tr = SignalTracker(rare_min_total=50, rare_theta_percent=5.0)
   recs = [rec("t", 1.0, i, tools=("common",)) for i in range(48)] + [rec("t", 1.0, 48, ("odd",))]
-  assert kinds(tr.update(recs), RARE) == []                    # N = 49 < 50
+  assert kinds(tr.update(recs), RARE) == []  # N = 49 < 50
   assert tr.total == 49
-  sig = tr.update([rec("t", 1.0, 0, ("common",))])             # N = 50 now; odd has 1/50 = 2%
-  assert kinds(sig, RARE) == []                                # this step's trajectory is common
+  sig = tr.update([rec("t", 1.0, 0, ("common",))])  # N = 50 now; odd has 1/50 = 2%
+  assert kinds(sig, RARE) == []  # this step's trajectory is common
   sig = tr.update([rec("t", 1.0, 5, ("odd",)), rec("t", 1.0, 6, ("common",))])
-  assert kinds(sig, RARE) == [5]                               # odd: 2/52 < 5%
+  assert kinds(sig, RARE) == [5]  # odd: 2/52 < 5%
 
 
 def test_rare_counts_current_step_first():
@@ -126,9 +141,15 @@ def test_rare_counts_current_step_first():
 
 def test_rare_tool_sequence_is_ordered_and_includes_empty():
   tr = SignalTracker(rare_min_total=0, rare_theta_percent=30.0)
-  sig = tr.update([rec("t", 0.0, 0, ("a", "b")), rec("t", 0.0, 1, ("a", "b")),
-                   rec("t", 0.0, 2, ("a", "b")), rec("t", 0.0, 3, ("b", "a")),
-                   rec("t", 0.0, 4, ())])
+  sig = tr.update(
+    [
+      rec("t", 0.0, 0, ("a", "b")),
+      rec("t", 0.0, 1, ("a", "b")),
+      rec("t", 0.0, 2, ("a", "b")),
+      rec("t", 0.0, 3, ("b", "a")),
+      rec("t", 0.0, 4, ()),
+    ]
+  )
   assert kinds(sig, RARE) == [3, 4]  # 1/5 = 20% < 30%; ("a","b") is 60%
 
 
@@ -154,6 +175,7 @@ def test_rare_theta_zero_never_fires():
 
 # ------------------------------------------------------------------ bookkeeping
 
+
 def test_all_three_kinds_and_counts():
   tr = SignalTracker(rare_min_total=0, rare_theta_percent=40.0)
   tr.update([rec("t", 1.0, 0, ("a",)), rec("t", 1.0, 1, ("a",)), rec("t", 1.0, 2, ("a",))])
@@ -173,8 +195,12 @@ def test_invalid_inputs_leave_state_unchanged():
     with pytest.raises(ValueError):
       tr.update(bad)
     assert json.dumps(tr.state_dict()) == before
-  for kwargs in ({"window": 0}, {"pattern": "ngram:0"}, {"pattern": "bag"},
-                 {"rare_theta_percent": -1}):
+  for kwargs in (
+    {"window": 0},
+    {"pattern": "ngram:0"},
+    {"pattern": "bag"},
+    {"rare_theta_percent": -1},
+  ):
     with pytest.raises(ValueError):
       SignalTracker(**kwargs)
 
@@ -214,8 +240,8 @@ def test_load_state_trims_to_smaller_window():
 
 def test_success_threshold_is_configurable():
   tr = SignalTracker(rare_min_total=10**9, success_threshold=0.8)
-  tr.update([rec("t", 0.8, 0)])                               # 0.8 >= 0.8: solved
-  sig = tr.update([rec("t", 0.7, 0), rec("t", 0.9, 1)])       # 0.7 < 0.8 after a solve
+  tr.update([rec("t", 0.8, 0)])  # 0.8 >= 0.8: solved
+  sig = tr.update([rec("t", 0.7, 0), rec("t", 0.9, 1)])  # 0.7 < 0.8 after a solve
   assert kinds(sig, FORGETTING) == [0] and kinds(sig, BOUNDARY) == [0, 1]
   with pytest.raises(ValueError):
     SignalTracker(success_threshold=1.5)

@@ -15,8 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _load(name):
-  spec = importlib.util.spec_from_file_location(f"tpu_{name}", os.path.join(ROOT, "tpu",
-                                                                            f"{name}.py"))
+  spec = importlib.util.spec_from_file_location(
+    f"tpu_{name}", os.path.join(ROOT, "tpu", f"{name}.py")
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -28,23 +29,50 @@ JOB = ["--config=configs/bfcl.py", "--workdir=/tmp/runs/a b", "--config.train.st
 
 
 def _run(script, *args, env=None):
-  return subprocess.run([sys.executable, os.path.join(ROOT, "tpu", script), *args], cwd=ROOT,
-                        capture_output=True, text=True, timeout=120, env=env)
+  return subprocess.run(
+    [sys.executable, os.path.join(ROOT, "tpu", script), *args],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env=env,
+  )
 
 
 def test_tpu_up_dry_run_prints_every_step_in_order():
-  out = _run("launch.py", "up", "--name=cv", "--zone=us-east5-a", "--project=p1",
-             "--accelerator-type=v5p-16", "--version=v2-alpha-tpuv5", "--spot", "--dry-run", "--",
-             *JOB)
+  out = _run(
+    "launch.py",
+    "up",
+    "--name=cv",
+    "--zone=us-east5-a",
+    "--project=p1",
+    "--accelerator-type=v5p-16",
+    "--version=v2-alpha-tpuv5",
+    "--spot",
+    "--dry-run",
+    "--",
+    *JOB,
+  )
   assert out.returncode == 0, out.stderr
   lines = [shlex.split(line) for line in out.stdout.strip().splitlines()]
   tpu_vm = ["gcloud", "compute", "tpus", "tpu-vm"]
   assert [cmd[:5] if cmd[0] == "gcloud" else cmd[:2] for cmd in lines] == [
-      tpu_vm + ["create"], ["git", "archive"], tpu_vm + ["scp"], tpu_vm + ["ssh"],
-      tpu_vm + ["ssh"], tpu_vm + ["ssh"]]
+    tpu_vm + ["create"],
+    ["git", "archive"],
+    tpu_vm + ["scp"],
+    tpu_vm + ["ssh"],
+    tpu_vm + ["ssh"],
+    tpu_vm + ["ssh"],
+  ]
   create, _, scp, install, run, logs = lines
-  assert {"cv", "--zone=us-east5-a", "--project=p1", "--accelerator-type=v5p-16",
-          "--version=v2-alpha-tpuv5", "--spot"} <= set(create)
+  assert {
+    "cv",
+    "--zone=us-east5-a",
+    "--project=p1",
+    "--accelerator-type=v5p-16",
+    "--version=v2-alpha-tpuv5",
+    "--spot",
+  } <= set(create)
   assert "--worker=all" in scp and "--worker=all" in install and "--worker=all" in run
   assert "--worker=0" in logs
   assert "pip install -q -e '.[tpu]'" in install[-1]
@@ -52,7 +80,7 @@ def test_tpu_up_dry_run_prints_every_step_in_order():
   remote = shlex.split(run[-1].removeprefix("--command="))
   assert "COEVOLVE_DISTRIBUTED=auto" in remote
   start = remote.index("coevolve_jax.main") + 1
-  assert remote[start:start + len(JOB)] == JOB
+  assert remote[start : start + len(JOB)] == JOB
 
 
 def test_tpu_run_without_job_arguments_is_an_error():
@@ -72,8 +100,9 @@ def test_tpu_delete_is_quiet_and_named():
 
 
 def test_vertex_tpu_job_uses_library_types_and_round_trips():
-  job = vertex.build_job(chip="v5e", topology="4x4", image_uri="img:1", job_args=JOB,
-                         output_uri="gs://bucket/out")
+  job = vertex.build_job(
+    chip="v5e", topology="4x4", image_uri="img:1", job_args=JOB, output_uri="gs://bucket/out"
+  )
   assert isinstance(job, types.CustomJob)
   (pool,) = job.job_spec.worker_pool_specs
   assert pool.machine_spec.machine_type == "ct5lp-hightpu-4t"
@@ -97,7 +126,9 @@ def test_vertex_gpu_job_has_primary_and_worker_pools():
   assert len(single.job_spec.worker_pool_specs) == 1
 
 
-@pytest.mark.parametrize("kwargs,message", [
+@pytest.mark.parametrize(
+  "kwargs,message",
+  [
     (dict(chip="tpu9"), "unknown chip"),
     (dict(chip="v5p", topology="big"), "--topology must look like"),
     (dict(chip="v5p"), "--topology must look like"),
@@ -105,7 +136,8 @@ def test_vertex_gpu_job_has_primary_and_worker_pools():
     (dict(chip="h100", topology="2x2"), "--topology is for TPUs"),
     (dict(chip="h100", hosts=0), "--hosts must be >= 1"),
     (dict(chip="h100", image_uri=""), "image URI is required"),
-])
+  ],
+)
 def test_vertex_bad_input_is_a_clear_error(kwargs, message):
   kwargs = {"image_uri": "img:1", "job_args": JOB, **kwargs}
   with pytest.raises(ValueError, match=re.escape(message)):
@@ -118,8 +150,7 @@ def test_vertex_unknown_accelerator_enum_is_a_clear_error():
 
 
 def test_vertex_dry_run_prints_the_job_json():
-  out = _run("vertex.py", "--chip=v6e", "--topology=2x4", "--image=img:1", "--dry-run", "--",
-             *JOB)
+  out = _run("vertex.py", "--chip=v6e", "--topology=2x4", "--image=img:1", "--dry-run", "--", *JOB)
   assert out.returncode == 0, out.stderr
   spec = json.loads(out.stdout)
   pool = spec["jobSpec"]["workerPoolSpecs"][0]

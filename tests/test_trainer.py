@@ -13,15 +13,28 @@ from flax import nnx
 
 from coevolve_jax import grpo
 from coevolve_jax.models import Qwen, QwenConfig
-from coevolve_jax.trainer import (PolicyTrainer, accumulate_gradients, grpo_micro_loss, make_batch,
-                                  make_optimizer, split_micro_batches)
+from coevolve_jax.trainer import (
+  PolicyTrainer,
+  accumulate_gradients,
+  grpo_micro_loss,
+  make_batch,
+  make_optimizer,
+  split_micro_batches,
+)
 from coevolve_jax.trajectory import Trajectory
 
 
 @pytest.fixture(scope="module")
 def base_model():
-  cfg = QwenConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+  cfg = QwenConfig(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+  )
   return Qwen(cfg, rngs=nnx.Rngs(0))
 
 
@@ -74,8 +87,9 @@ def test_make_batch_shapes_masks_and_padding():
   np.testing.assert_array_equal(batch.target_pos[1], [7, 8, 9, 1, 1, 1, 1, 1])
   np.testing.assert_array_equal(batch.target_mask[1], [1, 1, 1, 0, 0, 0, 0, 0])
   assert batch.tokens[0, batch.target_pos[0, 5]] == 0  # the stop token is a target
-  np.testing.assert_allclose(batch.sampler_logp[0, :6],
-                             [a.logprobs[i] for i in (5, 6, 7, 8, 12, 13)], rtol=1e-6)
+  np.testing.assert_allclose(
+    batch.sampler_logp[0, :6], [a.logprobs[i] for i in (5, 6, 7, 8, 12, 13)], rtol=1e-6
+  )
   np.testing.assert_array_equal(batch.sampler_logp[:, 6:], 0.0)
   np.testing.assert_array_equal(batch.advantages, np.array([0.5, -0.5], np.float32))
   # Every target position is a sampled token (loss_mask == 1), never position 0.
@@ -124,8 +138,9 @@ def _group(seed, prompt_len, reply_lens):
 
 
 def test_grpo_update_moves_logprobs_and_compiles_once(base_model):
-  trainer = PolicyTrainer(_fresh(base_model), make_optimizer(1e-3, 0.0, 1.0),
-                          grpo.GRPOConfig(), temperature=0.9)
+  trainer = PolicyTrainer(
+    _fresh(base_model), make_optimizer(1e-3, 0.0, 1.0), grpo.GRPOConfig(), temperature=0.9
+  )
   trainer.freeze_reference()
   trajs = _group(7, 6, [5, 5])
   batch = make_batch(trajs, advantages=np.array([1.0, -1.0]), min_len=16, min_targets=8)
@@ -149,8 +164,9 @@ def test_grpo_update_moves_logprobs_and_compiles_once(base_model):
   assert history[-1]["kl"] > 0.0
 
   after = jax.tree.map(np.array, trainer.params)
-  changed = [not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(before),
-                                                     jax.tree.leaves(after))]
+  changed = [
+    not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after))
+  ]
   assert all(changed)
   new = trainer.logprobs(batch)
   old_mean = _masked_mean(old, batch.target_mask)
@@ -172,8 +188,9 @@ def test_grpo_update_moves_logprobs_and_compiles_once(base_model):
 
 
 def test_sft_update_lowers_loss(base_model):
-  trainer = PolicyTrainer(_fresh(base_model), make_optimizer(3e-3, 0.01, 1.0),
-                          grpo.GRPOConfig(), temperature=1.0)
+  trainer = PolicyTrainer(
+    _fresh(base_model), make_optimizer(3e-3, 0.01, 1.0), grpo.GRPOConfig(), temperature=1.0
+  )
   batch = make_batch(_group(9, 5, [6, 4, 7]), min_len=16, min_targets=8)
   losses = [trainer.sft_update(batch) for _ in range(6)]  # each: the loss before its step
   assert all(np.isfinite(losses))
@@ -199,8 +216,15 @@ def _mixed_batch(n=8, seed=11):
 
 @pytest.fixture(scope="module")
 def one_layer_model():
-  cfg = QwenConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                   num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+  cfg = QwenConfig(
+    vocab_size=512,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+  )
   return Qwen(cfg, rngs=nnx.Rngs(1))
 
 
@@ -214,41 +238,48 @@ def test_accumulated_gradient_does_not_depend_on_the_split(mode):
   (rows of different lengths, an empty row, ratios inside and outside the clip range)."""
   rng = np.random.default_rng(0)
   n, t, p, v = 8, 12, 6, 16
-  arrays = {"tokens": rng.integers(0, v, (n, t)).astype(np.int32),
-            "target_pos": np.sort(rng.integers(1, t, (n, p)), axis=1).astype(np.int32),
-            "target_mask": (np.arange(p)[None, :] < rng.integers(1, p + 1, (n, 1))).astype(
-                np.float32),
-            "advantages": rng.normal(0, 1, n).astype(np.float32),
-            "old": -rng.gamma(2.0, 1.0, (n, p)).astype(np.float32),
-            "ref": -rng.gamma(2.0, 1.0, (n, p)).astype(np.float32)}
+  arrays = {
+    "tokens": rng.integers(0, v, (n, t)).astype(np.int32),
+    "target_pos": np.sort(rng.integers(1, t, (n, p)), axis=1).astype(np.int32),
+    "target_mask": (np.arange(p)[None, :] < rng.integers(1, p + 1, (n, 1))).astype(np.float32),
+    "advantages": rng.normal(0, 1, n).astype(np.float32),
+    "old": -rng.gamma(2.0, 1.0, (n, p)).astype(np.float32),
+    "ref": -rng.gamma(2.0, 1.0, (n, p)).astype(np.float32),
+  }
   arrays["target_mask"][5] = 0.0
-  params = {"bias": jnp.asarray(rng.normal(0, 1, v), jnp.float32),
-            "scale": jnp.asarray(0.7, jnp.float32)}
+  params = {
+    "bias": jnp.asarray(rng.normal(0, 1, v), jnp.float32),
+    "scale": jnp.asarray(0.7, jnp.float32),
+  }
 
   def logp_fn(prm, tokens, pos):
     logits = prm["scale"] * prm["bias"][None, None, :] + 0.1 * tokens[:, :, None]
     logp = jax.nn.log_softmax(logits, axis=-1)  # [M, T, V]
     ids = jnp.take_along_axis(tokens, pos, axis=1)
-    return jnp.take_along_axis(jnp.take_along_axis(logp, pos[..., None], axis=1),
-                               ids[..., None], axis=2)[..., 0]
+    return jnp.take_along_axis(
+      jnp.take_along_axis(logp, pos[..., None], axis=1), ids[..., None], axis=2
+    )[..., 0]
 
   cfg = grpo.GRPOConfig(loss_agg=mode, kl_beta=0.2, loss_norm_tokens=5.0)
   whole = grpo_micro_loss(logp_fn, cfg, jnp.asarray(arrays["target_mask"]))
   (want_loss, want_metrics), want_grads = jax.value_and_grad(whole, has_aux=True)(
-      params, jax.tree.map(jnp.asarray, arrays))
+    params, jax.tree.map(jnp.asarray, arrays)
+  )
   assert 0.0 < float(want_metrics["clip_frac"]) < 1.0
   for k in (1, 2, 4):
     micro = jax.tree.map(lambda x, k=k: split_micro_batches(jnp.asarray(x), k), arrays)
     loss, metrics, grads = jax.jit(accumulate_gradients, static_argnums=(0, 3))(
-        whole, params, micro, k)
+      whole, params, micro, k
+    )
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6, atol=1e-7)
     for key, val in want_metrics.items():
       np.testing.assert_allclose(metrics[key], val, rtol=1e-6, atol=1e-7, err_msg=key)
     for key in params:
       np.testing.assert_allclose(grads[key], want_grads[key], rtol=1e-5, atol=1e-7)
   # Strided split: micro-batch j holds rows j, j + k, ...
-  np.testing.assert_array_equal(split_micro_batches(np.arange(8), 4), [[0, 4], [1, 5], [2, 6],
-                                                                        [3, 7]])
+  np.testing.assert_array_equal(
+    split_micro_batches(np.arange(8), 4), [[0, 4], [1, 5], [2, 6], [3, 7]]
+  )
 
 
 def test_micro_batch_split_does_not_change_the_trainer_update(one_layer_model):
@@ -259,8 +290,9 @@ def test_micro_batch_split_does_not_change_the_trainer_update(one_layer_model):
   batch = _mixed_batch()
   results = {}
   for k in (1, 4):
-    trainer = PolicyTrainer(_fresh(one_layer_model), optax.sgd(0.5), cfg, temperature=0.9,
-                            micro_batches=k)
+    trainer = PolicyTrainer(
+      _fresh(one_layer_model), optax.sgd(0.5), cfg, temperature=0.9, micro_batches=k
+    )
     trainer.freeze_reference()
     old = trainer.logprobs(batch)
     ref = trainer.logprobs(batch, trainer.ref_params) - 0.05  # KL term non-zero from step 1
@@ -278,8 +310,13 @@ def test_micro_batch_split_does_not_change_the_trainer_update(one_layer_model):
 
 
 def test_micro_batches_must_divide_rows(base_model):
-  trainer = PolicyTrainer(_fresh(base_model), make_optimizer(1e-3, 0.0, 1.0), grpo.GRPOConfig(),
-                          temperature=1.0, micro_batches=4)
+  trainer = PolicyTrainer(
+    _fresh(base_model),
+    make_optimizer(1e-3, 0.0, 1.0),
+    grpo.GRPOConfig(),
+    temperature=1.0,
+    micro_batches=4,
+  )
   batch = make_batch(_group(3, 4, [2, 3, 4, 5, 6, 7]), min_len=16, min_targets=8)  # 6 rows
   with pytest.raises(ValueError, match="6 rows does not split into 4 micro-batches"):
     trainer.logprobs(batch)
@@ -292,10 +329,10 @@ def test_micro_batches_must_divide_rows(base_model):
 def test_sharded_step_on_eight_cpu_devices():
   """Runs `_sharded_child` in a fresh interpreter with 8 host devices (the main test process
   keeps its single device)."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, __file__, "sharded"], env=env, capture_output=True,
-                        text=True, timeout=300)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+    [sys.executable, __file__, "sharded"], env=env, capture_output=True, text=True, timeout=300
+  )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "sharded OK" in proc.stdout
 
@@ -306,8 +343,15 @@ def _sharded_child():
   assert jax.device_count() == 8, jax.devices()
   from coevolve_jax.models.sharding import make_mesh
 
-  cfg = QwenConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+  cfg = QwenConfig(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+  )
   model = Qwen(cfg, rngs=nnx.Rngs(0))
   mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   gcfg = grpo.GRPOConfig(kl_beta=0.1)

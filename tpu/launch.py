@@ -34,14 +34,32 @@ def _base(args: argparse.Namespace) -> list[str]:
 
 
 def _ssh(args: argparse.Namespace, command: str, worker: str = "all") -> list[str]:
-  return ["gcloud", "compute", "tpus", "tpu-vm", "ssh", args.name, *_base(args),
-          f"--worker={worker}", f"--command={command}"]
+  return [
+    "gcloud",
+    "compute",
+    "tpus",
+    "tpu-vm",
+    "ssh",
+    args.name,
+    *_base(args),
+    f"--worker={worker}",
+    f"--command={command}",
+  ]
 
 
 def create_commands(args: argparse.Namespace) -> list[list[str]]:
   """`gcloud compute tpus tpu-vm create` for a single host or a pod slice."""
-  cmd = ["gcloud", "compute", "tpus", "tpu-vm", "create", args.name, *_base(args),
-         f"--accelerator-type={args.accelerator_type}", f"--version={args.version}"]
+  cmd = [
+    "gcloud",
+    "compute",
+    "tpus",
+    "tpu-vm",
+    "create",
+    args.name,
+    *_base(args),
+    f"--accelerator-type={args.accelerator_type}",
+    f"--version={args.version}",
+  ]
   if args.spot:
     cmd.append("--spot")
   return [cmd]
@@ -50,7 +68,8 @@ def create_commands(args: argparse.Namespace) -> list[list[str]]:
 def setup_commands(args: argparse.Namespace) -> list[list[str]]:
   """Archive HEAD, copy it to every worker, install Python 3.11, the package and bfcl-eval."""
   archive = f"/tmp/{ARCHIVE}"
-  install = " && ".join([
+  install = " && ".join(
+    [
       "set -e",
       "sudo apt-get update -qq",
       "sudo apt-get install -y -qq python3.11 python3.11-venv",
@@ -63,20 +82,29 @@ def setup_commands(args: argparse.Namespace) -> list[list[str]]:
       ".venv/bin/pip install -q -e '.[tpu]'",
       f".venv/bin/pip install -q --no-deps {BFCL_EVAL}",
       ".venv/bin/python -c 'import jax; print(jax.process_index(), jax.local_devices())'",
-  ])
+    ]
+  )
   return [
-      ["git", "archive", "--format=tar.gz", f"--output={archive}", "HEAD"],
-      ["gcloud", "compute", "tpus", "tpu-vm", "scp", archive, f"{args.name}:~/", *_base(args),
-       "--worker=all"],
-      _ssh(args, install),
+    ["git", "archive", "--format=tar.gz", f"--output={archive}", "HEAD"],
+    [
+      "gcloud",
+      "compute",
+      "tpus",
+      "tpu-vm",
+      "scp",
+      archive,
+      f"{args.name}:~/",
+      *_base(args),
+      "--worker=all",
+    ],
+    _ssh(args, install),
   ]
 
 
 def run_commands(args: argparse.Namespace) -> list[list[str]]:
   """Starts the main job on all workers (in the background, surviving the ssh session)."""
   job = shlex.join([".venv/bin/python", "-m", "coevolve_jax.main", *args.job_args])
-  command = (f"cd {REMOTE_DIR} && COEVOLVE_DISTRIBUTED=auto nohup {job} > {LOG} 2>&1 "
-             f"< /dev/null &")
+  command = f"cd {REMOTE_DIR} && COEVOLVE_DISTRIBUTED=auto nohup {job} > {LOG} 2>&1 < /dev/null &"
   return [_ssh(args, command)]
 
 
@@ -89,12 +117,17 @@ def delete_commands(args: argparse.Namespace) -> list[list[str]]:
 
 
 def up_commands(args: argparse.Namespace) -> list[list[str]]:
-  return (create_commands(args) + setup_commands(args) + run_commands(args)
-          + logs_commands(args))
+  return create_commands(args) + setup_commands(args) + run_commands(args) + logs_commands(args)
 
 
-COMMANDS = {"create": create_commands, "setup": setup_commands, "run": run_commands,
-            "logs": logs_commands, "delete": delete_commands, "up": up_commands}
+COMMANDS = {
+  "create": create_commands,
+  "setup": setup_commands,
+  "run": run_commands,
+  "logs": logs_commands,
+  "delete": delete_commands,
+  "up": up_commands,
+}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -107,19 +140,26 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--project", default="", help="Project (default: gcloud's configured one).")
     s.add_argument("--dry-run", action="store_true", help="Print the commands; run nothing.")
     if name in ("create", "up"):
-      s.add_argument("--accelerator-type", required=True,
-                     help="e.g. v5litepod-16, v5p-16 (cores), v6e-8; more than one host "
-                          "makes a multi-host slice.")
-      s.add_argument("--version", required=True,
-                     help="TPU software version, e.g. v2-alpha-tpuv5 (configs/prices.py lists one "
-                          "per chip).")
+      s.add_argument(
+        "--accelerator-type",
+        required=True,
+        help="e.g. v5litepod-16, v5p-16 (cores), v6e-8; more than one host "
+        "makes a multi-host slice.",
+      )
+      s.add_argument(
+        "--version",
+        required=True,
+        help="TPU software version, e.g. v2-alpha-tpuv5 (configs/prices.py lists one per chip).",
+      )
       s.add_argument("--spot", action="store_true", help="Spot (preemptible) capacity.")
     if name in ("logs", "up"):
       s.add_argument("--worker", type=int, default=0, help="Worker whose log to follow.")
     if name in ("run", "up"):
-      s.add_argument("job_args", nargs="*",
-                     help="Arguments of coevolve_jax.main after `--`, e.g. --config=... "
-                          "--workdir=...")
+      s.add_argument(
+        "job_args",
+        nargs="*",
+        help="Arguments of coevolve_jax.main after `--`, e.g. --config=... --workdir=...",
+      )
   return p
 
 
@@ -138,8 +178,11 @@ def main(argv: list[str] | None = None) -> int:
       print(shlex.join(cmd))
     return 0
   if shutil.which("gcloud") is None:
-    print("error: the gcloud CLI is not on PATH (install the Google Cloud CLI and run "
-          "`gcloud auth login`), or use --dry-run to see the commands", file=sys.stderr)
+    print(
+      "error: the gcloud CLI is not on PATH (install the Google Cloud CLI and run "
+      "`gcloud auth login`), or use --dry-run to see the commands",
+      file=sys.stderr,
+    )
     return 2
   for cmd in commands:
     print("+", shlex.join(cmd), file=sys.stderr)

@@ -31,8 +31,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _chips() -> dict:
-  spec = importlib.util.spec_from_file_location("coevolve_prices",
-                                                os.path.join(ROOT, "configs", "prices.py"))
+  spec = importlib.util.spec_from_file_location(
+    "coevolve_prices", os.path.join(ROOT, "configs", "prices.py")
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.CHIPS
@@ -43,12 +44,22 @@ def _accelerator(name: str) -> types.AcceleratorType:
     return types.AcceleratorType[name]
   except KeyError:
     known = [a.name for a in types.AcceleratorType if a.name.startswith("NVIDIA")]
-    raise ValueError(f"accelerator type {name!r} is not known to this google-cloud-aiplatform "
-                     f"version (upgrade it); known: {known}") from None
+    raise ValueError(
+      f"accelerator type {name!r} is not known to this google-cloud-aiplatform "
+      f"version (upgrade it); known: {known}"
+    ) from None
 
 
-def build_job(*, chip: str, image_uri: str, job_args: list[str], display_name: str = "coevolve",
-              topology: str = "", hosts: int = 1, output_uri: str = "") -> types.CustomJob:
+def build_job(
+  *,
+  chip: str,
+  image_uri: str,
+  job_args: list[str],
+  display_name: str = "coevolve",
+  topology: str = "",
+  hosts: int = 1,
+  output_uri: str = "",
+) -> types.CustomJob:
   """The Vertex AI CustomJob for `chip` running `python -m coevolve_jax.main JOB_ARGS`.
 
   Args:
@@ -81,10 +92,15 @@ def build_job(*, chip: str, image_uri: str, job_args: list[str], display_name: s
       raise ValueError("--hosts is for GPUs; a TPU slice's hosts follow from --topology")
     env = [types.EnvVar(name="COEVOLVE_DISTRIBUTED", value="auto")]
     machine = types.MachineSpec(machine_type=vertex["machine_type"], tpu_topology=topology)
-    pools = [types.WorkerPoolSpec(
-        machine_spec=machine, replica_count=1,
-        container_spec=types.ContainerSpec(image_uri=image_uri, command=command, args=job_args,
-                                           env=env))]
+    pools = [
+      types.WorkerPoolSpec(
+        machine_spec=machine,
+        replica_count=1,
+        container_spec=types.ContainerSpec(
+          image_uri=image_uri, command=command, args=job_args, env=env
+        ),
+      )
+    ]
     slice_chips = math.prod(dims)
     display_name += f"-{chip}-{slice_chips}chips"
   else:
@@ -92,15 +108,19 @@ def build_job(*, chip: str, image_uri: str, job_args: list[str], display_name: s
       raise ValueError("--topology is for TPUs; use --hosts for GPU machines")
     if hosts < 1:
       raise ValueError(f"--hosts must be >= 1, got {hosts}")
-    machine = types.MachineSpec(machine_type=vertex["machine_type"],
-                                accelerator_type=_accelerator(vertex["accelerator_type"]),
-                                accelerator_count=vertex["chips_per_host"])
+    machine = types.MachineSpec(
+      machine_type=vertex["machine_type"],
+      accelerator_type=_accelerator(vertex["accelerator_type"]),
+      accelerator_count=vertex["chips_per_host"],
+    )
     container = types.ContainerSpec(image_uri=image_uri, command=command, args=job_args)
-    pools = [types.WorkerPoolSpec(machine_spec=machine, replica_count=1,
-                                  container_spec=container)]
+    pools = [types.WorkerPoolSpec(machine_spec=machine, replica_count=1, container_spec=container)]
     if hosts > 1:
-      pools.append(types.WorkerPoolSpec(machine_spec=machine, replica_count=hosts - 1,
-                                        container_spec=container))
+      pools.append(
+        types.WorkerPoolSpec(
+          machine_spec=machine, replica_count=hosts - 1, container_spec=container
+        )
+      )
     display_name += f"-{chip}-{hosts * vertex['chips_per_host']}gpus"
   spec = types.CustomJobSpec(worker_pool_specs=pools)
   if output_uri:
@@ -127,32 +147,49 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
   args = parser().parse_args(sys.argv[1:] if argv is None else argv)
   if not any(a.startswith("--config") for a in args.job_args):
-    print("error: give the job's arguments after `--`, at least --config and --workdir",
-          file=sys.stderr)
+    print(
+      "error: give the job's arguments after `--`, at least --config and --workdir", file=sys.stderr
+    )
     return 2
   try:
-    job = build_job(chip=args.chip, image_uri=args.image, job_args=args.job_args,
-                    display_name=args.display_name, topology=args.topology, hosts=args.hosts,
-                    output_uri=args.output_uri)
+    job = build_job(
+      chip=args.chip,
+      image_uri=args.image,
+      job_args=args.job_args,
+      display_name=args.display_name,
+      topology=args.topology,
+      hosts=args.hosts,
+      output_uri=args.output_uri,
+    )
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if args.dry_run:
-    print(types.CustomJob.to_json(job, use_integers_for_enums=False,
-                                  always_print_fields_with_no_presence=False))
+    print(
+      types.CustomJob.to_json(
+        job, use_integers_for_enums=False, always_print_fields_with_no_presence=False
+      )
+    )
     return 0
   from google.auth import exceptions as auth_exceptions  # noqa: PLC0415
   from google.cloud import aiplatform  # noqa: PLC0415 (slow import; not needed for --dry-run)
 
   try:
     remote = aiplatform.CustomJob(
-        display_name=job.display_name, worker_pool_specs=list(job.job_spec.worker_pool_specs),
-        base_output_dir=args.output_uri or None, project=args.project or None,
-        location=args.region or None, staging_bucket=args.staging_bucket or None)
+      display_name=job.display_name,
+      worker_pool_specs=list(job.job_spec.worker_pool_specs),
+      base_output_dir=args.output_uri or None,
+      project=args.project or None,
+      location=args.region or None,
+      staging_bucket=args.staging_bucket or None,
+    )
     remote.submit()
   except auth_exceptions.DefaultCredentialsError as e:
-    print(f"error: no Google Cloud credentials ({e}); run `gcloud auth application-default "
-          "login`, or use --dry-run", file=sys.stderr)
+    print(
+      f"error: no Google Cloud credentials ({e}); run `gcloud auth application-default "
+      "login`, or use --dry-run",
+      file=sys.stderr,
+    )
     return 2
   print(remote.resource_name)
   return 0

@@ -104,20 +104,40 @@ class SynthesisSettings:
 def _abstract(triplets, context, task_id, source, round_idx, explorer_name, s, llm):
   """LLM abstraction when `llm` is given and its answer is usable, else the template."""
   if llm is not None and triplets:
-    choice = llm_explorer.abstract_with_llm(llm, triplets, context, min_calls=s.min_calls,
-                                            max_calls=s.max_calls)
+    choice = llm_explorer.abstract_with_llm(
+      llm, triplets, context, min_calls=s.min_calls, max_calls=s.max_calls
+    )
     if choice is not None:
-      return Task(task_id=task_id, env="bfcl", turns=[choice.query], ground_truth=[choice.calls],
-                  initial_config=context.initial_config,
-                  involved_classes=list(context.involved_classes), source=source,
-                  provenance={"signal": context.signal, "round": round_idx,
-                              "explorer": explorer_name, "parent_task_id": context.task_id,
-                              "run_id": choice.run_id, "abstraction": "llm",
-                              "description": choice.description,
-                              "completion": choice.completion})
-  task = abstract_task(triplets, context, task_id, min_calls=s.min_calls, max_calls=s.max_calls,
-                       max_turns=s.max_turns, source=source, explorer_name=explorer_name,
-                       round_idx=round_idx)
+      return Task(
+        task_id=task_id,
+        env="bfcl",
+        turns=[choice.query],
+        ground_truth=[choice.calls],
+        initial_config=context.initial_config,
+        involved_classes=list(context.involved_classes),
+        source=source,
+        provenance={
+          "signal": context.signal,
+          "round": round_idx,
+          "explorer": explorer_name,
+          "parent_task_id": context.task_id,
+          "run_id": choice.run_id,
+          "abstraction": "llm",
+          "description": choice.description,
+          "completion": choice.completion,
+        },
+      )
+  task = abstract_task(
+    triplets,
+    context,
+    task_id,
+    min_calls=s.min_calls,
+    max_calls=s.max_calls,
+    max_turns=s.max_turns,
+    source=source,
+    explorer_name=explorer_name,
+    round_idx=round_idx,
+  )
   if task is not None:
     task.provenance["abstraction"] = "template"
   return task
@@ -146,10 +166,12 @@ def _explore_one(
   triplets = explorer.explore(context, rng)
   if trace is not None:
     steps = getattr(explorer, "trace", None) or [
-        {"run": t.run_id, "action": t.action, "observation": t.observation[:400], "ok": True}
-        for t in triplets]
-    trace.extend({"task_id": task_id, "parent": context.task_id, "signal": context.signal, **r}
-                 for r in steps)
+      {"run": t.run_id, "action": t.action, "observation": t.observation[:400], "ok": True}
+      for t in triplets
+    ]
+    trace.extend(
+      {"task_id": task_id, "parent": context.task_id, "signal": context.signal, **r} for r in steps
+    )
   task = _abstract(triplets, context, task_id, source, round_idx, explorer.name, settings, llm)
   if task is None:
     return None, "abstraction found no run with enough successful calls"
@@ -161,8 +183,10 @@ def _explore_one(
     return None, result.reason
   if llm is not None and settings.judge:
     accepted, info = llm_explorer.attempt_and_judge(llm, task)
-    task.provenance["validation"] = {"checker_reward": info["checker_reward"],
-                                     "judge": info["judge"]}
+    task.provenance["validation"] = {
+      "checker_reward": info["checker_reward"],
+      "judge": info["judge"],
+    }
     if not accepted:
       return None, f"judge rejected the attempt: {(info['judge'] or {}).get('reason', '')}"
   else:
@@ -226,8 +250,9 @@ def build_initial_tasks(
       steps_per_round=steps_per_round,
     )
     try:
-      task, reason = _explore_one(context, explorer, rng, f"d0-{len(out):05d}", "explore", None,
-                                  settings, llm)
+      task, reason = _explore_one(
+        context, explorer, rng, f"d0-{len(out):05d}", "explore", None, settings, llm
+      )
     except BudgetExhausted as e:
       log.warning("D0: stopped early: %s", e)
       break
@@ -243,9 +268,15 @@ def build_initial_tasks(
   return out
 
 
-def select_events(events: list[SignalEvent], rng: np.random.Generator, max_contexts: int, *,
-                  kinds: tuple[str, ...] = KINDS, mode: str = "signals",
-                  pool_tasks: list[Task] = ()) -> list[SignalEvent]:
+def select_events(
+  events: list[SignalEvent],
+  rng: np.random.Generator,
+  max_contexts: int,
+  *,
+  kinds: tuple[str, ...] = KINDS,
+  mode: str = "signals",
+  pool_tasks: list[Task] = (),
+) -> list[SignalEvent]:
   """The contexts of one round: up to `max_contexts` events, drawn uniformly without replacement.
 
   Args:
@@ -309,8 +340,9 @@ def synthesize_round(
     try:
       summary, focus = summarize_event(event)
       if llm is not None and event.signal is not None:
-        summary = llm_explorer.summarize_with_llm(llm, event.task, event.signal, event.calls,
-                                                  event.reward, summary)
+        summary = llm_explorer.summarize_with_llm(
+          llm, event.task, event.signal, event.calls, event.reward, summary
+        )
       context = ExplorationContext(
         task_id=event.task.task_id,
         initial_config=event.task.initial_config,
@@ -321,11 +353,13 @@ def synthesize_round(
         rounds=settings.rounds,
         steps_per_round=settings.steps_per_round,
       )
-      task, reason = _explore_one(context, explorer, rng, task_id, "synth", round_idx, settings,
-                                  llm, trace)
+      task, reason = _explore_one(
+        context, explorer, rng, task_id, "synth", round_idx, settings, llm, trace
+      )
     except BudgetExhausted as e:
-      log.warning("feedback round %d stopped after %d of %d contexts: %s", round_idx, k,
-                  len(events), e)
+      log.warning(
+        "feedback round %d stopped after %d of %d contexts: %s", round_idx, k, len(events), e
+      )
       break
     counts = per_signal[event.signal or UNGUIDED]
     counts["events"] += 1
@@ -338,9 +372,16 @@ def synthesize_round(
       continue
     counts["validated"] += 1
     tasks.append(task)
-  return RoundResult(round_idx, tasks, synthesized, dict(per_signal), rejected, trace,
-                     llm.budget.reset() if llm is not None else None,
-                     time.perf_counter() - start)
+  return RoundResult(
+    round_idx,
+    tasks,
+    synthesized,
+    dict(per_signal),
+    rejected,
+    trace,
+    llm.budget.reset() if llm is not None else None,
+    time.perf_counter() - start,
+  )
 
 
 def commit_round(result: RoundResult, pool: TaskPool, eval_tasks: list[Task]) -> FeedbackReport:
@@ -362,8 +403,14 @@ def commit_round(result: RoundResult, pool: TaskPool, eval_tasks: list[Task]) ->
     llm_usage=result.llm_usage,
     eval_similarity=report.eval_similarity,
   )
-  log.info("feedback round %d: synthesized %d, accepted %d, dropped %d, pass rate %.2f",
-           result.round_idx, out.synthesized, out.accepted, len(out.dropped), out.pass_rate)
+  log.info(
+    "feedback round %d: synthesized %d, accepted %d, dropped %d, pass rate %.2f",
+    result.round_idx,
+    out.synthesized,
+    out.accepted,
+    len(out.dropped),
+    out.pass_rate,
+  )
   return out
 
 
@@ -392,5 +439,6 @@ def run_feedback_round(
   """
   chosen = select_events(events, rng, max_contexts)
   settings = SynthesisSettings(min_calls, max_calls, max_turns, rounds, steps_per_round)
-  return commit_round(synthesize_round(chosen, explorer, rng, round_idx, settings, llm), pool,
-                      eval_tasks)
+  return commit_round(
+    synthesize_round(chosen, explorer, rng, round_idx, settings, llm), pool, eval_tasks
+  )

@@ -19,8 +19,9 @@ def gemini_settings(section: Any) -> GeminiSettings:
   return GeminiSettings(**{k: section[k] for k in fields if k in section})
 
 
-def make_llm(kind: str, explore_cfg: Any, policy: Callable[[], Any] | None = None
-             ) -> TextLLM | None:
+def make_llm(
+  kind: str, explore_cfg: Any, policy: Callable[[], Any] | None = None
+) -> TextLLM | None:
   """The LLM behind explorer `kind` ("programmatic" -> None).
 
   Args:
@@ -52,9 +53,15 @@ def make_llm(kind: str, explore_cfg: Any, policy: Callable[[], Any] | None = Non
     name = f"local:{os.path.basename(os.path.normpath(local.checkpoint))}"
   elif policy is None:
     raise ValueError("the local explorer needs the policy model or explore.local.checkpoint")
-  return LocalLLM(policy, cache_len=local.cache_len, max_new_tokens=local.max_new_tokens,
-                  temperature=local.temperature, tokens_per_round=local.tokens_per_round,
-                  dtype=local.dtype, name=name)
+  return LocalLLM(
+    policy,
+    cache_len=local.cache_len,
+    max_new_tokens=local.max_new_tokens,
+    temperature=local.temperature,
+    tokens_per_round=local.tokens_per_round,
+    dtype=local.dtype,
+    name=name,
+  )
 
 
 def make_explorer(llm: TextLLM | None) -> Explorer:

@@ -33,11 +33,22 @@ class Reply:
 
 def ok_body(text: str, prompt_tokens: int = 10, output_tokens: int = 5) -> str:
   """A generateContent success body whose candidate says `text`."""
-  return json.dumps({
-      "candidates": [{"content": {"role": "model", "parts": [{"text": text}]},
-                      "finishReason": "STOP", "index": 0}],
-      "usageMetadata": {"promptTokenCount": prompt_tokens, "candidatesTokenCount": output_tokens,
-                        "totalTokenCount": prompt_tokens + output_tokens}})
+  return json.dumps(
+    {
+      "candidates": [
+        {
+          "content": {"role": "model", "parts": [{"text": text}]},
+          "finishReason": "STOP",
+          "index": 0,
+        }
+      ],
+      "usageMetadata": {
+        "promptTokenCount": prompt_tokens,
+        "candidatesTokenCount": output_tokens,
+        "totalTokenCount": prompt_tokens + output_tokens,
+      },
+    }
+  )
 
 
 def error_body(code: int, status: str, message: str = "stub error") -> str:
@@ -59,18 +70,31 @@ def _tool_lines(prompt: str) -> list[tuple[str, list[tuple[str, bool, str]]]]:
 def feedback_responder(system: str, prompt: str) -> str:
   """Deterministic stand-in answers for the prompts of coevolve_jax.feedback.llm_explorer."""
   if system.startswith("You analyse"):
-    return json.dumps({"summary": "stub summary", "failure_cause": "", "instability_pattern": "",
-                       "focus_pattern": [], "exploration_objectives": ["stub"],
-                       "do_not_repeat": []})
+    return json.dumps(
+      {
+        "summary": "stub summary",
+        "failure_cause": "",
+        "instability_pattern": "",
+        "focus_pattern": [],
+        "exploration_objectives": ["stub"],
+        "do_not_repeat": [],
+      }
+    )
   if system.startswith("You turn"):
     runs = collections.Counter(int(r) for r in re.findall(r"^run (\d+) step", prompt, re.M))
     if not runs:
       return json.dumps({"run_id": 0, "steps": [], "query": ""})
     run_id, n = max(runs.items(), key=lambda kv: (kv[1], -kv[0]))
     at_most = int(m.group(1)) if (m := re.search(r"At most (\d+) steps", prompt)) else n
-    return json.dumps({"run_id": run_id, "steps": list(range(min(n, at_most))),
-                       "description": "stub", "query": "Please do the stub task.",
-                       "completion": "all calls done"})
+    return json.dumps(
+      {
+        "run_id": run_id,
+        "steps": list(range(min(n, at_most))),
+        "description": "stub",
+        "query": "Please do the stub task.",
+        "completion": "all calls done",
+      }
+    )
   if system.startswith("You judge"):
     return json.dumps({"success": True, "reason": "stub judge"})
   # Explorer / attempting agent: call the tools that need no string input, in turn.

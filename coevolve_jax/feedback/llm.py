@@ -136,30 +136,42 @@ class GeminiLLM:
     self.budget = TokenBudget(settings.tokens_per_round)
     self._types = types
     http = types.HttpOptions(
-        base_url=settings.base_url or None,
-        timeout=int(round(settings.timeout_s * 1000)),  # milliseconds
-        retry_options=types.HttpRetryOptions(
-            attempts=max(1, settings.attempts), initial_delay=settings.initial_delay_s,
-            max_delay=settings.max_delay_s, exp_base=2.0, jitter=1.0))
+      base_url=settings.base_url or None,
+      timeout=int(round(settings.timeout_s * 1000)),  # milliseconds
+      retry_options=types.HttpRetryOptions(
+        attempts=max(1, settings.attempts),
+        initial_delay=settings.initial_delay_s,
+        max_delay=settings.max_delay_s,
+        exp_base=2.0,
+        jitter=1.0,
+      ),
+    )
     if settings.vertex:
       project = settings.project or os.environ.get("GOOGLE_CLOUD_PROJECT", "")
       location = settings.location or os.environ.get("GOOGLE_CLOUD_LOCATION", "us-central1")
       if not project:
-        raise LLMError("Vertex AI needs a project: set explore.gemini.project or "
-                       "GOOGLE_CLOUD_PROJECT (credentials come from application default "
-                       "credentials)")
+        raise LLMError(
+          "Vertex AI needs a project: set explore.gemini.project or "
+          "GOOGLE_CLOUD_PROJECT (credentials come from application default "
+          "credentials)"
+        )
       try:  # reads application default credentials
-        self._client = genai.Client(vertexai=True, project=project, location=location,
-                                    http_options=http)
+        self._client = genai.Client(
+          vertexai=True, project=project, location=location, http_options=http
+        )
       except Exception as e:  # google.auth errors: no ADC, bad ADC file, ...
-        raise LLMError(f"cannot create the Vertex AI client ({type(e).__name__}: {e}); run "
-                       "`gcloud auth application-default login` or set "
-                       "GOOGLE_APPLICATION_CREDENTIALS") from None
+        raise LLMError(
+          f"cannot create the Vertex AI client ({type(e).__name__}: {e}); run "
+          "`gcloud auth application-default login` or set "
+          "GOOGLE_APPLICATION_CREDENTIALS"
+        ) from None
     else:
       key = api_key_from_env()
       if key is None:
-        raise LLMError(f"no Gemini API key: set one of {', '.join(API_KEY_VARS)} in the "
-                       "environment (or use Vertex AI with explore.gemini.vertex=True)")
+        raise LLMError(
+          f"no Gemini API key: set one of {', '.join(API_KEY_VARS)} in the "
+          "environment (or use Vertex AI with explore.gemini.vertex=True)"
+        )
       self._client = genai.Client(api_key=key, http_options=http)
 
   def __repr__(self) -> str:
@@ -185,12 +197,13 @@ class GeminiLLM:
     self.budget.check()
     s = self.settings
     config = self._types.GenerateContentConfig(
-        system_instruction=system, temperature=s.temperature,
-        max_output_tokens=s.max_output_tokens,
-        response_mime_type="application/json" if json_output else None)
+      system_instruction=system,
+      temperature=s.temperature,
+      max_output_tokens=s.max_output_tokens,
+      response_mime_type="application/json" if json_output else None,
+    )
     try:
-      response = self._client.models.generate_content(model=s.model, contents=prompt,
-                                                      config=config)
+      response = self._client.models.generate_content(model=s.model, contents=prompt, config=config)
     except errors.APIError as e:
       raise LLMError(f"Gemini HTTP {e.code} {e.status or ''}".strip()) from None
     except ValueError as e:  # the client's json.loads of a malformed body

@@ -62,14 +62,21 @@ def tools_text(schemas: dict[str, dict[str, Any]]) -> str:
   for name, fn in sorted(schemas.items()):
     props = (fn.get("parameters") or {}).get("properties") or {}
     required = set((fn.get("parameters") or {}).get("required") or [])
-    params = ", ".join(f"{p}{'' if p in required else '?'}: {s.get('type', 'any')}"
-                       for p, s in props.items())
+    params = ", ".join(
+      f"{p}{'' if p in required else '?'}: {s.get('type', 'any')}" for p, s in props.items()
+    )
     lines.append(f"- {name}({params}) - {compact_description(fn.get('description', ''))}")
   return "\n".join(lines)
 
 
-def summarize_with_llm(llm: TextLLM, task: Task, signal: str, calls: list[list[str]],
-                       reward: float, fallback: dict[str, Any]) -> dict[str, Any]:
+def summarize_with_llm(
+  llm: TextLLM,
+  task: Task,
+  signal: str,
+  calls: list[list[str]],
+  reward: float,
+  fallback: dict[str, Any],
+) -> dict[str, Any]:
   """The SPEC 1.2 context for one marked trajectory, by `llm`; `fallback` when it fails.
 
   Returns:
@@ -78,9 +85,16 @@ def summarize_with_llm(llm: TextLLM, task: Task, signal: str, calls: list[list[s
   Raises:
     BudgetExhausted: the round's token budget is spent (the caller stops the round).
   """
-  prompt = json.dumps({"signal": signal, "task": task.turns, "reward": reward,
-                       "agent_calls": calls, "reference_calls": task.ground_truth},
-                      ensure_ascii=False)
+  prompt = json.dumps(
+    {
+      "signal": signal,
+      "task": task.turns,
+      "reward": reward,
+      "agent_calls": calls,
+      "reference_calls": task.ground_truth,
+    },
+    ensure_ascii=False,
+  )
   try:
     data = parse_json_reply(llm.generate(SUMMARY_SYSTEM, prompt, json_output=True))
   except BudgetExhausted:
@@ -103,8 +117,11 @@ def parse_call_reply(text: str) -> ToolCall | None:
   data = parse_json_reply(text)
   if isinstance(data, dict) and data.get("stop") is True:
     return None
-  if (not isinstance(data, dict) or not isinstance(data.get("name"), str)
-      or not isinstance(data.get("arguments", {}), dict)):
+  if (
+    not isinstance(data, dict)
+    or not isinstance(data.get("name"), str)
+    or not isinstance(data.get("arguments", {}), dict)
+  ):
     raise LLMError(f"reply is not a call object: {text[:120]!r}")
   return ToolCall(data["name"], dict(data.get("arguments", {})))
 
@@ -127,17 +144,27 @@ class LLMExplorer:
     self.name = name or llm.name
     self.trace: list[dict[str, Any]] = []
 
-  def _prompt(self, context: ExplorationContext, tools: str, history: list[tuple[str, str]],
-              earlier: list[str], step: int) -> str:
-    parts = [f"Guidance: {context.guidance}",
-             f"Context: {json.dumps(context.summary, ensure_ascii=False)}",
-             f"Focus calls: {json.dumps(context.focus_calls, ensure_ascii=False)}",
-             f"Tools:\n{tools}"]
+  def _prompt(
+    self,
+    context: ExplorationContext,
+    tools: str,
+    history: list[tuple[str, str]],
+    earlier: list[str],
+    step: int,
+  ) -> str:
+    parts = [
+      f"Guidance: {context.guidance}",
+      f"Context: {json.dumps(context.summary, ensure_ascii=False)}",
+      f"Focus calls: {json.dumps(context.focus_calls, ensure_ascii=False)}",
+      f"Tools:\n{tools}",
+    ]
     if earlier:
       parts.append("Calls of earlier runs (do not simply repeat them): " + "; ".join(earlier[-20:]))
     if history:
-      parts.append("This run so far:\n" + "\n".join(
-          f"{i}. {a} -> {o[:_OBS_CHARS]}" for i, (a, o) in enumerate(history)))
+      parts.append(
+        "This run so far:\n"
+        + "\n".join(f"{i}. {a} -> {o[:_OBS_CHARS]}" for i, (a, o) in enumerate(history))
+      )
     parts.append(f"Step {step + 1} of {context.steps_per_round}: reply with the next call.")
     return "\n\n".join(parts)
 
@@ -147,13 +174,15 @@ class LLMExplorer:
     with Sandbox(context.initial_config, context.involved_classes, context.task_id) as sandbox:
       tools = tools_text(sandbox.schemas)
       for step in range(context.steps_per_round):
-        reply = self.llm.generate(EXPLORER_SYSTEM, self._prompt(context, tools, history, earlier,
-                                                                step), json_output=True)
+        reply = self.llm.generate(
+          EXPLORER_SYSTEM, self._prompt(context, tools, history, earlier, step), json_output=True
+        )
         try:
           call = parse_call_reply(reply)
         except LLMError as e:
-          self.trace.append({"run": run_id, "step": step, "action": reply[:200],
-                             "observation": str(e), "ok": False})
+          self.trace.append(
+            {"run": run_id, "step": step, "action": reply[:200], "observation": str(e), "ok": False}
+          )
           history.append((reply[:200], f"Error: {e}"))
           continue
         if call is None:
@@ -162,8 +191,15 @@ class LLMExplorer:
         ok = result is not None
         shown = text or f"{call.name}(<invalid arguments>)"
         observation = result if ok else "Error: invalid call or the tool returned an error"
-        self.trace.append({"run": run_id, "step": step, "action": shown,
-                           "observation": observation[:_OBS_CHARS], "ok": ok})
+        self.trace.append(
+          {
+            "run": run_id,
+            "step": step,
+            "action": shown,
+            "observation": observation[:_OBS_CHARS],
+            "ok": ok,
+          }
+        )
         history.append((shown, observation))
         if ok:
           out.append(Triplet(text, result, run_id))
@@ -182,8 +218,9 @@ class LLMExplorer:
         break
       except LLMError as e:
         log.warning("exploration run %d of %s ended: %s", run_id, context.task_id, e)
-        self.trace.append({"run": run_id, "step": -1, "action": "", "observation": str(e),
-                           "ok": False})
+        self.trace.append(
+          {"run": run_id, "step": -1, "action": "", "observation": str(e), "ok": False}
+        )
     return out
 
 
@@ -196,8 +233,14 @@ class AbstractionChoice:
   completion: str
 
 
-def abstract_with_llm(llm: TextLLM, triplets: list[Triplet], context: ExplorationContext, *,
-                      min_calls: int, max_calls: int) -> AbstractionChoice | None:
+def abstract_with_llm(
+  llm: TextLLM,
+  triplets: list[Triplet],
+  context: ExplorationContext,
+  *,
+  min_calls: int,
+  max_calls: int,
+) -> AbstractionChoice | None:
   """Asks the LLM to pick a minimal sequence of executed calls and to write its user query.
 
   The chosen calls are the executed ones (by index), never text the LLM wrote, so the task's
@@ -211,13 +254,18 @@ def abstract_with_llm(llm: TextLLM, triplets: list[Triplet], context: Exploratio
   for t in triplets:
     runs.setdefault(t.run_id, []).append(t)
   log_text = "\n".join(
-      f"run {r} step {i}: {t.action} -> {t.observation[:_OBS_CHARS]}"
-      for r, ts in sorted(runs.items()) for i, t in enumerate(ts))
-  prompt = (f"Signal: {context.signal}\nContext: {json.dumps(context.summary, ensure_ascii=False)}"
-            f"\nAt most {max_calls} steps.\nExploration log:\n{log_text}")
+    f"run {r} step {i}: {t.action} -> {t.observation[:_OBS_CHARS]}"
+    for r, ts in sorted(runs.items())
+    for i, t in enumerate(ts)
+  )
+  prompt = (
+    f"Signal: {context.signal}\nContext: {json.dumps(context.summary, ensure_ascii=False)}"
+    f"\nAt most {max_calls} steps.\nExploration log:\n{log_text}"
+  )
   try:
-    data = parse_json_reply(llm.generate(ABSTRACT_SYSTEM.replace("{min_calls}", str(min_calls)),
-                                         prompt, json_output=True))
+    data = parse_json_reply(
+      llm.generate(ABSTRACT_SYSTEM.replace("{min_calls}", str(min_calls)), prompt, json_output=True)
+    )
     run = runs[int(data["run_id"])]
     steps = [int(i) for i in data["steps"]]
     query = str(data["query"]).strip()
@@ -226,12 +274,21 @@ def abstract_with_llm(llm: TextLLM, triplets: list[Triplet], context: Exploratio
   except (LLMError, KeyError, TypeError, ValueError) as e:
     log.info("LLM abstraction unusable (%s)", e)
     return None
-  if (not query or not min_calls <= len(steps) <= max_calls or steps != sorted(set(steps))
-      or any(not 0 <= i < len(run) for i in steps)):
+  if (
+    not query
+    or not min_calls <= len(steps) <= max_calls
+    or steps != sorted(set(steps))
+    or any(not 0 <= i < len(run) for i in steps)
+  ):
     log.info("LLM abstraction rejected: steps %s of a run of %d, query %r", steps, len(run), query)
     return None
-  return AbstractionChoice(int(data["run_id"]), [run[i].action for i in steps], query,
-                           str(data.get("description", "")), str(data.get("completion", "")))
+  return AbstractionChoice(
+    int(data["run_id"]),
+    [run[i].action for i in steps],
+    query,
+    str(data.get("description", "")),
+    str(data.get("completion", "")),
+  )
 
 
 def attempt_and_judge(llm: TextLLM, task: Task, max_steps: int = 12) -> tuple[bool, dict[str, Any]]:
@@ -254,9 +311,11 @@ def attempt_and_judge(llm: TextLLM, task: Task, max_steps: int = 12) -> tuple[bo
       steps: list[list[str]] = []
       history: list[str] = []
       for _ in range(max_steps):
-        prompt = (f"Tools:\n{tools}\n\nUser request: {query}\nHints (a known solution): "
-                  f"{json.dumps(hints)}\nYour calls so far: {json.dumps(history)}\n"
-                  "Reply with the next call, or {\"stop\": true} when the request is done.")
+        prompt = (
+          f"Tools:\n{tools}\n\nUser request: {query}\nHints (a known solution): "
+          f"{json.dumps(hints)}\nYour calls so far: {json.dumps(history)}\n"
+          'Reply with the next call, or {"stop": true} when the request is done.'
+        )
         try:
           call = parse_call_reply(llm.generate(EXPLORER_SYSTEM, prompt, json_output=True))
         except BudgetExhausted:
@@ -275,9 +334,16 @@ def attempt_and_judge(llm: TextLLM, task: Task, max_steps: int = 12) -> tuple[bo
   info: dict[str, Any] = {"checker_reward": reward, "judge": None, "attempt": attempt}
   if reward >= 1.0:
     return True, info
-  prompt = json.dumps({"query": task.turns, "reference_calls": task.ground_truth,
-                       "attempt_calls": attempt, "checker": check.get("checker")},
-                      ensure_ascii=False, default=str)
+  prompt = json.dumps(
+    {
+      "query": task.turns,
+      "reference_calls": task.ground_truth,
+      "attempt_calls": attempt,
+      "checker": check.get("checker"),
+    },
+    ensure_ascii=False,
+    default=str,
+  )
   try:
     verdict = parse_json_reply(llm.generate(JUDGE_SYSTEM, prompt, json_output=True))
   except BudgetExhausted:
@@ -286,6 +352,8 @@ def attempt_and_judge(llm: TextLLM, task: Task, max_steps: int = 12) -> tuple[bo
     info["judge"] = {"success": False, "reason": f"judge failed: {e}"}
     return False, info
   success = isinstance(verdict, dict) and verdict.get("success") is True
-  info["judge"] = {"success": success,
-                   "reason": str(verdict.get("reason", "")) if isinstance(verdict, dict) else ""}
+  info["judge"] = {
+    "success": success,
+    "reason": str(verdict.get("reason", "")) if isinstance(verdict, dict) else "",
+  }
   return success, info

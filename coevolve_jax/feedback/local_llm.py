@@ -36,9 +36,18 @@ class LocalLLM:
     name: provenance name. dtype: KV cache dtype (the model's compute dtype).
   """
 
-  def __init__(self, model: Qwen | Callable[[], Qwen], *, cache_len: int = 4096,
-               max_new_tokens: int = 256, temperature: float = 0.7, tokens_per_round: int = 0,
-               seed: int = 0, name: str = "local:policy", dtype: str = "float32"):
+  def __init__(
+    self,
+    model: Qwen | Callable[[], Qwen],
+    *,
+    cache_len: int = 4096,
+    max_new_tokens: int = 256,
+    temperature: float = 0.7,
+    tokens_per_round: int = 0,
+    seed: int = 0,
+    name: str = "local:policy",
+    dtype: str = "float32",
+  ):
     self._source = model
     self.name = name
     self.budget = TokenBudget(tokens_per_round)
@@ -64,16 +73,25 @@ class LocalLLM:
     """
     del json_output  # the prompts already ask for JSON; no constrained decoding here
     self.budget.check()
-    ids = chat_lib.prompt_ids([{"role": "system", "content": system},
-                               {"role": "user", "content": prompt}], None, enable_thinking=False)
+    ids = chat_lib.prompt_ids(
+      [{"role": "system", "content": system}, {"role": "user", "content": prompt}],
+      None,
+      enable_thinking=False,
+    )
     if len(ids) + 1 >= self.engine.cache_len:
-      raise LLMError(f"prompt of {len(ids)} tokens does not fit the local cache of "
-                     f"{self.engine.cache_len}")
+      raise LLMError(
+        f"prompt of {len(ids)} tokens does not fit the local cache of {self.engine.cache_len}"
+      )
     with self._lock:
       self._key, sub = jax.random.split(self._key)
-      (out,) = generate(self.engine, [ids], self.sampling, max_new_tokens=min(
-          self.max_new_tokens, self.engine.cache_len - len(ids)), stop_ids=[self._tok.im_end_id],
-          rng=sub)
+      (out,) = generate(
+        self.engine,
+        [ids],
+        self.sampling,
+        max_new_tokens=min(self.max_new_tokens, self.engine.cache_len - len(ids)),
+        stop_ids=[self._tok.im_end_id],
+        rng=sub,
+      )
     self.budget.charge(len(ids) + len(out.token_ids))
     reply = [t for t in out.token_ids if t != self._tok.im_end_id]
     text = chat_lib.strip_thinking(self._tok.decode(reply)).strip()

@@ -146,7 +146,7 @@ class TaskPool:
     try:
       view = memoryview(data)
       while view:  # one write() for any normal line; loop only on a short write
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
       os.fsync(fd)
     finally:
       os.close(fd)
@@ -169,8 +169,15 @@ class TaskPool:
       lsh = MinHashLSH(threshold=self.threshold, num_perm=self.num_perm)
       for k, m in hashes.items():
         lsh.insert(k, m)
-      self._eval_cache = (key, ({task_text(t): t.task_id for t in eval_list},
-                                {_solution_key(t): t.task_id for t in eval_list}, hashes, lsh))
+      self._eval_cache = (
+        key,
+        (
+          {task_text(t): t.task_id for t in eval_list},
+          {_solution_key(t): t.task_id for t in eval_list},
+          hashes,
+          lsh,
+        ),
+      )
     return self._eval_cache[1]
 
   def add(self, tasks: Iterable[Task], *, eval_tasks: Iterable[Task] = ()) -> AddReport:

@@ -106,8 +106,14 @@ class SignalTracker:
     ValueError: invalid arguments.
   """
 
-  def __init__(self, window: int = 5, rare_theta_percent: float = 5.0, rare_min_total: int = 50,
-               pattern: str = "tool_sequence", success_threshold: float = 0.5):
+  def __init__(
+    self,
+    window: int = 5,
+    rare_theta_percent: float = 5.0,
+    rare_min_total: int = 50,
+    pattern: str = "tool_sequence",
+    success_threshold: float = 0.5,
+  ):
     if window < 1:
       raise ValueError(f"window must be >= 1, got {window}")
     if not 0.0 <= rare_theta_percent <= 100.0:
@@ -137,7 +143,7 @@ class SignalTracker:
       grams = [names]
     else:
       n = self._ngram
-      grams = [names[i:i + n] for i in range(len(names) - n + 1)]
+      grams = [names[i : i + n] for i in range(len(names) - n + 1)]
     keys = [json.dumps(g, ensure_ascii=False) for g in grams]
     return list(dict.fromkeys(keys))
 
@@ -186,10 +192,14 @@ class SignalTracker:
       hist.append(sum(float(r.score) for r in rs) / len(rs))
 
     # Boundary: a mixed group marks all of its rollouts.
-    mixed = {task_id for task_id, rs in by_task.items()
-             if any(r.score > t for r in rs) and any(r.score < t for r in rs)}
-    boundary = [Signal(BOUNDARY, r.task_id, r.trajectory_index)
-                for r in records if r.task_id in mixed]
+    mixed = {
+      task_id
+      for task_id, rs in by_task.items()
+      if any(r.score > t for r in rs) and any(r.score < t for r in rs)
+    }
+    boundary = [
+      Signal(BOUNDARY, r.task_id, r.trajectory_index) for r in records if r.task_id in mixed
+    ]
 
     # Rare: count this step's patterns first, then judge.
     keys = [self.patterns(r.tool_names) for r in records]
@@ -212,20 +222,24 @@ class SignalTracker:
   # ------------------------------------------------------------------ checkpointing
 
   def config(self) -> dict[str, Any]:
-    return {"window": self.window, "rare_theta_percent": self.rare_theta_percent,
-            "rare_min_total": self.rare_min_total, "pattern": self.pattern,
-            "success_threshold": self.success_threshold}
+    return {
+      "window": self.window,
+      "rare_theta_percent": self.rare_theta_percent,
+      "rare_min_total": self.rare_min_total,
+      "pattern": self.pattern,
+      "success_threshold": self.success_threshold,
+    }
 
   def state_dict(self) -> dict[str, Any]:
     """A JSON-serialisable snapshot of the tracker (config, histories, counts)."""
     return {
-        "version": _STATE_VERSION,
-        "config": self.config(),
-        "history": {k: list(v) for k, v in self.history.items()},
-        "pattern_counts": dict(self.pattern_counts),
-        "total": self.total,
-        "counts": dict(self.counts),
-        "steps": self.steps,
+      "version": _STATE_VERSION,
+      "config": self.config(),
+      "history": {k: list(v) for k, v in self.history.items()},
+      "pattern_counts": dict(self.pattern_counts),
+      "total": self.total,
+      "counts": dict(self.counts),
+      "steps": self.steps,
     }
 
   def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -242,10 +256,13 @@ class SignalTracker:
     pattern = state.get("config", {}).get("pattern", self.pattern)
     if pattern != self.pattern:
       raise ValueError(f"state was built with pattern={pattern!r}, tracker uses {self.pattern!r}")
-    self.history = {k: collections.deque((float(x) for x in v), maxlen=self.window)
-                    for k, v in state["history"].items()}
-    self.pattern_counts = collections.Counter({k: int(v) for k, v in
-                                               state["pattern_counts"].items()})
+    self.history = {
+      k: collections.deque((float(x) for x in v), maxlen=self.window)
+      for k, v in state["history"].items()
+    }
+    self.pattern_counts = collections.Counter(
+      {k: int(v) for k, v in state["pattern_counts"].items()}
+    )
     self.total = int(state["total"])
     self.counts = {k: int(state["counts"].get(k, 0)) for k in KINDS}
     self.steps = int(state.get("steps", 0))

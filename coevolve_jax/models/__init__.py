@@ -1,8 +1,22 @@
 """Model families: the Qwen decoders and their Hugging Face checkpoint I/O."""
 
-from coevolve_jax.models.hf import (CheckpointFormatError, config_from_hf, from_pretrained,
-                                    hf_config, save_pretrained)
+from coevolve_jax.models.hf import (
+  CheckpointFormatError,
+  config_from_hf,
+  from_pretrained,
+  hf_config,
+  save_pretrained,
+)
 from coevolve_jax.models.qwen import PRESETS, KVCache, Qwen, QwenConfig
 
-__all__ = ["PRESETS", "CheckpointFormatError", "KVCache", "Qwen", "QwenConfig", "config_from_hf",
-           "from_pretrained", "hf_config", "save_pretrained"]
+__all__ = [
+  "PRESETS",
+  "CheckpointFormatError",
+  "KVCache",
+  "Qwen",
+  "QwenConfig",
+  "config_from_hf",
+  "from_pretrained",
+  "hf_config",
+  "save_pretrained",
+]

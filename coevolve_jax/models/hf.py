@@ -31,8 +31,11 @@ from coevolve_jax.models.sharding import param_sharding
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe")
-_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM"}
+_ARCHITECTURES = {
+  "qwen2": "Qwen2ForCausalLM",
+  "qwen3": "Qwen3ForCausalLM",
+  "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 
@@ -51,10 +54,12 @@ def config_from_hf(hf: dict) -> QwenConfig:
   model_type = hf.get("model_type")
   if model_type not in SUPPORTED_MODEL_TYPES:
     raise CheckpointFormatError(
-        f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+      f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
+    )
   if hf.get("use_sliding_window"):
-    raise CheckpointFormatError("sliding-window attention (use_sliding_window=true) is not "
-                                "implemented")
+    raise CheckpointFormatError(
+      "sliding-window attention (use_sliding_window=true) is not implemented"
+    )
   rope = hf.get("rope_parameters") or {}
   scaling = hf.get("rope_scaling") or rope
   if scaling.get("rope_type", scaling.get("type", "default")) != "default":
@@ -64,26 +69,26 @@ def config_from_hf(hf: dict) -> QwenConfig:
   if model_type != "qwen3_moe":
     num_experts = 0
   return QwenConfig(
-      vocab_size=hf["vocab_size"],
-      hidden_size=hf["hidden_size"],
-      intermediate_size=hf["intermediate_size"],
-      num_hidden_layers=hf["num_hidden_layers"],
-      num_attention_heads=heads,
-      num_key_value_heads=hf.get("num_key_value_heads") or heads,
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-      rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
-      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      # Qwen2 always has q/k/v biases; Qwen3 has them only when attention_bias is set.
-      attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-      qk_norm=model_type != "qwen2",
-      max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-      num_experts=num_experts,
-      num_experts_per_tok=int(hf.get("num_experts_per_tok", 0)) if num_experts else 0,
-      moe_intermediate_size=int(hf.get("moe_intermediate_size", 0)) if num_experts else 0,
-      norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-      decoder_sparse_step=int(hf.get("decoder_sparse_step", 1) or 1),
-      mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+    vocab_size=hf["vocab_size"],
+    hidden_size=hf["hidden_size"],
+    intermediate_size=hf["intermediate_size"],
+    num_hidden_layers=hf["num_hidden_layers"],
+    num_attention_heads=heads,
+    num_key_value_heads=hf.get("num_key_value_heads") or heads,
+    head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+    rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+    rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+    tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    # Qwen2 always has q/k/v biases; Qwen3 has them only when attention_bias is set.
+    attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+    qk_norm=model_type != "qwen2",
+    max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+    num_experts=num_experts,
+    num_experts_per_tok=int(hf.get("num_experts_per_tok", 0)) if num_experts else 0,
+    moe_intermediate_size=int(hf.get("moe_intermediate_size", 0)) if num_experts else 0,
+    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+    decoder_sparse_step=int(hf.get("decoder_sparse_step", 1) or 1),
+    mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
   )
 
 
@@ -97,30 +102,34 @@ def hf_config(cfg: QwenConfig, dtype=jnp.float32) -> dict:
   if model_type == "qwen2" and not cfg.attention_bias:
     raise CheckpointFormatError("a Qwen2 model always has q/k/v biases; this config has none")
   out = {
-      "architectures": [_ARCHITECTURES[model_type]],
-      "model_type": model_type,
-      "vocab_size": cfg.vocab_size,
-      "hidden_size": cfg.hidden_size,
-      "intermediate_size": cfg.intermediate_size,
-      "num_hidden_layers": cfg.num_hidden_layers,
-      "num_attention_heads": cfg.num_attention_heads,
-      "num_key_value_heads": cfg.num_key_value_heads,
-      "head_dim": cfg.head_dim,
-      "hidden_act": "silu",
-      "rope_theta": cfg.rope_theta,
-      "rms_norm_eps": cfg.rms_norm_eps,
-      "tie_word_embeddings": cfg.tie_word_embeddings,
-      "max_position_embeddings": cfg.max_position_embeddings,
-      "use_sliding_window": False,
-      "torch_dtype": jnp.dtype(dtype).name,
+    "architectures": [_ARCHITECTURES[model_type]],
+    "model_type": model_type,
+    "vocab_size": cfg.vocab_size,
+    "hidden_size": cfg.hidden_size,
+    "intermediate_size": cfg.intermediate_size,
+    "num_hidden_layers": cfg.num_hidden_layers,
+    "num_attention_heads": cfg.num_attention_heads,
+    "num_key_value_heads": cfg.num_key_value_heads,
+    "head_dim": cfg.head_dim,
+    "hidden_act": "silu",
+    "rope_theta": cfg.rope_theta,
+    "rms_norm_eps": cfg.rms_norm_eps,
+    "tie_word_embeddings": cfg.tie_word_embeddings,
+    "max_position_embeddings": cfg.max_position_embeddings,
+    "use_sliding_window": False,
+    "torch_dtype": jnp.dtype(dtype).name,
   }
   if model_type != "qwen2":
     out["attention_bias"] = cfg.attention_bias
   if cfg.num_experts:
-    out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-               moe_intermediate_size=cfg.moe_intermediate_size,
-               norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=cfg.decoder_sparse_step,
-               mlp_only_layers=list(cfg.mlp_only_layers))
+    out.update(
+      num_experts=cfg.num_experts,
+      num_experts_per_tok=cfg.num_experts_per_tok,
+      moe_intermediate_size=cfg.moe_intermediate_size,
+      norm_topk_prob=cfg.norm_topk_prob,
+      decoder_sparse_step=cfg.decoder_sparse_step,
+      mlp_only_layers=list(cfg.mlp_only_layers),
+    )
   return out
 
 
@@ -134,8 +143,10 @@ def _weight_files(folder: Path) -> list[Path]:
     return [folder / f for f in sorted(set(weight_map.values()))]
   if (folder / SAFE_WEIGHTS).exists():
     return [folder / SAFE_WEIGHTS]
-  raise CheckpointFormatError(f"{folder} has neither {SAFE_WEIGHTS} nor {SAFE_INDEX} (PyTorch "
-                              ".bin checkpoints are not read: convert them to safetensors)")
+  raise CheckpointFormatError(
+    f"{folder} has neither {SAFE_WEIGHTS} nor {SAFE_INDEX} (PyTorch "
+    ".bin checkpoints are not read: convert them to safetensors)"
+  )
 
 
 def _iter_hf_tensors(files: list[Path]) -> Iterator[tuple[str, np.ndarray]]:
@@ -153,8 +164,9 @@ def _iter_hf_tensors(files: list[Path]) -> Iterator[tuple[str, np.ndarray]]:
 def _place(value: np.ndarray, var: nnx.Variable, mesh: Mesh | None, path: str) -> jax.Array:
   want = var.get_value()
   if tuple(value.shape) != tuple(want.shape):
-    raise CheckpointFormatError(f"{path}: checkpoint shape {value.shape} does not fit the config's "
-                                f"{tuple(want.shape)}")
+    raise CheckpointFormatError(
+      f"{path}: checkpoint shape {value.shape} does not fit the config's {tuple(want.shape)}"
+    )
   value = np.asarray(value, dtype=want.dtype)
   if mesh is None:
     sharding = SingleDeviceSharding(jax.devices()[0])
@@ -200,16 +212,19 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | Non
     except KeyError as e:
       raise CheckpointFormatError(str(e.args[0])) from None
     if target not in variables:
-      raise CheckpointFormatError(f"tensor {name} has no place in a {cfg.model_type} model with "
-                                  "this config.json")
+      raise CheckpointFormatError(
+        f"tensor {name} has no place in a {cfg.model_type} model with this config.json"
+      )
     value = transform(array, cfg)
     del array
     var = variables[target]
     if expert is not None:
       want = var.get_value()
       if expert >= want.shape[0] or tuple(value.shape) != tuple(want.shape[1:]):
-        raise CheckpointFormatError(f"{name}: expert {expert} of shape {value.shape} does not fit "
-                                    f"{target} {tuple(want.shape)}")
+        raise CheckpointFormatError(
+          f"{name}: expert {expert} of shape {value.shape} does not fit "
+          f"{target} {tuple(want.shape)}"
+        )
       buf, filled = experts.setdefault(target, (np.empty(want.shape, want.dtype), set()))
       buf[expert] = value
       filled.add(expert)
@@ -224,8 +239,9 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | Non
   return nnx.merge(graphdef, state)
 
 
-def save_pretrained(model: Qwen, path: str | os.PathLike,
-                    max_shard_bytes: int = 5 * 1024**3) -> Path:
+def save_pretrained(
+  model: Qwen, path: str | os.PathLike, max_shard_bytes: int = 5 * 1024**3
+) -> Path:
   """Writes `model` as a Hugging Face folder that transformers' `from_pretrained` loads.
 
   Tensors are gathered to the host one at a time and each shard of at most `max_shard_bytes` is
@@ -265,15 +281,17 @@ def save_pretrained(model: Qwen, path: str | os.PathLike,
         total += array.nbytes
     flush()
     n = len(written)
-    names = ([SAFE_WEIGHTS] if n == 1 else
-             [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
+    names = (
+      [SAFE_WEIGHTS] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    )
     for file, (tmp, _) in zip(names, written):
       os.replace(tmp, folder / file)
     if n > 1:
       weight_map = {k: file for file, (_, keys) in zip(names, written) for k in keys}
       index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-      _atomic_write(folder / SAFE_INDEX,
-                    lambda tmp: Path(tmp).write_text(json.dumps(index, indent=2)))
+      _atomic_write(
+        folder / SAFE_INDEX, lambda tmp: Path(tmp).write_text(json.dumps(index, indent=2))
+      )
   finally:
     for tmp, _ in written:
       Path(tmp).unlink(missing_ok=True)

@@ -19,8 +19,10 @@ from coevolve_jax.models.qwen import QwenConfig
 
 def _heads_in(n_heads_attr: str) -> Callable:
   """[N*H, D] -> [D, N, H]."""
+
   def f(a, cfg):
     return a.reshape(getattr(cfg, n_heads_attr), cfg.head_dim, cfg.hidden_size).transpose(2, 0, 1)
+
   return f
 
 
@@ -39,30 +41,35 @@ _L = r"model\.layers\.(\d+)\."
 # (HF name regex, our path template, HF -> ours transform). The expert rule's second group is the
 # expert index: its tensors fill one slice of a stacked [E, ...] parameter.
 RULES: list[tuple[str, str, Callable]] = [
-    (r"model\.embed_tokens\.weight", "embed_tokens", _ID),
-    (r"model\.norm\.weight", "norm.weight", _ID),
-    (r"lm_head\.weight", "lm_head", _T),
-    (_L + r"input_layernorm\.weight", "layers.{0}.input_layernorm.weight", _ID),
-    (_L + r"post_attention_layernorm\.weight", "layers.{0}.post_attention_layernorm.weight", _ID),
-    (_L + r"self_attn\.q_proj\.weight", "layers.{0}.self_attn.q_proj",
-     _heads_in("num_attention_heads")),
-    (_L + r"self_attn\.k_proj\.weight", "layers.{0}.self_attn.k_proj",
-     _heads_in("num_key_value_heads")),
-    (_L + r"self_attn\.v_proj\.weight", "layers.{0}.self_attn.v_proj",
-     _heads_in("num_key_value_heads")),
-    (_L + r"self_attn\.o_proj\.weight", "layers.{0}.self_attn.o_proj", _o_proj_in),
-    (_L + r"self_attn\.q_proj\.bias", "layers.{0}.self_attn.q_bias",
-     _bias_in("num_attention_heads")),
-    (_L + r"self_attn\.k_proj\.bias", "layers.{0}.self_attn.k_bias",
-     _bias_in("num_key_value_heads")),
-    (_L + r"self_attn\.v_proj\.bias", "layers.{0}.self_attn.v_bias",
-     _bias_in("num_key_value_heads")),
-    (_L + r"self_attn\.q_norm\.weight", "layers.{0}.self_attn.q_norm.weight", _ID),
-    (_L + r"self_attn\.k_norm\.weight", "layers.{0}.self_attn.k_norm.weight", _ID),
-    (_L + r"mlp\.(gate|up|down)_proj\.weight", "layers.{0}.mlp.{1}_proj", _T),
-    (_L + r"mlp\.gate\.weight", "layers.{0}.mlp.gate", _T),  # MoE router [E, D] -> [D, E]
-    (_L + r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", "layers.{0}.mlp.experts.{2}_proj",
-     _T),
+  (r"model\.embed_tokens\.weight", "embed_tokens", _ID),
+  (r"model\.norm\.weight", "norm.weight", _ID),
+  (r"lm_head\.weight", "lm_head", _T),
+  (_L + r"input_layernorm\.weight", "layers.{0}.input_layernorm.weight", _ID),
+  (_L + r"post_attention_layernorm\.weight", "layers.{0}.post_attention_layernorm.weight", _ID),
+  (
+    _L + r"self_attn\.q_proj\.weight",
+    "layers.{0}.self_attn.q_proj",
+    _heads_in("num_attention_heads"),
+  ),
+  (
+    _L + r"self_attn\.k_proj\.weight",
+    "layers.{0}.self_attn.k_proj",
+    _heads_in("num_key_value_heads"),
+  ),
+  (
+    _L + r"self_attn\.v_proj\.weight",
+    "layers.{0}.self_attn.v_proj",
+    _heads_in("num_key_value_heads"),
+  ),
+  (_L + r"self_attn\.o_proj\.weight", "layers.{0}.self_attn.o_proj", _o_proj_in),
+  (_L + r"self_attn\.q_proj\.bias", "layers.{0}.self_attn.q_bias", _bias_in("num_attention_heads")),
+  (_L + r"self_attn\.k_proj\.bias", "layers.{0}.self_attn.k_bias", _bias_in("num_key_value_heads")),
+  (_L + r"self_attn\.v_proj\.bias", "layers.{0}.self_attn.v_bias", _bias_in("num_key_value_heads")),
+  (_L + r"self_attn\.q_norm\.weight", "layers.{0}.self_attn.q_norm.weight", _ID),
+  (_L + r"self_attn\.k_norm\.weight", "layers.{0}.self_attn.k_norm.weight", _ID),
+  (_L + r"mlp\.(gate|up|down)_proj\.weight", "layers.{0}.mlp.{1}_proj", _T),
+  (_L + r"mlp\.gate\.weight", "layers.{0}.mlp.gate", _T),  # MoE router [E, D] -> [D, E]
+  (_L + r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", "layers.{0}.mlp.experts.{2}_proj", _T),
 ]
 _EXPERT_RULE = RULES[-1][0]
 
@@ -102,8 +109,12 @@ def path_to_hf(path: str, value: np.ndarray, cfg: QwenConfig) -> Iterator[tuple[
   if not m:
     raise KeyError(f"no Hugging Face name for parameter {path!r}")
   prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
-  if rest in ("input_layernorm.weight", "post_attention_layernorm.weight",
-              "self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+  if rest in (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+  ):
     yield prefix + rest, value
   elif rest in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):  # [D, X, H]
     yield prefix + rest + ".weight", value.reshape(d, -1).T

@@ -52,11 +52,14 @@ class QwenConfig:
 
   def __post_init__(self):
     if self.num_attention_heads % self.num_key_value_heads:
-      raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                       f"num_key_value_heads {self.num_key_value_heads}")
+      raise ValueError(
+        f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+        f"num_key_value_heads {self.num_key_value_heads}"
+      )
     if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
-      raise ValueError(f"num_experts_per_tok must be in [1, {self.num_experts}], "
-                       f"got {self.num_experts_per_tok}")
+      raise ValueError(
+        f"num_experts_per_tok must be in [1, {self.num_experts}], got {self.num_experts_per_tok}"
+      )
     if self.num_experts and self.moe_intermediate_size <= 0:
       raise ValueError("a MoE config needs moe_intermediate_size > 0")
     object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
@@ -70,47 +73,101 @@ class QwenConfig:
 
   def is_moe_layer(self, layer: int) -> bool:
     """Whether decoder layer `layer` has a sparse MoE block (rule of HF `Qwen3MoeDecoderLayer`)."""
-    return (self.num_experts > 0 and layer not in self.mlp_only_layers
-            and (layer + 1) % self.decoder_sparse_step == 0)
+    return (
+      self.num_experts > 0
+      and layer not in self.mlp_only_layers
+      and (layer + 1) % self.decoder_sparse_step == 0
+    )
 
   @classmethod
   def tiny_cpu(cls, vocab_size: int = 151936) -> "QwenConfig":
     """Small Qwen3-architecture model for the CPU preset and tests (real vocabulary size)."""
-    return cls(vocab_size=vocab_size, hidden_size=128, intermediate_size=384,
-               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-               tie_word_embeddings=True)
+    return cls(
+      vocab_size=vocab_size,
+      hidden_size=128,
+      intermediate_size=384,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      head_dim=32,
+      tie_word_embeddings=True,
+    )
 
   @classmethod
   def qwen3_0_6b(cls) -> "QwenConfig":
-    return cls(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-               num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-               tie_word_embeddings=True)
+    return cls(
+      vocab_size=151936,
+      hidden_size=1024,
+      intermediate_size=3072,
+      num_hidden_layers=28,
+      num_attention_heads=16,
+      num_key_value_heads=8,
+      head_dim=128,
+      tie_word_embeddings=True,
+    )
 
   @classmethod
   def qwen3_1_7b(cls) -> "QwenConfig":
-    return cls(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-               num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-               tie_word_embeddings=True)
+    return cls(
+      vocab_size=151936,
+      hidden_size=2048,
+      intermediate_size=6144,
+      num_hidden_layers=28,
+      num_attention_heads=16,
+      num_key_value_heads=8,
+      head_dim=128,
+      tie_word_embeddings=True,
+    )
 
   @classmethod
   def qwen3_4b(cls) -> "QwenConfig":
-    return cls(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-               num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=5_000_000.0,
-               tie_word_embeddings=True, max_position_embeddings=262144)
+    return cls(
+      vocab_size=151936,
+      hidden_size=2560,
+      intermediate_size=9728,
+      num_hidden_layers=36,
+      num_attention_heads=32,
+      num_key_value_heads=8,
+      head_dim=128,
+      rope_theta=5_000_000.0,
+      tie_word_embeddings=True,
+      max_position_embeddings=262144,
+    )
 
   @classmethod
   def qwen2_5_7b(cls) -> "QwenConfig":
-    return cls(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-               num_attention_heads=28, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
-               attention_bias=True, qk_norm=False, max_position_embeddings=32768)
+    return cls(
+      vocab_size=152064,
+      hidden_size=3584,
+      intermediate_size=18944,
+      num_hidden_layers=28,
+      num_attention_heads=28,
+      num_key_value_heads=4,
+      head_dim=128,
+      rms_norm_eps=1e-6,
+      attention_bias=True,
+      qk_norm=False,
+      max_position_embeddings=32768,
+    )
 
   @classmethod
   def qwen3_30b_a3b(cls) -> "QwenConfig":
     """Qwen3-30B-A3B-Instruct-2507: 48 layers, 128 experts, 8 active per token."""
-    return cls(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
-               num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-               rope_theta=10_000_000.0, max_position_embeddings=262144, num_experts=128,
-               num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True)
+    return cls(
+      vocab_size=151936,
+      hidden_size=2048,
+      intermediate_size=6144,
+      num_hidden_layers=48,
+      num_attention_heads=32,
+      num_key_value_heads=4,
+      head_dim=128,
+      rope_theta=10_000_000.0,
+      max_position_embeddings=262144,
+      num_experts=128,
+      num_experts_per_tok=8,
+      moe_intermediate_size=768,
+      norm_topk_prob=True,
+    )
 
   @classmethod
   def preset(cls, name: str, **overrides) -> "QwenConfig":
@@ -153,8 +210,10 @@ class KVCache(NamedTuple):
     b, k, h = batch, cfg.num_key_value_heads, cfg.head_dim
     n = cfg.num_hidden_layers
     # Distinct buffers per layer: engines donate the cache, and a buffer donated twice is an error.
-    return cls(k=tuple(jnp.zeros((b, k, h, length), dtype) for _ in range(n)),
-               v=tuple(jnp.zeros((b, k, length, h), dtype) for _ in range(n)))
+    return cls(
+      k=tuple(jnp.zeros((b, k, h, length), dtype) for _ in range(n)),
+      v=tuple(jnp.zeros((b, k, length, h), dtype) for _ in range(n)),
+    )
 
   @property
   def length(self) -> int:
@@ -221,7 +280,7 @@ def _attend(q_btnh, keys_bkhs, values_bksh, q_pos_bt, k_pos_bs, k_valid_bs) -> j
   g = n // kh
   q = q_btnh.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, h)
   scores = jnp.einsum("BKQH,BKHS->BKQS", q, keys_bkhs.astype(q.dtype)).astype(jnp.float32)
-  scores = scores.reshape(b, kh, g, t, s) * (h ** -0.5)
+  scores = scores.reshape(b, kh, g, t, s) * (h**-0.5)
   mask = (k_pos_bs[:, None, :] <= q_pos_bt[:, :, None]) & k_valid_bs[:, None, :]  # [B, T, S]
   scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(values_bksh.dtype).reshape(b, kh, g * t, s)
@@ -240,18 +299,30 @@ class Attention(nnx.Module):
     self.v_proj = _init(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), dtype)
     self.o_proj = _init(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), dtype)
     if cfg.attention_bias:
-      self.q_bias = nnx.Param(jnp.zeros((n, h), dtype), out_sharding=("q_heads", "head_dim"),
-                                 eager_sharding=False)
-      self.k_bias = nnx.Param(jnp.zeros((k, h), dtype), out_sharding=("kv_heads", "head_dim"),
-                                 eager_sharding=False)
-      self.v_bias = nnx.Param(jnp.zeros((k, h), dtype), out_sharding=("kv_heads", "head_dim"),
-                                 eager_sharding=False)
+      self.q_bias = nnx.Param(
+        jnp.zeros((n, h), dtype), out_sharding=("q_heads", "head_dim"), eager_sharding=False
+      )
+      self.k_bias = nnx.Param(
+        jnp.zeros((k, h), dtype), out_sharding=("kv_heads", "head_dim"), eager_sharding=False
+      )
+      self.v_bias = nnx.Param(
+        jnp.zeros((k, h), dtype), out_sharding=("kv_heads", "head_dim"), eager_sharding=False
+      )
     if cfg.qk_norm:
       self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
       self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
 
-  def __call__(self, x_btd, positions_bt, k_cache_bkhs, v_cache_bksh, write_b, key_pos_bs,
-               key_valid_bs, query_index_bp=None):
+  def __call__(
+    self,
+    x_btd,
+    positions_bt,
+    k_cache_bkhs,
+    v_cache_bksh,
+    write_b,
+    key_pos_bs,
+    key_valid_bs,
+    query_index_bp=None,
+  ):
     """Attention over [cache ++ new keys].
 
     Args:
@@ -299,9 +370,16 @@ class Attention(nnx.Module):
       outs = []
       for i in range(t // block):
         lo, hi = i * block, (i + 1) * block
-        outs.append(jax.checkpoint(_attend)(
-            q[:, lo:hi], keys[..., :hi], values[:, :, :hi], positions_bt[:, lo:hi],
-            key_pos_bs[:, :hi], key_valid_bs[:, :hi]))
+        outs.append(
+          jax.checkpoint(_attend)(
+            q[:, lo:hi],
+            keys[..., :hi],
+            values[:, :, :hi],
+            positions_bt[:, lo:hi],
+            key_pos_bs[:, :hi],
+            key_valid_bs[:, :hi],
+          )
+        )
       out = jnp.concatenate(outs, axis=1)
     else:
       out = _attend(q, keys, values, q_pos, key_pos_bs, key_valid_bs)
@@ -377,7 +455,6 @@ class SparseMoE(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-
   def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype, sparse: bool = False):
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     self.self_attn = Attention(cfg, rngs=rngs, dtype=dtype)
@@ -390,8 +467,9 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x, positions, kc, vc, write, key_pos, key_valid, query_index=None):
     """One pre-norm block; with `query_index` [B, P] the output is [B, P, D], only there."""
     with jax.named_scope("attention"):
-      a, kc, vc = self.self_attn(self.input_layernorm(x), positions, kc, vc, write, key_pos,
-                                 key_valid, query_index)
+      a, kc, vc = self.self_attn(
+        self.input_layernorm(x), positions, kc, vc, write, key_pos, key_valid, query_index
+      )
     if query_index is not None:
       x = jnp.take_along_axis(x, query_index[..., None], axis=1)
     x = x + a
@@ -410,15 +488,23 @@ class Qwen(nnx.Module):
   def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
     self.config = cfg
     self.embed_tokens = _init(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
-    self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, dtype=dtype, sparse=cfg.is_moe_layer(i))
-                            for i in range(cfg.num_hidden_layers)])
+    self.layers = nnx.List(
+      [
+        DecoderLayer(cfg, rngs=rngs, dtype=dtype, sparse=cfg.is_moe_layer(i))
+        for i in range(cfg.num_hidden_layers)
+      ]
+    )
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = _init(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
 
-  def hidden_states(self, input_ids_bt: jax.Array, positions_bt: jax.Array | None = None,
-                    attention_mask_bt: jax.Array | None = None,
-                    output_index_bp: jax.Array | None = None) -> jax.Array:
+  def hidden_states(
+    self,
+    input_ids_bt: jax.Array,
+    positions_bt: jax.Array | None = None,
+    attention_mask_bt: jax.Array | None = None,
+    output_index_bp: jax.Array | None = None,
+  ) -> jax.Array:
     """Full forward without a cache. input_ids: [B, T] int; mask: [B, T] (1 = real token).
 
     Positions default to the running count of real tokens (handles left and right padding).
@@ -435,14 +521,26 @@ class Qwen(nnx.Module):
     x = self._embed(input_ids_bt)
     last = len(self.layers) - 1
     for i, layer in enumerate(self.layers):
-      x, _, _ = layer(x, positions_bt, None, None, None, positions_bt, attention_mask_bt,
-                      output_index_bp if i == last else None)
+      x, _, _ = layer(
+        x,
+        positions_bt,
+        None,
+        None,
+        None,
+        positions_bt,
+        attention_mask_bt,
+        output_index_bp if i == last else None,
+      )
     if output_index_bp is not None and last < 0:  # no layers: select from the embeddings
       x = jnp.take_along_axis(x, output_index_bp[..., None], axis=1)
     return self.norm(x)
 
-  def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None,
-               positions: jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self,
+    input_ids: jax.Array,
+    attention_mask: jax.Array | None = None,
+    positions: jax.Array | None = None,
+  ) -> jax.Array:
     """Float32 logits [B, T, V] for every position, as `model(input_ids, attention_mask=mask)`
     in transformers. input_ids: [B, T] int; attention_mask: [B, T] (1 = real token, left or right
     padding). Memory-heavy for long T: training code projects only the positions it needs."""
@@ -460,8 +558,14 @@ class Qwen(nnx.Module):
     out = jax.lax.map(self.logits, hidden_btd.reshape(b * t // rows, rows, d))
     return out.reshape(b, t, -1)
 
-  def decode(self, input_ids_bt: jax.Array, positions_bt: jax.Array, cache: KVCache,
-             write_b: jax.Array, kv_len: int | None = None) -> tuple[jax.Array, KVCache]:
+  def decode(
+    self,
+    input_ids_bt: jax.Array,
+    positions_bt: jax.Array,
+    cache: KVCache,
+    write_b: jax.Array,
+    kv_len: int | None = None,
+  ) -> tuple[jax.Array, KVCache]:
     """Runs T new tokens against a KV cache (prefill chunk when T > 1, decode step when T == 1).
 
     Args:
@@ -519,5 +623,9 @@ def count_params(cfg: QwenConfig, model: Qwen | None = None) -> dict[str, int]:
     if "experts" in path:
       experts += n
   inactive = experts * (cfg.num_experts - cfg.num_experts_per_tok) // max(cfg.num_experts, 1)
-  return {"total": total, "embedding": embedding, "non_embedding": total - embedding,
-          "active": total - inactive}
+  return {
+    "total": total,
+    "embedding": embedding,
+    "non_embedding": total - embedding,
+    "active": total - inactive,
+  }

@@ -17,25 +17,25 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 # Logical axis -> mesh axis (or tuple of mesh axes, or None for replicated).
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
-    # parameters
-    "vocab": "tensor",
-    "embed": "fsdp",
-    "q_heads": "tensor",
-    "kv_heads": "tensor",
-    "head_dim": None,
-    "mlp": "tensor",
-    "experts": "expert",
-    "expert_mlp": "tensor",
-    "router": None,  # the router's expert dimension: every device scores every expert
-    "norm": None,
-    # activations
-    "batch": ("data", "fsdp"),
-    "length": None,
-    "act_embed": None,
-    "act_heads": "tensor",
-    "act_kv_heads": "tensor",
-    "act_vocab": "tensor",
-    "cache_length": None,
+  # parameters
+  "vocab": "tensor",
+  "embed": "fsdp",
+  "q_heads": "tensor",
+  "kv_heads": "tensor",
+  "head_dim": None,
+  "mlp": "tensor",
+  "experts": "expert",
+  "expert_mlp": "tensor",
+  "router": None,  # the router's expert dimension: every device scores every expert
+  "norm": None,
+  # activations
+  "batch": ("data", "fsdp"),
+  "length": None,
+  "act_embed": None,
+  "act_heads": "tensor",
+  "act_kv_heads": "tensor",
+  "act_vocab": "tensor",
+  "cache_length": None,
 }
 
 
@@ -75,8 +75,9 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
       raise ValueError(f"{len(devices)} devices do not divide by {known}")
     sizes[sizes.index(-1)] = len(devices) // known
   if math.prod(sizes) != len(devices):
-    raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
-                     f"have {len(devices)}")
+    raise ValueError(
+      f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, have {len(devices)}"
+    )
   arr = np.asarray(devices).reshape(sizes)
   return Mesh(arr, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 

@@ -30,10 +30,12 @@ class DecodeState(NamedTuple):
   tokens: jax.Array  # [B] int32: last sampled token per slot
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "kv_len"),
-                   donate_argnames=("state",))
-def _prefill_rows(graphdef, params, state: DecodeState, slots_r, chunk_rt, true_len_r, keys_r,
-                  sampling, kv_len):
+@functools.partial(
+  jax.jit, static_argnames=("graphdef", "sampling", "kv_len"), donate_argnames=("state",)
+)
+def _prefill_rows(
+  graphdef, params, state: DecodeState, slots_r, chunk_rt, true_len_r, keys_r, sampling, kv_len
+):
   """One chunk into R slots at once. Rows may repeat a slot only as exact copies (padding)."""
   model = nnx.merge(graphdef, params)
   starts = state.next_pos[slots_r]
@@ -45,21 +47,25 @@ def _prefill_rows(graphdef, params, state: DecodeState, slots_r, chunk_rt, true_
   last = jnp.take_along_axis(hidden, (true_len_r - 1)[:, None, None], axis=1)[:, 0]
   tok, logp = sample(model.logits(last), keys_r, sampling)
   put = lambda full, part: full.at[slots_r].set(part)  # noqa: E731
-  new_cache = KVCache(tuple(map(put, state.cache.k, cache.k)),
-                      tuple(map(put, state.cache.v, cache.v)))
-  state = DecodeState(new_cache, state.next_pos.at[slots_r].set(starts + true_len_r),
-                      state.tokens.at[slots_r].set(tok))
+  new_cache = KVCache(
+    tuple(map(put, state.cache.k, cache.k)), tuple(map(put, state.cache.v, cache.v))
+  )
+  state = DecodeState(
+    new_cache,
+    state.next_pos.at[slots_r].set(starts + true_len_r),
+    state.tokens.at[slots_r].set(tok),
+  )
   return state, tok, logp
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling", "kv_len"),
-                   donate_argnames=("state",))
+@functools.partial(
+  jax.jit, static_argnames=("graphdef", "sampling", "kv_len"), donate_argnames=("state",)
+)
 def _generate(graphdef, params, state: DecodeState, active_b, rng, sampling, kv_len):
   model = nnx.merge(graphdef, params)
   s = state.cache.length
   write = jnp.minimum(state.next_pos, s - 1)  # inactive slots may sit at S; never write past it
-  hidden, cache = model.decode(state.tokens[:, None], write[:, None], state.cache, write,
-                               kv_len)
+  hidden, cache = model.decode(state.tokens[:, None], write[:, None], state.cache, write, kv_len)
   tok, logp = sample(model.logits(hidden[:, 0]), rng, sampling)
   tok = jnp.where(active_b, tok, state.tokens)
   next_pos = jnp.where(active_b, state.next_pos + 1, state.next_pos)
@@ -69,8 +75,9 @@ def _generate(graphdef, params, state: DecodeState, active_b, rng, sampling, kv_
 MAX_PREFILL_CHUNK = 512  # longest prefill chunk (tokens); longer inputs take several
 
 
-def _chunks(n: int, start: int, cache_len: int, min_chunk: int = 16,
-            max_chunk: int = MAX_PREFILL_CHUNK) -> list[int]:
+def _chunks(
+  n: int, start: int, cache_len: int, min_chunk: int = 16, max_chunk: int = MAX_PREFILL_CHUNK
+) -> list[int]:
   """Power-of-two chunk sizes covering n tokens from `start` without passing `cache_len`.
 
   Chunks are at most `max_chunk` long, so a long prompt is padded by less than one chunk (a single
@@ -136,11 +143,19 @@ class Engine:
     ValueError: num_slots, cache_len or max_prefill_tokens below 1.
   """
 
-  def __init__(self, model: Qwen, num_slots: int, cache_len: int, dtype=jnp.float32,
-               max_prefill_tokens: int = 1024):
+  def __init__(
+    self,
+    model: Qwen,
+    num_slots: int,
+    cache_len: int,
+    dtype=jnp.float32,
+    max_prefill_tokens: int = 1024,
+  ):
     if min(num_slots, cache_len, max_prefill_tokens) < 1:
-      raise ValueError(f"num_slots ({num_slots}), cache_len ({cache_len}) and "
-                       f"max_prefill_tokens ({max_prefill_tokens}) must be >= 1")
+      raise ValueError(
+        f"num_slots ({num_slots}), cache_len ({cache_len}) and "
+        f"max_prefill_tokens ({max_prefill_tokens}) must be >= 1"
+      )
     self.graphdef, self.params = nnx.split(model)
     self.config = model.config
     self.num_slots = num_slots
@@ -162,8 +177,9 @@ class Engine:
   def init_decode_state(self) -> DecodeState:
     cache = KVCache.zeros(self.config, self.num_slots, self.cache_len, self.dtype)
     # Two distinct buffers: the state is donated, and one buffer donated twice is an error.
-    return DecodeState(cache, jnp.zeros((self.num_slots,), jnp.int32),
-                       jnp.zeros((self.num_slots,), jnp.int32))
+    return DecodeState(
+      cache, jnp.zeros((self.num_slots,), jnp.int32), jnp.zeros((self.num_slots,), jnp.int32)
+    )
 
   def reset_slot(self, slot: int) -> None:
     """Frees a slot: its next request starts at cache index 0."""
@@ -178,8 +194,9 @@ class Engine:
     """Cache entries still free in `slot` (the pending sampled token needs one of them)."""
     return self.cache_len - self.position(slot)
 
-  def prefill(self, slot: int, token_ids: list[int], rng: jax.Array,
-              sampling: SamplingParams) -> tuple[int, float]:
+  def prefill(
+    self, slot: int, token_ids: list[int], rng: jax.Array, sampling: SamplingParams
+  ) -> tuple[int, float]:
     """Appends `token_ids` to the slot's cache and samples the next token with `rng`.
 
     Raises:
@@ -189,8 +206,9 @@ class Engine:
     """
     return self.prefill_many([(slot, token_ids, rng)], sampling)[0]
 
-  def prefill_many(self, requests: list[tuple[int, list[int], jax.Array]],
-                   sampling: SamplingParams) -> list[tuple[int, float]]:
+  def prefill_many(
+    self, requests: list[tuple[int, list[int], jax.Array]], sampling: SamplingParams
+  ) -> list[tuple[int, float]]:
     """`prefill` for several slots at once: one batched forward per chunk, not one per slot.
 
     Inputs are cut into chunks of at most MAX_PREFILL_CHUNK tokens. In each round every request
@@ -226,12 +244,16 @@ class Engine:
       if not n:
         raise ValueError("prefill needs at least one token")
       if self.position(slot) + n > self.cache_len:
-        raise ValueError(f"slot {slot}: {self.position(slot)} + {n} tokens exceed cache "
-                         f"{self.cache_len}")
+        raise ValueError(
+          f"slot {slot}: {self.position(slot)} + {n} tokens exceed cache {self.cache_len}"
+        )
     # One key-length bucket for the whole call where the padding allows: a long prompt compiles
     # one (chunk, bucket) shape rather than one per bucket it passes through.
-    kv_call = _kv_bucket(max(self.position(s) + len(x) for s, x in zip(slots, ids_list)),
-                         self.cache_len, PREFILL_MIN_KV)
+    kv_call = _kv_bucket(
+      max(self.position(s) + len(x) for s, x in zip(slots, ids_list)),
+      self.cache_len,
+      PREFILL_MIN_KV,
+    )
     offsets = [0] * len(requests)
     out: list[tuple[int, float] | None] = [None] * len(requests)
 
@@ -240,14 +262,23 @@ class Engine:
       chunk = np.zeros((len(padded), t), np.int32)
       true_len = np.zeros((len(padded),), np.int32)
       for r, i in enumerate(padded):
-        piece = ids_list[i][offsets[i]:offsets[i] + t]
-        chunk[r, :len(piece)], true_len[r] = piece, len(piece)
+        piece = ids_list[i][offsets[i] : offsets[i] + t]
+        chunk[r, : len(piece)], true_len[r] = piece, len(piece)
       slot_rows = np.array([slots[i] for i in padded], np.int32)
-      kv_len = max(kv_call, _kv_bucket(int(self._pos[slot_rows].max()) + t, self.cache_len,
-                                       PREFILL_MIN_KV))
+      kv_len = max(
+        kv_call, _kv_bucket(int(self._pos[slot_rows].max()) + t, self.cache_len, PREFILL_MIN_KV)
+      )
       self.state, tok, logp = _prefill_rows(
-          self.graphdef, self.params, self.state, jnp.asarray(slot_rows), jnp.asarray(chunk),
-          jnp.asarray(true_len), jnp.stack([requests[i][2] for i in padded]), sampling, kv_len)
+        self.graphdef,
+        self.params,
+        self.state,
+        jnp.asarray(slot_rows),
+        jnp.asarray(chunk),
+        jnp.asarray(true_len),
+        jnp.stack([requests[i][2] for i in padded]),
+        sampling,
+        kv_len,
+      )
       tok, logp = np.asarray(tok), np.asarray(logp)
       for r, i in enumerate(rows):
         self._pos[slots[i]] += true_len[r]
@@ -262,15 +293,17 @@ class Engine:
       # row count to a power of two), at least one.
       rows = 1 << (max(1, self.max_prefill_tokens // t).bit_length() - 1)
       for first in range(0, len(group), rows):
-        run(group[first:first + rows], t)
+        run(group[first : first + rows], t)
       for i in live:
         if i not in group:  # near the end of its cache: alone, with a chunk that fits
-          run([i], _chunks(len(ids_list[i]) - offsets[i], int(self._pos[slots[i]]),
-                           self.cache_len)[0])
+          run(
+            [i], _chunks(len(ids_list[i]) - offsets[i], int(self._pos[slots[i]]), self.cache_len)[0]
+          )
     return out  # type: ignore[return-value]
 
-  def generate(self, active: np.ndarray, rng: jax.Array,
-               sampling: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+  def generate(
+    self, active: np.ndarray, rng: jax.Array, sampling: SamplingParams
+  ) -> tuple[np.ndarray, np.ndarray]:
     """One decode step for every slot; only `active` ([B] bool) slots advance.
 
     `rng` is one key for the step, or [B] keys (one per slot: see `sample`).
@@ -290,7 +323,8 @@ class Engine:
     if full.size:
       raise ValueError(f"slots {full.tolist()} are full (cache {self.cache_len}); end them first")
     kv_len = _kv_bucket(int(self._pos[active].max(initial=0)) + 1, self.cache_len)
-    self.state, tok, logp = _generate(self.graphdef, self.params, self.state,
-                                      jnp.asarray(active), rng, sampling, kv_len)
+    self.state, tok, logp = _generate(
+      self.graphdef, self.params, self.state, jnp.asarray(active), rng, sampling, kv_len
+    )
     self._pos[active] += 1
     return np.asarray(tok), np.asarray(logp)

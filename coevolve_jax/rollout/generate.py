@@ -39,10 +39,17 @@ class Completion:
   finish_reason: str
 
 
-def generate(model: Qwen | Engine, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
-             *, max_new_tokens: int = 256, stop_ids: Iterable[int] = (),
-             rng: jax.Array | None = None, num_slots: int = 8,
-             cache_len: int | None = None) -> list[Completion]:
+def generate(
+  model: Qwen | Engine,
+  prompts: Sequence[Sequence[int]],
+  sampling: SamplingParams,
+  *,
+  max_new_tokens: int = 256,
+  stop_ids: Iterable[int] = (),
+  rng: jax.Array | None = None,
+  num_slots: int = 8,
+  cache_len: int | None = None,
+) -> list[Completion]:
   """Samples a completion for each prompt; returns them in prompt order.
 
   Args:
@@ -81,17 +88,21 @@ def generate(model: Qwen | Engine, prompts: Sequence[Sequence[int]], sampling: S
     engine = Engine(model, min(num_slots, max(1, len(prompts))), cache_len)
   for i, p in enumerate(prompts):
     if len(p) >= engine.cache_len:
-      raise ValueError(f"prompt {i} has {len(p)} tokens; the cache holds {engine.cache_len} and "
-                       f"needs room for at least one more")
+      raise ValueError(
+        f"prompt {i} has {len(p)} tokens; the cache holds {engine.cache_len} and "
+        f"needs room for at least one more"
+      )
   return _Batcher(engine, sampling, max_new_tokens, frozenset(stop_ids)).run(
-      prompts, jax.random.key(0) if rng is None else rng)
+    prompts, jax.random.key(0) if rng is None else rng
+  )
 
 
 class _Batcher:
   """Continuous batching of independent requests over an engine's slots."""
 
-  def __init__(self, engine: Engine, sampling: SamplingParams, max_new_tokens: int,
-               stop_ids: frozenset[int]):
+  def __init__(
+    self, engine: Engine, sampling: SamplingParams, max_new_tokens: int, stop_ids: frozenset[int]
+  ):
     self.engine, self.sampling = engine, sampling
     self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
 
@@ -111,8 +122,9 @@ class _Batcher:
       if inserts:
         keys = keys.at[jnp.asarray([x[0] for x in inserts])].set(jnp.stack([x[3] for x in inserts]))
         firsts = self.engine.prefill_many(
-            [(slot, prompt, jax.random.fold_in(key, 0)) for slot, _, prompt, key in inserts],
-            self.sampling)
+          [(slot, prompt, jax.random.fold_in(key, 0)) for slot, _, prompt, key in inserts],
+          self.sampling,
+        )
         for (slot, index, _, _), (tok, logp) in zip(inserts, firsts):
           busy[slot] = (index, Completion([], [], ""))
           self._append(busy, free, out, slot, tok, logp)

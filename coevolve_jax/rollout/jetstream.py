@@ -67,10 +67,12 @@ class _OwnResultTokens:
     return self.replace(data=np.asarray(self.data))
 
   def get_result_at_slot(self, slot: int) -> SlotResult:
-    row = self.data[slot:slot + 1]
-    return SlotResult(row[:, self.tokens_idx[0]:self.tokens_idx[1]],
-                      row[:, self.valid_idx[0]:self.valid_idx[1]],
-                      row[:, self.length_idx[0]])
+    row = self.data[slot : slot + 1]
+    return SlotResult(
+      row[:, self.tokens_idx[0] : self.tokens_idx[1]],
+      row[:, self.valid_idx[0] : self.valid_idx[1]],
+      row[:, self.length_idx[0]],
+    )
 
 
 ResultTokens = _jetstream_api.ResultTokens if JETSTREAM_AVAILABLE else _OwnResultTokens
@@ -97,10 +99,12 @@ class DecodeState(NamedTuple):
 @functools.partial(jax.jit, donate_argnames=("state",))
 def _insert(prefix: engine_lib.DecodeState, state: engine_lib.DecodeState, slot):
   put = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, slot, axis=0)  # noqa
-  cache = KVCache(tuple(map(put, state.cache.k, prefix.cache.k)),
-                  tuple(map(put, state.cache.v, prefix.cache.v)))
-  return engine_lib.DecodeState(cache, put(state.next_pos, prefix.next_pos),
-                                put(state.tokens, prefix.tokens))
+  cache = KVCache(
+    tuple(map(put, state.cache.k, prefix.cache.k)), tuple(map(put, state.cache.v, prefix.cache.v))
+  )
+  return engine_lib.DecodeState(
+    cache, put(state.next_pos, prefix.next_pos), put(state.tokens, prefix.tokens)
+  )
 
 
 class JetStreamEngine(_Base):
@@ -114,8 +118,14 @@ class JetStreamEngine(_Base):
     seed: PRNG seed; every prefill / generate call draws a fresh key from it.
   """
 
-  def __init__(self, model: Qwen, num_slots: int, cache_len: int,
-               sampling: SamplingParams = GREEDY, seed: int = 0):
+  def __init__(
+    self,
+    model: Qwen,
+    num_slots: int,
+    cache_len: int,
+    sampling: SamplingParams = GREEDY,
+    seed: int = 0,
+  ):
     self._graphdef, self._params = nnx.split(model)
     self._config = model.config
     self._num_slots, self._cache_len = num_slots, cache_len
@@ -137,11 +147,18 @@ class JetStreamEngine(_Base):
     del args, kwargs
     cache = KVCache.zeros(self._config, self._num_slots, self._cache_len)
     zeros = lambda: jnp.zeros((self._num_slots,), jnp.int32)  # noqa: E731  (distinct buffers)
-    return DecodeState(engine_lib.DecodeState(cache, zeros(), zeros()),
-                       jnp.zeros((self._num_slots,), jnp.float32))
+    return DecodeState(
+      engine_lib.DecodeState(cache, zeros(), zeros()), jnp.zeros((self._num_slots,), jnp.float32)
+    )
 
-  def prefill(self, *, params: Any, existing_prefix: Prefix | None = None,
-              padded_tokens: jax.Array, true_length: int) -> Prefix:
+  def prefill(
+    self,
+    *,
+    params: Any,
+    existing_prefix: Prefix | None = None,
+    padded_tokens: jax.Array,
+    true_length: int,
+  ) -> Prefix:
     """KV cache of `padded_tokens[:true_length]` (appended to `existing_prefix`), first token.
 
     An `existing_prefix` is consumed (its buffers are donated to the new prefix).
@@ -163,8 +180,16 @@ class JetStreamEngine(_Base):
       raise ValueError(f"{start} + {padded.shape[0]} tokens exceed the cache ({self._cache_len})")
     kv_len = _kv_bucket(start + padded.shape[0], self._cache_len, engine_lib.PREFILL_MIN_KV)
     state, tok, logp = _prefill_rows(
-        self._graphdef, params, state, jnp.zeros((1,), jnp.int32), jnp.asarray(padded)[None],
-        jnp.asarray([true_length], jnp.int32), self._next_key()[None], self.sampling, kv_len)
+      self._graphdef,
+      params,
+      state,
+      jnp.zeros((1,), jnp.int32),
+      jnp.asarray(padded)[None],
+      jnp.asarray([true_length], jnp.int32),
+      self._next_key()[None],
+      self.sampling,
+      kv_len,
+    )
     return Prefix(state, start + int(true_length), int(tok[0]), float(logp[0]))
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
@@ -182,11 +207,12 @@ class JetStreamEngine(_Base):
     active = pos < self._cache_len
     kv_len = _kv_bucket(int(pos[active].max(initial=0)) + 1, self._cache_len)
     slots, tok, logp = _generate_step(
-        self._graphdef, params, slots, jnp.asarray(active), self._next_key(), self.sampling,
-        kv_len)
+      self._graphdef, params, slots, jnp.asarray(active), self._next_key(), self.sampling, kv_len
+    )
     data = jnp.stack([tok, jnp.asarray(active, jnp.int32), slots.next_pos], axis=1)
-    result = ResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3),
-                          samples_per_slot=1)
+    result = ResultTokens(
+      data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1
+    )
     return DecodeState(slots, jnp.where(jnp.asarray(active), logp, 0.0)), result
 
   def get_prefix_destination_sharding(self) -> Any:
@@ -199,6 +225,7 @@ class JetStreamEngine(_Base):
 
     if JETSTREAM_AVAILABLE:
       from jetstream.engine import tokenizer_pb2  # noqa: PLC0415  # pytype: disable=import-error
+
       return tokenizer_pb2.TokenizerParameters(path=tokenizer_lib.tokenizer_dir())
     return tokenizer_lib.get_tokenizer()
 

@@ -81,8 +81,9 @@ def filtered_logits(logits_bv: jax.Array, params: SamplingParams) -> jax.Array:
   return filtered
 
 
-def processed_logprobs(logits_bv: jax.Array, tokens_b: jax.Array,
-                       params: SamplingParams) -> jax.Array:
+def processed_logprobs(
+  logits_bv: jax.Array, tokens_b: jax.Array, params: SamplingParams
+) -> jax.Array:
   """log p(token) under the distribution `sample` draws from with `params`.
 
   That is log_softmax(filtered_logits(logits)) at the token: temperature-scaled, restricted to the
@@ -124,16 +125,18 @@ def _sample_block(v: int) -> int:
   the rest of the sampler; V itself when V is small; SAMPLE_BLOCK (with padding) otherwise."""
   if v <= 2 * SAMPLE_BLOCK:
     return v
-  near_first = sorted(range(SAMPLE_BLOCK // 4, 2 * SAMPLE_BLOCK + 1),
-                      key=lambda d: abs(d - SAMPLE_BLOCK))
+  near_first = sorted(
+    range(SAMPLE_BLOCK // 4, 2 * SAMPLE_BLOCK + 1), key=lambda d: abs(d - SAMPLE_BLOCK)
+  )
   for d in near_first:
     if v % d == 0:
       return d
   return SAMPLE_BLOCK
 
 
-def sample(logits_bv: jax.Array, rng: jax.Array,
-           params: SamplingParams) -> tuple[jax.Array, jax.Array]:
+def sample(
+  logits_bv: jax.Array, rng: jax.Array, params: SamplingParams
+) -> tuple[jax.Array, jax.Array]:
   """Samples one token per row.
 
   Sampling is by inverse CDF with one uniform per row (a Gumbel draw per vocabulary entry would
@@ -176,8 +179,9 @@ def sample(logits_bv: jax.Array, rng: jax.Array,
   # the target at the very end; then take the last block that has mass.
   last_block = block_mass.shape[1] - 1 - jnp.argmax((block_mass > 0)[:, ::-1], axis=-1)
   blk = jnp.minimum(jnp.sum(block_cdf <= target, axis=-1), last_block).astype(jnp.int32)
-  before = jnp.where(blk > 0, jnp.take_along_axis(block_cdf, jnp.maximum(blk - 1, 0)[:, None],
-                                                  axis=-1)[:, 0], 0.0)
+  before = jnp.where(
+    blk > 0, jnp.take_along_axis(block_cdf, jnp.maximum(blk - 1, 0)[:, None], axis=-1)[:, 0], 0.0
+  )
   inner = jnp.take_along_axis(blocks, blk[:, None, None], axis=1)[:, 0]  # [B, block]
   idx = jnp.sum(before[:, None] + jnp.cumsum(inner, axis=-1) <= target, axis=-1)
   last_in_block = block - 1 - jnp.argmax((inner > 0)[:, ::-1], axis=-1)
