@@ -105,7 +105,7 @@ def ours_worker(args) -> None:
   from coevolve_jax import grpo  # noqa: PLC0415
   from coevolve_jax.models import Qwen, QwenConfig  # noqa: PLC0415
   from coevolve_jax.trainer import PolicyTrainer, make_batch, make_optimizer  # noqa: PLC0415
-  from coevolve_jax.trajectory import Trajectory  # noqa: PLC0415
+  from coevolve_jax.types import Trajectory  # noqa: PLC0415
 
   s = _shape(args)
   cfg = QwenConfig(

@@ -25,8 +25,9 @@ import numpy as np
 
 from coevolve_jax.rollout.engine import Engine
 from coevolve_jax.rollout.sampling import SamplingParams, per_row_keys
-from coevolve_jax.trajectory import Trajectory
-from envs.base import Action, Env, StepResult, Task
+from coevolve_jax.types import Trajectory
+from coevolve_jax.types import Action, StepResult, Task
+from envs.base import Env
 
 
 @dataclasses.dataclass(frozen=True)

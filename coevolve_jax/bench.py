@@ -128,7 +128,7 @@ def _rollout(model, cfg, prompt_len: int, gen_len: int, repeats: int) -> dict:
 def _training(model, cfg, mesh, rows: int, seq: int, repeats: int) -> dict:
   from coevolve_jax import grpo  # noqa: PLC0415
   from coevolve_jax.trainer import PolicyTrainer, make_batch, make_optimizer  # noqa: PLC0415
-  from coevolve_jax.trajectory import Trajectory  # noqa: PLC0415
+  from coevolve_jax.types import Trajectory  # noqa: PLC0415
 
   rng = np.random.default_rng(0)
   trajs = []

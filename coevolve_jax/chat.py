@@ -33,7 +33,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from coevolve_jax import tokenizer as tokenizer_lib
-from envs.base import Action, ToolCall
+from coevolve_jax.types import Action, ToolCall
 
 Message = Mapping[str, Any]
 

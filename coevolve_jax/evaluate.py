@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from envs import bfcl
-from envs.base import Task
+from envs.bfcl import env as bfcl
+from coevolve_jax.types import Task
 
 CATEGORIES = (
   "multi_turn_base",

@@ -31,34 +31,21 @@ from flax import nnx
 from coevolve_jax import grpo
 from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
 from coevolve_jax.checkpoint import RunCheckpointer
-from coevolve_jax.feedback import controller, factory
+from coevolve_jax.feedback import rounds
+from coevolve_jax.feedback import factory
 from coevolve_jax.feedback.pool import TaskPool
-from coevolve_jax.feedback.signals import RolloutRecord, SignalTracker
+from coevolve_jax.feedback.signals import SignalEvent, SignalTracker
 from coevolve_jax.metrics import MetricsWriter, PhaseTimer, truncate_jsonl
 from coevolve_jax.models import Qwen, QwenConfig, from_pretrained
 from coevolve_jax.rollout.engine import Engine
 from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.trainer import PolicyTrainer, make_batch, make_optimizer
-from coevolve_jax.trajectory import Trajectory
-from coevolve_jax.warmstart import demonstration, describe, sft_batches
-from envs import bfcl
-from envs.base import Task
+from coevolve_jax.types import Trajectory
+from coevolve_jax.warmstart import describe, sft_batches
+from envs import make_suite
 
 log = logging.getLogger(__name__)
 PHASES = ("explore", "warmstart", "rollout", "reward", "train", "feedback", "eval", "checkpoint")
-
-
-def _event_to_dict(e: controller.SignalEvent) -> dict[str, Any]:
-  return {
-    "task": json.loads(e.task.to_json()),
-    "signal": e.signal,
-    "calls": e.calls,
-    "reward": e.reward,
-  }
-
-
-def _event_from_dict(d: dict[str, Any]) -> controller.SignalEvent:
-  return controller.SignalEvent(Task.from_dict(d["task"]), d["signal"], d["calls"], d["reward"])
 
 
 class RunError(Exception):
@@ -88,26 +75,13 @@ class CoEvolveRun:
   def _setup(self) -> None:
     cfg = self.cfg
     self.chat = QwenChat(enable_thinking=False)
-    self.suite = None  # AppWorld: real apps in AppWorld servers (envs/appworld_suite.py)
-    if cfg.env == "appworld":
-      from envs.appworld_suite import AppWorldSuite  # noqa: PLC0415
-
-      self.suite = AppWorldSuite(cfg, self.workdir)
-      self.train_entries, self.eval_split = self.suite.train_tasks, self.suite.eval_tasks
-    else:
-      tasks = bfcl.load_bfcl_tasks(cfg.data.category)
-      self.train_entries, self.eval_split = bfcl.split_tasks(tasks, cfg.data.eval_size, cfg.seed)
+    self.suite = make_suite(cfg, self.workdir)  # the benchmark (envs/<name>/suite.py)
+    self.eval_split = list(self.suite.eval_tasks)
     self.eval_tasks = self.eval_split[: cfg.eval.max_tasks]
     self.pool = TaskPool(
       os.path.join(self.workdir, "pool.jsonl"), threshold=cfg.explore.near_dup_threshold
     )
-    self.tracker = SignalTracker(
-      cfg.signals.window,
-      cfg.signals.rare_theta_percent,
-      cfg.signals.rare_min_total,
-      cfg.signals.pattern,
-      cfg.signals.success_threshold,
-    )
+    self.tracker = SignalTracker.from_config(cfg.signals)
     dtype = jnp.dtype(cfg.model.dtype)
     if cfg.model.checkpoint:  # a Hugging Face folder; its config.json replaces the preset
       model = from_pretrained(cfg.model.checkpoint, dtype=dtype)
@@ -133,27 +107,16 @@ class CoEvolveRun:
       dtype,
       max_prefill_tokens=cfg.rollout.max_prefill_tokens,
     )
-    make_env = functools.partial(
-      bfcl.make_env,
-      max_obs_chars=cfg.data.max_obs_chars,
-      tool_style=cfg.data.tool_style,
-      max_steps_per_turn=cfg.rollout.max_steps_per_turn,
-    )
-    eval_env = functools.partial(make_env, max_steps_per_turn=cfg.eval.max_steps_per_turn)
-    if self.suite is not None:
-      make_env = self.suite.make_env
-      eval_env = functools.partial(make_env, max_steps=cfg.eval.max_steps_per_turn)
-    self.make_env = make_env
     self.runner = AgentRunner(
       self.engine,
       self.chat,
-      make_env,
+      self.suite.make_env,
       EpisodeLimits(cfg.rollout.max_new_tokens, cfg.rollout.max_model_steps),
     )
     self.eval_runner = AgentRunner(
       self.engine,
       self.chat,
-      eval_env,
+      functools.partial(self.suite.make_env, eval=True),
       EpisodeLimits(cfg.eval.max_new_tokens, cfg.rollout.max_model_steps),
     )
     self.sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
@@ -168,26 +131,15 @@ class CoEvolveRun:
     cfg = self.cfg
     kind = cfg.explore.explorer
     self.llm = factory.make_llm(kind, cfg.explore, self._policy_snapshot)
-    self.explorer = factory.make_explorer(self.llm)
     d0_kind = cfg.explore.d0_explorer or kind
     self.d0_llm = (
       self.llm if d0_kind == kind else factory.make_llm(d0_kind, cfg.explore, self._policy_snapshot)
     )
-    self.d0_explorer = self.explorer if d0_kind == kind else factory.make_explorer(self.d0_llm)
-    controller.select_events(
+    rounds.select_events(
       [], np.random.default_rng(0), 0, kinds=tuple(cfg.feedback.kinds), mode=cfg.feedback.mode
     )  # validates kinds and mode now
     if cfg.feedback.lag < 0 or cfg.feedback.lag >= cfg.feedback.every:
       raise RunError(f"feedback.lag must be in [0, feedback.every), got {cfg.feedback.lag}")
-    self.settings = controller.SynthesisSettings(
-      cfg.explore.min_calls,
-      cfg.explore.max_calls,
-      cfg.explore.turns_per_task,
-      cfg.explore.rounds,
-      cfg.explore.steps_per_round,
-      cfg.feedback.validate,
-      cfg.explore.judge,
-    )
     self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="feedback")
     self._pending: dict[str, Any] | None = None  # the round in flight: its inputs and future
 
@@ -242,7 +194,7 @@ class CoEvolveRun:
     self.np_rng = np.random.default_rng()
     self.np_rng.bit_generator.state = self.state["np_rng"]
     self.key = jax.random.wrap_key_data(jnp.asarray(self.state["key"], jnp.uint32))
-    self.events = [_event_from_dict(e) for e in self.state["events"]]
+    self.events = [SignalEvent.from_dict(e) for e in self.state["events"]]
     if latest is None:
       self._bootstrap()
     elif self.state.get("pending_round"):
@@ -278,8 +230,7 @@ class CoEvolveRun:
     os.replace(tmp, self.summary_path)
     self.metrics.close()
     self.ckpt.close()
-    if self.suite is not None:
-      self.suite.close()  # stops the AppWorld servers (also at exit if the run fails)
+    self.suite.close()  # e.g. stops AppWorld's servers (they also stop at exit if the run fails)
     return summary
 
   def _bootstrap(self) -> None:
@@ -287,25 +238,7 @@ class CoEvolveRun:
     cfg = self.cfg
     rng = self.np_rng
     with self.timer("explore"):  # the pool is empty here: a fresh start rolls it back to 0
-      counts: dict[str, int] = {}
-      if self.suite is not None:  # generated worlds' solutions, validated by execution
-        d0, counts = self.suite.initial_tasks(cfg.explore.initial_tasks, rng)
-      else:
-        d0 = controller.build_initial_tasks(
-          self.train_entries,
-          cfg.explore.initial_tasks,
-          self.d0_explorer,
-          rng,
-          min_calls=cfg.explore.min_calls,
-          max_calls=cfg.explore.max_calls,
-          max_turns=cfg.explore.turns_per_task,
-          rounds=cfg.explore.rounds,
-          steps_per_round=cfg.explore.steps_per_round,
-          counts=counts,
-          max_classes=cfg.explore.max_classes or None,
-          only_classes=tuple(cfg.explore.only_classes),
-          llm=self.d0_llm,
-        )
+      d0, counts = self.suite.initial_tasks(cfg.explore.initial_tasks, rng, self.d0_llm)
       report = self.pool.add(d0, eval_tasks=self.eval_split)
       self.state["d0"] = {**counts, "added": report.added, "dropped": len(report.dropped)}
       print(f"D0: {self.state['d0']}")
@@ -327,15 +260,9 @@ class CoEvolveRun:
     cfg = self.cfg.warmstart
     if cfg.steps <= 0:
       return
-    if self.suite is not None:
-      demos = [
-        self.suite.demonstration(t, self.chat, f"demo{i}") for i, t in enumerate(self.pool.tasks)
-      ]
-    else:
-      demos = [
-        demonstration(t, self.chat, self.make_env, bfcl.parse_call_string, f"demo{i}")
-        for i, t in enumerate(self.pool.tasks)
-      ]
+    demos = [
+      self.suite.demonstration(t, self.chat, f"demo{i}") for i, t in enumerate(self.pool.tasks)
+    ]
     print(f"warm-start on {describe(demos)}")
     warmup = min(10, max(1, cfg.steps // 5))
     schedule = optax.warmup_cosine_decay_schedule(
@@ -389,12 +316,7 @@ class CoEvolveRun:
     adv = grpo.compute_advantages(rewards, groups, self.gcfg.adv_eps, self.gcfg.scale_by_std)
     with self.timer("train"):
       metrics = self._update(trajs, adv)
-    records = [
-      RolloutRecord(t.task_id, t.group_id, t.reward, t.tool_names, i) for i, t in enumerate(trajs)
-    ]
-    for s in self.tracker.update(records):
-      tr = trajs[s.trajectory_index]
-      self.events.append(controller.SignalEvent(tasks[tr.group_id], s.kind, tr.calls, tr.reward))
+    self.events.extend(self.tracker.observe(trajs, tasks))
     finishes = [t.finish for t in trajs]
     metrics.update(
       {
@@ -459,7 +381,7 @@ class CoEvolveRun:
     fb = self.cfg.feedback
     self.state["round"] += 1
     round_idx = self.state["round"]
-    chosen = controller.select_events(
+    chosen = rounds.select_events(
       self.events,
       self._round_rngs(round_idx)[0],
       self.cfg.explore.max_contexts_per_round,
@@ -474,27 +396,20 @@ class CoEvolveRun:
         "start_step": step,
         # the last step's round is joined at once, before the final checkpoint
         "commit_at": min(step + fb.lag, self.cfg.train.steps) if fb.concurrent else step,
-        "events": [_event_to_dict(e) for e in chosen],
+        "events": [e.to_dict() for e in chosen],
       },
       chosen,
     )
 
   def _resubmit(self, spec: dict[str, Any]) -> None:
     """Restarts the round that was in flight when the checkpoint was written."""
-    self._submit(spec, [_event_from_dict(e) for e in spec["events"]])
+    self._submit(spec, [SignalEvent.from_dict(e) for e in spec["events"]])
 
-  def _submit(self, spec: dict[str, Any], chosen: list[controller.SignalEvent]) -> None:
-    if hasattr(self.llm, "refresh"):
+  def _submit(self, spec: dict[str, Any], chosen: list[SignalEvent]) -> None:
+    if self.llm is not None:
       self.llm.refresh()  # the local explorer serves the policy as of this step
-    args = (
-      chosen,
-      self.explorer,
-      self._round_rngs(spec["round"])[1],
-      spec["round"],
-      self.settings,
-      self.llm,
-    )
-    synthesize = self.suite.synthesize_round if self.suite else controller.synthesize_round
+    args = (chosen, self._round_rngs(spec["round"])[1], spec["round"], self.llm)
+    synthesize = self.suite.synthesize_round
     if self.cfg.feedback.concurrent:
       future = self._executor.submit(synthesize, *args)
     else:
@@ -508,7 +423,7 @@ class CoEvolveRun:
     start = time.perf_counter()
     result = pending["future"].result()
     wait_s = time.perf_counter() - start
-    report = controller.commit_round(result, self.pool, self.eval_split)
+    report = rounds.commit_round(result, self.pool, self.eval_split)
     self.state["tasks_synthesized"] += report.synthesized
     self.state["tasks_accepted"] += report.accepted
     self.state["tasks_dropped"] += len(report.dropped)
@@ -569,8 +484,9 @@ class CoEvolveRun:
           )
           + "\n"
         )
-    if self.suite is not None:  # AppWorld's TGC / SGC of this evaluation
-      self.state.setdefault("appworld_eval", {})[tag] = self.suite.metrics(trajs)
+    suite_metrics = self.suite.metrics(trajs)  # e.g. AppWorld's TGC / SGC of this evaluation
+    if suite_metrics:
+      self.state.setdefault("suite_eval", {})[tag] = suite_metrics
     return float(np.mean([t.reward for t in trajs])) if trajs else 0.0
 
   def _save(self, step: int) -> None:
@@ -581,7 +497,7 @@ class CoEvolveRun:
         phase_s=dict(self.timer.totals),
         pool_size=len(self.pool),
         wall_s=self._wall_s(),
-        events=[_event_to_dict(e) for e in self.events],
+        events=[e.to_dict() for e in self.events],
         pending_round=(
           None
           if self._pending is None
@@ -677,5 +593,5 @@ class CoEvolveRun:
       "feedback_share": round(phase["feedback"] / wall_s, 4) if wall_s > 0 else 0.0,
       "feedback_synth_s": round(float(s.get("feedback_synth_s", 0.0)), 2),
       "feedback_rounds": s["round"],
-      **({"appworld_eval": s.get("appworld_eval", {})} if self.suite is not None else {}),
+      **({"suite_eval": s["suite_eval"]} if s.get("suite_eval") else {}),
     }

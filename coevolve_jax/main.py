@@ -27,14 +27,13 @@ def main(argv: list[str]) -> int:
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; -v 0 shows them
     absl_logging.set_verbosity(absl_logging.WARNING)
   cfg = _CONFIG.value
-  if cfg.env == "appworld":  # fail at once, with the set-up steps, before any JAX work
-    from envs.appworld_suite import AppWorldUnavailable, check_setup  # noqa: PLC0415
+  import envs  # noqa: PLC0415 (keep --help fast)
 
-    try:
-      check_setup(cfg)
-    except AppWorldUnavailable as e:
-      print(f"error: {e}", file=sys.stderr)
-      return 2
+  try:  # fail at once, with the set-up steps, before minutes of set-up
+    envs.check_setup(cfg)
+  except (envs.SuiteUnavailable, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   workdir = _WORKDIR.value
   try:  # fail before minutes of set-up, not after
     os.makedirs(workdir, exist_ok=True)

@@ -27,7 +27,7 @@ from coevolve_jax.rollout.sampling import (
   gathered_logprobs,
   processed_logprobs,
 )
-from coevolve_jax.trajectory import Trajectory
+from coevolve_jax.types import Trajectory
 
 
 def _bucket(n: int, minimum: int, step: int = 512) -> int:

@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 
 from coevolve_jax.agent import QwenChat
-from coevolve_jax.trajectory import Trajectory
-from envs.base import Action, Env, Task, ToolCall
+from coevolve_jax.types import Trajectory
+from coevolve_jax.types import Action, Task, ToolCall
+from envs.base import Env
 
 CLOSING_REPLY = "Done."
 

@@ -63,7 +63,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.appworld.build.num_scenarios = 40  # scenarios; each is one task family, several worlds
   c.appworld.build.tasks_per_scenario = 3  # worlds (tasks) per scenario, as SGC groups them
   c.appworld.build.eval_scenarios = 8  # the last scenarios form test_normal (held out)
-  c.appworld.build.templates = ()  # task families (envs/appworld_world.py TEMPLATES; () = all)
+  c.appworld.build.templates = ()  # task families (envs/appworld/world.py TEMPLATES; () = all)
   c.appworld.build.num_people = 3  # people per world (each with a Simple Note account)
   c.appworld.build.num_notes = 5  # the supervisor's notes per world
 

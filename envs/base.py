@@ -1,95 +1,30 @@
-"""Types shared by every environment, the agent loop and the task pool.
+"""The two doors between the CoEvolve loop and a benchmark: `Env` (one episode) and `Suite`.
 
-Environments are plain Python (no JAX). The agent loop drives them as:
+Environments are plain Python (no JAX). The agent loop drives an episode as:
 
-    env = make_env(task, episode_id)          # a fresh, isolated instance per episode
+    env = suite.make_env(task, episode_id)    # a fresh, isolated instance per episode
     result = env.reset()                      # StepResult with the first user message
     while not result.done:
         result = env.step(Action(...))        # tool results, or the next user message
     result.reward                             # set on the final StepResult
     env.close()                               # frees per-episode state
+
+A `Suite` is everything one benchmark gives a run (tasks, episodes, the initial task set D0,
+warm-start demonstrations, the synthesis of a feedback round, its own metrics); `loop.py` talks
+to a benchmark only through it, and `envs.make_suite(cfg, workdir)` picks one by `cfg.env`. The
+shared types (`Task`, `Action`, `StepResult`, `Trajectory`, ...) live in `coevolve_jax.types`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
+from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
 
-@dataclasses.dataclass(frozen=True)
-class ToolCall:
-  """One parsed tool call: a tool name and JSON-literal keyword arguments."""
-
-  name: str
-  arguments: dict[str, Any]
-
-
-@dataclasses.dataclass
-class Action:
-  """What the agent did in one model step.
-
-  `tool_calls` empty and `error` None means the reply had no tool call: the user turn ends.
-  `error` set means the reply could not be parsed (malformed JSON, unknown tool, reply cut at the
-  token limit, ...): the environment answers with an error observation and the turn goes on.
-  """
-
-  tool_calls: list[ToolCall] = dataclasses.field(default_factory=list)
-  error: str | None = None
-  text: str = ""
-
-
-@dataclasses.dataclass
-class StepResult:
-  """Messages to append to the conversation (chat dicts with `role` and `content`), and the outcome.
-
-  `reward` is the episode's outcome reward in [0, 1], meaningful when `done` is True.
-  `step_rewards` leaves room for process (per-step) rewards; empty when the environment gives none.
-  """
-
-  messages: list[dict[str, str]]
-  done: bool = False
-  reward: float = 0.0
-  info: dict[str, Any] = dataclasses.field(default_factory=dict)
-  step_rewards: list[float] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class Task:
-  """A training or evaluation task with an executable evaluator.
-
-  Attributes:
-    task_id: unique id, e.g. "multi_turn_base_12" or "syn-r2-000017".
-    env: environment name, e.g. "bfcl".
-    turns: the user query of each user turn, in order.
-    ground_truth: per user turn, the ground-truth call strings (e.g. "cd(folder='document')"); the
-      environment's evaluator compares the final state and outputs against these.
-    initial_config: the environment's initial state (BFCL: class name -> scenario dict).
-    involved_classes: BFCL backend classes the task uses.
-    source: "bfcl" (benchmark data), "explore" (D0, unguided exploration) or "synth" (feedback
-      round).
-    provenance: free-form: signal, round, explorer, parent task id, ...
-  """
-
-  task_id: str
-  env: str
-  turns: list[str]
-  ground_truth: list[list[str]]
-  initial_config: dict[str, Any] = dataclasses.field(default_factory=dict)
-  involved_classes: list[str] = dataclasses.field(default_factory=list)
-  source: str = "bfcl"
-  provenance: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-  def to_json(self) -> str:
-    return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
-  @classmethod
-  def from_dict(cls, d: dict[str, Any]) -> "Task":
-    return cls(**d)
-
-  @classmethod
-  def from_json(cls, s: str) -> "Task":
-    return cls.from_dict(json.loads(s))
+from coevolve_jax.feedback.llm import TextLLM
+from coevolve_jax.feedback.rounds import RoundResult, SignalEvent
+from coevolve_jax.types import Action, StepResult, Task, Trajectory
 
 
 class Env(Protocol):
@@ -104,3 +39,55 @@ class Env(Protocol):
   def step(self, action: Action) -> StepResult: ...
 
   def close(self) -> None: ...
+
+
+class Suite(Protocol):
+  """One benchmark behind one door (paper Sec. 3: the three stages on that benchmark).
+
+  Attributes:
+    name: the suite's name, as in `cfg.env` ("bfcl", "appworld").
+    train_tasks: training entries; for D0 only their environment states are read.
+    eval_tasks: the whole held-out split. The loop evaluates a prefix of it; the task pool's leak
+      filter compares every new task against all of it.
+  """
+
+  name: str
+  train_tasks: Sequence[Task]
+  eval_tasks: Sequence[Task]
+
+  def make_env(self, task: Task, episode_id: str, *, eval: bool = False) -> Env:
+    """A fresh, isolated episode of `task`; `eval=True` gives the evaluation limits."""
+    ...
+
+  def initial_tasks(
+    self, n: int, rng: np.random.Generator, llm: TextLLM | None
+  ) -> tuple[list[Task], dict[str, int]]:
+    """D0 (paper Sec. 3.4): up to `n` validated tasks and counts of how they were made
+    (attempted, accepted, rejected, ...). `llm` is the D0 explorer's LLM, None for programmatic."""
+    ...
+
+  def demonstration(self, task: Task, chat: Any, episode_id: str) -> Trajectory:
+    """A teacher-forced trajectory of `task`'s ground truth, really executed (warm-start)."""
+    ...
+
+  def synthesize_round(
+    self,
+    events: Sequence[SignalEvent],
+    rng: np.random.Generator,
+    round_idx: int,
+    llm: TextLLM | None,
+  ) -> RoundResult:
+    """Stages 2-3 (paper Sec. 3.2-3.3) for already selected events: explore, abstract, validate.
+
+    Runs in a worker thread beside training: it must read only its arguments and the suite's own
+    immutable state, and never touch the pool (the loop commits the result).
+    """
+    ...
+
+  def metrics(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """The suite's own figures for an evaluation (AppWorld: TGC / SGC); {} when it has none."""
+    ...
+
+  def close(self) -> None:
+    """Frees what the suite started (servers, worker processes)."""
+    ...

@@ -30,10 +30,11 @@ import numpy as np
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 sys.path.insert(0, ROOT)
 
-from coevolve_jax.feedback import controller  # noqa: E402
-from coevolve_jax.feedback.explorer import ProgrammaticExplorer  # noqa: E402
+from coevolve_jax.feedback import rounds  # noqa: E402
+from envs.bfcl import synthesis  # noqa: E402
+from envs.bfcl.explorer import ProgrammaticExplorer  # noqa: E402
 from coevolve_jax.feedback.pool import TaskPool  # noqa: E402
-from envs.bfcl import load_bfcl_tasks, split_tasks  # noqa: E402
+from envs.bfcl.data import load_bfcl_tasks, split_tasks  # noqa: E402
 
 
 def main() -> int:
@@ -41,7 +42,7 @@ def main() -> int:
   p.add_argument("--rounds", type=int, default=3)
   args = p.parse_args()
   train, held = split_tasks(load_bfcl_tasks("multi_turn_base"), 20, seed=0)
-  d0 = controller.build_initial_tasks(
+  d0 = synthesis.build_initial_tasks(
     train,
     12,
     ProgrammaticExplorer(),
@@ -55,26 +56,26 @@ def main() -> int:
     only_classes=("MessageAPI", "TicketAPI"),
   )
   events = [
-    controller.SignalEvent(t, kind, t.ground_truth, reward)
+    rounds.SignalEvent(t, kind, t.ground_truth, reward)
     for t in d0
     for kind, reward in (("boundary", 1.0), ("rare", 0.0), ("forgetting", 0.0))
   ]
-  settings = controller.SynthesisSettings(1, 2, 1, 2, 8)
+  settings = synthesis.SynthesisSettings(1, 2, 1, 2, 8)
   rows = {"synchronous": [], "overlapped": []}
   with tempfile.TemporaryDirectory() as tmp:
     pool = TaskPool(os.path.join(tmp, "pool.jsonl"))
     pool.add(d0, eval_tasks=held)
     for r in range(1, args.rounds + 1):
       t0 = time.perf_counter()
-      chosen = controller.select_events(
+      chosen = rounds.select_events(
         events, np.random.default_rng([0, r, 0]), 6, pool_tasks=pool.tasks
       )
       t1 = time.perf_counter()
-      result = controller.synthesize_round(
+      result = synthesis.synthesize_round(
         chosen, ProgrammaticExplorer(), np.random.default_rng([0, r, 1]), r, settings
       )
       t2 = time.perf_counter()
-      controller.commit_round(result, pool, held)
+      rounds.commit_round(result, pool, held)
       t3 = time.perf_counter()
       rows["synchronous"].append(t3 - t0)
       rows["overlapped"].append((t1 - t0) + (t3 - t2))

@@ -15,8 +15,8 @@ import pytest
 from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
 from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.warmstart import CLOSING_REPLY, demonstration
-from envs import bfcl
-from envs.base import Action, Task
+from envs.bfcl import env as bfcl
+from coevolve_jax.types import Action, Task
 
 
 class ScriptedEngine:

@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from envs import appworld_server
-from envs.appworld_data import OFFICIAL_SPLITS, goal_completion, load_split, scenario_of
+from envs.appworld import server as appworld_server
+from envs.appworld.data import OFFICIAL_SPLITS, goal_completion, load_split, scenario_of
 
 try:
   AW_PYTHON = appworld_server.venv_python()

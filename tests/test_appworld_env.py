@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from envs import appworld_server
-from envs.appworld_env import AppWorldEnv, extract_code, task_from_row
-from envs.appworld_server import ServerError
-from envs.base import Action
+from envs.appworld import server as appworld_server
+from envs.appworld.env import AppWorldEnv, extract_code, task_from_row
+from envs.appworld.server import ServerError
+from coevolve_jax.types import Action
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,7 +75,7 @@ def _config(seed=3):
 def suite(tmp_path_factory):
   if PYTHON is None:
     pytest.skip("no .venv-appworld")
-  from envs.appworld_suite import AppWorldSuite  # noqa: PLC0415
+  from envs.appworld.suite import AppWorldSuite  # noqa: PLC0415
 
   s = AppWorldSuite(_config(), str(tmp_path_factory.mktemp("run")))
   yield s
@@ -243,10 +243,10 @@ def test_suite_d0_warmstart_demo_api_discovery_and_feedback_round(suite):
   import numpy as np  # noqa: PLC0415
 
   from coevolve_jax.agent import QwenChat  # noqa: PLC0415
-  from envs.appworld_suite import FAMILY_APIS, code_reply  # noqa: PLC0415
+  from envs.appworld.synthesis import FAMILY_APIS, code_reply  # noqa: PLC0415
 
   rng = np.random.default_rng(0)
-  d0, counts = suite.initial_tasks(10, rng)
+  d0, counts = suite.initial_tasks(10, rng, None)
   assert counts == {"candidates": 4, "validated": 4, "rejected": 0}
   assert all(t.source == "explore" and t.env == "appworld" for t in d0)
   assert {t.task_id for t in d0}.isdisjoint(t.task_id for t in suite.eval_tasks)
@@ -262,7 +262,7 @@ def test_suite_d0_warmstart_demo_api_discovery_and_feedback_round(suite):
     types.SimpleNamespace(task=d0[0], signal="boundary"),
     types.SimpleNamespace(task=d0[1], signal="forgetting"),
   ]
-  result = suite.synthesize_round(events, None, rng, round_idx=1)
+  result = suite.synthesize_round(events, rng, 1, None)
   assert result.synthesized == 2 and len(result.tasks) + len(result.rejected) == 2
   assert len(result.tasks) == 2, result.rejected  # each new world's solution passes, no-op fails
   for task, event in zip(
@@ -283,7 +283,7 @@ def test_suite_d0_warmstart_demo_api_discovery_and_feedback_round(suite):
 def test_official_source_loads_splits_and_never_writes_into_the_data(suite, tmp_path):
   import numpy as np  # noqa: PLC0415
 
-  from envs.appworld_suite import AppWorldSuite  # noqa: PLC0415
+  from envs.appworld.suite import AppWorldSuite  # noqa: PLC0415
 
   c = _config()
   c.appworld.update(
@@ -294,7 +294,7 @@ def test_official_source_loads_splits_and_never_writes_into_the_data(suite, tmp_
     assert [t.task_id for t in official.train_tasks] == [t.task_id for t in suite.train_tasks]
     assert [t.task_id for t in official.eval_tasks] == [t.task_id for t in suite.eval_tasks]
     assert all(not t.initial_config["solution"] for t in official.eval_tasks)
-    d0, counts = official.initial_tasks(3, np.random.default_rng(0))
+    d0, counts = official.initial_tasks(3, np.random.default_rng(0), None)
     assert len(d0) == 3 and counts == {"candidates": 4, "official": 3}
     before = sorted(os.listdir(os.path.join(suite.root, "data", "tasks")))
     assert official.synthesize([], np.random.default_rng(0), 1, 4) == ([], [], {})

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from envs.appworld import AppWorldUnavailable, check_available
+from envs.appworld.client import AppWorldUnavailable, check_available
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 SETUP_COMMANDS = (

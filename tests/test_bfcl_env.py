@@ -4,8 +4,8 @@ import threading
 
 import pytest
 
-from envs.base import Action, ToolCall
-from envs.bfcl import (
+from coevolve_jax.types import Action, ToolCall
+from envs.bfcl.env import (
   BfclEnv,
   ToolCallError,
   call_to_string,
@@ -16,8 +16,8 @@ from envs.bfcl import (
   split_tasks,
   tool_schemas,
 )
-from envs.bfcl_data import schemas_by_name
-from envs.bfcl_exec import cached_keys, import_bfcl
+from envs.bfcl.data import schemas_by_name
+from envs.bfcl.execution import cached_keys, import_bfcl
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 
 from coevolve_jax import chat
 from coevolve_jax import tokenizer as tokenizer_lib
-from envs.base import Action, ToolCall
+from coevolve_jax.types import Action, ToolCall
 
 TOOLS = [
   {

@@ -17,7 +17,7 @@ from coevolve_jax.checkpoint import RunCheckpointer
 from coevolve_jax.metrics import truncate_jsonl
 from coevolve_jax.models import Qwen, QwenConfig
 from coevolve_jax.trainer import PolicyTrainer, make_batch, make_optimizer
-from coevolve_jax.trajectory import Trajectory
+from coevolve_jax.types import Trajectory
 
 
 def _trees(scale):

@@ -12,8 +12,8 @@ from flax import nnx
 from coevolve_jax import evaluate
 from coevolve_jax.agent import QwenChat
 from coevolve_jax.models import Qwen, QwenConfig
-from envs import bfcl
-from envs.base import Action, ToolCall
+from envs.bfcl import env as bfcl
+from coevolve_jax.types import Action, ToolCall
 
 
 _spec = importlib.util.spec_from_file_location(

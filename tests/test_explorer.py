@@ -5,13 +5,14 @@ import dataclasses
 import numpy as np
 import pytest
 
-from coevolve_jax.feedback.abstraction import abstract_task
-from coevolve_jax.feedback.controller import SignalEvent, build_initial_tasks, run_feedback_round
-from coevolve_jax.feedback.explorer import ExplorationContext, ProgrammaticExplorer
+from envs.bfcl.abstraction import abstract_task
+from coevolve_jax.feedback.signals import SignalEvent
+from envs.bfcl.synthesis import build_initial_tasks, run_feedback_round
+from envs.bfcl.explorer import ExplorationContext, ProgrammaticExplorer
 from coevolve_jax.feedback.pool import TaskPool
-from coevolve_jax.feedback.sandbox import Sandbox
-from coevolve_jax.feedback.validation import validate_task
-from envs.bfcl import load_bfcl_tasks, split_tasks
+from envs.bfcl.sandbox import Sandbox
+from envs.bfcl.validation import validate_task
+from envs.bfcl.data import load_bfcl_tasks, split_tasks
 
 
 @pytest.fixture(scope="module")

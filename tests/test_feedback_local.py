@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from coevolve_jax.feedback.explorer import ExplorationContext
+from envs.bfcl.explorer import ExplorationContext
 from coevolve_jax.feedback.llm import BudgetExhausted, LLMError
-from coevolve_jax.feedback.llm_explorer import LLMExplorer
+from envs.bfcl.llm_explorer import LLMExplorer
 from coevolve_jax.feedback.local_llm import LocalLLM
 from coevolve_jax.models import Qwen, QwenConfig
 
@@ -21,7 +21,7 @@ def test_local_llm_generates_charges_tokens_and_feeds_the_explorer(model):
   llm = LocalLLM(
     lambda: model, cache_len=1024, max_new_tokens=8, temperature=1.0, tokens_per_round=10**6
   )
-  text = llm.generate("You are terse.", "Say something.")
+  text = llm.complete("You are terse.", "Say something.")
   assert isinstance(text, str) and text
   assert llm.budget.requests == 1 and llm.budget.used > 8  # prompt + reply tokens
   llm.refresh()  # re-reads the (same) model from the callable
@@ -36,14 +36,14 @@ def test_local_llm_generates_charges_tokens_and_feeds_the_explorer(model):
 def test_local_llm_limits(model):
   llm = LocalLLM(model, cache_len=1024, max_new_tokens=4, temperature=1.0, tokens_per_round=1)
   with pytest.raises(LLMError, match="does not fit"):
-    llm.generate("word " * 1100, "user")
+    llm.complete("word " * 1100, "user")
   assert llm.budget.requests == 0  # nothing was generated
   try:
-    llm.generate("s", "u")
+    llm.complete("s", "u")
   except LLMError:  # an empty reply is possible from random weights; the tokens are still spent
     pass
   with pytest.raises(BudgetExhausted):
-    llm.generate("s", "u")
+    llm.complete("s", "u")
 
 
 def test_local_explorer_from_another_checkpoint(model, tmp_path):

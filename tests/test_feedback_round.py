@@ -7,21 +7,17 @@ import dataclasses
 import numpy as np
 import pytest
 
-from coevolve_jax.feedback import controller
-from coevolve_jax.feedback.controller import (
-  SignalEvent,
-  SynthesisSettings,
-  commit_round,
-  select_events,
-  synthesize_round,
-)
-from coevolve_jax.feedback.explorer import ProgrammaticExplorer
+from envs.bfcl import synthesis as controller
+from coevolve_jax.feedback.rounds import commit_round, select_events
+from coevolve_jax.feedback.signals import SignalEvent
+from envs.bfcl.synthesis import SynthesisSettings, synthesize_round
+from envs.bfcl.explorer import ProgrammaticExplorer
 from coevolve_jax.feedback.gemini_stub import GeminiStub
 from coevolve_jax.feedback.llm import GeminiLLM, GeminiSettings
-from coevolve_jax.feedback.llm_explorer import LLMExplorer
+from envs.bfcl.llm_explorer import LLMExplorer
 from coevolve_jax.feedback.pool import TaskPool
-from coevolve_jax.feedback.validation import ValidationResult
-from envs.bfcl import load_bfcl_tasks, split_tasks
+from envs.bfcl.validation import ValidationResult
+from envs.bfcl.data import load_bfcl_tasks, split_tasks
 
 SETTINGS = SynthesisSettings(min_calls=2, max_calls=4, max_turns=1, rounds=2, steps_per_round=6)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from coevolve_jax.feedback import gemini_stub
-from coevolve_jax.feedback.explorer import ExplorationContext
+from envs.bfcl.explorer import ExplorationContext
 from coevolve_jax.feedback.gemini_stub import GeminiStub, Reply, error_body, ok_body
 from coevolve_jax.feedback.llm import (
   BudgetExhausted,
@@ -17,15 +17,15 @@ from coevolve_jax.feedback.llm import (
   LLMError,
   parse_json_reply,
 )
-from coevolve_jax.feedback.llm_explorer import (
+from envs.bfcl.llm_explorer import (
   LLMExplorer,
   abstract_with_llm,
   attempt_and_judge,
   parse_call_reply,
 )
-from coevolve_jax.feedback.sandbox import Sandbox
-from envs.base import Task
-from envs.bfcl import load_bfcl_tasks
+from envs.bfcl.sandbox import Sandbox
+from coevolve_jax.types import Task
+from envs.bfcl.data import load_bfcl_tasks
 
 FAKE_KEY = "AIzaFAKE-test-key-0123456789"
 
@@ -53,7 +53,7 @@ def make_llm(stub, **kw):
 def test_success_uses_env_key_and_charges_reported_tokens(stub):
   stub.script.append(Reply(200, ok_body("hello", prompt_tokens=7, output_tokens=4)))
   llm = make_llm(stub)
-  assert llm.generate("sys", "hi", json_output=True) == "hello"
+  assert llm.complete("sys", "hi", json_output=True) == "hello"
   (req,) = stub.requests
   assert req["path"].endswith("/models/gemini-test:generateContent")
   assert req["headers"]["x-goog-api-key"] == FAKE_KEY
@@ -71,34 +71,34 @@ def test_429_then_success_is_retried(stub):
       Reply(200, ok_body("ok")),
     ]
   )
-  assert make_llm(stub).generate("s", "p") == "ok"
+  assert make_llm(stub).complete("s", "p") == "ok"
   assert len(stub.requests) == 3
 
 
 def test_persistent_500_fails_after_all_attempts(stub):
   stub.script.extend(Reply(500, error_body(500, "INTERNAL")) for _ in range(5))
   with pytest.raises(LLMError, match="HTTP 500"):
-    make_llm(stub, attempts=3).generate("s", "p")
+    make_llm(stub, attempts=3).complete("s", "p")
   assert len(stub.requests) == 3
 
 
 def test_400_is_not_retried(stub):
   stub.script.append(Reply(400, error_body(400, "INVALID_ARGUMENT")))
   with pytest.raises(LLMError, match="HTTP 400"):
-    make_llm(stub).generate("s", "p")
+    make_llm(stub).complete("s", "p")
   assert len(stub.requests) == 1
 
 
 def test_malformed_json_body(stub):
   stub.script.append(Reply(200, '{"candidates": [ {"content": '))
   with pytest.raises(LLMError, match="malformed"):
-    make_llm(stub).generate("s", "p")
+    make_llm(stub).complete("s", "p")
 
 
 def test_empty_candidates(stub):
   stub.script.append(Reply(200, '{"candidates": []}'))
   with pytest.raises(LLMError, match="empty"):
-    make_llm(stub).generate("s", "p")
+    make_llm(stub).complete("s", "p")
 
 
 def test_timeout(stub):
@@ -107,20 +107,20 @@ def test_timeout(stub):
   )
   start = time.perf_counter()
   with pytest.raises(LLMError, match="timeout"):
-    make_llm(stub, timeout_s=0.3, attempts=2).generate("s", "p")
+    make_llm(stub, timeout_s=0.3, attempts=2).complete("s", "p")
   assert time.perf_counter() - start < 1.4  # two 0.3 s attempts, not the server's 1.5 s
   assert len(stub.requests) == 2
 
 
 def test_token_budget_stops_before_sending(stub):
   llm = make_llm(stub, tokens_per_round=20)
-  llm.generate("s", "p")  # 15 tokens (stub default usage)
-  llm.generate("s", "p")  # 30 >= 20 after this one
+  llm.complete("s", "p")  # 15 tokens (stub default usage)
+  llm.complete("s", "p")  # 30 >= 20 after this one
   with pytest.raises(BudgetExhausted):
-    llm.generate("s", "p")
+    llm.complete("s", "p")
   assert len(stub.requests) == 2
   assert llm.budget.reset() == {"tokens": 30, "requests": 2}
-  llm.generate("s", "p")  # a new round
+  llm.complete("s", "p")  # a new round
   assert len(stub.requests) == 3
 
 
@@ -276,4 +276,4 @@ def test_vertex_without_credentials_is_a_clear_error(monkeypatch, stub, tmp_path
     assert "application-default" in str(e)
   else:  # the client may defer reading credentials to the first request
     with pytest.raises(LLMError):
-      llm.generate("s", "p")
+      llm.complete("s", "p")

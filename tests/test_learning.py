@@ -24,7 +24,7 @@ from flax import nnx
 from coevolve_jax import grpo
 from coevolve_jax.models import Qwen, QwenConfig
 from coevolve_jax.trainer import PolicyTrainer, make_batch, make_optimizer
-from coevolve_jax.trajectory import Trajectory
+from coevolve_jax.types import Trajectory
 
 BOS, EQ, DIGIT0, VOCAB, MOD = 1, 2, 3, 16, 8  # digit d is token DIGIT0 + d
 LR, MAX_STEPS, TASKS, GROUP = 1e-2, 200, 16, 8  # AdamW lr; prompts per step; samples per prompt

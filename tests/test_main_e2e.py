@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from coevolve_jax import loop
 from coevolve_jax.loop import CoEvolveRun, RunError
+from envs.bfcl.suite import BfclSuite
 
 _CONFIG = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "bfcl.py")
 
@@ -101,6 +101,6 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys)
 def test_an_empty_d0_pool_stops_with_a_clear_error(tmp_path, monkeypatch):
   """Exploration that yields no task (every candidate failed) ends the run before warm-start
   with RunError (exit 2 from main) instead of a bare `max()` of an empty demo list."""
-  monkeypatch.setattr(loop.controller, "build_initial_tasks", lambda *a, **k: [])
+  monkeypatch.setattr(BfclSuite, "initial_tasks", lambda self, n, rng, llm: ([], {"accepted": 0}))
   with pytest.raises(RunError, match="task pool empty"):
     CoEvolveRun(small_config(), str(tmp_path / "run")).fit()

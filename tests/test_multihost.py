@@ -28,7 +28,7 @@ WORKER = textwrap.dedent("""
     from coevolve_jax.models import sharding
     from coevolve_jax.models.qwen import Qwen, QwenConfig
     from coevolve_jax.trainer import PolicyTrainer, make_batch
-    from coevolve_jax.trajectory import Trajectory
+    from coevolve_jax.types import Trajectory
 
     mode, out = sys.argv[1], sys.argv[2]
     cfg = QwenConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,

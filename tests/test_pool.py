@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from coevolve_jax.feedback.pool import TaskPool
-from envs.base import Task
-from envs.bfcl import load_bfcl_tasks
+from coevolve_jax.types import Task
+from envs.bfcl.data import load_bfcl_tasks
 
 
 @pytest.fixture(scope="module")

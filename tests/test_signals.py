@@ -12,6 +12,7 @@ from coevolve_jax.feedback.signals import (
   RARE,
   RolloutRecord,
   Signal,
+  SignalEvent,
   SignalTracker,
 )
 
@@ -245,3 +246,46 @@ def test_success_threshold_is_configurable():
   assert kinds(sig, FORGETTING) == [0] and kinds(sig, BOUNDARY) == [0, 1]
   with pytest.raises(ValueError):
     SignalTracker(success_threshold=1.5)
+
+
+def test_observe_turns_trajectories_into_events_of_their_tasks():
+  """`observe` maps each fired signal back to its trajectory's task (group_id indexes `tasks`),
+  calls and reward, in `update`'s order (kind, then trajectory)."""
+  from coevolve_jax.types import Task, Trajectory  # noqa: PLC0415
+
+  tasks = [Task("t0", "bfcl", ["q0"], [["a()"]]), Task("t1", "bfcl", ["q1"], [["b()"]])]
+  trajs = [
+    Trajectory("t0", 0, reward=1.0, tool_names=["a"], calls=[["a()"]]),
+    Trajectory("t0", 0, reward=0.0, tool_names=[], calls=[[]]),
+    Trajectory("t1", 1, reward=0.0, tool_names=["b"], calls=[["b()"]]),
+    Trajectory("t1", 1, reward=0.0, tool_names=["b"], calls=[["b()"]]),
+  ]
+  events = SignalTracker(rare_min_total=1000).observe(trajs, tasks)
+  assert [(e.task.task_id, e.signal, e.calls, e.reward) for e in events] == [
+    ("t0", BOUNDARY, [["a()"]], 1.0),
+    ("t0", BOUNDARY, [[]], 0.0),
+  ]
+  again = SignalEvent.from_dict(json.loads(json.dumps(events[0].to_dict())))
+  assert again == events[0]
+
+
+def test_from_config_reads_every_field_by_name():
+  import ml_collections  # noqa: PLC0415
+
+  cfg = ml_collections.ConfigDict(
+    {
+      "window": 3,
+      "rare_theta_percent": 7.5,
+      "rare_min_total": 11,
+      "pattern": "ngram:2",
+      "success_threshold": 0.25,
+    }
+  )
+  t = SignalTracker.from_config(cfg)
+  assert (t.window, t.rare_theta_percent, t.rare_min_total, t.pattern, t.success_threshold) == (
+    3,
+    7.5,
+    11,
+    "ngram:2",
+    0.25,
+  )

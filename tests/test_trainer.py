@@ -21,7 +21,7 @@ from coevolve_jax.trainer import (
   make_optimizer,
   split_micro_batches,
 )
-from coevolve_jax.trajectory import Trajectory
+from coevolve_jax.types import Trajectory
 
 
 @pytest.fixture(scope="module")

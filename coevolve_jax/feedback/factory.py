@@ -1,4 +1,5 @@
-"""Builds the configured explorer (and its LLM) from the `explore` config section."""
+"""Builds the configured explorer LLM (Gemini, or a local model served by our engine) from the
+`explore` config section. Which explorer a suite drives with it is the suite's business."""
 
 from __future__ import annotations
 
@@ -6,9 +7,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from coevolve_jax.feedback.explorer import Explorer, ProgrammaticExplorer
 from coevolve_jax.feedback.llm import GeminiLLM, GeminiSettings, TextLLM
-from coevolve_jax.feedback.llm_explorer import LLMExplorer
 
 EXPLORERS = ("programmatic", "gemini", "local")
 
@@ -62,8 +61,3 @@ def make_llm(
     dtype=local.dtype,
     name=name,
   )
-
-
-def make_explorer(llm: TextLLM | None) -> Explorer:
-  """The LLM explorer for `llm`, or the programmatic one when there is no LLM."""
-  return ProgrammaticExplorer() if llm is None else LLMExplorer(llm)

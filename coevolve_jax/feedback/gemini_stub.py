@@ -68,7 +68,7 @@ def _tool_lines(prompt: str) -> list[tuple[str, list[tuple[str, bool, str]]]]:
 
 
 def feedback_responder(system: str, prompt: str) -> str:
-  """Deterministic stand-in answers for the prompts of coevolve_jax.feedback.llm_explorer."""
+  """Deterministic stand-in answers for the prompts of envs.bfcl.llm_explorer."""
   if system.startswith("You analyse"):
     return json.dumps(
       {

@@ -1,6 +1,6 @@
 """Text LLMs for the feedback loop (explorer, context summary, abstraction, judge).
 
-One small interface, `TextLLM.generate(system, prompt) -> str`, with two backends:
+One small interface, `TextLLM.complete(system, prompt) -> str`, with two backends:
 
 * `GeminiLLM`: Gemini through the google-genai client, with a Gemini API key or Vertex AI.
   Retries with exponential backoff and jitter on 408/429/5xx and transport errors (the client's
@@ -75,8 +75,13 @@ class TextLLM(Protocol):
   name: str
   budget: TokenBudget
 
-  def generate(self, system: str, prompt: str, *, json_output: bool = False) -> str:
+  def complete(self, system: str, prompt: str, *, json_output: bool = False) -> str:
     """Returns the model's reply text. Raises LLMError (or BudgetExhausted)."""
+    ...
+
+  def refresh(self) -> None:
+    """Called at the start of each feedback round: a client serving the policy being trained
+    reloads its weights here; a remote model has nothing to do."""
     ...
 
 
@@ -177,7 +182,10 @@ class GeminiLLM:
   def __repr__(self) -> str:
     return f"GeminiLLM(model={self.settings.model!r}, vertex={self.settings.vertex})"
 
-  def generate(self, system: str, prompt: str, *, json_output: bool = False) -> str:
+  def refresh(self) -> None:
+    """Nothing to reload: the model is remote."""
+
+  def complete(self, system: str, prompt: str, *, json_output: bool = False) -> str:
     """One request (retried by the client on 408/429/5xx and transport errors).
 
     Args:

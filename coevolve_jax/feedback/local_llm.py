@@ -64,7 +64,7 @@ class LocalLLM:
     if callable(self._source) and not isinstance(self._source, Qwen):
       self.engine.load_params(self._source())
 
-  def generate(self, system: str, prompt: str, *, json_output: bool = False) -> str:
+  def complete(self, system: str, prompt: str, *, json_output: bool = False) -> str:
     """One completion for (system, user) messages.
 
     Raises:

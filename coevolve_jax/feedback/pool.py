@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from datasketch import MinHash, MinHashLSH
 
-from envs.base import Task
+from coevolve_jax.types import Task
 
 log = logging.getLogger(__name__)
 SYNTH_SOURCES = ("synth",)

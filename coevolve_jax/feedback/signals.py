@@ -38,6 +38,8 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from coevolve_jax.types import Task, Trajectory
+
 FORGETTING = "forgetting"
 BOUNDARY = "boundary"
 RARE = "rare"
@@ -63,6 +65,30 @@ class RolloutRecord:
   score: float
   tool_names: Sequence[str]
   trajectory_index: int
+
+
+@dataclasses.dataclass
+class SignalEvent:
+  """A marked trajectory: its task, the signal kind, the agent's calls per turn, and its reward in
+  [0, 1]."""
+
+  task: Task
+  signal: str | None
+  calls: list[list[str]]
+  reward: float
+
+  def to_dict(self) -> dict[str, Any]:
+    """A JSON-serialisable form (checkpoints keep the events of the round to come)."""
+    return {
+      "task": json.loads(self.task.to_json()),
+      "signal": self.signal,
+      "calls": self.calls,
+      "reward": self.reward,
+    }
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> SignalEvent:
+    return cls(Task.from_dict(d["task"]), d["signal"], d["calls"], d["reward"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +159,18 @@ class SignalTracker:
     self.total = 0  # N = sum of pattern_counts
     self.counts: dict[str, int] = {k: 0 for k in KINDS}  # signals fired so far, per kind
     self.steps = 0
+
+  @classmethod
+  def from_config(cls, signals_cfg: Any) -> SignalTracker:
+    """A tracker from the `signals` config group (window, rare_theta_percent, rare_min_total,
+    pattern, success_threshold), built by keyword."""
+    return cls(
+      window=signals_cfg.window,
+      rare_theta_percent=signals_cfg.rare_theta_percent,
+      rare_min_total=signals_cfg.rare_min_total,
+      pattern=signals_cfg.pattern,
+      success_threshold=signals_cfg.success_threshold,
+    )
 
   # ------------------------------------------------------------------ patterns
 
@@ -218,6 +256,29 @@ class SignalTracker:
       self.counts[s.kind] += 1
     self.steps += 1
     return signals
+
+  def observe(self, trajectories: Sequence[Trajectory], tasks: Sequence[Task]) -> list[SignalEvent]:
+    """One training step's trajectories -> the signal events they fire (`update`'s order).
+
+    Args:
+      trajectories: the step's finished trajectories; `trajectory.group_id` indexes `tasks`.
+      tasks: the step's tasks, one per GRPO group.
+
+    Returns:
+      One SignalEvent per fired signal: the trajectory's task, the kind, its calls and reward.
+
+    Raises:
+      ValueError: as `update`.
+    """
+    records = [
+      RolloutRecord(t.task_id, t.group_id, t.reward, t.tool_names, i)
+      for i, t in enumerate(trajectories)
+    ]
+    events = []
+    for s in self.update(records):
+      tr = trajectories[s.trajectory_index]
+      events.append(SignalEvent(tasks[tr.group_id], s.kind, tr.calls, tr.reward))
+    return events
 
   # ------------------------------------------------------------------ checkpointing
 

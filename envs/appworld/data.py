@@ -1,7 +1,7 @@
 """AppWorld task sets (official splits or generated worlds) and AppWorld's goal-completion metrics.
 
 Official data (`appworld download data`, on a machine with internet) and the offline world builder
-(envs/appworld_world.py) share one layout under an AppWorld root:
+(envs/appworld/world.py) share one layout under an AppWorld root:
   data/datasets/<split>.txt       one task id per line, optionally `id:tag` (the tag is dropped)
   data/tasks/<task_id>/specs.json  the instruction (and supervisor, datetime, db_version)
 Official splits: train (90 tasks), dev (57), test_normal (168), test_challenge (417).
@@ -19,8 +19,8 @@ import json
 import os
 from collections.abc import Mapping
 
-from envs.appworld_env import task_from_row
-from envs.base import Task
+from envs.appworld.env import task_from_row
+from coevolve_jax.types import Task
 
 __all__ = ["OFFICIAL_SPLITS", "goal_completion", "load_split", "scenario_of"]
 

@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from coevolve_jax.feedback.explorer import SUMMARY_KEYS, ExplorationContext, Triplet
+from envs.bfcl.explorer import SUMMARY_KEYS, ExplorationContext, Triplet
 from coevolve_jax.feedback.llm import BudgetExhausted, LLMError, TextLLM, parse_json_reply
-from coevolve_jax.feedback.sandbox import Sandbox
-from envs.base import Task, ToolCall
-from envs.bfcl_data import compact_description
-from envs.bfcl_exec import score_calls
+from envs.bfcl.sandbox import Sandbox
+from coevolve_jax.types import Task, ToolCall
+from envs.bfcl.data import compact_description
+from envs.bfcl.execution import score_calls
 
 log = logging.getLogger(__name__)
 _OBS_CHARS = 400  # observation characters shown to the LLM per step
@@ -96,7 +96,7 @@ def summarize_with_llm(
     ensure_ascii=False,
   )
   try:
-    data = parse_json_reply(llm.generate(SUMMARY_SYSTEM, prompt, json_output=True))
+    data = parse_json_reply(llm.complete(SUMMARY_SYSTEM, prompt, json_output=True))
   except BudgetExhausted:
     raise
   except LLMError as e:
@@ -127,7 +127,7 @@ def parse_call_reply(text: str) -> ToolCall | None:
 
 
 class LLMExplorer:
-  """Explorer (coevolve_jax.feedback.explorer.Explorer) driven by a TextLLM.
+  """Explorer (envs.bfcl.explorer.Explorer) driven by a TextLLM.
 
   Each of `context.rounds` runs starts in a fresh backend; each of its `steps_per_round` steps asks
   the LLM for one call given the guidance, the context summary, the tools and the run so far.
@@ -174,7 +174,7 @@ class LLMExplorer:
     with Sandbox(context.initial_config, context.involved_classes, context.task_id) as sandbox:
       tools = tools_text(sandbox.schemas)
       for step in range(context.steps_per_round):
-        reply = self.llm.generate(
+        reply = self.llm.complete(
           EXPLORER_SYSTEM, self._prompt(context, tools, history, earlier, step), json_output=True
         )
         try:
@@ -264,7 +264,7 @@ def abstract_with_llm(
   )
   try:
     data = parse_json_reply(
-      llm.generate(ABSTRACT_SYSTEM.replace("{min_calls}", str(min_calls)), prompt, json_output=True)
+      llm.complete(ABSTRACT_SYSTEM.replace("{min_calls}", str(min_calls)), prompt, json_output=True)
     )
     run = runs[int(data["run_id"])]
     steps = [int(i) for i in data["steps"]]
@@ -317,7 +317,7 @@ def attempt_and_judge(llm: TextLLM, task: Task, max_steps: int = 12) -> tuple[bo
           'Reply with the next call, or {"stop": true} when the request is done.'
         )
         try:
-          call = parse_call_reply(llm.generate(EXPLORER_SYSTEM, prompt, json_output=True))
+          call = parse_call_reply(llm.complete(EXPLORER_SYSTEM, prompt, json_output=True))
         except BudgetExhausted:
           raise
         except LLMError as e:
@@ -345,7 +345,7 @@ def attempt_and_judge(llm: TextLLM, task: Task, max_steps: int = 12) -> tuple[bo
     default=str,
   )
   try:
-    verdict = parse_json_reply(llm.generate(JUDGE_SYSTEM, prompt, json_output=True))
+    verdict = parse_json_reply(llm.complete(JUDGE_SYSTEM, prompt, json_output=True))
   except BudgetExhausted:
     raise
   except LLMError as e:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from envs.appworld_server import AppWorldServer, ServerError, ServerPool
-from envs.base import Action, StepResult, Task
+from envs.appworld.server import AppWorldServer, ServerError, ServerPool
+from coevolve_jax.types import Action, StepResult, Task
 
 __all__ = ["AppWorldEnv", "SYSTEM_PROMPT", "extract_code", "rows_to_tasks", "task_from_row"]
 

@@ -2,7 +2,7 @@
 synthesis and evaluation metrics, behind one object the loop calls when `cfg.env == "appworld"`.
 
 Task source (`cfg.appworld.source`):
-  "generated": worlds built offline (envs/appworld_world.py) under <workdir>/appworld_root: the
+  "generated": worlds built offline (envs/appworld/world.py) under <workdir>/appworld_root: the
     train split feeds D0, test_normal is the held-out evaluation set.
   "official": `appworld download data` under `cfg.appworld.data_root`: `cfg.appworld.split` and
     `cfg.appworld.eval_split` (train/dev/test_normal/test_challenge). Official tasks carry no
@@ -10,65 +10,35 @@ Task source (`cfg.appworld.source`):
     by RL on the split's tasks only.
 Servers: a ServerPool of `cfg.rollout.num_slots` AppWorld servers (one per concurrent episode).
 
-Feedback (SPEC 1.2-1.3 on AppWorld): the programmatic explorer discovers the apps' APIs in a live
-world through `apis.api_docs` (show_app_descriptions, show_api_descriptions, show_api_doc); the
-task families whose every API it found are the ones it may synthesize. For each marked trajectory
-it builds a new world of the marked task's family (a fresh seed: new people, notes, question), and
-validates it by execution: the family's solution must score 1.0 in that world and completing at
-once without acting must score 0.0. Accepted tasks join the pool.
+Feedback (paper Sec. 3.2-3.3 on AppWorld; envs/appworld/synthesis.py): the programmatic explorer
+discovers the apps' APIs in a live world through `apis.api_docs`; the task families whose every API
+it found are the ones it may synthesize. For each marked trajectory it builds a new world of the
+marked task's family (a fresh seed: new people, notes, question), and validates it by execution:
+the family's solution must score 1.0 in that world and completing at once without acting must
+score 0.0. Accepted tasks go back to the loop, which commits them to the pool.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from envs.appworld import AppWorldUnavailable
-from envs.appworld_data import goal_completion, load_split
-from envs.appworld_env import AppWorldEnv, rows_to_tasks, task_from_row
-from envs.appworld_server import ServerError, ServerPool, add_worlds, build_worlds, venv_python
-from envs.base import Action, Task
+from envs.appworld import synthesis
+from envs.appworld.client import AppWorldUnavailable
+from envs.appworld.data import goal_completion, load_split
+from envs.appworld.env import AppWorldEnv, rows_to_tasks, task_from_row
+from envs.appworld.synthesis import code_reply
+from envs.appworld.server import ServerError, ServerPool, add_worlds, build_worlds, venv_python
+from coevolve_jax.feedback.llm import TextLLM
+from coevolve_jax.feedback.rounds import RoundResult, SignalEvent
+from coevolve_jax.types import Action, Task, Trajectory
 
-__all__ = ["AppWorldSuite", "check_setup", "code_reply"]
-
-# APIs each generated task family's solution calls (envs/appworld_world.py _PREAMBLE + template).
-FAMILY_APIS = {
-  "count_notes": (
-    "supervisor.show_account_passwords",
-    "supervisor.show_profile",
-    "simple_note.login",
-    "simple_note.search_notes",
-    "supervisor.complete_task",
-  ),
-  "count_tagged": ("simple_note.login", "simple_note.search_notes", "supervisor.complete_task"),
-  "latest_title": ("simple_note.login", "simple_note.search_notes", "supervisor.complete_task"),
-  "create_note": ("simple_note.login", "simple_note.create_note", "supervisor.complete_task"),
-  "delete_note": (
-    "simple_note.login",
-    "simple_note.search_notes",
-    "simple_note.delete_note",
-    "supervisor.complete_task",
-  ),
-}
-_DISCOVER = """\
-import json
-found = {}
-for app in apis.api_docs.show_app_descriptions():
-    names = [a["name"] for a in apis.api_docs.show_api_descriptions(app_name=app["name"])]
-    found[app["name"]] = names
-print(json.dumps(found))
-"""
-
-
-def code_reply(code: str) -> str:
-  """The assistant reply that runs `code`: one fenced python block."""
-  return f"```python\n{code.rstrip()}\n```"
-
+__all__ = ["AppWorldSuite", "check_setup"]
 
 SETUP_STEPS = """\
 How to set AppWorld up (its pins, pydantic<2, conflict with this project's: it gets its own venv):
@@ -97,7 +67,7 @@ def check_setup(cfg: Any) -> None:
   except FileNotFoundError as e:
     errors.append(str(e))
   if aw.source == "official":
-    from envs.appworld import _data_errors  # noqa: PLC0415
+    from envs.appworld.client import _data_errors  # noqa: PLC0415
 
     errors += _data_errors(str(aw.data_root or ""), [str(aw.split), str(aw.eval_split)])
   elif aw.source != "generated":
@@ -116,9 +86,12 @@ class AppWorldSuite:
       <workdir>/appworld_logs.
   """
 
+  name = "appworld"
+
   def __init__(self, cfg: Any, workdir: str):
     check_setup(cfg)
     aw = self.aw = cfg.appworld
+    self.eval_max_steps = int(cfg.eval.max_steps_per_turn)
     self.python = venv_python(aw.venv)
     b = aw.build
     self.build_args = {"num_people": int(b.num_people), "num_notes": int(b.num_notes)}
@@ -155,14 +128,19 @@ class AppWorldSuite:
 
   # ------------------------------------------------------------------ episodes
 
-  def make_env(self, task: Task, episode_id: str, max_steps: int | None = None) -> AppWorldEnv:
-    """A fresh episode of `task` (the episode id is unused: the server port keeps them apart)."""
+  def make_env(self, task: Task, episode_id: str, *, eval: bool = False) -> AppWorldEnv:
+    """A fresh episode of `task` with the training (`appworld.max_steps`) or evaluation
+    (`eval.max_steps_per_turn`) reply limit; the episode id is unused (the server port keeps
+    episodes apart)."""
     del episode_id
+    return self._env(task, self.eval_max_steps if eval else int(self.aw.max_steps))
+
+  def _env(self, task: Task, max_steps: int) -> AppWorldEnv:
     return AppWorldEnv(
       task,
       self.pool,
       experiment="coevolve",
-      max_steps=int(max_steps or self.aw.max_steps),
+      max_steps=int(max_steps),
       max_obs_chars=int(self.aw.max_obs_chars),
       reward=str(self.aw.reward),
       exec_timeout_s=int(self.aw.exec_timeout_s),
@@ -170,7 +148,7 @@ class AppWorldSuite:
 
   def run_code(self, task: Task, code: str) -> tuple[float, dict[str, Any]]:
     """Runs `code` as the one reply of an episode of `task`; returns (reward, info)."""
-    env = self.make_env(task, "check", max_steps=1)
+    env = self._env(task, max_steps=1)
     try:
       env.reset()
       result = env.step(Action(text=code_reply(code)))
@@ -196,9 +174,8 @@ class AppWorldSuite:
 
   def demonstration(self, task: Task, chat: Any, episode_id: str):
     """Teacher-forced trajectory: one reply holding the task's solution code, really executed."""
-    from coevolve_jax.trajectory import Trajectory  # noqa: PLC0415
-
-    env = self.make_env(task, episode_id, max_steps=1)
+    del episode_id
+    env = self._env(task, max_steps=1)
     traj = Trajectory(task_id=task.task_id, group_id=-1)
     try:
       first = env.reset()
@@ -217,12 +194,16 @@ class AppWorldSuite:
 
   # ------------------------------------------------------------------ D0 and feedback
 
-  def initial_tasks(self, n: int, rng: np.random.Generator) -> tuple[list[Task], dict[str, int]]:
+  def initial_tasks(
+    self, n: int, rng: np.random.Generator, llm: TextLLM | None
+  ) -> tuple[list[Task], dict[str, int]]:
     """D0: up to `n` training tasks with solutions, each validated by execution.
 
     Official tasks carry no solution here: they join D0 as they are (AppWorld's own evaluation
-    code grades them), so RL can start; there is nothing to warm-start on.
+    code grades them), so RL can start; there is nothing to warm-start on. The explorer is
+    programmatic: `llm` is not used yet.
     """
+    del llm
     if self.aw.source == "official":
       picked = [self.train_tasks[int(i)] for i in rng.permutation(len(self.train_tasks))[:n]]
       return picked, {"candidates": len(self.train_tasks), "official": len(picked)}
@@ -255,25 +236,20 @@ class AppWorldSuite:
       )
       try:
         env.reset()
-        out = env.step(Action(text=code_reply(_DISCOVER))).messages
-        text = out[0]["content"] if out else "{}"
-        try:
-          self.api_inventory = json.loads(text)
-        except ValueError as e:
-          raise RuntimeError(f"API discovery through apis.api_docs failed: {text[:500]}") from e
+        out = env.step(Action(text=code_reply(synthesis.DISCOVER_APIS))).messages
+        self.api_inventory = synthesis.parse_inventory(out[0]["content"] if out else "{}")
       finally:
         env.close()
     return self.api_inventory
 
   def families(self) -> list[str]:
     """Task families whose every API the explorer discovered."""
-    found = {f"{app}.{name}" for app, names in self.discover_apis().items() for name in names}
-    return [f for f, needed in FAMILY_APIS.items() if set(needed) <= found]
+    return synthesis.families(self.discover_apis())
 
   def synthesize(
-    self, events: Sequence[Any], rng: np.random.Generator, round_idx: int, max_contexts: int
+    self, events: Sequence[SignalEvent], rng: np.random.Generator, round_idx: int, max_contexts: int
   ) -> tuple[list[Task], list[tuple[str, str]], dict[str, int]]:
-    """New validated tasks for up to `max_contexts` signal events (SignalEvent: task, signal).
+    """New validated tasks for up to `max_contexts` signal events (`synthesis.plan_worlds`).
 
     Returns (accepted tasks, [(task_id, reason)] rejected, per-signal counts of accepted tasks).
     New worlds are built into the generated root only: with official data nothing is synthesized
@@ -281,21 +257,11 @@ class AppWorldSuite:
     """
     if self.aw.source != "generated":
       return [], [], {}
-    families = set(self.families())
-    picked = [events[int(i)] for i in rng.permutation(len(events))[:max_contexts]]
-    specs, signals = [], {}
-    for k, event in enumerate(picked):
-      family = event.task.provenance.get("template")
-      if family not in families:
-        family = str(rng.choice(sorted(families)))
-      seed = int(rng.integers(1 << 30))
-      scenario = hashlib.sha1(f"syn:{round_idx}:{k}:{seed}".encode()).hexdigest()[:7]
-      specs.append({"task_id": f"{scenario}_1", "template": family, "seed": seed})
-      signals[f"{scenario}_1"] = (event.signal or "random", event.task.task_id)
+    specs, origin = synthesis.plan_worlds(events, self.families(), rng, round_idx, max_contexts)
     rows = add_worlds(self.root, specs, self.python, **self.build_args)
     accepted, rejected, per_signal = [], [], {}
     for row in rows:
-      signal, parent = signals[row["task_id"]]
+      signal, parent = origin[row["task_id"]]
       task = task_from_row(row, source="synth")
       task.provenance.update(
         signal=signal, round=round_idx, parent=parent, explorer="appworld-programmatic"
@@ -310,19 +276,16 @@ class AppWorldSuite:
 
   def synthesize_round(
     self,
-    events: Sequence[Any],
-    explorer: Any,
+    events: Sequence[SignalEvent],
     rng: np.random.Generator,
     round_idx: int,
-    settings: Any = None,
-    llm: Any = None,
-  ):
-    """A feedback round with `controller.synthesize_round`'s signature and result type."""
-    del explorer, settings, llm  # AppWorld's explorer is programmatic and lives here
-    import time  # noqa: PLC0415
+    llm: TextLLM | None,
+  ) -> RoundResult:
+    """A feedback round: new worlds of the marked tasks' families, validated by execution.
 
-    from coevolve_jax.feedback.controller import RoundResult  # noqa: PLC0415
-
+    The explorer is programmatic (API discovery through `apis.api_docs`): `llm` is not used yet.
+    """
+    del llm
     start = time.perf_counter()
     tasks, rejected, accepted = self.synthesize(events, rng, round_idx, self.aw.max_contexts)
     per_signal = {signal: {"validated": n} for signal, n in accepted.items()}
@@ -350,9 +313,12 @@ class AppWorldSuite:
   # ------------------------------------------------------------------ evaluation
 
   @staticmethod
-  def metrics(trajs: Sequence[Any]) -> dict[str, float]:
+  def metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
     """TGC and SGC (percent) of evaluation trajectories: success = every test passed."""
     return goal_completion({t.task_id: bool(t.info.get("success")) for t in trajs})
 
   def close(self) -> None:
     self.pool.close()
+
+
+Suite = AppWorldSuite

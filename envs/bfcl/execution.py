@@ -16,8 +16,8 @@ import threading
 import uuid
 from typing import Any
 
-from envs.base import Task
-from envs.bfcl_data import import_bfcl
+from coevolve_jax.types import Task
+from envs.bfcl.data import import_bfcl
 
 _UTILS = "bfcl_eval.eval_checker.multi_turn_eval.multi_turn_utils"
 _CHECKER = "bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker"

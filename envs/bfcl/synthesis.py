@@ -1,14 +1,11 @@
-"""The feedback controller (SPEC 1.2-1.4): D0 by unguided exploration, and one signal-driven round.
+"""BFCL synthesis (paper Sec. 3.2-3.3): D0 by unguided exploration, and one signal-driven round.
 
 Per context: context summary (LLM, else template) -> explorer -> abstraction (LLM, else template)
--> validation (execution, plus agent attempt and LLM judge when an LLM is configured) -> pool.add
-(which drops duplicates of the evaluation split and of the pool). Only environment states
-(initial_config, involved_classes) of the training entries are used for D0, never their questions
-or ground truth.
-
-A round is split so it can overlap training: `select_events` (main thread), `synthesize_round`
-(any thread; reads only its arguments), `commit_round` (main thread; the only step that touches
-the pool).
+-> validation (execution, plus agent attempt and LLM judge when an LLM is configured). The round's
+accepted tasks go back to the loop as a `RoundResult`; `coevolve_jax.feedback.rounds.commit_round`
+adds them to the pool (which drops duplicates of the evaluation split and of the pool). Only
+environment states (initial_config, involved_classes) of the training entries are used for D0,
+never their questions or ground truth.
 """
 
 from __future__ import annotations
@@ -21,40 +18,28 @@ from typing import Any
 
 import numpy as np
 
-from coevolve_jax.feedback import llm_explorer
-from coevolve_jax.feedback.abstraction import abstract_task
-from coevolve_jax.feedback.explorer import ExplorationContext, Explorer
 from coevolve_jax.feedback.llm import BudgetExhausted, TextLLM
 from coevolve_jax.feedback.pool import TaskPool
-from coevolve_jax.feedback.signals import KINDS
-from coevolve_jax.feedback.validation import validate_task
-from envs.base import Task
+from coevolve_jax.feedback.rounds import (
+  UNGUIDED,
+  FeedbackReport,
+  RoundResult,
+  SignalEvent,
+  commit_round,
+  select_events,
+)
+from coevolve_jax.types import Task
+from envs.bfcl import llm_explorer
+from envs.bfcl.abstraction import abstract_task
+from envs.bfcl.explorer import ExplorationContext, Explorer, ProgrammaticExplorer
+from envs.bfcl.validation import validate_task
 
 log = logging.getLogger(__name__)
-UNGUIDED = "unguided"  # per-signal key of contexts without a signal (random re-exploration)
 
 
-@dataclasses.dataclass
-class SignalEvent:
-  """A marked trajectory: its task, the signal kind, the agent's calls per turn, and its reward in
-  [0, 1]."""
-
-  task: Task
-  signal: str | None
-  calls: list[list[str]]
-  reward: float
-
-
-@dataclasses.dataclass
-class FeedbackReport:
-  synthesized: int
-  accepted: int
-  dropped: list[tuple[str, str, str | None]]
-  pass_rate: float
-  per_signal: dict[str, dict[str, int]]
-  rejected: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (task_id, reason)
-  llm_usage: dict[str, int] | None = None  # {"tokens", "requests"} of the round's LLM calls
-  eval_similarity: dict[str, float] = dataclasses.field(default_factory=dict)  # added id -> max
+def make_explorer(llm: TextLLM | None) -> Explorer:
+  """The LLM explorer for `llm`, or the programmatic one when there is no LLM."""
+  return ProgrammaticExplorer() if llm is None else llm_explorer.LLMExplorer(llm)
 
 
 def summarize_event(event: SignalEvent) -> tuple[dict[str, Any], list[str]]:
@@ -268,53 +253,6 @@ def build_initial_tasks(
   return out
 
 
-def select_events(
-  events: list[SignalEvent],
-  rng: np.random.Generator,
-  max_contexts: int,
-  *,
-  kinds: tuple[str, ...] = KINDS,
-  mode: str = "signals",
-  pool_tasks: list[Task] = (),
-) -> list[SignalEvent]:
-  """The contexts of one round: up to `max_contexts` events, drawn uniformly without replacement.
-
-  Args:
-    events: the signal events since the last round.
-    kinds: signal kinds used (the no-forgetting / no-boundary / no-rare ablations drop one).
-    mode: "signals" (SPEC 1.2) or "random": random re-exploration, no signals; contexts are pool
-      tasks drawn uniformly, explored unguided (signal None, no focus calls).
-    pool_tasks: the pool's tasks (only read in "random" mode).
-
-  Raises:
-    ValueError: an unknown mode or kind.
-  """
-  if mode not in ("signals", "random"):
-    raise ValueError(f"feedback mode must be 'signals' or 'random', got {mode!r}")
-  if unknown := set(kinds) - set(KINDS):
-    raise ValueError(f"unknown signal kinds {sorted(unknown)} (known: {KINDS})")
-  if mode == "random":
-    pool_tasks = list(pool_tasks)
-    idx = rng.permutation(len(pool_tasks))[:max_contexts]
-    return [SignalEvent(pool_tasks[int(i)], None, [[]], 0.0) for i in idx]
-  usable = [e for e in events if e.signal in kinds]
-  return [usable[int(i)] for i in rng.permutation(len(usable))[:max_contexts]]
-
-
-@dataclasses.dataclass
-class RoundResult:
-  """A feedback round's synthesized and validated tasks, before they meet the pool."""
-
-  round_idx: int
-  tasks: list[Task]
-  synthesized: int
-  per_signal: dict[str, dict[str, int]]
-  rejected: list[tuple[str, str]]
-  trace: list[dict[str, Any]]
-  llm_usage: dict[str, int] | None = None
-  wall_s: float = 0.0
-
-
 def synthesize_round(
   events: list[SignalEvent],
   explorer: Explorer,
@@ -382,36 +320,6 @@ def synthesize_round(
     llm.budget.reset() if llm is not None else None,
     time.perf_counter() - start,
   )
-
-
-def commit_round(result: RoundResult, pool: TaskPool, eval_tasks: list[Task]) -> FeedbackReport:
-  """Adds a round's validated tasks to the pool (dropping duplicates of the evaluation split and
-  of the pool, logged) and reports the round."""
-  report = pool.add(result.tasks, eval_tasks=eval_tasks)
-  dropped_ids = {d[0] for d in report.dropped}
-  per_signal = {k: {**v, "accepted": 0} for k, v in result.per_signal.items()}
-  for task in result.tasks:
-    if task.task_id not in dropped_ids:
-      per_signal[task.provenance["signal"] or UNGUIDED]["accepted"] += 1
-  out = FeedbackReport(
-    synthesized=result.synthesized,
-    accepted=report.added,
-    dropped=report.dropped,
-    pass_rate=(len(result.tasks) / result.synthesized) if result.synthesized else 0.0,
-    per_signal=per_signal,
-    rejected=result.rejected,
-    llm_usage=result.llm_usage,
-    eval_similarity=report.eval_similarity,
-  )
-  log.info(
-    "feedback round %d: synthesized %d, accepted %d, dropped %d, pass rate %.2f",
-    result.round_idx,
-    out.synthesized,
-    out.accepted,
-    len(out.dropped),
-    out.pass_rate,
-  )
-  return out
 
 
 def run_feedback_round(

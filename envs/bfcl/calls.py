@@ -14,8 +14,8 @@ import inspect
 import math
 from typing import Any
 
-from envs.base import ToolCall
-from envs.bfcl_data import import_bfcl
+from coevolve_jax.types import ToolCall
+from envs.bfcl.data import import_bfcl
 
 _MAX_DEPTH = 32
 
@@ -82,7 +82,7 @@ def call_to_string(call: ToolCall, schemas_by_name: dict[str, dict[str, Any]]) -
   Args:
     call: the parsed tool call.
     schemas_by_name: tool name -> "function" dict ({"name", "description", "parameters"}) of the
-      tools this entry offers (see envs.bfcl_data.schemas_by_name).
+      tools this entry offers (see envs.bfcl.data.schemas_by_name).
 
   Returns:
     A string with one call and literal keyword arguments in the call's argument order.

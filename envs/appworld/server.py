@@ -39,8 +39,9 @@ __all__ = [
   "venv_python",
 ]
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 DEFAULT_VENV = os.path.join(REPO, ".venv-appworld")
+WORLD_BUILDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "world.py")  # a script
 _WELCOME = "Welcome to AppWorld Server"
 
 
@@ -324,7 +325,7 @@ def build_worlds(
   num_notes: int = 5,
   timeout_s: float = 900.0,
 ) -> list[dict]:
-  """Builds generated worlds and tasks under `root` with envs/appworld_world.py in the AppWorld env.
+  """Builds generated worlds and tasks under `root` with envs/appworld/world.py in the AppWorld env.
 
   Returns the rows of <root>/coevolve_tasks.jsonl (task_id, scenario, split, instruction, answer,
   solution, ...). Reuses a finished build with the same arguments (a stamp file records them).
@@ -357,7 +358,7 @@ def build_worlds(
         return _read_rows(index)
   shutil.rmtree(os.path.join(root, "data"), ignore_errors=True)
   os.makedirs(root, exist_ok=True)
-  script = os.path.join(REPO, "envs", "appworld_world.py")
+  script = WORLD_BUILDER
   try:
     done = subprocess.run(
       [python, script, *args],
@@ -402,7 +403,7 @@ def add_worlds(
   spec_path = os.path.join(root, f"coevolve_add_{os.getpid()}_{time.monotonic_ns()}.json")
   with open(spec_path, "w", encoding="utf-8") as f:
     json.dump(specs, f)
-  script = os.path.join(REPO, "envs", "appworld_world.py")
+  script = WORLD_BUILDER
   try:
     done = subprocess.run(
       [

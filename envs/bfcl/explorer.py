@@ -14,10 +14,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from coevolve_jax.feedback.sandbox import Sandbox
-from coevolve_jax.feedback.values import ValuePool, sample_arguments, vary_arguments
-from envs.base import ToolCall
-from envs.bfcl_calls import ToolCallError, parse_call_string
+from envs.bfcl.sandbox import Sandbox
+from envs.bfcl.values import ValuePool, sample_arguments, vary_arguments
+from coevolve_jax.types import ToolCall
+from envs.bfcl.calls import ToolCallError, parse_call_string
 
 SIGNALS = (None, "forgetting", "boundary", "rare")
 GUIDANCE = {

@@ -1,9 +1,9 @@
 """Offline AppWorld world builder: seeded worlds and tasks from the shipped app models, factories.
 
-Runs INSIDE the AppWorld virtual environment (`.venv-appworld/bin/python envs/appworld_world.py
+Runs INSIDE the AppWorld virtual environment (`.venv-appworld/bin/python envs/appworld/world.py
 --root DIR --num-scenarios N ...`), never in this project's environment: it imports `appworld`
 (pydantic < 2) and the standard library only. The project side calls it through
-`envs.appworld_server.build_worlds`.
+`envs.appworld.server.build_worlds`.
 
 What one task is, in AppWorld's own on-disk format (appworld/task.py, appworld/ground_truth.py), so
 that the unmodified `AppWorld(task_id)` and `appworld.evaluator.evaluate_task` load and grade it:
@@ -34,8 +34,9 @@ import shutil
 import sys
 import time
 
-# Run as a script, this file's folder (envs/, which holds our own appworld.py) is sys.path[0]; drop
-# it so that `import appworld` finds the installed package.
+# Run as a script, this file's folder (envs/appworld/, whose env.py, data.py, server.py could shadow
+# installed modules of those names) is sys.path[0]; drop it so that `import appworld` and its own
+# imports find the installed packages.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 

@@ -3,9 +3,10 @@
 AppWorld (`appworld==0.1.3.post1`) pins pydantic < 2, which conflicts with this project's
 environment, so it runs in its own virtual environment as HTTP servers and we talk to them over
 loopback HTTP (SPEC section 3). A CoEvolve run starts and stops its own servers
-(envs/appworld_server.py, envs/appworld_suite.py); `check_available(cfg)` is for servers started by
-hand (`cfg.appworld.server_urls`) and fails fast, with the exact setup steps, when a server does not
-answer or the official data is missing. Its data checks are reused by `appworld_suite.check_setup`.
+(envs/appworld/server.py, envs/appworld/suite.py); `check_available(cfg)` is for servers started
+by hand (`cfg.appworld.server_urls`) and fails fast, with the exact setup steps, when a server does
+not answer or the official data is missing. Its data checks are reused by
+`envs.appworld.suite.check_setup`.
 
 What the check relies on, from the appworld 0.1.3.post1 source:
 - `appworld/serve/environment.py`: a FastAPI app whose `GET /` returns
@@ -31,6 +32,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any
+
+from envs import SuiteUnavailable
 
 __all__ = ["AppWorldUnavailable", "HEALTH_TIMEOUT_S", "SETUP_INSTRUCTIONS", "check_available"]
 
@@ -60,7 +63,7 @@ A CoEvolve run does not need steps 5-6: it starts its own servers from .venv-app
 (`make appworld-setup`; see docs/appworld.md)."""
 
 
-class AppWorldUnavailable(RuntimeError):
+class AppWorldUnavailable(SuiteUnavailable):
   """The AppWorld servers or data needed by an AppWorld run are not there."""
 
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from coevolve_jax.feedback.explorer import ExplorationContext, Triplet
-from coevolve_jax.feedback.sandbox import Sandbox
-from envs.base import Task
-from envs.bfcl_calls import ToolCallError, parse_call_string
-from envs.bfcl_data import compact_description, schemas_by_name, tool_schemas
+from envs.bfcl.explorer import ExplorationContext, Triplet
+from envs.bfcl.sandbox import Sandbox
+from coevolve_jax.types import Task
+from envs.bfcl.calls import ToolCallError, parse_call_string
+from envs.bfcl.data import compact_description, schemas_by_name, tool_schemas
 
 # Phrase templates for common tools; {arg} placeholders are filled with repr-quoted values.
 PHRASES = {

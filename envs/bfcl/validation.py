@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from coevolve_jax.feedback.sandbox import Sandbox
-from envs.base import Task
-from envs.bfcl_calls import ToolCallError, call_to_string, parse_call_string
-from envs.bfcl_data import schemas_by_name, tool_schemas
-from envs.bfcl_exec import is_error_result, score_calls
+from envs.bfcl.sandbox import Sandbox
+from coevolve_jax.types import Task
+from envs.bfcl.calls import ToolCallError, call_to_string, parse_call_string
+from envs.bfcl.data import schemas_by_name, tool_schemas
+from envs.bfcl.execution import is_error_result, score_calls
 
 
 @dataclasses.dataclass

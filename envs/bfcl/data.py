@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from envs.base import Task
+from coevolve_jax.types import Task
 
 MULTI_TURN_CATEGORIES = (
   "multi_turn_base",

@@ -11,16 +11,16 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from envs.base import Action, StepResult, Task
-from envs.bfcl_calls import ToolCallError, call_to_string, parse_call_string
-from envs.bfcl_data import (
+from coevolve_jax.types import Action, StepResult, Task
+from envs.bfcl.calls import ToolCallError, call_to_string, parse_call_string
+from envs.bfcl.data import (
   load_bfcl_tasks,
   schemas_by_name,
   split_tasks,
   tool_schemas,
   function_docs,
 )
-from envs.bfcl_exec import cached_keys, cleanup, execute_calls, new_model_name, score_calls
+from envs.bfcl.execution import cached_keys, cleanup, execute_calls, new_model_name, score_calls
 
 __all__ = [
   "BfclEnv",

@@ -1,8 +1,8 @@
 """A fresh, isolated BFCL backend instance for exploration and validation (no user turns, no
 checker).
 
-Wraps envs.bfcl_exec: every Sandbox has its own unique model name, executes one safe call at a time
-and deletes its cached instances on close (use it as a context manager).
+Wraps envs.bfcl.execution: every Sandbox has its own unique model name, executes one safe call at a
+time and deletes its cached instances on close (use it as a context manager).
 """
 
 from __future__ import annotations
@@ -10,10 +10,16 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from envs.base import Task, ToolCall
-from envs.bfcl_calls import ToolCallError, call_to_string
-from envs.bfcl_data import schemas_by_name, tool_schemas
-from envs.bfcl_exec import cleanup, execute_calls, instance_state, is_error_result, new_model_name
+from coevolve_jax.types import Task, ToolCall
+from envs.bfcl.calls import ToolCallError, call_to_string
+from envs.bfcl.data import schemas_by_name, tool_schemas
+from envs.bfcl.execution import (
+  cleanup,
+  execute_calls,
+  instance_state,
+  is_error_result,
+  new_model_name,
+)
 
 _IGNORED_ATTRS = ("_random", "_api_description")
 

@@ -1,0 +1,124 @@
+"""Types shared by every layer: tasks, tool calls, actions, environment steps and trajectories.
+
+Environments (`envs/`), the agent loop, the task pool, the feedback rounds and the trainer all
+speak these types; this module imports nothing from the project, so any layer may import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+  """One parsed tool call: a tool name and JSON-literal keyword arguments."""
+
+  name: str
+  arguments: dict[str, Any]
+
+
+@dataclasses.dataclass
+class Action:
+  """What the agent did in one model step.
+
+  `tool_calls` empty and `error` None means the reply had no tool call: the user turn ends.
+  `error` set means the reply could not be parsed (malformed JSON, unknown tool, reply cut at the
+  token limit, ...): the environment answers with an error observation and the turn goes on.
+  """
+
+  tool_calls: list[ToolCall] = dataclasses.field(default_factory=list)
+  error: str | None = None
+  text: str = ""
+
+
+@dataclasses.dataclass
+class StepResult:
+  """Messages to append to the conversation (chat dicts with `role` and `content`), and the outcome.
+
+  `reward` is the episode's outcome reward in [0, 1], meaningful when `done` is True.
+  `step_rewards` leaves room for process (per-step) rewards; empty when the environment gives none.
+  """
+
+  messages: list[dict[str, str]]
+  done: bool = False
+  reward: float = 0.0
+  info: dict[str, Any] = dataclasses.field(default_factory=dict)
+  step_rewards: list[float] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Task:
+  """A training or evaluation task with an executable evaluator.
+
+  Attributes:
+    task_id: unique id, e.g. "multi_turn_base_12" or "syn-r2-000017".
+    env: environment name, e.g. "bfcl".
+    turns: the user query of each user turn, in order.
+    ground_truth: per user turn, the ground-truth call strings (e.g. "cd(folder='document')"); the
+      environment's evaluator compares the final state and outputs against these.
+    initial_config: the environment's initial state (BFCL: class name -> scenario dict).
+    involved_classes: BFCL backend classes the task uses.
+    source: "bfcl" (benchmark data), "explore" (D0, unguided exploration) or "synth" (feedback
+      round).
+    provenance: free-form: signal, round, explorer, parent task id, ...
+  """
+
+  task_id: str
+  env: str
+  turns: list[str]
+  ground_truth: list[list[str]]
+  initial_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+  involved_classes: list[str] = dataclasses.field(default_factory=list)
+  source: str = "bfcl"
+  provenance: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def to_json(self) -> str:
+    return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "Task":
+    return cls(**d)
+
+  @classmethod
+  def from_json(cls, s: str) -> "Task":
+    return cls.from_dict(json.loads(s))
+
+
+@dataclasses.dataclass
+class Trajectory:
+  """One agent episode, token-in / token-out.
+
+  `token_ids` are exactly the ids the model consumed and sampled, in order. `loss_mask[i]` is 1
+  where token i was sampled by the policy (assistant text, tool calls and each reply's end-of-turn
+  token) and 0 on system / user / tool-observation / template-header tokens. `logprobs[i]` is the
+  sampler's log-prob of token i where loss_mask is 1 (0 elsewhere).
+
+  `reward` is the outcome reward in [0, 1]; `step_rewards` (per model step) is reserved for process
+  rewards and empty unless an environment or critic provides them.
+  """
+
+  task_id: str
+  group_id: int
+  token_ids: list[int] = dataclasses.field(default_factory=list)
+  loss_mask: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  prompt_len: int = 0
+  reward: float = 0.0
+  step_rewards: list[float] = dataclasses.field(default_factory=list)
+  tool_names: list[str] = dataclasses.field(default_factory=list)
+  calls: list[list[str]] = dataclasses.field(default_factory=list)
+  finish: str = ""  # "done", "context" (ran out of cache), "max_model_steps", "error"
+  model_steps: int = 0
+  parse_errors: int = 0
+  info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def extend(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
+    self.token_ids.extend(ids)
+    self.loss_mask.extend([1 if sampled else 0] * len(ids))
+    self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+  @property
+  def num_generated(self) -> int:
+    return sum(self.loss_mask)

@@ -1,0 +1,119 @@
+"""BFCL as a CoEvolve suite: the one object the loop talks to for this benchmark.
+
+Tasks: the entries of `cfg.data.category` that bfcl-eval ships, split by a seeded shuffle into
+training entries (whose environment states seed D0 and feedback rounds) and a held-out evaluation
+split of `cfg.data.eval_size` entries. Episodes run on the real backends and are scored by the
+official multi-turn checker. D0 and feedback rounds go through `envs.bfcl.synthesis` with the
+explorer that matches the LLM the loop hands over (programmatic when there is none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from coevolve_jax import warmstart
+from coevolve_jax.feedback.llm import TextLLM
+from coevolve_jax.feedback.rounds import RoundResult, SignalEvent
+from coevolve_jax.types import Task, Trajectory
+from envs import SuiteUnavailable
+from envs.bfcl import synthesis
+from envs.bfcl.calls import parse_call_string
+from envs.bfcl.data import import_bfcl, load_bfcl_tasks, split_tasks
+from envs.bfcl.env import BfclEnv, make_env
+
+
+BFCL_EVAL = "bfcl-eval==2026.3.23"  # the version setup.py and the Makefile install
+
+
+def check_setup(cfg: Any) -> None:
+  """Raises SuiteUnavailable unless bfcl-eval (installed with --no-deps by `make setup`) imports."""
+  del cfg
+  try:
+    import_bfcl()
+  except ImportError as e:
+    raise SuiteUnavailable(
+      f"BFCL is not available ({e}). Install it with `make setup`, or by hand:\n"
+      f"  pip install --no-deps {BFCL_EVAL}   (its offline needs are in setup.py)"
+    ) from e
+
+
+class BfclSuite:
+  """BFCL multi-turn behind `envs.base.Suite` (see the module docstring).
+
+  Args:
+    cfg: the full run config (configs/bfcl.py): reads `seed`, `data`, `explore`, `feedback.validate`
+      and the step limits of `rollout` and `eval`.
+    workdir: the run's folder (unused: BFCL writes nothing of its own).
+  """
+
+  name = "bfcl"
+
+  def __init__(self, cfg: Any, workdir: str):
+    del workdir
+    entries = load_bfcl_tasks(cfg.data.category)
+    self.train_tasks, self.eval_tasks = split_tasks(entries, cfg.data.eval_size, cfg.seed)
+    self._env_args = {"max_obs_chars": cfg.data.max_obs_chars, "tool_style": cfg.data.tool_style}
+    self._max_steps = {False: cfg.rollout.max_steps_per_turn, True: cfg.eval.max_steps_per_turn}
+    ex = cfg.explore
+    self._d0_args = {
+      "min_calls": ex.min_calls,
+      "max_calls": ex.max_calls,
+      "max_turns": ex.turns_per_task,
+      "rounds": ex.rounds,
+      "steps_per_round": ex.steps_per_round,
+      "max_classes": ex.max_classes or None,
+      "only_classes": tuple(ex.only_classes),
+    }
+    self.settings = synthesis.SynthesisSettings(
+      min_calls=ex.min_calls,
+      max_calls=ex.max_calls,
+      max_turns=ex.turns_per_task,
+      rounds=ex.rounds,
+      steps_per_round=ex.steps_per_round,
+      validate=cfg.feedback.validate,
+      judge=ex.judge,
+    )
+
+  def make_env(self, task: Task, episode_id: str, *, eval: bool = False) -> BfclEnv:
+    """A fresh BfclEnv (training loop semantics) with the training or evaluation step limit."""
+    return make_env(task, episode_id, **self._env_args, max_steps_per_turn=self._max_steps[eval])
+
+  def initial_tasks(
+    self, n: int, rng: np.random.Generator, llm: TextLLM | None
+  ) -> tuple[list[Task], dict[str, int]]:
+    """D0 by unguided exploration of the training entries' states (see `synthesis`)."""
+    counts: dict[str, int] = {}
+    explorer = synthesis.make_explorer(llm)
+    tasks = synthesis.build_initial_tasks(
+      self.train_tasks, n, explorer, rng, counts=counts, llm=llm, **self._d0_args
+    )
+    return tasks, counts
+
+  def demonstration(self, task: Task, chat: Any, episode_id: str) -> Trajectory:
+    """The ground-truth calls, one per reply, executed in a training episode."""
+    return warmstart.demonstration(task, chat, self.make_env, parse_call_string, episode_id)
+
+  def synthesize_round(
+    self,
+    events: Sequence[SignalEvent],
+    rng: np.random.Generator,
+    round_idx: int,
+    llm: TextLLM | None,
+  ) -> RoundResult:
+    """`synthesis.synthesize_round` with the explorer for `llm` and the configured settings."""
+    explorer = synthesis.make_explorer(llm)
+    return synthesis.synthesize_round(list(events), explorer, rng, round_idx, self.settings, llm)
+
+  def metrics(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """BFCL's own figure is the success rate the loop already reports: nothing to add."""
+    del trajectories
+    return {}
+
+  def close(self) -> None:
+    """Nothing to free: every episode deletes its own backend instances."""
+
+
+Suite = BfclSuite
