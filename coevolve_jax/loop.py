@@ -388,7 +388,7 @@ class CoEvolveRun:
     groups = np.array([t.group_id for t in trajs])
     adv = grpo.compute_advantages(rewards, groups, self.gcfg.adv_eps, self.gcfg.scale_by_std)
     with self.timer("train"):
-      metrics = self._update(trajs, adv)
+      metrics = self.trainer.grpo_epoch(trajs, adv, max(1, cfg.train.mini_batches))
     records = [
       RolloutRecord(t.task_id, t.group_id, t.reward, t.tool_names, i) for i, t in enumerate(trajs)
     ]
@@ -410,22 +410,6 @@ class CoEvolveRun:
       }
     )
     return metrics
-
-  def _update(self, trajs: list[Trajectory], adv: np.ndarray) -> dict[str, float]:
-    """GRPO: old and reference log-probs, then one optimizer step per mini-batch (1 epoch)."""
-    batch = make_batch(trajs, adv)
-    splits = np.array_split(np.arange(len(trajs)), max(1, self.cfg.train.mini_batches))
-    minis = [batch.rows(idx) for idx in splits]
-    old = [self.trainer.logprobs(mb) for mb in minis]  # all before the first update
-    ref = [self.trainer.logprobs(mb, self.trainer.ref_params) for mb in minis]
-    out: dict[str, list[float]] = {}
-    for mb, o, r in zip(minis, old, ref):
-      for k, v in self.trainer.grpo_update(mb, o, r).items():
-        out.setdefault(f"train/{k}", []).append(v)
-    sampler_gap = max(
-      float(jnp.max(jnp.abs((o - mb.sampler_logp) * mb.target_mask))) for mb, o in zip(minis, old)
-    )
-    return {**{k: float(np.mean(v)) for k, v in out.items()}, "train/sampler_logp_gap": sampler_gap}
 
   # ------------------------------------------------------------------ feedback, eval, ckpt
 

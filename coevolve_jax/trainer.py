@@ -426,6 +426,49 @@ class PolicyTrainer:
       )
     return {k: float(v) for k, v in metrics.items()}
 
+  def grpo_epoch(
+    self, trajectories: Sequence[Trajectory], advantages: np.ndarray, mini_batches: int
+  ) -> dict[str, float]:
+    """One GRPO epoch over a step's rollouts: one optimizer step per mini-batch (paper Eq. 1).
+
+    The N trajectories are padded into one batch (`make_batch`) and split into `mini_batches`
+    consecutive row ranges (`np.array_split`, so sizes differ by at most one). The old (sampler
+    side) log-probs of every mini-batch are computed first, then the reference log-probs of every
+    mini-batch under `ref_params` (the current parameters when no reference was frozen), all
+    before the first update; then `grpo_update` runs on each mini-batch in order.
+
+    Args:
+      trajectories: the N rollouts of the step (`Trajectory` with token ids, loss mask and the
+        sampler's log-probs).
+      advantages: [N] float advantages, one per trajectory (`grpo.compute_advantages`).
+      mini_batches: optimizer steps in the epoch, 1 <= mini_batches <= N.
+    Returns:
+      The mean over mini-batches of each `grpo_update` metric as `train/<name>` (loss, pg_loss,
+      clip_frac, ratio_mean, kl with a reference, grad_norm), and `train/sampler_logp_gap`: the
+      largest |old - sampler| log-prob over all generated tokens, float32 (the trainer / sampler
+      mismatch, 0 in exact arithmetic).
+    Raises:
+      ValueError: mini_batches outside [1, N], advantages not of shape [N], or a mini-batch whose
+        rows do not divide by micro_batches times the data-parallel device count.
+    """
+    n = len(trajectories)
+    if not 1 <= mini_batches <= n:
+      raise ValueError(f"mini_batches must be in [1, {n}] for {n} trajectories, got {mini_batches}")
+    if np.shape(advantages) != (n,):
+      raise ValueError(f"advantages of shape {np.shape(advantages)}, want [{n}]")
+    batch = make_batch(trajectories, advantages)
+    minis = [batch.rows(idx) for idx in np.array_split(np.arange(n), mini_batches)]
+    old = [self.logprobs(mb) for mb in minis]  # all before the first update
+    ref = [self.logprobs(mb, self.ref_params) for mb in minis]
+    out: dict[str, list[float]] = {}
+    for mb, o, r in zip(minis, old, ref):
+      for k, v in self.grpo_update(mb, o, r).items():
+        out.setdefault(f"train/{k}", []).append(v)
+    sampler_gap = max(
+      float(jnp.max(jnp.abs((o - mb.sampler_logp) * mb.target_mask))) for mb, o in zip(minis, old)
+    )
+    return {**{k: float(np.mean(v)) for k, v in out.items()}, "train/sampler_logp_gap": sampler_gap}
+
   def _sft_step_fn(self, params, opt_state, arrays):
     k, mask = self.micro_batches, arrays["target_mask"]
     den = jnp.maximum(jnp.sum(mask), 1.0)
