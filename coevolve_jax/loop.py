@@ -576,9 +576,7 @@ class CoEvolveRun:
       )
       self.ckpt.save(
         step,
-        self.trainer.params,
-        self.trainer.opt_state,
-        self.trainer.ref_params,
+        self.trainer.state,
         {**self.state, "config": json.loads(self.cfg.to_json_best_effort())},
       )
 
@@ -586,20 +584,18 @@ class CoEvolveRun:
     """Restores the newest readable checkpoint; returns its step, or None for a fresh start."""
     self.trainer.freeze_reference()  # gives ref_params its structure
     try:
-      restored = self.ckpt.restore_latest(
-        self.trainer.params, self.trainer.opt_state, self.trainer.ref_params
-      )
+      restored = self.ckpt.restore_latest(self.trainer.state)
     except RuntimeError as e:  # no readable checkpoint at all
       raise RunError(str(e)) from e
     if restored is None:
       return None
-    step, params, opt_state, ref, meta = restored
+    step, train_state, meta = restored
     if step > self.cfg.train.steps:
       raise RunError(
         f"{self.workdir} holds a checkpoint at step {step}, past "
         f"train.steps={self.cfg.train.steps}; use another --workdir"
       )
-    self.trainer.params, self.trainer.opt_state, self.trainer.ref_params = params, opt_state, ref
+    self.trainer.state = train_state
     self.state = meta
     if meta.get("signals"):
       self.tracker.load_state_dict(meta["signals"])

@@ -10,12 +10,13 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
+from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from coevolve_jax import grpo
@@ -254,6 +255,25 @@ def grpo_micro_loss(logp_fn: Callable, cfg: grpo.GRPOConfig, mask_np: jax.Array)
   return loss_fn
 
 
+@struct.dataclass
+class TrainState:
+  """Everything a run's policy update carries from step to step, as one pytree.
+
+  Attributes:
+    params: the policy's parameters (nnx.State of Params, as `nnx.split` gives them).
+    opt_state: the optimizer state of `params` (optax state; mirrors params for AdamW moments).
+    ref_params: the frozen KL reference policy (same structure as params), or None before
+      `PolicyTrainer.freeze_reference`.
+
+  A flax.struct dataclass: a pytree whose leaves are the arrays of the three fields (so it
+  checkpoints, shards and maps like any pytree); immutable, `replace(...)` gives a changed copy.
+  """
+
+  params: Any
+  opt_state: Any
+  ref_params: Any = None
+
+
 class PolicyTrainer:
   """Holds the policy's parameters and optimizer state and runs jitted updates.
 
@@ -349,6 +369,18 @@ class PolicyTrainer:
 
   def model(self) -> Qwen:
     return nnx.merge(self.graphdef, self.params)
+
+  @property
+  def state(self) -> TrainState:
+    """The current parameters, optimizer state and reference as one `TrainState` (the trainer's
+    own buffers, not copies: the next update donates them)."""
+    return TrainState(self.params, self.opt_state, self.ref_params)
+
+  @state.setter
+  def state(self, value: TrainState) -> None:
+    """Takes over a `TrainState` of this trainer's structure (e.g. restored from a checkpoint
+    onto `self.state`'s shardings); its arrays are used as they are, not re-placed."""
+    self.params, self.opt_state, self.ref_params = value.params, value.opt_state, value.ref_params
 
   def freeze_reference(self) -> None:
     """The KL reference policy = a copy of the current parameters (same shardings)."""
