@@ -369,10 +369,7 @@ class CoEvolveRun:
     with self.timer("rollout"):
       trajs = runner.run(jobs, sampling, sub)
     reward_s = runner.timings["reward"] - before.get("reward", 0.0)
-    self.timer.totals["rollout"] -= reward_s  # the checker's time is reported as "reward"
-    self.timer.last["rollout"] -= reward_s
-    self.timer.totals["reward"] += reward_s
-    self.timer.last["reward"] = self.timer.last.get("reward", 0.0) + reward_s
+    self.timer.move(reward_s, src="rollout", dst="reward")  # the checker's time is "reward"
     return trajs
 
   def _train_step(self, step: int) -> dict[str, Any]:
