@@ -113,14 +113,7 @@ class CoEvolveRun:
       model = from_pretrained(cfg.model.checkpoint, dtype=dtype)
     else:
       model = Qwen(QwenConfig.preset(cfg.model.preset), rngs=nnx.Rngs(cfg.seed), dtype=dtype)
-    self.gcfg = grpo.GRPOConfig(
-      clip_eps_low=cfg.train.clip_eps_low,
-      clip_eps_high=cfg.train.clip_eps_high,
-      dual_clip_c=cfg.train.dual_clip_c,
-      kl_beta=cfg.train.kl_beta,
-      kl_estimator=cfg.train.kl_estimator,
-      loss_agg=cfg.train.loss_agg,
-    )
+    self.gcfg = grpo.GRPOConfig.from_config(cfg.train)
     tx = make_optimizer(cfg.train.lr, cfg.train.weight_decay, cfg.train.grad_clip)
     self.trainer = PolicyTrainer(
       model, tx, self.gcfg, cfg.rollout.temperature, micro_batches=cfg.train.micro_batches
