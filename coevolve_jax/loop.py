@@ -28,14 +28,13 @@ import optax
 import tqdm
 from flax import nnx
 
-from coevolve_jax import grpo
+from coevolve_jax import grpo, models
 from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
 from coevolve_jax.checkpoint import RunCheckpointer
 from coevolve_jax.feedback import controller, factory
 from coevolve_jax.feedback.pool import TaskPool
 from coevolve_jax.feedback.signals import RolloutRecord, SignalTracker
 from coevolve_jax.metrics import MetricsWriter, PhaseTimer, truncate_jsonl
-from coevolve_jax.models import Qwen, QwenConfig, from_pretrained
 from coevolve_jax.rollout.engine import Engine
 from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.trainer import PolicyTrainer, make_batch, make_optimizer
@@ -109,10 +108,7 @@ class CoEvolveRun:
       cfg.signals.success_threshold,
     )
     dtype = jnp.dtype(cfg.model.dtype)
-    if cfg.model.checkpoint:  # a Hugging Face folder; its config.json replaces the preset
-      model = from_pretrained(cfg.model.checkpoint, dtype=dtype)
-    else:
-      model = Qwen(QwenConfig.preset(cfg.model.preset), rngs=nnx.Rngs(cfg.seed), dtype=dtype)
+    model = models.build(cfg.model, seed=cfg.seed)
     self.gcfg = grpo.GRPOConfig.from_config(cfg.train)
     tx = make_optimizer(cfg.train.lr, cfg.train.weight_decay, cfg.train.grad_clip)
     self.trainer = PolicyTrainer(
