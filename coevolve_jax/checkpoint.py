@@ -1,4 +1,5 @@
-"""Orbax checkpoints of the whole run: parameters, optimizer state, reference policy and metadata.
+"""Orbax checkpoints of the whole run: its `TrainState` (parameters, optimizer state, reference
+policy) and metadata.
 
 Metadata (JSON) holds the step, host and device RNG states, signal histories, pending feedback
 events, counters and timings; the task pool lives in its own append-only file beside.
@@ -7,8 +8,8 @@ written in the background while training continues (the next step may donate the
 Orbax commits a step atomically (a temporary folder renamed when complete), so a run killed
 mid-save resumes from the previous complete step; a damaged step is skipped with a warning.
 
-Restoring places every array with the sharding of the example trees it is given, so a checkpoint
-saved on one device count or mesh restores onto another.
+Restoring places every array with the sharding of the example TrainState it is given, so a
+checkpoint saved on one device count or mesh restores onto another.
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from coevolve_jax.trainer import TrainState
+
 
 class RunCheckpointer:
   """The run's checkpoints in `directory`, newest `keep` kept (orbax CheckpointManager).
 
-  Items per step: params, opt_state, ref_params (pytrees of arrays) and meta (JSON: step, RNG
-  states, signal histories, pool size, config, ...).
+  Items per step: params, opt_state, ref_params (the three fields of a `TrainState`, each a
+  pytree of arrays, stored as separate items so a reader can load the parameters alone) and meta
+  (JSON: step, RNG states, signal histories, pool size, config, ...).
   """
 
   ITEMS = ("params", "opt_state", "ref_params", "meta")
@@ -45,46 +49,57 @@ class RunCheckpointer:
     """Steps of the committed checkpoints, ascending (unfinished saves are not listed)."""
     return sorted(self._mgr.all_steps())
 
-  def save(self, step: int, params, opt_state, ref_params, meta: dict[str, Any]) -> None:
+  def save(self, step: int, train_state: TrainState, meta: dict[str, Any]) -> None:
     """Starts an asynchronous save of `step` and returns once the arrays are copied to the host.
 
-    `meta` must be JSON-serialisable. Older checkpoints beyond `keep` are deleted.
+    Args:
+      step: the checkpoint's step. train_state: params, opt_state and ref_params to save.
+      meta: JSON-serialisable metadata.
+    Older checkpoints beyond `keep` are deleted.
     """
     args = ocp.args.Composite(
-      params=ocp.args.StandardSave(params),
-      opt_state=ocp.args.StandardSave(opt_state),
-      ref_params=ocp.args.StandardSave(ref_params),
+      params=ocp.args.StandardSave(train_state.params),
+      opt_state=ocp.args.StandardSave(train_state.opt_state),
+      ref_params=ocp.args.StandardSave(train_state.ref_params),
       meta=ocp.args.JsonSave(meta),
     )
     self._mgr.save(step, args=args, force=True)
 
-  def restore(self, step: int, params, opt_state, ref_params) -> tuple[Any, Any, Any, dict]:
-    """Restores onto the structure (and shardings) of the given example pytrees."""
+  def restore(self, step: int, like: TrainState) -> tuple[TrainState, dict[str, Any]]:
+    """Restores `step` onto the structure, shapes, dtypes and shardings of `like`'s arrays (which
+    are only read), so a checkpoint from another device count or mesh lands on `like`'s.
+
+    Returns:
+      (the restored TrainState, meta).
+    Raises:
+      Whatever orbax raises for a missing, damaged or mismatched checkpoint.
+    """
     abstract = lambda tree: jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)  # noqa: E731
     out = self._mgr.restore(
       step,
       args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract(params)),
-        opt_state=ocp.args.StandardRestore(abstract(opt_state)),
-        ref_params=ocp.args.StandardRestore(abstract(ref_params)),
+        params=ocp.args.StandardRestore(abstract(like.params)),
+        opt_state=ocp.args.StandardRestore(abstract(like.opt_state)),
+        ref_params=ocp.args.StandardRestore(abstract(like.ref_params)),
         meta=ocp.args.JsonRestore(),
       ),
     )
     logging.info("restored checkpoint step %d", step)
-    return out.params, out.opt_state, out.ref_params, out.meta
+    return TrainState(out.params, out.opt_state, out.ref_params), out.meta
 
-  def restore_latest(self, params, opt_state, ref_params) -> tuple[int, Any, Any, Any, dict] | None:
-    """Restores the newest readable checkpoint; an unreadable one (corrupt, partial) is skipped
-    with a warning and the previous one used. Returns (step, params, opt_state, ref, meta), or
-    None when there is no checkpoint.
+  def restore_latest(self, like: TrainState) -> tuple[int, TrainState, dict[str, Any]] | None:
+    """Restores the newest readable checkpoint onto `like` (see `restore`); an unreadable one
+    (corrupt, partial) is skipped with a warning and the previous one used.
 
+    Returns:
+      (step, TrainState, meta), or None when there is no checkpoint.
     Raises:
       RuntimeError: checkpoints exist but none can be read.
     """
     steps = sorted(self._mgr.all_steps(), reverse=True)
     for step in steps:
       try:
-        return (step, *self.restore(step, params, opt_state, ref_params))
+        return (step, *self.restore(step, like))
       except Exception as e:  # orbax raises many types for a damaged checkpoint
         first_line = str(e).strip().splitlines()[0][:300] if str(e).strip() else repr(e)
         logging.warning(

@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+KL_ESTIMATORS = ("k1", "k2", "k3")  # `kl_penalty`'s estimators
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # `aggregate` modes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +32,20 @@ class GRPOConfig:
   loss_norm_tokens: float = 4096.0  # constant normaliser for seq-mean-token-sum-norm
   adv_eps: float = 1e-6
   scale_by_std: bool = True
+
+  @classmethod
+  def from_config(cls, train_cfg: Mapping[str, Any]) -> "GRPOConfig":
+    """The objective of a run's `train` config group (an ml_collections ConfigDict or a dict).
+
+    Every GRPOConfig field the group holds is passed by keyword under its own name (clip_eps_low,
+    clip_eps_high, dual_clip_c, kl_beta, kl_estimator, loss_agg, loss_norm_tokens, adv_eps,
+    scale_by_std in configs/bfcl.py); a field the group lacks keeps its default here
+    (kl_log_ratio_clamp is not a config field). Other keys of the group (lr, steps, ...) are
+    ignored. Values are taken as they are: `coevolve_jax.config.validate` checks them.
+    """
+    return cls(
+      **{f.name: train_cfg[f.name] for f in dataclasses.fields(cls) if f.name in train_cfg}
+    )
 
 
 def compute_advantages(

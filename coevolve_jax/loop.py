@@ -28,15 +28,13 @@ import optax
 import tqdm
 from flax import nnx
 
-from coevolve_jax import grpo
+from coevolve_jax import grpo, models
 from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
 from coevolve_jax.checkpoint import RunCheckpointer
-from coevolve_jax.feedback import rounds
-from coevolve_jax.feedback import factory
+from coevolve_jax.feedback import factory, rounds
 from coevolve_jax.feedback.pool import TaskPool
 from coevolve_jax.feedback.signals import SignalEvent, SignalTracker
 from coevolve_jax.metrics import MetricsWriter, PhaseTimer, truncate_jsonl
-from coevolve_jax.models import Qwen, QwenConfig, from_pretrained
 from coevolve_jax.rollout.engine import Engine
 from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.trainer import PolicyTrainer, make_batch, make_optimizer
@@ -83,18 +81,8 @@ class CoEvolveRun:
     )
     self.tracker = SignalTracker.from_config(cfg.signals)
     dtype = jnp.dtype(cfg.model.dtype)
-    if cfg.model.checkpoint:  # a Hugging Face folder; its config.json replaces the preset
-      model = from_pretrained(cfg.model.checkpoint, dtype=dtype)
-    else:
-      model = Qwen(QwenConfig.preset(cfg.model.preset), rngs=nnx.Rngs(cfg.seed), dtype=dtype)
-    self.gcfg = grpo.GRPOConfig(
-      clip_eps_low=cfg.train.clip_eps_low,
-      clip_eps_high=cfg.train.clip_eps_high,
-      dual_clip_c=cfg.train.dual_clip_c,
-      kl_beta=cfg.train.kl_beta,
-      kl_estimator=cfg.train.kl_estimator,
-      loss_agg=cfg.train.loss_agg,
-    )
+    model = models.build(cfg.model, seed=cfg.seed)
+    self.gcfg = grpo.GRPOConfig.from_config(cfg.train)
     tx = make_optimizer(cfg.train.lr, cfg.train.weight_decay, cfg.train.grad_clip)
     self.trainer = PolicyTrainer(
       model, tx, self.gcfg, cfg.rollout.temperature, micro_batches=cfg.train.micro_batches
@@ -296,10 +284,7 @@ class CoEvolveRun:
     with self.timer("rollout"):
       trajs = runner.run(jobs, sampling, sub)
     reward_s = runner.timings["reward"] - before.get("reward", 0.0)
-    self.timer.totals["rollout"] -= reward_s  # the checker's time is reported as "reward"
-    self.timer.last["rollout"] -= reward_s
-    self.timer.totals["reward"] += reward_s
-    self.timer.last["reward"] = self.timer.last.get("reward", 0.0) + reward_s
+    self.timer.move(reward_s, src="rollout", dst="reward")  # the checker's time is "reward"
     return trajs
 
   def _train_step(self, step: int) -> dict[str, Any]:
@@ -315,7 +300,7 @@ class CoEvolveRun:
     groups = np.array([t.group_id for t in trajs])
     adv = grpo.compute_advantages(rewards, groups, self.gcfg.adv_eps, self.gcfg.scale_by_std)
     with self.timer("train"):
-      metrics = self._update(trajs, adv)
+      metrics = self.trainer.grpo_epoch(trajs, adv, max(1, cfg.train.mini_batches))
     self.events.extend(self.tracker.observe(trajs, tasks))
     finishes = [t.finish for t in trajs]
     metrics.update(
@@ -332,22 +317,6 @@ class CoEvolveRun:
       }
     )
     return metrics
-
-  def _update(self, trajs: list[Trajectory], adv: np.ndarray) -> dict[str, float]:
-    """GRPO: old and reference log-probs, then one optimizer step per mini-batch (1 epoch)."""
-    batch = make_batch(trajs, adv)
-    splits = np.array_split(np.arange(len(trajs)), max(1, self.cfg.train.mini_batches))
-    minis = [batch.rows(idx) for idx in splits]
-    old = [self.trainer.logprobs(mb) for mb in minis]  # all before the first update
-    ref = [self.trainer.logprobs(mb, self.trainer.ref_params) for mb in minis]
-    out: dict[str, list[float]] = {}
-    for mb, o, r in zip(minis, old, ref):
-      for k, v in self.trainer.grpo_update(mb, o, r).items():
-        out.setdefault(f"train/{k}", []).append(v)
-    sampler_gap = max(
-      float(jnp.max(jnp.abs((o - mb.sampler_logp) * mb.target_mask))) for mb, o in zip(minis, old)
-    )
-    return {**{k: float(np.mean(v)) for k, v in out.items()}, "train/sampler_logp_gap": sampler_gap}
 
   # ------------------------------------------------------------------ feedback, eval, ckpt
 
@@ -508,9 +477,7 @@ class CoEvolveRun:
       )
       self.ckpt.save(
         step,
-        self.trainer.params,
-        self.trainer.opt_state,
-        self.trainer.ref_params,
+        self.trainer.state,
         {**self.state, "config": json.loads(self.cfg.to_json_best_effort())},
       )
 
@@ -518,20 +485,18 @@ class CoEvolveRun:
     """Restores the newest readable checkpoint; returns its step, or None for a fresh start."""
     self.trainer.freeze_reference()  # gives ref_params its structure
     try:
-      restored = self.ckpt.restore_latest(
-        self.trainer.params, self.trainer.opt_state, self.trainer.ref_params
-      )
+      restored = self.ckpt.restore_latest(self.trainer.state)
     except RuntimeError as e:  # no readable checkpoint at all
       raise RunError(str(e)) from e
     if restored is None:
       return None
-    step, params, opt_state, ref, meta = restored
+    step, train_state, meta = restored
     if step > self.cfg.train.steps:
       raise RunError(
         f"{self.workdir} holds a checkpoint at step {step}, past "
         f"train.steps={self.cfg.train.steps}; use another --workdir"
       )
-    self.trainer.params, self.trainer.opt_state, self.trainer.ref_params = params, opt_state, ref
+    self.trainer.state = train_state
     self.state = meta
     if meta.get("signals"):
       self.tracker.load_state_dict(meta["signals"])

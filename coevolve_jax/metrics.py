@@ -78,6 +78,20 @@ class PhaseTimer:
       self.totals[phase] += dt
       self.last[phase] = self.last.get(phase, 0.0) + dt
 
+  def move(self, seconds: float, *, src: str, dst: str) -> None:
+    """Reassigns `seconds` already counted under phase `src` to phase `dst`, in the totals and in
+    the figures of the current step (`pop_last`), e.g. a checker's time measured inside the
+    rollout: `move(s, src="rollout", dst="reward")`. The sum over phases is unchanged.
+
+    Args:
+      seconds: wall seconds (float; may exceed what `src` holds, which then goes negative).
+      src, dst: phase names (a phase not yet seen starts from 0).
+    """
+    self.totals[src] -= seconds
+    self.last[src] = self.last.get(src, 0.0) - seconds
+    self.totals[dst] += seconds
+    self.last[dst] = self.last.get(dst, 0.0) + seconds
+
   def pop_last(self) -> dict[str, float]:
     out = {f"timing/{k}": v for k, v in self.last.items()}
     self.last = {}

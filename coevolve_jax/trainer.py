@@ -10,12 +10,13 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
+from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from coevolve_jax import grpo
@@ -254,6 +255,25 @@ def grpo_micro_loss(logp_fn: Callable, cfg: grpo.GRPOConfig, mask_np: jax.Array)
   return loss_fn
 
 
+@struct.dataclass
+class TrainState:
+  """Everything a run's policy update carries from step to step, as one pytree.
+
+  Attributes:
+    params: the policy's parameters (nnx.State of Params, as `nnx.split` gives them).
+    opt_state: the optimizer state of `params` (optax state; mirrors params for AdamW moments).
+    ref_params: the frozen KL reference policy (same structure as params), or None before
+      `PolicyTrainer.freeze_reference`.
+
+  A flax.struct dataclass: a pytree whose leaves are the arrays of the three fields (so it
+  checkpoints, shards and maps like any pytree); immutable, `replace(...)` gives a changed copy.
+  """
+
+  params: Any
+  opt_state: Any
+  ref_params: Any = None
+
+
 class PolicyTrainer:
   """Holds the policy's parameters and optimizer state and runs jitted updates.
 
@@ -350,6 +370,18 @@ class PolicyTrainer:
   def model(self) -> Qwen:
     return nnx.merge(self.graphdef, self.params)
 
+  @property
+  def state(self) -> TrainState:
+    """The current parameters, optimizer state and reference as one `TrainState` (the trainer's
+    own buffers, not copies: the next update donates them)."""
+    return TrainState(self.params, self.opt_state, self.ref_params)
+
+  @state.setter
+  def state(self, value: TrainState) -> None:
+    """Takes over a `TrainState` of this trainer's structure (e.g. restored from a checkpoint
+    onto `self.state`'s shardings); its arrays are used as they are, not re-placed."""
+    self.params, self.opt_state, self.ref_params = value.params, value.opt_state, value.ref_params
+
   def freeze_reference(self) -> None:
     """The KL reference policy = a copy of the current parameters (same shardings)."""
     self.ref_params = jax.tree.map(jnp.copy, self.params)
@@ -425,6 +457,49 @@ class PolicyTrainer:
         self.params, self.opt_state, arrays, old_logp, ref_logp
       )
     return {k: float(v) for k, v in metrics.items()}
+
+  def grpo_epoch(
+    self, trajectories: Sequence[Trajectory], advantages: np.ndarray, mini_batches: int
+  ) -> dict[str, float]:
+    """One GRPO epoch over a step's rollouts: one optimizer step per mini-batch (paper Eq. 1).
+
+    The N trajectories are padded into one batch (`make_batch`) and split into `mini_batches`
+    consecutive row ranges (`np.array_split`, so sizes differ by at most one). The old (sampler
+    side) log-probs of every mini-batch are computed first, then the reference log-probs of every
+    mini-batch under `ref_params` (the current parameters when no reference was frozen), all
+    before the first update; then `grpo_update` runs on each mini-batch in order.
+
+    Args:
+      trajectories: the N rollouts of the step (`Trajectory` with token ids, loss mask and the
+        sampler's log-probs).
+      advantages: [N] float advantages, one per trajectory (`grpo.compute_advantages`).
+      mini_batches: optimizer steps in the epoch, 1 <= mini_batches <= N.
+    Returns:
+      The mean over mini-batches of each `grpo_update` metric as `train/<name>` (loss, pg_loss,
+      clip_frac, ratio_mean, kl with a reference, grad_norm), and `train/sampler_logp_gap`: the
+      largest |old - sampler| log-prob over all generated tokens, float32 (the trainer / sampler
+      mismatch, 0 in exact arithmetic).
+    Raises:
+      ValueError: mini_batches outside [1, N], advantages not of shape [N], or a mini-batch whose
+        rows do not divide by micro_batches times the data-parallel device count.
+    """
+    n = len(trajectories)
+    if not 1 <= mini_batches <= n:
+      raise ValueError(f"mini_batches must be in [1, {n}] for {n} trajectories, got {mini_batches}")
+    if np.shape(advantages) != (n,):
+      raise ValueError(f"advantages of shape {np.shape(advantages)}, want [{n}]")
+    batch = make_batch(trajectories, advantages)
+    minis = [batch.rows(idx) for idx in np.array_split(np.arange(n), mini_batches)]
+    old = [self.logprobs(mb) for mb in minis]  # all before the first update
+    ref = [self.logprobs(mb, self.ref_params) for mb in minis]
+    out: dict[str, list[float]] = {}
+    for mb, o, r in zip(minis, old, ref):
+      for k, v in self.grpo_update(mb, o, r).items():
+        out.setdefault(f"train/{k}", []).append(v)
+    sampler_gap = max(
+      float(jnp.max(jnp.abs((o - mb.sampler_logp) * mb.target_mask))) for mb, o in zip(minis, old)
+    )
+    return {**{k: float(np.mean(v)) for k, v in out.items()}, "train/sampler_logp_gap": sampler_gap}
 
   def _sft_step_fn(self, params, opt_state, arrays):
     k, mask = self.micro_batches, arrays["target_mask"]

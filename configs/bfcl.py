@@ -104,8 +104,11 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.train.clip_eps_high = 0.28
   c.train.dual_clip_c = 3.0
   c.train.kl_beta = 1e-3
-  c.train.kl_estimator = "k3"
-  c.train.loss_agg = "token-mean"
+  c.train.kl_estimator = "k3"  # "k1" | "k2" | "k3" (grpo.KL_ESTIMATORS)
+  c.train.loss_agg = "token-mean"  # | "seq-mean-token-mean" | "seq-mean-token-sum-norm"
+  c.train.loss_norm_tokens = 4096.0  # constant divisor (tokens) of "seq-mean-token-sum-norm"
+  c.train.adv_eps = 1e-6  # added to the group's reward std in the advantage (paper Eq. 1)
+  c.train.scale_by_std = True  # advantages / group std; False = mean-centred only (Dr. GRPO)
 
   c.feedback = ml_collections.ConfigDict()
   c.feedback.every = 10  # F: a feedback round every F steps

@@ -14,7 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# Suite name -> its module; each module defines `Suite` (the class) and `check_setup(cfg)`.
+# Suite name -> its module; each module defines `Suite` (the class), `check_setup(cfg)` and
+# `validate_config(cfg)`.
 SUITES = {"bfcl": "envs.bfcl.suite", "appworld": "envs.appworld.suite"}
 
 
@@ -31,6 +32,11 @@ def _module(name: str):
 def check_setup(cfg: Any) -> None:
   """Raises SuiteUnavailable (with the set-up steps) when `cfg.env`'s suite cannot run here."""
   _module(cfg.env).check_setup(cfg)
+
+
+def validate_config(cfg: Any) -> None:
+  """Checks the fields only `cfg.env`'s suite reads; ValueError names the first bad one."""
+  _module(cfg.env).validate_config(cfg)
 
 
 def make_suite(cfg: Any, workdir: str):

@@ -1,6 +1,7 @@
 """Run checkpoints: round trip, keep-last-N, damaged checkpoints fall back to the previous one, a
 resumed run's next step is bit-identical, and restoring onto another device count or mesh."""
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -16,37 +17,52 @@ from coevolve_jax import grpo
 from coevolve_jax.checkpoint import RunCheckpointer
 from coevolve_jax.metrics import truncate_jsonl
 from coevolve_jax.models import Qwen, QwenConfig
-from coevolve_jax.trainer import PolicyTrainer, make_batch, make_optimizer
+from coevolve_jax.trainer import PolicyTrainer, TrainState, make_batch, make_optimizer
 from coevolve_jax.types import Trajectory
 
 
-def _trees(scale):
+def _state(scale):
   params = {"w": jnp.full((3, 2), scale, jnp.float32)}
-  return params, {"m": jnp.zeros((3, 2))}, {"w": jnp.ones((3, 2))}
+  return TrainState(params, {"m": jnp.zeros((3, 2))}, {"w": jnp.ones((3, 2))})
 
 
 def test_round_trip_and_fallback_from_a_damaged_checkpoint(tmp_path, capsys):
   ckpt = RunCheckpointer(str(tmp_path / "ck"), keep=3)
   for step in (1, 2):
-    ckpt.save(step, *_trees(float(step)), {"step": step, "pool_size": step})
+    ckpt.save(step, _state(float(step)), {"step": step, "pool_size": step})
   ckpt.wait()
-  step, params, _, _, meta = ckpt.restore_latest(*_trees(0.0))
-  assert step == 2 and meta["step"] == 2
-  np.testing.assert_array_equal(params["w"], np.full((3, 2), 2.0))
+  step, state, meta = ckpt.restore_latest(_state(0.0))
+  assert step == 2 and meta["step"] == 2 and isinstance(state, TrainState)
+  np.testing.assert_array_equal(state.params["w"], np.full((3, 2), 2.0))
+  np.testing.assert_array_equal(state.opt_state["m"], np.zeros((3, 2)))
+  np.testing.assert_array_equal(state.ref_params["w"], np.ones((3, 2)))
+  state, meta = ckpt.restore(1, _state(0.0))
+  assert meta["step"] == 1 and float(state.params["w"][0, 0]) == 1.0
   ckpt.close()
 
   shutil.rmtree(tmp_path / "ck" / "2" / "params")  # a partial / corrupt newest checkpoint
   ckpt = RunCheckpointer(str(tmp_path / "ck"), keep=3)
-  step, params, _, _, meta = ckpt.restore_latest(*_trees(0.0))
+  step, state, meta = ckpt.restore_latest(_state(0.0))
   assert step == 1 and meta["pool_size"] == 1
-  np.testing.assert_array_equal(params["w"], np.full((3, 2), 1.0))
+  np.testing.assert_array_equal(state.params["w"], np.full((3, 2), 1.0))
   assert "checkpoint step 2 is unreadable" in capsys.readouterr().out
   ckpt.close()
 
 
+def test_train_state_is_one_pytree_of_its_three_fields():
+  state = _state(2.0)
+  leaves = jax.tree.leaves(state)  # field order: params, opt_state, ref_params
+  assert [float(x[0, 0]) for x in leaves] == [2.0, 0.0, 1.0]
+  doubled = jax.tree.map(lambda x: 2 * x, state)
+  assert isinstance(doubled, TrainState) and float(doubled.params["w"][0, 0]) == 4.0
+  assert jax.tree.leaves(state.replace(ref_params=None)) == leaves[:2]
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    state.params = {}
+
+
 def test_no_checkpoint_means_fresh_start(tmp_path):
   ckpt = RunCheckpointer(str(tmp_path / "ck"), keep=2)
-  assert ckpt.restore_latest(*_trees(0.0)) is None
+  assert ckpt.restore_latest(_state(0.0)) is None
   ckpt.close()
 
 
@@ -67,7 +83,7 @@ def test_keep_last_n_and_unfinished_saves_are_ignored(tmp_path):
     RunCheckpointer(str(tmp_path / "bad"), keep=0)
   ckpt = RunCheckpointer(str(tmp_path / "ck"), keep=2)
   for step in (1, 2, 3, 4):
-    ckpt.save(step, *_trees(float(step)), {"step": step})
+    ckpt.save(step, _state(float(step)), {"step": step})
   ckpt.wait()
   assert ckpt.all_steps() == [3, 4]
   assert sorted(os.listdir(tmp_path / "ck")) == ["3", "4"]
@@ -76,22 +92,22 @@ def test_keep_last_n_and_unfinished_saves_are_ignored(tmp_path):
   shutil.copytree(tmp_path / "ck" / "4", tmp_path / "ck" / "5.orbax-checkpoint-tmp-1234")
   ckpt = RunCheckpointer(str(tmp_path / "ck"), keep=2)
   assert ckpt.all_steps() == [3, 4]
-  step, params, _, _, _ = ckpt.restore_latest(*_trees(0.0))
-  assert step == 4 and float(params["w"][0, 0]) == 4.0
+  step, state, _ = ckpt.restore_latest(_state(0.0))
+  assert step == 4 and float(state.params["w"][0, 0]) == 4.0
   ckpt.close()
 
 
 def test_corrupt_metadata_falls_back_with_a_warning(tmp_path, capsys):
   ckpt = RunCheckpointer(str(tmp_path / "ck"), keep=3)
   for step in (1, 2):
-    ckpt.save(step, *_trees(float(step)), {"step": step})
+    ckpt.save(step, _state(float(step)), {"step": step})
   ckpt.wait()
   ckpt.close()
   with open(tmp_path / "ck" / "2" / "meta" / "metadata", "w") as f:
     f.write('{"step": 2, "trunc')  # a torn JSON write
   ckpt = RunCheckpointer(str(tmp_path / "ck"), keep=3)
-  step, params, _, _, meta = ckpt.restore_latest(*_trees(0.0))
-  assert step == 1 and meta == {"step": 1} and float(params["w"][0, 0]) == 1.0
+  step, state, meta = ckpt.restore_latest(_state(0.0))
+  assert step == 1 and meta == {"step": 1} and float(state.params["w"][0, 0]) == 1.0
   assert "checkpoint step 2 is unreadable" in capsys.readouterr().out
   ckpt.close()
 
@@ -172,7 +188,7 @@ def test_resumed_run_takes_the_next_step_bit_identically(tmp_path):
   for _ in range(2):
     _, rngs = _step(a, rngs)
   at_save = jax.tree.map(np.array, (a.params, a.opt_state))
-  ckpt.save(2, a.params, a.opt_state, a.ref_params, _meta(2, rngs))
+  ckpt.save(2, a.state, _meta(2, rngs))
   want_metrics, _ = _step(a, rngs)  # no wait: the step runs while the save writes
   ckpt.wait()
   ckpt.close()
@@ -180,9 +196,7 @@ def test_resumed_run_takes_the_next_step_bit_identically(tmp_path):
   b = _trainer(1)  # different weights and RNGs until restored
   b.freeze_reference()
   ckpt = RunCheckpointer(str(tmp_path / "ck"), keep=2)
-  step, b.params, b.opt_state, b.ref_params, meta = ckpt.restore_latest(
-    b.params, b.opt_state, b.ref_params
-  )
+  step, b.state, meta = ckpt.restore_latest(b.state)
   ckpt.close()
   assert step == 2 and meta["step"] == 2
   for x, y in zip(jax.tree.leaves(at_save), jax.tree.leaves((b.params, b.opt_state))):
@@ -203,7 +217,7 @@ def test_restore_onto_another_device_count_and_mesh(tmp_path):
   rngs = (jax.random.key(3), np.random.default_rng(3))
   _, rngs = _step(a, rngs)
   ckpt = RunCheckpointer(str(tmp_path / "ck"), keep=2)
-  ckpt.save(1, a.params, a.opt_state, a.ref_params, _meta(1, rngs))
+  ckpt.save(1, a.state, _meta(1, rngs))
   ckpt.wait()
   ckpt.close()
   np.savez(
@@ -233,9 +247,7 @@ def _mesh_child(folder):
     t = _trainer(5, mesh)
     t.freeze_reference()
     ckpt = RunCheckpointer(directory, keep=2)
-    step, t.params, t.opt_state, t.ref_params, meta = ckpt.restore_latest(
-      t.params, t.opt_state, t.ref_params
-    )
+    step, t.state, meta = ckpt.restore_latest(t.state)
     ckpt.close()
     return step, t, meta
 
@@ -249,10 +261,10 @@ def _mesh_child(folder):
     np.testing.assert_array_equal(np.asarray(y), x)
   _, rngs = _step(a, _rngs_from(meta))  # the restored state trains on the mesh
   ckpt = RunCheckpointer(os.path.join(folder, "ck8"), keep=2)
-  ckpt.save(2, a.params, a.opt_state, a.ref_params, _meta(2, rngs))
+  ckpt.save(2, a.state, _meta(2, rngs))
   ckpt.wait()
   ckpt.close()
-  want2 = [np.asarray(x) for x in jax.tree.leaves((a.params, a.opt_state, a.ref_params))]
+  want2 = [np.asarray(x) for x in jax.tree.leaves(a.state)]
 
   mesh_b = make_mesh({"data": 2, "fsdp": 4})  # other mesh shape, same devices
   _, b, _ = restored(os.path.join(folder, "ck8"), mesh_b)
@@ -261,7 +273,7 @@ def _mesh_child(folder):
   _, c, _ = restored(os.path.join(folder, "ck8"), one)
   assert len(c.params["embed_tokens"].get_value().sharding.device_set) == 1
   for t in (b, c):
-    for x, y in zip(want2, jax.tree.leaves((t.params, t.opt_state, t.ref_params))):
+    for x, y in zip(want2, jax.tree.leaves(t.state)):
       np.testing.assert_array_equal(np.asarray(y), x)
   print("mesh OK")
 

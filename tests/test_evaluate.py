@@ -102,10 +102,11 @@ def test_official_loop_semantics(cfg, base_tasks):
 
 def _save_run_checkpoint(path, model):
   from coevolve_jax.checkpoint import RunCheckpointer  # noqa: PLC0415
+  from coevolve_jax.trainer import TrainState  # noqa: PLC0415
 
   params = nnx.state(model, nnx.Param)
   ckpt = RunCheckpointer(path, keep=1)
-  ckpt.save(3, params, {"count": np.zeros((), np.int32)}, params, {"step": 3})
+  ckpt.save(3, TrainState(params, {"count": np.zeros((), np.int32)}, params), {"step": 3})
   ckpt.wait()
   ckpt.close()
 

@@ -1,17 +1,27 @@
-"""Named presets against published parameter counts, and logical annotations on every parameter.
+"""Named presets against published parameter counts, logical annotations on every parameter, and
+`models.build` (a run's model from its config group).
 
-Everything here uses `nnx.eval_shape`: nothing is allocated, so the 30B preset costs nothing.
+The preset checks use `nnx.eval_shape`: nothing is allocated, so the 30B preset costs nothing;
+`build` is tested on a tiny config put in place of the preset.
 """
 
 import functools
+import os
+import subprocess
+import sys
 from decimal import Decimal
 
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
 import pytest
 from flax import nnx
 
-from coevolve_jax.models import PRESETS, Qwen, QwenConfig
+from coevolve_jax import models
+from coevolve_jax.models import PRESETS, Qwen, QwenConfig, save_pretrained
 from coevolve_jax.models.qwen import count_params
-from coevolve_jax.models.sharding import LOGICAL_RULES
+from coevolve_jax.models.sharding import LOGICAL_RULES, make_mesh
 
 # Published counts, as printed in each model card ("Number of Parameters" and "... (Non-Embedding)";
 # non-embedding excludes the input embedding and an untied output head).
@@ -85,3 +95,105 @@ def test_every_parameter_has_a_known_logical_axis_per_dimension(preset):
 def test_unknown_preset_is_a_clear_error():
   with pytest.raises(ValueError, match="unknown model preset"):
     QwenConfig.preset("is_moe_layer")
+
+
+# ---------------------------------------------------------------------------------------------
+# models.build
+# ---------------------------------------------------------------------------------------------
+
+TINY = QwenConfig(
+  vocab_size=256,
+  hidden_size=32,
+  intermediate_size=64,
+  num_hidden_layers=1,
+  num_attention_heads=2,
+  num_key_value_heads=1,
+  head_dim=16,
+)
+
+
+def _model_cfg(preset="tiny_cpu", checkpoint="", dtype="float32"):
+  return ml_collections.ConfigDict({"preset": preset, "checkpoint": checkpoint, "dtype": dtype})
+
+
+def _params(model):
+  return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+def _assert_same(a, b):
+  for x, y in zip(_params(a), _params(b), strict=True):
+    assert x.dtype == y.dtype
+    np.testing.assert_array_equal(x, y)
+
+
+@pytest.fixture
+def tiny_preset(monkeypatch):
+  """QwenConfig.preset(name) gives TINY for every known name (unknown names still fail)."""
+  real = QwenConfig.preset.__func__
+
+  def preset(cls, name, **overrides):
+    real(cls, name)  # the name check
+    return TINY
+
+  monkeypatch.setattr(QwenConfig, "preset", classmethod(preset))
+
+
+def test_build_random_init_is_the_preset_under_the_seed(tiny_preset):
+  model = models.build(_model_cfg(dtype="bfloat16"), seed=3)
+  _assert_same(model, Qwen(TINY, rngs=nnx.Rngs(3), dtype=jnp.bfloat16))
+  assert all(x.dtype == jnp.bfloat16 for x in _params(model))
+  other = models.build(_model_cfg(dtype="bfloat16"), seed=4)
+  assert not np.array_equal(_params(model)[0], _params(other)[0])
+  with pytest.raises(ValueError, match="unknown model preset"):
+    models.build(_model_cfg(preset="no_such"), seed=0)
+  with pytest.raises(TypeError):
+    models.build(_model_cfg(dtype="no_such_dtype"), seed=0)
+
+
+def test_build_loads_a_checkpoint_in_the_config_dtype_and_ignores_the_preset(tmp_path):
+  saved = Qwen(TINY, rngs=nnx.Rngs(9))
+  save_pretrained(saved, tmp_path / "hf")
+  model = models.build(_model_cfg(preset="no_such", checkpoint=str(tmp_path / "hf")), seed=0)
+  _assert_same(model, saved)
+  half = models.build(_model_cfg(checkpoint=str(tmp_path / "hf"), dtype="bfloat16"), seed=0)
+  for x, y in zip(_params(half), _params(saved), strict=True):
+    np.testing.assert_array_equal(x, y.astype(jnp.bfloat16))
+  with pytest.raises(FileNotFoundError):
+    models.build(_model_cfg(checkpoint=str(tmp_path / "missing")), seed=0)
+
+
+def test_build_on_a_mesh_places_parameters_with_the_unsharded_values(tiny_preset, tmp_path):
+  mesh = make_mesh({}, devices=jax.devices()[:1])
+  save_pretrained(Qwen(TINY, rngs=nnx.Rngs(9)), tmp_path / "hf")
+  for cfg in (_model_cfg(), _model_cfg(checkpoint=str(tmp_path / "hf"))):
+    placed = models.build(cfg, seed=2, mesh=mesh)
+    _assert_same(placed, models.build(cfg, seed=2))
+    for x in jax.tree.leaves(nnx.state(placed, nnx.Param)):
+      assert isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh
+
+
+def test_build_on_eight_devices_shards_by_the_logical_rules():
+  """`_mesh_child` in a fresh interpreter with 8 host devices."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+    [sys.executable, __file__, "mesh"], env=env, capture_output=True, text=True, timeout=300
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "mesh OK" in proc.stdout
+
+
+def _mesh_child():
+  assert jax.device_count() == 8
+  P = jax.sharding.PartitionSpec  # noqa: N806
+  QwenConfig.preset = classmethod(lambda cls, name: TINY)
+  mesh = make_mesh({"fsdp": 2, "tensor": 4})
+  placed = models.build(_model_cfg(), seed=1, mesh=mesh)
+  _assert_same(placed, models.build(_model_cfg(), seed=1))
+  emb = placed.embed_tokens.get_value()
+  assert emb.sharding.spec == P("tensor", "fsdp") and len(emb.sharding.device_set) == 8
+  print("mesh OK")
+
+
+if __name__ == "__main__":
+  if sys.argv[1:] == ["mesh"]:
+    _mesh_child()

@@ -309,6 +309,56 @@ def test_micro_batch_split_does_not_change_the_trainer_update(one_layer_model):
     np.testing.assert_allclose(y, x, rtol=2e-5, atol=1e-6)
 
 
+def test_grpo_epoch_equals_the_per_mini_batch_calls(one_layer_model):
+  """`grpo_epoch` against the same epoch done by hand (old and reference log-probs of every
+  mini-batch first, then one update per mini-batch): identical metrics and parameters; two
+  epochs, so the second starts from updated parameters."""
+  rng = np.random.default_rng(5)
+  trajs = [
+    tr for g in range(3) for tr in _group(20 + g, 5 + g, [int(x) for x in rng.integers(1, 9, 4)])
+  ]
+  cfg = grpo.GRPOConfig(kl_beta=0.1)
+  epoch = PolicyTrainer(_fresh(one_layer_model), make_optimizer(1e-2, 0.01, 1.0), cfg, 0.9)
+  hand = PolicyTrainer(_fresh(one_layer_model), make_optimizer(1e-2, 0.01, 1.0), cfg, 0.9)
+  for t in (epoch, hand):
+    t.freeze_reference()
+  for seed in (0, 1):
+    adv = np.random.default_rng(seed).normal(0.0, 1.0, len(trajs)).astype(np.float32)
+    got = epoch.grpo_epoch(trajs, adv, 3)
+
+    batch = make_batch(trajs, adv)
+    minis = [batch.rows(idx) for idx in np.array_split(np.arange(len(trajs)), 3)]
+    old = [hand.logprobs(mb) for mb in minis]
+    ref = [hand.logprobs(mb, hand.ref_params) for mb in minis]
+    per_mini = [hand.grpo_update(mb, o, r) for mb, o, r in zip(minis, old, ref)]
+    want = {f"train/{k}": float(np.mean([m[k] for m in per_mini])) for k in per_mini[0]}
+    want["train/sampler_logp_gap"] = max(
+      float(np.max(np.abs((np.asarray(o) - mb.sampler_logp) * mb.target_mask)))
+      for mb, o in zip(minis, old)
+    )
+    assert got == want
+    assert set(want) == {
+      f"train/{k}"
+      for k in ("loss", "pg_loss", "clip_frac", "ratio_mean", "kl", "grad_norm", "sampler_logp_gap")
+    }
+    assert got["train/sampler_logp_gap"] > 0.0  # the trajectories' log-probs are made up
+    for x, y in zip(jax.tree.leaves(epoch.params), jax.tree.leaves(hand.params)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert epoch._grpo_step._cache_size() == 1  # equal mini-batches: one compiled step
+
+
+def test_grpo_epoch_refuses_bad_mini_batches_and_advantages(one_layer_model):
+  trainer = PolicyTrainer(
+    _fresh(one_layer_model), optax.sgd(0.1), grpo.GRPOConfig(), temperature=1.0
+  )
+  trajs = _group(30, 4, [2, 3])
+  for bad in (0, 3):
+    with pytest.raises(ValueError, match=r"mini_batches must be in \[1, 2\]"):
+      trainer.grpo_epoch(trajs, np.zeros(2, np.float32), bad)
+  with pytest.raises(ValueError, match="advantages of shape"):
+    trainer.grpo_epoch(trajs, np.zeros(3, np.float32), 1)
+
+
 def test_micro_batches_must_divide_rows(base_model):
   trainer = PolicyTrainer(
     _fresh(base_model),

@@ -1,5 +1,7 @@
-"""Model families: the Qwen decoders and their Hugging Face checkpoint I/O."""
+"""Model families: the Qwen decoders, their Hugging Face checkpoint I/O, and `build` (a run's
+model from its config)."""
 
+from coevolve_jax.models.builder import build
 from coevolve_jax.models.hf import (
   CheckpointFormatError,
   config_from_hf,
@@ -18,5 +20,6 @@ __all__ = [
   "config_from_hf",
   "from_pretrained",
   "hf_config",
+  "build",
   "save_pretrained",
 ]

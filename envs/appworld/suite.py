@@ -28,17 +28,21 @@ from typing import Any
 
 import numpy as np
 
+from coevolve_jax import config
 from envs.appworld import synthesis
+from envs.appworld.world import SPLITS as WORLD_SPLITS
+from envs.appworld.world import TEMPLATES
 from envs.appworld.client import AppWorldUnavailable
-from envs.appworld.data import goal_completion, load_split
-from envs.appworld.env import AppWorldEnv, rows_to_tasks, task_from_row
+from envs.appworld.data import OFFICIAL_SPLITS, goal_completion, load_split
+from envs.appworld.env import REWARD_MODES, AppWorldEnv, rows_to_tasks, task_from_row
 from envs.appworld.synthesis import code_reply
 from envs.appworld.server import ServerError, ServerPool, add_worlds, build_worlds, venv_python
 from coevolve_jax.feedback.llm import TextLLM
 from coevolve_jax.feedback.rounds import RoundResult, SignalEvent
 from coevolve_jax.types import Action, Task, Trajectory
 
-__all__ = ["AppWorldSuite", "check_setup"]
+__all__ = ["AppWorldSuite", "check_setup", "validate_config"]
+SOURCES = ("official", "generated")  # `cfg.appworld.source`
 
 SETUP_STEPS = """\
 How to set AppWorld up (its pins, pydantic<2, conflict with this project's: it gets its own venv):
@@ -75,6 +79,48 @@ def check_setup(cfg: Any) -> None:
   if errors:
     problems = "\n".join(f"  - {e}" for e in errors)
     raise AppWorldUnavailable(f"AppWorld is not available:\n{problems}\n{SETUP_STEPS}")
+
+
+def validate_config(cfg: Any) -> None:
+  """The `appworld` group (source, splits, servers, limits, world building); ValueError names
+  the first bad field."""
+  reward = config.get(cfg, "appworld.reward")
+  if reward not in REWARD_MODES:
+    config.fail("appworld.reward", f"must be one of {REWARD_MODES}", reward)
+  source = config.get(cfg, "appworld.source")
+  if source not in SOURCES:
+    config.fail("appworld.source", f"must be one of {SOURCES}", source)
+  splits = OFFICIAL_SPLITS if source == "official" else WORLD_SPLITS
+  for field in ("appworld.split", "appworld.eval_split"):
+    if config.get(cfg, field) not in splits:
+      config.fail(
+        field, f"must be one of {splits} with appworld.source={source!r}", config.get(cfg, field)
+      )
+  urls = config.get(cfg, "appworld.server_urls")
+  if (
+    not isinstance(urls, (tuple, list))
+    or not urls
+    or not all(isinstance(u, str) and u for u in urls)
+  ):
+    config.fail("appworld.server_urls", "must be a non-empty tuple of URLs", urls)
+  for field in ("appworld.timeout_s", "appworld.startup_timeout_s", "appworld.exec_timeout_s"):
+    config.number(cfg, field, lo=0.0, lo_open=True)
+  for field in ("appworld.max_steps", "appworld.max_obs_chars"):
+    config.int_at_least(cfg, field, 1)
+  config.int_at_least(cfg, "appworld.max_contexts", 0)
+  if source == "generated":
+    scenarios = config.int_at_least(cfg, "appworld.build.num_scenarios", 1)
+    config.int_at_least(cfg, "appworld.build.tasks_per_scenario", 1)
+    held = config.get(cfg, "appworld.build.eval_scenarios")
+    if not config.is_int(held) or not 0 <= held < scenarios:  # world.py's CLI rule
+      config.fail(
+        "appworld.build.eval_scenarios", f"must be in [0, num_scenarios = {scenarios})", held
+      )
+    templates, known = config.get(cfg, "appworld.build.templates"), sorted(TEMPLATES)
+    if not isinstance(templates, (tuple, list)) or set(templates) - set(known):
+      config.fail(
+        "appworld.build.templates", f"must be a tuple of templates of {known} (() = all)", templates
+      )
 
 
 class AppWorldSuite:

@@ -14,14 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from coevolve_jax import warmstart
+from coevolve_jax import config, warmstart
 from coevolve_jax.feedback.llm import TextLLM
 from coevolve_jax.feedback.rounds import RoundResult, SignalEvent
 from coevolve_jax.types import Task, Trajectory
 from envs import SuiteUnavailable
 from envs.bfcl import synthesis
 from envs.bfcl.calls import parse_call_string
-from envs.bfcl.data import import_bfcl, load_bfcl_tasks, split_tasks
+from envs.bfcl.data import convert_doc, import_bfcl, load_bfcl_tasks, split_tasks
 from envs.bfcl.env import BfclEnv, make_env
 
 
@@ -38,6 +38,12 @@ def check_setup(cfg: Any) -> None:
       f"BFCL is not available ({e}). Install it with `make setup`, or by hand:\n"
       f"  pip install --no-deps {BFCL_EVAL}   (its offline needs are in setup.py)"
     ) from e
+
+
+def validate_config(cfg: Any) -> None:
+  """BFCL's own fields: the tool style (checked by the converter that uses it)."""
+  style = config.get(cfg, "data.tool_style")
+  config.owner("data.tool_style", lambda: convert_doc({"name": "probe"}, style))
 
 
 class BfclSuite:

@@ -1,0 +1,281 @@
+"""Start-up validation of a whole run config (configs/bfcl.py, configs/appworld.py).
+
+`validate(cfg)` checks the fields a run reads, once, before any work, and raises ValueError naming
+the first bad field (`rollout.group_size must be an int >= 2 ..., got 1`). Where the module that
+uses a field already checks it in a function of its own (signal kinds and feedback mode in
+`feedback.rounds.select_events`, the `signals` fields in `SignalTracker`, sampling in
+`SamplingParams`, the preset in `QwenConfig.preset`), that function is called and its message is
+prefixed with the field; accepted values are read from the owners' constants
+(`grpo.KL_ESTIMATORS`, `grpo.LOSS_AGGS`, `feedback.factory.EXPLORERS`, ...). The suite named by
+`cfg.env` checks its own fields (`envs.validate_config`, with the helpers below). It computes
+nothing on a device, so it is safe to call before `jax.distributed.initialize`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from coevolve_jax import grpo
+import envs
+from coevolve_jax.feedback import factory, rounds
+from coevolve_jax.feedback.signals import SignalTracker
+from coevolve_jax.models import QwenConfig
+from coevolve_jax.models.sharding import MESH_AXES
+from coevolve_jax.rollout.sampling import SamplingParams
+
+
+def validate(cfg: Mapping[str, Any]) -> None:
+  """Checks a run config (an ml_collections ConfigDict from configs/*.py, possibly overridden).
+
+  Covers: env; seed; data; model (preset unless a checkpoint is set, dtype); mesh (sizes >= 1 or
+  one -1); explore (explorers, D0 and synthesis sizes, near-duplicate threshold, synth_fraction);
+  signals (through `SignalTracker`); warmstart; rollout (sizes, group_size >= 2, sampling through
+  `SamplingParams` with temperature >= 0 and top_p in (0, 1]); train (steps, optimizer, the GRPO
+  objective of `grpo.GRPOConfig.from_config`, and mini-/micro-batches that divide the step's
+  tasks_per_step * group_size rollouts as `PolicyTrainer.grpo_epoch` splits them); feedback
+  (kinds and mode through `select_events`, every >= 1, 0 <= lag < every); eval; checkpoint; and
+  the suite's own fields (`envs.validate_config`). File system and data (checkpoint folders, BFCL
+  categories, AppWorld servers) are checked where they are opened, not here.
+
+  Args:
+    cfg: the whole run config.
+  Raises:
+    ValueError: the first bad or missing field; the message starts with its dotted name.
+  """
+  env = get(cfg, "env")
+  if env not in envs.SUITES:
+    fail("env", f"must be one of {tuple(envs.SUITES)}", env)
+  int_at_least(cfg, "seed", 0)  # numpy's default_rng refuses negative seeds
+  _data(cfg)
+  _model(cfg)
+  _mesh(cfg)
+  _explore(cfg)
+  _signals(cfg)
+  _warmstart(cfg)
+  _rollout(cfg)
+  _train(cfg)
+  _feedback(cfg)
+  for field in ("eval.max_new_tokens", "eval.max_steps_per_turn"):
+    int_at_least(cfg, field, 1)
+  int_at_least(cfg, "eval.max_tasks", 0)
+  int_at_least(cfg, "checkpoint.every", 1)
+  int_at_least(cfg, "checkpoint.keep", 1)  # RunCheckpointer's rule
+  envs.validate_config(cfg)  # the suite's own fields (BFCL: data.tool_style; appworld.*)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers.
+# ---------------------------------------------------------------------------------------------
+
+
+def get(cfg: Mapping[str, Any], field: str) -> Any:
+  node = cfg
+  for part in field.split("."):
+    try:
+      node = node[part]
+    except (KeyError, AttributeError, TypeError):
+      raise ValueError(f"{field} is missing from the config") from None
+  return node
+
+
+def fail(field: str, rule: str, value: Any) -> None:
+  raise ValueError(f"{field} {rule}, got {value!r}")
+
+
+def is_int(x: Any) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+def int_at_least(cfg: Mapping[str, Any], field: str, lo: int, why: str = "") -> int:
+  value = get(cfg, field)
+  if not is_int(value) or value < lo:
+    fail(field, f"must be an int >= {lo}{why}", value)
+  return int(value)
+
+
+def number(
+  cfg: Mapping[str, Any],
+  field: str,
+  *,
+  lo: float | None = None,
+  hi: float | None = None,
+  lo_open: bool = False,
+  hi_open: bool = False,
+) -> float:
+  """A finite number in the interval [lo, hi] (ends open as asked; None = unbounded)."""
+  value = get(cfg, field)
+  ok = _is_num(value) and math.isfinite(value)
+  if ok and lo is not None:
+    ok = value > lo if lo_open else value >= lo
+  if ok and hi is not None:
+    ok = value < hi if hi_open else value <= hi
+  if not ok:
+    left = "(-inf" if lo is None else f"{'(' if lo_open else '['}{lo}"
+    right = "inf)" if hi is None else f"{hi}{')' if hi_open else ']'}"
+    fail(field, f"must be a finite number in {left}, {right}", value)
+  return float(value)
+
+
+def owner(field: str, check: Callable[[], Any]) -> None:
+  """Runs the owning module's own check of `field`; its ValueError gets the field's name."""
+  try:
+    check()
+  except ValueError as e:
+    raise ValueError(f"{field}: {e}") from e
+
+
+def _float_dtype(cfg: Mapping[str, Any], field: str) -> None:
+  value = get(cfg, field)
+  try:
+    ok = jnp.issubdtype(jnp.dtype(value), jnp.floating)
+  except TypeError:
+    ok = False
+  if not ok:
+    fail(field, "must name a float dtype (float32, bfloat16)", value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Groups.
+# ---------------------------------------------------------------------------------------------
+
+
+def _data(cfg: Mapping[str, Any]) -> None:
+  int_at_least(cfg, "data.eval_size", 0)  # its upper bound (the entries) is checked at load
+  int_at_least(cfg, "data.max_obs_chars", 1)
+
+
+def _model(cfg: Mapping[str, Any]) -> None:
+  checkpoint = get(cfg, "model.checkpoint")
+  if not isinstance(checkpoint, str):
+    fail("model.checkpoint", "must be a folder path or ''", checkpoint)
+  if not checkpoint:  # a checkpoint's config.json replaces the preset
+    preset = get(cfg, "model.preset")
+    owner("model.preset", lambda: QwenConfig.preset(preset))
+  _float_dtype(cfg, "model.dtype")
+
+
+def _mesh(cfg: Mapping[str, Any]) -> None:
+  sizes = {}
+  for axis in MESH_AXES:
+    field = f"mesh.{axis}"
+    value = get(cfg, field)
+    if not is_int(value) or not (value >= 1 or value == -1):
+      fail(field, "must be an int >= 1, or -1 for all remaining devices", value)
+    sizes[axis] = value
+  if list(sizes.values()).count(-1) > 1:  # `sharding.make_mesh`'s rule
+    fail("mesh", "may have at most one axis of size -1", sizes)
+
+
+def _explore(cfg: Mapping[str, Any]) -> None:
+  explorer = get(cfg, "explore.explorer")
+  if explorer not in factory.EXPLORERS:
+    fail("explore.explorer", f"must be one of {factory.EXPLORERS}", explorer)
+  d0 = get(cfg, "explore.d0_explorer")
+  if d0 and d0 not in factory.EXPLORERS:
+    fail(
+      "explore.d0_explorer", f"must be '' (= explore.explorer) or one of {factory.EXPLORERS}", d0
+    )
+  why = " (an empty D0 leaves nothing to train on)"
+  int_at_least(cfg, "explore.initial_tasks", 1, why)
+  min_calls = int_at_least(cfg, "explore.min_calls", 1)
+  max_calls = get(cfg, "explore.max_calls")
+  if not is_int(max_calls) or max_calls < min_calls:
+    fail("explore.max_calls", f"must be an int >= explore.min_calls = {min_calls}", max_calls)
+  for field in ("explore.turns_per_task", "explore.rounds", "explore.steps_per_round"):
+    int_at_least(cfg, field, 1)
+  int_at_least(cfg, "explore.max_contexts_per_round", 0)
+  int_at_least(cfg, "explore.max_classes", 0)
+  number(cfg, "explore.near_dup_threshold", lo=0.0, hi=1.0)  # a MinHash LSH threshold
+  synth = get(cfg, "explore.synth_fraction")
+  if not _is_num(synth) or not (synth < 0 or 0.0 <= synth <= 1.0):
+    fail("explore.synth_fraction", "must be in [0, 1], or negative for proportional", synth)
+  _float_dtype(cfg, "explore.local.dtype")
+
+
+def _signals(cfg: Mapping[str, Any]) -> None:
+  for name in ("window", "rare_theta_percent", "rare_min_total", "pattern", "success_threshold"):
+    value = get(cfg, f"signals.{name}")
+    owner(f"signals.{name}", lambda name=name, value=value: SignalTracker(**{name: value}))
+
+
+def _warmstart(cfg: Mapping[str, Any]) -> None:
+  if int_at_least(cfg, "warmstart.steps", 0) > 0:
+    int_at_least(cfg, "warmstart.batch_size", 1)
+    number(cfg, "warmstart.lr", lo=0.0, lo_open=True)
+
+
+def _rollout(cfg: Mapping[str, Any]) -> None:
+  int_at_least(cfg, "rollout.group_size", 2, " (GRPO's advantages compare rollouts of a group)")
+  int_at_least(cfg, "rollout.tasks_per_step", 1)
+  for field in (
+    "rollout.num_slots",  # with cache_len and max_prefill_tokens: the Engine's rule
+    "rollout.cache_len",
+    "rollout.max_prefill_tokens",
+    "rollout.max_new_tokens",
+    "rollout.max_steps_per_turn",
+    "rollout.max_model_steps",
+  ):
+    int_at_least(cfg, field, 1)
+  temperature, top_k, top_p = (get(cfg, f"rollout.{k}") for k in ("temperature", "top_k", "top_p"))
+  owner("rollout.temperature", lambda: SamplingParams(temperature=temperature))
+  owner("rollout.top_k", lambda: SamplingParams(top_k=top_k))
+  owner("rollout.top_p", lambda: SamplingParams(top_p=top_p))
+  # Stricter than sampling: below 0 is greedy too (write 0), top_p = 0 keeps the top token only.
+  number(cfg, "rollout.temperature", lo=0.0)
+  number(cfg, "rollout.top_p", lo=0.0, hi=1.0, lo_open=True)
+
+
+def _train(cfg: Mapping[str, Any]) -> None:
+  int_at_least(cfg, "train.steps", 1)
+  number(cfg, "train.lr", lo=0.0, lo_open=True)
+  number(cfg, "train.weight_decay", lo=0.0)
+  number(cfg, "train.grad_clip", lo=0.0, lo_open=True)
+  rows = get(cfg, "rollout.tasks_per_step") * get(cfg, "rollout.group_size")
+  mini = int_at_least(cfg, "train.mini_batches", 1)
+  if mini > rows:
+    fail("train.mini_batches", f"must be <= the step's {rows} rollouts", mini)
+  micro = int_at_least(cfg, "train.micro_batches", 1)  # PolicyTrainer's rule
+  sizes = sorted({len(x) for x in np.array_split(np.arange(rows), mini)})  # as grpo_epoch splits
+  if any(s % micro for s in sizes):
+    fail(
+      "train.micro_batches",
+      f"must divide every mini-batch's rows ({rows} rollouts in {mini} mini-batches of {sizes})",
+      micro,
+    )
+  for field in ("kl_estimator", "loss_agg"):
+    known = grpo.KL_ESTIMATORS if field == "kl_estimator" else grpo.LOSS_AGGS
+    if get(cfg, f"train.{field}") not in known:
+      fail(f"train.{field}", f"must be one of {known}", get(cfg, f"train.{field}"))
+  number(cfg, "train.clip_eps_low", lo=0.0, hi=1.0, hi_open=True)
+  number(cfg, "train.clip_eps_high", lo=0.0)
+  c = number(cfg, "train.dual_clip_c", lo=0.0)
+  if 0.0 < c <= 1.0:  # Ye et al. 2020: the bound -A c must lie above the clipped objective
+    fail("train.dual_clip_c", "must be 0 (off) or > 1", c)
+  number(cfg, "train.kl_beta", lo=0.0)
+  number(cfg, "train.loss_norm_tokens", lo=0.0, lo_open=True)
+  number(cfg, "train.adv_eps", lo=0.0)
+  if not isinstance(get(cfg, "train.scale_by_std"), bool):
+    fail("train.scale_by_std", "must be a bool", get(cfg, "train.scale_by_std"))
+  grpo.GRPOConfig.from_config(get(cfg, "train"))  # every objective field is a known keyword
+
+
+def _feedback(cfg: Mapping[str, Any]) -> None:
+  kinds, mode = get(cfg, "feedback.kinds"), get(cfg, "feedback.mode")
+  if not isinstance(kinds, (tuple, list)) or not all(isinstance(k, str) for k in kinds):
+    fail("feedback.kinds", "must be a tuple of signal kinds", kinds)
+  rng = np.random.default_rng(0)
+  owner("feedback.kinds", lambda: rounds.select_events([], rng, 0, kinds=tuple(kinds)))
+  owner("feedback.mode", lambda: rounds.select_events([], rng, 0, mode=mode))
+  every = int_at_least(cfg, "feedback.every", 1)
+  lag = get(cfg, "feedback.lag")
+  if not is_int(lag) or not 0 <= lag < every:
+    fail("feedback.lag", f"must be an int in [0, feedback.every = {every})", lag)

@@ -1,0 +1,231 @@
+"""coevolve_jax.config.validate: the shipped configs and their variants pass; each bad field is a
+ValueError whose message starts with the field's dotted name."""
+
+import importlib.util
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from coevolve_jax.config import validate
+
+_CONFIGS = os.path.join(os.path.dirname(__file__), os.pardir, "configs")
+
+
+def _module(path):
+  spec = importlib.util.spec_from_file_location(f"config_test_{os.path.basename(path)}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _get_config(name, variant=""):
+  return _module(os.path.join(_CONFIGS, name)).get_config(variant)
+
+
+def _set(cfg, field, value):
+  *groups, name = field.split(".")
+  node = cfg
+  for g in groups:
+    node = node[g]
+  node[name] = value
+
+
+@pytest.mark.parametrize("name", ["bfcl.py", "appworld.py"])
+@pytest.mark.parametrize("variant", ["", "cpu"])
+def test_shipped_configs_validate(name, variant):
+  validate(_get_config(name, variant))
+
+
+VARIANTS = [  # (config, variant, overrides): ablations and settings a run may use
+  ("bfcl.py", "cpu", {"feedback.kinds": ("forgetting", "boundary")}),
+  ("bfcl.py", "cpu", {"feedback.kinds": ()}),
+  ("bfcl.py", "cpu", {"feedback.mode": "random"}),
+  ("bfcl.py", "cpu", {"feedback.enabled": False, "feedback.validate": False}),
+  ("bfcl.py", "cpu", {"feedback.concurrent": False, "feedback.lag": 0}),
+  ("bfcl.py", "cpu", {"explore.explorer": "gemini", "explore.d0_explorer": "programmatic"}),
+  ("bfcl.py", "cpu", {"explore.explorer": "local", "explore.synth_fraction": 0.5}),
+  ("bfcl.py", "cpu", {"model.checkpoint": "/some/hf/folder", "model.preset": "unused"}),
+  ("bfcl.py", "cpu", {"rollout.temperature": 0.0, "rollout.top_p": 0.9, "rollout.top_k": 20}),
+  ("bfcl.py", "cpu", {"signals.pattern": "ngram:2"}),
+  ("bfcl.py", "cpu", {"train.loss_agg": "seq-mean-token-sum-norm", "train.kl_estimator": "k1"}),
+  ("bfcl.py", "cpu", {"train.scale_by_std": False, "train.dual_clip_c": 0.0, "train.kl_beta": 0.0}),
+  ("bfcl.py", "cpu", {"train.mini_batches": 16, "train.micro_batches": 1}),
+  ("bfcl.py", "cpu", {"train.mini_batches": 3, "train.micro_batches": 1}),  # sizes 6, 5, 5
+  ("bfcl.py", "cpu", {"train.mini_batches": 2, "train.micro_batches": 4}),
+  ("bfcl.py", "cpu", {"warmstart.steps": 0, "warmstart.lr": 0.0}),
+  ("bfcl.py", "", {"mesh.fsdp": 4, "mesh.tensor": -1}),
+  ("bfcl.py", "", {"model.dtype": "float32", "data.tool_style": "compact"}),
+  ("appworld.py", "", {"appworld.split": "test_challenge", "appworld.reward": "pass_fraction"}),
+  ("appworld.py", "cpu", {"appworld.build.templates": ("count_notes",)}),
+  ("appworld.py", "cpu", {"data.tool_style": "unused by AppWorld"}),
+]
+
+
+@pytest.mark.parametrize("name,variant,overrides", VARIANTS)
+def test_variants_validate(name, variant, overrides):
+  cfg = _get_config(name, variant)
+  for field, value in overrides.items():
+    _set(cfg, field, value)
+  validate(cfg)
+
+
+def test_the_end_to_end_test_config_validates():
+  e2e = _module(os.path.join(os.path.dirname(__file__), "test_main_e2e.py"))
+  validate(e2e.small_config())
+
+
+BAD = [  # (field, value); the bfcl cpu config (16 rollouts a step in 2 mini-batches; every = 3)
+  ("env", "webshop"),
+  ("seed", -1),
+  ("data.eval_size", -1),
+  ("data.max_obs_chars", 0),
+  ("data.tool_style", "verbose"),
+  ("model.preset", "qwen9_1t"),
+  ("model.dtype", "int32"),
+  ("model.dtype", "no_such_dtype"),
+  ("mesh.fsdp", 0),
+  ("mesh.data", -2),
+  ("explore.explorer", "oracle"),
+  ("explore.d0_explorer", "oracle"),
+  ("explore.initial_tasks", 0),
+  ("explore.min_calls", 0),
+  ("explore.max_calls", 0),
+  ("explore.turns_per_task", 0),
+  ("explore.rounds", 0),
+  ("explore.steps_per_round", 0),
+  ("explore.max_contexts_per_round", -1),
+  ("explore.max_classes", -1),
+  ("explore.near_dup_threshold", 1.5),
+  ("explore.synth_fraction", 1.5),
+  ("explore.local.dtype", "int8"),
+  ("signals.window", 0),
+  ("signals.rare_theta_percent", 101.0),
+  ("signals.rare_min_total", -1),
+  ("signals.pattern", "ngram:0"),
+  ("signals.pattern", "bigram"),
+  ("signals.success_threshold", 1.5),
+  ("warmstart.steps", -1),
+  ("warmstart.batch_size", 0),
+  ("warmstart.lr", 0.0),
+  ("rollout.group_size", 1),
+  ("rollout.tasks_per_step", 0),
+  ("rollout.num_slots", 0),
+  ("rollout.cache_len", 0),
+  ("rollout.max_prefill_tokens", 0),
+  ("rollout.max_new_tokens", 0),
+  ("rollout.max_steps_per_turn", 0),
+  ("rollout.max_model_steps", 0),
+  ("rollout.temperature", -0.5),
+  ("rollout.temperature", math.nan),
+  ("rollout.top_k", -1),
+  ("rollout.top_p", 0.0),
+  ("rollout.top_p", 1.5),
+  ("train.steps", 0),
+  ("train.lr", 0.0),
+  ("train.lr", math.inf),
+  ("train.weight_decay", -0.1),
+  ("train.grad_clip", 0.0),
+  ("train.mini_batches", 0),
+  ("train.mini_batches", 17),
+  ("train.micro_batches", 0),
+  ("train.micro_batches", 3),
+  ("train.kl_estimator", "k4"),
+  ("train.loss_agg", "sum"),
+  ("train.clip_eps_low", 1.0),
+  ("train.clip_eps_high", -0.1),
+  ("train.dual_clip_c", 0.5),
+  ("train.kl_beta", -1e-3),
+  ("train.loss_norm_tokens", 0.0),
+  ("train.adv_eps", -1e-6),
+  ("feedback.kinds", ("rare", "novelty")),
+  ("feedback.mode", "guided"),
+  ("feedback.every", 0),
+  ("feedback.lag", 3),
+  ("feedback.lag", -1),
+  ("eval.max_tasks", -1),
+  ("eval.max_new_tokens", 0),
+  ("eval.max_steps_per_turn", 0),
+  ("checkpoint.every", 0),
+  ("checkpoint.keep", 0),
+]
+
+
+def _raises_naming(cfg, field):
+  with pytest.raises(ValueError, match=rf"^{re.escape(field)}[ :]") as e:
+    validate(cfg)
+  return str(e.value)
+
+
+@pytest.mark.parametrize("field,value", BAD)
+def test_a_bad_field_is_named(field, value):
+  cfg = _get_config("bfcl.py", "cpu")
+  _set(cfg, field, value)
+  _raises_naming(cfg, field)
+
+
+def test_owner_messages_keep_their_reason():
+  cfg = _get_config("bfcl.py", "cpu")
+  cfg.signals.pattern = "ngram:0"
+  assert "'tool_sequence' or 'ngram:N'" in _raises_naming(cfg, "signals.pattern")
+  cfg = _get_config("bfcl.py", "cpu")
+  cfg.feedback.kinds = ("rare", "novelty")
+  assert "unknown signal kinds ['novelty']" in _raises_naming(cfg, "feedback.kinds")
+  cfg = _get_config("bfcl.py", "cpu")
+  cfg.train.micro_batches = 3
+  assert "16 rollouts in 2 mini-batches of [8]" in _raises_naming(cfg, "train.micro_batches")
+
+
+def test_two_mesh_axes_of_minus_one_and_a_missing_field():
+  cfg = _get_config("bfcl.py")
+  cfg.mesh.data = -1  # fsdp is -1 already
+  _raises_naming(cfg, "mesh")
+  cfg = _get_config("bfcl.py", "cpu")
+  del cfg.train["adv_eps"]
+  assert "is missing" in _raises_naming(cfg, "train.adv_eps")
+
+
+APPWORLD_BAD = [  # the appworld cpu config: generated worlds, 10 scenarios
+  ("appworld.reward", "partial"),
+  ("appworld.source", "cloud"),
+  ("appworld.split", "test_challenge"),  # official only
+  ("appworld.eval_split", "holdout"),
+  ("appworld.server_urls", ()),
+  ("appworld.timeout_s", 0.0),
+  ("appworld.startup_timeout_s", -1.0),
+  ("appworld.exec_timeout_s", 0),
+  ("appworld.max_steps", 0),
+  ("appworld.max_obs_chars", 0),
+  ("appworld.max_contexts", -1),
+  ("appworld.build.num_scenarios", 0),
+  ("appworld.build.tasks_per_scenario", 0),
+  ("appworld.build.eval_scenarios", 10),
+  ("appworld.build.templates", ("no_such_template",)),
+]
+
+
+@pytest.mark.parametrize("field,value", APPWORLD_BAD)
+def test_a_bad_appworld_field_is_named(field, value):
+  cfg = _get_config("appworld.py", "cpu")
+  _set(cfg, field, value)
+  _raises_naming(cfg, field)
+
+
+def test_validate_starts_no_jax_backend():
+  """Safe before jax.distributed.initialize: nothing is computed on a device."""
+  code = (
+    "import importlib.util, sys\n"
+    "from jax._src import xla_bridge\n"
+    "from coevolve_jax.config import validate\n"
+    f"spec = importlib.util.spec_from_file_location('c', {os.path.join(_CONFIGS, 'bfcl.py')!r})\n"
+    "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+    "validate(m.get_config('cpu'))\n"
+    "assert not xla_bridge.backends_are_initialized()\n"
+    "print('no backend')\n"
+  )
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "no backend" in proc.stdout
