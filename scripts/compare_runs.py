@@ -4,8 +4,9 @@
 
 Reads from both workdirs: summary.json, metrics.jsonl, pool.jsonl, feedback.jsonl,
 exploration.jsonl, eval_before.jsonl and eval_after.jsonl. Every value must be equal, except
-timings (keys `wall_s`, `phase_s`, `feedback_share`, `feedback_synth_s`, `synth_s`, `wait_s` and
-`timing/*` metrics), which differ between any two runs. Numbers compare with
+timings (keys `wall_s`, `phase_s`, `feedback_share`, `feedback_synth_s`, `synth_s`, `wait_s`, the
+metrics ending in `/synth_s` or `/wait_s`, and `timing/*` metrics), which differ between any two
+runs. Numbers compare with
 `|a - b| <= atol + rtol * |b|` (default: exactly), so the same command on two meshes or two
 commits can be checked at float tolerance. Prints one line per file and every difference found;
 exits 1 when anything differs or a file is missing on one side only.
@@ -47,7 +48,7 @@ def _strip(value: Any) -> Any:
     return {
       k: _strip(v)
       for k, v in value.items()
-      if k not in TIMING_KEYS and not str(k).startswith("timing/")
+      if str(k).rsplit("/", 1)[-1] not in TIMING_KEYS and not str(k).startswith("timing/")
     }
   if isinstance(value, list):
     return [_strip(v) for v in value]

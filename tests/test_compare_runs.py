@@ -15,7 +15,8 @@ def _run(path, reward, wall_s, step_time):
   with open(os.path.join(path, "summary.json"), "w") as f:
     json.dump({"eval_after": 0.5, "wall_s": wall_s, "phase_s": {"train": wall_s}}, f)
   with open(os.path.join(path, "metrics.jsonl"), "w") as f:
-    f.write(json.dumps({"step": 1, "reward/mean": reward, "timing/train": step_time}) + "\n")
+    row = {"step": 1, "reward/mean": reward, "timing/train": step_time, "feedback/wait_s": wall_s}
+    f.write(json.dumps(row) + "\n")
 
 
 def test_timings_differ_only(tmp_path, capsys):
