@@ -33,14 +33,15 @@ def validate(cfg: Mapping[str, Any]) -> None:
   """Checks a run config (an ml_collections ConfigDict from configs/*.py, possibly overridden).
 
   Covers: env; seed; data; model (preset unless a checkpoint is set, dtype); mesh (sizes >= 1 or
-  one -1); explore (explorers, D0 and synthesis sizes, near-duplicate threshold, synth_fraction);
-  signals (through `SignalTracker`); warmstart; rollout (sizes, group_size >= 2, sampling through
-  `SamplingParams` with temperature >= 0 and top_p in (0, 1]); train (steps, optimizer, the GRPO
-  objective of `grpo.GRPOConfig.from_config`, and mini-/micro-batches that divide the step's
-  tasks_per_step * group_size rollouts as `PolicyTrainer.grpo_epoch` splits them); feedback
-  (kinds and mode through `select_events`, every >= 1, 0 <= lag < every); eval; checkpoint; and
-  the suite's own fields (`envs.validate_config`). File system and data (checkpoint folders, BFCL
-  categories, AppWorld servers) are checked where they are opened, not here.
+  one -1); explore (explorers, D0 and synthesis sizes); pool (near-duplicate threshold,
+  synth_fraction); signals (through `SignalTracker`); warmstart; rollout (sizes, group_size >= 2,
+  sampling through `SamplingParams` with temperature >= 0 and top_p in (0, 1]); train (steps,
+  optimizer, the GRPO objective of `grpo.GRPOConfig.from_config`, and mini-/micro-batches that
+  divide the step's tasks_per_step * group_size rollouts as `PolicyTrainer.grpo_epoch` splits
+  them); feedback (kinds and mode through `select_events`, max_contexts, every >= 1,
+  0 <= lag < every); eval; checkpoint; and the suite's own fields (`envs.validate_config`). File
+  system and data (checkpoint folders, BFCL categories, AppWorld servers) are checked where they
+  are opened, not here.
 
   Args:
     cfg: the whole run config.
@@ -55,6 +56,7 @@ def validate(cfg: Mapping[str, Any]) -> None:
   _model(cfg)
   _mesh(cfg)
   _explore(cfg)
+  _pool(cfg)
   _signals(cfg)
   _warmstart(cfg)
   _rollout(cfg)
@@ -192,13 +194,15 @@ def _explore(cfg: Mapping[str, Any]) -> None:
     fail("explore.max_calls", f"must be an int >= explore.min_calls = {min_calls}", max_calls)
   for field in ("explore.turns_per_task", "explore.rounds", "explore.steps_per_round"):
     int_at_least(cfg, field, 1)
-  int_at_least(cfg, "explore.max_contexts_per_round", 0)
   int_at_least(cfg, "explore.max_classes", 0)
-  number(cfg, "explore.near_dup_threshold", lo=0.0, hi=1.0)  # a MinHash LSH threshold
-  synth = get(cfg, "explore.synth_fraction")
-  if not _is_num(synth) or not (synth < 0 or 0.0 <= synth <= 1.0):
-    fail("explore.synth_fraction", "must be in [0, 1], or negative for proportional", synth)
   _float_dtype(cfg, "explore.local.dtype")
+
+
+def _pool(cfg: Mapping[str, Any]) -> None:
+  number(cfg, "pool.near_dup_threshold", lo=0.0, hi=1.0)  # a MinHash LSH threshold
+  synth = get(cfg, "pool.synth_fraction")
+  if not _is_num(synth) or not (synth < 0 or 0.0 <= synth <= 1.0):
+    fail("pool.synth_fraction", "must be in [0, 1], or negative for proportional", synth)
 
 
 def _signals(cfg: Mapping[str, Any]) -> None:
@@ -275,6 +279,7 @@ def _feedback(cfg: Mapping[str, Any]) -> None:
   rng = np.random.default_rng(0)
   owner("feedback.kinds", lambda: rounds.select_events([], rng, 0, kinds=tuple(kinds)))
   owner("feedback.mode", lambda: rounds.select_events([], rng, 0, mode=mode))
+  int_at_least(cfg, "feedback.max_contexts", 0)
   every = int_at_least(cfg, "feedback.every", 1)
   lag = get(cfg, "feedback.lag")
   if not is_int(lag) or not 0 <= lag < every:

@@ -1,13 +1,19 @@
-"""The CoEvolve main loop (SPEC 1): GRPO steps on a growing task pool with feedback rounds.
+"""The CoEvolve main loop (paper Sec. 3, Algorithm 1): GRPO on a task pool that grows by feedback.
 
-    D0 by unguided exploration -> warm-start -> eval -> for each step:
-      sample tasks -> G rollouts each -> rewards (official checker) -> advantages -> GRPO updates
-      -> signals; every F steps: feedback round (explore -> abstract -> validate -> pool)
-      -> checkpoint
-    -> eval -> summary.json
+    D0 <- unguided exploration (suite)            pool <- D0
+    warm-start on D0's solutions; freeze the reference policy; evaluate (before)
+    for step = 1 .. T:
+      tasks <- sample(pool); G rollouts each (engine + agent loop); rewards (suite's evaluator)
+      advantages per group (Eq. 1); one GRPO epoch over the step's rollouts (trainer)
+      events += signals(rollouts)                  forgetting, boundary, rare (Sec. 3.1)
+      every F steps: select contexts from events; synthesize in a worker thread (suite:
+        explore -> abstract -> validate, Sec. 3.2-3.3); commit to the pool after `lag` steps
+      checkpoint every `checkpoint.every` steps (train state + RunState)
+    evaluate (after); summary.json
 
-Host-side work (environments, signals, synthesis, pool) is plain Python; the model, the engine and
-the policy update are jitted.
+The loop only orchestrates and times phases; the benchmark is behind `envs.base.Suite`, the
+update behind `PolicyTrainer`, the signals behind `SignalTracker`, and a round's bookkeeping in
+`feedback.rounds`. Host-side work is plain Python; the model, the engine and the update are jitted.
 """
 
 from __future__ import annotations
@@ -28,17 +34,18 @@ import optax
 import tqdm
 from flax import nnx
 
-from coevolve_jax import grpo, models
+from coevolve_jax import config, grpo, models
 from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
 from coevolve_jax.checkpoint import RunCheckpointer
 from coevolve_jax.feedback import factory, rounds
 from coevolve_jax.feedback.pool import TaskPool
-from coevolve_jax.feedback.signals import SignalEvent, SignalTracker
+from coevolve_jax.feedback.signals import SignalTracker
 from coevolve_jax.metrics import MetricsWriter, PhaseTimer, truncate_jsonl
 from coevolve_jax.rollout.engine import Engine
 from coevolve_jax.rollout.sampling import SamplingParams
+from coevolve_jax.run_state import RoundInFlight, RunState
 from coevolve_jax.trainer import PolicyTrainer, make_batch, make_optimizer
-from coevolve_jax.types import Trajectory
+from coevolve_jax.types import Task, Trajectory
 from coevolve_jax.warmstart import describe, sft_batches
 from envs import make_suite
 
@@ -61,12 +68,111 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
 
 
 class CoEvolveRun:
-  """One training run in `workdir`; `fit()` starts it or resumes it from the last checkpoint."""
+  """One training run in `workdir`; `fit()` starts it or resumes it from the last checkpoint.
+
+  Raises (from `fit`):
+    ValueError: a bad config field (`config.validate`, before any work).
+    RunError: the workdir holds a run that cannot continue as configured, or D0 is empty.
+  """
 
   def __init__(self, cfg: ml_collections.ConfigDict, workdir: str):
+    config.validate(cfg)
     self.cfg, self.workdir = cfg, os.path.abspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
     self.summary_path = os.path.join(self.workdir, "summary.json")
+
+  # ------------------------------------------------------------------ the algorithm
+
+  def fit(self) -> dict[str, Any]:
+    """Runs (or resumes) the whole job and returns the summary written to summary.json."""
+    if (done := self._completed_summary()) is not None:
+      return done
+    self._session_start = time.perf_counter()
+    self._setup()
+    restored = self._restore()  # the newest readable checkpoint's step, or None: a fresh start
+    self._open_logs(restored)
+    if restored is None:
+      self._bootstrap()  # D0 -> warm-start -> eval before -> checkpoint 0
+    elif self.state.pending is not None:
+      self._submit(self.state.pending)  # the round in flight at the checkpoint, redone exactly
+    with tqdm.tqdm(
+      total=self.cfg.train.steps, initial=self.state.step, desc="grpo", unit="step"
+    ) as bar:
+      while self.state.step < self.cfg.train.steps:
+        info = self._step(self.state.step + 1)
+        bar.set_postfix(reward=f"{info['reward/mean']:.2f}", pool=len(self.pool))
+        bar.update(1)
+    return self._finish(restored or 0)
+
+  def _bootstrap(self) -> None:
+    """Step 0: D0 by unguided exploration, supervised warm-start, eval before, checkpoint."""
+    with self.timer("explore"):  # the pool is empty here: a fresh start rolls it back to 0
+      d0, counts = self.suite.initial_tasks(
+        self.cfg.explore.initial_tasks, self.state.np_rng, self.d0_llm
+      )
+      report = self.pool.add(d0, eval_tasks=self.eval_split)
+      self.state.d0 = {**counts, "added": report.added, "dropped": len(report.dropped)}
+      print(f"D0: {self.state.d0}")
+      if not len(self.pool):
+        raise RunError(
+          f"D0 exploration left the task pool empty ({self.state.d0}): there is nothing to "
+          f"train on. Raise explore.initial_tasks or explore.rounds, or check the explorer "
+          f"(its errors are logged above)."
+        )
+    with self.timer("warmstart"):
+      self._warmstart()
+    self.trainer.freeze_reference()
+    with self.timer("eval"):
+      self.state.eval_before = self.evaluate("before")
+    print(f"eval before training: {self.state.eval_before:.3f}")
+    self._save(0)
+
+  def _step(self, step: int) -> dict[str, Any]:
+    """One GRPO step, then the feedback round's bookkeeping, metrics and (maybe) a checkpoint."""
+    cfg = self.cfg
+    tasks = self.pool.sample(
+      cfg.rollout.tasks_per_step,
+      self.state.np_rng,
+      None if cfg.pool.synth_fraction < 0 else cfg.pool.synth_fraction,
+    )
+    trajs = self._rollout(
+      [(t, g) for g, t in enumerate(tasks) for _ in range(cfg.rollout.group_size)]
+    )
+    rewards = np.array([t.reward for t in trajs], np.float32)
+    groups = np.array([t.group_id for t in trajs])
+    adv = grpo.compute_advantages(rewards, groups, self.gcfg.adv_eps, self.gcfg.scale_by_std)
+    with self.timer("train"):
+      info = self.trainer.grpo_epoch(trajs, adv, cfg.train.mini_batches)
+    self.state.events.extend(self.tracker.observe(trajs, tasks))
+    info.update(self._rollout_metrics(trajs, rewards, groups))
+    self.state.step = step
+    if cfg.feedback.enabled:
+      info.update(self._feedback_tick(step))
+    info["pool/size"] = len(self.pool)
+    info.update(self.timer.pop_last())
+    self.metrics.write(step, info)  # before the save: a resume rewrites rows after its step
+    if step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
+      self._save(step)
+    return info
+
+  def _finish(self, resumed_from: int) -> dict[str, Any]:
+    """Joins a round still in flight, evaluates (after), writes summary.json, frees resources."""
+    if self.state.pending is not None:  # resumed with fewer steps than a round in flight needed
+      with self.timer("feedback"):
+        self._commit_round()
+    self._executor.shutdown()
+    with self.timer("eval"):
+      eval_after = self.evaluate("after")
+    self.ckpt.wait()
+    summary = self._summary(eval_after, resumed_from, self._wall_s())
+    tmp = self.summary_path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(summary, f, indent=1, sort_keys=True)
+    os.replace(tmp, self.summary_path)
+    self.metrics.close()
+    self.ckpt.close()
+    self.suite.close()  # e.g. stops AppWorld's servers (they also stop at exit if the run fails)
+    return summary
 
   # ------------------------------------------------------------------ set-up
 
@@ -77,10 +183,9 @@ class CoEvolveRun:
     self.eval_split = list(self.suite.eval_tasks)
     self.eval_tasks = self.eval_split[: cfg.eval.max_tasks]
     self.pool = TaskPool(
-      os.path.join(self.workdir, "pool.jsonl"), threshold=cfg.explore.near_dup_threshold
+      os.path.join(self.workdir, "pool.jsonl"), threshold=cfg.pool.near_dup_threshold
     )
     self.tracker = SignalTracker.from_config(cfg.signals)
-    dtype = jnp.dtype(cfg.model.dtype)
     model = models.build(cfg.model, seed=cfg.seed)
     self.gcfg = grpo.GRPOConfig.from_config(cfg.train)
     tx = make_optimizer(cfg.train.lr, cfg.train.weight_decay, cfg.train.grad_clip)
@@ -92,7 +197,7 @@ class CoEvolveRun:
       model,
       cfg.rollout.num_slots,
       cfg.rollout.cache_len,
-      dtype,
+      jnp.dtype(cfg.model.dtype),
       max_prefill_tokens=cfg.rollout.max_prefill_tokens,
     )
     self.runner = AgentRunner(
@@ -110,141 +215,21 @@ class CoEvolveRun:
     self.sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
     self.ckpt = RunCheckpointer(os.path.join(self.workdir, "checkpoints"), cfg.checkpoint.keep)
 
+  def _setup_feedback(self) -> None:
+    """The explorer LLMs (D0 and feedback rounds; None = programmatic) and the round worker."""
+    ex = self.cfg.explore
+    self.llm = factory.make_llm(ex.explorer, ex, self._policy_snapshot)
+    d0_kind = ex.d0_explorer or ex.explorer
+    self.d0_llm = (
+      self.llm if d0_kind == ex.explorer else factory.make_llm(d0_kind, ex, self._policy_snapshot)
+    )
+    self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="feedback")
+
   def _policy_snapshot(self):
     """A copy of the current policy (the trainer donates its own buffers at every step)."""
     return nnx.merge(self.trainer.graphdef, jax.tree.map(jnp.copy, self.trainer.params))
 
-  def _setup_feedback(self) -> None:
-    """Explorers and LLMs (D0 and feedback rounds) and the background worker for rounds."""
-    cfg = self.cfg
-    kind = cfg.explore.explorer
-    self.llm = factory.make_llm(kind, cfg.explore, self._policy_snapshot)
-    d0_kind = cfg.explore.d0_explorer or kind
-    self.d0_llm = (
-      self.llm if d0_kind == kind else factory.make_llm(d0_kind, cfg.explore, self._policy_snapshot)
-    )
-    rounds.select_events(
-      [], np.random.default_rng(0), 0, kinds=tuple(cfg.feedback.kinds), mode=cfg.feedback.mode
-    )  # validates kinds and mode now
-    if cfg.feedback.lag < 0 or cfg.feedback.lag >= cfg.feedback.every:
-      raise RunError(f"feedback.lag must be in [0, feedback.every), got {cfg.feedback.lag}")
-    self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="feedback")
-    self._pending: dict[str, Any] | None = None  # the round in flight: its inputs and future
-
-  def _wall_s(self) -> float:
-    """Wall seconds of the whole run: earlier sessions (from the checkpoint) plus this one."""
-    return self._wall_before + time.perf_counter() - self._session_start
-
-  def _fresh_state(self) -> dict[str, Any]:
-    return {
-      "step": 0,
-      "np_rng": np.random.default_rng(self.cfg.seed).bit_generator.state,
-      "key": jax.random.key_data(jax.random.key(self.cfg.seed)).tolist(),
-      "signals": None,
-      "events": [],
-      "round": 0,
-      "tasks_synthesized": 0,
-      "tasks_accepted": 0,
-      "tasks_dropped": 0,
-      "validation": [],
-      "phase_s": {},
-      "wall_s": 0.0,
-      "eval_before": None,
-      "d0": {},
-      "pending_round": None,
-      "feedback_synth_s": 0.0,
-    }
-
-  # ------------------------------------------------------------------ run
-
-  def fit(self) -> dict[str, Any]:
-    """Runs (or resumes) the whole job and returns the summary written to summary.json."""
-    if os.path.exists(self.summary_path):
-      with open(self.summary_path, encoding="utf-8") as f:
-        summary = json.load(f)
-      if summary.get("complete") and summary.get("steps") == self.cfg.train.steps:
-        print(f"run in {self.workdir} is complete ({summary['steps']} steps); nothing to do")
-        return summary
-    self._session_start = time.perf_counter()
-    self._setup()
-    latest = self._restore()
-    if latest is None:
-      self.state = self._fresh_state()
-      self.timer = PhaseTimer()
-      resumed_from = 0
-    else:
-      resumed_from = latest
-      print(f"resuming from checkpoint step {latest}")
-    self._wall_before = float(self.state.get("wall_s", 0.0))
-    self._check_config(fresh=latest is None)
-    self._roll_back_logs(-1 if latest is None else latest, self.state.get("pool_size", 0))
-    self.metrics = MetricsWriter(self.workdir, -1 if latest is None else latest)
-    self.np_rng = np.random.default_rng()
-    self.np_rng.bit_generator.state = self.state["np_rng"]
-    self.key = jax.random.wrap_key_data(jnp.asarray(self.state["key"], jnp.uint32))
-    self.events = [SignalEvent.from_dict(e) for e in self.state["events"]]
-    if latest is None:
-      self._bootstrap()
-    elif self.state.get("pending_round"):
-      self._resubmit(self.state["pending_round"])
-    steps = self.cfg.train.steps
-    with tqdm.tqdm(
-      total=steps, initial=self.state["step"], desc="grpo", unit="step", dynamic_ncols=True
-    ) as bar:
-      while self.state["step"] < steps:
-        step = self.state["step"] + 1
-        info = self._train_step(step)
-        self.state["step"] = step
-        if self.cfg.feedback.enabled:
-          info.update(self._feedback_tick(step))
-        info["pool/size"] = len(self.pool)
-        info.update(self.timer.pop_last())
-        self.metrics.write(step, info)  # before the save: a resume rewrites rows after its step
-        if step % self.cfg.checkpoint.every == 0 or step == steps:
-          self._save(step)
-        bar.set_postfix(reward=f"{info['reward/mean']:.2f}", pool=len(self.pool))
-        bar.update(1)
-    if self._pending is not None:  # resumed with fewer steps than a round in flight needed
-      with self.timer("feedback"):
-        self._commit_round()
-    self._executor.shutdown()
-    with self.timer("eval"):
-      eval_after = self.evaluate("after")
-    self.ckpt.wait()
-    summary = self._summary(eval_after, resumed_from, self._wall_s())
-    tmp = self.summary_path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-      json.dump(summary, f, indent=1, sort_keys=True)
-    os.replace(tmp, self.summary_path)
-    self.metrics.close()
-    self.ckpt.close()
-    self.suite.close()  # e.g. stops AppWorld's servers (they also stop at exit if the run fails)
-    return summary
-
-  def _bootstrap(self) -> None:
-    """Step 0: D0 by unguided exploration, supervised warm-start, eval before, checkpoint."""
-    cfg = self.cfg
-    rng = self.np_rng
-    with self.timer("explore"):  # the pool is empty here: a fresh start rolls it back to 0
-      d0, counts = self.suite.initial_tasks(cfg.explore.initial_tasks, rng, self.d0_llm)
-      report = self.pool.add(d0, eval_tasks=self.eval_split)
-      self.state["d0"] = {**counts, "added": report.added, "dropped": len(report.dropped)}
-      print(f"D0: {self.state['d0']}")
-      if not len(self.pool):
-        raise RunError(
-          f"D0 exploration left the task pool empty ({self.state['d0']}): there is nothing to "
-          f"train on. Raise explore.initial_tasks or explore.rounds, or check the explorer "
-          f"(its errors are logged above)."
-        )
-    with self.timer("warmstart"):
-      self._warmstart(rng)
-    self.trainer.freeze_reference()
-    with self.timer("eval"):
-      self.state["eval_before"] = self.evaluate("before")
-    print(f"eval before training: {self.state['eval_before']:.3f}")
-    self._save(0)
-
-  def _warmstart(self, rng: np.random.Generator) -> None:
+  def _warmstart(self) -> None:
     cfg = self.cfg.warmstart
     if cfg.steps <= 0:
       return
@@ -261,64 +246,63 @@ class CoEvolveRun:
     )
     t_max = max(len(d.token_ids) for d in demos)  # one shape for every warm-start batch
     p_max = max(d.num_generated for d in demos)
-    for i, batch in enumerate(
-      tqdm.tqdm(
-        sft_batches(demos, cfg.batch_size, rng, cfg.steps),
-        total=cfg.steps,
-        desc="warm-start",
-        dynamic_ncols=True,
-      )
-    ):
+    batches = sft_batches(demos, cfg.batch_size, self.state.np_rng, cfg.steps)
+    for i, batch in enumerate(tqdm.tqdm(batches, total=cfg.steps, desc="warm-start")):
       loss = sft.sft_update(make_batch(batch, min_len=t_max, min_targets=p_max))
       if i % 10 == 0 or i == cfg.steps - 1:
         self.metrics.write(0, {"warmstart/loss": loss, "warmstart/step": i})
     self.trainer.params = sft.params
     self.trainer.opt_state = self.trainer.tx.init(sft.params)
 
-  # ------------------------------------------------------------------ one GRPO step
+  # ------------------------------------------------------------------ rollouts and evaluation
 
-  def _rollout(self, jobs, sampling, runner) -> list[Trajectory]:
+  def _rollout(self, jobs: list[tuple[Task, int]], *, eval: bool = False) -> list[Trajectory]:
+    """Episodes of (task, group id) jobs under the trainer's current weights (greedy for eval);
+    the evaluator's seconds are moved from the "rollout" phase to "reward"."""
+    runner = self.eval_runner if eval else self.runner
+    sampling = SamplingParams(temperature=0.0) if eval else self.sampling
     self.engine.load_params(self.trainer.model())
-    self.key, sub = jax.random.split(self.key)
-    before = dict(runner.timings)
+    self.state.key, sub = jax.random.split(self.state.key)
+    before = runner.timings.get("reward", 0.0)
     with self.timer("rollout"):
       trajs = runner.run(jobs, sampling, sub)
-    reward_s = runner.timings["reward"] - before.get("reward", 0.0)
-    self.timer.move(reward_s, src="rollout", dst="reward")  # the checker's time is "reward"
+    self.timer.move(runner.timings["reward"] - before, src="rollout", dst="reward")
     return trajs
 
-  def _train_step(self, step: int) -> dict[str, Any]:
-    cfg = self.cfg
-    tasks = self.pool.sample(
-      cfg.rollout.tasks_per_step,
-      self.np_rng,
-      None if cfg.explore.synth_fraction < 0 else cfg.explore.synth_fraction,
-    )
-    jobs = [(t, g) for g, t in enumerate(tasks) for _ in range(cfg.rollout.group_size)]
-    trajs = self._rollout(jobs, self.sampling, self.runner)
-    rewards = np.array([t.reward for t in trajs], np.float32)
-    groups = np.array([t.group_id for t in trajs])
-    adv = grpo.compute_advantages(rewards, groups, self.gcfg.adv_eps, self.gcfg.scale_by_std)
-    with self.timer("train"):
-      metrics = self.trainer.grpo_epoch(trajs, adv, max(1, cfg.train.mini_batches))
-    self.events.extend(self.tracker.observe(trajs, tasks))
+  def _rollout_metrics(self, trajs, rewards: np.ndarray, groups: np.ndarray) -> dict[str, Any]:
     finishes = [t.finish for t in trajs]
-    metrics.update(
-      {
-        "reward/mean": float(rewards.mean()),
-        "reward/max": float(rewards.max()),
-        "rollout/tokens_generated": int(sum(t.num_generated for t in trajs)),
-        "rollout/parse_errors": int(sum(t.parse_errors for t in trajs)),
-        "rollout/finished_done": finishes.count("done"),
-        "rollout/mixed_groups": int(
-          sum(len(set(rewards[groups == g])) > 1 for g in np.unique(groups))
-        ),
-        **{f"signals/{k}": v for k, v in self.tracker.counts.items()},
-      }
-    )
-    return metrics
+    return {
+      "reward/mean": float(rewards.mean()),
+      "reward/max": float(rewards.max()),
+      "rollout/tokens_generated": int(sum(t.num_generated for t in trajs)),
+      "rollout/parse_errors": int(sum(t.parse_errors for t in trajs)),
+      "rollout/finished_done": finishes.count("done"),
+      "rollout/mixed_groups": int(
+        sum(len(set(rewards[groups == g])) > 1 for g in np.unique(groups))
+      ),
+      **{f"signals/{k}": v for k, v in self.tracker.counts.items()},
+    }
 
-  # ------------------------------------------------------------------ feedback, eval, ckpt
+  def evaluate(self, tag: str) -> float:
+    """Greedy success rate on the held-out split; per-task results in eval_<tag>.jsonl."""
+    trajs = self._rollout([(t, i) for i, t in enumerate(self.eval_tasks)], eval=True)
+    with open(os.path.join(self.workdir, f"eval_{tag}.jsonl"), "w", encoding="utf-8") as f:
+      for t in trajs:
+        row = {
+          "task_id": t.task_id,
+          "reward": t.reward,
+          "finish": t.finish,
+          "model_steps": t.model_steps,
+          "parse_errors": t.parse_errors,
+          "calls": t.calls,
+        }
+        f.write(json.dumps(row) + "\n")
+    suite_metrics = self.suite.metrics(trajs)  # e.g. AppWorld's TGC / SGC of this evaluation
+    if suite_metrics:
+      self.state.suite_eval[tag] = suite_metrics
+    return float(np.mean([t.reward for t in trajs])) if trajs else 0.0
+
+  # ------------------------------------------------------------------ feedback rounds
 
   def _feedback_tick(self, step: int) -> dict[str, Any]:
     """Starts a round after every F-th step; joins the round in flight once its step is due.
@@ -331,10 +315,10 @@ class CoEvolveRun:
     info: dict[str, Any] = {}
     with self.timer("feedback"):
       if step % self.cfg.feedback.every == 0:
-        if self._pending is not None:  # never with lag < every; kept as a guard
+        if self.state.pending is not None:  # never with lag < every (validated); a guard
           info.update(self._commit_round())
         self._start_round(step)
-      if self._pending is not None and step >= self._pending["commit_at"]:
+      if self.state.pending is not None and step >= self.state.pending.commit_at:
         info.update(self._commit_round())
     return info
 
@@ -348,60 +332,50 @@ class CoEvolveRun:
 
   def _start_round(self, step: int) -> None:
     fb = self.cfg.feedback
-    self.state["round"] += 1
-    round_idx = self.state["round"]
+    self.state.round += 1
     chosen = rounds.select_events(
-      self.events,
-      self._round_rngs(round_idx)[0],
-      self.cfg.explore.max_contexts_per_round,
+      self.state.events,
+      self._round_rngs(self.state.round)[0],
+      fb.max_contexts,
       kinds=tuple(fb.kinds),
       mode=fb.mode,
       pool_tasks=self.pool.tasks,
     )
-    self.events = []
-    self._submit(
-      {
-        "round": round_idx,
-        "start_step": step,
-        # the last step's round is joined at once, before the final checkpoint
-        "commit_at": min(step + fb.lag, self.cfg.train.steps) if fb.concurrent else step,
-        "events": [e.to_dict() for e in chosen],
-      },
-      chosen,
-    )
+    self.state.events = []
+    # the last step's round is joined at once, before the final checkpoint
+    commit_at = min(step + fb.lag, self.cfg.train.steps) if fb.concurrent else step
+    self._submit(RoundInFlight(self.state.round, step, commit_at, chosen))
 
-  def _resubmit(self, spec: dict[str, Any]) -> None:
-    """Restarts the round that was in flight when the checkpoint was written."""
-    self._submit(spec, [SignalEvent.from_dict(e) for e in spec["events"]])
-
-  def _submit(self, spec: dict[str, Any], chosen: list[SignalEvent]) -> None:
+  def _submit(self, round_: RoundInFlight) -> None:
+    """Hands the round to the suite's synthesis: in the worker thread, or here when not
+    `feedback.concurrent`."""
     if self.llm is not None:
       self.llm.refresh()  # the local explorer serves the policy as of this step
-    args = (chosen, self._round_rngs(spec["round"])[1], spec["round"], self.llm)
-    synthesize = self.suite.synthesize_round
+    args = (round_.events, self._round_rngs(round_.round_idx)[1], round_.round_idx, self.llm)
     if self.cfg.feedback.concurrent:
-      future = self._executor.submit(synthesize, *args)
+      round_.future = self._executor.submit(self.suite.synthesize_round, *args)
     else:
-      future = concurrent.futures.Future()
-      future.set_result(synthesize(*args))
-    self._pending = {**spec, "future": future}
+      round_.future = concurrent.futures.Future()
+      round_.future.set_result(self.suite.synthesize_round(*args))
+    self.state.pending = round_
 
   def _commit_round(self) -> dict[str, Any]:
     """Waits for the round in flight, adds its tasks to the pool and logs the round."""
-    pending, self._pending = self._pending, None
+    pending, self.state.pending = self.state.pending, None
     start = time.perf_counter()
-    result = pending["future"].result()
+    result = pending.future.result()
     wait_s = time.perf_counter() - start
     report = rounds.commit_round(result, self.pool, self.eval_split)
-    self.state["tasks_synthesized"] += report.synthesized
-    self.state["tasks_accepted"] += report.accepted
-    self.state["tasks_dropped"] += len(report.dropped)
-    self.state["validation"].append(report.pass_rate if report.synthesized else None)
-    self.state["feedback_synth_s"] = self.state.get("feedback_synth_s", 0.0) + result.wall_s
+    s = self.state
+    s.tasks_synthesized += report.synthesized
+    s.tasks_accepted += report.accepted
+    s.tasks_dropped += len(report.dropped)
+    s.validation.append(report.pass_rate if report.synthesized else None)
+    s.feedback_synth_s += result.wall_s
     row = {
-      "round": pending["round"],
-      "step": self.state["step"],
-      "start_step": pending["start_step"],
+      "round": pending.round_idx,
+      "step": s.step,
+      "start_step": pending.start_step,
       "synthesized": report.synthesized,
       "accepted": report.accepted,
       "pass_rate": report.pass_rate,
@@ -418,8 +392,7 @@ class CoEvolveRun:
       f.write(json.dumps(row) + "\n")
     with open(os.path.join(self.workdir, "exploration.jsonl"), "a", encoding="utf-8") as f:
       f.writelines(
-        json.dumps({"round": pending["round"], "step": self.state["step"], **t}, ensure_ascii=False)
-        + "\n"
+        json.dumps({"round": pending.round_idx, "step": s.step, **t}, ensure_ascii=False) + "\n"
         for t in result.trace
       )
     out = {
@@ -434,61 +407,26 @@ class CoEvolveRun:
       out["feedback/llm_tokens"] = report.llm_usage["tokens"]
     return out
 
-  def evaluate(self, tag: str) -> float:
-    """Greedy success rate on the held-out split; per-task results in eval_<tag>.jsonl."""
-    jobs = [(t, i) for i, t in enumerate(self.eval_tasks)]
-    trajs = self._rollout(jobs, SamplingParams(temperature=0.0), self.eval_runner)
-    with open(os.path.join(self.workdir, f"eval_{tag}.jsonl"), "w", encoding="utf-8") as f:
-      for t in trajs:
-        f.write(
-          json.dumps(
-            {
-              "task_id": t.task_id,
-              "reward": t.reward,
-              "finish": t.finish,
-              "model_steps": t.model_steps,
-              "parse_errors": t.parse_errors,
-              "calls": t.calls,
-            }
-          )
-          + "\n"
-        )
-    suite_metrics = self.suite.metrics(trajs)  # e.g. AppWorld's TGC / SGC of this evaluation
-    if suite_metrics:
-      self.state.setdefault("suite_eval", {})[tag] = suite_metrics
-    return float(np.mean([t.reward for t in trajs])) if trajs else 0.0
+  # ------------------------------------------------------------------ checkpoints and logs
 
   def _save(self, step: int) -> None:
     with self.timer("checkpoint"):
-      self.state.update(
-        step=step,
-        signals=self.tracker.state_dict(),
-        phase_s=dict(self.timer.totals),
-        pool_size=len(self.pool),
-        wall_s=self._wall_s(),
-        events=[e.to_dict() for e in self.events],
-        pending_round=(
-          None
-          if self._pending is None
-          else {k: v for k, v in self._pending.items() if k != "future"}
-        ),
-        np_rng=self.np_rng.bit_generator.state,
-        key=jax.random.key_data(self.key).tolist(),
-      )
-      self.ckpt.save(
-        step,
-        self.trainer.state,
-        {**self.state, "config": json.loads(self.cfg.to_json_best_effort())},
-      )
+      s = self.state
+      s.step, s.signals, s.pool_size = step, self.tracker.state_dict(), len(self.pool)
+      s.phase_s, s.wall_s = dict(self.timer.totals), self._wall_s()
+      meta = {**s.to_json(), "config": json.loads(self.cfg.to_json_best_effort())}
+      self.ckpt.save(step, self.trainer.state, meta)
 
   def _restore(self) -> int | None:
-    """Restores the newest readable checkpoint; returns its step, or None for a fresh start."""
+    """Restore latest or start fresh: sets the trainer, `self.state`, the tracker and the timer;
+    returns the restored step, or None for a fresh start."""
     self.trainer.freeze_reference()  # gives ref_params its structure
     try:
       restored = self.ckpt.restore_latest(self.trainer.state)
     except RuntimeError as e:  # no readable checkpoint at all
       raise RunError(str(e)) from e
     if restored is None:
+      self.state, self.timer = RunState.fresh(self.cfg.seed), PhaseTimer()
       return None
     step, train_state, meta = restored
     if step > self.cfg.train.steps:
@@ -497,11 +435,28 @@ class CoEvolveRun:
         f"train.steps={self.cfg.train.steps}; use another --workdir"
       )
     self.trainer.state = train_state
-    self.state = meta
-    if meta.get("signals"):
-      self.tracker.load_state_dict(meta["signals"])
-    self.timer = PhaseTimer(meta.get("phase_s"))
+    self.state = RunState.from_json(meta)
+    if self.state.signals:
+      self.tracker.load_state_dict(self.state.signals)
+    self.timer = PhaseTimer(self.state.phase_s)
+    print(f"resuming from checkpoint step {step}")
     return step
+
+  def _open_logs(self, restored: int | None) -> None:
+    """config.json, the workdir's logs and pool brought back to the restored step, metrics."""
+    self._wall_before = self.state.wall_s
+    self._check_config(fresh=restored is None)
+    step = -1 if restored is None else restored
+    # Tasks accepted after that checkpoint move to pool.jsonl.rolled-back (the resumed run
+    # synthesizes them again), so the resumed run continues exactly from the checkpoint.
+    moved = self.pool.rollback(
+      self.state.pool_size, os.path.join(self.workdir, "pool.jsonl.rolled-back")
+    )
+    if moved:
+      print(f"task pool: {moved} tasks from after the checkpoint moved to pool.jsonl.rolled-back")
+    truncate_jsonl(os.path.join(self.workdir, "feedback.jsonl"), step)
+    truncate_jsonl(os.path.join(self.workdir, "exploration.jsonl"), step)
+    self.metrics = MetricsWriter(self.workdir, step)
 
   def _check_config(self, fresh: bool) -> None:
     """Writes config.json on a fresh start; on resume, warns about every changed field."""
@@ -522,41 +477,46 @@ class CoEvolveRun:
         f"{_flat(before).get(key)!r} -> {_flat(now).get(key)!r}"
       )
 
-  def _roll_back_logs(self, step: int, pool_size: int) -> None:
-    """Brings the workdir's logs and pool back to the restored step (-1: a fresh start).
+  # ------------------------------------------------------------------ summary
 
-    Tasks accepted after that checkpoint move to pool.jsonl.rolled-back (the resumed run
-    synthesizes them again), so the resumed run continues exactly from the checkpoint.
-    """
-    moved = self.pool.rollback(pool_size, os.path.join(self.workdir, "pool.jsonl.rolled-back"))
-    if moved:
-      print(f"task pool: {moved} tasks from after the checkpoint moved to pool.jsonl.rolled-back")
-    truncate_jsonl(os.path.join(self.workdir, "feedback.jsonl"), step)
-    truncate_jsonl(os.path.join(self.workdir, "exploration.jsonl"), step)
+  def _completed_summary(self) -> dict[str, Any] | None:
+    """The summary of a run that already finished its configured steps, else None."""
+    if not os.path.exists(self.summary_path):
+      return None
+    with open(self.summary_path, encoding="utf-8") as f:
+      summary = json.load(f)
+    if summary.get("complete") and summary.get("steps") == self.cfg.train.steps:
+      print(f"run in {self.workdir} is complete ({summary['steps']} steps); nothing to do")
+      return summary
+    return None
+
+  def _wall_s(self) -> float:
+    """Wall seconds of the whole run: earlier sessions (from the checkpoint) plus this one."""
+    return self._wall_before + time.perf_counter() - self._session_start
 
   def _summary(self, eval_after: float, resumed_from: int, wall_s: float) -> dict[str, Any]:
     s = self.state
     phase = {k: round(float(self.timer.totals.get(k, 0.0)), 2) for k in PHASES}
     return {
       "complete": True,
-      "steps": s["step"],
+      "steps": s.step,
       "resumed_from_step": resumed_from,
-      "eval_before": s["eval_before"],
+      "eval_before": s.eval_before,
       "eval_after": eval_after,
       "eval_tasks": len(self.eval_tasks),
       "signals": dict(self.tracker.counts),
-      "tasks_synthesized": s["tasks_synthesized"],
-      "tasks_accepted": s["tasks_accepted"],
-      "tasks_dropped_as_duplicates": s["tasks_dropped"],
-      "d0": s["d0"],
-      "validation_pass_rate": s["validation"],
+      "tasks_synthesized": s.tasks_synthesized,
+      "tasks_accepted": s.tasks_accepted,
+      "tasks_dropped_as_duplicates": s.tasks_dropped,
+      "d0": s.d0,
+      "validation_pass_rate": s.validation,
       "pool_size": len(self.pool),
       "wall_s": round(wall_s, 1),
       "phase_s": phase,
       # Share of wall time the training loop spent on feedback work (selecting, waiting for
       # the round in flight, committing to the pool); synthesis itself overlaps GRPO steps.
       "feedback_share": round(phase["feedback"] / wall_s, 4) if wall_s > 0 else 0.0,
-      "feedback_synth_s": round(float(s.get("feedback_synth_s", 0.0)), 2),
-      "feedback_rounds": s["round"],
-      **({"suite_eval": s["suite_eval"]} if s.get("suite_eval") else {}),
+      "feedback_synth_s": round(float(s.feedback_synth_s), 2),
+      "feedback_rounds": s.round,
+      **({"suite_eval": s.suite_eval} if s.suite_eval else {}),
     }

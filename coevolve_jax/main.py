@@ -28,10 +28,16 @@ def main(argv: list[str]) -> int:
     absl_logging.set_verbosity(absl_logging.WARNING)
   cfg = _CONFIG.value
   import envs  # noqa: PLC0415 (keep --help fast)
+  from coevolve_jax import config  # noqa: PLC0415
 
-  try:  # fail at once, with the set-up steps, before minutes of set-up
+  try:  # the whole config, then the suite's set-up: at once, before minutes of set-up
+    config.validate(cfg)
+  except ValueError as e:
+    print(f"error: invalid config: {e}", file=sys.stderr)
+    return 2
+  try:
     envs.check_setup(cfg)
-  except (envs.SuiteUnavailable, ValueError) as e:
+  except envs.SuiteUnavailable as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   workdir = _WORKDIR.value

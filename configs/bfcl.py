@@ -63,9 +63,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.explore.only_classes = ()  # explore only these BFCL backends for D0 (empty = all)
   c.explore.rounds = 4  # exploration runs per context (parent default)
   c.explore.steps_per_round = 18  # actions per run
-  c.explore.max_contexts_per_round = 32  # marked trajectories explored per feedback round
-  c.explore.near_dup_threshold = 0.8  # MinHash Jaccard above which a task is a near-duplicate
-  c.explore.synth_fraction = -1.0  # share of synthesized tasks when sampling; -1 = proportional
+
+  c.pool = ml_collections.ConfigDict()  # the task pool (feedback/pool.py)
+  c.pool.near_dup_threshold = 0.8  # MinHash Jaccard above which a task is a near-duplicate
+  c.pool.synth_fraction = -1.0  # share of synthesized tasks when sampling; -1 = proportional
 
   c.signals = ml_collections.ConfigDict()
   c.signals.window = 5  # W, last task scores kept for forgetting
@@ -112,6 +113,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
 
   c.feedback = ml_collections.ConfigDict()
   c.feedback.every = 10  # F: a feedback round every F steps
+  c.feedback.max_contexts = 32  # signal events (contexts) explored per round
   c.feedback.enabled = True  # False = GRPO only (ablation)
   c.feedback.kinds = ("forgetting", "boundary", "rare")  # signals used (drop one to ablate it)
   c.feedback.mode = "signals"  # "signals" | "random" (random re-exploration, no signals)
@@ -153,7 +155,7 @@ def _cpu(c: ml_collections.ConfigDict) -> None:
   c.explore.only_classes = ("MessageAPI", "TicketAPI")
   c.explore.rounds = 2
   c.explore.steps_per_round = 8
-  c.explore.max_contexts_per_round = 6
+  c.feedback.max_contexts = 6
   c.signals.rare_min_total = 16
   c.warmstart.steps = 120
   c.warmstart.batch_size = 4

@@ -27,7 +27,7 @@ def tiny_gemini_config(base_url: str):
   cfg.explore.initial_tasks = 2
   cfg.explore.explorer = "gemini"
   cfg.explore.d0_explorer = "programmatic"
-  cfg.explore.max_contexts_per_round = 2
+  cfg.feedback.max_contexts = 2
   cfg.explore.rounds = 1
   cfg.explore.steps_per_round = 3
   cfg.explore.gemini.base_url = base_url

@@ -45,7 +45,7 @@ def small_config():
   cfg.eval.max_new_tokens = 8
   cfg.eval.max_steps_per_turn = 1
   cfg.explore.initial_tasks = 6
-  cfg.explore.max_contexts_per_round = 2
+  cfg.feedback.max_contexts = 2
   cfg.warmstart.steps = 2
   cfg.warmstart.batch_size = 2
   cfg.rollout.tasks_per_step = 2

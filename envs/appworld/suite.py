@@ -107,7 +107,6 @@ def validate_config(cfg: Any) -> None:
     config.number(cfg, field, lo=0.0, lo_open=True)
   for field in ("appworld.max_steps", "appworld.max_obs_chars"):
     config.int_at_least(cfg, field, 1)
-  config.int_at_least(cfg, "appworld.max_contexts", 0)
   if source == "generated":
     scenarios = config.int_at_least(cfg, "appworld.build.num_scenarios", 1)
     config.int_at_least(cfg, "appworld.build.tasks_per_scenario", 1)
@@ -333,7 +332,7 @@ class AppWorldSuite:
     """
     del llm
     start = time.perf_counter()
-    tasks, rejected, accepted = self.synthesize(events, rng, round_idx, self.aw.max_contexts)
+    tasks, rejected, accepted = self.synthesize(events, rng, round_idx, len(events))
     per_signal = {signal: {"validated": n} for signal, n in accepted.items()}
     trace = [
       {
