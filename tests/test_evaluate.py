@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from coevolve_jax import evaluate
+from coevolve_jax.cli import evaluate
 from coevolve_jax.agent import QwenChat
 from coevolve_jax.models import Qwen, QwenConfig
 from envs import bfcl
@@ -40,7 +40,7 @@ def base_tasks():
 
 def test_ground_truth_replay_scores_100_percent_on_multi_turn_base(cfg, chat, base_tasks):
   # Every 8th entry (25 of 200, all eight backends) keeps this test at a few seconds; the whole
-  # category scores 100% too: `python -m coevolve_jax.evaluate --config=configs/bfcl.py:cpu
+  # category scores 100% too: `python -m coevolve_jax.cli.evaluate --config=configs/bfcl.py:cpu
   # --policy=ground_truth --categories=multi_turn_base --max_new_tokens=4096` (~40 s).
   tasks = base_tasks[::8]
   assert len({c for t in tasks for c in t.involved_classes}) == 8

@@ -1,6 +1,6 @@
 """Greedy BFCL multi-turn evaluation of a checkpoint.
 
-    python -m coevolve_jax.evaluate --config=configs/bfcl.py:cpu --checkpoint=PATH
+    python -m coevolve_jax.cli.evaluate --config=configs/bfcl.py:cpu --checkpoint=PATH
 
 runs one greedy episode per entry of multi_turn_base, multi_turn_miss_func, multi_turn_miss_param
 and multi_turn_long_context with BFCL's own loop semantics (an undecodable or call-free reply ends
