@@ -16,7 +16,7 @@ from coevolve_jax.feedback.controller import (
   synthesize_round,
 )
 from coevolve_jax.feedback.explorer import ProgrammaticExplorer
-from coevolve_jax.feedback.gemini_stub import GeminiStub
+from coevolve_jax.testing.gemini_stub import GeminiStub
 from coevolve_jax.feedback.llm import GeminiLLM, GeminiSettings
 from coevolve_jax.feedback.llm_explorer import LLMExplorer
 from coevolve_jax.feedback.pool import TaskPool

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from coevolve_jax.feedback.gemini_stub import GeminiStub
+from coevolve_jax.testing.gemini_stub import GeminiStub
 from coevolve_jax.loop import CoEvolveRun
 
 _CONFIG = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "bfcl.py")
