@@ -37,6 +37,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -46,17 +47,20 @@ from ml_collections import config_flags
 
 from coevolve_jax.cli import prices as prices_lib
 
+if TYPE_CHECKING:
+  from coevolve_jax.models.qwen import QwenConfig
+
 SCHEMA = 1
 
 
-def model_flops(cfg, tokens: int, context: float, logits: int) -> float:
+def model_flops(cfg: QwenConfig, tokens: int, context: float, logits: int) -> float:
   """Forward model FLOPs for `tokens` tokens attending to `context` keys on average, with
   `logits` output projections. See the module docstring for the formula and its sources."""
   d, f, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
   nq, nk, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-  experts = getattr(cfg, "num_experts", 0) or 0
+  experts = cfg.num_experts
   if experts:  # Qwen3-MoE: router + the top-k experts each token uses
-    f = getattr(cfg, "moe_intermediate_size", f) * cfg.num_experts_per_tok
+    f = cfg.moe_intermediate_size * cfg.num_experts_per_tok
   per_layer = d * (nq + 2 * nk) * h + nq * h * d + 3 * d * f + (d * experts)
   dense = 2 * L * per_layer * tokens
   attention = 4 * L * nq * h * context * tokens

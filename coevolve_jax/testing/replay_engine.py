@@ -1,4 +1,5 @@
-"""A policy in the engine's slot interface that replays each task's ground-truth calls.
+"""A policy in the engine's slot interface (`rollout.slots.SlotEngine`) that replays each task's
+ground-truth calls.
 
 Used by `python -m coevolve_jax.cli.evaluate --policy=ground_truth` (a check of the evaluation
 harness itself: template, parsing, execution, checker) and by the tests. No model runs: the
@@ -9,15 +10,21 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from envs.base import Task, ToolCall
 
+if TYPE_CHECKING:  # annotations only: the evaluation CLI imports this before JAX
+  import jax
+
+  from coevolve_jax.agent import ChatFormat
+  from coevolve_jax.rollout.sampling import SamplingParams
+
 
 class ReplayEngine:
-  """A policy in the engine's slot interface that replies with each task's ground-truth calls.
+  """A `SlotEngine` whose policy replies with each task's ground-truth calls.
 
   Per user turn it emits one reply per ground-truth call (`<tool_call>` JSON via the chat
   template's own formatting; several calls per reply only where a turn has more than
@@ -26,7 +33,8 @@ class ReplayEngine:
 
   Args:
     tasks: the tasks that will be run.
-    chat: the chat format (`prompt_ids`, `assistant_text`, `encode`, `im_end_id`).
+    chat: the chat format (`ChatFormat`; `prompt_ids`, `assistant_text`, `encode`, `im_end_id`
+      are used).
     make_env: `(task, episode_id) -> Env`, to render each task's first prompt.
     num_slots: decode slots offered to the agent loop.
     cache_len: tokens per slot.
@@ -44,7 +52,7 @@ class ReplayEngine:
   def __init__(
     self,
     tasks: Sequence[Task],
-    chat: Any,
+    chat: ChatFormat,
     make_env,
     num_slots: int = 8,
     cache_len: int = 1 << 20,
@@ -69,7 +77,7 @@ class ReplayEngine:
     self._queue: list[list[int]] = [[] for _ in range(num_slots)]
     self._replies_left: list[list[list[int]]] = [[] for _ in range(num_slots)]
 
-  def _replies(self, task: Task, chat: Any) -> list[list[int]]:
+  def _replies(self, task: Task, chat: ChatFormat) -> list[list[int]]:
     replies = []
     for turn in task.ground_truth:
       calls = [self._parse_call(c, task.involved_classes) for c in turn]
@@ -85,12 +93,29 @@ class ReplayEngine:
     return replies
 
   def reset_slot(self, slot: int) -> None:
+    """Frees `slot`; its next prefill must be a task's first prompt."""
     self._pos[slot], self._queue[slot], self._replies_left[slot] = 0, [], []
 
   def room(self, slot: int) -> int:
+    """Tokens still free in `slot` (of `cache_len`)."""
     return self.cache_len - self._pos[slot]
 
+  def prefill_many(
+    self, requests: list[tuple[int, list[int], jax.Array]], sampling: SamplingParams
+  ) -> list[tuple[int, float]]:
+    """`prefill` of each request in order; keys and sampling are not used.
+
+    Returns:
+      (first token of the slot's next scripted reply, log-prob 0.0) per request.
+    Raises:
+      IndexError: a first prompt (slot at position 0) that matches no task left to replay.
+    """
+    return [self.prefill(slot, ids, rng, sampling) for slot, ids, rng in requests]
+
   def prefill(self, slot: int, ids: list[int], rng, sampling) -> tuple[int, float]:
+    """Consumes `ids` into `slot` and starts its next reply (the closing reply once the script
+    is used up); a slot at position 0 takes the script of the task whose first prompt is `ids`.
+    """
     del rng, sampling
     if self._pos[slot] == 0:
       self._replies_left[slot] = list(self._scripts[tuple(ids)].pop(0))
@@ -100,7 +125,10 @@ class ReplayEngine:
     self._queue[slot] = list(left.pop(0) if left else self._closing)
     return self._queue[slot].pop(0), 0.0
 
-  def generate(self, active, rng, sampling) -> tuple[np.ndarray, np.ndarray]:
+  def generate(
+    self, active: np.ndarray, rng: jax.Array, sampling: SamplingParams
+  ) -> tuple[np.ndarray, np.ndarray]:
+    """The next scripted token of every active slot ([B] int32) and log-probs 0.0 ([B] float32)."""
     del rng, sampling
     toks = np.zeros(self.num_slots, np.int32)
     for s in np.flatnonzero(active):
@@ -109,4 +137,5 @@ class ReplayEngine:
     return toks, np.zeros(self.num_slots, np.float32)
 
   def load_params(self, model) -> None:
+    """No weights: replaying ignores the model (kept so it can stand in where weights reload)."""
     del model
