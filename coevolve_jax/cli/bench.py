@@ -1,7 +1,9 @@
 """Throughput benchmark of the rollout engine and the GRPO step, and a cross-machine comparison.
 
-    python -m coevolve_jax.cli.bench --config=configs/bfcl.py:cpu --out=docs/bench/cpu.json
-    python -m coevolve_jax.cli.bench compare A.json B.json ... --report=docs/bench/report.md
+    python -m coevolve_jax.cli.bench --config=configs/bfcl.py:cpu \
+        --out=docs/benchmarks/bench/cpu.json
+    python -m coevolve_jax.cli.bench compare A.json B.json ... \
+        --report=docs/benchmarks/bench/report.md
 
 `bench` runs on whatever backend JAX finds (CPU, GPU, TPU; all local devices) with the config's
 model preset, dtype and mesh, random weights and random token ids (throughput does not depend on
