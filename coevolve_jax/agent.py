@@ -17,17 +17,63 @@ import dataclasses
 import time
 from concurrent import futures
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from coevolve_jax.rollout.engine import Engine
 from coevolve_jax.rollout.sampling import SamplingParams, per_row_keys
-from coevolve_jax.types import Trajectory
-from coevolve_jax.types import Action, StepResult, Task
+from coevolve_jax.rollout.slots import SlotEngine
+from coevolve_jax.types import Action, StepResult, Task, Trajectory
 from envs.base import Env
+
+
+@runtime_checkable
+class ChatFormat(Protocol):
+  """How conversations become token ids and replies become actions, for the agent loop, the
+  warm-start demonstrations and the replaying engine. Implemented by `QwenChat`.
+
+  Token ids are Python ints in [0, vocab_size). Messages are chat dicts ({"role", "content"},
+  plus "tool_calls" on assistant messages); tools are JSON-schema tool dicts.
+
+  Attributes:
+    im_end_id: the id that ends a reply (the stop token; the loop stops sampling on it).
+  """
+
+  im_end_id: int
+
+  def prompt_ids(self, messages: list[dict], tools: list[dict]) -> list[int]:
+    """The first prompt: system/user `messages` and `tools` rendered and tokenized, ending with
+    the assistant header the model replies after."""
+    ...
+
+  def continuation_ids(self, messages: list[dict]) -> list[int]:
+    """Ids that follow a reply's stop token: `messages` (tool results or the next user message)
+    and the next assistant header.
+
+    Raises:
+      ValueError: `messages` is empty or holds an assistant message.
+    """
+    ...
+
+  def assistant_text(self, content: str, tool_calls: Sequence[dict] = ()) -> str:
+    """A reply's text as the model should write it: `content` then each call ({"name",
+    "arguments"}) in the template's tool-call format; without the stop token."""
+    ...
+
+  def parse_tool_calls(self, text: str, truncated: bool = False) -> Action:
+    """The action a reply's text (without its stop token) asks for; `truncated` means the reply
+    was cut before its stop token. Malformed calls give `Action.error`, never an exception."""
+    ...
+
+  def encode(self, text: str) -> list[int]:
+    """Token ids of `text` (no special tokens added)."""
+    ...
+
+  def decode(self, ids: list[int]) -> str:
+    """Text of token ids (special tokens included as text)."""
+    ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +117,10 @@ class AgentRunner:
   its tokens do not depend on which episodes share a step or on thread timing.
 
   Args:
-    engine: decode slots and KV cache (`reset_slot`, `room`, `prefill`, `generate`, `num_slots`;
-      `prefill_many` when it has it, to prefill the episodes that start or resume together).
-    chat: chat format with `prompt_ids(messages, tools)`, `continuation_ids(messages)`,
-      `parse_tool_calls(text, truncated=...)`, `decode(ids)`, `im_end_id`.
+    engine: decode slots and KV cache (`rollout.slots.SlotEngine`: `num_slots`, `reset_slot`,
+      `room`, `prefill_many` for the episodes that start or resume together, `generate`).
+    chat: the chat format (`ChatFormat`: `prompt_ids`, `continuation_ids`, `parse_tool_calls`,
+      `decode`, `im_end_id`).
     make_env: `(task, episode_id) -> Env`.
     limits: episode limits.
     env_threads: host threads for environment steps (at least 1).
@@ -82,8 +128,8 @@ class AgentRunner:
 
   def __init__(
     self,
-    engine: Engine,
-    chat: Any,
+    engine: SlotEngine,
+    chat: ChatFormat,
     make_env: Callable[[Task, str], Env],
     limits: EpisodeLimits,
     env_threads: int = 4,
@@ -154,7 +200,7 @@ class AgentRunner:
     ep.traj.finish, ep.traj.reward = how, reward
     ep.traj.info.update(info or {})
     if not ep.traj.calls:  # episodes cut short still report what they called, per user turn
-      ep.traj.calls = [[c for step in turn for c in step] for turn in getattr(ep.env, "calls", [])]
+      ep.traj.calls = [[c for step in turn for c in step] for turn in ep.env.calls]
     ep.env.close()
     self._results[ep.index] = ep.traj
     self._active.pop(ep.slot, None)
@@ -195,10 +241,7 @@ class AgentRunner:
     if not batch:
       return
     requests = [(ep.slot, ids, jax.random.fold_in(ep.key, ep.sampled)) for ep, ids in batch]
-    if hasattr(self.engine, "prefill_many"):
-      firsts = self.engine.prefill_many(requests, self._sampling)
-    else:  # a scripted or replaying engine with the single-slot call only
-      firsts = [self.engine.prefill(*request, self._sampling) for request in requests]
+    firsts = self.engine.prefill_many(requests, self._sampling)
     for (ep, _), (tok, logp) in zip(batch, firsts):
       self._on_token(ep, tok, logp)
 
@@ -242,7 +285,8 @@ class AgentRunner:
 
 
 class QwenChat:
-  """The chat format the agent loop uses: Qwen template, tokenizer and tool-call parser."""
+  """The chat format the agent loop uses (`ChatFormat`): Qwen template, tokenizer and tool-call
+  parser."""
 
   def __init__(self, enable_thinking: bool | None = False):
     from coevolve_jax import chat as chat_lib  # noqa: PLC0415

@@ -171,7 +171,7 @@ class CoEvolveRun:
     os.replace(tmp, self.summary_path)
     self.metrics.close()
     self.ckpt.close()
-    self.suite.close()  # e.g. stops AppWorld's servers (they also stop at exit if the run fails)
+    self.suite.close()  # stops what the suite started (servers, workers), also at exit on failure
     return summary
 
   # ------------------------------------------------------------------ set-up
@@ -297,7 +297,7 @@ class CoEvolveRun:
           "calls": t.calls,
         }
         f.write(json.dumps(row) + "\n")
-    suite_metrics = self.suite.metrics(trajs)  # e.g. AppWorld's TGC / SGC of this evaluation
+    suite_metrics = self.suite.metrics(trajs)  # the suite's own figures (e.g. TGC / SGC)
     if suite_metrics:
       self.state.suite_eval[tag] = suite_metrics
     return float(np.mean([t.reward for t in trajs])) if trajs else 0.0

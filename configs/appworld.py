@@ -1,12 +1,33 @@
-"""CoEvolve on AppWorld. Variants: `configs/appworld.py` (full scale), `configs/appworld.py:cpu`.
+"""CoEvolve on AppWorld: the BFCL config's groups and defaults with `c.env = "appworld"` and the
+AppWorld fields in `c.appworld` (read by envs/appworld/suite.py, the suite the loop builds for it).
 
-Same groups and field names as `configs/bfcl.py`; AppWorld-specific fields live in `c.appworld`.
-Every field is overridable from the command line, e.g. `--config.appworld.data_root=/data/appworld`.
+Variants:
+  `configs/appworld.py` (full scale): the BFCL full-scale groups (Qwen3-4B shape, G = 8, ...) on
+    the official AppWorld data (`appworld.source = "official"`: `appworld download data` under
+    `appworld.data_root`, default $APPWORLD_ROOT; training tasks from `appworld.split`, evaluation
+    on the 168 tasks of `appworld.eval_split` = test_normal; 10 code replies per training episode,
+    30 per evaluation episode). Official tasks carry no solution here, so D0 is
+    `explore.initial_tasks` of the split's tasks as they are, warm-start stays off
+    (`warmstart.steps = 0`), and feedback rounds synthesize nothing (the official data folder is
+    never written to): the run evaluates and trains by RL on the split.
+  `configs/appworld.py:cpu`: the BFCL CPU preset on generated worlds (`appworld.source =
+    "generated"`: worlds built offline from AppWorld's shipped app models and factories, under
+    <workdir>/appworld_root, no download), 10 scenarios x 2 worlds with the last 2 scenarios held
+    out as test_normal, 2 code replies per episode, shorter observations and replies, up to 12
+    D0 tasks (each validated by running its solution) with the CPU preset's warm-start on their
+    solutions, and 4 evaluation tasks. Feedback rounds build and validate new worlds of the marked
+    tasks' families (up to `feedback.max_contexts` = 3 per round).
 
-AppWorld runs in its own virtual environment as HTTP servers (`appworld serve environment`),
-because its pins (pydantic < 2) conflict with ours (SPEC section 3). `envs.appworld.check_available`
-verifies the servers and the data before anything else starts and says exactly what to install or
-start. Training on AppWorld beyond that check is not implemented yet (tracked in its own issue).
+Any other variant name is refused (by configs/bfcl.py). Every field is overridable from the
+command line, e.g. `--config.appworld.source=generated` or `--config.appworld.data_root=DIR`.
+
+AppWorld runs in its own virtual environment (`appworld.venv`, default .venv-appworld, made by
+`make appworld-setup`) because its pins (pydantic < 2) conflict with ours (docs/appworld.md). The
+run starts and stops its own AppWorld servers on 127.0.0.1, one per rollout slot plus one for the
+feedback round, and `envs.appworld.suite.check_setup` stops it at once, with the set-up steps,
+when that environment (or, for "official", the data) is missing. `appworld.server_urls` (default
+$APPWORLD_SERVER_URLS or 127.0.0.1:8000) is read only by `envs.appworld.client.check_available`, the
+check for servers started by hand (`appworld serve environment`).
 """
 
 import importlib.util

@@ -33,6 +33,9 @@ class Env(Protocol):
   # Tool schemas, Qwen/OpenAI style {"type": "function", "function": {...}}.
   tools: list[dict[str, Any]]
   system_prompt: str | None
+  # What the agent called so far, per user turn, per model step (call strings or API names);
+  # the trajectory and the signals' action patterns are built from it.
+  calls: list[list[list[str]]]
 
   def reset(self) -> StepResult: ...
 

@@ -8,10 +8,12 @@ rounds; the reference every other row is compared with, in the same invocation).
 is the CPU preset (`configs/bfcl.py:cpu`) with one switch changed, run in this process one after
 another (they share JAX's compilation cache), each in its own workdir under `--workdir`.
 
-Outputs under `--out`: `ablations.md` (date, machine, exact command, table) and PNG plots: reward
-curves, eval success, signal shares per round, validation pass rate per round, similarity of
-synthesized tasks to the evaluation split. matplotlib is needed for the plots
-(`pip install -e '.[plots]'`).
+Outputs: the record of the run (date, machine, exact command, table, links to the plots) written
+into the ablations document (`--doc`, default `--out` plus `.md`: `docs/ablations.md`) between its
+`ablations:record` markers, replacing the previous record and keeping the rest of the document
+(`write_record`); and PNG plots under `--out` (`docs/ablations/`): reward curves, eval success,
+signal shares per round, validation pass rate per round, similarity of synthesized tasks to the
+evaluation split. matplotlib is needed for the plots (`pip install -e '.[plots]'`).
 """
 
 from __future__ import annotations
@@ -205,6 +207,39 @@ def plots(results: dict[str, list[dict[str, Any]]], out: str) -> list[str]:
   return names
 
 
+RECORD_BEGIN = (
+  "<!-- ablations:record:begin (written by scripts/ablations.py; a rerun replaces this block) -->"
+)
+RECORD_END = "<!-- ablations:record:end -->"
+
+
+def write_record(doc: str, record: list[str]) -> None:
+  """Puts `record` (markdown lines) into the document at `doc` between the record markers.
+
+  The block between `RECORD_BEGIN` and `RECORD_END` is replaced and the rest of the document is
+  kept. A document without the markers gets the block appended; a missing one is created.
+
+  Raises:
+    ValueError: the document has a begin marker without an end marker after it (or the reverse).
+  """
+  block = "\n".join([RECORD_BEGIN, *record, RECORD_END]) + "\n"
+  text = ""
+  if os.path.exists(doc):
+    with open(doc, encoding="utf-8") as f:
+      text = f.read()
+  begin, end = text.find(RECORD_BEGIN), text.find(RECORD_END)
+  if begin == -1 and end == -1:
+    text = (text.rstrip("\n") + "\n\n" if text else "") + block
+  elif begin == -1 or end < begin:
+    raise ValueError(f"{doc}: unbalanced {RECORD_BEGIN!r} / {RECORD_END!r} markers")
+  else:
+    rest = text[end + len(RECORD_END) :].lstrip("\n")
+    text = text[:begin] + block + ("\n" + rest if rest else "")
+  os.makedirs(os.path.dirname(os.path.abspath(doc)), exist_ok=True)
+  with open(doc, "w", encoding="utf-8") as f:
+    f.write(text)
+
+
 def machine() -> str:
   import jax  # pylint: disable=g-import-not-at-top
 
@@ -218,7 +253,8 @@ def machine() -> str:
 
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--out", default=os.path.join(ROOT, "docs", "ablations"))
+  p.add_argument("--out", default=os.path.join(ROOT, "docs", "ablations"), help="plots folder")
+  p.add_argument("--doc", default="", help="ablations document (default: --out plus .md)")
   p.add_argument("--workdir", default=os.path.join(ROOT, "runs", "ablations"))
   p.add_argument("--seeds", default="0", help="comma-separated seeds")
   p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
@@ -261,8 +297,10 @@ def main(argv: list[str] | None = None) -> int:
       *(argv if argv is not None else sys.argv[1:]),
     ]
   )
-  doc = [
-    f"# CoEvolve ablations at CPU scale ({datetime.date.today().isoformat()})",
+  doc = args.doc or os.path.normpath(args.out) + ".md"
+  plots_dir = os.path.relpath(os.path.abspath(args.out), os.path.dirname(os.path.abspath(doc)))
+  record = [
+    f"## Recorded run ({datetime.date.today().isoformat()})",
     "",
     f"Command: `{command}`",
     "",
@@ -273,12 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     "",
     *lines,
     "",
-    *[f"![{n}]({n})" for n in pngs],
-    "",
+    *[f"![{n}]({os.path.join(plots_dir, n)})" for n in pngs],
   ]
-  with open(os.path.join(args.out, "ablations.md"), "w", encoding="utf-8") as f:
-    f.write("\n".join(doc))
+  write_record(doc, record)
   print("\n".join(lines))
+  print(f"wrote the record into {doc} and {len(pngs)} plots into {args.out}")
   return 0
 
 

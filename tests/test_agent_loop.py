@@ -1,19 +1,21 @@
 """The agent loop end to end on real BFCL entries, with a scripted engine replaying ground truth.
 
-The scripted engine implements the engine's slot interface and emits, per episode, the token ids
-of the ground-truth replies (one call per reply, then a closing reply per user turn). Everything
-else is real: chat template, token accumulation, tool-call parsing, BFCL execution, the official
-checker. This pins down the loop's semantics independently of any model.
+The scripted engine implements the engine's slot interface (`SlotEngine`) and emits, per
+episode, the token ids of the ground-truth replies (one call per reply, then a closing reply per
+user turn). Everything else is real: chat template, token accumulation, tool-call parsing, BFCL
+execution, the official checker. This pins down the loop's semantics independently of any model.
 """
 
+import inspect
 import threading
 
 import jax
 import numpy as np
 import pytest
 
-from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
+from coevolve_jax.agent import AgentRunner, ChatFormat, EpisodeLimits, QwenChat
 from coevolve_jax.rollout.sampling import SamplingParams
+from coevolve_jax.rollout.slots import SlotEngine
 from coevolve_jax.warmstart import CLOSING_REPLY, demonstration
 from envs.bfcl import env as bfcl
 from coevolve_jax.types import Action, Task
@@ -36,7 +38,10 @@ class ScriptedEngine:
   def room(self, slot):
     return self.cache_len - self.pos[slot]
 
-  def prefill(self, slot, ids, rng, sampling):
+  def prefill_many(self, requests, sampling):
+    return [self._prefill(slot, ids) for slot, ids, _ in requests]
+
+  def _prefill(self, slot, ids):
     if not self.fed[slot]:
       self.replies[slot] = [list(r) for r in self.scripts[tuple(ids)]]
     self.fed[slot] += ids
@@ -237,8 +242,14 @@ class _FakeChat:
   def continuation_ids(self, messages):
     return [1, 2]
 
+  def assistant_text(self, content, tool_calls=()):
+    return content
+
   def parse_tool_calls(self, text, truncated=False):
     return Action(text=text)
+
+  def encode(self, text):
+    return [ord(c) for c in text]
 
   def decode(self, ids):
     return "".join(chr(i) for i in ids)
@@ -251,6 +262,7 @@ class _ThreadEnv:
 
   def __init__(self, task, release, log):
     self.task, self.release, self.log = task, release, log
+    self.calls = [[]]
 
   def reset(self):
     return _step_result([{"role": "user", "content": self.task.task_id}])
@@ -266,7 +278,7 @@ class _ThreadEnv:
 
 
 def _step_result(messages, done=False, reward=0.0):
-  from envs.base import StepResult  # noqa: PLC0415
+  from coevolve_jax.types import StepResult  # noqa: PLC0415
 
   return StepResult(messages=messages, done=done, reward=reward)
 
@@ -289,7 +301,10 @@ class _CountingEngine:
   def room(self, slot):
     return 1000
 
-  def prefill(self, slot, ids, rng, sampling):
+  def prefill_many(self, requests, sampling):
+    return [self._prefill(slot, ids) for slot, ids, _ in requests]
+
+  def _prefill(self, slot, ids):
     name = "".join(chr(i) for i in ids)
     if name == "slow":
       self.slow_slot = slot
@@ -369,3 +384,61 @@ def test_real_engine_episodes_do_not_depend_on_batching(entries):
       )
     )[0]
     np.testing.assert_allclose(recomputed, [traj.logprobs[i] for i in pos], atol=1e-5)
+
+
+def _signature_mismatches(cls, protocol) -> list[str]:
+  """The methods of `protocol` that `cls` lacks or defines with other parameters (names, kinds,
+  which have defaults)."""
+
+  def params(fn):
+    return [
+      (p.name, p.kind, p.default is p.empty) for p in inspect.signature(fn).parameters.values()
+    ]
+
+  bad = []
+  for name, ref in vars(protocol).items():
+    if name.startswith("_") or not callable(ref):
+      continue
+    impl = getattr(cls, name, None)
+    if impl is None:
+      bad.append(f"{cls.__name__}.{name} is missing")
+    elif params(impl) != params(ref):
+      bad.append(f"{cls.__name__}.{name}{inspect.signature(impl)} != {inspect.signature(ref)}")
+  return bad
+
+
+def test_engines_and_chats_implement_the_declared_protocols():
+  """Every engine the loop runs on implements `SlotEngine` in full, and every chat format
+  `ChatFormat`: members present on instances (runtime_checkable) and methods with the protocol's
+  parameters."""
+  from flax import nnx  # noqa: PLC0415
+
+  from coevolve_jax.models import Qwen, QwenConfig  # noqa: PLC0415
+  from coevolve_jax.rollout.engine import Engine  # noqa: PLC0415
+  from coevolve_jax.testing.replay_engine import ReplayEngine  # noqa: PLC0415
+
+  tiny = QwenConfig(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+  )
+  engines = [
+    Engine(Qwen(tiny, rngs=nnx.Rngs(0)), 2, 32),
+    ReplayEngine(
+      [], _FakeChat(), _make_env, 2, parse_call=bfcl.parse_call_string, max_steps_per_turn=20
+    ),
+    ScriptedEngine({}),
+    _CountingEngine(threading.Event(), []),
+  ]
+  for engine in engines:
+    assert isinstance(engine, SlotEngine), type(engine).__name__
+    assert not _signature_mismatches(type(engine), SlotEngine)
+  for chat in (QwenChat(), _FakeChat()):
+    assert isinstance(chat, ChatFormat), type(chat).__name__
+    assert not _signature_mismatches(type(chat), ChatFormat)
+  # A single-slot-prefill engine (the interface before prefill_many) is not a SlotEngine.
+  assert _signature_mismatches(type("Old", (), {"prefill": lambda self: 0}), SlotEngine)

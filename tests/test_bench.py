@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from coevolve_jax import bench, memory
+from coevolve_jax.cli import bench, prices
+from coevolve_jax.cli import plan_device_memory
 from coevolve_jax.models.qwen import QwenConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_dense_flops_are_twice_the_layer_weights(preset):
   """2 FLOPs per weight per token (Kaplan et al. 2020), weights counted from the real module."""
   cfg = QwenConfig.preset(preset)
-  count, _ = memory.parameter_bytes(preset, {})
+  count, _ = plan_device_memory.parameter_bytes(preset, {})
   embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
   norms = cfg.num_hidden_layers * 2 * cfg.hidden_size + cfg.hidden_size
   norms += cfg.num_hidden_layers * 2 * cfg.head_dim if cfg.qk_norm else 0
@@ -48,7 +49,6 @@ def _record(chip, n, rollout, train, preset="qwen3_4b", kind="TPU v5 lite"):
 
 
 def test_compare_per_chip_and_per_dollar():
-  prices = memory.load_prices()
   price = prices.chip("v5e")["usd_per_chip_hour"]
   text, rows = bench.compare(
     [_record("v5e", 4, 4000.0, 800.0), _record(None, 1, 50.0, 5.0, kind="cpu")],
@@ -68,7 +68,6 @@ def test_compare_per_chip_and_per_dollar():
 
 
 def test_compare_warns_on_different_models_and_rejects_other_files():
-  prices = memory.load_prices()
   text, _ = bench.compare(
     [
       _record("v5e", 4, 1.0, 1.0),
@@ -92,7 +91,7 @@ def test_bench_and_compare_command_line(tmp_path):
     [
       sys.executable,
       "-m",
-      "coevolve_jax.bench",
+      "coevolve_jax.cli.bench",
       "--config=configs/bfcl.py:cpu",
       "--config.rollout.num_slots=2",
       "--prompt_len=16",
@@ -124,7 +123,7 @@ def test_bench_and_compare_command_line(tmp_path):
   }
   report = tmp_path / "report.md"
   cmp = subprocess.run(
-    [sys.executable, "-m", "coevolve_jax.bench", "compare", str(out), f"--report={report}"],
+    [sys.executable, "-m", "coevolve_jax.cli.bench", "compare", str(out), f"--report={report}"],
     cwd=ROOT,
     capture_output=True,
     text=True,
@@ -134,7 +133,7 @@ def test_bench_and_compare_command_line(tmp_path):
   assert "| cpu | cpu x" in report.read_text()
   assert (tmp_path / "report.png").stat().st_size > 1000
   missing = subprocess.run(
-    [sys.executable, "-m", "coevolve_jax.bench", "compare", str(tmp_path / "nope.json")],
+    [sys.executable, "-m", "coevolve_jax.cli.bench", "compare", str(tmp_path / "nope.json")],
     cwd=ROOT,
     capture_output=True,
     text=True,

@@ -9,7 +9,7 @@ from flax import nnx
 from coevolve_jax.models import Qwen, QwenConfig
 from coevolve_jax.models.qwen import rope
 from coevolve_jax.rollout import Completion, generate
-from coevolve_jax.rollout.engine import Engine, _chunks
+from coevolve_jax.rollout.engine import MAX_PREFILL_CHUNK, Engine, _chunks, prefill_schedule
 from coevolve_jax.rollout.sampling import SamplingParams, processed_logprobs, sample
 from coevolve_jax.trainer import token_logprobs
 
@@ -579,6 +579,34 @@ def test_prefill_chunks_cover_the_input_and_stay_inside_the_cache(n, start, cach
     taken += min(size, n - taken)
   assert taken == n and sizes[-1] >= 1
   assert sum(sizes) - n < max(sizes)  # padding is less than one chunk
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prefill_schedule_covers_every_request_within_the_limits(seed):
+  """The schedule `prefill_many` runs: each request's tokens consumed once and in order, one
+  chunk length per forward, forwards within max_prefill_tokens (or a single row), nothing past a
+  slot's cache, and requests that share a round share forwards."""
+  rng = np.random.default_rng(seed)
+  cache = int(rng.choice([64, 600, 4096]))
+  mpt = int(rng.choice([8, 256, 1024]))
+  n = int(rng.integers(1, 7))
+  starts = [int(rng.integers(0, cache)) for _ in range(n)]
+  lengths = [int(rng.integers(1, cache - s + 1)) for s in starts]
+  left, pos = list(lengths), list(starts)
+  for rows, t in prefill_schedule(lengths, starts, cache, mpt):
+    assert rows and len(set(rows)) == len(rows) and all(left[i] > 0 for i in rows)
+    assert t & (t - 1) == 0 and t <= MAX_PREFILL_CHUNK
+    assert len(rows) == 1 or len(rows) * t <= mpt
+    for i in rows:
+      assert pos[i] + t <= cache  # the padded chunk fits the slot
+      step = min(t, left[i])
+      left[i] -= step
+      pos[i] += step
+  assert left == [0] * n and pos == [s + x for s, x in zip(starts, lengths)]
+  # 64 fresh 128-token prompts with 1024 tokens per forward: 8 forwards of 8 rows.
+  assert prefill_schedule([128] * 64, [0] * 64, 4096, 1024) == [
+    (list(range(k, k + 8)), 128) for k in range(0, 64, 8)
+  ]
 
 
 def test_generate_samples_do_not_depend_on_batching(model):

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from coevolve_jax import evaluate
+from coevolve_jax.cli import evaluate
 from coevolve_jax.agent import QwenChat
 from coevolve_jax.models import Qwen, QwenConfig
-from envs.bfcl import env as bfcl
+from coevolve_jax.testing.replay_engine import ReplayEngine
 from coevolve_jax.types import Action, ToolCall
+from envs.bfcl import env as bfcl
 
 
 _spec = importlib.util.spec_from_file_location(
@@ -38,15 +39,24 @@ def base_tasks():
   return bfcl.load_bfcl_tasks("multi_turn_base")
 
 
+def _replay(tasks, chat, cfg, num_slots):
+  return ReplayEngine(
+    tasks,
+    chat,
+    lambda t, e: evaluate.make_eval_env(cfg, t, e),
+    num_slots,
+    parse_call=bfcl.parse_call_string,
+    max_steps_per_turn=bfcl.MAX_STEPS_PER_TURN,
+  )
+
+
 def test_ground_truth_replay_scores_100_percent_on_multi_turn_base(cfg, chat, base_tasks):
   # Every 8th entry (25 of 200, all eight backends) keeps this test at a few seconds; the whole
-  # category scores 100% too: `python -m coevolve_jax.evaluate --config=configs/bfcl.py:cpu
+  # category scores 100% too: `python -m coevolve_jax.cli.evaluate --config=configs/bfcl.py:cpu
   # --policy=ground_truth --categories=multi_turn_base --max_new_tokens=4096` (~40 s).
   tasks = base_tasks[::8]
   assert len({c for t in tasks for c in t.involved_classes}) == 8
-  engine = evaluate.ReplayEngine(
-    tasks, chat, lambda t, e: evaluate.make_eval_env(cfg, t, e), num_slots=4
-  )  # fewer slots than entries: slots are reused
+  engine = _replay(tasks, chat, cfg, num_slots=4)  # fewer slots than entries: slots are reused
   result = evaluate.evaluate_category(engine, chat, tasks, cfg, max_new_tokens=4096)
   assert result["n"] == len(tasks)
   bad = [(r["id"], r["finish"], r["checker"]) for r in result["entries"] if r["reward"] != 1.0]
@@ -65,7 +75,7 @@ def test_replay_with_a_short_token_limit_fails_like_a_model_would(cfg, chat, bas
   # The same policy cut at 16 tokens per reply: every call reply is truncated, which ends the turn
   # under the official loop, so the checker sees empty turns and fails the entry.
   tasks = base_tasks[:2]
-  engine = evaluate.ReplayEngine(tasks, chat, lambda t, e: evaluate.make_eval_env(cfg, t, e), 2)
+  engine = _replay(tasks, chat, cfg, num_slots=2)
   result = evaluate.evaluate_category(engine, chat, tasks, cfg, max_new_tokens=16)
   assert result["accuracy"] == 0.0
   assert all(r["finish"] == "done" and r["parse_errors"] > 0 for r in result["entries"])

@@ -84,3 +84,27 @@ def test_table_and_plots_from_run_outputs(ablations, tmp_path):
   pytest.importorskip("matplotlib")
   names = ablations.plots(results, str(tmp_path))
   assert len(names) == 4 and all((tmp_path / n).stat().st_size > 1000 for n in names)
+
+
+def test_record_replaces_its_block_and_keeps_the_document(ablations, tmp_path):
+  """The grid writes its record into docs/ablations.md between markers: the hand-written text
+  around it survives a rerun, and rewriting the committed record reproduces the file exactly."""
+  committed = os.path.join(os.path.dirname(_SCRIPT), os.pardir, "docs", "ablations.md")
+  with open(committed, encoding="utf-8") as f:
+    text = f.read()
+  begin, end = text.index(ablations.RECORD_BEGIN), text.index(ablations.RECORD_END)
+  record = text[begin + len(ablations.RECORD_BEGIN) + 1 : end - 1].split("\n")
+  doc = tmp_path / "ablations.md"
+  doc.write_text(text, encoding="utf-8")
+  ablations.write_record(str(doc), record)
+  assert doc.read_text(encoding="utf-8") == text
+  ablations.write_record(str(doc), ["## Recorded run (new)", "", "| a |"])
+  new = doc.read_text(encoding="utf-8")
+  assert new.startswith(text[:begin]) and new.endswith(text[end + len(ablations.RECORD_END) :])
+  assert "(new)" in new and "Recorded run (2026-11-30)" not in new
+  fresh = tmp_path / "sub" / "fresh.md"  # no document yet: created with the block alone
+  ablations.write_record(str(fresh), ["x"])
+  assert fresh.read_text() == f"{ablations.RECORD_BEGIN}\nx\n{ablations.RECORD_END}\n"
+  doc.write_text(ablations.RECORD_END + "\n" + ablations.RECORD_BEGIN)
+  with pytest.raises(ValueError, match="unbalanced"):
+    ablations.write_record(str(doc), ["x"])

@@ -7,12 +7,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from envs.bfcl import synthesis as controller
 from coevolve_jax.feedback.rounds import commit_round, select_events
 from coevolve_jax.feedback.signals import SignalEvent
-from envs.bfcl.synthesis import SynthesisSettings, synthesize_round
+from coevolve_jax.testing.gemini_stub import GeminiStub
+from envs.bfcl import synthesis as controller
 from envs.bfcl.explorer import ProgrammaticExplorer
-from coevolve_jax.feedback.gemini_stub import GeminiStub
+from envs.bfcl.synthesis import SynthesisSettings, synthesize_round
 from coevolve_jax.feedback.llm import GeminiLLM, GeminiSettings
 from envs.bfcl.llm_explorer import LLMExplorer
 from coevolve_jax.feedback.pool import TaskPool

@@ -7,9 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from coevolve_jax.feedback import gemini_stub
+from coevolve_jax.testing import gemini_stub
+from coevolve_jax.testing.gemini_stub import GeminiStub, Reply, error_body, ok_body
 from envs.bfcl.explorer import ExplorationContext
-from coevolve_jax.feedback.gemini_stub import GeminiStub, Reply, error_body, ok_body
 from coevolve_jax.feedback.llm import (
   BudgetExhausted,
   GeminiLLM,

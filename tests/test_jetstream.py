@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from coevolve_jax.models import Qwen, QwenConfig
-from coevolve_jax.rollout.jetstream import JETSTREAM_AVAILABLE, JetStreamEngine
+from coevolve_jax.contrib.jetstream import JETSTREAM_AVAILABLE, JetStreamEngine
 
 CACHE, SLOTS = 64, 3
 

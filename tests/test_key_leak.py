@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from coevolve_jax.feedback.gemini_stub import GeminiStub
+from coevolve_jax.testing.gemini_stub import GeminiStub
 from coevolve_jax.loop import CoEvolveRun
 
 _CONFIG = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "bfcl.py")
@@ -71,21 +71,21 @@ def test_key_never_leaks_and_a_round_in_flight_resumes_exactly(
     cfg = tiny_gemini_config(stub.url)
     cfg.train.steps, cfg.feedback.every, cfg.feedback.lag = 3, 2, 1
     run = CoEvolveRun(cfg, workdir)
-    real_step = CoEvolveRun._train_step
+    real_step = CoEvolveRun._step
 
     def dies_in_step_3(self, step):
       if step == 3:
         raise KeyboardInterrupt("killed in step 3")
       return real_step(self, step)
 
-    monkeypatch.setattr(CoEvolveRun, "_train_step", dies_in_step_3)
+    monkeypatch.setattr(CoEvolveRun, "_step", dies_in_step_3)
     with pytest.raises(KeyboardInterrupt):
       run.fit()
     run.ckpt.wait()
-    in_flight = run._pending["future"].result().tasks  # what run 1's worker synthesized
-    assert run._pending["round"] == 1 and run._pending["commit_at"] == 3
+    in_flight = run.state.pending.future.result().tasks  # what run 1's worker synthesized
+    assert run.state.pending.round_idx == 1 and run.state.pending.commit_at == 3
     assert len(_pool_lines(os.path.join(workdir, "pool.jsonl"))) == 2  # D0 only: not committed
-    monkeypatch.setattr(CoEvolveRun, "_train_step", real_step)
+    monkeypatch.setattr(CoEvolveRun, "_step", real_step)
 
     cfg = tiny_gemini_config(stub.url)
     cfg.train.steps, cfg.feedback.every, cfg.feedback.lag = 3, 2, 1

@@ -1,10 +1,13 @@
-"""The entry point as a user runs it: `python -m coevolve_jax.main --config=... --workdir=...`."""
+"""The entry points as a user runs them: `python -m coevolve_jax.main --config=... --workdir=...`
+and the tools `python -m coevolve_jax.cli.NAME`."""
 
 import os
 import socket
 import subprocess
 import sys
 import time
+
+import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 
@@ -87,3 +90,18 @@ def test_unusable_workdir_fails_fast_with_a_clear_error(tmp_path):
   assert "cannot use --workdir" in proc.stderr
   assert time.monotonic() - start < 20
   assert afile.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("tool", ["bench", "plan_device_memory", "evaluate"])
+def test_command_line_tools_run_as_modules(tool):
+  """Each tool of coevolve_jax/cli/ starts with `python -m coevolve_jax.cli.NAME` and its help
+  shows the command it documents (absl exits with status 1 after printing help)."""
+  proc = subprocess.run(
+    [sys.executable, "-m", f"coevolve_jax.cli.{tool}", "--helpshort"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert f"python -m coevolve_jax.cli.{tool} " in proc.stdout

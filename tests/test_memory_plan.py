@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from coevolve_jax import memory
+from coevolve_jax.cli import plan_device_memory
 from coevolve_jax.models.qwen import Qwen, QwenConfig
 from coevolve_jax.trainer import token_logprobs
 
@@ -26,15 +26,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   ],
 )
 def test_parameter_count_matches_published(preset, published):
-  count, nbytes = memory.parameter_bytes(preset, {})
+  count, nbytes = plan_device_memory.parameter_bytes(preset, {})
   assert abs(count - published) / published < 0.005
   assert nbytes == count * 2  # bfloat16, one device
 
 
 def test_optimizer_is_two_moments_and_a_count():
-  p = memory.plan("tiny_cpu", {}, batch=1, seq_len=8, num_slots=1, cache_len=8, dtype="float32")
+  p = plan_device_memory.plan(
+    "tiny_cpu", {}, batch=1, seq_len=8, num_slots=1, cache_len=8, dtype="float32"
+  )
   assert p.optimizer == 2 * p.params + 4  # AdamW mu and nu in the parameter dtype + int32 count
-  sharded = memory.plan(
+  sharded = plan_device_memory.plan(
     "tiny_cpu", {"fsdp": 4}, batch=1, seq_len=8, num_slots=1, cache_len=8, dtype="float32"
   )
   assert sharded.optimizer == 2 * sharded.params + 4
@@ -42,7 +44,9 @@ def test_optimizer_is_two_moments_and_a_count():
 
 def test_kv_cache_matches_hand_formula():
   cfg = QwenConfig.preset("qwen3_0_6b")
-  got = memory.kv_cache_bytes("qwen3_0_6b", {"fsdp": 4, "tensor": 2}, num_slots=64, cache_len=32768)
+  got = plan_device_memory.kv_cache_bytes(
+    "qwen3_0_6b", {"fsdp": 4, "tensor": 2}, num_slots=64, cache_len=32768
+  )
   # k and v, per layer: slots over data*fsdp, kv heads over tensor, bf16.
   want = (
     2
@@ -57,21 +61,23 @@ def test_kv_cache_matches_hand_formula():
 
 
 def test_uneven_shards_round_up():
-  assert memory.shard_bytes((10, 3), jnp.float32, ("embed", None), {"fsdp": 4}) == 3 * 3 * 4
+  assert (
+    plan_device_memory.shard_bytes((10, 3), jnp.float32, ("embed", None), {"fsdp": 4}) == 3 * 3 * 4
+  )
   with pytest.raises(KeyError, match="no sharding rule"):
-    memory.shard_bytes((4,), jnp.float32, ("nonexistent",), {})
+    plan_device_memory.shard_bytes((4,), jnp.float32, ("nonexistent",), {})
   with pytest.raises(ValueError, match="logical axes"):
-    memory.shard_bytes((4, 4), jnp.float32, ("embed",), {})
+    plan_device_memory.shard_bytes((4, 4), jnp.float32, ("embed",), {})
 
 
 def test_activations_scale_with_sequences_per_device():
   kw = dict(seq_len=256, num_slots=1, cache_len=8, dtype="float32")
-  one = memory.plan("tiny_cpu", {}, batch=4, **kw)
-  split = memory.plan("tiny_cpu", {"data": 2, "fsdp": 2}, batch=4, **kw)
+  one = plan_device_memory.plan("tiny_cpu", {}, batch=4, **kw)
+  split = plan_device_memory.plan("tiny_cpu", {"data": 2, "fsdp": 2}, batch=4, **kw)
   assert one.activations == 4 * split.activations
-  micro = memory.plan("tiny_cpu", {}, batch=4, micro_batches=4, **kw)
+  micro = plan_device_memory.plan("tiny_cpu", {}, batch=4, micro_batches=4, **kw)
   assert micro.activations == split.activations
-  tensor = memory.plan("tiny_cpu", {"tensor": 2}, batch=4, **kw)
+  tensor = plan_device_memory.plan("tiny_cpu", {"tensor": 2}, batch=4, **kw)
   assert one.activations / 2 < tensor.activations < one.activations  # some are tensor-sharded
 
 
@@ -91,20 +97,27 @@ def test_activations_are_a_lower_bound_of_compiled_temporaries():
     .compile()
   )
   temp = compiled.memory_analysis().temp_size_in_bytes
-  p = memory.plan("tiny_cpu", {}, batch=b, seq_len=t, num_slots=1, cache_len=8, dtype="float32")
+  p = plan_device_memory.plan(
+    "tiny_cpu", {}, batch=b, seq_len=t, num_slots=1, cache_len=8, dtype="float32"
+  )
   assert 0 < p.activations <= temp
 
 
 def test_parse_mesh():
-  assert memory.parse_mesh("fsdp=8,tensor=2") == {"data": 1, "fsdp": 8, "tensor": 2, "expert": 1}
+  assert plan_device_memory.parse_mesh("fsdp=8,tensor=2") == {
+    "data": 1,
+    "fsdp": 8,
+    "tensor": 2,
+    "expert": 1,
+  }
   for bad in ("fsdp", "model=2", "fsdp=x", "fsdp=0"):
     with pytest.raises(ValueError, match="bad mesh"):
-      memory.parse_mesh(bad)
+      plan_device_memory.parse_mesh(bad)
 
 
 def test_unknown_preset():
   with pytest.raises(ValueError, match="unknown model preset"):
-    memory.plan("qwen9_1t", {}, batch=1, seq_len=8, num_slots=1, cache_len=8)
+    plan_device_memory.plan("qwen9_1t", {}, batch=1, seq_len=8, num_slots=1, cache_len=8)
 
 
 def test_per_device_params_equal_real_shards_on_8_cpu_devices():
@@ -112,7 +125,7 @@ def test_per_device_params_equal_real_shards_on_8_cpu_devices():
   script = textwrap.dedent("""
       import jax
       from flax import nnx
-      from coevolve_jax import memory
+      from coevolve_jax.cli import plan_device_memory
       from coevolve_jax.models import sharding
       from coevolve_jax.models.qwen import Qwen, QwenConfig
       mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
@@ -125,7 +138,8 @@ def test_per_device_params_equal_real_shards_on_8_cpu_devices():
         arr = jax.device_put(var, jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(spec)))
         dev0 = mesh.devices.flat[0]
         real += sum(s.data.nbytes for s in arr.addressable_shards if s.device == dev0)
-      print(real, memory.parameter_bytes("tiny_cpu", {"fsdp": 4, "tensor": 2}, "float32")[1])
+      planned = plan_device_memory.parameter_bytes("tiny_cpu", {"fsdp": 4, "tensor": 2}, "float32")
+      print(real, planned[1])
   """)
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   out = subprocess.run(
@@ -141,7 +155,7 @@ def test_cli_sweep_prints_table():
     [
       sys.executable,
       "-m",
-      "coevolve_jax.memory",
+      "coevolve_jax.cli.plan_device_memory",
       "--preset=tiny_cpu",
       "--devices=1,2",
       "--batch=2",
@@ -160,7 +174,7 @@ def test_cli_sweep_prints_table():
   rows = [line for line in out.stdout.splitlines() if line.startswith("| tiny_cpu")]
   assert len(rows) == 2 and rows[0].endswith("yes |")
   bad = subprocess.run(
-    [sys.executable, "-m", "coevolve_jax.memory", "--mesh=fsdp=0"],
+    [sys.executable, "-m", "coevolve_jax.cli.plan_device_memory", "--mesh=fsdp=0"],
     cwd=ROOT,
     capture_output=True,
     text=True,

@@ -224,3 +224,31 @@ def test_config_round_trip_for_presets():
   for name in PRESETS:
     cfg = QwenConfig.preset(name)
     assert config_from_hf(hf_config(cfg)) == cfg, name
+
+
+def test_blocks_name_their_scopes_for_profiles():
+  """Attention, dense MLP, MoE block and its experts each run under their own `jax.named_scope`,
+  so profiles and HLO metadata read "attention/...", "mlp/...", "moe/experts/..."."""
+  import re  # noqa: PLC0415
+
+  from flax import nnx  # noqa: PLC0415
+
+  from coevolve_jax.models import Qwen  # noqa: PLC0415
+
+  cfg = QwenConfig(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=8,
+    decoder_sparse_step=2,  # layer 1 sparse, layer 0 dense
+  )
+  model = Qwen(cfg, rngs=nnx.Rngs(0))
+  lowered = nnx.jit(lambda m, x: m(x)).lower(model, jnp.zeros((1, 4), jnp.int32))
+  scopes = set(re.findall(r"/(attention|mlp|moe/experts|moe)/", lowered.as_text(debug_info=True)))
+  assert scopes == {"attention", "mlp", "moe", "moe/experts"}

@@ -149,7 +149,8 @@ def parser() -> argparse.ArgumentParser:
       s.add_argument(
         "--version",
         required=True,
-        help="TPU software version, e.g. v2-alpha-tpuv5 (configs/prices.py lists one per chip).",
+        help="TPU software version, e.g. v2-alpha-tpuv5 (coevolve_jax/cli/prices.py lists one "
+        "per chip).",
       )
       s.add_argument("--spot", action="store_true", help="Spot (preemptible) capacity.")
     if name in ("logs", "up"):

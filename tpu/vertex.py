@@ -13,30 +13,20 @@ submits nothing. Without `--dry-run` it is submitted with `google.cloud.aiplatfo
   other hosts of the slice from the TPU metadata.
 - GPU (`--chip=h100|h200|a100`): pool 0 is the primary replica, pool 1 the other `--hosts - 1`
   machines; Vertex AI sets `CLUSTER_SPEC` on each and `coevolve_jax.distributed` reads it.
-Machine types come from `configs/prices.py` (the `vertex` entry of each chip). The container is
-the image built from `tpu/Dockerfile`; its entry point is `python -m coevolve_jax.main`.
+Machine types come from `coevolve_jax/cli/prices.py` (the `vertex` entry of each chip), imported
+from the installed package (`pip install -e '.[cloud]'`). The container is the image built from
+`tpu/Dockerfile`; its entry point is `python -m coevolve_jax.main`.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
-import os
 import sys
 
 from google.cloud.aiplatform_v1 import types
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _chips() -> dict:
-  spec = importlib.util.spec_from_file_location(
-    "coevolve_prices", os.path.join(ROOT, "configs", "prices.py")
-  )
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.CHIPS
+from coevolve_jax.cli import prices
 
 
 def _accelerator(name: str) -> types.AcceleratorType:
@@ -63,7 +53,7 @@ def build_job(
   """The Vertex AI CustomJob for `chip` running `python -m coevolve_jax.main JOB_ARGS`.
 
   Args:
-    chip: a chip name of configs/prices.py (TPU: v4, v5e, v5p, v6e; GPU: h100, h200, a100).
+    chip: a chip name of coevolve_jax/cli/prices.py (TPU: v4, v5e, v5p, v6e; GPU: h100, h200, a100).
     image_uri: the container image built from tpu/Dockerfile.
     job_args: arguments of coevolve_jax.main (--config=..., --workdir=...).
     topology: TPU slice shape, e.g. "2x2" (4 chips) or "4x4"; TPU only.
@@ -73,7 +63,7 @@ def build_job(
     ValueError: unknown chip, a missing or malformed topology for a TPU, a topology for a GPU,
       hosts < 1, or an accelerator type this library version does not know.
   """
-  chips = _chips()
+  chips = prices.CHIPS
   if chip not in chips:
     raise ValueError(f"unknown chip {chip!r}; known: {sorted(chips)}")
   if not image_uri:

@@ -337,54 +337,55 @@ class Attention(nnx.Module):
     Returns:
       ([B, T, D] outputs, or [B, P, D] with query_index_bp; new k cache, new v cache).
     """
-    cfg = self.cfg
-    x_q, q_pos = x_btd, positions_bt
-    if query_index_bp is not None:
-      x_q = jnp.take_along_axis(x_btd, query_index_bp[..., None], axis=1)
-      q_pos = jnp.take_along_axis(positions_bt, query_index_bp, axis=1)
-    q = jnp.einsum("BTD,DNH->BTNH", x_q, self.q_proj[...])
-    k = jnp.einsum("BTD,DKH->BTKH", x_btd, self.k_proj[...])
-    v = jnp.einsum("BTD,DKH->BTKH", x_btd, self.v_proj[...])
-    if cfg.attention_bias:
-      q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-    if cfg.qk_norm:
-      q, k = self.q_norm(q), self.k_norm(k)
-    q = rope(q, q_pos, cfg.rope_theta)
-    k = rope(k, positions_bt, cfg.rope_theta)
-    q = constrain(q, ("batch", "length", "act_heads", None))
-    # Keys [B, K, H, S] and values [B, K, S, H], the cache's layout, in both modes (`_attend`).
-    keys, values = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
-    if k_cache_bkhs is not None:
-      write_k = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (0, 0, i)))
-      write_v = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (0, i, 0)))
-      k_cache_bkhs = write_k(k_cache_bkhs, keys.astype(k_cache_bkhs.dtype), write_b)
-      v_cache_bksh = write_v(v_cache_bksh, values.astype(v_cache_bksh.dtype), write_b)
-      s = key_pos_bs.shape[1]  # attend only to the first s cache entries (a static bucket)
-      keys, values = k_cache_bkhs[..., :s], v_cache_bksh[:, :, :s]
-    b, t, n, h = q.shape
-    block = attention_block(t) if k_cache_bkhs is None and query_index_bp is None else None
-    if block:
-      # Causal block skipping without a cache: query block i only needs keys [0, (i+1)*block)
-      # (positions grow with the index for every real token), and each block is rematerialised
-      # in the backward pass instead of storing its [.., block, keys] scores.
-      outs = []
-      for i in range(t // block):
-        lo, hi = i * block, (i + 1) * block
-        outs.append(
-          jax.checkpoint(_attend)(
-            q[:, lo:hi],
-            keys[..., :hi],
-            values[:, :, :hi],
-            positions_bt[:, lo:hi],
-            key_pos_bs[:, :hi],
-            key_valid_bs[:, :hi],
+    with jax.named_scope("attention"):
+      cfg = self.cfg
+      x_q, q_pos = x_btd, positions_bt
+      if query_index_bp is not None:
+        x_q = jnp.take_along_axis(x_btd, query_index_bp[..., None], axis=1)
+        q_pos = jnp.take_along_axis(positions_bt, query_index_bp, axis=1)
+      q = jnp.einsum("BTD,DNH->BTNH", x_q, self.q_proj[...])
+      k = jnp.einsum("BTD,DKH->BTKH", x_btd, self.k_proj[...])
+      v = jnp.einsum("BTD,DKH->BTKH", x_btd, self.v_proj[...])
+      if cfg.attention_bias:
+        q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+      if cfg.qk_norm:
+        q, k = self.q_norm(q), self.k_norm(k)
+      q = rope(q, q_pos, cfg.rope_theta)
+      k = rope(k, positions_bt, cfg.rope_theta)
+      q = constrain(q, ("batch", "length", "act_heads", None))
+      # Keys [B, K, H, S] and values [B, K, S, H], the cache's layout, in both modes (`_attend`).
+      keys, values = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
+      if k_cache_bkhs is not None:
+        write_k = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (0, 0, i)))
+        write_v = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (0, i, 0)))
+        k_cache_bkhs = write_k(k_cache_bkhs, keys.astype(k_cache_bkhs.dtype), write_b)
+        v_cache_bksh = write_v(v_cache_bksh, values.astype(v_cache_bksh.dtype), write_b)
+        s = key_pos_bs.shape[1]  # attend only to the first s cache entries (a static bucket)
+        keys, values = k_cache_bkhs[..., :s], v_cache_bksh[:, :, :s]
+      b, t, n, h = q.shape
+      block = attention_block(t) if k_cache_bkhs is None and query_index_bp is None else None
+      if block:
+        # Causal block skipping without a cache: query block i only needs keys [0, (i+1)*block)
+        # (positions grow with the index for every real token), and each block is rematerialised
+        # in the backward pass instead of storing its [.., block, keys] scores.
+        outs = []
+        for i in range(t // block):
+          lo, hi = i * block, (i + 1) * block
+          outs.append(
+            jax.checkpoint(_attend)(
+              q[:, lo:hi],
+              keys[..., :hi],
+              values[:, :, :hi],
+              positions_bt[:, lo:hi],
+              key_pos_bs[:, :hi],
+              key_valid_bs[:, :hi],
+            )
           )
-        )
-      out = jnp.concatenate(outs, axis=1)
-    else:
-      out = _attend(q, keys, values, q_pos, key_pos_bs, key_valid_bs)
-    out = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...])
-    return out, k_cache_bkhs, v_cache_bksh
+        out = jnp.concatenate(outs, axis=1)
+      else:
+        out = _attend(q, keys, values, q_pos, key_pos_bs, key_valid_bs)
+      out = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...])
+      return out, k_cache_bkhs, v_cache_bksh
 
 
 class MLP(nnx.Module):
@@ -397,10 +398,11 @@ class MLP(nnx.Module):
     self.down_proj = _init(rngs, (f, d), ("mlp", "embed"), dtype)
 
   def __call__(self, x_btd):
-    gate = jnp.einsum("BTD,DF->BTF", x_btd, self.gate_proj[...])
-    up = jnp.einsum("BTD,DF->BTF", x_btd, self.up_proj[...])
-    h = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-    return jnp.einsum("BTF,FD->BTD", h, self.down_proj[...])
+    with jax.named_scope("mlp"):
+      gate = jnp.einsum("BTD,DF->BTF", x_btd, self.gate_proj[...])
+      up = jnp.einsum("BTD,DF->BTF", x_btd, self.up_proj[...])
+      h = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+      return jnp.einsum("BTF,FD->BTD", h, self.down_proj[...])
 
 
 class Experts(nnx.Module):
@@ -414,9 +416,10 @@ class Experts(nnx.Module):
 
   def __call__(self, x_ad: jax.Array, group_sizes_e: jax.Array) -> jax.Array:
     """x_ad: [A, D] token copies sorted by expert; group_sizes_e: [E] int32 copies per expert."""
-    gate = jax.lax.ragged_dot(x_ad, self.gate_proj[...], group_sizes_e)
-    up = jax.lax.ragged_dot(x_ad, self.up_proj[...], group_sizes_e)
-    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...], group_sizes_e)
+    with jax.named_scope("experts"):
+      gate = jax.lax.ragged_dot(x_ad, self.gate_proj[...], group_sizes_e)
+      up = jax.lax.ragged_dot(x_ad, self.up_proj[...], group_sizes_e)
+      return jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...], group_sizes_e)
 
 
 class SparseMoE(nnx.Module):
@@ -435,23 +438,24 @@ class SparseMoE(nnx.Module):
 
   def __call__(self, x_btd: jax.Array) -> jax.Array:
     cfg = self.cfg
-    b, t, d = x_btd.shape
-    k = cfg.num_experts_per_tok
-    x_md = x_btd.reshape(b * t, d)
-    logits_me = jnp.einsum("MD,DE->ME", x_md, self.gate[...]).astype(jnp.float32)
-    probs_me = jax.nn.softmax(logits_me, axis=-1)
-    weights_mk, experts_mk = jax.lax.top_k(probs_me, k)
-    if cfg.norm_topk_prob:
-      weights_mk = weights_mk / jnp.sum(weights_mk, axis=-1, keepdims=True)
-    weights_mk = weights_mk.astype(x_md.dtype)
-    flat_experts = experts_mk.reshape(-1)  # [A]
-    order = jnp.argsort(flat_experts, stable=True)  # assignments grouped by expert
-    token_a = order // k
-    group_sizes = jnp.bincount(flat_experts, length=cfg.num_experts).astype(jnp.int32)
-    y_ad = self.experts(x_md[token_a], group_sizes)
-    y_ad = y_ad * weights_mk.reshape(-1)[order][:, None]
-    out_md = jnp.zeros_like(x_md).at[token_a].add(y_ad)
-    return out_md.reshape(b, t, d)
+    with jax.named_scope("moe"):
+      b, t, d = x_btd.shape
+      k = cfg.num_experts_per_tok
+      x_md = x_btd.reshape(b * t, d)
+      logits_me = jnp.einsum("MD,DE->ME", x_md, self.gate[...]).astype(jnp.float32)
+      probs_me = jax.nn.softmax(logits_me, axis=-1)
+      weights_mk, experts_mk = jax.lax.top_k(probs_me, k)
+      if cfg.norm_topk_prob:
+        weights_mk = weights_mk / jnp.sum(weights_mk, axis=-1, keepdims=True)
+      weights_mk = weights_mk.astype(x_md.dtype)
+      flat_experts = experts_mk.reshape(-1)  # [A]
+      order = jnp.argsort(flat_experts, stable=True)  # assignments grouped by expert
+      token_a = order // k
+      group_sizes = jnp.bincount(flat_experts, length=cfg.num_experts).astype(jnp.int32)
+      y_ad = self.experts(x_md[token_a], group_sizes)
+      y_ad = y_ad * weights_mk.reshape(-1)[order][:, None]
+      out_md = jnp.zeros_like(x_md).at[token_a].add(y_ad)
+      return out_md.reshape(b, t, d)
 
 
 class DecoderLayer(nnx.Module):
@@ -466,15 +470,14 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x, positions, kc, vc, write, key_pos, key_valid, query_index=None):
     """One pre-norm block; with `query_index` [B, P] the output is [B, P, D], only there."""
-    with jax.named_scope("attention"):
-      a, kc, vc = self.self_attn(
-        self.input_layernorm(x), positions, kc, vc, write, key_pos, key_valid, query_index
-      )
+    # The blocks name their own scopes ("attention", "mlp" or "moe") for profiles.
+    a, kc, vc = self.self_attn(
+      self.input_layernorm(x), positions, kc, vc, write, key_pos, key_valid, query_index
+    )
     if query_index is not None:
       x = jnp.take_along_axis(x, query_index[..., None], axis=1)
     x = x + a
-    with jax.named_scope("mlp"):
-      x = x + self.mlp(self.post_attention_layernorm(x))
+    x = x + self.mlp(self.post_attention_layernorm(x))
     return constrain(x, ("batch", "length", "act_embed")), kc, vc
 
 

@@ -109,6 +109,50 @@ def _kv_bucket(n: int, cache_len: int, minimum: int = DECODE_MIN_KV) -> int:
   return min(cache_len, max(minimum, 1 << max(0, (n - 1).bit_length())))
 
 
+def prefill_schedule(
+  lengths: list[int], starts: list[int], cache_len: int, max_prefill_tokens: int
+) -> list[tuple[list[int], int]]:
+  """The forwards that prefill requests of `lengths` tokens into slots at cache positions `starts`.
+
+  Rounds, until every request is consumed: each request with tokens left contributes its next
+  chunk, of one length t for the round (the largest first `_chunks` size among them, a power of
+  two of at most MAX_PREFILL_CHUNK). Requests whose slot has room for t more entries share
+  forwards of at most the largest power of two <= max(1, max_prefill_tokens // t) rows, in
+  request order; a request too near the end of its cache runs alone with the first `_chunks`
+  size that fits. A row takes min(t, tokens left) real tokens.
+
+  Args:
+    lengths: tokens per request (each >= 1, and starts[i] + lengths[i] <= cache_len).
+    starts: the cache position of each request's slot before the call.
+    cache_len: cache entries per slot.
+    max_prefill_tokens: most tokens (rows x t) one forward takes.
+  Returns:
+    (request indices of the forward's rows, chunk length t) per forward, in execution order.
+  """
+  offsets, pos = [0] * len(lengths), list(starts)
+  forwards: list[tuple[list[int], int]] = []
+
+  def take(rows: list[int], t: int) -> None:
+    forwards.append((rows, t))
+    for i in rows:
+      step = min(t, lengths[i] - offsets[i])
+      offsets[i] += step
+      pos[i] += step
+
+  while live := [i for i in range(len(lengths)) if offsets[i] < lengths[i]]:
+    t = max(_chunks(lengths[i] - offsets[i], 0, cache_len)[0] for i in live)
+    group = [i for i in live if pos[i] + t <= cache_len]
+    # Rows per forward: the largest power of two within max_prefill_tokens (the forward pads the
+    # row count to a power of two), at least one.
+    per_forward = 1 << (max(1, max_prefill_tokens // t).bit_length() - 1)
+    for first in range(0, len(group), per_forward):
+      take(group[first : first + per_forward], t)
+    for i in live:
+      if i not in group:  # near the end of its cache: alone, with a chunk that fits
+        take([i], _chunks(lengths[i] - offsets[i], pos[i], cache_len)[0])
+  return forwards
+
+
 def check_token_ids(ids, vocab_size: int, what: str) -> np.ndarray:
   """`ids` as an int32 array after checking they are integers in [0, vocab_size).
 
@@ -220,6 +264,10 @@ class Engine:
     land at cache indices >= the slot's new position, which nothing attends to before they are
     overwritten.
 
+    Three steps: `_check_prefill` (every request is valid before any work), `prefill_schedule`
+    (which requests share which forward, at which chunk length) and `_prefill_forward` (one
+    batched forward).
+
     Args:
       requests: (slot, token ids, PRNG key) per request; slots distinct.
     Returns:
@@ -231,6 +279,39 @@ class Engine:
     """
     if not requests:
       return []
+    slots = [slot for slot, _, _ in requests]
+    ids_list = self._check_prefill(requests)
+    starts = [self.position(s) for s in slots]
+    # One key-length bucket for the whole call where the padding allows: a long prompt compiles
+    # one (chunk, bucket) shape rather than one per bucket it passes through.
+    kv_call = _kv_bucket(
+      max(p + len(x) for p, x in zip(starts, ids_list)), self.cache_len, PREFILL_MIN_KV
+    )
+    schedule = prefill_schedule(
+      [len(x) for x in ids_list], starts, self.cache_len, self.max_prefill_tokens
+    )
+    offsets = [0] * len(requests)
+    out: list[tuple[int, float] | None] = [None] * len(requests)
+    for rows, t in schedule:
+      pieces = [ids_list[i][offsets[i] : offsets[i] + t] for i in rows]
+      tok, logp = self._prefill_forward(
+        [slots[i] for i in rows], pieces, [requests[i][2] for i in rows], t, sampling, kv_call
+      )
+      for r, i in enumerate(rows):
+        offsets[i] += len(pieces[r])
+        if offsets[i] == len(ids_list[i]):  # its last chunk: the sample counts
+          out[i] = (int(tok[r]), float(logp[r]))
+    return out  # type: ignore[return-value]
+
+  def _check_prefill(self, requests: list[tuple[int, list[int], jax.Array]]) -> list[np.ndarray]:
+    """Validates every request of `prefill_many` before any work.
+
+    Returns:
+      Each request's token ids as a 1-D int32 array, in order.
+    Raises:
+      ValueError: a slot outside [0, num_slots) or repeated, an empty input, a token id that is
+        not an integer in [0, vocab_size), or more tokens than a slot has room for.
+    """
     slots = [slot for slot, _, _ in requests]
     for slot in slots:  # a negative index would alias slot B - 1 on the device
       if not 0 <= slot < self.num_slots:
@@ -247,59 +328,55 @@ class Engine:
         raise ValueError(
           f"slot {slot}: {self.position(slot)} + {n} tokens exceed cache {self.cache_len}"
         )
-    # One key-length bucket for the whole call where the padding allows: a long prompt compiles
-    # one (chunk, bucket) shape rather than one per bucket it passes through.
-    kv_call = _kv_bucket(
-      max(self.position(s) + len(x) for s, x in zip(slots, ids_list)),
-      self.cache_len,
-      PREFILL_MIN_KV,
+    return ids_list
+
+  def _prefill_forward(
+    self,
+    slots_r: list[int],
+    pieces_r: list[np.ndarray],
+    keys_r: list[jax.Array],
+    t: int,
+    sampling: SamplingParams,
+    min_kv_len: int,
+  ) -> tuple[np.ndarray, np.ndarray]:
+    """One batched forward: row r appends `pieces_r[r]` (1 to t int32 ids) to slot `slots_r[r]`
+    and samples that slot's next token with `keys_r[r]`.
+
+    Rows are padded to a power-of-two count with copies of row 0 (identical writes) and every
+    piece to length t, so few shapes compile. The forward attends to a key-length bucket of at
+    least `min_kv_len` entries, more if a row's new position needs it. Advances the slots' host
+    positions by their pieces' lengths.
+
+    Returns:
+      (tokens [R] int32, log-probs [R] float32) as numpy, one per real row; a row's sample is
+      meaningful only after its request's last piece.
+    """
+    rows = len(slots_r)
+    pad = (1 << (rows - 1).bit_length()) - rows
+    slots_p, pieces_p = slots_r + slots_r[:1] * pad, pieces_r + pieces_r[:1] * pad
+    keys_p = keys_r + keys_r[:1] * pad
+    chunk = np.zeros((len(slots_p), t), np.int32)
+    true_len = np.zeros((len(slots_p),), np.int32)
+    for r, piece in enumerate(pieces_p):
+      chunk[r, : len(piece)], true_len[r] = piece, len(piece)
+    slot_rows = np.array(slots_p, np.int32)
+    kv_len = max(
+      min_kv_len, _kv_bucket(int(self._pos[slot_rows].max()) + t, self.cache_len, PREFILL_MIN_KV)
     )
-    offsets = [0] * len(requests)
-    out: list[tuple[int, float] | None] = [None] * len(requests)
-
-    def run(rows: list[int], t: int) -> None:
-      padded = rows + [rows[0]] * ((1 << (len(rows) - 1).bit_length()) - len(rows))  # copies
-      chunk = np.zeros((len(padded), t), np.int32)
-      true_len = np.zeros((len(padded),), np.int32)
-      for r, i in enumerate(padded):
-        piece = ids_list[i][offsets[i] : offsets[i] + t]
-        chunk[r, : len(piece)], true_len[r] = piece, len(piece)
-      slot_rows = np.array([slots[i] for i in padded], np.int32)
-      kv_len = max(
-        kv_call, _kv_bucket(int(self._pos[slot_rows].max()) + t, self.cache_len, PREFILL_MIN_KV)
-      )
-      self.state, tok, logp = _prefill_rows(
-        self.graphdef,
-        self.params,
-        self.state,
-        jnp.asarray(slot_rows),
-        jnp.asarray(chunk),
-        jnp.asarray(true_len),
-        jnp.stack([requests[i][2] for i in padded]),
-        sampling,
-        kv_len,
-      )
-      tok, logp = np.asarray(tok), np.asarray(logp)
-      for r, i in enumerate(rows):
-        self._pos[slots[i]] += true_len[r]
-        offsets[i] += int(true_len[r])
-        if offsets[i] == len(ids_list[i]):  # its last chunk: the sample counts
-          out[i] = (int(tok[r]), float(logp[r]))
-
-    while live := [i for i in range(len(requests)) if offsets[i] < len(ids_list[i])]:
-      t = max(_chunks(len(ids_list[i]) - offsets[i], 0, self.cache_len)[0] for i in live)
-      group = [i for i in live if self._pos[slots[i]] + t <= self.cache_len]
-      # Rows per forward: the largest power of two within max_prefill_tokens (`run` pads the
-      # row count to a power of two), at least one.
-      rows = 1 << (max(1, self.max_prefill_tokens // t).bit_length() - 1)
-      for first in range(0, len(group), rows):
-        run(group[first : first + rows], t)
-      for i in live:
-        if i not in group:  # near the end of its cache: alone, with a chunk that fits
-          run(
-            [i], _chunks(len(ids_list[i]) - offsets[i], int(self._pos[slots[i]]), self.cache_len)[0]
-          )
-    return out  # type: ignore[return-value]
+    self.state, tok, logp = _prefill_rows(
+      self.graphdef,
+      self.params,
+      self.state,
+      jnp.asarray(slot_rows),
+      jnp.asarray(chunk),
+      jnp.asarray(true_len),
+      jnp.stack(keys_p),
+      sampling,
+      kv_len,
+    )
+    for r in range(rows):
+      self._pos[slots_r[r]] += true_len[r]
+    return np.asarray(tok)[:rows], np.asarray(logp)[:rows]
 
   def generate(
     self, active: np.ndarray, rng: jax.Array, sampling: SamplingParams

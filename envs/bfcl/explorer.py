@@ -85,9 +85,14 @@ class ExplorationContext:
 
 
 class Explorer(Protocol):
-  """Acts in fresh real environments for `context`; deterministic for a given rng state."""
+  """Acts in fresh real environments for `context`; deterministic for a given rng state.
+
+  `trace` holds the last `explore` call's every attempted step (run, action, observation, ok),
+  failed attempts included; empty when the explorer keeps only its triplets.
+  """
 
   name: str
+  trace: list[dict[str, Any]]
 
   def explore(self, context: ExplorationContext, rng: np.random.Generator) -> list[Triplet]: ...
 
@@ -106,6 +111,7 @@ class ProgrammaticExplorer:
   def __init__(self, p_free: float = 0.3, max_attempts: int = 4):
     self.p_free = p_free
     self.max_attempts = max_attempts
+    self.trace: list[dict[str, Any]] = []  # only triplets are kept (see Explorer)
 
   def _focus(self, context: ExplorationContext) -> list[ToolCall]:
     calls = []

@@ -150,7 +150,7 @@ def _explore_one(
   """
   triplets = explorer.explore(context, rng)
   if trace is not None:
-    steps = getattr(explorer, "trace", None) or [
+    steps = explorer.trace or [
       {"run": t.run_id, "action": t.action, "observation": t.observation[:400], "ok": True}
       for t in triplets
     ]

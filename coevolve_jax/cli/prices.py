@@ -1,10 +1,16 @@
-"""Accelerator facts and on-demand prices used by the memory planner and `bench compare`.
+"""Accelerator facts and on-demand prices used by the command-line tools and the launchers.
+
+Read by the device-memory planner (`cli.plan_device_memory`: HBM per chip), the benchmark
+(`cli.bench`: peak FLOP/s for MFU, prices for `compare`, the chip from JAX's device kind) and the
+cloud launchers (`tpu/vertex.py`: Vertex AI machine types; `tpu/launch.py` names the TPU software
+versions). Imported as `from coevolve_jax.cli import prices`: it is package data, so it works in
+any install, not only an editable one.
 
 Prices are on-demand list prices in US dollars per chip-hour (per GPU for GPU machine types: the
 machine's hourly price divided by its GPU count), us-central1, as recorded on `PRICES_AS_OF`
 from the Cloud TPU and Compute Engine GPU pricing pages. They change, differ by region, and
 exclude discounts (spot, committed use): check the pricing pages before relying on them, and edit
-this file or pass `--prices=FILE.json` (same structure as `CHIPS`) to `bench compare`.
+this file to change them.
 
 Peak FLOP/s are the vendors' dense bf16 figures per chip (Cloud TPU system-architecture pages;
 NVIDIA H100 / H200 SXM data sheets, without sparsity); model-FLOPs utilisation divides by them.

@@ -1,7 +1,9 @@
 """Throughput benchmark of the rollout engine and the GRPO step, and a cross-machine comparison.
 
-    python -m coevolve_jax.bench --config=configs/bfcl.py:cpu --out=docs/bench/cpu.json
-    python -m coevolve_jax.bench compare A.json B.json ... --report=docs/bench/report.md
+    python -m coevolve_jax.cli.bench --config=configs/bfcl.py:cpu \
+        --out=docs/benchmarks/bench/cpu.json
+    python -m coevolve_jax.cli.bench compare A.json B.json ... \
+        --report=docs/benchmarks/bench/report.md
 
 `bench` runs on whatever backend JAX finds (CPU, GPU, TPU; all local devices) with the config's
 model preset, dtype and mesh, random weights and random token ids (throughput does not depend on
@@ -20,11 +22,11 @@ al. 2022, appendix B, with causal attention counted over the keys actually atten
   token's logits are computed]; backward = 2 * forward. N_layers_params excludes the embedding
   (a gather) and the output projection, which is counted where logits are computed: at sampled
   positions in training, at the last prompt token in prefill, at every decoded token.
-MFU = model FLOP/s / (chips * vendor peak bf16 FLOP/s from configs/prices.py); "of matmul" uses
-the measured reference rate instead.
+MFU = model FLOP/s / (chips * vendor peak bf16 FLOP/s from coevolve_jax/cli/prices.py);
+"of matmul" uses the measured reference rate instead.
 
 `compare` writes a markdown table (and a PNG plot beside it) of tokens/s per chip and tokens per
-dollar, with the on-demand prices of configs/prices.py and their date.
+dollar, with the on-demand prices of coevolve_jax/cli/prices.py and their date.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -44,19 +47,22 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from coevolve_jax import memory
+from coevolve_jax.cli import prices as prices_lib
+
+if TYPE_CHECKING:
+  from coevolve_jax.models.qwen import QwenConfig
 
 SCHEMA = 1
 
 
-def model_flops(cfg, tokens: int, context: float, logits: int) -> float:
+def model_flops(cfg: QwenConfig, tokens: int, context: float, logits: int) -> float:
   """Forward model FLOPs for `tokens` tokens attending to `context` keys on average, with
   `logits` output projections. See the module docstring for the formula and its sources."""
   d, f, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
   nq, nk, h = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-  experts = getattr(cfg, "num_experts", 0) or 0
+  experts = cfg.num_experts
   if experts:  # Qwen3-MoE: router + the top-k experts each token uses
-    f = getattr(cfg, "moe_intermediate_size", f) * cfg.num_experts_per_tok
+    f = cfg.moe_intermediate_size * cfg.num_experts_per_tok
   per_layer = d * (nq + 2 * nk) * h + nq * h * d + 3 * d * f + (d * experts)
   dense = 2 * L * per_layer * tokens
   attention = 4 * L * nq * h * context * tokens
@@ -202,20 +208,17 @@ def run_bench(
     raise ValueError(
       "prompt_len, gen_len, train_rows, train_seq, repeats and matmul_n must be >= 1"
     )
-  from flax import nnx  # noqa: PLC0415
-  from coevolve_jax.models.qwen import Qwen, QwenConfig  # noqa: PLC0415
+  from coevolve_jax import models  # noqa: PLC0415
 
-  prices = memory.load_prices()
   dev = jax.devices()[0]
-  chip = chip or prices.chip_for_device_kind(dev.device_kind) or ""
-  facts = prices.chip(chip) if chip else None
+  chip = chip or prices_lib.chip_for_device_kind(dev.device_kind) or ""
+  facts = prices_lib.chip(chip) if chip else None
   dtype = jnp.dtype(cfg.model.dtype)
-  model_cfg = QwenConfig.preset(cfg.model.preset)
   mesh = _mesh(cfg)
-  model = Qwen(model_cfg, rngs=nnx.Rngs(0), dtype=dtype)
+  model = models.build(cfg.model, seed=0)  # the preset at random, or model.checkpoint
   matmul = _matmul_rate(matmul_n, dtype, repeats)
   rollout = _rollout(model, cfg, prompt_len, gen_len, repeats)
-  model = Qwen(model_cfg, rngs=nnx.Rngs(0), dtype=dtype)  # the trainer takes over its buffers
+  model = models.build(cfg.model, seed=0)  # a fresh copy: the trainer takes over its buffers
   train = _training(model, cfg, mesh, rows, seq, repeats)
   n = jax.device_count()
   train["devices"] = n if mesh is not None else 1
@@ -356,7 +359,7 @@ def compare(records: Sequence[dict], labels: Sequence[str], prices) -> tuple[str
     lines.append("| " + " | ".join(cells) + " |")
   notes = [
     f"Prices: on-demand list prices per chip-hour as of {prices.PRICES_AS_OF} "
-    "(configs/prices.py); tok/$ = tokens per chip-second * 3600 / price. Per chip = "
+    "(coevolve_jax/cli/prices.py); tok/$ = tokens per chip-second * 3600 / price. Per chip = "
     "over the chips the phase used (the rollout engine decodes on one device). "
     "train / matmul: training model FLOP/s over the dense matmul rate measured on the "
     "same device in the same run (the reference where no vendor peak is known)."
@@ -405,7 +408,7 @@ def _compare_main(paths: Sequence[str], report: str = "") -> int:
       return 2
     labels.append(os.path.splitext(os.path.basename(path))[0])
   try:
-    text, rows = compare(records, labels, memory.load_prices())
+    text, rows = compare(records, labels, prices_lib)
   except (ValueError, KeyError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -432,7 +435,9 @@ def _define_flags() -> None:
   flags.DEFINE_integer("train_rows", 8, "Sequences per GRPO update.")
   flags.DEFINE_integer("train_seq", 1024, "Tokens per training sequence.")
   flags.DEFINE_integer("matmul_n", 2048, "Size of the reference matmul.")
-  flags.DEFINE_string("chip", "", "Chip name of configs/prices.py (default: from the device kind).")
+  flags.DEFINE_string(
+    "chip", "", "Chip name of coevolve_jax/cli/prices.py (default: from the device kind)."
+  )
   flags.DEFINE_string("report", "", "compare: markdown file to write (and .png beside).")
 
 

@@ -7,8 +7,9 @@ JetStream's contract: `prefill(params=, existing_prefix=, padded_tokens=, true_l
 `google-jetstream` is importable, `JetStreamEngine` subclasses its `engine_api.Engine` and returns
 its `ResultTokens`; otherwise it stands alone with an equivalent `ResultTokens` of its own. It is
 never a hard dependency: the PyPI release pulls TensorFlow (seqio) and upstream was archived in
-January 2026. The agent loop and `generate` use the slot-level `Engine` (engine.py) directly; this
-adapter computes with the same jitted prefill / decode functions.
+January 2026. The agent loop and `generate` use the slot-level `Engine` (rollout/engine.py)
+directly and never import this module; this adapter computes with the same jitted prefill / decode
+functions.
 
 Per-token log-probs (JetStream 0.2.2 has no field for them) are in `DecodeState.logprobs` after
 each `generate` and in `Prefix.logprob` after a prefill.

@@ -1,7 +1,7 @@
 """Per-device memory plan for a model preset on a mesh, from shapes only (nothing is allocated).
 
-    python -m coevolve_jax.memory --preset=qwen3_4b --mesh=fsdp=8 --batch=64 --seq_len=4096 \
-        --num_slots=64 --cache_len=32768 --chip=v5p
+    python -m coevolve_jax.cli.plan_device_memory --preset=qwen3_4b --mesh=fsdp=8 --batch=64 \
+        --seq_len=4096 --num_slots=64 --cache_len=32768 --chip=v5p
 
 prints parameter, gradient, optimizer-state (AdamW m and v), reference-policy, activation and
 KV-cache memory per device, and whether the sum fits the chip's HBM. `--devices=8,16,32,...`
@@ -29,10 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import math
-import os
-import types
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -40,28 +37,12 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
 
+from coevolve_jax.cli import prices
 from coevolve_jax.models import sharding
 from coevolve_jax.models.qwen import KVCache, Qwen, QwenConfig
 from coevolve_jax.trainer import make_optimizer, token_logprobs
 
 GIB = 2**30
-PRICES_FILE = os.path.join(
-  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "prices.py"
-)
-
-
-def load_prices(path: str = PRICES_FILE) -> types.ModuleType:
-  """Loads the chip facts / prices module (`configs/prices.py` by default) from its file.
-
-  Raises:
-    FileNotFoundError: no such file.
-  """
-  spec = importlib.util.spec_from_file_location("coevolve_prices", path)
-  if spec is None or not os.path.exists(path):
-    raise FileNotFoundError(f"no prices file at {path}")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,7 +340,7 @@ def _define_flags() -> None:
   flags.DEFINE_integer("num_slots", 64, "Concurrent rollout episodes (global).")
   flags.DEFINE_integer("cache_len", 32768, "KV-cache tokens per episode.")
   flags.DEFINE_string("dtype", "bfloat16", "Parameter / activation / cache dtype.")
-  flags.DEFINE_string("chip", "", "Chip name from configs/prices.py (for the fits column).")
+  flags.DEFINE_string("chip", "", "Chip name of coevolve_jax/cli/prices.py (for the fits column).")
   flags.DEFINE_float("headroom", 0.9, "Share of HBM the plan may use.")
 
 
@@ -370,7 +351,7 @@ def main(argv: Sequence[str]) -> None:
   hbm = None
   try:
     if F.chip:
-      hbm = load_prices().chip(F.chip)["hbm_gib"]
+      hbm = prices.chip(F.chip)["hbm_gib"]
     base = parse_mesh(F.mesh)
   except (ValueError, KeyError) as e:
     raise app.UsageError(str(e)) from None

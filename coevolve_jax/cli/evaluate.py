@@ -1,6 +1,6 @@
 """Greedy BFCL multi-turn evaluation of a checkpoint.
 
-    python -m coevolve_jax.evaluate --config=configs/bfcl.py:cpu --checkpoint=PATH
+    python -m coevolve_jax.cli.evaluate --config=configs/bfcl.py:cpu --checkpoint=PATH
 
 runs one greedy episode per entry of multi_turn_base, multi_turn_miss_func, multi_turn_miss_param
 and multi_turn_long_context with BFCL's own loop semantics (an undecodable or call-free reply ends
@@ -17,7 +17,6 @@ multi_turn_base.
 
 from __future__ import annotations
 
-import collections
 import functools
 import json
 import os
@@ -28,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from envs.bfcl import env as bfcl
+from coevolve_jax.testing.replay_engine import ReplayEngine
 from coevolve_jax.types import Task
+from envs.bfcl import env as bfcl
 
 CATEGORIES = (
   "multi_turn_base",
@@ -37,88 +37,6 @@ CATEGORIES = (
   "multi_turn_miss_param",
   "multi_turn_long_context",
 )
-
-
-class ReplayEngine:
-  """A policy in the engine's slot interface that replies with each task's ground-truth calls.
-
-  Per user turn it emits one reply per ground-truth call (`<tool_call>` JSON via the chat
-  template's own formatting; several calls per reply only where a turn has more than 20), then a
-  closing reply without calls, which ends the turn. The episode
-  is identified by its first prompt (token ids), so the agent loop is used unchanged.
-
-  Args:
-    tasks: the tasks that will be run.
-    chat: the chat format (`prompt_ids`, `assistant_text`, `encode`, `im_end_id`).
-    make_env: `(task, episode_id) -> Env`, to render each task's first prompt.
-    num_slots: decode slots offered to the agent loop.
-    cache_len: tokens per slot.
-  Raises:
-    ToolCallError: a ground-truth call string that is not a plain literal call.
-  """
-
-  CLOSING_REPLY = "Done."
-
-  def __init__(
-    self, tasks: Sequence[Task], chat: Any, make_env, num_slots: int = 8, cache_len: int = 1 << 20
-  ):
-    self.num_slots, self.cache_len = num_slots, cache_len
-    self._scripts: dict[tuple[int, ...], list[list[list[int]]]] = collections.defaultdict(list)
-    for task in tasks:
-      env = make_env(task, "replay_probe")
-      try:
-        first = env.reset()
-        system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
-        prompt = chat.prompt_ids(system + first.messages, env.tools)
-      finally:
-        env.close()
-      self._scripts[tuple(prompt)].append(self._replies(task, chat))
-    self._closing = chat.encode(self.CLOSING_REPLY) + [chat.im_end_id]
-    self._pos = [0] * num_slots
-    self._queue: list[list[int]] = [[] for _ in range(num_slots)]
-    self._replies_left: list[list[list[int]]] = [[] for _ in range(num_slots)]
-
-  def _replies(self, task: Task, chat: Any) -> list[list[int]]:
-    replies = []
-    for turn in task.ground_truth:
-      calls = [bfcl.parse_call_string(c, task.involved_classes) for c in turn]
-      # One call per reply, unless the turn has more calls than the loop allows steps: then
-      # consecutive calls share a reply (a few long_context turns have 34 calls).
-      per_reply = -(-len(calls) // bfcl.MAX_STEPS_PER_TURN) if calls else 1
-      for i in range(0, len(calls), per_reply):
-        text = chat.assistant_text(
-          "", [{"name": c.name, "arguments": c.arguments} for c in calls[i : i + per_reply]]
-        )
-        replies.append(chat.encode(text) + [chat.im_end_id])
-      replies.append(chat.encode(self.CLOSING_REPLY) + [chat.im_end_id])
-    return replies
-
-  def reset_slot(self, slot: int) -> None:
-    self._pos[slot], self._queue[slot], self._replies_left[slot] = 0, [], []
-
-  def room(self, slot: int) -> int:
-    return self.cache_len - self._pos[slot]
-
-  def prefill(self, slot: int, ids: list[int], rng, sampling) -> tuple[int, float]:
-    del rng, sampling
-    if self._pos[slot] == 0:
-      self._replies_left[slot] = list(self._scripts[tuple(ids)].pop(0))
-    self._pos[slot] += len(ids)
-    # Past the end of the script (the loop wants more replies): reply without calls.
-    left = self._replies_left[slot]
-    self._queue[slot] = list(left.pop(0) if left else self._closing)
-    return self._queue[slot].pop(0), 0.0
-
-  def generate(self, active, rng, sampling) -> tuple[np.ndarray, np.ndarray]:
-    del rng, sampling
-    toks = np.zeros(self.num_slots, np.int32)
-    for s in np.flatnonzero(active):
-      toks[s] = self._queue[s].pop(0)
-      self._pos[s] += 1
-    return toks, np.zeros(self.num_slots, np.float32)
-
-  def load_params(self, model) -> None:
-    del model
 
 
 def make_eval_env(cfg, task: Task, episode_id: str):
@@ -192,25 +110,17 @@ def load_model(cfg, checkpoint: str):
     FileNotFoundError: the path does not exist or holds neither kind of checkpoint.
   """
   import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
   import orbax.checkpoint as ocp  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
 
-  from coevolve_jax.models import Qwen, QwenConfig  # noqa: PLC0415
+  from coevolve_jax import models  # noqa: PLC0415
 
   path = os.path.abspath(checkpoint)
   if not os.path.isdir(path):
     raise FileNotFoundError(f"--checkpoint={checkpoint}: no such folder")
-  dtype = jnp.dtype(cfg.model.dtype)
-  if os.path.exists(os.path.join(path, "config.json")):
-    try:
-      from coevolve_jax.models import from_pretrained  # noqa: PLC0415
-    except ImportError as e:
-      raise FileNotFoundError(
-        f"{path} is a Hugging Face folder, but this version has no "
-        f"coevolve_jax.models.from_pretrained to load it"
-      ) from e
-    return from_pretrained(path, dtype=dtype)
+  model_cfg = {"preset": cfg.model.preset, "dtype": cfg.model.dtype, "checkpoint": ""}
+  if os.path.exists(os.path.join(path, "config.json")):  # a Hugging Face folder
+    return models.build({**model_cfg, "checkpoint": path}, seed=0)
   ckpt_dir = (
     os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
   )
@@ -220,8 +130,7 @@ def load_model(cfg, checkpoint: str):
     raise FileNotFoundError(
       f"{path}: neither a Hugging Face folder (config.json) nor an orbax checkpoint folder"
     )
-  model = Qwen(QwenConfig.preset(cfg.model.preset), rngs=nnx.Rngs(0), dtype=dtype)
-  graphdef, params = nnx.split(model)
+  graphdef, params = nnx.split(models.build(model_cfg, seed=0))  # the structure to restore into
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, params)
   restored = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))
   mgr.close()
@@ -269,7 +178,12 @@ def run(
     start = time.perf_counter()
     if policy == "ground_truth":
       engine = ReplayEngine(
-        tasks, chat, functools.partial(make_eval_env, cfg), num_slots=cfg.rollout.num_slots
+        tasks,
+        chat,
+        functools.partial(make_eval_env, cfg),
+        num_slots=cfg.rollout.num_slots,
+        parse_call=bfcl.parse_call_string,
+        max_steps_per_turn=bfcl.MAX_STEPS_PER_TURN,
       )
     result = evaluate_category(engine, chat, tasks, cfg, max_new_tokens=max_new_tokens)
     result["wall_s"] = round(time.perf_counter() - start, 2)
