@@ -86,6 +86,16 @@ class EpisodeLimits:
   max_new_tokens: int = 4096  # per model reply
   max_model_steps: int = 30  # model replies per episode
 
+  @classmethod
+  def for_evaluation(
+    cls, tasks: Sequence[Task], max_new_tokens: int, max_steps_per_turn: int
+  ) -> EpisodeLimits:
+    """Limits that never cut an evaluation episode before its environment ends it: per user
+    turn, `max_steps_per_turn` steps plus the replies that close the turn (BFCL's official loop
+    has no episode-wide limit)."""
+    turns = max((len(t.turns) for t in tasks), default=1)
+    return cls(max_new_tokens, turns * (max_steps_per_turn + 2))
+
 
 @dataclasses.dataclass
 class _Episode:

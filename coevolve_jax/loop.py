@@ -210,7 +210,9 @@ class CoEvolveRun:
       self.engine,
       self.chat,
       functools.partial(self.suite.make_env, eval=True),
-      EpisodeLimits(cfg.eval.max_new_tokens, cfg.rollout.max_model_steps),
+      EpisodeLimits.for_evaluation(
+        self.eval_tasks, cfg.eval.max_new_tokens, cfg.eval.max_steps_per_turn
+      ),
     )
     self.sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
     self.ckpt = RunCheckpointer(os.path.join(self.workdir, "checkpoints"), cfg.checkpoint.keep)

@@ -124,7 +124,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict()
   c.eval.max_tasks = 50  # held-out tasks evaluated greedily before and after training
   c.eval.max_new_tokens = 4096
-  c.eval.max_steps_per_turn = 20
+  c.eval.max_steps_per_turn = 20  # executed steps per user turn in BFCL's own loop (BFCL: 20)
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 10

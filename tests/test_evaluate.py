@@ -15,6 +15,7 @@ from coevolve_jax.models import Qwen, QwenConfig
 from coevolve_jax.testing.replay_engine import ReplayEngine
 from coevolve_jax.types import Action, ToolCall
 from envs.bfcl import env as bfcl
+from envs.bfcl.suite import BfclSuite, make_episode
 
 
 _spec = importlib.util.spec_from_file_location(
@@ -26,7 +27,9 @@ _spec.loader.exec_module(bfcl_config)
 
 @pytest.fixture(scope="module")
 def cfg():
-  return bfcl_config.get_config("cpu")
+  c = bfcl_config.get_config("cpu")
+  c.eval.max_steps_per_turn = bfcl.MAX_STEPS_PER_TURN  # what the CLI sets by default
+  return c
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,7 @@ def _replay(tasks, chat, cfg, num_slots):
   return ReplayEngine(
     tasks,
     chat,
-    lambda t, e: evaluate.make_eval_env(cfg, t, e),
+    lambda t, e: make_episode(cfg, t, e, eval=True),
     num_slots,
     parse_call=bfcl.parse_call_string,
     max_steps_per_turn=bfcl.MAX_STEPS_PER_TURN,
@@ -83,7 +86,7 @@ def test_replay_with_a_short_token_limit_fails_like_a_model_would(cfg, chat, bas
 
 def test_official_loop_semantics(cfg, base_tasks):
   task = base_tasks[0]  # 4 user turns
-  env = evaluate.make_eval_env(cfg, task, "official")
+  env = make_episode(cfg, task, "official", eval=True)
   try:
     env.reset()
     # An undecodable reply ends the user turn (BFCL: "Proceed to next turn").
@@ -170,3 +173,24 @@ def test_missing_checkpoint_is_a_clear_error(cfg, tmp_path):
   os.makedirs(tmp_path / "empty")
   with pytest.raises(FileNotFoundError, match="neither a Hugging Face folder"):
     evaluate.load_model(cfg, str(tmp_path / "empty"))
+
+
+def test_the_runs_evaluation_uses_the_same_episodes_as_the_cli(tmp_path):
+  """eval_before / eval_after (the suite's eval envs) and the CLI share `make_episode(eval=True)`:
+  BFCL's own loop, with the run's eval.max_steps_per_turn; training episodes keep the training
+  semantics and rollout.max_steps_per_turn."""
+  c = bfcl_config.get_config("cpu")
+  suite = BfclSuite(c, str(tmp_path))
+  task = suite.eval_tasks[0]
+  evaluation, training = suite.make_env(task, "e", eval=True), suite.make_env(task, "t")
+  try:
+    assert evaluation.official_loop and evaluation.max_steps_per_turn == c.eval.max_steps_per_turn
+    assert not training.official_loop
+    assert training.max_steps_per_turn == c.rollout.max_steps_per_turn
+    evaluation.reset()
+    result = evaluation.step(Action(error="invalid JSON"))  # ends the user turn, as in BFCL
+    assert result.messages == [{"role": "user", "content": task.turns[1]}]
+  finally:
+    evaluation.close()
+    training.close()
+    suite.close()

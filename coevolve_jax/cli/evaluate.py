@@ -4,9 +4,12 @@
 
 runs one greedy episode per entry of multi_turn_base, multi_turn_miss_func, multi_turn_miss_param
 and multi_turn_long_context with BFCL's own loop semantics (an undecodable or call-free reply ends
-the user turn; more than 20 executed steps in a turn force-terminate the entry; an entry passes
-only if the official `multi_turn_checker` passes every turn), prints accuracy per category and
-writes the same, with per-entry rows, to JSON.
+the user turn; more than `--max_steps_per_turn` executed steps in a turn, 20 by default as in
+BFCL, force-terminate the entry; an entry passes only if the official `multi_turn_checker` passes
+every turn), prints accuracy per category and writes the same, with per-entry rows, to JSON. The
+episodes are the ones the training run's own `eval_before` / `eval_after` use
+(`envs.bfcl.suite.make_episode(eval=True)`); the run's evaluation only takes its step limit from
+`eval.max_steps_per_turn` and its entries from the held-out split of `data.category`.
 
 PATH is a run's orbax checkpoint folder (`<workdir>/checkpoints`, or the workdir itself; the model
 shape comes from `--config`) or a Hugging Face folder (`config.json` + safetensors).
@@ -30,6 +33,7 @@ import numpy as np
 from coevolve_jax.testing.replay_engine import ReplayEngine
 from coevolve_jax.types import Task
 from envs.bfcl import env as bfcl
+from envs.bfcl.suite import make_episode
 
 CATEGORIES = (
   "multi_turn_base",
@@ -39,27 +43,15 @@ CATEGORIES = (
 )
 
 
-def make_eval_env(cfg, task: Task, episode_id: str):
-  """A BFCL environment with the official loop semantics (and its 20-step limit per user turn)
-  and the config's prompt settings (tool_style, max_obs_chars)."""
-  return bfcl.make_env(
-    task,
-    episode_id,
-    max_obs_chars=cfg.data.max_obs_chars,
-    tool_style=cfg.data.tool_style,
-    max_steps_per_turn=bfcl.MAX_STEPS_PER_TURN,
-    official_loop=True,
-  )
-
-
 def evaluate_category(
   engine, chat, tasks: Sequence[Task], cfg, rng=None, max_new_tokens: int = 0
 ) -> dict[str, Any]:
   """Greedy episodes of `tasks` on `engine`; returns {"accuracy", "n", "entries": [...]}.
 
-  The official loop has no episode-wide step limit (only 20 executed steps per user turn, enforced
-  by the environment), so none is set here; replies are cut at `cfg.eval.max_new_tokens` tokens
-  and an episode that fills its KV cache (`cfg.rollout.cache_len`) fails with finish "context".
+  The official loop has no episode-wide step limit (only `cfg.eval.max_steps_per_turn` executed
+  steps per user turn, enforced by the environment), so none cuts an episode here; replies are
+  cut at `cfg.eval.max_new_tokens` tokens and an episode that fills its KV cache
+  (`cfg.rollout.cache_len`) fails with finish "context".
 
   Args:
     engine: a rollout `Engine` (or any object with its slot interface, e.g. `ReplayEngine`).
@@ -74,12 +66,13 @@ def evaluate_category(
   from coevolve_jax.agent import AgentRunner, EpisodeLimits  # noqa: PLC0415
   from coevolve_jax.rollout.sampling import SamplingParams  # noqa: PLC0415
 
-  most_steps = max((len(t.turns) for t in tasks), default=1) * (bfcl.MAX_STEPS_PER_TURN + 2)
   runner = AgentRunner(
     engine,
     chat,
-    functools.partial(make_eval_env, cfg),
-    EpisodeLimits(max_new_tokens or cfg.eval.max_new_tokens, most_steps),
+    functools.partial(make_episode, cfg, eval=True),
+    EpisodeLimits.for_evaluation(
+      tasks, max_new_tokens or cfg.eval.max_new_tokens, cfg.eval.max_steps_per_turn
+    ),
   )
   trajs = runner.run(
     [(t, i) for i, t in enumerate(tasks)],
@@ -180,10 +173,10 @@ def run(
       engine = ReplayEngine(
         tasks,
         chat,
-        functools.partial(make_eval_env, cfg),
+        functools.partial(make_episode, cfg, eval=True),
         num_slots=cfg.rollout.num_slots,
         parse_call=bfcl.parse_call_string,
-        max_steps_per_turn=bfcl.MAX_STEPS_PER_TURN,
+        max_steps_per_turn=cfg.eval.max_steps_per_turn,
       )
     result = evaluate_category(engine, chat, tasks, cfg, max_new_tokens=max_new_tokens)
     result["wall_s"] = round(time.perf_counter() - start, 2)
@@ -214,6 +207,8 @@ def main(argv: list[str]) -> int:
     print("error: --checkpoint is required with --policy=model", file=sys.stderr)
     return 2
   output = f.output or os.path.join(f.checkpoint or ".", "eval_bfcl.json")
+  cfg = cfg.copy_and_resolve_references()
+  cfg.eval.max_steps_per_turn = f.max_steps_per_turn  # BFCL's 20 unless asked otherwise
   try:
     run(cfg, f.checkpoint, f.categories, f.max_tasks, f.policy, output, f.max_new_tokens)
   except FileNotFoundError as e:
@@ -236,6 +231,12 @@ def _define_flags() -> None:
     ["model", "ground_truth"],
     "model: greedy decoding of the checkpoint; ground_truth: replay the "
     "ground-truth calls (harness check)",
+  )
+  flags.DEFINE_integer(
+    "max_steps_per_turn",
+    bfcl.MAX_STEPS_PER_TURN,
+    "executed steps per user turn before an entry is force-terminated (BFCL's limit is 20; "
+    "the in-loop evaluation uses the config's eval.max_steps_per_turn)",
   )
   flags.DEFINE_integer(
     "max_new_tokens",

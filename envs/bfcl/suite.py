@@ -46,6 +46,27 @@ def validate_config(cfg: Any) -> None:
   config.owner("data.tool_style", lambda: convert_doc({"name": "probe"}, style))
 
 
+def make_episode(cfg: Any, task: Task, episode_id: str, *, eval: bool = False) -> BfclEnv:
+  """A BFCL episode with the run config's prompt settings (`data.tool_style`,
+  `data.max_obs_chars`).
+
+  Training (`eval=False`): a reply that cannot be parsed gets an error observation and the turn
+  goes on; `rollout.max_steps_per_turn` model steps force-terminate the episode. Evaluation
+  (`eval=True`): BFCL's own loop (an undecodable or call-free reply ends the user turn; more than
+  `eval.max_steps_per_turn` executed steps in a turn force-terminate the entry; 20 is BFCL's
+  limit). The in-loop evaluation (`eval_before` / `eval_after`) and `coevolve_jax.cli.evaluate`
+  both use this.
+  """
+  return make_env(
+    task,
+    episode_id,
+    max_obs_chars=cfg.data.max_obs_chars,
+    tool_style=cfg.data.tool_style,
+    max_steps_per_turn=cfg.eval.max_steps_per_turn if eval else cfg.rollout.max_steps_per_turn,
+    official_loop=eval,
+  )
+
+
 class BfclSuite:
   """BFCL multi-turn behind `envs.base.Suite` (see the module docstring).
 
@@ -61,8 +82,7 @@ class BfclSuite:
     del workdir
     entries = load_bfcl_tasks(cfg.data.category)
     self.train_tasks, self.eval_tasks = split_tasks(entries, cfg.data.eval_size, cfg.seed)
-    self._env_args = {"max_obs_chars": cfg.data.max_obs_chars, "tool_style": cfg.data.tool_style}
-    self._max_steps = {False: cfg.rollout.max_steps_per_turn, True: cfg.eval.max_steps_per_turn}
+    self._cfg = cfg
     ex = cfg.explore
     self._d0_args = {
       "min_calls": ex.min_calls,
@@ -84,8 +104,8 @@ class BfclSuite:
     )
 
   def make_env(self, task: Task, episode_id: str, *, eval: bool = False) -> BfclEnv:
-    """A fresh BfclEnv (training loop semantics) with the training or evaluation step limit."""
-    return make_env(task, episode_id, **self._env_args, max_steps_per_turn=self._max_steps[eval])
+    """A fresh BfclEnv: training semantics, or BFCL's own loop for evaluation (`make_episode`)."""
+    return make_episode(self._cfg, task, episode_id, eval=eval)
 
   def initial_tasks(
     self, n: int, rng: np.random.Generator, llm: TextLLM | None
