@@ -3,7 +3,7 @@
 `validate(cfg)` checks the fields a run reads, once, before any work, and raises ValueError naming
 the first bad field (`rollout.group_size must be an int >= 2 ..., got 1`). Where the module that
 uses a field already checks it in a function of its own (signal kinds and feedback mode in
-`feedback.rounds.select_events`, the `signals` fields in `SignalTracker`, sampling in
+`feedback.rounds.check_selection`, the `signals` fields in `SignalTracker`, sampling in
 `SamplingParams`, the preset in `QwenConfig.preset`), that function is called and its message is
 prefixed with the field; accepted values are read from the owners' constants
 (`grpo.KL_ESTIMATORS`, `grpo.LOSS_AGGS`, `feedback.factory.EXPLORERS`, ...). The suite named by
@@ -38,7 +38,7 @@ def validate(cfg: Mapping[str, Any]) -> None:
   sampling through `SamplingParams` with temperature >= 0 and top_p in (0, 1]); train (steps,
   optimizer, the GRPO objective of `grpo.GRPOConfig.from_config`, and mini-/micro-batches that
   divide the step's tasks_per_step * group_size rollouts as `PolicyTrainer.grpo_epoch` splits
-  them); feedback (kinds and mode through `select_events`, max_contexts, every >= 1,
+  them); feedback (kinds and mode through `rounds.check_selection`, max_contexts, every >= 1,
   0 <= lag < every); eval; checkpoint; and the suite's own fields (`envs.validate_config`). File
   system and data (checkpoint folders, BFCL categories, AppWorld servers) are checked where they
   are opened, not here.
@@ -276,9 +276,8 @@ def _feedback(cfg: Mapping[str, Any]) -> None:
   kinds, mode = get(cfg, "feedback.kinds"), get(cfg, "feedback.mode")
   if not isinstance(kinds, (tuple, list)) or not all(isinstance(k, str) for k in kinds):
     fail("feedback.kinds", "must be a tuple of signal kinds", kinds)
-  rng = np.random.default_rng(0)
-  owner("feedback.kinds", lambda: rounds.select_events([], rng, 0, kinds=tuple(kinds)))
-  owner("feedback.mode", lambda: rounds.select_events([], rng, 0, mode=mode))
+  owner("feedback.kinds", lambda: rounds.check_selection(tuple(kinds), rounds.MODES[0]))
+  owner("feedback.mode", lambda: rounds.check_selection((), mode))
   int_at_least(cfg, "feedback.max_contexts", 0)
   every = int_at_least(cfg, "feedback.every", 1)
   lag = get(cfg, "feedback.lag")

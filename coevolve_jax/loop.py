@@ -188,23 +188,27 @@ class CoEvolveRun:
     self.tracker = SignalTracker.from_config(cfg.signals)
     model = models.build(cfg.model, seed=cfg.seed)
     self.gcfg = grpo.GRPOConfig.from_config(cfg.train)
-    tx = make_optimizer(cfg.train.lr, cfg.train.weight_decay, cfg.train.grad_clip)
+    tx = make_optimizer(
+      lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip
+    )
     self.trainer = PolicyTrainer(
       model, tx, self.gcfg, cfg.rollout.temperature, micro_batches=cfg.train.micro_batches
     )
     self._setup_feedback()
     self.engine = Engine(
       model,
-      cfg.rollout.num_slots,
-      cfg.rollout.cache_len,
-      jnp.dtype(cfg.model.dtype),
+      num_slots=cfg.rollout.num_slots,
+      cache_len=cfg.rollout.cache_len,
+      dtype=jnp.dtype(cfg.model.dtype),
       max_prefill_tokens=cfg.rollout.max_prefill_tokens,
     )
     self.runner = AgentRunner(
       self.engine,
       self.chat,
       self.suite.make_env,
-      EpisodeLimits(cfg.rollout.max_new_tokens, cfg.rollout.max_model_steps),
+      EpisodeLimits(
+        max_new_tokens=cfg.rollout.max_new_tokens, max_model_steps=cfg.rollout.max_model_steps
+      ),
     )
     self.eval_runner = AgentRunner(
       self.engine,
@@ -214,7 +218,9 @@ class CoEvolveRun:
         self.eval_tasks, cfg.eval.max_new_tokens, cfg.eval.max_steps_per_turn
       ),
     )
-    self.sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
+    self.sampling = SamplingParams(
+      temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p
+    )
     self.ckpt = RunCheckpointer(os.path.join(self.workdir, "checkpoints"), cfg.checkpoint.keep)
 
   def _setup_feedback(self) -> None:

@@ -35,6 +35,17 @@ class FeedbackReport:
   eval_similarity: dict[str, float] = dataclasses.field(default_factory=dict)  # added id -> max
 
 
+MODES = ("signals", "random")  # how a round picks its contexts (feedback.mode)
+
+
+def check_selection(kinds: tuple[str, ...], mode: str) -> None:
+  """Raises ValueError unless `mode` is one of MODES and every kind is a signal kind (KINDS)."""
+  if mode not in MODES:
+    raise ValueError(f"feedback mode must be one of {MODES}, got {mode!r}")
+  if unknown := set(kinds) - set(KINDS):
+    raise ValueError(f"unknown signal kinds {sorted(unknown)} (known: {KINDS})")
+
+
 def select_events(
   events: list[SignalEvent],
   rng: np.random.Generator,
@@ -56,10 +67,7 @@ def select_events(
   Raises:
     ValueError: an unknown mode or kind.
   """
-  if mode not in ("signals", "random"):
-    raise ValueError(f"feedback mode must be 'signals' or 'random', got {mode!r}")
-  if unknown := set(kinds) - set(KINDS):
-    raise ValueError(f"unknown signal kinds {sorted(unknown)} (known: {KINDS})")
+  check_selection(kinds, mode)
   if mode == "random":
     pool_tasks = list(pool_tasks)
     idx = rng.permutation(len(pool_tasks))[:max_contexts]
