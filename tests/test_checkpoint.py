@@ -4,7 +4,6 @@ resumed run's next step is bit-identical, and restoring onto another device coun
 import dataclasses
 import os
 import shutil
-import subprocess
 import sys
 
 import jax
@@ -19,6 +18,7 @@ from coevolve_jax.metrics import truncate_jsonl
 from coevolve_jax.models import Qwen, QwenConfig
 from coevolve_jax.trainer import PolicyTrainer, TrainState, make_batch, make_optimizer
 from coevolve_jax.types import Trajectory
+from host_devices import run_child
 
 
 def _state(scale):
@@ -223,16 +223,7 @@ def test_restore_onto_another_device_count_and_mesh(tmp_path):
   np.savez(
     tmp_path / "want.npz", *[np.asarray(x) for x in jax.tree.leaves((a.params, a.opt_state))]
   )
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-  proc = subprocess.run(
-    [sys.executable, __file__, "mesh", str(tmp_path)],
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  assert "mesh OK" in proc.stdout
+  run_child(__file__, "mesh", str(tmp_path))
 
 
 def _mesh_child(folder):

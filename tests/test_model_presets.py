@@ -6,8 +6,6 @@ The preset checks use `nnx.eval_shape`: nothing is allocated, so the 30B preset 
 """
 
 import functools
-import os
-import subprocess
 import sys
 from decimal import Decimal
 
@@ -22,6 +20,7 @@ from coevolve_jax import models
 from coevolve_jax.models import PRESETS, Qwen, QwenConfig, save_pretrained
 from coevolve_jax.models.qwen import count_params
 from coevolve_jax.models.sharding import LOGICAL_RULES, make_mesh
+from host_devices import run_child
 
 # Published counts, as printed in each model card ("Number of Parameters" and "... (Non-Embedding)";
 # non-embedding excludes the input embedding and an untied output head).
@@ -174,12 +173,7 @@ def test_build_on_a_mesh_places_parameters_with_the_unsharded_values(tiny_preset
 
 def test_build_on_eight_devices_shards_by_the_logical_rules():
   """`_mesh_child` in a fresh interpreter with 8 host devices."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-  proc = subprocess.run(
-    [sys.executable, __file__, "mesh"], env=env, capture_output=True, text=True, timeout=300
-  )
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  assert "mesh OK" in proc.stdout
+  run_child(__file__, "mesh")
 
 
 def _mesh_child():

@@ -1,7 +1,5 @@
 """Training batches and the jitted GRPO / SFT updates on a tiny random Qwen."""
 
-import os
-import subprocess
 import sys
 
 import jax
@@ -22,6 +20,7 @@ from coevolve_jax.trainer import (
   split_micro_batches,
 )
 from coevolve_jax.types import Trajectory
+from host_devices import run_child
 
 
 @pytest.fixture(scope="module")
@@ -379,12 +378,7 @@ def test_micro_batches_must_divide_rows(base_model):
 def test_sharded_step_on_eight_cpu_devices():
   """Runs `_sharded_child` in a fresh interpreter with 8 host devices (the main test process
   keeps its single device)."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-  proc = subprocess.run(
-    [sys.executable, __file__, "sharded"], env=env, capture_output=True, text=True, timeout=300
-  )
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  assert "sharded OK" in proc.stdout
+  run_child(__file__, "sharded")
 
 
 def _sharded_child():
