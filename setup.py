@@ -6,7 +6,7 @@
 bfcl-eval is deliberately NOT in install_requires: a normal install pulls ~6 GB (torch with CUDA and
 every vendor SDK) and its AST checker still fails to import. Its offline parts only need the small
 set listed under "bfcl-eval offline dependencies" below, so `make setup` installs bfcl-eval itself
-with `--no-deps` after this package (SPEC section 3).
+with `--no-deps` after this package (docs/design.md §3).
 
 Extras: `test` (pytest, torch CPU and transformers for parity tests, ruff, google-cloud-aiplatform
 for the Vertex AI job tests), `tpu` (jax[tpu]), `gpu` (jax[cuda12]), `cloud` (Vertex AI launcher).

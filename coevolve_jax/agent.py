@@ -78,7 +78,8 @@ class ChatFormat(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class EpisodeLimits:
-  """Per-episode limits (SPEC 1.1: 30 model steps, 4096 tokens per reply; over-limit = failure).
+  """Per-episode limits (docs/design.md §1.1): 30 model steps, 4096 tokens per reply; an episode
+  over a limit is a failure.
 
   Per-user-turn step limits belong to the environment (BFCL's official loop ends the episode).
   """

@@ -20,7 +20,7 @@ LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # 
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
-  """Objective settings (SPEC 1.1 defaults)."""
+  """Objective settings (the defaults of docs/design.md §1.1)."""
 
   clip_eps_low: float = 0.20
   clip_eps_high: float = 0.28

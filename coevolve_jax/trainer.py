@@ -146,7 +146,8 @@ def token_logprobs(
 def make_optimizer(
   lr: float | optax.Schedule, weight_decay: float, grad_clip: float
 ) -> optax.GradientTransformation:
-  """AdamW after global-norm gradient clipping (SPEC 1.1: constant lr; a schedule is accepted)."""
+  """AdamW after global-norm gradient clipping (docs/design.md §1.1: constant lr; a schedule is
+  accepted)."""
   return optax.chain(
     optax.clip_by_global_norm(grad_clip), optax.adamw(lr, weight_decay=weight_decay)
   )

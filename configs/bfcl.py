@@ -31,7 +31,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.explore = ml_collections.ConfigDict()
   c.explore.explorer = "programmatic"  # "programmatic" | "gemini" | "local"
   c.explore.d0_explorer = ""  # explorer for D0 ("" = explore.explorer)
-  c.explore.judge = True  # with an LLM explorer: agent attempt + LLM judge in validation (SPEC 1.3)
+  # With an LLM explorer: agent attempt + LLM judge in validation (docs/design.md §1.3).
+  c.explore.judge = True
   # Gemini (google-genai). Credentials only from GEMINI_API_KEY / GOOGLE_API_KEY or, with vertex,
   # application default credentials; never put a key in a config.
   c.explore.gemini = ml_collections.ConfigDict()
@@ -73,7 +74,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.signals.rare_theta_percent = 5.0  # theta
   c.signals.rare_min_total = 50  # N_min
   c.signals.pattern = "tool_sequence"  # or "ngram:N"
-  c.signals.success_threshold = 0.5  # a score >= this counts as solved (SPEC 1.1's 0.5)
+  c.signals.success_threshold = 0.5  # a score >= this counts as solved (docs/design.md §1.1: 0.5)
 
   c.warmstart = ml_collections.ConfigDict()
   c.warmstart.steps = 0  # supervised steps on validated D0 solutions before RL (0 = off)

@@ -2,11 +2,11 @@
 
     .venv/bin/python scripts/ablations.py --out docs/ablations --seeds 0
 
-Variants (paper Sec. 4 ablations; SPEC 1.1-1.3): the full loop, no forgetting / no boundary / no
-rare signal, random re-exploration (no signals), no validation, and GRPO only (no feedback
-rounds; the reference every other row is compared with, in the same invocation). Each variant
-is the CPU preset (`configs/bfcl.py:cpu`) with one switch changed, run in this process one after
-another (they share JAX's compilation cache), each in its own workdir under `--workdir`.
+Variants (paper Sec. 4 ablations; docs/design.md §1.1-1.3): the full loop, no forgetting / no
+boundary / no rare signal, random re-exploration (no signals), no validation, and GRPO only (no
+feedback rounds; the reference every other row is compared with, in the same invocation). Each
+variant is the CPU preset (`configs/bfcl.py:cpu`) with one switch changed, run in this process one
+after another (they share JAX's compilation cache), each in its own workdir under `--workdir`.
 
 Outputs: the record of the run (date, machine, exact command, table, links to the plots) written
 into the ablations document (`--doc`, default `--out` plus `.md`: `docs/ablations.md`) between its

@@ -146,7 +146,7 @@ def test_llm_round_summary_abstraction_judge_and_budget(data, monkeypatch):
     )
     assert result.llm_usage["requests"] == len(stub.requests) > 0
     systems = [r["body"]["systemInstruction"]["parts"][0]["text"] for r in stub.requests]
-    assert any(s.startswith("You analyse") for s in systems)  # SPEC 1.2 context summary
+    assert any(s.startswith("You analyse") for s in systems)  # docs/design.md §1.2 context summary
     assert result.tasks  # the stub's explorer calls list_users() etc., which succeed
     for task in result.tasks:
       assert task.provenance["explorer"] == "gemini:m"

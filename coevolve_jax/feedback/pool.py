@@ -1,5 +1,5 @@
-"""The growing task pool (SPEC 1.3-1.4): append-only JSON lines on disk, with leak and duplicate
-filtering.
+"""The growing task pool (docs/design.md §1.3-1.4): append-only JSON lines on disk, with leak
+and duplicate filtering.
 
 Every accepted task is appended as one O_APPEND write of its whole line followed by fsync, so a
 crash mid-round loses no task accepted before it; a torn last line (a crash during a write) is

@@ -60,8 +60,8 @@ def select_events(
   Args:
     events: the signal events since the last round.
     kinds: signal kinds used (the no-forgetting / no-boundary / no-rare ablations drop one).
-    mode: "signals" (SPEC 1.2) or "random": random re-exploration, no signals; contexts are pool
-      tasks drawn uniformly, explored unguided (signal None, no focus calls).
+    mode: "signals" (docs/design.md §1.2) or "random": random re-exploration, no signals;
+      contexts are pool tasks drawn uniformly, explored unguided (signal None, no focus calls).
     pool_tasks: the pool's tasks (only read in "random" mode).
 
   Raises:

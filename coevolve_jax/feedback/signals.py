@@ -1,4 +1,4 @@
-"""Signal extraction from a training step's rollouts (SPEC 1.1): forgetting, boundary, rare.
+"""Signal extraction from a step's rollouts (docs/design.md §1.1): forgetting, boundary, rare.
 
 Plain Python, host side. One `SignalTracker` lives for the whole run; `update` is called once per
 training step with that step's rollout records and returns the fired signals. Its state goes into
@@ -126,7 +126,7 @@ class SignalTracker:
     rare_theta_percent: theta; a pattern is rare when its share of all counts is < theta / 100.
     rare_min_total: N_min; no rare signal fires before the total count N reaches it.
     pattern: "tool_sequence" (default) or "ngram:N".
-    success_threshold: t, the 0.5 of SPEC 1.1.
+    success_threshold: t, the 0.5 of docs/design.md §1.1.
 
   Raises:
     ValueError: invalid arguments.

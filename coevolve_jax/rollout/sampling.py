@@ -3,7 +3,8 @@
 The log-prob of a sampled token is taken under the distribution it was actually drawn from:
 softmax(logits / T) restricted to the tokens top-k and top-p keep, renormalised over them. The same
 function, `processed_logprobs`, scores given tokens, so a trainer that recomputes log-probs with it
-gets the sampler's numbers (SPEC 2: trainer and sampler compute the same log-probs).
+gets the sampler's numbers (trainer and sampler must compute the same log-probs for the same
+tokens; docs/design.md §5).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 AppWorld (`appworld==0.1.3.post1`) pins pydantic < 2, which conflicts with this project's
 environment, so it runs in its own virtual environment as HTTP servers and we talk to them over
-loopback HTTP (SPEC section 3). A CoEvolve run starts and stops its own servers
+loopback HTTP (docs/design.md §3). A CoEvolve run starts and stops its own servers
 (envs/appworld/server.py, envs/appworld/suite.py); `check_available(cfg)` is for servers started
 by hand (`cfg.appworld.server_urls`) and fails fast, with the exact setup steps, when a server does
 not answer or the official data is missing. Its data checks are reused by

@@ -1,4 +1,5 @@
-"""Stage 3a (SPEC 1.3): abstract exploration triplets into an executable Task, by template (no LLM).
+"""Stage 3a (docs/design.md §1.3): abstract exploration triplets into an executable Task, by
+template (no LLM).
 
 Picks the longest successful run, reduces it to a minimal call sequence (drops calls that change no
 state and whose output no later call uses; verified by replay, else the contiguous run is kept),

@@ -1,4 +1,4 @@
-"""Stage 2 (SPEC 1.2): signal-guided re-exploration of the real environment.
+"""Stage 2 (docs/design.md §1.2): signal-guided re-exploration of the real environment.
 
 An Explorer acts in fresh backend instances for an ExplorationContext and returns (action,
 observation, run id) triplets. `ProgrammaticExplorer` needs no LLM: it samples valid calls from the
@@ -65,8 +65,8 @@ class ExplorationContext:
     initial_config / involved_classes: the BFCL environment state.
     signal: None (unguided), "forgetting", "boundary" or "rare".
     focus_calls: call strings from the marked trajectory or the task's ground truth.
-    summary: SPEC 1.2 context with keys SUMMARY_KEYS (by the LLM when one is configured, else
-      from a template).
+    summary: docs/design.md §1.2 context with keys SUMMARY_KEYS (by the LLM when one is
+      configured, else from a template).
     rounds: independent runs, each in a fresh backend. steps_per_round: call attempts per run.
   """
 

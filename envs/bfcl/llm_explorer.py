@@ -1,11 +1,13 @@
-"""LLM-driven stages of the feedback loop (SPEC 1.2-1.3), for any `TextLLM` (Gemini or local).
+"""LLM-driven stages of the feedback loop (docs/design.md §1.2-1.3), for any `TextLLM` (Gemini
+or local).
 
-* `summarize_with_llm`: condenses a marked trajectory into the SPEC 1.2 JSON context.
+* `summarize_with_llm`: condenses a marked trajectory into the JSON context of docs/design.md §1.2.
 * `LLMExplorer`: acts in fresh real backends, one call per step, under the signal's guidance text.
 * `abstract_with_llm`: picks a minimal call sequence from one exploration run and writes the
   user query (the calls stay the executed ones, so the task keeps an executable evaluator).
-* `attempt_and_judge`: the SPEC 1.3 validation: an agent attempts the query with the ground-truth
-  calls as hints; accepted when the official checker gives reward 1 or the LLM judge says success.
+* `attempt_and_judge`: the validation of docs/design.md §1.3: an agent attempts the query with
+  the ground-truth calls as hints; accepted when the official checker gives reward 1 or the LLM
+  judge says success.
 
 Model-written calls never reach `eval`: every reply is parsed as JSON into a `ToolCall`, checked
 against the tool schema and rebuilt by `call_to_string` before BFCL executes it.
@@ -77,7 +79,7 @@ def summarize_with_llm(
   reward: float,
   fallback: dict[str, Any],
 ) -> dict[str, Any]:
-  """The SPEC 1.2 context for one marked trajectory, by `llm`; `fallback` when it fails.
+  """The docs/design.md §1.2 context for one marked trajectory, by `llm`; `fallback` if it fails.
 
   Returns:
     dict with SUMMARY_KEYS plus "by": "llm" or "template".
@@ -292,7 +294,8 @@ def abstract_with_llm(
 
 
 def attempt_and_judge(llm: TextLLM, task: Task, max_steps: int = 12) -> tuple[bool, dict[str, Any]]:
-  """SPEC 1.3 validation: an LLM agent attempts `task` with its calls as hints, then is judged.
+  """Validation (docs/design.md §1.3): an LLM agent attempts `task` with its calls as hints, then
+  is judged.
 
   The agent acts turn by turn in a fresh backend (one JSON call per step, {"stop": true} ends the
   turn). Accepted when the official BFCL checker scores the attempt 1.0, else when the LLM judge

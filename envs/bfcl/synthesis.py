@@ -43,7 +43,7 @@ def make_explorer(llm: TextLLM | None) -> Explorer:
 
 
 def summarize_event(event: SignalEvent) -> tuple[dict[str, Any], list[str]]:
-  """Template context summary (SPEC 1.2 keys) and the focus calls for one event."""
+  """Template context summary (docs/design.md §1.2 keys) and the focus calls for one event."""
   agent_calls = [c for turn in event.calls for c in turn]
   truth = [c for turn in event.task.ground_truth for c in turn]
   if event.signal is None:  # random re-exploration: unguided, no focus
@@ -67,14 +67,15 @@ def summarize_event(event: SignalEvent) -> tuple[dict[str, Any], list[str]]:
 
 @dataclasses.dataclass(frozen=True)
 class SynthesisSettings:
-  """How one context becomes a task (SPEC 1.2-1.3); every field is a config value.
+  """How one context becomes a task (docs/design.md §1.2-1.3); every field is a config value.
 
   Attributes:
     min_calls / max_calls: bounds on a task's ground-truth length (calls).
     max_turns: user turns per template-abstracted task.
     rounds / steps_per_round: exploration runs per context and call attempts per run.
     validate: validation by execution (and judge); False only for the no-validation ablation.
-    judge: with an LLM, also let an agent attempt the task and an LLM judge it (SPEC 1.3).
+    judge: with an LLM, also let an agent attempt the task and an LLM judge it
+      (docs/design.md §1.3).
   """
 
   min_calls: int = 3
@@ -141,7 +142,7 @@ def _explore_one(
 ) -> tuple[Task | None, str]:
   """Explore -> abstract -> validate one context; returns (accepted task or None, reason).
 
-  Acceptance (SPEC 1.3, plus an executable evaluator): the ground truth must replay, be
+  Acceptance (docs/design.md §1.3, plus an executable evaluator): the ground truth must replay, be
   deterministic and pass the official checker (`validate_task`); with an LLM and
   `settings.judge`, an agent attempt must then score 1.0 with the checker or be judged a success.
 
@@ -205,7 +206,8 @@ def build_initial_tasks(
       (chosen at random; the task then offers only those classes' tools, a shorter prompt).
     only_classes: if set, explore only these backend classes (entries without any are skipped).
     counts: if given, filled with "attempted", "abstracted", "accepted", "rejected".
-    llm: if given, abstraction and judge by this LLM (SPEC 1.3); else template + execution.
+    llm: if given, abstraction and judge by this LLM (docs/design.md §1.3); else template +
+      execution.
 
   Returns:
     Accepted tasks with ids "d0-00000", ... and source "explore".

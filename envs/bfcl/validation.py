@@ -1,11 +1,11 @@
-"""Stage 3b (SPEC 1.3): execution-based validation of a synthesized task.
+"""Stage 3b (docs/design.md §1.3): execution-based validation of a synthesized task.
 
 A task is accepted when (1) it has >= min_calls ground-truth calls, each a safe call of the task's
 tools (re-parsed and rebuilt by call_to_string), (2) every call succeeds when replayed from the
 initial state in a fresh backend, (3) two replays reach the same final state (determinism), and (4)
 the official BFCL multi-turn checker scores the ground truth itself as valid.
-With an LLM configured, the controller then also runs SPEC 1.3's agent attempt plus judge
-(`llm_explorer.attempt_and_judge`).
+With an LLM configured, the controller then also runs the agent attempt plus judge of
+docs/design.md §1.3 (`llm_explorer.attempt_and_judge`).
 """
 
 from __future__ import annotations
