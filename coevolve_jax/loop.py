@@ -232,6 +232,7 @@ class CoEvolveRun:
       self.llm if d0_kind == ex.explorer else factory.make_llm(d0_kind, ex, self._policy_snapshot)
     )
     self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="feedback")
+    self.journal = rounds.RoundJournal(os.path.join(self.workdir, "rounds"))
 
   def _policy_snapshot(self):
     """A copy of the current policy (the trainer donates its own buffers at every step)."""
@@ -356,7 +357,14 @@ class CoEvolveRun:
 
   def _submit(self, round_: RoundInFlight) -> None:
     """Hands the round to the suite's synthesis: in the worker thread, or here when not
-    `feedback.concurrent`."""
+    `feedback.concurrent`. A round this run committed before a kill is not synthesized again:
+    its recorded result is reused (`RoundJournal`), so its tasks keep their ids and content."""
+    recorded = self.journal.load(round_.round_idx, rounds.events_digest(round_.events))
+    if recorded is not None:
+      round_.future = concurrent.futures.Future()
+      round_.future.set_result(recorded)
+      self.state.pending = round_
+      return
     if self.llm is not None:
       self.llm.refresh()  # the local explorer serves the policy as of this step
     args = (round_.events, self._round_rngs(round_.round_idx)[1], round_.round_idx, self.llm)
@@ -373,6 +381,7 @@ class CoEvolveRun:
     start = time.perf_counter()
     result = pending.future.result()
     wait_s = time.perf_counter() - start
+    self.journal.save(result, rounds.events_digest(pending.events))  # before the pool sees it
     report = rounds.commit_round(result, self.pool, self.eval_split)
     s = self.state
     s.tasks_synthesized += report.synthesized
@@ -462,6 +471,8 @@ class CoEvolveRun:
     )
     if moved:
       print(f"task pool: {moved} tasks from after the checkpoint moved to pool.jsonl.rolled-back")
+    if restored is None:
+      self.journal.clear()  # a fresh start: no round of an earlier run may be reused
     truncate_jsonl(os.path.join(self.workdir, "feedback.jsonl"), step)
     truncate_jsonl(os.path.join(self.workdir, "exploration.jsonl"), step)
     self.metrics = MetricsWriter(self.workdir, step)

@@ -7,10 +7,13 @@ GRPO, feedback round, orbax checkpoints, summary), then checks resume and comple
 import importlib.util
 import json
 import os
+import uuid
 
 import pytest
 
 from coevolve_jax.loop import CoEvolveRun, RunError
+from coevolve_jax.feedback.rounds import RoundResult
+from coevolve_jax.types import Task
 from envs.bfcl.suite import BfclSuite
 
 _CONFIG = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "bfcl.py")
@@ -104,3 +107,65 @@ def test_an_empty_d0_pool_stops_with_a_clear_error(tmp_path, monkeypatch):
   monkeypatch.setattr(BfclSuite, "initial_tasks", lambda self, n, rng, llm: ([], {"accepted": 0}))
   with pytest.raises(RunError, match="task pool empty"):
     CoEvolveRun(small_config(), str(tmp_path / "run")).fit()
+
+
+def _unrepeatable_round(self, events, rng, round_idx, llm):
+  """A round whose tasks never repeat (like an LLM explorer sampling at temperature > 0): each
+  task's query is fresh random words; its ground truth is its context task's."""
+  del self, rng, llm
+  tasks = [
+    Task(
+      task_id=f"syn-r{round_idx}-{k:04d}",
+      env="bfcl",
+      turns=[" ".join(uuid.uuid4().hex for _ in range(8))],
+      ground_truth=e.task.ground_truth,
+      initial_config=e.task.initial_config,
+      involved_classes=e.task.involved_classes,
+      source="synth",
+      provenance={"signal": e.signal, "round": round_idx},
+    )
+    for k, e in enumerate(events)
+  ]
+  n = len(tasks)
+  counts = {"unguided": {"events": n, "synthesized": n, "validated": n}}
+  return RoundResult(round_idx, tasks, n, counts, [], [])
+
+
+@pytest.mark.timeout(600)
+def test_a_round_committed_before_a_kill_keeps_its_tasks_on_resume(tmp_path, monkeypatch):
+  """Run 1 commits round 1 after step 3 and dies writing the step-3 checkpoint; run 2 resumes
+  from step 2 with the round in flight. The round is not synthesized again: its tasks come back
+  under the same ids with the same content, and no task id names two tasks."""
+  monkeypatch.setattr(BfclSuite, "synthesize_round", _unrepeatable_round)
+  workdir = str(tmp_path / "run")
+
+  def config():
+    cfg = small_config()
+    cfg.train.steps, cfg.checkpoint.every = 3, 2
+    cfg.feedback.every, cfg.feedback.lag, cfg.feedback.mode = 2, 1, "random"
+    return cfg
+
+  real_save = CoEvolveRun._save
+
+  def dies_saving_step_3(self, step):
+    if step == 3:
+      raise KeyboardInterrupt("killed while writing the step-3 checkpoint")
+    real_save(self, step)
+
+  monkeypatch.setattr(CoEvolveRun, "_save", dies_saving_step_3)
+  with pytest.raises(KeyboardInterrupt):
+    CoEvolveRun(config(), workdir).fit()
+  pool_path = os.path.join(workdir, "pool.jsonl")
+  with open(pool_path) as f:
+    first = [json.loads(line) for line in f if '"synth"' in line]
+  assert first, "round 1 committed nothing: the comparison would be empty"
+
+  monkeypatch.setattr(CoEvolveRun, "_save", real_save)
+  summary = CoEvolveRun(config(), workdir).fit()
+  assert summary["resumed_from_step"] == 2 and summary["steps"] == 3
+  with open(pool_path) as f:
+    pool = [json.loads(line) for line in f]
+  ids = [t["task_id"] for t in pool]
+  assert len(ids) == len(set(ids))
+  for task in first:
+    assert task in pool, task["task_id"]

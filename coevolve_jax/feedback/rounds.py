@@ -10,7 +10,10 @@ accepted tasks. Nothing here knows a benchmark: suites under `envs/` implement t
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
+import os
 from typing import Any
 
 import numpy as np
@@ -88,6 +91,81 @@ class RoundResult:
   trace: list[dict[str, Any]]
   llm_usage: dict[str, int] | None = None
   wall_s: float = 0.0
+
+  def to_json(self) -> dict[str, Any]:
+    d = dataclasses.asdict(self)
+    d["tasks"] = [json.loads(t.to_json()) for t in self.tasks]
+    return d
+
+  @classmethod
+  def from_json(cls, d: dict[str, Any]) -> RoundResult:
+    return cls(
+      **{
+        **d,
+        "tasks": [Task.from_dict(t) for t in d["tasks"]],
+        "rejected": [tuple(r) for r in d["rejected"]],
+      }
+    )
+
+
+def events_digest(events: list[SignalEvent]) -> str:
+  """A fingerprint of a round's selected contexts (what its synthesis was asked to explore)."""
+  text = json.dumps([e.to_dict() for e in events], sort_keys=True, ensure_ascii=False)
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+class RoundJournal:
+  """Each committed round's result on disk, so that a resumed run redoes it exactly.
+
+  A round's synthesis may not repeat (an LLM explorer samples; a remote model changes), but its
+  tasks join the pool under ids like `syn-r1-0002`. A run killed after a round's commit and before
+  the next checkpoint resumes from that checkpoint and commits the round again: it then reuses
+  the recorded result instead of synthesizing anew, so a task id never names two tasks. A record
+  is used only for the same round with the same selected contexts (`events_digest`).
+
+  Files: `<directory>/round-<idx>.json`, written atomically (temp file, fsync, rename).
+  """
+
+  def __init__(self, directory: str):
+    self.directory = directory
+
+  def _path(self, round_idx: int) -> str:
+    return os.path.join(self.directory, f"round-{round_idx:05d}.json")
+
+  def save(self, result: RoundResult, digest: str) -> None:
+    """Records `result` for the round whose contexts have fingerprint `digest`."""
+    os.makedirs(self.directory, exist_ok=True)
+    path = self._path(result.round_idx)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump({"events_digest": digest, "result": result.to_json()}, f, ensure_ascii=False)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+  def load(self, round_idx: int, digest: str) -> RoundResult | None:
+    """The recorded result of round `round_idx`, if one exists for the same contexts."""
+    try:
+      with open(self._path(round_idx), encoding="utf-8") as f:
+        record = json.load(f)
+    except FileNotFoundError:
+      return None
+    except (OSError, ValueError) as e:  # a torn or unreadable record: synthesize again
+      log.warning("round %d: ignoring the unreadable record %s (%s)", round_idx, f.name, e)
+      return None
+    if record.get("events_digest") != digest:
+      log.warning(
+        "round %d: the record's contexts differ from this run's; synthesizing again", round_idx
+      )
+      return None
+    return RoundResult.from_json(record["result"])
+
+  def clear(self) -> None:
+    """Removes every record (a fresh start)."""
+    if os.path.isdir(self.directory):
+      for name in os.listdir(self.directory):
+        if name.startswith("round-"):
+          os.remove(os.path.join(self.directory, name))
 
 
 def commit_round(result: RoundResult, pool: TaskPool, eval_tasks: list[Task]) -> FeedbackReport:
