@@ -3,11 +3,18 @@ result, pool untouched until commit), provenance, per-round logs, token budget, 
 
 import concurrent.futures
 import dataclasses
+import os
 
 import numpy as np
 import pytest
 
-from coevolve_jax.feedback.rounds import commit_round, select_events
+from coevolve_jax.feedback.rounds import (
+  RoundJournal,
+  RoundResult,
+  commit_round,
+  events_digest,
+  select_events,
+)
 from coevolve_jax.feedback.signals import SignalEvent
 from coevolve_jax.testing.gemini_stub import GeminiStub
 from envs.bfcl import synthesis as controller
@@ -167,3 +174,20 @@ def test_llm_round_summary_abstraction_judge_and_budget(data, monkeypatch):
     )
     assert len(stub.requests) - n == 2 and cut.llm_usage == {"tokens": 30, "requests": 2}
     assert cut.tasks == []  # the budget ran out inside the first context
+
+
+def test_round_journal_reuses_a_record_only_for_the_same_contexts(tmp_path):
+  task = load_bfcl_tasks("multi_turn_base")[0]
+  events = [SignalEvent(task, "rare", [["ls()"]], 0.0)]
+  result = RoundResult(3, [task], 1, {"rare": {"events": 1}}, [("syn-r3-0001", "why")], [{"a": 1}])
+  journal = RoundJournal(str(tmp_path / "rounds"))
+  journal.save(result, events_digest(events))
+  again = journal.load(3, events_digest(events))
+  assert again == result and again.rejected == [("syn-r3-0001", "why")]
+  other = [SignalEvent(task, "boundary", [["ls()"]], 1.0)]
+  assert journal.load(3, events_digest(other)) is None  # other contexts: synthesize anew
+  assert journal.load(4, events_digest(events)) is None
+  (tmp_path / "rounds" / "round-00003.json").write_text('{"events_digest": "')  # torn write
+  assert journal.load(3, events_digest(events)) is None
+  journal.clear()
+  assert not os.listdir(tmp_path / "rounds")
