@@ -297,14 +297,32 @@ class AgentRunner:
 
 class QwenChat:
   """The chat format the agent loop uses (`ChatFormat`): Qwen template, tokenizer and tool-call
-  parser."""
+  parser.
 
-  def __init__(self, enable_thinking: bool | None = False):
+  Args:
+    enable_thinking: as in `chat.render` (False: the generation prompt closes an empty think
+      block).
+    max_call_chars: the longest JSON text of one tool call, in characters, that
+      `parse_tool_calls` accepts (a run passes `data.max_call_chars`); longer calls become parse
+      errors. Default `chat.DEFAULT_MAX_CALL_CHARS`.
+
+  Raises:
+    ValueError: `max_call_chars` is not an int >= 1.
+  """
+
+  def __init__(self, enable_thinking: bool | None = False, max_call_chars: int | None = None):
     from coevolve_jax import chat as chat_lib  # noqa: PLC0415
     from coevolve_jax.tokenizer import get_tokenizer  # noqa: PLC0415
 
+    if max_call_chars is None:
+      max_call_chars = chat_lib.DEFAULT_MAX_CALL_CHARS
+    if (
+      isinstance(max_call_chars, bool) or not isinstance(max_call_chars, int) or max_call_chars < 1
+    ):
+      raise ValueError(f"max_call_chars must be an int >= 1, got {max_call_chars!r}")
     self._chat, self._tok = chat_lib, get_tokenizer()
     self.enable_thinking = enable_thinking
+    self.max_call_chars = max_call_chars
     self.im_end_id = self._tok.im_end_id
     self.vocab_size = self._tok.vocab_size
 
@@ -318,7 +336,9 @@ class QwenChat:
     return self._chat.assistant_text(content, tool_calls)
 
   def parse_tool_calls(self, text: str, truncated: bool = False) -> Action:
-    return self._chat.parse_tool_calls(text, truncated=truncated)
+    return self._chat.parse_tool_calls(
+      text, truncated=truncated, max_call_chars=self.max_call_chars
+    )
 
   def encode(self, text: str) -> list[int]:
     return self._tok.encode(text)

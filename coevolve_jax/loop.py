@@ -178,7 +178,7 @@ class CoEvolveRun:
 
   def _setup(self) -> None:
     cfg = self.cfg
-    self.chat = QwenChat(enable_thinking=False)
+    self.chat = QwenChat(enable_thinking=False, max_call_chars=cfg.data.max_call_chars)
     self.suite = make_suite(cfg, self.workdir)  # the benchmark (envs/<name>/suite.py)
     self.eval_split = list(self.suite.eval_tasks)
     self.eval_tasks = self.eval_split[: cfg.eval.max_tasks]

@@ -110,8 +110,9 @@ def test_malformed_and_code_like_replies_become_error_observations(entries):
   bad = [
     '<tool_call>\n{"name": "ls", "arguments": {"a": tru}\n</tool_call>',  # malformed JSON
     '<tool_call>\n{"name": "__import__(\'os\').system", "arguments": {}}\n</tool_call>',
-    '<tool_call>\n{"name": "ls", "arguments": {"a": true}}',
-  ]  # no closing tag
+    '<tool_call>\n{"name": "ls", "arguments": {"a": true}}',  # no closing tag
+    '<tool_call>\n{"name": "cd", "arguments": {"folder": "a", "folder": "b"}}\n</tool_call>',
+  ]
   env = _make_env(task, "probe")
   first = env.reset()
   prompt = chat.prompt_ids(
@@ -125,10 +126,12 @@ def test_malformed_and_code_like_replies_become_error_observations(entries):
   runner = AgentRunner(engine, chat, _make_env, EpisodeLimits(4096, 50))
   (traj,) = runner.run([(task, 0)], SamplingParams(0.0), rng=jax.random.key(0))
   assert traj.finish == "done" and traj.reward == 0.0
-  assert traj.parse_errors == 2  # malformed JSON, unclosed block
+  assert traj.parse_errors == 3  # malformed JSON, unclosed block, a repeated key
   observations = chat.decode(traj.token_ids[traj.prompt_len :])
   assert "invalid JSON" in observations
   assert "invalid tool call" in observations or "unknown tool" in observations
+  assert "duplicate key 'folder'" in observations
+  assert traj.calls == [[] for _ in task.turns]  # none of them ran
 
 
 def _first_prompt(chat, task, make_env=_make_env):

@@ -335,3 +335,176 @@ def test_parse_roundtrip_of_rendered_call():
     ToolCall("cd", {"folder": "document"}),
     ToolCall("mv", {"source": "a.txt", "destination": "b/"}),
   ]
+
+
+# ------------------------------------------------------------------ tags and keys inside call JSON
+
+
+@pytest.mark.parametrize(
+  "tag", ["</tool_call>", "<tool_call>", "</think>", "<think>", "<|im_end|>"]
+)
+def test_parse_tag_inside_a_string_argument_is_argument_text(tag):
+  """The JSON is decoded, not cut at the next tag: the issue's input is one call."""
+  text = (
+    '<tool_call>{"name": "echo", "arguments": {"content": "x ' + tag + ' y"}}</tool_call>'
+    '<tool_call>{"name": "cd", "arguments": {"folder": "' + tag + '"}}</tool_call>'
+  )
+  a = chat.parse_tool_calls(text)
+  assert a.error is None, a.error
+  assert a.tool_calls == [
+    ToolCall("echo", {"content": f"x {tag} y"}),
+    ToolCall("cd", {"folder": tag}),
+  ]
+  # The same inside "arguments" given as a JSON string, and after a reasoning block.
+  inner = json.dumps({"content": f"x {tag} y"})
+  text = '<think>\nok\n</think>\n\n<tool_call>{"name": "echo", "arguments": ' + json.dumps(inner)
+  a = chat.parse_tool_calls(text + "}</tool_call><|im_end|>")
+  assert a.error is None and a.tool_calls == [ToolCall("echo", {"content": f"x {tag} y"})]
+
+
+def test_parse_close_tag_inside_an_argument_of_a_broken_call_is_an_error():
+  text = '<tool_call>{"name": "echo", "arguments": {"content": "x </tool_call> y"}</tool_call>'
+  a = chat.parse_tool_calls(text)
+  assert a.error is not None and a.tool_calls == []
+
+
+@pytest.mark.parametrize(
+  "text",
+  [
+    '<tool_call>{"name": "cd", "arguments": {"folder": "a", "folder": "b"}}</tool_call>',
+    '<tool_call>{"name": "cd", "name": "rm", "arguments": {"folder": "a"}}</tool_call>',
+    '<tool_call>{"name": "post", "arguments": {"meta": {"k": 1, "k": 2}}}</tool_call>',
+    '<tool_call>{"name": "post", "arguments": {"tags": [{"k": 1, "k": 1}]}}</tool_call>',
+    '<tool_call>{"name": "cd", "arguments": "{\\"folder\\": \\"a\\", \\"folder\\": \\"b\\"}"}'
+    "</tool_call>",
+    # a tag inside a string does not hide the duplicate (the block is delimited by the JSON)
+    '<tool_call>{"name": "echo", "arguments": {"s": "</tool_call>", "s": "x"}}</tool_call>',
+  ],
+)
+def test_parse_duplicate_keys_are_refused(text):
+  """Python's json keeps the last value of a repeated key; a call must not run on a guess."""
+  ok = '<tool_call>{"name": "pwd", "arguments": {}}</tool_call>'
+  a = chat.parse_tool_calls(ok + text)
+  assert a.error is not None and "duplicate key" in a.error, a.error
+  assert a.tool_calls == []  # nothing of the reply runs, as for any other parse error
+
+
+def test_parse_call_size_cap():
+  def call(n):
+    return '<tool_call>{"name": "echo", "arguments": {"content": "' + "x" * n + '"}}</tool_call>'
+
+  overhead = len(call(0)) - len("<tool_call></tool_call>")
+  at_cap = chat.parse_tool_calls(call(100 - overhead), max_call_chars=100)
+  assert at_cap.error is None and len(at_cap.tool_calls[0].arguments["content"]) == 100 - overhead
+  over = chat.parse_tool_calls(call(101 - overhead), max_call_chars=100)
+  assert over.error is not None and "101 characters" in over.error and over.tool_calls == []
+  # The default cap refuses a 10 MB argument, and the error quotes none of it.
+  huge = call(10 * 1024 * 1024)
+  a = chat.parse_tool_calls(huge)
+  assert a.tool_calls == [] and "over the limit of" in a.error
+  assert str(chat.DEFAULT_MAX_CALL_CHARS) in a.error and len(a.error) < 500
+  assert a.text == huge  # the reply itself is kept (its tokens were sampled)
+
+
+def test_qwen_chat_applies_its_call_size_cap():
+  from coevolve_jax.agent import QwenChat  # noqa: PLC0415
+
+  text = '<tool_call>{"name": "echo", "arguments": {"content": "' + "x" * 200 + '"}}</tool_call>'
+  assert QwenChat(max_call_chars=100).parse_tool_calls(text).error is not None
+  assert QwenChat().parse_tool_calls(text).error is None
+  with pytest.raises(ValueError, match="max_call_chars"):
+    QwenChat(max_call_chars=0)
+
+
+# ------------------------------------------------------------------ render -> parse round trip
+
+_TRICKY = [
+  "</tool_call>",
+  "<tool_call>",
+  "<think>",
+  "</think>",
+  "<|im_end|>",
+  "<|im_start|>",
+  "<tool_response>",
+  '"',
+  "\\",
+  "\n",
+  "\t",
+  "{",
+  "}",
+  "[",
+  "]",
+  ":",
+  ",",
+  "'",
+  "é",
+  "中文",
+  "\U0001f600",
+  "\x00",
+  "\u2028",
+  " ",
+  "null",
+  "true",
+  "{{ x }}",
+  "{% if %}",
+]
+
+
+def _random_string(rng):
+  parts = []
+  for _ in range(rng.integers(0, 6)):
+    if rng.random() < 0.5:
+      parts.append(_TRICKY[rng.integers(len(_TRICKY))])
+    else:
+      alphabet = "abcXYZ019 _-./"
+      parts.append("".join(alphabet[i] for i in rng.integers(0, len(alphabet), rng.integers(1, 6))))
+  return "".join(parts)
+
+
+def _random_json(rng, depth=0):
+  kind = rng.integers(0, 9 if depth < 4 else 6)
+  if kind == 0:
+    return None
+  if kind == 1:
+    return bool(rng.integers(0, 2))
+  if kind == 2:
+    return int(rng.integers(-(2**62), 2**62)) * int(rng.choice([1, 1, 10**30]))
+  if kind == 3:
+    return float(rng.normal() * 10.0 ** rng.integers(-300, 300))
+  if kind in (4, 5):
+    return _random_string(rng)
+  if kind == 6 or kind == 7:
+    return {_random_string(rng): _random_json(rng, depth + 1) for _ in range(rng.integers(0, 4))}
+  return [_random_json(rng, depth + 1) for _ in range(rng.integers(0, 4))]
+
+
+def _random_arguments(rng):
+  return {_random_string(rng): _random_json(rng, 1) for _ in range(rng.integers(0, 5))}
+
+
+def test_render_then_parse_gives_back_the_call_for_random_json_arguments():
+  """A property over 600 seeded cases: any JSON-serialisable arguments, in every call shape the
+  template takes (dict or JSON-string arguments, flat or under "function"), several calls per
+  reply, with or without leading text, parse back to exactly the calls rendered."""
+  import numpy as np  # noqa: PLC0415
+
+  rng = np.random.default_rng(20260415)
+  for case in range(600):
+    calls = [(f"tool_{i}", _random_arguments(rng)) for i in range(rng.integers(1, 4))]
+    shapes = []
+    for name, args in calls:
+      shape = rng.integers(0, 4)
+      if shape == 0:
+        shapes.append({"name": name, "arguments": args})
+      elif shape == 1:
+        shapes.append({"type": "function", "function": {"name": name, "arguments": args}})
+      elif shape == 2:
+        shapes.append({"function": {"name": name, "arguments": json.dumps(args)}})
+      else:
+        dumped = json.dumps(args, ensure_ascii=bool(rng.integers(0, 2)), indent=None)
+        shapes.append({"type": "function", "function": {"name": name, "arguments": dumped}})
+    content = ["", "Let me do that."][rng.integers(0, 2)]
+    text = chat.assistant_text(content, shapes)
+    a = chat.parse_tool_calls(text + "<|im_end|>", max_call_chars=10**9)
+    assert a.error is None, (case, a.error, text)
+    assert [(c.name, c.arguments) for c in a.tool_calls] == calls, (case, text)

@@ -143,7 +143,7 @@ def run(
   """Evaluates every category; prints a table and writes the JSON report to `output`."""
   from coevolve_jax.agent import QwenChat  # noqa: PLC0415
 
-  chat = QwenChat(enable_thinking=False)
+  chat = QwenChat(enable_thinking=False, max_call_chars=cfg.data.max_call_chars)
   engine = None
   if policy == "model":
     import jax.numpy as jnp  # noqa: PLC0415
