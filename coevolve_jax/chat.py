@@ -15,7 +15,13 @@ sentinel assistant message and cut after that message's `<|im_end|>`), not hand-
 
 Rendering mirrors `transformers.apply_chat_template(..., tokenize=False)`: an
 `ImmutableSandboxedEnvironment` with `trim_blocks` and `lstrip_blocks`, a `tojson` filter that does
-not escape HTML or non-ASCII characters, `raise_exception`, and messages with `None` values dropped.
+not escape HTML or non-ASCII characters, `raise_exception`, messages with `None` values dropped, and
+message objects (dataclasses, pydantic models such as the OpenAI client's) turned into dicts. Where
+the Qwen3 template fails on a message shape the OpenAI chat format allows, the message is first
+brought into the shape the template reads (`_normalize_messages`): a system, user or assistant
+message with `content` null or missing gets "" (an assistant's `refusal` text, when it has one),
+a list of content parts becomes the concatenation of its text (and refusal) parts, and a tool call
+without `arguments` gets {}. Every shape transformers renders renders to the same text here.
 """
 
 from __future__ import annotations
@@ -97,21 +103,95 @@ def _plain(value: Any) -> Any:
     return [_plain(v) for v in value]
   if dataclasses.is_dataclass(value) and not isinstance(value, type):
     return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+  if callable(getattr(value, "model_dump", None)):  # pydantic models (the OpenAI client's types)
+    return _plain(value.model_dump())
   if hasattr(value, "item"):  # numpy scalars
     return _plain(value.item())
   raise TypeError(f"cannot pass {type(value).__name__} to the chat template")
 
 
+_TEXT_ROLES = ("system", "user", "assistant")
+
+
+def _text_of_parts(parts: list[Any], where: str, refusals: bool) -> str:
+  """The text of a list of content parts: text parts ({"type": "text", "text"}, or {"text"}) and,
+  for assistant messages, refusal parts ({"type": "refusal", "refusal"}), concatenated in order as
+  Qwen's own templates join text parts.
+
+  Raises:
+    ValueError: a part of another type (image, audio, file: this is a text model's template).
+    TypeError: a part that is not an object, or whose text is not a string.
+  """
+  texts = []
+  for j, part in enumerate(parts):
+    if not isinstance(part, Mapping):
+      raise TypeError(f"{where}: content part #{j + 1} is a {type(part).__name__}, not an object")
+    kind = part.get("type", "text" if "text" in part else None)
+    key = {"text": "text", "refusal": "refusal" if refusals else None}.get(kind)
+    if key is None:
+      raise ValueError(
+        f"{where}: content part #{j + 1} has type {kind!r}; this chat template renders only text"
+        " parts (and refusal parts of assistant messages)"
+      )
+    if not isinstance(part.get(key), str):
+      raise TypeError(f"{where}: content part #{j + 1} has no string {key!r}")
+    texts.append(part[key])
+  return "".join(texts)
+
+
+def _normalize_call(call: Any) -> Any:
+  """A tool call as the template reads it: `arguments` {} when missing (the parser's reading)."""
+  if not isinstance(call, dict):
+    return call
+  inner = call.get("function") or None
+  target = inner if isinstance(inner, dict) else call
+  if "arguments" in target:
+    return call
+  if target is call:
+    return {**call, "arguments": {}}
+  return {**call, "function": {**inner, "arguments": {}}}
+
+
 def _normalize_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
+  """Messages as plain dicts in the shapes the Qwen3 template reads (see the module docstring).
+
+  Raises:
+    TypeError: a message is neither a mapping nor a dataclass or pydantic model; a system, user
+      or assistant `content` that is not a string, a list of parts or null.
+    ValueError: a content part that is not text.
+  """
   out = []
-  for m in messages:
+  for i, m in enumerate(messages):
     if not isinstance(m, Mapping):
-      raise TypeError(f"chat messages must be mappings, got {type(m).__name__}")
+      if not (dataclasses.is_dataclass(m) and not isinstance(m, type)) and not callable(
+        getattr(m, "model_dump", None)
+      ):
+        raise TypeError(
+          f"chat messages must be mappings, dataclasses or pydantic models, got {type(m).__name__}"
+        )
+      m = _plain(m)
     m = {k: v for k, v in m.items() if v is not None}  # as transformers: None keys are dropped
+    m = _plain(m)
+    role = m.get("role")
+    where = f"message #{i + 1} ({role})"
+    if role in _TEXT_ROLES:
+      content = m.get("content")
+      if content is None:  # OpenAI: an assistant turn with only tool calls (or a refusal)
+        refusal = m.get("refusal") if role == "assistant" else None
+        m["content"] = refusal if isinstance(refusal, str) else ""
+      elif isinstance(content, list):
+        m["content"] = _text_of_parts(content, where, refusals=role == "assistant")
+      elif not isinstance(content, str):
+        raise TypeError(
+          f"{where}: content must be a string, a list of content parts or null, "
+          f"got {type(content).__name__}"
+        )
+    if role == "assistant" and isinstance(m.get("tool_calls"), list):
+      m["tool_calls"] = [_normalize_call(c) for c in m["tool_calls"]]
     reasoning = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if k in m), None)
     if reasoning is not None:
       m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
-    out.append(_plain(m))
+    out.append(m)
   return out
 
 
@@ -127,10 +207,12 @@ def render(
   """Renders a conversation with the Qwen chat template.
 
   Args:
-    messages: chat dicts with `role` ("system" | "user" | "assistant" | "tool") and `content`;
-      assistant messages may carry `tool_calls` ([{"type": "function", "function": {"name",
-      "arguments"}}] or [{"name", "arguments"}]; `arguments` a dict or a JSON string) and
-      `reasoning_content`.
+    messages: chat dicts (or dataclasses, or pydantic models such as the OpenAI client's) with
+      `role` ("system" | "user" | "assistant" | "tool") and `content` (a string, a list of text
+      parts, or null / missing); assistant messages may carry `tool_calls` ([{"type": "function",
+      "function": {"name", "arguments"}}], [{"function": {...}}] or [{"name", "arguments"}];
+      `arguments` a dict, a JSON string rendered as given, or missing for {}) and
+      `reasoning_content`. Tool-message content is rendered as transformers renders it.
     tools: tool schemas in the Qwen/OpenAI form ({"type": "function", "function": {...}}), or None.
     add_generation_prompt: append `<|im_start|>assistant\\n`.
     enable_thinking: None leaves it undefined (thinking on); False appends an empty think block to
@@ -139,11 +221,15 @@ def render(
     **kwargs: further template variables.
 
   Returns:
-    The rendered text, byte-identical to transformers' `apply_chat_template(tokenize=False)`.
+    The rendered text, byte-identical to transformers' `apply_chat_template(tokenize=False)` for
+    every conversation transformers renders; for the shapes above on which the template fails
+    there, identical to transformers' rendering of the normalised messages.
 
   Raises:
     jinja2.exceptions.TemplateError: the template rejects the conversation.
-    TypeError: a message is not a mapping or holds a non-JSON value.
+    TypeError: a message is not a mapping, dataclass or pydantic model, holds a non-JSON value,
+      or has system/user/assistant content that is not a string, a list of parts or null.
+    ValueError: a content part that is not text (images, audio, files).
   """
   if template is None:
     template = tokenizer_lib.get_tokenizer().chat_template
@@ -222,12 +308,13 @@ def continuation_text(
   """
   if not new_messages:
     raise ValueError("continuation needs at least one new message")
-  for m in new_messages:
+  normalized = _normalize_messages(new_messages)
+  for m in normalized:
     if m.get("role") == "assistant":
       raise ValueError("continuations hold tool/user/system messages, not assistant replies")
   if template is None:
     template = tokenizer_lib.get_tokenizer().chat_template
-  key = json.dumps(_normalize_messages(new_messages), sort_keys=True, ensure_ascii=False)
+  key = json.dumps(normalized, sort_keys=True, ensure_ascii=False)
   return _continuation_text_cached(key, enable_thinking, template)
 
 
@@ -245,10 +332,11 @@ def continuation_ids(
   )
 
 
-def assistant_text(content: str, tool_calls: Sequence[Mapping[str, Any]] = ()) -> str:
+def assistant_text(content: str | None, tool_calls: Sequence[Mapping[str, Any]] = ()) -> str:
   """An assistant reply as the template renders it in history (between header and `<|im_end|>`).
 
   Useful to build the text a model would sample for a given tool call (tests, teacher forcing).
+  `content` and `tool_calls` take every shape `render` takes (content None for calls only).
   Derived from the template by rendering [user, assistant, user] and removing the two user turns
   and the assistant header and end, so the reply may itself contain any special-token text.
 

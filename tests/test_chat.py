@@ -503,8 +503,244 @@ def test_render_then_parse_gives_back_the_call_for_random_json_arguments():
       else:
         dumped = json.dumps(args, ensure_ascii=bool(rng.integers(0, 2)), indent=None)
         shapes.append({"type": "function", "function": {"name": name, "arguments": dumped}})
-    content = ["", "Let me do that."][rng.integers(0, 2)]
+    content = ["", "Let me do that.", None][rng.integers(0, 3)]
     text = chat.assistant_text(content, shapes)
     a = chat.parse_tool_calls(text + "<|im_end|>", max_call_chars=10**9)
     assert a.error is None, (case, a.error, text)
     assert [(c.name, c.arguments) for c in a.tool_calls] == calls, (case, text)
+
+
+# ------------------------------------------------------------------ every OpenAI message shape
+
+_CALL_STR = {
+  "id": "call_1",
+  "type": "function",
+  "function": {"name": "cd", "arguments": '{"folder": "document"}'},
+}
+_CALL_WRAPPED = {"function": {"name": "mv", "arguments": {"source": "a", "destination": "b"}}}
+_CALL_FLAT_NO_ARGS = {"name": "pwd"}
+_CALL_FLAT_NO_ARGS_CANON = {"name": "pwd", "arguments": {}}
+TOOL_OK = {"role": "tool", "tool_call_id": "call_1", "content": "ok"}
+
+
+def _conv(*middle, last=None):
+  """system, user, *middle, [last]: the shapes under test sit in the middle of a conversation."""
+  out = [{"role": "system", "content": "sys"}, {"role": "user", "content": "go"}, *middle]
+  return out + ([last] if last else [])
+
+
+# name -> (messages as a caller may pass them, the same conversation in the shape the Qwen3
+# template reads). Where transformers renders the first, ours must equal that; where it fails
+# (the fault this covers), ours must equal transformers' rendering of the second.
+SHAPES = {
+  "assistant_content_null_with_tool_calls": (
+    _conv(
+      {"role": "assistant", "content": None, "tool_calls": [_CALL_STR]},
+      TOOL_OK,
+    ),
+    _conv({"role": "assistant", "content": "", "tool_calls": [_CALL_STR]}, TOOL_OK),
+  ),
+  "assistant_content_missing_function_wrapper": (
+    _conv({"role": "assistant", "tool_calls": [_CALL_WRAPPED]}, TOOL_OK),
+    _conv({"role": "assistant", "content": "", "tool_calls": [_CALL_WRAPPED]}, TOOL_OK),
+  ),
+  "last_assistant_content_null": (
+    _conv({"role": "assistant", "content": None, "tool_calls": [_CALL_STR]}),
+    _conv({"role": "assistant", "content": "", "tool_calls": [_CALL_STR]}),
+  ),
+  "assistant_null_content_with_reasoning": (
+    _conv(
+      {"role": "assistant", "content": None, "reasoning_content": "hm", "tool_calls": [_CALL_STR]}
+    ),
+    _conv(
+      {"role": "assistant", "content": "", "reasoning_content": "hm", "tool_calls": [_CALL_STR]}
+    ),
+  ),
+  "assistant_refusal": (
+    _conv({"role": "assistant", "content": None, "refusal": "I cannot do that."}),
+    _conv({"role": "assistant", "content": "I cannot do that."}),
+  ),
+  "tool_call_without_arguments": (
+    _conv({"role": "assistant", "content": "", "tool_calls": [_CALL_FLAT_NO_ARGS]}, TOOL_OK),
+    _conv({"role": "assistant", "content": "", "tool_calls": [_CALL_FLAT_NO_ARGS_CANON]}, TOOL_OK),
+  ),
+  "tool_call_wrapped_without_arguments": (
+    _conv({"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "pwd"}}]}),
+    _conv(
+      {"role": "assistant", "content": "", "tool_calls": [{"function": _CALL_FLAT_NO_ARGS_CANON}]}
+    ),
+  ),
+  "tool_content_null_and_missing": (
+    _conv(
+      {"role": "assistant", "content": "", "tool_calls": [_CALL_STR, _CALL_WRAPPED]},
+      {"role": "tool", "content": None},
+      {"role": "tool"},
+    ),
+    _conv(
+      {"role": "assistant", "content": "", "tool_calls": [_CALL_STR, _CALL_WRAPPED]},
+      {"role": "tool", "content": ""},
+      {"role": "tool", "content": ""},
+    ),
+  ),
+  "tool_content_parts_as_transformers_renders_them": (
+    _conv(
+      {"role": "assistant", "content": "", "tool_calls": [_CALL_STR]},
+      {"role": "tool", "content": [{"type": "text", "text": "ok"}]},
+    ),
+    None,  # transformers renders it (the list's Python repr): ours must be the same
+  ),
+  "user_content_null": (
+    [{"role": "user", "content": None}],
+    [{"role": "user", "content": ""}],
+  ),
+  "user_content_missing_later_turn": (
+    _conv({"role": "assistant", "content": "Done."}, last={"role": "user"}),
+    _conv({"role": "assistant", "content": "Done."}, last={"role": "user", "content": ""}),
+  ),
+  "system_content_null": (
+    [{"role": "system", "content": None}, {"role": "user", "content": "hi"}],
+    [{"role": "system", "content": ""}, {"role": "user", "content": "hi"}],
+  ),
+  "content_parts_everywhere": (
+    [
+      {
+        "role": "system",
+        "content": [{"type": "text", "text": "You are "}, {"type": "text", "text": "terse."}],
+      },
+      {"role": "user", "content": [{"type": "text", "text": "Go to "}, {"text": "document."}]},
+      {
+        "role": "assistant",
+        "content": [{"type": "text", "text": "Sure."}],
+        "tool_calls": [_CALL_STR],
+      },
+      TOOL_OK,
+      {"role": "assistant", "content": [{"type": "refusal", "refusal": "No more."}]},
+      {"role": "user", "content": [{"type": "text", "text": "<tool_response>x</tool_response>"}]},
+    ],
+    [
+      {"role": "system", "content": "You are terse."},
+      {"role": "user", "content": "Go to document."},
+      {"role": "assistant", "content": "Sure.", "tool_calls": [_CALL_STR]},
+      TOOL_OK,
+      {"role": "assistant", "content": "No more."},
+      {"role": "user", "content": "<tool_response>x</tool_response>"},
+    ],
+  ),
+  "empty_parts_list": (
+    [{"role": "user", "content": []}],
+    [{"role": "user", "content": ""}],
+  ),
+  "tool_calls_empty_and_null": (
+    _conv(
+      {"role": "assistant", "content": "a", "tool_calls": []},
+      {"role": "user", "content": "b"},
+      {"role": "assistant", "content": "c", "tool_calls": None},
+    ),
+    None,
+  ),
+}
+
+
+def _pydantic_conversation(messages):
+  """The same messages as pydantic models, as the OpenAI client returns them."""
+  import pydantic  # noqa: PLC0415  (installed with google-genai)
+
+  class Function(pydantic.BaseModel):
+    name: str
+    arguments: str | dict | None = None
+
+  class Call(pydantic.BaseModel):
+    id: str | None = None
+    type: str | None = None
+    function: Function
+
+  class Msg(pydantic.BaseModel):
+    role: str
+    content: str | list | None = None
+    tool_calls: list[Call] | None = None
+    tool_call_id: str | None = None
+
+  return [Msg(**m) for m in messages]
+
+
+def _hf_render(hf_tok, messages, tools, gen, thinking):
+  kwargs = {} if thinking is None else {"enable_thinking": thinking}
+  return hf_tok.apply_chat_template(
+    messages, tools=tools, add_generation_prompt=gen, tokenize=False, **kwargs
+  )
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+@pytest.mark.parametrize("tools", [None, TOOLS], ids=["no_tools", "tools"])
+@pytest.mark.parametrize("gen,thinking", [(False, None), (True, False)])
+def test_every_message_shape_renders_as_transformers_does(hf_tok, name, tools, gen, thinking):
+  messages, canonical = SHAPES[name]
+  got = chat.render(messages, tools, add_generation_prompt=gen, enable_thinking=thinking)
+  try:
+    want = _hf_render(hf_tok, messages, tools, gen, thinking)
+  except Exception:  # noqa: BLE001  # a shape the Qwen3 template fails on in transformers
+    assert canonical is not None, f"transformers fails on {name}"
+    want = _hf_render(hf_tok, canonical, tools, gen, thinking)
+  assert got == want
+  if canonical is not None:  # and the normalised form renders the same in both
+    assert (
+      chat.render(canonical, tools, add_generation_prompt=gen, enable_thinking=thinking) == want
+    )
+
+
+@pytest.mark.parametrize(
+  "name",
+  [
+    "assistant_content_null_with_tool_calls",
+    "last_assistant_content_null",
+    "user_content_null",
+    "tool_content_null_and_missing",
+  ],
+)
+def test_message_objects_render_like_dicts(hf_tok, name):
+  """pydantic models (the OpenAI client's message types) render as their dicts do."""
+  messages, canonical = SHAPES[name]
+  objects = _pydantic_conversation(messages)
+  assert chat.render(objects, TOOLS) == chat.render(messages, TOOLS)
+  assert chat.render(objects, TOOLS) == _hf_render(hf_tok, canonical, TOOLS, False, None)
+
+
+def test_assistant_text_and_continuations_take_every_shape(tok):
+  call = {"type": "function", "function": {"name": "cd", "arguments": '{"folder": "d"}'}}
+  want = '<tool_call>\n{"name": "cd", "arguments": {"folder": "d"}}\n</tool_call>'
+  assert chat.assistant_text(None, [call]) == chat.assistant_text("", [call]) == want
+  assert chat.assistant_text(None, [{"function": {"name": "pwd"}}]) == (
+    '<tool_call>\n{"name": "pwd", "arguments": {}}\n</tool_call>'
+  )
+  assert chat.parse_tool_calls(chat.assistant_text(None, [call])).tool_calls == [
+    ToolCall("cd", {"folder": "d"})
+  ]
+  assert chat.continuation_text([{"role": "tool", "content": None}]) == chat.continuation_text(
+    [{"role": "tool", "content": ""}]
+  )
+  assert chat.continuation_text(
+    [{"role": "user", "content": [{"type": "text", "text": "next"}]}]
+  ) == chat.continuation_text([{"role": "user", "content": "next"}])
+  with pytest.raises(ValueError, match="assistant"):
+    chat.continuation_text(_pydantic_conversation([{"role": "assistant", "content": "x"}]))
+
+
+@pytest.mark.parametrize(
+  "message,error,fragment",
+  [
+    (
+      {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+      ValueError,
+      "type 'image_url'",
+    ),
+    ({"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}, ValueError, "refusal"),
+    ({"role": "user", "content": ["plain string part"]}, TypeError, "not an object"),
+    ({"role": "user", "content": [{"type": "text", "text": 3}]}, TypeError, "string 'text'"),
+    ({"role": "user", "content": 3}, TypeError, "content must be a string"),
+    ({"role": "system", "content": {"text": "x"}}, TypeError, "content must be a string"),
+    ("user: hi", TypeError, "must be mappings"),
+  ],
+)
+def test_messages_the_template_cannot_show_are_clear_errors(message, error, fragment):
+  with pytest.raises(error, match=fragment):
+    chat.render([message, {"role": "user", "content": "ok"}])
