@@ -397,8 +397,9 @@ def _skip_ws(text: str, pos: int) -> int:
 class _Block:
   """One `<tool_call>` block: text[start:end] from its opening tag through its closing tag.
 
-  `value` is the decoded JSON, or None with `error` set when the block is not one JSON value
-  followed by the closing tag."""
+  When the block is one JSON value followed by the closing tag, text[json_start:json_end] is that
+  value and `value` its decoding (or `error` names a repeated key); otherwise json_end is 0 and
+  `error` says what is wrong."""
 
   start: int
   end: int
