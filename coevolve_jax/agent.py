@@ -16,7 +16,7 @@ import collections
 import dataclasses
 import time
 from concurrent import futures
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import jax
@@ -38,7 +38,8 @@ class ChatFormat(Protocol):
   plus "tool_calls" on assistant messages); tools are JSON-schema tool dicts.
 
   Attributes:
-    im_end_id: the id that ends a reply (the stop token; the loop stops sampling on it).
+    im_end_id: the id that ends a reply in the template (`<|im_end|>`); the loop stops sampling
+      on it and on the checkpoint's other end-of-sequence ids (`AgentRunner(stop_ids=...)`).
   """
 
   im_end_id: int
@@ -106,7 +107,6 @@ class _Episode:
   slot: int
   key: jax.Array  # the episode's PRNG key; token n samples with fold_in(key, n)
   sampled: int = 0  # tokens sampled so far (all replies)
-  stopped: bool = False  # the last reply ended with a stop token (else it was cut)
   last_tok: int = 0  # the last sampled token: pending, not yet in the slot's cache
   turn_ids: list[int] = dataclasses.field(default_factory=list)
   turn_logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -135,6 +135,14 @@ class AgentRunner:
     make_env: `(task, episode_id) -> Env`.
     limits: episode limits.
     env_threads: host threads for environment steps (at least 1).
+    stop_ids: end-of-sequence ids of the checkpoint (`model.config.eos_token_ids`, from its
+      config.json and generation_config.json); a reply ends at any of them or at
+      `chat.im_end_id`. The id that ended a reply is the reply's last sampled token (loss mask
+      1); when it is not `im_end_id`, an `<|im_end|>` (mask 0) closes the turn before the next
+      messages, as the template writes every assistant turn.
+
+  Raises:
+    ValueError: env_threads < 1, or a stop id that is not a non-negative int.
   """
 
   def __init__(
@@ -144,12 +152,18 @@ class AgentRunner:
     make_env: Callable[[Task, str], Env],
     limits: EpisodeLimits,
     env_threads: int = 4,
+    stop_ids: Iterable[int] = (),
   ):
     if env_threads < 1:
       raise ValueError(f"env_threads must be >= 1, got {env_threads}")
+    stop_ids = list(stop_ids)
+    if not all(
+      isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in stop_ids
+    ) or any(i < 0 for i in stop_ids):
+      raise ValueError(f"stop_ids must be non-negative ints, got {stop_ids!r}")
     self.engine, self.chat, self.make_env, self.limits = engine, chat, make_env, limits
     self.env_threads = env_threads
-    self.stop_ids = {chat.im_end_id}
+    self.stop_ids = frozenset({chat.im_end_id, *(int(i) for i in stop_ids)})
     self._episode_counter = 0
     self.timings: dict[str, float] = collections.defaultdict(float)  # seconds in env steps
 
@@ -270,7 +284,7 @@ class AgentRunner:
     body = ep.turn_ids[:-1] if stopped else ep.turn_ids
     text = self.chat.decode(body)
     traj.extend(ep.turn_ids, sampled=True, logprobs=ep.turn_logprobs)
-    ep.stopped, ep.last_tok = stopped, ep.turn_ids[-1]
+    ep.last_tok = ep.turn_ids[-1]
     ep.turn_ids, ep.turn_logprobs = [], []
     traj.model_steps += 1
     action = self.chat.parse_tool_calls(text, truncated=not stopped)
@@ -288,23 +302,42 @@ class AgentRunner:
     if traj.model_steps >= self.limits.max_model_steps:
       self._finish(ep, "max_model_steps")
       return
-    cont = ([] if ep.stopped else [self.chat.im_end_id]) + self.chat.continuation_ids(
-      result.messages
-    )
+    # The template closes every assistant turn with <|im_end|>: a reply cut at the token limit,
+    # or ended by another stop id (<|endoftext|>), gets one that was not sampled (mask 0).
+    closed = ep.last_tok == self.chat.im_end_id
+    cont = ([] if closed else [self.chat.im_end_id]) + self.chat.continuation_ids(result.messages)
     traj.extend(cont, sampled=False)
     self._feed(ep, [ep.last_tok] + cont)
 
 
 class QwenChat:
   """The chat format the agent loop uses (`ChatFormat`): Qwen template, tokenizer and tool-call
-  parser."""
+  parser.
 
-  def __init__(self, enable_thinking: bool | None = False):
+  Args:
+    enable_thinking: as in `chat.render` (False: the generation prompt closes an empty think
+      block).
+    max_call_chars: the longest JSON text of one tool call, in characters, that
+      `parse_tool_calls` accepts (a run passes `data.max_call_chars`); longer calls become parse
+      errors. Default `chat.DEFAULT_MAX_CALL_CHARS`.
+
+  Raises:
+    ValueError: `max_call_chars` is not an int >= 1.
+  """
+
+  def __init__(self, enable_thinking: bool | None = False, max_call_chars: int | None = None):
     from coevolve_jax import chat as chat_lib  # noqa: PLC0415
     from coevolve_jax.tokenizer import get_tokenizer  # noqa: PLC0415
 
+    if max_call_chars is None:
+      max_call_chars = chat_lib.DEFAULT_MAX_CALL_CHARS
+    if (
+      isinstance(max_call_chars, bool) or not isinstance(max_call_chars, int) or max_call_chars < 1
+    ):
+      raise ValueError(f"max_call_chars must be an int >= 1, got {max_call_chars!r}")
     self._chat, self._tok = chat_lib, get_tokenizer()
     self.enable_thinking = enable_thinking
+    self.max_call_chars = max_call_chars
     self.im_end_id = self._tok.im_end_id
     self.vocab_size = self._tok.vocab_size
 
@@ -318,7 +351,9 @@ class QwenChat:
     return self._chat.assistant_text(content, tool_calls)
 
   def parse_tool_calls(self, text: str, truncated: bool = False) -> Action:
-    return self._chat.parse_tool_calls(text, truncated=truncated)
+    return self._chat.parse_tool_calls(
+      text, truncated=truncated, max_call_chars=self.max_call_chars
+    )
 
   def encode(self, text: str) -> list[int]:
     return self._tok.encode(text)

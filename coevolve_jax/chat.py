@@ -15,7 +15,13 @@ sentinel assistant message and cut after that message's `<|im_end|>`), not hand-
 
 Rendering mirrors `transformers.apply_chat_template(..., tokenize=False)`: an
 `ImmutableSandboxedEnvironment` with `trim_blocks` and `lstrip_blocks`, a `tojson` filter that does
-not escape HTML or non-ASCII characters, `raise_exception`, and messages with `None` values dropped.
+not escape HTML or non-ASCII characters, `raise_exception`, messages with `None` values dropped, and
+message objects (dataclasses, pydantic models such as the OpenAI client's) turned into dicts. Where
+the Qwen3 template fails on a message shape the OpenAI chat format allows, the message is first
+brought into the shape the template reads (`_normalize_messages`): a system, user or assistant
+message with `content` null or missing gets "" (an assistant's `refusal` text, when it has one),
+a list of content parts becomes the concatenation of its text (and refusal) parts, and a tool call
+without `arguments` gets {}. Every shape transformers renders renders to the same text here.
 """
 
 from __future__ import annotations
@@ -97,21 +103,95 @@ def _plain(value: Any) -> Any:
     return [_plain(v) for v in value]
   if dataclasses.is_dataclass(value) and not isinstance(value, type):
     return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+  if callable(getattr(value, "model_dump", None)):  # pydantic models (the OpenAI client's types)
+    return _plain(value.model_dump())
   if hasattr(value, "item"):  # numpy scalars
     return _plain(value.item())
   raise TypeError(f"cannot pass {type(value).__name__} to the chat template")
 
 
+_TEXT_ROLES = ("system", "user", "assistant")
+
+
+def _text_of_parts(parts: list[Any], where: str, refusals: bool) -> str:
+  """The text of a list of content parts: text parts ({"type": "text", "text"}, or {"text"}) and,
+  for assistant messages, refusal parts ({"type": "refusal", "refusal"}), concatenated in order as
+  Qwen's own templates join text parts.
+
+  Raises:
+    ValueError: a part of another type (image, audio, file: this is a text model's template).
+    TypeError: a part that is not an object, or whose text is not a string.
+  """
+  texts = []
+  for j, part in enumerate(parts):
+    if not isinstance(part, Mapping):
+      raise TypeError(f"{where}: content part #{j + 1} is a {type(part).__name__}, not an object")
+    kind = part.get("type", "text" if "text" in part else None)
+    key = {"text": "text", "refusal": "refusal" if refusals else None}.get(kind)
+    if key is None:
+      raise ValueError(
+        f"{where}: content part #{j + 1} has type {kind!r}; this chat template renders only text"
+        " parts (and refusal parts of assistant messages)"
+      )
+    if not isinstance(part.get(key), str):
+      raise TypeError(f"{where}: content part #{j + 1} has no string {key!r}")
+    texts.append(part[key])
+  return "".join(texts)
+
+
+def _normalize_call(call: Any) -> Any:
+  """A tool call as the template reads it: `arguments` {} when missing (the parser's reading)."""
+  if not isinstance(call, dict):
+    return call
+  inner = call.get("function") or None
+  target = inner if isinstance(inner, dict) else call
+  if "arguments" in target:
+    return call
+  if target is call:
+    return {**call, "arguments": {}}
+  return {**call, "function": {**inner, "arguments": {}}}
+
+
 def _normalize_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
+  """Messages as plain dicts in the shapes the Qwen3 template reads (see the module docstring).
+
+  Raises:
+    TypeError: a message is neither a mapping nor a dataclass or pydantic model; a system, user
+      or assistant `content` that is not a string, a list of parts or null.
+    ValueError: a content part that is not text.
+  """
   out = []
-  for m in messages:
+  for i, m in enumerate(messages):
     if not isinstance(m, Mapping):
-      raise TypeError(f"chat messages must be mappings, got {type(m).__name__}")
+      if not (dataclasses.is_dataclass(m) and not isinstance(m, type)) and not callable(
+        getattr(m, "model_dump", None)
+      ):
+        raise TypeError(
+          f"chat messages must be mappings, dataclasses or pydantic models, got {type(m).__name__}"
+        )
+      m = _plain(m)
     m = {k: v for k, v in m.items() if v is not None}  # as transformers: None keys are dropped
+    m = _plain(m)
+    role = m.get("role")
+    where = f"message #{i + 1} ({role})"
+    if role in _TEXT_ROLES:
+      content = m.get("content")
+      if content is None:  # OpenAI: an assistant turn with only tool calls (or a refusal)
+        refusal = m.get("refusal") if role == "assistant" else None
+        m["content"] = refusal if isinstance(refusal, str) else ""
+      elif isinstance(content, list):
+        m["content"] = _text_of_parts(content, where, refusals=role == "assistant")
+      elif not isinstance(content, str):
+        raise TypeError(
+          f"{where}: content must be a string, a list of content parts or null, "
+          f"got {type(content).__name__}"
+        )
+    if role == "assistant" and isinstance(m.get("tool_calls"), list):
+      m["tool_calls"] = [_normalize_call(c) for c in m["tool_calls"]]
     reasoning = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if k in m), None)
     if reasoning is not None:
       m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
-    out.append(_plain(m))
+    out.append(m)
   return out
 
 
@@ -127,10 +207,12 @@ def render(
   """Renders a conversation with the Qwen chat template.
 
   Args:
-    messages: chat dicts with `role` ("system" | "user" | "assistant" | "tool") and `content`;
-      assistant messages may carry `tool_calls` ([{"type": "function", "function": {"name",
-      "arguments"}}] or [{"name", "arguments"}]; `arguments` a dict or a JSON string) and
-      `reasoning_content`.
+    messages: chat dicts (or dataclasses, or pydantic models such as the OpenAI client's) with
+      `role` ("system" | "user" | "assistant" | "tool") and `content` (a string, a list of text
+      parts, or null / missing); assistant messages may carry `tool_calls` ([{"type": "function",
+      "function": {"name", "arguments"}}], [{"function": {...}}] or [{"name", "arguments"}];
+      `arguments` a dict, a JSON string rendered as given, or missing for {}) and
+      `reasoning_content`. Tool-message content is rendered as transformers renders it.
     tools: tool schemas in the Qwen/OpenAI form ({"type": "function", "function": {...}}), or None.
     add_generation_prompt: append `<|im_start|>assistant\\n`.
     enable_thinking: None leaves it undefined (thinking on); False appends an empty think block to
@@ -139,11 +221,15 @@ def render(
     **kwargs: further template variables.
 
   Returns:
-    The rendered text, byte-identical to transformers' `apply_chat_template(tokenize=False)`.
+    The rendered text, byte-identical to transformers' `apply_chat_template(tokenize=False)` for
+    every conversation transformers renders; for the shapes above on which the template fails
+    there, identical to transformers' rendering of the normalised messages.
 
   Raises:
     jinja2.exceptions.TemplateError: the template rejects the conversation.
-    TypeError: a message is not a mapping or holds a non-JSON value.
+    TypeError: a message is not a mapping, dataclass or pydantic model, holds a non-JSON value,
+      or has system/user/assistant content that is not a string, a list of parts or null.
+    ValueError: a content part that is not text (images, audio, files).
   """
   if template is None:
     template = tokenizer_lib.get_tokenizer().chat_template
@@ -222,12 +308,13 @@ def continuation_text(
   """
   if not new_messages:
     raise ValueError("continuation needs at least one new message")
-  for m in new_messages:
+  normalized = _normalize_messages(new_messages)
+  for m in normalized:
     if m.get("role") == "assistant":
       raise ValueError("continuations hold tool/user/system messages, not assistant replies")
   if template is None:
     template = tokenizer_lib.get_tokenizer().chat_template
-  key = json.dumps(_normalize_messages(new_messages), sort_keys=True, ensure_ascii=False)
+  key = json.dumps(normalized, sort_keys=True, ensure_ascii=False)
   return _continuation_text_cached(key, enable_thinking, template)
 
 
@@ -245,47 +332,180 @@ def continuation_ids(
   )
 
 
-def assistant_text(content: str, tool_calls: Sequence[Mapping[str, Any]] = ()) -> str:
+def assistant_text(content: str | None, tool_calls: Sequence[Mapping[str, Any]] = ()) -> str:
   """An assistant reply as the template renders it in history (between header and `<|im_end|>`).
 
   Useful to build the text a model would sample for a given tool call (tests, teacher forcing).
-  Derived from the template by rendering [user, assistant, user].
+  `content` and `tool_calls` take every shape `render` takes (content None for calls only).
+  Derived from the template by rendering [user, assistant, user] and removing the two user turns
+  and the assistant header and end, so the reply may itself contain any special-token text.
+
+  Raises:
+    ValueError: the template does not render the conversation as header, reply, `<|im_end|>`.
   """
-  msgs = [
-    {"role": "user", "content": "."},
-    {"role": "assistant", "content": content, "tool_calls": list(tool_calls) or None},
-    {"role": "user", "content": "."},
-  ]
-  full = render(msgs)
-  head = tokenizer_lib.IM_START + "assistant\n"
-  start = full.index(head) + len(head)
-  end = full.index(tokenizer_lib.IM_END, start)
-  return full[start:end]
+  user = {"role": "user", "content": "."}
+  msgs = [user, {"role": "assistant", "content": content, "tool_calls": list(tool_calls) or None}]
+  full = render([*msgs, user])
+  user_block = render([user])
+  head = user_block + tokenizer_lib.IM_START + "assistant\n"
+  tail = tokenizer_lib.IM_END + "\n" + user_block
+  if not (full.startswith(head) and full.endswith(tail)) or len(full) < len(head) + len(tail):
+    raise ValueError("chat template does not render an assistant reply as header, text, <|im_end|>")
+  return full[len(head) : len(full) - len(tail)]
 
 
 # --------------------------------------------------------------------------------------------
 # Tool-call parsing.
 
-_BLOCK_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
+# Longest JSON text of one tool call (characters) `parse_tool_calls` accepts by default: about one
+# full reply of 4096 tokens. The run config sets it from `data.max_call_chars`.
+DEFAULT_MAX_CALL_CHARS = 16384
+
+_JSON_WHITESPACE = re.compile(r"[ \t\n\r]*")
+
+
+class DuplicateKeyError(ValueError):
+  """A JSON object names the same key twice (Python's json keeps the last value silently)."""
+
+  def __init__(self, key: str):
+    super().__init__(f"duplicate key {key!r}")
+    self.key = key
+
+
+def unique_object_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+  """`object_pairs_hook` for `json.loads` / `json.JSONDecoder` that refuses duplicate keys.
+
+  Raises:
+    DuplicateKeyError: a key appears twice in one object.
+  """
+  out: dict[str, Any] = {}
+  for key, value in pairs:
+    if key in out:
+      raise DuplicateKeyError(key)
+    out[key] = value
+  return out
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=unique_object_pairs)
+
+
+def _skip_ws(text: str, pos: int) -> int:
+  return _JSON_WHITESPACE.match(text, pos).end()
+
+
+@dataclasses.dataclass
+class _Block:
+  """One `<tool_call>` block: text[start:end] from its opening tag through its closing tag.
+
+  When the block is one JSON value followed by the closing tag, text[json_start:json_end] is that
+  value and `value` its decoding (or `error` names a repeated key); otherwise json_end is 0 and
+  `error` says what is wrong."""
+
+  start: int
+  end: int
+  json_start: int = 0
+  json_end: int = 0
+  value: Any = None
+  error: str | None = None
+
+
+def _json_error(inner: str) -> str:
+  """Why `inner` (the text between two tags) is not one JSON value."""
+  try:
+    json.loads(inner, object_pairs_hook=unique_object_pairs)
+  except DuplicateKeyError as e:
+    return f"{e} (every key may appear once in a JSON object)"
+  except json.JSONDecodeError as e:
+    return f"invalid JSON ({e.msg}): {inner.strip()[:200]!r}"
+  except RecursionError:
+    return f"invalid JSON (nesting too deep): {inner.strip()[:200]!r}"
+  return f"invalid JSON: {inner.strip()[:200]!r}"
+
+
+def _read_block(text: str, open_at: int) -> _Block:
+  """Reads the `<tool_call>` block opening at `open_at`.
+
+  The JSON value after the opening tag is decoded first, so a `</tool_call>` (or any other tag)
+  inside one of its strings belongs to the value; the block must then close right after it. When
+  it does not, the block runs to the next `</tool_call>` (or the end of the text) and carries an
+  error.
+  """
+  body = open_at + len(TOOL_CALL_OPEN)
+  j = _skip_ws(text, body)
+  value, end, duplicate = None, None, None
+  try:
+    value, end = _DECODER.raw_decode(text, j)
+  except DuplicateKeyError as e:
+    duplicate = e
+    try:  # where the value ends, so the block is still delimited by the JSON, not by a tag
+      end = json.JSONDecoder().raw_decode(text, j)[1]
+    except (json.JSONDecodeError, RecursionError):
+      pass
+  except (json.JSONDecodeError, RecursionError):
+    pass
+  if end is not None:
+    close_at = _skip_ws(text, end)
+    if text.startswith(TOOL_CALL_CLOSE, close_at):
+      stop = close_at + len(TOOL_CALL_CLOSE)
+      if duplicate is not None:
+        error = f"{duplicate} (every key may appear once in a JSON object)"
+        return _Block(open_at, stop, j, end, error=error)
+      return _Block(open_at, stop, j, end, value)
+  close_at = text.find(TOOL_CALL_CLOSE, body)
+  if close_at < 0:
+    return _Block(open_at, len(text), error=f"{TOOL_CALL_OPEN} without a closing {TOOL_CALL_CLOSE}")
+  inner = text[body:close_at]
+  if TOOL_CALL_OPEN in inner:
+    error = f"{TOOL_CALL_OPEN} opened twice without {TOOL_CALL_CLOSE}"
+  else:
+    error = _json_error(inner)
+  return _Block(open_at, close_at + len(TOOL_CALL_CLOSE), error=error)
+
+
+def _well_formed_spans(text: str) -> list[tuple[int, int]]:
+  """[start, end) of every `<tool_call>` block whose JSON value is followed by its closing tag."""
+  spans, pos = [], 0
+  while (open_at := text.find(TOOL_CALL_OPEN, pos)) >= 0:
+    block = _read_block(text, open_at)
+    if block.json_end:
+      spans.append((block.start, block.end))
+      pos = block.end
+    else:
+      pos = open_at + len(TOOL_CALL_OPEN)
+  return spans
+
+
+def _find_outside(text: str, tag: str, spans: list[tuple[int, int]]) -> list[int]:
+  """Positions of `tag` in `text` that lie in none of `spans`."""
+  out, pos = [], 0
+  while (i := text.find(tag, pos)) >= 0:
+    if not any(s <= i < e for s, e in spans):
+      out.append(i)
+    pos = i + len(tag)
+  return out
 
 
 def strip_thinking(text: str) -> str:
-  """Removes reasoning: everything up to the last `</think>`, or from an unclosed `<think>` on."""
-  if THINK_CLOSE in text:
-    return text.rsplit(THINK_CLOSE, 1)[1]
-  if THINK_OPEN in text:
-    return text.split(THINK_OPEN, 1)[0]
+  """Removes reasoning: everything up to the last `</think>`, or from an unclosed `<think>` on.
+
+  Tags inside the JSON of a well-formed `<tool_call>` block are argument text, not reasoning
+  markers, and are left alone.
+  """
+  if THINK_CLOSE not in text and THINK_OPEN not in text:
+    return text
+  spans = _well_formed_spans(text) if TOOL_CALL_OPEN in text else []
+  closes = _find_outside(text, THINK_CLOSE, spans)
+  if closes:
+    return text[closes[-1] + len(THINK_CLOSE) :]
+  opens = _find_outside(text, THINK_OPEN, spans)
+  if opens:
+    return text[: opens[0]]
   return text
 
 
-def _parse_one(body: str, index: int) -> ToolCall | str:
-  """Parses one `<tool_call>` body; returns a ToolCall or an error message."""
+def _call_from_value(obj: Any, index: int) -> ToolCall | str:
+  """Checks one decoded call object; returns a ToolCall or an error message."""
   where = f"tool call #{index + 1}"
-  try:
-    obj = json.loads(body)
-  except (json.JSONDecodeError, RecursionError) as e:
-    msg = e.msg if isinstance(e, json.JSONDecodeError) else "nesting too deep"
-    return f"{where}: invalid JSON ({msg}): {body.strip()[:200]!r}"
   if not isinstance(obj, dict):
     return f'{where}: expected a JSON object with "name" and "arguments", got {type(obj).__name__}'
   name = obj.get("name")
@@ -297,7 +517,9 @@ def _parse_one(body: str, index: int) -> ToolCall | str:
   args = obj.get("arguments", {})
   if isinstance(args, str):
     try:
-      args = json.loads(args) if args.strip() else {}
+      args = json.loads(args, object_pairs_hook=unique_object_pairs) if args.strip() else {}
+    except DuplicateKeyError as e:
+      return f'{where} ({name}): "arguments" repeats a key: {e} (every key may appear once)'
     except (json.JSONDecodeError, RecursionError):
       return f'{where} ({name}): "arguments" is a string that is not valid JSON'
   if not isinstance(args, dict):
@@ -305,22 +527,28 @@ def _parse_one(body: str, index: int) -> ToolCall | str:
   return ToolCall(name=name.strip(), arguments=args)
 
 
-def parse_tool_calls(text: str, *, truncated: bool = False) -> Action:
+def parse_tool_calls(
+  text: str, *, truncated: bool = False, max_call_chars: int = DEFAULT_MAX_CALL_CHARS
+) -> Action:
   """Parses an assistant reply into an `Action`; never raises, never evaluates code.
 
   Reasoning (`<think>...</think>`) is stripped first. Each `<tool_call>{json}</tool_call>` block
   must hold {"name": str, "arguments": object or JSON string of an object}; "arguments" may be
-  omitted (no-argument call).
+  omitted (no-argument call). The JSON is decoded, not cut at the next tag: a string argument may
+  contain `</tool_call>`, `<think>` or any other text. No JSON object in a call may repeat a key.
 
   Args:
     text: the decoded assistant reply (with or without the trailing `<|im_end|>`).
     truncated: the reply hit the token limit (no end-of-turn token was sampled).
+    max_call_chars: the longest JSON text of one call, in characters (>= 1); a longer call is
+      refused (the run sets it from `data.max_call_chars`).
 
   Returns:
     `Action(tool_calls=[...], text=text)` for well-formed calls, in order;
     `Action(tool_calls=[], text=text)` when there is no tool call (the turn ends);
     `Action(error=message, text=text)` (and no tool calls) for a truncated reply, malformed JSON,
-    a missing name, non-object arguments, unexpected keys, or unbalanced tags.
+    a repeated key, a call longer than `max_call_chars`, a missing name, non-object arguments,
+    unexpected keys, or unbalanced tags. The message quotes at most 200 characters of a call.
   """
   if truncated:
     return Action(
@@ -334,24 +562,33 @@ def parse_tool_calls(text: str, *, truncated: bool = False) -> Action:
       body = body[: -len(tokenizer_lib.IM_END)]
     errors: list[str] = []
     calls: list[ToolCall] = []
-    blocks = list(_BLOCK_RE.finditer(body))
-    for i, m in enumerate(blocks):
-      inner = m.group(1)
-      if TOOL_CALL_OPEN in inner:
+    pos = index = 0
+    while True:
+      open_at = body.find(TOOL_CALL_OPEN, pos)
+      between = body[pos : open_at if open_at >= 0 else len(body)]
+      if TOOL_CALL_CLOSE in between:
+        errors.append(f"{TOOL_CALL_CLOSE} without an opening {TOOL_CALL_OPEN}")
+      if open_at < 0:
+        break
+      block = _read_block(body, open_at)
+      pos = block.end
+      where = f"tool call #{index + 1}"
+      index += 1
+      if block.error is not None:
+        errors.append(f"{where}: {block.error}")
+        continue
+      size = block.json_end - block.json_start
+      if size > max_call_chars:
         errors.append(
-          f"tool call #{i + 1}: {TOOL_CALL_OPEN} opened twice without {TOOL_CALL_CLOSE}"
+          f"{where}: the call is {size} characters long, over the limit of {max_call_chars}; "
+          "it was not run. Make shorter calls."
         )
         continue
-      parsed = _parse_one(inner, i)
+      parsed = _call_from_value(block.value, index - 1)
       if isinstance(parsed, str):
         errors.append(parsed)
       else:
         calls.append(parsed)
-    rest = _BLOCK_RE.sub("", body)
-    if TOOL_CALL_OPEN in rest:
-      errors.append(f"{TOOL_CALL_OPEN} without a closing {TOOL_CALL_CLOSE}")
-    if TOOL_CALL_CLOSE in rest:
-      errors.append(f"{TOOL_CALL_CLOSE} without an opening {TOOL_CALL_OPEN}")
     if errors:
       return Action(error="could not parse the tool calls: " + "; ".join(errors), text=text)
     return Action(tool_calls=calls, text=text)

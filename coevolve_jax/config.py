@@ -153,6 +153,7 @@ def _float_dtype(cfg: Mapping[str, Any], field: str) -> None:
 def _data(cfg: Mapping[str, Any]) -> None:
   int_at_least(cfg, "data.eval_size", 0)  # its upper bound (the entries) is checked at load
   int_at_least(cfg, "data.max_obs_chars", 1)
+  int_at_least(cfg, "data.max_call_chars", 1)
 
 
 def _model(cfg: Mapping[str, Any]) -> None:

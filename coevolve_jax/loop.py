@@ -178,7 +178,7 @@ class CoEvolveRun:
 
   def _setup(self) -> None:
     cfg = self.cfg
-    self.chat = QwenChat(enable_thinking=False)
+    self.chat = QwenChat(enable_thinking=False, max_call_chars=cfg.data.max_call_chars)
     self.suite = make_suite(cfg, self.workdir)  # the benchmark (envs/<name>/suite.py)
     self.eval_split = list(self.suite.eval_tasks)
     self.eval_tasks = self.eval_split[: cfg.eval.max_tasks]
@@ -209,6 +209,7 @@ class CoEvolveRun:
       EpisodeLimits(
         max_new_tokens=cfg.rollout.max_new_tokens, max_model_steps=cfg.rollout.max_model_steps
       ),
+      stop_ids=model.config.eos_token_ids,
     )
     self.eval_runner = AgentRunner(
       self.engine,
@@ -217,6 +218,7 @@ class CoEvolveRun:
       EpisodeLimits.for_evaluation(
         self.eval_tasks, cfg.eval.max_new_tokens, cfg.eval.max_steps_per_turn
       ),
+      stop_ids=model.config.eos_token_ids,
     )
     self.sampling = SamplingParams(
       temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p

@@ -58,7 +58,9 @@ class QwenTokenizer:
       below it. A model's embedding needs at least this many rows (Qwen3 uses 151936).
     eos_id / im_end_id: id of `<|im_end|>` (151645), the end-of-turn token the policy samples.
     im_start_id: id of `<|im_start|>` (151644).
-    pad_id: id of `<|endoftext|>` (151643); never the same as eos_id, so masks keep the stop token.
+    pad_id: id of `<|endoftext|>` (151643); never the same as eos_id. Loss masks come from what
+      was sampled, not from ids, so a sampled `<|endoftext|>` that ends a reply (Qwen3 instruct
+      checkpoints list it as an eos id) stays in the loss.
   """
 
   def __init__(self, folder: str | None = None):

@@ -16,6 +16,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.data.eval_size = 50  # held-out evaluation entries (seeded split; training never sees them)
   c.data.tool_style = "full"  # tool docs in the prompt: "full" (BFCL text) or "compact"
   c.data.max_obs_chars = 16384  # environment output truncation (~4096 tokens)
+  # Longest JSON text of one tool call the parser accepts (characters, ~ one 4096-token reply); a
+  # longer call is refused with an error observation and not run.
+  c.data.max_call_chars = 16384
 
   c.model = ml_collections.ConfigDict()
   c.model.preset = "qwen3_4b"  # QwenConfig preset name

@@ -110,8 +110,9 @@ def test_malformed_and_code_like_replies_become_error_observations(entries):
   bad = [
     '<tool_call>\n{"name": "ls", "arguments": {"a": tru}\n</tool_call>',  # malformed JSON
     '<tool_call>\n{"name": "__import__(\'os\').system", "arguments": {}}\n</tool_call>',
-    '<tool_call>\n{"name": "ls", "arguments": {"a": true}}',
-  ]  # no closing tag
+    '<tool_call>\n{"name": "ls", "arguments": {"a": true}}',  # no closing tag
+    '<tool_call>\n{"name": "cd", "arguments": {"folder": "a", "folder": "b"}}\n</tool_call>',
+  ]
   env = _make_env(task, "probe")
   first = env.reset()
   prompt = chat.prompt_ids(
@@ -125,10 +126,12 @@ def test_malformed_and_code_like_replies_become_error_observations(entries):
   runner = AgentRunner(engine, chat, _make_env, EpisodeLimits(4096, 50))
   (traj,) = runner.run([(task, 0)], SamplingParams(0.0), rng=jax.random.key(0))
   assert traj.finish == "done" and traj.reward == 0.0
-  assert traj.parse_errors == 2  # malformed JSON, unclosed block
+  assert traj.parse_errors == 3  # malformed JSON, unclosed block, a repeated key
   observations = chat.decode(traj.token_ids[traj.prompt_len :])
   assert "invalid JSON" in observations
   assert "invalid tool call" in observations or "unknown tool" in observations
+  assert "duplicate key 'folder'" in observations
+  assert traj.calls == [[] for _ in task.turns]  # none of them ran
 
 
 def _first_prompt(chat, task, make_env=_make_env):
@@ -442,3 +445,127 @@ def test_engines_and_chats_implement_the_declared_protocols():
     assert not _signature_mismatches(type(chat), ChatFormat)
   # A single-slot-prefill engine (the interface before prefill_many) is not a SlotEngine.
   assert _signature_mismatches(type("Old", (), {"prefill": lambda self: 0}), SlotEngine)
+
+
+# ------------------------------------------------------------------ every end-of-sequence id
+
+ENDOFTEXT = 151643  # <|endoftext|>: Qwen3 instruct's generation_config.json lists it with 151645
+
+
+def _checkpoint_with_generation_config(folder, eos_token_id=(151645, ENDOFTEXT)):
+  """A Hugging Face folder written by save_pretrained, plus the generation_config.json of a
+  Qwen3 instruct checkpoint; returns the model `models.build` loads from it."""
+  import json  # noqa: PLC0415
+
+  from flax import nnx  # noqa: PLC0415
+
+  from coevolve_jax import models  # noqa: PLC0415
+  from coevolve_jax.models import Qwen, QwenConfig, save_pretrained  # noqa: PLC0415
+
+  tiny = QwenConfig(
+    vocab_size=151936,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+  )
+  save_pretrained(Qwen(tiny, rngs=nnx.Rngs(0)), folder)
+  generation = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": list(eos_token_id)}
+  (folder / "generation_config.json").write_text(json.dumps(generation))
+  return models.build({"preset": "tiny_cpu", "checkpoint": str(folder), "dtype": "float32"}, seed=0)
+
+
+class _RunOnEngine:
+  """One slot; per reply, the scripted ids, then filler ("x") for as long as it is asked: a reply
+  the loop does not stop runs on to the token limit."""
+
+  num_slots = 1
+
+  def __init__(self, replies, filler):
+    self.replies, self.filler, self.queue, self.fed = [list(r) for r in replies], filler, [], []
+
+  def reset_slot(self, slot):
+    pass
+
+  def room(self, slot):
+    return 100_000
+
+  def prefill_many(self, requests, sampling):
+    ((_, ids, _),) = requests
+    self.fed.append(list(ids))
+    self.queue = self.replies.pop(0)
+    return [(self.queue.pop(0), -0.25)]
+
+  def generate(self, active, rng, sampling):
+    tok = self.queue.pop(0) if self.queue else self.filler
+    return np.array([tok], np.int32), np.array([-0.25], np.float32)
+
+
+class _CallThenDoneEnv:
+  """Step 1 answers the call with a tool message; step 2 ends the episode, reward 1 when both
+  replies parsed to what was scripted."""
+
+  system_prompt, tools = None, []
+
+  def __init__(self):
+    self.calls, self.actions = [[]], []
+
+  def reset(self):
+    return _step_result([{"role": "user", "content": "Go to x."}])
+
+  def step(self, action):
+    self.actions.append(action)
+    if len(self.actions) == 1:
+      return _step_result([{"role": "tool", "content": "ok"}])
+    from coevolve_jax.types import ToolCall  # noqa: PLC0415
+
+    first, second = self.actions
+    good = first.tool_calls == [ToolCall("cd", {"folder": "x"})] and second.text == "Done."
+    return _step_result([], done=True, reward=float(good and second.error is None))
+
+  def close(self):
+    pass
+
+
+def test_every_eos_id_of_the_checkpoint_ends_a_reply(tmp_path):
+  """A reply that ends with <|endoftext|> (151643, in the checkpoint's generation_config.json)
+  stops there: it is parsed and stepped, not run on to the token limit and scored 0."""
+  model = _checkpoint_with_generation_config(tmp_path / "ckpt")
+  assert model.config.eos_token_ids == (151645, ENDOFTEXT)
+  chat = QwenChat()
+  call = chat.assistant_text("", [{"name": "cd", "arguments": {"folder": "x"}}])
+  replies = [chat.encode(call) + [ENDOFTEXT], chat.encode("Done.") + [ENDOFTEXT]]
+  engine = _RunOnEngine(replies, filler=chat.encode("x")[0])
+  env = _CallThenDoneEnv()
+  task = Task(task_id="t", env="fake", turns=["Go to x."], ground_truth=[[]])
+  runner = AgentRunner(
+    engine, chat, lambda t, e: env, EpisodeLimits(64, 5), stop_ids=model.config.eos_token_ids
+  )
+  (traj,) = runner.run([(task, 0)], SamplingParams(0.0), rng=jax.random.key(0))
+  assert traj.finish == "done" and traj.reward == 1.0 and traj.model_steps == 2
+  assert traj.parse_errors == 0 and [a.error for a in env.actions] == [None, None]
+  # Each reply's last token is the sampled <|endoftext|>, in the loss mask with its log-prob;
+  # the template's <|im_end|> that closes the turn was not sampled (mask 0).
+  sampled = [(t, lp) for t, m, lp in zip(traj.token_ids, traj.loss_mask, traj.logprobs) if m]
+  assert [t for t, _ in sampled] == replies[0] + replies[1]
+  assert all(lp == -0.25 for _, lp in sampled)
+  first_end = traj.prompt_len + len(replies[0])
+  assert traj.token_ids[first_end - 1] == ENDOFTEXT and traj.loss_mask[first_end - 1] == 1
+  assert traj.token_ids[first_end] == chat.im_end_id and traj.loss_mask[first_end] == 0
+  # What the slot was fed after the first reply: the pending <|endoftext|>, <|im_end|>, then the
+  # template's continuation for the tool message.
+  assert engine.fed[1] == [ENDOFTEXT, chat.im_end_id] + chat.continuation_ids(
+    [{"role": "tool", "content": "ok"}]
+  )
+  assert traj.token_ids[traj.prompt_len :] == (replies[0] + engine.fed[1][1:] + replies[1])
+
+
+def test_stop_ids_are_checked():
+  with pytest.raises(ValueError, match="stop_ids"):
+    AgentRunner(ScriptedEngine({}), _FakeChat(), _make_env, EpisodeLimits(), stop_ids=[-1])
+  with pytest.raises(ValueError, match="stop_ids"):
+    AgentRunner(ScriptedEngine({}), _FakeChat(), _make_env, EpisodeLimits(), stop_ids=["151643"])
+  runner = AgentRunner(ScriptedEngine({}), _FakeChat(), _make_env, EpisodeLimits(), stop_ids=[7])
+  assert runner.stop_ids == {0, 7}  # the chat's <|im_end|> always stops a reply

@@ -83,6 +83,7 @@ BAD = [  # (field, value); the bfcl cpu config (16 rollouts a step in 2 mini-bat
   ("seed", -1),
   ("data.eval_size", -1),
   ("data.max_obs_chars", 0),
+  ("data.max_call_chars", 0),
   ("data.tool_style", "verbose"),
   ("model.preset", "qwen9_1t"),
   ("model.dtype", "int32"),

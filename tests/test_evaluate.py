@@ -194,3 +194,52 @@ def test_the_runs_evaluation_uses_the_same_episodes_as_the_cli(tmp_path):
     evaluation.close()
     training.close()
     suite.close()
+
+
+class _EndOfTextReplay(ReplayEngine):
+  """The ground-truth replay, but every reply ends with <|endoftext|> (151643) instead of
+  <|im_end|> and then runs on with filler for as long as it is asked: what a Qwen3 instruct
+  checkpoint may sample."""
+
+  def prefill(self, slot, ids, rng, sampling):
+    first = super().prefill(slot, ids, rng, sampling)
+    queue = self._queue[slot]
+    assert queue[-1] == 151645
+    queue[-1] = 151643
+    queue.extend([self._closing[0]] * 4096)
+    return first
+
+
+def test_cli_stops_replies_at_the_checkpoints_generation_eos_ids(cfg, chat, tmp_path, monkeypatch):
+  """A Hugging Face folder whose generation_config.json lists 151645 and 151643: replies that end
+  with 151643 stop there and the ground-truth calls score 100%, where a stop set of <|im_end|>
+  alone cuts every reply at the token limit (nothing runs, 0%)."""
+  from coevolve_jax.models.hf import save_pretrained  # noqa: PLC0415
+  from coevolve_jax.rollout import engine as engine_lib  # noqa: PLC0415
+
+  folder = save_pretrained(Qwen(TINY, rngs=nnx.Rngs(0)), tmp_path / "hf")
+  (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+  small = bfcl_config.get_config("cpu")
+  small.rollout.num_slots = 2
+  tasks = bfcl.load_bfcl_tasks("multi_turn_base")[:2]
+  make = lambda t, e: make_episode(small, t, e, eval=True)  # noqa: E731
+  monkeypatch.setattr(
+    engine_lib,
+    "Engine",
+    lambda model, *a, **k: _EndOfTextReplay(
+      tasks, chat, make, 2, parse_call=bfcl.parse_call_string, max_steps_per_turn=3
+    ),
+  )
+  report = evaluate.run(
+    small,
+    str(folder),
+    ["multi_turn_base"],
+    max_tasks=2,
+    policy="model",
+    output=str(tmp_path / "report.json"),
+    max_new_tokens=256,
+  )
+  rows = report["categories"]["multi_turn_base"]["entries"]
+  assert [r["finish"] for r in rows] == ["done", "done"]
+  assert [r["reward"] for r in rows] == [1.0, 1.0] and [r["parse_errors"] for r in rows] == [0, 0]
+  assert all(r["generated_tokens"] < 256 * r["model_steps"] for r in rows)

@@ -86,3 +86,35 @@ def test_expert_outside_the_config(tmp_path):
   )
   with pytest.raises(CheckpointFormatError, match="expert 5"):
     from_pretrained(folder)
+
+
+def test_eos_ids_of_config_and_generation_config(folder, tmp_path):
+  assert from_pretrained(folder).config.eos_token_ids == ()  # none named: the tokenizer's only
+  cfg = json.loads((folder / "config.json").read_text())
+  (folder / "config.json").write_text(json.dumps(dict(cfg, eos_token_id=5)))
+  (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 5]}))
+  model = from_pretrained(folder)
+  assert model.config.eos_token_ids == (5, 7)  # config.json's first, each once
+  again = save_pretrained(model, tmp_path / "again")  # config.json keeps them all
+  assert json.loads((again / "config.json").read_text())["eos_token_id"] == [5, 7]
+  assert from_pretrained(again).config.eos_token_ids == (5, 7)
+
+
+@pytest.mark.parametrize(
+  "file,text,fragment",
+  [
+    ("generation_config.json", "{", "not JSON"),
+    ("generation_config.json", "[5]", "not a JSON object"),
+    ("generation_config.json", '{"eos_token_id": "5"}', "an id or a list of ids"),
+    ("generation_config.json", '{"eos_token_id": [5, true]}', "an id or a list of ids"),
+    ("generation_config.json", '{"eos_token_id": [5, 64]}', "outside the vocabulary"),
+    ("config.json", '{"eos_token_id": -1}', "outside the vocabulary"),
+  ],
+)
+def test_bad_eos_ids_are_named(folder, file, text, fragment):
+  if file == "config.json":
+    cfg = json.loads((folder / "config.json").read_text())
+    text = json.dumps(dict(cfg, **json.loads(text)))
+  (folder / file).write_text(text)
+  with pytest.raises(CheckpointFormatError, match=fragment):
+    from_pretrained(folder)

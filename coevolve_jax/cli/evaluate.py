@@ -12,7 +12,8 @@ episodes are the ones the training run's own `eval_before` / `eval_after` use
 `eval.max_steps_per_turn` and its entries from the held-out split of `data.category`.
 
 PATH is a run's orbax checkpoint folder (`<workdir>/checkpoints`, or the workdir itself; the model
-shape comes from `--config`) or a Hugging Face folder (`config.json` + safetensors).
+shape comes from `--config`) or a Hugging Face folder (`config.json` + safetensors; a reply also
+ends at every `eos_token_id` of its config.json and generation_config.json).
 `--policy=ground_truth` replays each entry's ground-truth calls through the same loop instead of a
 model: a check of the harness itself (template, parsing, execution, checker), which scores 100% on
 multi_turn_base.
@@ -44,7 +45,13 @@ CATEGORIES = (
 
 
 def evaluate_category(
-  engine, chat, tasks: Sequence[Task], cfg, rng=None, max_new_tokens: int = 0
+  engine,
+  chat,
+  tasks: Sequence[Task],
+  cfg,
+  rng=None,
+  max_new_tokens: int = 0,
+  stop_ids: Sequence[int] = (),
 ) -> dict[str, Any]:
   """Greedy episodes of `tasks` on `engine`; returns {"accuracy", "n", "entries": [...]}.
 
@@ -60,6 +67,8 @@ def evaluate_category(
     cfg: the run config (data.tool_style, data.max_obs_chars, eval.max_new_tokens are read).
     rng: PRNG key (greedy decoding does not use it).
     max_new_tokens: tokens per reply; 0 = `cfg.eval.max_new_tokens`.
+    stop_ids: the checkpoint's end-of-sequence ids (`model.config.eos_token_ids`); a reply ends
+      at any of them or at `<|im_end|>`.
   """
   import jax  # noqa: PLC0415
 
@@ -73,6 +82,7 @@ def evaluate_category(
     EpisodeLimits.for_evaluation(
       tasks, max_new_tokens or cfg.eval.max_new_tokens, cfg.eval.max_steps_per_turn
     ),
+    stop_ids=stop_ids,
   )
   trajs = runner.run(
     [(t, i) for i, t in enumerate(tasks)],
@@ -143,14 +153,15 @@ def run(
   """Evaluates every category; prints a table and writes the JSON report to `output`."""
   from coevolve_jax.agent import QwenChat  # noqa: PLC0415
 
-  chat = QwenChat(enable_thinking=False)
-  engine = None
+  chat = QwenChat(enable_thinking=False, max_call_chars=cfg.data.max_call_chars)
+  engine, stop_ids = None, ()
   if policy == "model":
     import jax.numpy as jnp  # noqa: PLC0415
 
     from coevolve_jax.rollout.engine import Engine  # noqa: PLC0415
 
     model = load_model(cfg, checkpoint)
+    stop_ids = model.config.eos_token_ids  # a Hugging Face folder's generation_config.json ids
     engine = Engine(
       model,
       cfg.rollout.num_slots,
@@ -178,7 +189,9 @@ def run(
         parse_call=bfcl.parse_call_string,
         max_steps_per_turn=cfg.eval.max_steps_per_turn,
       )
-    result = evaluate_category(engine, chat, tasks, cfg, max_new_tokens=max_new_tokens)
+    result = evaluate_category(
+      engine, chat, tasks, cfg, max_new_tokens=max_new_tokens, stop_ids=stop_ids
+    )
     result["wall_s"] = round(time.perf_counter() - start, 2)
     report["categories"][category] = result
     print(

@@ -230,22 +230,40 @@ class GeminiLLM:
     return text
 
 
-def parse_json_reply(text: str) -> Any:
+def parse_json_reply(text: str, *, unique_keys: bool = False) -> Any:
   """The JSON value in an LLM reply (bare, or inside a ```json fence).
 
+  Args:
+    text: the reply.
+    unique_keys: refuse a JSON object that repeats a key (plain `json` keeps the last value);
+      set for replies whose values are run, such as tool calls.
+
   Raises:
-    LLMError: no parseable JSON value.
+    LLMError: no parseable JSON value, or (with `unique_keys`) a repeated key.
   """
+  hook, duplicate = None, ()  # `except ()` catches nothing
+  if unique_keys:
+    from coevolve_jax.chat import DuplicateKeyError, unique_object_pairs  # noqa: PLC0415
+
+    hook, duplicate = unique_object_pairs, DuplicateKeyError
+  decoder = json.JSONDecoder(object_pairs_hook=hook)
   fenced = re.search(r"```(?:json)?\s*(.*?)```", text, re.S)
   body = (fenced.group(1) if fenced else text).strip()
   try:
-    return json.loads(body)
-  except ValueError:
-    pass
-  start = min((i for i in (body.find("{"), body.find("[")) if i >= 0), default=-1)
-  if start >= 0:
     try:
-      return json.JSONDecoder().raw_decode(body[start:])[0]
+      return decoder.decode(body)
+    except duplicate:
+      raise
     except ValueError:
       pass
+    start = min((i for i in (body.find("{"), body.find("[")) if i >= 0), default=-1)
+    if start >= 0:
+      try:
+        return decoder.raw_decode(body[start:])[0]
+      except duplicate:
+        raise
+      except ValueError:
+        pass
+  except duplicate as e:
+    raise LLMError(f"reply repeats a key ({e}): {text[:120]!r}") from None
   raise LLMError(f"reply is not JSON: {text[:120]!r}")

@@ -2,7 +2,8 @@
 
 Implements `coevolve_jax.feedback.llm.TextLLM`: the system and user texts are rendered with the
 Qwen chat template (thinking off), one completion is sampled with the KV-cached engine
-(`coevolve_jax.rollout.generate`) until `<|im_end|>` or `max_new_tokens`, and the reply text comes
+(`coevolve_jax.rollout.generate`) until a stop id (`<|im_end|>`, or any end-of-sequence id of the
+model's checkpoint, `model.config.eos_token_ids`) or `max_new_tokens`, and the reply text comes
 back with any reasoning block removed. Tokens (prompt + completion) are charged to the round's
 `TokenBudget` like Gemini's.
 """
@@ -28,7 +29,9 @@ class LocalLLM:
 
   Args:
     model: a Qwen model, or a zero-argument callable returning the model to use now (e.g. the
-      current policy: called once per `refresh()`).
+      current policy: called once per `refresh()`). A reply ends at the tokenizer's `<|im_end|>`
+      and at every id of the model's `config.eos_token_ids` (its checkpoint's config.json and
+      generation_config.json); `stop_ids` holds the set.
     cache_len: KV cache length; prompt + reply must fit (longer prompts raise LLMError).
     max_new_tokens: cap per reply. temperature: sampling temperature (0 = greedy).
     tokens_per_round: the TokenBudget limit (0 = unlimited).
@@ -57,6 +60,7 @@ class LocalLLM:
     self._key = jax.random.key(seed)
     self._lock = threading.Lock()
     current = model() if callable(model) and not isinstance(model, Qwen) else model
+    self.stop_ids = frozenset({self._tok.im_end_id, *current.config.eos_token_ids})
     self.engine = Engine(current, 1, cache_len, jax.numpy.dtype(dtype))
 
   def refresh(self) -> None:
@@ -89,11 +93,11 @@ class LocalLLM:
         [ids],
         self.sampling,
         max_new_tokens=min(self.max_new_tokens, self.engine.cache_len - len(ids)),
-        stop_ids=[self._tok.im_end_id],
+        stop_ids=self.stop_ids,
         rng=sub,
       )
     self.budget.charge(len(ids) + len(out.token_ids))
-    reply = [t for t in out.token_ids if t != self._tok.im_end_id]
+    reply = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
     text = chat_lib.strip_thinking(self._tok.decode(reply)).strip()
     if not text:
       raise LLMError("empty reply from the local model")

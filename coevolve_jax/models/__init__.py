@@ -6,6 +6,7 @@ from coevolve_jax.models.hf import (
   CheckpointFormatError,
   config_from_hf,
   from_pretrained,
+  generation_eos_ids,
   hf_config,
   save_pretrained,
 )
@@ -19,6 +20,7 @@ __all__ = [
   "QwenConfig",
   "config_from_hf",
   "from_pretrained",
+  "generation_eos_ids",
   "hf_config",
   "build",
   "save_pretrained",

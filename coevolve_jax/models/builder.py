@@ -20,7 +20,9 @@ def build(model_cfg: Mapping[str, Any], *, seed: int, mesh: Mesh | None = None) 
   """The model a run trains, from its `model` config group (configs/bfcl.py `c.model`).
 
   With `model_cfg.checkpoint` set, the Hugging Face folder is loaded (`from_pretrained`; its
-  config.json replaces the preset, which is then not read); otherwise `QwenConfig.preset(
+  config.json replaces the preset, which is then not read, and the `eos_token_id` ids of its
+  config.json and generation_config.json are `model.config.eos_token_ids`, the ids that end a
+  reply besides the tokenizer's `<|im_end|>`); otherwise `QwenConfig.preset(
   model_cfg.preset)` is initialised at random with `nnx.Rngs(seed)`. Parameters are in
   `model_cfg.dtype`.
 

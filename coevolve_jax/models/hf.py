@@ -1,14 +1,17 @@
 """Hugging Face checkpoint folders: `from_pretrained` and `save_pretrained` for Qwen models.
 
 A folder holds `config.json` and either one `model.safetensors` or shards listed in
-`model.safetensors.index.json`. Loading reads one tensor at a time (safetensors) and places it
-straight into its target sharding, so no host ever holds the whole model: the peak extra host
-memory is one tensor (or one layer's stacked experts for MoE) plus the model's own shards.
+`model.safetensors.index.json`, and may hold `generation_config.json`, whose `eos_token_id` ids
+(with those of config.json) become the model's `config.eos_token_ids`: the ids that end a reply.
+Loading reads one tensor at a time (safetensors) and places it straight into its target sharding,
+so no host ever holds the whole model: the peak extra host memory is one tensor (or one layer's
+stacked experts for MoE) plus the model's own shards.
 `benchmarks/load_memory.py` measures it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -38,18 +41,67 @@ _ARCHITECTURES = {
 }
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
+GENERATION_CONFIG = "generation_config.json"
 
 
 class CheckpointFormatError(ValueError):
   """A Hugging Face folder that cannot be read as a supported Qwen checkpoint."""
 
 
+def _eos_ids(value, where: str, vocab_size: int) -> tuple[int, ...]:
+  """An `eos_token_id` value (null, an id, or a list of ids) as a tuple of ids.
+
+  Raises:
+    CheckpointFormatError: anything else, or an id outside [0, vocab_size).
+  """
+  if value is None:
+    return ()
+  ids = value if isinstance(value, list) else [value]
+  if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    raise CheckpointFormatError(
+      f"{where}: eos_token_id must be an id or a list of ids, got {value!r}"
+    )
+  bad = [i for i in ids if not 0 <= i < vocab_size]
+  if bad:
+    raise CheckpointFormatError(
+      f"{where}: eos_token_id {bad} outside the vocabulary [0, {vocab_size})"
+    )
+  return tuple(dict.fromkeys(ids))
+
+
+def generation_eos_ids(path: str | os.PathLike, vocab_size: int) -> tuple[int, ...]:
+  """The `eos_token_id` ids of a folder's `generation_config.json`, in order; () without one.
+
+  transformers' `generate` stops at every one of them (Qwen3 instruct checkpoints list 151645
+  `<|im_end|>` and 151643 `<|endoftext|>`).
+
+  Args:
+    path: a Hugging Face model folder.
+    vocab_size: the model's vocabulary size; every id must be below it.
+  Raises:
+    CheckpointFormatError: the file is not JSON, or its eos_token_id is not null, an id or a list
+      of ids in [0, vocab_size).
+  """
+  file = Path(path) / GENERATION_CONFIG
+  if not file.exists():
+    return ()
+  try:
+    gen = json.loads(file.read_text())
+  except ValueError as e:
+    raise CheckpointFormatError(f"{file}: not JSON ({e})") from e
+  if not isinstance(gen, dict):
+    raise CheckpointFormatError(f"{file}: not a JSON object")
+  return _eos_ids(gen.get("eos_token_id"), str(file), vocab_size)
+
+
 def config_from_hf(hf: dict) -> QwenConfig:
   """QwenConfig from a parsed HF `config.json` (transformers 4 and 5 spellings alike).
 
+  `eos_token_ids` comes from its `eos_token_id` (an id, a list of ids, or absent).
+
   Raises:
-    CheckpointFormatError: an unsupported model type, or a feature we do not implement (sliding
-      window attention, RoPE scaling).
+    CheckpointFormatError: an unsupported model type, a feature we do not implement (sliding
+      window attention, RoPE scaling), or an `eos_token_id` that is not ids in the vocabulary.
   """
   model_type = hf.get("model_type")
   if model_type not in SUPPORTED_MODEL_TYPES:
@@ -89,6 +141,7 @@ def config_from_hf(hf: dict) -> QwenConfig:
     norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
     decoder_sparse_step=int(hf.get("decoder_sparse_step", 1) or 1),
     mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+    eos_token_ids=_eos_ids(hf.get("eos_token_id"), "config.json", hf["vocab_size"]),
   )
 
 
@@ -121,6 +174,9 @@ def hf_config(cfg: QwenConfig, dtype=jnp.float32) -> dict:
   }
   if model_type != "qwen2":
     out["attention_bias"] = cfg.attention_bias
+  if cfg.eos_token_ids:
+    ids = list(cfg.eos_token_ids)
+    out["eos_token_id"] = ids[0] if len(ids) == 1 else ids
   if cfg.num_experts:
     out.update(
       num_experts=cfg.num_experts,
@@ -180,15 +236,19 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | Non
   """Loads a Hugging Face Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE checkpoint folder.
 
   Args:
-    path: folder with `config.json` and `model.safetensors` or `model.safetensors.index.json`.
+    path: folder with `config.json` and `model.safetensors` or `model.safetensors.index.json`,
+      and optionally `generation_config.json`.
     dtype: parameter dtype (float32 or bfloat16); tensors are cast one at a time.
     mesh: when given, every parameter is placed in its logical sharding on this mesh
       (`sharding.LOGICAL_RULES`); otherwise on the first device.
   Returns:
     A `Qwen` model; `model(input_ids, attention_mask=mask)` gives [B, T, V] float32 logits.
+    `model.config.eos_token_ids` holds every `eos_token_id` of config.json and
+    generation_config.json (config.json's first), each once.
   Raises:
     FileNotFoundError: no `config.json`. CheckpointFormatError: an unsupported architecture, an
-      unknown or missing tensor, a shape that does not fit the config, a damaged file.
+      unknown or missing tensor, a shape that does not fit the config, a damaged file, an
+      `eos_token_id` that is not ids in the vocabulary.
   """
   folder = Path(path)
   config_file = folder / "config.json"
@@ -199,6 +259,8 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | Non
   except ValueError as e:
     raise CheckpointFormatError(f"{config_file}: not JSON ({e})") from e
   cfg = config_from_hf(hf)
+  generation = generation_eos_ids(folder, cfg.vocab_size)
+  cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + generation)))
   abstract = nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0), dtype=dtype))
   graphdef, state = nnx.split(abstract)
   variables = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(state)}

@@ -27,7 +27,8 @@ from coevolve_jax.models.sharding import active_mesh, constrain
 
 @dataclasses.dataclass(frozen=True)
 class QwenConfig:
-  """Architecture hyper-parameters (names follow the Hugging Face config.json)."""
+  """Architecture hyper-parameters (names follow the Hugging Face config.json), plus the
+  checkpoint's end-of-sequence ids, which generation reads."""
 
   vocab_size: int
   hidden_size: int
@@ -49,6 +50,10 @@ class QwenConfig:
   norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
   decoder_sparse_step: int = 1  # every n-th layer is sparse ...
   mlp_only_layers: tuple[int, ...] = ()  # ... except these, which keep a dense MLP
+  # Not architecture: the ids a checkpoint names as `eos_token_id` in config.json and
+  # generation_config.json (Qwen3 instruct: 151645 <|im_end|> and 151643 <|endoftext|>). A reply
+  # ends at any of them as well as at the tokenizer's <|im_end|>; () for a random init.
+  eos_token_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
     if self.num_attention_heads % self.num_key_value_heads:
@@ -63,6 +68,10 @@ class QwenConfig:
     if self.num_experts and self.moe_intermediate_size <= 0:
       raise ValueError("a MoE config needs moe_intermediate_size > 0")
     object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+    object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+    bad = [i for i in self.eos_token_ids if not 0 <= i < self.vocab_size]
+    if bad:
+      raise ValueError(f"eos_token_ids {bad} are outside the vocabulary [0, {self.vocab_size})")
 
   @property
   def model_type(self) -> str:

@@ -114,9 +114,10 @@ def parse_call_reply(text: str) -> ToolCall | None:
   """A ToolCall from an explorer reply, or None for {"stop": true}.
 
   Raises:
-    LLMError: the reply is not a JSON object with a string "name" and an object "arguments".
+    LLMError: the reply is not a JSON object with a string "name" and an object "arguments", or
+      one of its objects repeats a key.
   """
-  data = parse_json_reply(text)
+  data = parse_json_reply(text, unique_keys=True)
   if isinstance(data, dict) and data.get("stop") is True:
     return None
   if (
