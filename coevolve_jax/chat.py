@@ -32,7 +32,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jinja2
 import jinja2.ext
@@ -594,3 +594,51 @@ def parse_tool_calls(
     return Action(tool_calls=calls, text=text)
   except Exception as e:  # pylint: disable=broad-except  # defensive: parsing must never crash
     return Action(error=f"could not parse the tool calls: {type(e).__name__}: {e}", text=text)
+
+
+@runtime_checkable
+class ChatFormat(Protocol):
+  """How conversations become token ids and replies become actions, for the agent loop, the
+  warm-start demonstrations and the replaying engine. Implemented by `QwenChat`.
+
+  Token ids are Python ints in [0, vocab_size). Messages are chat dicts ({"role", "content"},
+  plus "tool_calls" on assistant messages); tools are JSON-schema tool dicts.
+
+  Attributes:
+    im_end_id: the id that ends a reply in the template (`<|im_end|>`); the loop stops sampling
+      on it and on the checkpoint's other end-of-sequence ids (`AgentRunner(stop_ids=...)`).
+  """
+
+  im_end_id: int
+
+  def prompt_ids(self, messages: list[dict], tools: list[dict]) -> list[int]:
+    """The first prompt: system/user `messages` and `tools` rendered and tokenized, ending with
+    the assistant header the model replies after."""
+    ...
+
+  def continuation_ids(self, messages: list[dict]) -> list[int]:
+    """Ids that follow a reply's stop token: `messages` (tool results or the next user message)
+    and the next assistant header.
+
+    Raises:
+      ValueError: `messages` is empty or holds an assistant message.
+    """
+    ...
+
+  def assistant_text(self, content: str, tool_calls: Sequence[dict] = ()) -> str:
+    """A reply's text as the model should write it: `content` then each call ({"name",
+    "arguments"}) in the template's tool-call format; without the stop token."""
+    ...
+
+  def parse_tool_calls(self, text: str, truncated: bool = False) -> Action:
+    """The action a reply's text (without its stop token) asks for; `truncated` means the reply
+    was cut before its stop token. Malformed calls give `Action.error`, never an exception."""
+    ...
+
+  def encode(self, text: str) -> list[int]:
+    """Token ids of `text` (no special tokens added)."""
+    ...
+
+  def decode(self, ids: list[int]) -> str:
+    """Text of token ids (special tokens included as text)."""
+    ...

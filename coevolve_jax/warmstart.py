@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from coevolve_jax.agent import QwenChat
+from coevolve_jax.chat import ChatFormat
 from coevolve_jax.types import Trajectory
 from coevolve_jax.types import Action, Task, ToolCall
 from envs.base import Env
@@ -24,7 +24,7 @@ CLOSING_REPLY = "Done."
 
 def demonstration(
   task: Task,
-  chat: QwenChat,
+  chat: ChatFormat,
   make_env: Callable[[Task, str], Env],
   parse_call: Callable[[str, list[str]], ToolCall],
   episode_id: str,
@@ -57,7 +57,7 @@ def demonstration(
     env.close()
 
 
-def _reply(traj: Trajectory, chat: QwenChat, env: Env, text: str, action: Action):
+def _reply(traj: Trajectory, chat: ChatFormat, env: Env, text: str, action: Action):
   traj.extend(chat.encode(text) + [chat.im_end_id], sampled=True)
   result = env.step(action)
   if not result.done:

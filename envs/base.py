@@ -23,7 +23,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from coevolve_jax.feedback.llm import TextLLM
-from coevolve_jax.feedback.rounds import RoundResult, SignalEvent
+from coevolve_jax.chat import ChatFormat
+from coevolve_jax.feedback.rounds import RoundResult
+from coevolve_jax.feedback.signals import SignalEvent
 from coevolve_jax.types import Action, StepResult, Task, Trajectory
 
 
@@ -69,7 +71,7 @@ class Suite(Protocol):
     (attempted, accepted, rejected, ...). `llm` is the D0 explorer's LLM, None for programmatic."""
     ...
 
-  def demonstration(self, task: Task, chat: Any, episode_id: str) -> Trajectory:
+  def demonstration(self, task: Task, chat: ChatFormat, episode_id: str) -> Trajectory:
     """A teacher-forced trajectory of `task`'s ground truth, really executed (warm-start)."""
     ...
 

@@ -19,7 +19,7 @@ from coevolve_jax.types import Task, ToolCall
 if TYPE_CHECKING:  # annotations only: the evaluation CLI imports this before JAX
   import jax
 
-  from coevolve_jax.agent import ChatFormat
+  from coevolve_jax.chat import ChatFormat
   from coevolve_jax.rollout.sampling import SamplingParams
 
 

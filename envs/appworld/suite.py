@@ -38,7 +38,9 @@ from envs.appworld.env import REWARD_MODES, AppWorldEnv, rows_to_tasks, task_fro
 from envs.appworld.synthesis import code_reply
 from envs.appworld.server import ServerError, ServerPool, add_worlds, build_worlds, venv_python
 from coevolve_jax.feedback.llm import TextLLM
-from coevolve_jax.feedback.rounds import RoundResult, SignalEvent
+from coevolve_jax.chat import ChatFormat
+from coevolve_jax.feedback.rounds import RoundResult
+from coevolve_jax.feedback.signals import SignalEvent
 from coevolve_jax.types import Action, Task, Trajectory
 
 __all__ = ["AppWorldSuite", "check_setup", "validate_config"]
@@ -217,7 +219,7 @@ class AppWorldSuite:
       return f"server error: {e}"
     return None
 
-  def demonstration(self, task: Task, chat: Any, episode_id: str):
+  def demonstration(self, task: Task, chat: ChatFormat, episode_id: str) -> Trajectory:
     """Teacher-forced trajectory: one reply holding the task's solution code, really executed."""
     del episode_id
     env = self._env(task, max_steps=1)

@@ -16,7 +16,9 @@ import numpy as np
 
 from coevolve_jax import config, warmstart
 from coevolve_jax.feedback.llm import TextLLM
-from coevolve_jax.feedback.rounds import RoundResult, SignalEvent
+from coevolve_jax.chat import ChatFormat
+from coevolve_jax.feedback.rounds import RoundResult
+from coevolve_jax.feedback.signals import SignalEvent
 from coevolve_jax.types import Task, Trajectory
 from envs import SuiteUnavailable
 from envs.bfcl import synthesis
@@ -118,7 +120,7 @@ class BfclSuite:
     )
     return tasks, counts
 
-  def demonstration(self, task: Task, chat: Any, episode_id: str) -> Trajectory:
+  def demonstration(self, task: Task, chat: ChatFormat, episode_id: str) -> Trajectory:
     """The ground-truth calls, one per reply, executed in a training episode."""
     return warmstart.demonstration(task, chat, self.make_env, parse_call_string, episode_id)
 
