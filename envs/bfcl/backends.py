@@ -42,7 +42,6 @@ import signal
 import subprocess
 import sys
 import threading
-import weakref
 from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from typing import Any
@@ -293,7 +292,8 @@ class _Worker:
     return value
 
 
-_POOLS: "weakref.WeakSet[BackendPool]" = weakref.WeakSet()
+_POOLS: set["BackendPool"] = set()  # open pools, closed at interpreter exit
+_POOLS_LOCK = threading.Lock()
 
 
 class BackendPool:
@@ -317,7 +317,8 @@ class BackendPool:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     self.child_env = env  # the workers import this checkout's `envs` package
-    _POOLS.add(self)
+    with _POOLS_LOCK:
+      _POOLS.add(self)
 
   def session(self, task: Task, model_name: str | None = None) -> "BackendSession":
     """A session for one episode or sandbox of `task` (instances are created at its first call or
@@ -390,6 +391,8 @@ class BackendPool:
     """Ends and reaps every worker process (sessions still open fail from now on). Idempotent."""
     with self._lock:
       self.closed = True
+    with _POOLS_LOCK:
+      _POOLS.discard(self)
     for worker in self._workers:
       got = worker.lock.acquire(timeout=self.bounds.call_wall_s + QUIT_TIMEOUT_S)
       try:
@@ -566,5 +569,7 @@ def configure(bounds: Bounds) -> BackendPool:
 
 @atexit.register
 def _close_all() -> None:
-  for pool in list(_POOLS):
+  with _POOLS_LOCK:
+    pools = list(_POOLS)
+  for pool in pools:
     pool.close()
