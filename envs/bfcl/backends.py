@@ -322,7 +322,11 @@ class BackendPool:
 
   def session(self, task: Task, model_name: str | None = None) -> "BackendSession":
     """A session for one episode or sandbox of `task` (instances are created at its first call or
-    `open()`); close it when done."""
+    `open()`); close it when done.
+
+    Raises:
+      BackendUnavailable: the pool is closed.
+    """
     return BackendSession(self, task, model_name or new_model_name("sess"))
 
   def _assign(self) -> _Worker:
@@ -376,7 +380,11 @@ class BackendPool:
 
   def instance_names(self, model_name: str = "") -> list[str]:
     """Cached backend instance names in all running workers (those of `model_name`, checker
-    variants included, or all when ""), for tests and leak checks."""
+    variants included, or all when ""), for tests and leak checks; [] once the pool is closed.
+
+    Raises:
+      BackendError: a worker failed unexpectedly.
+    """
     names: list[str] = []
     for worker in self._workers:
       with worker.lock:
