@@ -67,7 +67,7 @@ def validate(cfg: Mapping[str, Any]) -> None:
   int_at_least(cfg, "eval.max_tasks", 0)
   int_at_least(cfg, "checkpoint.every", 1)
   int_at_least(cfg, "checkpoint.keep", 1)  # RunCheckpointer's rule
-  envs.validate_config(cfg)  # the suite's own fields (BFCL: data.tool_style; appworld.*)
+  envs.validate_config(cfg)  # the suite's own fields (BFCL: data.tool_style, backends; appworld)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,6 +20,14 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   # longer call is refused with an error observation and not run.
   c.data.max_call_chars = 16384
 
+  # Bounds on BFCL backend execution (envs/bfcl/backends.py): every tool call of an episode, an
+  # explorer or validation sandbox and the official checker runs in a worker process. A call over
+  # a bound is stopped (error observation, no effect) and its worker replaced.
+  c.backends = ml_collections.ConfigDict()
+  c.backends.call_wall_s = 10.0  # wall-clock seconds per call (a replay or check of n calls: n+1x)
+  c.backends.worker_memory_mib = 4096  # address-space limit (RLIMIT_AS) of each worker, MiB
+  c.backends.workers = 4  # worker processes (episodes are spread over them; 4 = env threads)
+
   c.model = ml_collections.ConfigDict()
   c.model.preset = "qwen3_4b"  # QwenConfig preset name
   c.model.checkpoint = ""  # Hugging Face folder with safetensors; "" = random init
@@ -148,6 +156,7 @@ def _cpu(c: ml_collections.ConfigDict) -> None:
   c.data.eval_size = 20
   c.data.tool_style = "compact"
   c.data.max_obs_chars = 600
+  c.backends.workers = 2  # one per core
   # D0 of 12 tasks of 1-2 calls: what a 2-layer model memorises in ~120 warm-start steps on 2 cores
   # (the paper's tasks have >= 3 calls: see explore.min_calls in the full config).
   c.explore.initial_tasks = 12

@@ -17,7 +17,7 @@ from envs.bfcl.env import (
   tool_schemas,
 )
 from envs.bfcl.data import schemas_by_name
-from envs.bfcl.execution import cached_keys, import_bfcl
+from envs.bfcl.backends import default_pool
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +41,8 @@ def _play(env: BfclEnv, turns) -> object:
 
 
 def _instances():
-  utils = import_bfcl("bfcl_eval.eval_checker.multi_turn_eval.multi_turn_utils")
-  return [k for k in vars(utils) if k.endswith("_instance")]
+  """Every cached backend instance, in every worker process of the default pool."""
+  return default_pool().instance_names()
 
 
 def test_load_tasks(tasks):
@@ -140,7 +140,7 @@ def test_close_removes_checker_globals(tasks):
   assert any(k.startswith(env.model_name) for k in _instances())
   env.close()
   assert set(_instances()) == before
-  assert not cached_keys(env.model_name)
+  assert not env.cached_instance_names()
 
 
 def test_tool_schemas_format():

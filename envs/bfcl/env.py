@@ -3,7 +3,9 @@
 One `BfclEnv` is one episode of one Task: user turns are presented in order; the agent's tool calls
 are validated and converted to call strings by us (`call_to_string`), executed on per-episode
 backend instances, and the episode is scored at the end by the official `multi_turn_checker` (reward
-1.0 / 0.0).
+1.0 / 0.0). The instances live in a worker process of a `BackendPool` (`envs.bfcl.backends`), where
+every call runs under a wall-time and memory bound: a call over a bound gets an error observation,
+has no effect and is not among the calls the checker replays, and the episode goes on.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from envs.bfcl.data import (
   tool_schemas,
   function_docs,
 )
-from envs.bfcl.execution import cached_keys, cleanup, execute_calls, new_model_name, score_calls
+from envs.bfcl.backends import BackendLost, BackendPool, BackendSession, default_pool
+from envs.bfcl.execution import new_model_name, score_calls
 
 __all__ = [
   "BfclEnv",
@@ -68,7 +71,12 @@ class BfclEnv:
     tools: Qwen/OpenAI tool schemas offered now (miss_func tasks gain tools at later turns).
     system_prompt: a short instruction on the tool-use protocol.
     model_name: the unique name keying this episode's backend instances in BFCL's cache.
-    calls: decoded call strings, [turn][step][call], as the official checker expects.
+    calls: decoded call strings, [turn][step][call], as the official checker expects: the calls
+      that ran (a call stopped at a bound of `backends` is left out; a step none of whose calls ran
+      is left out).
+
+  A step whose backend state cannot be rebuilt after its worker process was replaced (see
+  `envs.bfcl.backends`) ends the episode: reward 0, checker error_type "env:backend_lost".
   """
 
   def __init__(
@@ -80,6 +88,7 @@ class BfclEnv:
     tool_style: str = "full",
     max_steps_per_turn: int = MAX_STEPS_PER_TURN,
     official_loop: bool = False,
+    backends: BackendPool | None = None,
   ):
     if not task.turns or len(task.turns) != len(task.ground_truth):
       raise ValueError(f"task {task.task_id}: needs turns and one ground-truth list per turn")
@@ -94,6 +103,8 @@ class BfclEnv:
     )
     self.system_prompt: str | None = SYSTEM_PROMPT
     self.calls: list[list[list[str]]] = []
+    self.backends = backends or default_pool()
+    self._session: BackendSession | None = None
     self._turn = -1
     self._steps = 0
     self._done = False
@@ -107,8 +118,13 @@ class BfclEnv:
     return {"role": "user", "content": text}
 
   def reset(self) -> StepResult:
-    """Starts (or restarts) the episode; returns the first user message."""
-    cleanup(self.model_name)
+    """Starts (or restarts) the episode; returns the first user message.
+
+    Raises:
+      envs.bfcl.backends.BackendUnavailable: the backend pool is closed.
+    """
+    self.close()
+    self._session = self.backends.session(self.task, self.model_name)
     self.tools = tool_schemas(
       self.task.involved_classes, self.tool_style, self.task.provenance.get("excluded_function", ())
     )
@@ -130,23 +146,36 @@ class BfclEnv:
         built.append(None)
         errors[i] = f"Error: invalid tool call: {e}"
     valid = [c for c in built if c is not None]
-    results = iter(execute_calls(valid, self.task, self.model_name)[0] if valid else [])
-    if valid:
-      self.calls[self._turn].append(valid)
+    outcomes = self._session.execute(valid) if valid else []
+    ran = [c for c, o in zip(valid, outcomes) if o.ran]
+    if ran:
+      self.calls[self._turn].append(ran)
+    results = iter(outcomes)
     return [
-      self._tool_message(errors[i] if c is None else next(results)) for i, c in enumerate(built)
+      self._tool_message(errors[i] if c is None else next(results).text)
+      for i, c in enumerate(built)
     ]
 
-  def _finish(self, messages: list[dict[str, str]], forced: str | None = None) -> StepResult:
+  def _lost(self, error: BackendLost) -> StepResult:
+    """Ends the episode whose backend state is gone (see the class docstring)."""
+    return self._finish(
+      [self._tool_message(f"Error: {error}")], forced="env:backend_lost", message=str(error)
+    )
+
+  def _finish(
+    self, messages: list[dict[str, str]], forced: str | None = None, message: str = ""
+  ) -> StepResult:
     self._done = True
     if forced:
-      info: dict[str, Any] = {
-        "calls": self.calls,
-        "checker": {"valid": False, "error_type": forced},
-      }
+      checker = {"valid": False, "error_type": forced}
+      if message:
+        checker["error_message"] = message
+      info: dict[str, Any] = {"calls": self.calls, "checker": checker}
       reward = 0.0
     else:
-      reward, info = score_calls(self.task, self.calls, self.model_name + "_score")
+      reward, info = score_calls(
+        self.task, self.calls, self.model_name + "_score", pool=self.backends
+      )
     info["per_turn_calls"] = [[c for step in turn for c in step] for turn in self.calls]
     return StepResult(messages=messages, done=True, reward=reward, info=info)
 
@@ -155,6 +184,7 @@ class BfclEnv:
 
     Raises:
       RuntimeError: the episode is not started or already done.
+      envs.bfcl.backends.BackendUnavailable: no backend worker process could be started.
     """
     if self._turn < 0 or self._done:
       raise RuntimeError("step() before reset() or after the episode ended")
@@ -164,7 +194,10 @@ class BfclEnv:
     if action.error is not None:
       messages = [self._tool_message(f"Error: could not parse the tool call: {action.error}")]
     elif action.tool_calls:
-      messages = self._run_calls(action)
+      try:
+        messages = self._run_calls(action)
+      except BackendLost as e:
+        return self._lost(e)
     else:
       return self._next_turn()
     if self._steps >= self.max_steps_per_turn:
@@ -183,19 +216,26 @@ class BfclEnv:
     """BFCL's loop: undecodable or call-free replies end the turn; > limit executed steps quit."""
     if action.error is not None or not action.tool_calls:
       return self._next_turn()
-    messages = self._run_calls(action)
+    try:
+      messages = self._run_calls(action)
+    except BackendLost as e:
+      return self._lost(e)
     self._steps += 1
     if self._steps > self.max_steps_per_turn:
       return self._finish(messages, forced="multi_turn:force_terminated")
     return StepResult(messages=messages)
 
   def close(self) -> None:
-    """Deletes every cached backend instance of this episode (its own and the checker's)."""
-    cleanup(self.model_name)
+    """Deletes every cached backend instance of this episode (its own and the checker's); never
+    raises."""
+    if self._session is not None:
+      self._session.close()
+      self._session = None
 
   def cached_instance_names(self) -> list[str]:
-    """Names of this episode's instances still in BFCL's cache (for tests and leak checks)."""
-    return cached_keys(self.model_name)
+    """Names of this episode's instances still in BFCL's cache, in any worker process (for tests
+    and leak checks)."""
+    return self.backends.instance_names(self.model_name)
 
 
 def make_env(
@@ -206,9 +246,10 @@ def make_env(
   tool_style: str = "full",
   max_steps_per_turn: int = MAX_STEPS_PER_TURN,
   official_loop: bool = False,
+  backends: BackendPool | None = None,
 ) -> BfclEnv:
   """A fresh, isolated BfclEnv for one episode of `task` (call reset() first, close() at the
-  end)."""
+  end); its calls run in `backends` (None = `envs.bfcl.backends.default_pool()`)."""
   return BfclEnv(
     task,
     episode_id,
@@ -216,4 +257,5 @@ def make_env(
     tool_style=tool_style,
     max_steps_per_turn=max_steps_per_turn,
     official_loop=official_loop,
+    backends=backends,
   )

@@ -5,6 +5,11 @@ BFCL caches backend instances in the globals of `multi_turn_utils`, keyed by
 model name). Every episode therefore uses its own unique model name (`new_model_name`), and
 `cleanup(model_name)` deletes every global whose key starts with that name, so state never leaks
 between episodes.
+
+Everything here runs in-process and unbounded: it is what the worker processes of
+`envs.bfcl.backends` run (`envs/bfcl/worker.py`). Episodes, sandboxes and the checker reach the
+backends only through those workers, under a wall-time and memory bound per call; `score_calls` is
+the bounded entry point to the checker.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from envs.bfcl.data import import_bfcl
 _UTILS = "bfcl_eval.eval_checker.multi_turn_eval.multi_turn_utils"
 _CHECKER = "bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker"
 _CLEANUP_LOCK = threading.Lock()
+_IGNORED_ATTRS = ("_random", "_api_description")
 
 
 def new_model_name(prefix: str = "cj") -> str:
@@ -41,7 +47,8 @@ def execute_calls(
   calls: list[str], task: Task, model_name: str
 ) -> tuple[list[str], dict[str, Any]]:
   """Executes trusted call strings (built by call_to_string) on the episode's cached backend
-  instances.
+  instances, in this process and without bounds (the worker processes of `envs.bfcl.backends`
+  call this; everything else goes through them).
 
   Args:
     calls: call strings; each must come from `call_to_string` or trusted ground truth, never model
@@ -85,12 +92,26 @@ def instance_state(instances: dict[str, Any]) -> dict[str, dict[str, Any]]:
   }
 
 
+def full_state(instances: dict[str, Any]) -> dict[str, dict[str, Any]]:
+  """Deep copy of every attribute of each backend instance except RNGs and docs (includes e.g. the
+  file system's current directory)."""
+  return {
+    c: copy.deepcopy({k: v for k, v in vars(i).items() if k not in _IGNORED_ATTRS})
+    for c, i in instances.items()
+  }
+
+
 def cached_keys(model_name: str) -> list[str]:
   """Global instance names in BFCL's cache that belong to `model_name` (incl. checker variants)."""
   prefix = _sanitize(model_name) + "_"
   return [
     k for k in list(vars(import_bfcl(_UTILS))) if k.startswith(prefix) and k.endswith("_instance")
   ]
+
+
+def all_cached_keys() -> list[str]:
+  """Every backend instance name in BFCL's cache, whatever its model name."""
+  return [k for k in list(vars(import_bfcl(_UTILS))) if k.endswith("_instance")]
 
 
 def cleanup(model_name: str) -> int:
@@ -114,9 +135,14 @@ def checker_entry(task: Task) -> dict[str, Any]:
 
 
 def score_calls(
-  task: Task, calls_per_turn_per_step: list[list[list[str]]], model_name: str | None = None
+  task: Task,
+  calls_per_turn_per_step: list[list[list[str]]],
+  model_name: str | None = None,
+  *,
+  pool: Any = None,
 ) -> tuple[float, dict[str, Any]]:
-  """Scores decoded calls with the official BFCL multi-turn checker; cleans up its cached instances.
+  """Scores decoded calls with the official BFCL multi-turn checker, in a worker process under the
+  pool's bounds (`envs.bfcl.backends.BackendPool.score`); cleans up the checker's instances.
 
   Args:
     task: the task (ground_truth per turn, initial_config, involved_classes).
@@ -124,12 +150,29 @@ def score_calls(
       (call_to_string). Steps without calls should be left out (the official runner drops them).
     model_name: a unique name; a fresh one if None. Its "_eval"/"_ground_truth_eval" instances are
       deleted.
+    pool: the `BackendPool` to run in (None = `envs.bfcl.backends.default_pool()`).
 
   Returns:
     (1.0 if the checker says valid else 0.0, info with "checker" ({valid, error_type, error_message}
-    of the checker's result) and "calls").
+    of the checker's result) and "calls"). A checker run that exceeds its bound (the per-call wall
+    time times the number of calls it executes, or the worker's memory) scores 0.0 with error_type
+    "checker:stopped".
+
+  Raises:
+    envs.bfcl.backends.BackendUnavailable: no worker process could be started, or the pool is
+      closed.
   """
-  name = model_name or new_model_name("score")
+  from envs.bfcl import backends  # noqa: PLC0415 (backends imports this module)
+
+  pool = pool or backends.default_pool()
+  return pool.score(task, calls_per_turn_per_step, model_name or new_model_name("score"))
+
+
+def check_calls(
+  task: Task, calls_per_turn_per_step: list[list[list[str]]], model_name: str
+) -> tuple[float, dict[str, Any]]:
+  """`score_calls` in this process, without bounds (what a worker process runs)."""
+  name = model_name
   info: dict[str, Any] = {"calls": calls_per_turn_per_step}
   if len(calls_per_turn_per_step) != len(task.ground_truth):
     info["checker"] = {

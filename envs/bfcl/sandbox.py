@@ -1,27 +1,20 @@
 """A fresh, isolated BFCL backend instance for exploration and validation (no user turns, no
 checker).
 
-Wraps envs.bfcl.execution: every Sandbox has its own unique model name, executes one safe call at a
-time and deletes its cached instances on close (use it as a context manager).
+Every Sandbox has its own unique model name and its own session in a worker process of a
+`BackendPool` (`envs.bfcl.backends`), executes one safe call at a time under the pool's wall-time
+and memory bound, and deletes its cached instances on close (use it as a context manager).
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from coevolve_jax.types import Task, ToolCall
+from envs.bfcl.backends import BackendPool, default_pool
 from envs.bfcl.calls import ToolCallError, call_to_string
 from envs.bfcl.data import schemas_by_name, tool_schemas
-from envs.bfcl.execution import (
-  cleanup,
-  execute_calls,
-  instance_state,
-  is_error_result,
-  new_model_name,
-)
-
-_IGNORED_ATTRS = ("_random", "_api_description")
+from envs.bfcl.execution import is_error_result, new_model_name
 
 
 def env_task(
@@ -43,32 +36,53 @@ def env_task(
 class Sandbox:
   """Executes validated calls on fresh backends for one environment state.
 
+  Args:
+    initial_config, involved_classes, task_id: the environment state (see `env_task`).
+    pool: the `BackendPool` whose worker holds the instances (None = `default_pool()`).
+
   Attributes:
     tools: the full tool schemas of the involved classes (Qwen/OpenAI format).
     schemas: tool name -> "function" dict.
+
+  Raises (from the constructor and every method but close):
+    envs.bfcl.backends.BackendUnavailable: no worker process could be started, or the pool is
+      closed.
+    envs.bfcl.backends.BackendLost: the instances could not be rebuilt after their worker process
+      was replaced.
   """
 
   def __init__(
-    self, initial_config: dict[str, Any], involved_classes: list[str], task_id: str = "sandbox"
+    self,
+    initial_config: dict[str, Any],
+    involved_classes: list[str],
+    task_id: str = "sandbox",
+    pool: BackendPool | None = None,
   ):
     self.task = env_task(initial_config, involved_classes, task_id)
     self.tools = tool_schemas(list(involved_classes), "full")
     self.schemas = schemas_by_name(self.tools)
     self.model_name = new_model_name("sbx")
-    self.instances: dict[str, Any] = execute_calls([], self.task, self.model_name)[1]
+    self._session = (pool or default_pool()).session(self.task, self.model_name)
+    try:
+      self._session.open()
+    except BaseException:
+      self._session.close()
+      raise
 
   def run(self, call: ToolCall | str) -> tuple[str, str | None]:
     """Executes one call; returns (call string, result), result None when the call is invalid.
 
-    A string call must already be a trusted call string (built by call_to_string).
+    A call stopped at a bound of the pool (wall time, memory) returns ("", its "Error during
+    execution: ..." text): it had no effect, like an invalid call. A string call must already be
+    a trusted call string (built by call_to_string).
     """
     if isinstance(call, ToolCall):
       try:
         call = call_to_string(call, self.schemas)
       except ToolCallError:
         return "", None
-    results, self.instances = execute_calls([call], self.task, self.model_name)
-    return call, results[0]
+    outcome = self._session.execute([call])[0]
+    return (call if outcome.ran else ""), outcome.text
 
   def run_ok(self, call: ToolCall | str) -> tuple[str, str | None]:
     """Like run(), but the result is None when the call failed (error result or invalid call)."""
@@ -76,18 +90,16 @@ class Sandbox:
     return text, (None if result is None or is_error_result(result) else result)
 
   def public_state(self) -> dict[str, dict[str, Any]]:
-    """The state the official checker compares (public attributes), deep-copied."""
-    return instance_state(self.instances)
+    """The state the official checker compares (public attributes), copied."""
+    return self._session.state("public")
 
   def full_state(self) -> dict[str, dict[str, Any]]:
-    """All attributes except RNGs and docs (includes e.g. the current directory), deep-copied."""
-    return {
-      c: copy.deepcopy({k: v for k, v in vars(i).items() if k not in _IGNORED_ATTRS})
-      for c, i in self.instances.items()
-    }
+    """All attributes except RNGs and docs (includes e.g. the current directory), copied."""
+    return self._session.state("full")
 
   def close(self) -> None:
-    cleanup(self.model_name)
+    """Deletes the sandbox's backend instances; never raises."""
+    self._session.close()
 
   def __enter__(self) -> "Sandbox":
     return self

@@ -4,7 +4,9 @@ Tasks: the entries of `cfg.data.category` that bfcl-eval ships, split by a seede
 training entries (whose environment states seed D0 and feedback rounds) and a held-out evaluation
 split of `cfg.data.eval_size` entries. Episodes run on the real backends and are scored by the
 official multi-turn checker. D0 and feedback rounds go through `envs.bfcl.synthesis` with the
-explorer that matches the LLM the loop hands over (programmatic when there is none).
+explorer that matches the LLM the loop hands over (programmatic when there is none). Every backend
+call (episodes, sandboxes, checker) runs in the worker processes of `envs.bfcl.backends` under the
+config's `backends` bounds.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from coevolve_jax.feedback.rounds import RoundResult
 from coevolve_jax.feedback.signals import SignalEvent
 from coevolve_jax.types import Task, Trajectory
 from envs import SuiteUnavailable
-from envs.bfcl import synthesis
+from envs.bfcl import backends, synthesis
 from envs.bfcl.calls import parse_call_string
 from envs.bfcl.data import convert_doc, import_bfcl, load_bfcl_tasks, split_tasks
 from envs.bfcl.env import BfclEnv, make_env
@@ -43,9 +45,27 @@ def check_setup(cfg: Any) -> None:
 
 
 def validate_config(cfg: Any) -> None:
-  """BFCL's own fields: the tool style (checked by the converter that uses it)."""
+  """BFCL's own fields: the tool style (checked by the converter that uses it) and the execution
+  bounds `backends.*` (call_wall_s a finite number > 0, worker_memory_mib an int >=
+  `backends.MIN_WORKER_MEMORY_MIB`, workers an int >= 1).
+
+  Raises:
+    ValueError: the first bad field, named.
+  """
   style = config.get(cfg, "data.tool_style")
   config.owner("data.tool_style", lambda: convert_doc({"name": "probe"}, style))
+  config.number(cfg, "backends.call_wall_s", lo=0.0, lo_open=True)
+  config.int_at_least(cfg, "backends.worker_memory_mib", backends.MIN_WORKER_MEMORY_MIB)
+  config.int_at_least(cfg, "backends.workers", 1)
+
+
+def backend_pool(cfg: Any) -> backends.BackendPool:
+  """The process-wide backend pool with the config's `backends` bounds (`backends.configure`).
+
+  Raises:
+    ValueError: a bad `backends` field.
+  """
+  return backends.configure(backends.Bounds.from_config(cfg.backends))
 
 
 def make_episode(cfg: Any, task: Task, episode_id: str, *, eval: bool = False) -> BfclEnv:
@@ -73,8 +93,8 @@ class BfclSuite:
   """BFCL multi-turn behind `envs.base.Suite` (see the module docstring).
 
   Args:
-    cfg: the full run config (configs/bfcl.py): reads `seed`, `data`, `explore`, `feedback.validate`
-      and the step limits of `rollout` and `eval`.
+    cfg: the full run config (configs/bfcl.py): reads `seed`, `data`, `backends`, `explore`,
+      `feedback.validate` and the step limits of `rollout` and `eval`.
     workdir: the run's folder (unused: BFCL writes nothing of its own).
   """
 
@@ -82,6 +102,7 @@ class BfclSuite:
 
   def __init__(self, cfg: Any, workdir: str):
     del workdir
+    self._pool = backend_pool(cfg)  # sandboxes of D0 and feedback rounds use it too
     entries = load_bfcl_tasks(cfg.data.category)
     self.train_tasks, self.eval_tasks = split_tasks(entries, cfg.data.eval_size, cfg.seed)
     self._cfg = cfg
@@ -141,7 +162,9 @@ class BfclSuite:
     return {}
 
   def close(self) -> None:
-    """Nothing to free: every episode deletes its own backend instances."""
+    """Ends and reaps the backend worker processes (every episode has deleted its own
+    instances already)."""
+    self._pool.close()
 
 
 Suite = BfclSuite
