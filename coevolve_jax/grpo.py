@@ -92,22 +92,47 @@ def kl_penalty(
   k3 = exp(ref - logp) - (ref - logp) - 1, with the log-ratio clamped to [-clamp, clamp] BEFORE
   the exponent so a drifting policy cannot overflow.
 
+  A log-prob of -inf means the token lies outside the support of the distribution scored (the
+  top-k / top-p set, `trainer.token_logprobs`): where the policy's is -inf the estimate is 0, as
+  the token has no mass under pi and so no weight in KL(pi || pi_ref); where only the reference's
+  is, the log-ratio sits at -clamp. Neither case has a gradient, and neither makes a NaN.
+
   Args:
-    logp_nt, ref_logp_nt: [N, T] float log-probs (nats) under the policy and the reference.
+    logp_nt, ref_logp_nt: [N, T] float log-probs (nats, -inf allowed) under the policy and the
+      reference.
     estimator: "k1" | "k2" | "k3". clamp: bound on |ref_logp - logp| (nats).
   Returns:
-    [N, T] per-token estimates (k2, k3 >= 0).
+    [N, T] finite per-token estimates (k2, k3 >= 0).
   Raises:
     ValueError: an unknown estimator.
   """
-  log_ratio = jnp.clip(ref_logp_nt - logp_nt, -clamp, clamp)
+  out, ref_out = _outside(logp_nt), _outside(ref_logp_nt)
+  log_ratio = jnp.clip(
+    jnp.where(ref_out, -clamp, _finite(ref_logp_nt, ref_out) - _finite(logp_nt, out)),
+    -clamp,
+    clamp,
+  )
   if estimator == "k1":
-    return -log_ratio
-  if estimator == "k2":
-    return 0.5 * jnp.square(log_ratio)
-  if estimator == "k3":
-    return jnp.exp(log_ratio) - log_ratio - 1.0
-  raise ValueError(f"unknown KL estimator {estimator!r}")
+    kl = -log_ratio
+  elif estimator == "k2":
+    kl = 0.5 * jnp.square(log_ratio)
+  elif estimator == "k3":
+    kl = jnp.exp(log_ratio) - log_ratio - 1.0
+  else:
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+  return jnp.where(out, 0.0, kl)
+
+
+def _outside(logp: jax.Array) -> jax.Array:
+  """Where a log-prob is -inf: the token is outside the scored distribution's support (a NaN is
+  not, so that it still shows)."""
+  return logp == -jnp.inf
+
+
+def _finite(logp: jax.Array, outside: jax.Array) -> jax.Array:
+  """The log-probs with 0 where `outside`: arithmetic on them makes no inf - inf, and `jnp.where`
+  sends no gradient into the replaced entries."""
+  return jnp.where(outside, 0.0, logp)
 
 
 def aggregate_denominator(mask_nt: jax.Array, mode: str) -> jax.Array:
@@ -187,6 +212,13 @@ def grpo_loss(
   (log-ratio clamped to [-20, 20]); for A < 0 and dual_clip_c > 0, pg = min(pg, -A c) (dual-clip
   PPO, Ye et al. 2020); plus kl_beta * kl_penalty(...). Aggregated by `cfg.loss_agg`.
 
+  Log-probs may be -inf: a token outside the top-k / top-p set of the distribution scored
+  (docs/design.md §1.1, "Sampling distribution"). Where the current policy's is -inf, its
+  probability is 0: the log-ratio sits at -20 (r = exp(-20)) and the KL estimate is 0. Where only
+  the old policy's is -inf (the sampler drew the token, so only rounding at the set's edge can
+  exclude it), nothing is known of the ratio: r = 1. Such tokens get no gradient; they still count
+  in the aggregation's denominators. Nothing here makes a NaN from -inf inputs.
+
   Args:
     logp_nt: [N, T] float32 log-probs (nats) of the sampled tokens under the current policy.
     old_logp_nt: [N, T] under the policy that sampled them (no gradient flows into it).
@@ -205,7 +237,17 @@ def grpo_loss(
     ValueError: unknown cfg.loss_agg or cfg.kl_estimator.
   """
   adv = advantages_n[:, None].astype(jnp.float32)
-  log_ratio = jnp.clip(logp_nt - jax.lax.stop_gradient(old_logp_nt), -20.0, 20.0)
+  old_logp_nt = jax.lax.stop_gradient(old_logp_nt)
+  out, old_out = _outside(logp_nt), _outside(old_logp_nt)
+  log_ratio = jnp.clip(
+    jnp.where(
+      out | old_out,
+      jnp.where(old_out, 0.0, -20.0),
+      _finite(logp_nt, out) - _finite(old_logp_nt, old_out),
+    ),
+    -20.0,
+    20.0,
+  )
   ratio = jnp.exp(log_ratio)
   pg1 = -adv * ratio
   pg2 = -adv * jnp.clip(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)

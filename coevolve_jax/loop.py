@@ -191,8 +191,13 @@ class CoEvolveRun:
     tx = make_optimizer(
       lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip
     )
+    # One SamplingParams for the training rollouts and the trainer, which scores old, reference
+    # and current log-probs under the distribution the engine sampled from (top-k / top-p too).
+    self.sampling = SamplingParams(
+      temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p
+    )
     self.trainer = PolicyTrainer(
-      model, tx, self.gcfg, cfg.rollout.temperature, micro_batches=cfg.train.micro_batches
+      model, tx, self.gcfg, self.sampling, micro_batches=cfg.train.micro_batches
     )
     self._setup_feedback()
     self.engine = Engine(
@@ -217,9 +222,6 @@ class CoEvolveRun:
       EpisodeLimits.for_evaluation(
         self.eval_tasks, cfg.eval.max_new_tokens, cfg.eval.max_steps_per_turn
       ),
-    )
-    self.sampling = SamplingParams(
-      temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p
     )
     self.ckpt = RunCheckpointer(os.path.join(self.workdir, "checkpoints"), cfg.checkpoint.keep)
 

@@ -326,6 +326,38 @@ def test_extreme_log_ratios_finite(estimator, mode):
     np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-6)
 
 
+def test_tokens_outside_the_kept_set_hand_computed():
+  """-inf log-probs (a token outside the top-k / top-p set scored, trainer.token_logprobs): the
+  current policy's -inf is ratio exp(-20) and KL 0, the old policy's is ratio 1, the reference's
+  is a KL log-ratio at -20; none has a gradient and masked -inf entries make no NaN."""
+  inf = np.inf
+  logp = np.array([[-1.0, -inf, -2.0, -1.0, -inf], [-inf, -inf, -inf, -inf, -inf]])
+  old = np.array([[-1.0, -1.0, -inf, -1.0, -inf], [-1.0, -inf, 0.0, -inf, -1.0]])
+  ref = np.array([[-1.0, -1.0, -2.0, -inf, -inf], [-1.0, -1.0, -inf, -inf, -inf]])
+  mask = np.array([[1, 1, 1, 1, 0], [1, 0, 0, 0, 0]], float)
+  adv = np.array([1.0, -1.0])
+  e20 = math.exp(-20.0)
+  # Per token (row 0, A = 1): pg -1, -e20, -1, -1; (row 1, A = -1): 0.8 (clipped at 1 - 0.2).
+  pg = [-1.0, -e20, -1.0, -1.0, 0.8]
+  kl = [0.0, 0.0, 0.0, e20 + 19.0, 0.0]  # k3 at log-ratio -20 on the reference's -inf only
+  cfg = _cfg(kl_beta=0.5)
+  loss, grad, metrics = _run(logp, old, ref, adv, mask, cfg)
+  assert loss == pytest.approx(sum(pg) / 5 + 0.5 * sum(kl) / 5, rel=1e-6)  # 1.46
+  assert metrics["pg_loss"] == pytest.approx(sum(pg) / 5, rel=1e-6)  # -0.44
+  assert metrics["kl"] == pytest.approx(sum(kl) / 5, rel=1e-6)  # 3.8
+  assert metrics["clip_frac"] == pytest.approx(1 / 5) and metrics["ratio_mean"] == pytest.approx(
+    (3 + 2 * e20) / 5
+  )
+  np.testing.assert_allclose(grad, [[-0.2, 0, 0, -0.2, 0], [0, 0, 0, 0, 0]], atol=1e-7)
+  # The estimators one by one: the policy's -inf gives 0, the reference's alone the clamp.
+  lp = jnp.array([-inf, -1.0, -inf, -1.0])
+  rf = jnp.array([-1.0, -inf, -inf, -1.5])
+  for est, at_clamp in (("k1", 20.0), ("k2", 200.0), ("k3", e20 + 19.0)):
+    got = np.asarray(grpo.kl_penalty(lp, rf, est, 20.0))
+    want_last = ref_kl(-1.0, -1.5, est, 20.0)
+    np.testing.assert_allclose(got, [0.0, at_clamp, 0.0, want_last], rtol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------
 # Hand-computed values.
 # ---------------------------------------------------------------------------------------------
