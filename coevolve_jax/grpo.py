@@ -49,21 +49,30 @@ class GRPOConfig:
 
 
 def compute_advantages(
-  rewards_n: np.ndarray, group_ids_n: np.ndarray, eps: float = 1e-6, scale_by_std: bool = True
+  rewards_n: np.ndarray,
+  group_ids_n: np.ndarray,
+  eps: float = 1e-6,
+  scale_by_std: bool = True,
+  keep_n: np.ndarray | None = None,
 ) -> np.ndarray:
   """Group-relative advantages A_k = (R_k - mean_group(R)) / (std_group(R) + eps) (paper Eq. 1).
 
   Statistics are per group id (not over the batch); std is the population std (ddof=0). A group
   whose rewards are all equal gets exactly 0 (never NaN). A group of one trajectory gets 0.
 
+  With `keep_n`, rows marked False (trajectories dropped from the loss, `train.drop_from_loss`)
+  get advantage 0 and are left out of their group's mean and std: the kept rollouts' advantages
+  are those of the group without them (docs/design.md §1.1, "Cut and failed episodes").
+
   Args:
     rewards_n: [N] float rewards. group_ids_n: [N] group id of each trajectory (any hashable
       numpy dtype; groups may be interleaved). eps: added to the std. scale_by_std: False gives
-      R_k - mean_group(R) (Dr. GRPO).
+      R_k - mean_group(R) (Dr. GRPO). keep_n: [N] bool, or None to keep every row.
   Returns:
     [N] float32 advantages.
   Raises:
-    ValueError: rewards and group ids of different shapes, not 1-D, or a non-finite reward.
+    ValueError: rewards, group ids (or keep_n) of different shapes, not 1-D, or a non-finite
+      reward.
   """
   rewards_n = np.asarray(rewards_n, np.float64)
   group_ids_n = np.asarray(group_ids_n)
@@ -71,11 +80,16 @@ def compute_advantages(
     raise ValueError(
       f"rewards {rewards_n.shape} and group ids {group_ids_n.shape} must be the same 1-D shape [N]"
     )
+  keep_n = np.ones(rewards_n.shape, bool) if keep_n is None else np.asarray(keep_n)
+  if keep_n.shape != rewards_n.shape or keep_n.dtype != bool:
+    raise ValueError(f"keep_n must be a bool array of shape {rewards_n.shape}, got {keep_n!r}")
   if not np.all(np.isfinite(rewards_n)):
     raise ValueError(f"non-finite rewards at rows {np.flatnonzero(~np.isfinite(rewards_n))}")
   adv = np.zeros_like(rewards_n)
   for g in np.unique(group_ids_n):
-    idx = group_ids_n == g
+    idx = (group_ids_n == g) & keep_n
+    if not idx.any():
+      continue
     r = rewards_n[idx]
     if np.all(r == r[0]):  # exact test: r - r.mean() is not exactly 0 for e.g. [0.1] * 3
       continue

@@ -465,7 +465,11 @@ class PolicyTrainer:
     return {k: float(v) for k, v in metrics.items()}
 
   def grpo_epoch(
-    self, trajectories: Sequence[Trajectory], advantages: np.ndarray, mini_batches: int
+    self,
+    trajectories: Sequence[Trajectory],
+    advantages: np.ndarray,
+    mini_batches: int,
+    keep: np.ndarray | None = None,
   ) -> dict[str, float]:
     """One GRPO epoch over a step's rollouts: one optimizer step per mini-batch (paper Eq. 1).
 
@@ -475,30 +479,43 @@ class PolicyTrainer:
     mini-batch under `ref_params` (the current parameters when no reference was frozen), all
     before the first update; then `grpo_update` runs on each mini-batch in order.
 
+    A trajectory with `keep` False stays in its mini-batch (shapes and splits do not change) with
+    a loss mask of zeros: its tokens add nothing to the loss and are left out of the normalisers
+    (token count or row count of `train.loss_agg`), as if it had not been sampled.
+
     Args:
       trajectories: the N rollouts of the step (`Trajectory` with token ids, loss mask and the
         sampler's log-probs).
       advantages: [N] float advantages, one per trajectory (`grpo.compute_advantages`).
       mini_batches: optimizer steps in the epoch, 1 <= mini_batches <= N.
+      keep: [N] bool, False for trajectories dropped from the loss (`train.drop_from_loss`), or
+        None to train on all.
     Returns:
       The mean over mini-batches of each `grpo_update` metric as `train/<name>` (loss, pg_loss,
       clip_frac, ratio_mean, kl with a reference, grad_norm), and `train/sampler_logp_gap`: the
-      largest |old - sampler| log-prob over the generated tokens the trainer scores finite,
+      largest |old - sampler| log-prob over the generated tokens the trainer scores finite
+      (dropped trajectories included),
       float32 (the trainer / sampler mismatch, 0 in exact arithmetic). With top-k or top-p also
       `train/sampler_set_misses`: generated tokens whose old log-prob is -inf (the trainer's kept
       set, rounded differently at its edge, leaves out a token the sampler drew; 0 in exact
       arithmetic; `grpo.grpo_loss` gives them ratio 1 and no gradient).
     Raises:
-      ValueError: mini_batches outside [1, N], advantages not of shape [N], or a mini-batch whose
-        rows do not divide by micro_batches times the data-parallel device count.
+      ValueError: mini_batches outside [1, N], advantages or keep not of shape [N], or a
+        mini-batch whose rows do not divide by micro_batches times the data-parallel device count.
     """
     n = len(trajectories)
     if not 1 <= mini_batches <= n:
       raise ValueError(f"mini_batches must be in [1, {n}] for {n} trajectories, got {mini_batches}")
     if np.shape(advantages) != (n,):
       raise ValueError(f"advantages of shape {np.shape(advantages)}, want [{n}]")
+    if keep is not None and np.shape(keep) != (n,):
+      raise ValueError(f"keep of shape {np.shape(keep)}, want [{n}]")
     batch = make_batch(trajectories, advantages)
-    minis = [batch.rows(idx) for idx in np.array_split(np.arange(n), mini_batches)]
+    splits = np.array_split(np.arange(n), mini_batches)
+    generated = [batch.target_mask[idx] > 0 for idx in splits]  # dropped trajectories included
+    if keep is not None:
+      batch.target_mask = batch.target_mask * np.asarray(keep, np.float32)[:, None]
+    minis = [batch.rows(idx) for idx in splits]
     old = [self.logprobs(mb) for mb in minis]  # all before the first update
     ref = [self.logprobs(mb, self.ref_params) for mb in minis]
     out: dict[str, list[float]] = {}
@@ -506,10 +523,10 @@ class PolicyTrainer:
       for k, v in self.grpo_update(mb, o, r).items():
         out.setdefault(f"train/{k}", []).append(v)
     metrics = {k: float(np.mean(v)) for k, v in out.items()}
-    misses = [(mb.target_mask > 0) & (np.asarray(o) == -np.inf) for mb, o in zip(minis, old)]
+    misses = [gen & (np.asarray(o) == -np.inf) for gen, o in zip(generated, old)]
     metrics["train/sampler_logp_gap"] = max(
-      float(jnp.max(jnp.where((mb.target_mask > 0) & ~miss, jnp.abs(o - mb.sampler_logp), 0.0)))
-      for mb, o, miss in zip(minis, old, misses)
+      float(jnp.max(jnp.where(gen & ~miss, jnp.abs(o - mb.sampler_logp), 0.0)))
+      for mb, o, gen, miss in zip(minis, old, generated, misses)
     )
     if self.sampling.truncates:
       metrics["train/sampler_set_misses"] = int(sum(m.sum() for m in misses))

@@ -534,6 +534,31 @@ def test_parts_with_whole_batch_denominators_sum_to_the_reference(mode):
     grpo.aggregate_denominator(jnp.asarray(mask), "sum")
 
 
+def test_advantages_leave_dropped_rows_out_of_the_group_statistics():
+  """train.drop_from_loss: a dropped rollout (cut by the context, failed environment) gets 0 and
+  does not count in its group's mean and std; the kept ones get the advantages of the group
+  without it. Hand-computed: group 3 keeps rewards [1, 0, 1]: mean 2/3, std sqrt(2/9)."""
+  rewards = np.array([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+  groups = np.array([3, 3, 3, 3, 3, 4, 4, 5, 5])
+  keep = np.array([True, True, False, True, False, True, False, False, False])
+  got = compute_advantages(rewards, groups, keep_n=keep)
+  s = math.sqrt(2.0 / 9.0)
+  want = [1 / 3 / s, -2 / 3 / s, 0.0, 1 / 3 / s, 0.0, 0.0, 0.0, 0.0, 0.0]  # 0.7071, -1.4142
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=0.0)
+  assert np.all(got[~keep] == 0.0)  # and groups 4 (one kept) and 5 (none kept) are exactly 0
+  # Kept in the statistics as reward 0 (no keep_n), the same rewards give other advantages.
+  assert not np.allclose(compute_advantages(rewards, groups)[keep], got[keep])
+  np.testing.assert_array_equal(
+    compute_advantages(rewards, groups, keep_n=np.ones(9, bool)),
+    compute_advantages(rewards, groups),
+  )
+  no_scale = compute_advantages(rewards, groups, scale_by_std=False, keep_n=keep)
+  np.testing.assert_allclose(no_scale[:5], [1 / 3, -2 / 3, 0.0, 1 / 3, 0.0], rtol=1e-6)
+  for bad in (np.ones(8, bool), np.ones(9, int)):
+    with pytest.raises(ValueError, match="keep_n"):
+      compute_advantages(rewards, groups, keep_n=bad)
+
+
 def test_advantages_reject_bad_input():
   with pytest.raises(ValueError, match="same 1-D shape"):
     compute_advantages(np.zeros(3), np.zeros(4))

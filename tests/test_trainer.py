@@ -346,6 +346,32 @@ def test_grpo_epoch_equals_the_per_mini_batch_calls(one_layer_model):
   assert epoch._grpo_step._cache_size() == 1  # equal mini-batches: one compiled step
 
 
+def test_grpo_epoch_drops_trajectories_from_the_loss(one_layer_model):
+  """`keep` False (train.drop_from_loss): the trajectory's tokens add nothing and the token-mean
+  normaliser leaves them out. Hand-computed: at ratio 1 the token-mean pg loss is
+  -sum_k A_k n_k / sum_k n_k over the kept rows only, here -(1 * 4 + 0.5 * 3) / (4 + 3) = -11/14
+  (with the dropped rows it would be -(4 - 6 + 1.5 + 10) / 18 = -19/36). The update equals
+  training on the kept trajectories alone."""
+  trajs = _group(40, 6, [4, 6, 3, 5])  # a 6-token prompt, then n_k = 4, 6, 3, 5 sampled tokens
+  adv = np.array([1.0, -1.0, 0.5, 2.0], np.float32)  # the dropped rows' are not 0 on purpose
+  keep = np.array([True, False, True, False])
+  cfg = grpo.GRPOConfig(kl_beta=0.1)
+  dropped = PolicyTrainer(_fresh(one_layer_model), optax.sgd(0.5), cfg, 1.0)
+  alone = PolicyTrainer(_fresh(one_layer_model), optax.sgd(0.5), cfg, 1.0)
+  for t in (dropped, alone):
+    t.freeze_reference()
+  got = dropped.grpo_epoch(trajs, adv, 1, keep=keep)
+  assert got["train/pg_loss"] == pytest.approx(-11 / 14, abs=1e-5)
+  assert got["train/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+  want = alone.grpo_epoch([trajs[0], trajs[2]], adv[keep], 1)
+  for key in ("train/loss", "train/pg_loss", "train/kl", "train/grad_norm"):
+    assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+  for x, y in zip(jax.tree.leaves(dropped.params), jax.tree.leaves(alone.params)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+  with pytest.raises(ValueError, match="keep of shape"):
+    dropped.grpo_epoch(trajs, adv, 1, keep=keep[:3])
+
+
 def test_grpo_epoch_refuses_bad_mini_batches_and_advantages(one_layer_model):
   trainer = PolicyTrainer(_fresh(one_layer_model), optax.sgd(0.1), grpo.GRPOConfig(), 1.0)
   trajs = _group(30, 4, [2, 3])
