@@ -118,7 +118,7 @@ def ours_worker(args) -> None:
     head_dim=s["head_dim"],
   )
   trainer = PolicyTrainer(
-    Qwen(cfg, rngs=nnx.Rngs(0)), make_optimizer(1e-6, 0.01, 1.0), grpo.GRPOConfig(), temperature=1.0
+    Qwen(cfg, rngs=nnx.Rngs(0)), make_optimizer(1e-6, 0.01, 1.0), grpo.GRPOConfig(), 1.0
   )
   data = _batch(args)
   trajs = []

@@ -27,6 +27,7 @@ from coevolve_jax.feedback.signals import SignalTracker
 from coevolve_jax.models import QwenConfig
 from coevolve_jax.models.sharding import MESH_AXES
 from coevolve_jax.rollout.sampling import SamplingParams
+from coevolve_jax.types import FINISHES
 
 
 def validate(cfg: Mapping[str, Any]) -> None:
@@ -36,12 +37,13 @@ def validate(cfg: Mapping[str, Any]) -> None:
   one -1); explore (explorers, D0 and synthesis sizes); pool (near-duplicate threshold,
   synth_fraction); signals (through `SignalTracker`); warmstart; rollout (sizes, group_size >= 2,
   sampling through `SamplingParams` with temperature >= 0 and top_p in (0, 1]); train (steps,
-  optimizer, the GRPO objective of `grpo.GRPOConfig.from_config`, and mini-/micro-batches that
+  optimizer, the GRPO objective of `grpo.GRPOConfig.from_config`, mini-/micro-batches that
   divide the step's tasks_per_step * group_size rollouts as `PolicyTrainer.grpo_epoch` splits
-  them); feedback (kinds and mode through `rounds.check_selection`, max_contexts, every >= 1,
-  0 <= lag < every); eval; checkpoint; and the suite's own fields (`envs.validate_config`). File
-  system and data (checkpoint folders, BFCL categories, AppWorld servers) are checked where they
-  are opened, not here.
+  them, and drop_from_loss: finishes of `types.FINISHES` other than "done"); feedback (kinds
+  and mode through `rounds.check_selection`, max_contexts, every >= 1, 0 <= lag < every); eval;
+  checkpoint; and the suite's own fields (`envs.validate_config`). File system and data
+  (checkpoint folders, BFCL categories, AppWorld servers) are checked where they are opened, not
+  here.
 
   Args:
     cfg: the whole run config.
@@ -270,6 +272,9 @@ def _train(cfg: Mapping[str, Any]) -> None:
   number(cfg, "train.adv_eps", lo=0.0)
   if not isinstance(get(cfg, "train.scale_by_std"), bool):
     fail("train.scale_by_std", "must be a bool", get(cfg, "train.scale_by_std"))
+  drop, droppable = get(cfg, "train.drop_from_loss"), tuple(f for f in FINISHES if f != "done")
+  if not isinstance(drop, (tuple, list)) or not all(f in droppable for f in drop):
+    fail("train.drop_from_loss", f"must be a tuple of episode finishes from {droppable}", drop)
   grpo.GRPOConfig.from_config(get(cfg, "train"))  # every objective field is a known keyword
 
 

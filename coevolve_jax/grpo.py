@@ -49,21 +49,30 @@ class GRPOConfig:
 
 
 def compute_advantages(
-  rewards_n: np.ndarray, group_ids_n: np.ndarray, eps: float = 1e-6, scale_by_std: bool = True
+  rewards_n: np.ndarray,
+  group_ids_n: np.ndarray,
+  eps: float = 1e-6,
+  scale_by_std: bool = True,
+  keep_n: np.ndarray | None = None,
 ) -> np.ndarray:
   """Group-relative advantages A_k = (R_k - mean_group(R)) / (std_group(R) + eps) (paper Eq. 1).
 
   Statistics are per group id (not over the batch); std is the population std (ddof=0). A group
   whose rewards are all equal gets exactly 0 (never NaN). A group of one trajectory gets 0.
 
+  With `keep_n`, rows marked False (trajectories dropped from the loss, `train.drop_from_loss`)
+  get advantage 0 and are left out of their group's mean and std: the kept rollouts' advantages
+  are those of the group without them (docs/design.md §1.1, "Cut and failed episodes").
+
   Args:
     rewards_n: [N] float rewards. group_ids_n: [N] group id of each trajectory (any hashable
       numpy dtype; groups may be interleaved). eps: added to the std. scale_by_std: False gives
-      R_k - mean_group(R) (Dr. GRPO).
+      R_k - mean_group(R) (Dr. GRPO). keep_n: [N] bool, or None to keep every row.
   Returns:
     [N] float32 advantages.
   Raises:
-    ValueError: rewards and group ids of different shapes, not 1-D, or a non-finite reward.
+    ValueError: rewards, group ids (or keep_n) of different shapes, not 1-D, or a non-finite
+      reward.
   """
   rewards_n = np.asarray(rewards_n, np.float64)
   group_ids_n = np.asarray(group_ids_n)
@@ -71,11 +80,16 @@ def compute_advantages(
     raise ValueError(
       f"rewards {rewards_n.shape} and group ids {group_ids_n.shape} must be the same 1-D shape [N]"
     )
+  keep_n = np.ones(rewards_n.shape, bool) if keep_n is None else np.asarray(keep_n)
+  if keep_n.shape != rewards_n.shape or keep_n.dtype != bool:
+    raise ValueError(f"keep_n must be a bool array of shape {rewards_n.shape}, got {keep_n!r}")
   if not np.all(np.isfinite(rewards_n)):
     raise ValueError(f"non-finite rewards at rows {np.flatnonzero(~np.isfinite(rewards_n))}")
   adv = np.zeros_like(rewards_n)
   for g in np.unique(group_ids_n):
-    idx = group_ids_n == g
+    idx = (group_ids_n == g) & keep_n
+    if not idx.any():
+      continue
     r = rewards_n[idx]
     if np.all(r == r[0]):  # exact test: r - r.mean() is not exactly 0 for e.g. [0.1] * 3
       continue
@@ -92,22 +106,47 @@ def kl_penalty(
   k3 = exp(ref - logp) - (ref - logp) - 1, with the log-ratio clamped to [-clamp, clamp] BEFORE
   the exponent so a drifting policy cannot overflow.
 
+  A log-prob of -inf means the token lies outside the support of the distribution scored (the
+  top-k / top-p set, `trainer.token_logprobs`): where the policy's is -inf the estimate is 0, as
+  the token has no mass under pi and so no weight in KL(pi || pi_ref); where only the reference's
+  is, the log-ratio sits at -clamp. Neither case has a gradient, and neither makes a NaN.
+
   Args:
-    logp_nt, ref_logp_nt: [N, T] float log-probs (nats) under the policy and the reference.
+    logp_nt, ref_logp_nt: [N, T] float log-probs (nats, -inf allowed) under the policy and the
+      reference.
     estimator: "k1" | "k2" | "k3". clamp: bound on |ref_logp - logp| (nats).
   Returns:
-    [N, T] per-token estimates (k2, k3 >= 0).
+    [N, T] finite per-token estimates (k2, k3 >= 0).
   Raises:
     ValueError: an unknown estimator.
   """
-  log_ratio = jnp.clip(ref_logp_nt - logp_nt, -clamp, clamp)
+  out, ref_out = _outside(logp_nt), _outside(ref_logp_nt)
+  log_ratio = jnp.clip(
+    jnp.where(ref_out, -clamp, _finite(ref_logp_nt, ref_out) - _finite(logp_nt, out)),
+    -clamp,
+    clamp,
+  )
   if estimator == "k1":
-    return -log_ratio
-  if estimator == "k2":
-    return 0.5 * jnp.square(log_ratio)
-  if estimator == "k3":
-    return jnp.exp(log_ratio) - log_ratio - 1.0
-  raise ValueError(f"unknown KL estimator {estimator!r}")
+    kl = -log_ratio
+  elif estimator == "k2":
+    kl = 0.5 * jnp.square(log_ratio)
+  elif estimator == "k3":
+    kl = jnp.exp(log_ratio) - log_ratio - 1.0
+  else:
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+  return jnp.where(out, 0.0, kl)
+
+
+def _outside(logp: jax.Array) -> jax.Array:
+  """Where a log-prob is -inf: the token is outside the scored distribution's support (a NaN is
+  not, so that it still shows)."""
+  return logp == -jnp.inf
+
+
+def _finite(logp: jax.Array, outside: jax.Array) -> jax.Array:
+  """The log-probs with 0 where `outside`: arithmetic on them makes no inf - inf, and `jnp.where`
+  sends no gradient into the replaced entries."""
+  return jnp.where(outside, 0.0, logp)
 
 
 def aggregate_denominator(mask_nt: jax.Array, mode: str) -> jax.Array:
@@ -187,6 +226,13 @@ def grpo_loss(
   (log-ratio clamped to [-20, 20]); for A < 0 and dual_clip_c > 0, pg = min(pg, -A c) (dual-clip
   PPO, Ye et al. 2020); plus kl_beta * kl_penalty(...). Aggregated by `cfg.loss_agg`.
 
+  Log-probs may be -inf: a token outside the top-k / top-p set of the distribution scored
+  (docs/design.md §1.1, "Sampling distribution"). Where the current policy's is -inf, its
+  probability is 0: the log-ratio sits at -20 (r = exp(-20)) and the KL estimate is 0. Where only
+  the old policy's is -inf (the sampler drew the token, so only rounding at the set's edge can
+  exclude it), nothing is known of the ratio: r = 1. Such tokens get no gradient; they still count
+  in the aggregation's denominators. Nothing here makes a NaN from -inf inputs.
+
   Args:
     logp_nt: [N, T] float32 log-probs (nats) of the sampled tokens under the current policy.
     old_logp_nt: [N, T] under the policy that sampled them (no gradient flows into it).
@@ -205,7 +251,17 @@ def grpo_loss(
     ValueError: unknown cfg.loss_agg or cfg.kl_estimator.
   """
   adv = advantages_n[:, None].astype(jnp.float32)
-  log_ratio = jnp.clip(logp_nt - jax.lax.stop_gradient(old_logp_nt), -20.0, 20.0)
+  old_logp_nt = jax.lax.stop_gradient(old_logp_nt)
+  out, old_out = _outside(logp_nt), _outside(old_logp_nt)
+  log_ratio = jnp.clip(
+    jnp.where(
+      out | old_out,
+      jnp.where(old_out, 0.0, -20.0),
+      _finite(logp_nt, out) - _finite(old_logp_nt, old_out),
+    ),
+    -20.0,
+    20.0,
+  )
   ratio = jnp.exp(log_ratio)
   pg1 = -adv * ratio
   pg2 = -adv * jnp.clip(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)

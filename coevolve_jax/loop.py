@@ -45,7 +45,7 @@ from coevolve_jax.rollout.engine import Engine
 from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.run_state import RoundInFlight, RunState
 from coevolve_jax.trainer import PolicyTrainer, make_batch, make_optimizer
-from coevolve_jax.types import Task, Trajectory
+from coevolve_jax.types import FINISHES, Task, Trajectory
 from coevolve_jax.warmstart import describe, sft_batches
 from envs import make_suite
 
@@ -140,11 +140,14 @@ class CoEvolveRun:
     )
     rewards = np.array([t.reward for t in trajs], np.float32)
     groups = np.array([t.group_id for t in trajs])
-    adv = grpo.compute_advantages(rewards, groups, self.gcfg.adv_eps, self.gcfg.scale_by_std)
+    keep = np.array([t.finish not in cfg.train.drop_from_loss for t in trajs])
+    adv = grpo.compute_advantages(
+      rewards, groups, self.gcfg.adv_eps, self.gcfg.scale_by_std, keep_n=keep
+    )
     with self.timer("train"):
-      info = self.trainer.grpo_epoch(trajs, adv, cfg.train.mini_batches)
+      info = self.trainer.grpo_epoch(trajs, adv, cfg.train.mini_batches, keep=keep)
     self.state.events.extend(self.tracker.observe(trajs, tasks))
-    info.update(self._rollout_metrics(trajs, rewards, groups))
+    info.update(self._rollout_metrics(trajs, rewards, groups, keep))
     self.state.step = step
     if cfg.feedback.enabled:
       info.update(self._feedback_tick(step))
@@ -191,8 +194,13 @@ class CoEvolveRun:
     tx = make_optimizer(
       lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip
     )
+    # One SamplingParams for the training rollouts and the trainer, which scores old, reference
+    # and current log-probs under the distribution the engine sampled from (top-k / top-p too).
+    self.sampling = SamplingParams(
+      temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p
+    )
     self.trainer = PolicyTrainer(
-      model, tx, self.gcfg, cfg.rollout.temperature, micro_batches=cfg.train.micro_batches
+      model, tx, self.gcfg, self.sampling, micro_batches=cfg.train.micro_batches
     )
     self._setup_feedback()
     self.engine = Engine(
@@ -219,9 +227,6 @@ class CoEvolveRun:
         self.eval_tasks, cfg.eval.max_new_tokens, cfg.eval.max_steps_per_turn
       ),
       stop_ids=model.config.eos_token_ids,
-    )
-    self.sampling = SamplingParams(
-      temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p
     )
     self.ckpt = RunCheckpointer(os.path.join(self.workdir, "checkpoints"), cfg.checkpoint.keep)
 
@@ -280,14 +285,18 @@ class CoEvolveRun:
     self.timer.move(runner.timings["reward"] - before, src="rollout", dst="reward")
     return trajs
 
-  def _rollout_metrics(self, trajs, rewards: np.ndarray, groups: np.ndarray) -> dict[str, Any]:
+  def _rollout_metrics(
+    self, trajs, rewards: np.ndarray, groups: np.ndarray, keep: np.ndarray
+  ) -> dict[str, Any]:
     finishes = [t.finish for t in trajs]
     return {
       "reward/mean": float(rewards.mean()),
       "reward/max": float(rewards.max()),
       "rollout/tokens_generated": int(sum(t.num_generated for t in trajs)),
       "rollout/parse_errors": int(sum(t.parse_errors for t in trajs)),
-      "rollout/finished_done": finishes.count("done"),
+      # rollout/finished_done, _context, _max_model_steps, _error: how the episodes ended
+      **{f"rollout/finished_{f}": finishes.count(f) for f in FINISHES},
+      "rollout/dropped_from_loss": int(np.sum(~keep)),  # train.drop_from_loss
       "rollout/mixed_groups": int(
         sum(len(set(rewards[groups == g])) > 1 for g in np.unique(groups))
       ),

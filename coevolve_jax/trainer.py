@@ -22,12 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from coevolve_jax import grpo
 from coevolve_jax.models import sharding
 from coevolve_jax.models.qwen import Qwen
-from coevolve_jax.rollout.sampling import (
-  SamplingParams,
-  filtered_logits,
-  gathered_logprobs,
-  processed_logprobs,
-)
+from coevolve_jax.rollout.sampling import SamplingParams, filtered_logits, gathered_logprobs
 from coevolve_jax.types import Trajectory
 
 
@@ -91,27 +86,36 @@ def token_logprobs(
   chunk_rows: int = 128,
   sampling: SamplingParams | None = None,
 ) -> jax.Array:
-  """log pi(token[pos] | tokens[:pos]) at the target positions, under logits / temperature.
+  """log pi(token[pos] | tokens[:pos]) at the target positions, under the sampler's distribution.
+
+  The distribution is `rollout.sampling.filtered_logits`'s: logits / T, restricted to the tokens
+  top-k / top-p keep and renormalised over them (`sampling`), or logits / `temperature` over the
+  whole vocabulary when `sampling` is None. It is the function the engine samples with, so the
+  trainer's log-probs are the sampler's (docs/design.md §1.1, "Sampling distribution"). The kept
+  set is stop-gradient: a gradient flows into the kept tokens' logits only. Without top-k / top-p
+  (top_k = 0, top_p = 1) this is exactly the full tempered log-softmax.
 
   Vocabulary logits are computed only at the target positions, in chunks of about `chunk_rows`
   scored tokens (N rows x ceil(chunk_rows / N) positions, so the batch axis and its sharding are
   kept) under `jax.checkpoint`: peak memory O(chunk_rows * V), and each chunk's logits are small
   enough to be reduced while still in cache (on a 2-core CPU, 128 rows of 152k logits score at
-  the bare matmul's rate; 1024 rows at once cost a third more).
+  the bare matmul's rate; 1024 rows at once cost a third more). Top-p adds a sort of each chunk's
+  [chunk_rows, V] logits (no gradient through it; recomputed in the backward pass).
 
   Args:
     tokens_nt: [N, T] int32 right-padded sequences starting at position 0.
     target_pos_np: [N, P] int32 positions (>= 1) of the tokens to score.
-    temperature: static; logits are divided by it.
+    temperature: static; logits are divided by it (used only when `sampling` is None).
     chunk_rows: static; scored tokens per vocabulary-projection chunk (>= 1).
-    sampling: when given (static), score under the sampler's processed distribution instead
-      (`rollout.sampling.processed_logprobs`: tempered, restricted to the top-k / top-p set and
-      renormalised), which reproduces the engine's log-probs with top-p / top-k. A token outside
-      the current policy's set then scores -inf, so the GRPO objective keeps the default (the
-      full tempered softmax).
+    sampling: static; the sampler's parameters (temperature, top_k, top_p), or None for
+      `SamplingParams(temperature)`.
   Returns:
-    [N, P] float32 log-probs.
+    [N, P] float32 log-probs; -inf for a token outside the kept set (`grpo.grpo_loss` gives such
+    tokens no gradient; padding positions may score -inf too).
+  Raises:
+    ValueError: top_k larger than the vocabulary.
   """
+  params = SamplingParams(temperature) if sampling is None else sampling
   h_sel = model.hidden_states(  # [N, P, D]: the last layer runs only at the scored positions
     tokens_nt,
     jnp.broadcast_to(jnp.arange(tokens_nt.shape[1]), tokens_nt.shape),
@@ -130,14 +134,9 @@ def token_logprobs(
   @jax.checkpoint
   def one(args):
     h, y = args
-    logits = model.logits(h)
-    if sampling is not None:  # the sampler's processed distribution (its top-k / top-p set)
-      return processed_logprobs(
-        logits.reshape(-1, logits.shape[-1]), y.reshape(-1), sampling
-      ).reshape(y.shape)
-    # The sampler's own tempering (filtered_logits: below T = 0.25 it shifts by the row max
-    # first), so trainer and engine round alike at every temperature.
-    return gathered_logprobs(filtered_logits(logits, SamplingParams(temperature)), y)
+    # The sampler's own processing: tempering (below T = 0.25 it shifts by the row max first,
+    # so trainer and engine round alike at every temperature), then top-k / top-p.
+    return gathered_logprobs(filtered_logits(model.logits(h), params), y)
 
   out = jax.lax.map(one, (h_chunks, y_chunks))  # [P/c, N, c]
   return out.swapaxes(0, 1).reshape(n, p + pad)[:, :p]
@@ -294,13 +293,16 @@ class PolicyTrainer:
     model: Qwen,
     tx: optax.GradientTransformation,
     cfg: grpo.GRPOConfig,
-    temperature: float,
+    sampling: SamplingParams | float,
     mesh: Mesh | None = None,
     micro_batches: int = 1,
   ):
     """Args:
       model: the policy (its parameters are taken over; the trainer donates them at each step).
-      tx: the optimizer (`make_optimizer`). cfg: the GRPO objective. temperature: of the sampler.
+      tx: the optimizer (`make_optimizer`). cfg: the GRPO objective.
+      sampling: the rollout's sampling parameters (temperature, top_k, top_p): old, reference and
+        current log-probs are all scored under the distribution the engine sampled from
+        (`token_logprobs`); a float is a temperature with neither top-k nor top-p.
       mesh: a `models.sharding.make_mesh` mesh, or None for one device.
       micro_batches: gradient-accumulation slices per update; batch rows must divide by it.
     Raises:
@@ -309,7 +311,10 @@ class PolicyTrainer:
     if micro_batches < 1:
       raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
     self.graphdef, params = nnx.split(model)
-    self.tx, self.cfg, self.temperature = tx, cfg, temperature
+    self.tx, self.cfg = tx, cfg
+    self.sampling = (
+      sampling if isinstance(sampling, SamplingParams) else SamplingParams(temperature=sampling)
+    )
     self.mesh, self.micro_batches = mesh, micro_batches
     if mesh is None:
       self._param_sh = self._opt_sh = self._rows_sh = None
@@ -402,9 +407,9 @@ class PolicyTrainer:
     k = self.micro_batches
     graph = nnx.merge(self.graphdef, params)
     if k == 1:
-      return token_logprobs(graph, tokens, target_pos, self.temperature)
+      return token_logprobs(graph, tokens, target_pos, sampling=self.sampling)
     out = jax.lax.map(
-      lambda a: token_logprobs(graph, *a, self.temperature),
+      lambda a: token_logprobs(graph, *a, sampling=self.sampling),
       (split_micro_batches(tokens, k), split_micro_batches(target_pos, k)),
     )
     return out.swapaxes(0, 1).reshape(target_pos.shape)  # undo the strided split
@@ -424,7 +429,7 @@ class PolicyTrainer:
   def _grpo_step_fn(self, params, opt_state, arrays, old_logp, ref_logp):
     k = self.micro_batches
     logp_fn = lambda p, tokens, pos: token_logprobs(  # noqa: E731
-      nnx.merge(self.graphdef, p), tokens, pos, self.temperature
+      nnx.merge(self.graphdef, p), tokens, pos, sampling=self.sampling
     )
     loss_fn = grpo_micro_loss(logp_fn, self.cfg, arrays["target_mask"])
     inputs = {**arrays, "old": old_logp}
@@ -460,7 +465,11 @@ class PolicyTrainer:
     return {k: float(v) for k, v in metrics.items()}
 
   def grpo_epoch(
-    self, trajectories: Sequence[Trajectory], advantages: np.ndarray, mini_batches: int
+    self,
+    trajectories: Sequence[Trajectory],
+    advantages: np.ndarray,
+    mini_batches: int,
+    keep: np.ndarray | None = None,
   ) -> dict[str, float]:
     """One GRPO epoch over a step's rollouts: one optimizer step per mini-batch (paper Eq. 1).
 
@@ -470,37 +479,58 @@ class PolicyTrainer:
     mini-batch under `ref_params` (the current parameters when no reference was frozen), all
     before the first update; then `grpo_update` runs on each mini-batch in order.
 
+    A trajectory with `keep` False stays in its mini-batch (shapes and splits do not change) with
+    a loss mask of zeros: its tokens add nothing to the loss and are left out of the normalisers
+    (token count or row count of `train.loss_agg`), as if it had not been sampled.
+
     Args:
       trajectories: the N rollouts of the step (`Trajectory` with token ids, loss mask and the
         sampler's log-probs).
       advantages: [N] float advantages, one per trajectory (`grpo.compute_advantages`).
       mini_batches: optimizer steps in the epoch, 1 <= mini_batches <= N.
+      keep: [N] bool, False for trajectories dropped from the loss (`train.drop_from_loss`), or
+        None to train on all.
     Returns:
       The mean over mini-batches of each `grpo_update` metric as `train/<name>` (loss, pg_loss,
       clip_frac, ratio_mean, kl with a reference, grad_norm), and `train/sampler_logp_gap`: the
-      largest |old - sampler| log-prob over all generated tokens, float32 (the trainer / sampler
-      mismatch, 0 in exact arithmetic).
+      largest |old - sampler| log-prob over the generated tokens the trainer scores finite
+      (dropped trajectories included),
+      float32 (the trainer / sampler mismatch, 0 in exact arithmetic). With top-k or top-p also
+      `train/sampler_set_misses`: generated tokens whose old log-prob is -inf (the trainer's kept
+      set, rounded differently at its edge, leaves out a token the sampler drew; 0 in exact
+      arithmetic; `grpo.grpo_loss` gives them ratio 1 and no gradient).
     Raises:
-      ValueError: mini_batches outside [1, N], advantages not of shape [N], or a mini-batch whose
-        rows do not divide by micro_batches times the data-parallel device count.
+      ValueError: mini_batches outside [1, N], advantages or keep not of shape [N], or a
+        mini-batch whose rows do not divide by micro_batches times the data-parallel device count.
     """
     n = len(trajectories)
     if not 1 <= mini_batches <= n:
       raise ValueError(f"mini_batches must be in [1, {n}] for {n} trajectories, got {mini_batches}")
     if np.shape(advantages) != (n,):
       raise ValueError(f"advantages of shape {np.shape(advantages)}, want [{n}]")
+    if keep is not None and np.shape(keep) != (n,):
+      raise ValueError(f"keep of shape {np.shape(keep)}, want [{n}]")
     batch = make_batch(trajectories, advantages)
-    minis = [batch.rows(idx) for idx in np.array_split(np.arange(n), mini_batches)]
+    splits = np.array_split(np.arange(n), mini_batches)
+    generated = [batch.target_mask[idx] > 0 for idx in splits]  # dropped trajectories included
+    if keep is not None:
+      batch.target_mask = batch.target_mask * np.asarray(keep, np.float32)[:, None]
+    minis = [batch.rows(idx) for idx in splits]
     old = [self.logprobs(mb) for mb in minis]  # all before the first update
     ref = [self.logprobs(mb, self.ref_params) for mb in minis]
     out: dict[str, list[float]] = {}
     for mb, o, r in zip(minis, old, ref):
       for k, v in self.grpo_update(mb, o, r).items():
         out.setdefault(f"train/{k}", []).append(v)
-    sampler_gap = max(
-      float(jnp.max(jnp.abs((o - mb.sampler_logp) * mb.target_mask))) for mb, o in zip(minis, old)
+    metrics = {k: float(np.mean(v)) for k, v in out.items()}
+    misses = [gen & (np.asarray(o) == -np.inf) for gen, o in zip(generated, old)]
+    metrics["train/sampler_logp_gap"] = max(
+      float(jnp.max(jnp.where(gen & ~miss, jnp.abs(o - mb.sampler_logp), 0.0)))
+      for mb, o, gen, miss in zip(minis, old, generated, misses)
     )
-    return {**{k: float(np.mean(v)) for k, v in out.items()}, "train/sampler_logp_gap": sampler_gap}
+    if self.sampling.truncates:
+      metrics["train/sampler_set_misses"] = int(sum(m.sum() for m in misses))
+    return metrics
 
   def _sft_step_fn(self, params, opt_state, arrays):
     k, mask = self.micro_batches, arrays["target_mask"]

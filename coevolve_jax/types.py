@@ -86,6 +86,13 @@ class Task:
     return cls.from_dict(json.loads(s))
 
 
+# How an episode ends (`Trajectory.finish`, set by `agent.AgentRunner`): "done" (the environment
+# ended it and scored it), "context" (its KV cache ran out), "max_model_steps" (the limit on model
+# replies), "error" (the environment failed to start or to step). Only "done" carries the
+# environment's reward; the others end with reward 0.
+FINISHES = ("done", "context", "max_model_steps", "error")
+
+
 @dataclasses.dataclass
 class Trajectory:
   """One agent episode, token-in / token-out.
@@ -109,7 +116,7 @@ class Trajectory:
   step_rewards: list[float] = dataclasses.field(default_factory=list)
   tool_names: list[str] = dataclasses.field(default_factory=list)
   calls: list[list[str]] = dataclasses.field(default_factory=list)
-  finish: str = ""  # "done", "context" (ran out of cache), "max_model_steps", "error"
+  finish: str = ""  # one of FINISHES: "done", "context", "max_model_steps", "error"
   model_steps: int = 0
   parse_errors: int = 0
   info: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -122,6 +122,11 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.train.loss_norm_tokens = 4096.0  # constant divisor (tokens) of "seq-mean-token-sum-norm"
   c.train.adv_eps = 1e-6  # added to the group's reward std in the advantage (paper Eq. 1)
   c.train.scale_by_std = True  # advantages / group std; False = mean-centred only (Dr. GRPO)
+  # Episodes whose finish is listed here leave the loss and their group's advantage statistics
+  # (verl's overlong filtering): any of "context" (cut by the KV cache), "max_model_steps",
+  # "error" (the environment failed), e.g. ("context", "error"). Default () keeps every episode,
+  # a cut or failed one as a failure with reward 0 (the paper; docs/design.md §1.1).
+  c.train.drop_from_loss = ()
 
   c.feedback = ml_collections.ConfigDict()
   c.feedback.every = 10  # F: a feedback round every F steps

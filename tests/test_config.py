@@ -57,6 +57,8 @@ VARIANTS = [  # (config, variant, overrides): ablations and settings a run may u
   ("bfcl.py", "cpu", {"train.mini_batches": 3, "train.micro_batches": 1}),  # sizes 6, 5, 5
   ("bfcl.py", "cpu", {"train.mini_batches": 2, "train.micro_batches": 4}),
   ("bfcl.py", "cpu", {"warmstart.steps": 0, "warmstart.lr": 0.0}),
+  ("bfcl.py", "cpu", {"train.drop_from_loss": ("context", "error")}),
+  ("bfcl.py", "", {"train.drop_from_loss": ("context", "max_model_steps", "error")}),
   ("bfcl.py", "", {"mesh.fsdp": 4, "mesh.tensor": -1}),
   ("bfcl.py", "", {"model.dtype": "float32", "data.tool_style": "compact"}),
   ("appworld.py", "", {"appworld.split": "test_challenge", "appworld.reward": "pass_fraction"}),
@@ -146,6 +148,9 @@ BAD = [  # (field, value); the bfcl cpu config (16 rollouts a step in 2 mini-bat
   ("train.kl_beta", -1e-3),
   ("train.loss_norm_tokens", 0.0),
   ("train.adv_eps", -1e-6),
+  ("train.drop_from_loss", ("done",)),  # a scored episode is never dropped
+  ("train.drop_from_loss", ("context", "timeout")),
+  ("train.drop_from_loss", ("context,error",)),  # what --config...=context,error parses to
   ("feedback.kinds", ("rare", "novelty")),
   ("feedback.mode", "guided"),
   ("feedback.every", 0),
@@ -233,3 +238,24 @@ def test_validate_starts_no_jax_backend():
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "no backend" in proc.stdout
+
+
+def test_drop_from_loss_from_the_command_line():
+  """The tuple is written as a Python literal; its default keeps every episode (the paper)."""
+  from absl import flags  # noqa: PLC0415
+  from ml_collections import config_flags  # noqa: PLC0415
+
+  assert _get_config("bfcl.py").train.drop_from_loss == ()
+  assert _get_config("appworld.py", "cpu").train.drop_from_loss == ()
+  argv = [
+    "main",
+    f"--config={os.path.join(_CONFIGS, 'bfcl.py')}:cpu",
+    "--config.train.drop_from_loss=('context', 'error')",
+  ]
+  fv = flags.FlagValues()  # as coevolve_jax/main.py declares --config, on a private registry
+  config_flags.DEFINE_config_file(
+    "config", None, "", flag_values=fv, lock_config=True, sys_argv=argv
+  )
+  fv(argv)
+  assert fv.config.train.drop_from_loss == ("context", "error")
+  validate(fv.config)

@@ -326,6 +326,38 @@ def test_extreme_log_ratios_finite(estimator, mode):
     np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-6)
 
 
+def test_tokens_outside_the_kept_set_hand_computed():
+  """-inf log-probs (a token outside the top-k / top-p set scored, trainer.token_logprobs): the
+  current policy's -inf is ratio exp(-20) and KL 0, the old policy's is ratio 1, the reference's
+  is a KL log-ratio at -20; none has a gradient and masked -inf entries make no NaN."""
+  inf = np.inf
+  logp = np.array([[-1.0, -inf, -2.0, -1.0, -inf], [-inf, -inf, -inf, -inf, -inf]])
+  old = np.array([[-1.0, -1.0, -inf, -1.0, -inf], [-1.0, -inf, 0.0, -inf, -1.0]])
+  ref = np.array([[-1.0, -1.0, -2.0, -inf, -inf], [-1.0, -1.0, -inf, -inf, -inf]])
+  mask = np.array([[1, 1, 1, 1, 0], [1, 0, 0, 0, 0]], float)
+  adv = np.array([1.0, -1.0])
+  e20 = math.exp(-20.0)
+  # Per token (row 0, A = 1): pg -1, -e20, -1, -1; (row 1, A = -1): 0.8 (clipped at 1 - 0.2).
+  pg = [-1.0, -e20, -1.0, -1.0, 0.8]
+  kl = [0.0, 0.0, 0.0, e20 + 19.0, 0.0]  # k3 at log-ratio -20 on the reference's -inf only
+  cfg = _cfg(kl_beta=0.5)
+  loss, grad, metrics = _run(logp, old, ref, adv, mask, cfg)
+  assert loss == pytest.approx(sum(pg) / 5 + 0.5 * sum(kl) / 5, rel=1e-6)  # 1.46
+  assert metrics["pg_loss"] == pytest.approx(sum(pg) / 5, rel=1e-6)  # -0.44
+  assert metrics["kl"] == pytest.approx(sum(kl) / 5, rel=1e-6)  # 3.8
+  assert metrics["clip_frac"] == pytest.approx(1 / 5) and metrics["ratio_mean"] == pytest.approx(
+    (3 + 2 * e20) / 5
+  )
+  np.testing.assert_allclose(grad, [[-0.2, 0, 0, -0.2, 0], [0, 0, 0, 0, 0]], atol=1e-7)
+  # The estimators one by one: the policy's -inf gives 0, the reference's alone the clamp.
+  lp = jnp.array([-inf, -1.0, -inf, -1.0])
+  rf = jnp.array([-1.0, -inf, -inf, -1.5])
+  for est, at_clamp in (("k1", 20.0), ("k2", 200.0), ("k3", e20 + 19.0)):
+    got = np.asarray(grpo.kl_penalty(lp, rf, est, 20.0))
+    want_last = ref_kl(-1.0, -1.5, est, 20.0)
+    np.testing.assert_allclose(got, [0.0, at_clamp, 0.0, want_last], rtol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------
 # Hand-computed values.
 # ---------------------------------------------------------------------------------------------
@@ -500,6 +532,31 @@ def test_parts_with_whole_batch_denominators_sum_to_the_reference(mode):
     np.testing.assert_allclose(g, want_grad[rows], rtol=1e-4, atol=1e-6)
   with pytest.raises(ValueError):
     grpo.aggregate_denominator(jnp.asarray(mask), "sum")
+
+
+def test_advantages_leave_dropped_rows_out_of_the_group_statistics():
+  """train.drop_from_loss: a dropped rollout (cut by the context, failed environment) gets 0 and
+  does not count in its group's mean and std; the kept ones get the advantages of the group
+  without it. Hand-computed: group 3 keeps rewards [1, 0, 1]: mean 2/3, std sqrt(2/9)."""
+  rewards = np.array([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+  groups = np.array([3, 3, 3, 3, 3, 4, 4, 5, 5])
+  keep = np.array([True, True, False, True, False, True, False, False, False])
+  got = compute_advantages(rewards, groups, keep_n=keep)
+  s = math.sqrt(2.0 / 9.0)
+  want = [1 / 3 / s, -2 / 3 / s, 0.0, 1 / 3 / s, 0.0, 0.0, 0.0, 0.0, 0.0]  # 0.7071, -1.4142
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=0.0)
+  assert np.all(got[~keep] == 0.0)  # and groups 4 (one kept) and 5 (none kept) are exactly 0
+  # Kept in the statistics as reward 0 (no keep_n), the same rewards give other advantages.
+  assert not np.allclose(compute_advantages(rewards, groups)[keep], got[keep])
+  np.testing.assert_array_equal(
+    compute_advantages(rewards, groups, keep_n=np.ones(9, bool)),
+    compute_advantages(rewards, groups),
+  )
+  no_scale = compute_advantages(rewards, groups, scale_by_std=False, keep_n=keep)
+  np.testing.assert_allclose(no_scale[:5], [1 / 3, -2 / 3, 0.0, 1 / 3, 0.0], rtol=1e-6)
+  for bad in (np.ones(8, bool), np.ones(9, int)):
+    with pytest.raises(ValueError, match="keep_n"):
+      compute_advantages(rewards, groups, keep_n=bad)
 
 
 def test_advantages_reject_bad_input():

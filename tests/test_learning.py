@@ -61,7 +61,7 @@ def test_grpo_learns_max_of_two_digits():
     head_dim=16,
   )
   trainer = PolicyTrainer(
-    Qwen(cfg, rngs=nnx.Rngs(0)), make_optimizer(LR, 0.0, 1.0), grpo.GRPOConfig(), temperature=1.0
+    Qwen(cfg, rngs=nnx.Rngs(0)), make_optimizer(LR, 0.0, 1.0), grpo.GRPOConfig(), 1.0
   )
   trainer.freeze_reference()
   prompts, answers = _prompts()

@@ -7,13 +7,15 @@ GRPO, feedback round, orbax checkpoints, summary), then checks resume and comple
 import importlib.util
 import json
 import os
+import types
 import uuid
 
+import numpy as np
 import pytest
 
-from coevolve_jax.loop import CoEvolveRun, RunError
 from coevolve_jax.feedback.rounds import RoundResult
-from coevolve_jax.types import Task
+from coevolve_jax.loop import CoEvolveRun, RunError
+from coevolve_jax.types import FINISHES, Task, Trajectory
 from envs.bfcl.suite import BfclSuite
 
 _CONFIG = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "bfcl.py")
@@ -90,6 +92,10 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys)
     rows = [json.loads(line) for line in f]
   grpo_steps = [r["step"] for r in rows if "reward/mean" in r]
   assert grpo_steps == [1, 2]  # one row per step, also across the resume
+  for r in rows:  # how each of the 2 x 2 episodes ended; none dropped by default
+    if "reward/mean" in r:
+      assert sum(r[f"rollout/finished_{f}"] for f in FINISHES) == 4
+      assert r["rollout/dropped_from_loss"] == 0
   assert os.listdir(os.path.join(workdir, "tensorboard"))
   with open(os.path.join(workdir, "summary.json")) as f:
     assert json.load(f) == summary
@@ -169,3 +175,24 @@ def test_a_round_committed_before_a_kill_keeps_its_tasks_on_resume(tmp_path, mon
   assert len(ids) == len(set(ids))
   for task in first:
     assert task in pool, task["task_id"]
+
+
+def test_step_metrics_count_how_episodes_ended_and_the_dropped():
+  """`_rollout_metrics`: one count per finish (cut by the context, step limit, environment error,
+  done) and the trajectories train.drop_from_loss left out of the loss."""
+  finishes = ["done", "context", "context", "error", "max_model_steps", "done"]
+  trajs = [
+    Trajectory("t", i // 2, finish=f, reward=float(f == "done")) for i, f in enumerate(finishes)
+  ]
+  keep = np.array([f not in ("context", "error") for f in finishes])
+  run = types.SimpleNamespace(tracker=types.SimpleNamespace(counts={"boundary": 1}))
+  got = CoEvolveRun._rollout_metrics(
+    run, trajs, np.array([t.reward for t in trajs]), np.array([t.group_id for t in trajs]), keep
+  )
+  assert {k: got[f"rollout/finished_{k}"] for k in FINISHES} == {
+    "done": 2,
+    "context": 2,
+    "max_model_steps": 1,
+    "error": 1,
+  }
+  assert got["rollout/dropped_from_loss"] == 3 and got["signals/boundary"] == 1

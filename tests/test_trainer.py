@@ -11,6 +11,8 @@ from flax import nnx
 
 from coevolve_jax import grpo
 from coevolve_jax.models import Qwen, QwenConfig
+from coevolve_jax.rollout.generate import generate
+from coevolve_jax.rollout.sampling import SamplingParams, filtered_logits, processed_logprobs
 from coevolve_jax.trainer import (
   PolicyTrainer,
   accumulate_gradients,
@@ -138,7 +140,7 @@ def _group(seed, prompt_len, reply_lens):
 
 def test_grpo_update_moves_logprobs_and_compiles_once(base_model):
   trainer = PolicyTrainer(
-    _fresh(base_model), make_optimizer(1e-3, 0.0, 1.0), grpo.GRPOConfig(), temperature=0.9
+    _fresh(base_model), make_optimizer(1e-3, 0.0, 1.0), grpo.GRPOConfig(), 0.9
   )
   trainer.freeze_reference()
   trajs = _group(7, 6, [5, 5])
@@ -188,7 +190,7 @@ def test_grpo_update_moves_logprobs_and_compiles_once(base_model):
 
 def test_sft_update_lowers_loss(base_model):
   trainer = PolicyTrainer(
-    _fresh(base_model), make_optimizer(3e-3, 0.01, 1.0), grpo.GRPOConfig(), temperature=1.0
+    _fresh(base_model), make_optimizer(3e-3, 0.01, 1.0), grpo.GRPOConfig(), 1.0
   )
   batch = make_batch(_group(9, 5, [6, 4, 7]), min_len=16, min_targets=8)
   losses = [trainer.sft_update(batch) for _ in range(6)]  # each: the loss before its step
@@ -289,9 +291,7 @@ def test_micro_batch_split_does_not_change_the_trainer_update(one_layer_model):
   batch = _mixed_batch()
   results = {}
   for k in (1, 4):
-    trainer = PolicyTrainer(
-      _fresh(one_layer_model), optax.sgd(0.5), cfg, temperature=0.9, micro_batches=k
-    )
+    trainer = PolicyTrainer(_fresh(one_layer_model), optax.sgd(0.5), cfg, 0.9, micro_batches=k)
     trainer.freeze_reference()
     old = trainer.logprobs(batch)
     ref = trainer.logprobs(batch, trainer.ref_params) - 0.05  # KL term non-zero from step 1
@@ -346,10 +346,34 @@ def test_grpo_epoch_equals_the_per_mini_batch_calls(one_layer_model):
   assert epoch._grpo_step._cache_size() == 1  # equal mini-batches: one compiled step
 
 
+def test_grpo_epoch_drops_trajectories_from_the_loss(one_layer_model):
+  """`keep` False (train.drop_from_loss): the trajectory's tokens add nothing and the token-mean
+  normaliser leaves them out. Hand-computed: at ratio 1 the token-mean pg loss is
+  -sum_k A_k n_k / sum_k n_k over the kept rows only, here -(1 * 4 + 0.5 * 3) / (4 + 3) = -11/14
+  (with the dropped rows it would be -(4 - 6 + 1.5 + 10) / 18 = -19/36). The update equals
+  training on the kept trajectories alone."""
+  trajs = _group(40, 6, [4, 6, 3, 5])  # a 6-token prompt, then n_k = 4, 6, 3, 5 sampled tokens
+  adv = np.array([1.0, -1.0, 0.5, 2.0], np.float32)  # the dropped rows' are not 0 on purpose
+  keep = np.array([True, False, True, False])
+  cfg = grpo.GRPOConfig(kl_beta=0.1)
+  dropped = PolicyTrainer(_fresh(one_layer_model), optax.sgd(0.5), cfg, 1.0)
+  alone = PolicyTrainer(_fresh(one_layer_model), optax.sgd(0.5), cfg, 1.0)
+  for t in (dropped, alone):
+    t.freeze_reference()
+  got = dropped.grpo_epoch(trajs, adv, 1, keep=keep)
+  assert got["train/pg_loss"] == pytest.approx(-11 / 14, abs=1e-5)
+  assert got["train/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+  want = alone.grpo_epoch([trajs[0], trajs[2]], adv[keep], 1)
+  for key in ("train/loss", "train/pg_loss", "train/kl", "train/grad_norm"):
+    assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+  for x, y in zip(jax.tree.leaves(dropped.params), jax.tree.leaves(alone.params)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+  with pytest.raises(ValueError, match="keep of shape"):
+    dropped.grpo_epoch(trajs, adv, 1, keep=keep[:3])
+
+
 def test_grpo_epoch_refuses_bad_mini_batches_and_advantages(one_layer_model):
-  trainer = PolicyTrainer(
-    _fresh(one_layer_model), optax.sgd(0.1), grpo.GRPOConfig(), temperature=1.0
-  )
+  trainer = PolicyTrainer(_fresh(one_layer_model), optax.sgd(0.1), grpo.GRPOConfig(), 1.0)
   trajs = _group(30, 4, [2, 3])
   for bad in (0, 3):
     with pytest.raises(ValueError, match=r"mini_batches must be in \[1, 2\]"):
@@ -363,7 +387,7 @@ def test_micro_batches_must_divide_rows(base_model):
     _fresh(base_model),
     make_optimizer(1e-3, 0.0, 1.0),
     grpo.GRPOConfig(),
-    temperature=1.0,
+    1.0,
     micro_batches=4,
   )
   batch = make_batch(_group(3, 4, [2, 3, 4, 5, 6, 7]), min_len=16, min_targets=8)  # 6 rows
@@ -373,6 +397,79 @@ def test_micro_batches_must_divide_rows(base_model):
     trainer.sft_update(batch)
   with pytest.raises(ValueError, match="micro_batches must be >= 1"):
     PolicyTrainer(_fresh(base_model), optax.sgd(0.1), grpo.GRPOConfig(), 1.0, micro_batches=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The distribution scored: the sampler's (temperature, top-k, top-p).
+# ---------------------------------------------------------------------------------------------
+
+
+def _engine_trajectories(model, sampling, seed=0):
+  """Two-turn episodes sampled by the real engine (`rollout.generate`): prompt, reply, made-up
+  observation tokens, reply; the replies carry the engine's log-probs."""
+  rng = np.random.default_rng(seed)
+  vocab = model.config.vocab_size
+  convs = [[int(x) for x in rng.integers(1, vocab, n)] for n in (5, 9, 14, 20)]
+  trajs = [Trajectory(task_id="t", group_id=i // 2) for i in range(len(convs))]
+  for tr, conv in zip(trajs, convs):
+    tr.extend(conv, sampled=False)
+  for turn in range(2):
+    outs = generate(model, convs, sampling, max_new_tokens=8, rng=jax.random.key(turn))
+    for tr, conv, out in zip(trajs, convs, outs):
+      obs = [int(x) for x in rng.integers(1, vocab, 3)]
+      tr.extend(out.token_ids, sampled=True, logprobs=out.logprobs)
+      tr.extend(obs, sampled=False)
+      conv += out.token_ids + obs
+  return trajs
+
+
+@pytest.mark.parametrize(
+  "sampling",
+  [SamplingParams(temperature=0.6, top_p=0.8), SamplingParams(temperature=0.6, top_k=20)],
+  ids=["top_p", "top_k"],
+)
+def test_trainer_scores_under_the_engines_truncated_distribution(sampling):
+  """Issue 18: tokens the real engine sampled with top-p (or top-k), scored by a trainer built
+  with the same SamplingParams (as loop.py builds it), agree on every generated token to float
+  noise, and a GRPO epoch on them sees ratio 1, no trainer / sampler gap and a finite loss.
+  Scoring under the full tempered softmax instead (the GRPO path before) is off by the log of the
+  kept mass: -log 0.8 = 0.223 on average for top_p = 0.8, several nats for the top 20 of 4096."""
+  model = Qwen(QwenConfig.tiny_cpu(vocab_size=4096), rngs=nnx.Rngs(3))
+  trajs = _engine_trajectories(model, sampling)
+  batch = make_batch(trajs, min_len=32, min_targets=16)
+  generated = batch.target_mask > 0
+  assert generated.sum() >= 4 * 2 * 4  # at least four tokens per reply
+  cfg = grpo.GRPOConfig(kl_beta=0.1)
+  trainer = PolicyTrainer(_fresh(model), optax.sgd(0.0), cfg, sampling)
+  got = np.asarray(trainer.logprobs(batch))
+  assert np.max(np.abs(got - batch.sampler_logp)[generated]) <= 1e-5
+  full = PolicyTrainer(_fresh(model), optax.sgd(0.0), cfg, sampling.temperature)
+  gap = (batch.sampler_logp - np.asarray(full.logprobs(batch)))[generated]
+  if sampling.top_p < 1.0:
+    np.testing.assert_allclose(np.mean(gap), -np.log(0.8), atol=2e-3)
+  else:
+    assert np.min(gap) > 1.0
+  trainer.freeze_reference()
+  metrics = trainer.grpo_epoch(trajs, np.array([1.0, -1.0, 0.5, -0.5], np.float32), 2)
+  assert all(np.isfinite(v) for v in metrics.values()), metrics
+  assert metrics["train/sampler_logp_gap"] <= 1e-5 and metrics["train/sampler_set_misses"] == 0
+  np.testing.assert_allclose(metrics["train/ratio_mean"], 1.0, atol=1e-5)
+  assert metrics["train/kl"] <= 1e-6
+
+
+def test_the_kept_set_is_stop_gradient():
+  """d log q(y) / d logits under top-k + top-p is (onehot(y) - q) / T on the kept tokens and 0 on
+  the dropped ones: the kept set gets no gradient (docs/design.md §1.1)."""
+  logits = jnp.asarray(np.random.default_rng(0).normal(0.0, 2.0, (3, 50)), jnp.float32)
+  params = SamplingParams(temperature=0.7, top_k=30, top_p=0.9)
+  q = jax.nn.softmax(filtered_logits(logits, params), axis=-1)
+  tokens = jnp.argsort(-q, axis=-1)[:, 1]  # a kept token of each row, not the top one
+  grad = jax.grad(lambda x: jnp.sum(processed_logprobs(x, tokens, params)))(logits)
+  want = (jax.nn.one_hot(tokens, 50) - q) / 0.7
+  kept = np.asarray(q > 0)
+  assert 0 < kept.sum(-1).min() and kept.sum(-1).max() < 30  # top-p cut inside the top 30
+  np.testing.assert_allclose(np.asarray(grad), np.asarray(want), atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(grad)[~kept], 0.0)
 
 
 def test_sharded_step_on_eight_cpu_devices():
