@@ -1,0 +1,118 @@
+"""Routing replay for Qwen3-MoE: the trainer scores each token under the experts the rollout
+engine routed it to (issue 18, item 6).
+
+The near-tie input: a tiny Qwen3-MoE whose router columns for experts 1 and 2 are one ulp apart
+element-wise, so the two logits agree to about an ulp for every token and the rounding
+differences between the KV-cached decode and the cache-free training forward pick different
+experts. Without replay the trainer's log-probs of sampled tokens then differ from the engine's
+by up to tenths of a nat; with replay they agree to float32 rounding, and the router still gets
+a gradient.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from coevolve_jax.models import Qwen, QwenConfig
+from coevolve_jax.models.qwen import SparseMoE
+
+MOE = QwenConfig(
+  vocab_size=64,
+  hidden_size=32,
+  intermediate_size=64,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=8,
+  num_experts=4,
+  num_experts_per_tok=2,
+  moe_intermediate_size=32,
+  norm_topk_prob=True,  # weights p_e / (p_a + p_b): the router's gradient needs k >= 2
+)
+TIED = (1, 2)  # the experts whose router columns are one ulp apart
+
+
+def _near_tie_model(seed: int = 0) -> Qwen:
+  """MOE with experts 1 and 2 tied to within an ulp in every layer's router, and experts strong
+  enough (x10) that a flipped choice moves the next-token distribution by much more than
+  rounding."""
+  model = Qwen(MOE, rngs=nnx.Rngs(seed))
+  for layer in model.layers:
+    gate = np.array(layer.mlp.gate[...]) * 20.0
+    gate[:, TIED[1]] = np.nextafter(gate[:, TIED[0]], np.float32(np.inf))
+    layer.mlp.gate[...] = jnp.asarray(gate)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+      kernel = getattr(layer.mlp.experts, name)
+      kernel[...] = kernel[...] * 10.0
+  return model
+
+
+# ---------------------------------------------------------------------------------------------
+# The MoE block with forced experts.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_replaying_the_routers_own_choice_changes_nothing():
+  """Forced experts equal to the router's top-k, or all -1 (nothing recorded), give the block's
+  output and router gradient bit for bit: runs without a record keep the old forward."""
+  moe = SparseMoE(MOE, rngs=nnx.Rngs(1), dtype=jnp.float32)
+  x = jax.random.normal(jax.random.key(2), (2, 5, MOE.hidden_size))
+
+  @nnx.jit
+  def run(m, experts):
+    def loss(m):
+      y, used = m.forward(x, experts)
+      return jnp.sum(jnp.sin(y)), (y, used)
+
+    (_, (y, used)), grads = nnx.value_and_grad(loss, has_aux=True)(m)
+    return y, used, grads.gate[...]
+
+  y, used, grad = run(moe, None)
+  assert used.shape == (2, 5, 2) and used.dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(nnx.jit(lambda m: m(x))(moe)), np.asarray(y))
+  for forced in (used.astype(jnp.int16), jnp.full(used.shape, -1, jnp.int16)):
+    y2, used2, grad2 = run(moe, forced)
+    np.testing.assert_array_equal(np.asarray(y2), np.asarray(y))
+    np.testing.assert_array_equal(np.asarray(used2), np.asarray(used))
+    np.testing.assert_array_equal(np.asarray(grad2), np.asarray(grad))
+
+
+def test_forced_experts_route_tokens_and_take_the_routers_weights_there():
+  """A recorded token goes to its recorded experts with weights p_e / sum over them; a token
+  marked -1 takes the router's own top-k."""
+  moe = SparseMoE(MOE, rngs=nnx.Rngs(3), dtype=jnp.float32)
+  x = jax.random.normal(jax.random.key(4), (1, 3, MOE.hidden_size))
+  forward = nnx.jit(lambda m, experts: m.forward(x, experts))
+  _, own = forward(moe, None)
+  forced = np.array([[[3, 0], [-1, -1], [2, 1]]], np.int16)
+  y, used = forward(moe, jnp.asarray(forced))
+  want_used = forced.astype(np.int32)
+  want_used[0, 1] = np.asarray(own)[0, 1]
+  np.testing.assert_array_equal(np.asarray(used), want_used)
+
+  xs = np.asarray(x, np.float64)[0]
+  gate = np.asarray(moe.gate[...], np.float64)
+  g, u, d = (
+    np.asarray(getattr(moe.experts, n)[...], np.float64)
+    for n in ("gate_proj", "up_proj", "down_proj")
+  )
+  for t in range(3):
+    logits = xs[t] @ gate
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    experts = want_used[0, t]
+    w = p[experts] / p[experts].sum()
+    out = 0.0
+    for e, we in zip(experts, w):
+      h = xs[t] @ g[e]
+      out = out + we * ((h / (1 + np.exp(-h))) * (xs[t] @ u[e])) @ d[e]
+    np.testing.assert_allclose(np.asarray(y)[0, t], out, rtol=1e-5, atol=1e-6)
+
+
+def test_a_routing_record_of_the_wrong_shape_is_refused():
+  model = Qwen(MOE, rngs=nnx.Rngs(0))
+  ids = jnp.zeros((1, 4), jnp.int32)
+  with pytest.raises(ValueError, match=r"want \[B, T, L_moe, k\] = \[1, 4, 2, 2\]"):
+    model.hidden_states(ids, routing_btlk=jnp.zeros((1, 4, 1, 2), jnp.int32))
