@@ -9,6 +9,8 @@ by up to tenths of a nat; with replay they agree to float32 rounding, and the ro
 a gradient.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,9 @@ from flax import nnx
 
 from coevolve_jax.models import Qwen, QwenConfig
 from coevolve_jax.models.qwen import SparseMoE
+from coevolve_jax.rollout.engine import Engine
+from coevolve_jax.rollout.generate import generate
+from coevolve_jax.rollout.sampling import SamplingParams
 
 MOE = QwenConfig(
   vocab_size=64,
@@ -116,3 +121,51 @@ def test_a_routing_record_of_the_wrong_shape_is_refused():
   ids = jnp.zeros((1, 4), jnp.int32)
   with pytest.raises(ValueError, match=r"want \[B, T, L_moe, k\] = \[1, 4, 2, 2\]"):
     model.hidden_states(ids, routing_btlk=jnp.zeros((1, 4, 1, 2), jnp.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine's record.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_engine_records_the_routing_of_every_consumed_token():
+  """Prompt chunks (two prefill calls) and decode steps append, in order, the experts the
+  engine's own forwards chose: the record equals a one-shot cached forward over the same tokens
+  (no near-ties in this model), the pending token is not in it, and a reset clears it. A dense
+  model, or an engine told not to record, has no record."""
+  model = Qwen(MOE, rngs=nnx.Rngs(5))
+  engine = Engine(model, num_slots=2, cache_len=64)
+  sampling = SamplingParams(temperature=1.0)
+  first, more = [5, 9, 11, 3, 7], [2, 8, 13]
+  tok, _ = engine.prefill(1, first, jax.random.key(0), sampling)
+  seq = first + [tok] + more
+  tok, _ = engine.prefill(1, [tok] + more, jax.random.key(1), sampling)
+  seq.append(tok)
+  for i in range(3):
+    toks, _ = engine.generate(np.array([False, True]), jax.random.key(10 + i), sampling)
+    seq.append(int(toks[1]))
+  record = engine.routing(1)
+  assert record.shape == (len(seq) - 1, 2, 2) and record.dtype == np.int16
+  assert engine.routing(0).shape == (0, 2, 2)
+
+  cache = jax.tree.map(lambda c: c[:1], engine.init_decode_state().cache)
+  n = len(seq) - 1
+  one_shot = nnx.jit(
+    lambda m, ids: m.decode_routed(ids, jnp.arange(n)[None], cache, jnp.zeros(1, jnp.int32))
+  )
+  _, _, want = one_shot(model, jnp.asarray([seq[:n]]))
+  np.testing.assert_array_equal(record, np.asarray(want)[0])
+  engine.reset_slot(1)
+  assert engine.routing(1).shape == (0, 2, 2)
+
+  assert Engine(model, 1, 64, record_routing=False).routing(0) is None
+  dense = Qwen(dataclasses.replace(MOE, num_experts=0, num_experts_per_tok=0), rngs=nnx.Rngs(0))
+  assert Engine(dense, 1, 64).routing(0) is None
+
+
+def test_generate_returns_each_requests_routing():
+  engine = Engine(Qwen(MOE, rngs=nnx.Rngs(6)), num_slots=2, cache_len=64)
+  prompts = [[4, 5, 6], [7, 8, 9, 10, 11]]
+  comps = generate(engine, prompts, SamplingParams(1.0), max_new_tokens=4)
+  for prompt, comp in zip(prompts, comps):
+    assert comp.routing.shape == (len(prompt) + len(comp.token_ids) - 1, 2, 2)
