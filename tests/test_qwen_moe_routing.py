@@ -10,18 +10,24 @@ a gradient.
 """
 
 import dataclasses
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
+from host_devices import run_child
 
+from coevolve_jax import grpo
 from coevolve_jax.models import Qwen, QwenConfig
 from coevolve_jax.models.qwen import SparseMoE
 from coevolve_jax.rollout.engine import Engine
 from coevolve_jax.rollout.generate import generate
 from coevolve_jax.rollout.sampling import SamplingParams
+from coevolve_jax.trainer import PolicyTrainer, make_batch
+from coevolve_jax.types import Trajectory
 
 MOE = QwenConfig(
   vocab_size=64,
@@ -169,3 +175,104 @@ def test_generate_returns_each_requests_routing():
   comps = generate(engine, prompts, SamplingParams(1.0), max_new_tokens=4)
   for prompt, comp in zip(prompts, comps):
     assert comp.routing.shape == (len(prompt) + len(comp.token_ids) - 1, 2, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches and the trainer's checks.
+# ---------------------------------------------------------------------------------------------
+
+
+def _traj(n, routing=None):
+  traj = Trajectory(task_id="t", group_id=0)
+  traj.extend(list(range(3, 3 + n)), sampled=False)
+  traj.loss_mask[-2:] = [1, 1]
+  traj.set_routing(routing)
+  return traj
+
+
+def test_make_batch_pads_routing_records_with_minus_one():
+  rec = np.arange(4 * 2 * 2, dtype=np.int16).reshape(4, 2, 2) % 4
+  with_record, without = _traj(5, rec), _traj(3)
+  assert with_record.routing.shape == (5, 2, 2)
+  np.testing.assert_array_equal(with_record.routing[:4], rec)
+  assert (with_record.routing[4] == -1).all()  # the last token was never consumed
+  batch = make_batch([with_record, without], min_len=8)
+  assert batch.routing.shape == (2, 8, 2, 2) and batch.routing.dtype == np.int16
+  np.testing.assert_array_equal(batch.routing[0, :5], with_record.routing)
+  assert (batch.routing[0, 5:] == -1).all() and (batch.routing[1] == -1).all()
+  assert batch.rows(np.array([1])).routing.shape == (1, 8, 2, 2)
+  assert make_batch([without]).routing is None  # dense / scripted rollouts: no replay
+  with pytest.raises(ValueError, match="routing record of shape"):
+    _traj(2, rec)
+  bad = _traj(5, rec)
+  bad.routing = bad.routing[:, :1]
+  with pytest.raises(ValueError, match=r"different \[L_moe, k\] shapes"):
+    make_batch([with_record, bad])
+  bad.routing = with_record.routing[:4]  # one row short of its token ids
+  with pytest.raises(ValueError, match="routing of 4 tokens for 5 token ids"):
+    make_batch([bad])
+
+
+def test_the_trainer_refuses_a_routing_record_that_does_not_fit_the_model():
+  trainer = PolicyTrainer(
+    Qwen(MOE, rngs=nnx.Rngs(0)), optax.sgd(0.0), grpo.GRPOConfig(), temperature=1.0
+  )
+  batch = make_batch([_traj(5, np.zeros((5, 2, 2), np.int16))], min_len=8)
+  for bad, match in (
+    (batch.routing[..., :1], r"want \[N, T, L_moe, k\] = \[1, 8, 2, 2\]"),
+    (np.full_like(batch.routing, MOE.num_experts), r"outside \[-1, 4\)"),
+    (np.full_like(batch.routing, -2), r"outside \[-1, 4\)"),
+  ):
+    with pytest.raises(ValueError, match=match):
+      trainer.logprobs(dataclasses.replace(batch, routing=bad))
+
+
+def test_replay_on_a_mesh_matches_one_device():
+  """Runs `_sharded_child` in a fresh interpreter with 8 host devices."""
+  run_child(__file__, "sharded")
+
+
+def _sharded_child():
+  """Mesh data=2 x fsdp=2 x expert=2, 2 micro-batches: a batch with a routing record (rows split
+  over the data axes with the tokens) gives the single-device trainer's log-probs and update."""
+  assert jax.device_count() == 8, jax.devices()
+  from coevolve_jax.models.sharding import make_mesh  # noqa: PLC0415
+
+  model = Qwen(MOE, rngs=nnx.Rngs(7))  # no near-ties: the free routing agrees across meshes
+  rng = np.random.default_rng(3)
+  trajs = []
+  for i in range(8):
+    n = int(rng.integers(10, 30))
+    traj = Trajectory(task_id=f"t{i}", group_id=i)
+    traj.extend(rng.integers(1, MOE.vocab_size, n).tolist(), sampled=False)
+    traj.loss_mask[n // 2 :] = [1] * (n - n // 2)
+    traj.logprobs[n // 2 :] = (-rng.gamma(2.0, 1.0, n - n // 2)).tolist()
+    # A recorded routing that is not the router's own choice: replay must change the result.
+    traj.set_routing(rng.integers(0, MOE.num_experts, (n - 1, 2, 2)).astype(np.int16))
+    trajs.append(traj)
+  batch = make_batch(trajs, rng.normal(0, 1, 8), min_len=32, min_targets=16)
+  sgd = lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.5))  # noqa: E731
+  mesh = make_mesh({"data": 2, "fsdp": 2, "expert": 2})
+  gcfg = grpo.GRPOConfig()
+  graphdef, state = nnx.split(model)
+  fresh = lambda: nnx.merge(graphdef, jax.tree.map(jnp.copy, state))  # noqa: E731  (own buffers)
+  sharded = PolicyTrainer(fresh(), sgd(), gcfg, 1.0, mesh=mesh, micro_batches=2)
+  single = PolicyTrainer(fresh(), sgd(), gcfg, 1.0)
+  free = np.asarray(single.logprobs(dataclasses.replace(batch, routing=None)))
+  out = []
+  for t in (sharded, single):
+    old = t.logprobs(batch)
+    out.append((np.asarray(old), t.grpo_update(batch, old, None)))
+  (olds, ms), (old1, m1) = out
+  np.testing.assert_allclose(olds, old1, rtol=1e-5, atol=1e-5)
+  assert np.abs(old1 - free).max() > 1e-2  # the record was replayed
+  for key in m1:
+    np.testing.assert_allclose(ms[key], m1[key], rtol=1e-4, atol=1e-6, err_msg=key)
+  for x, y in zip(jax.tree.leaves(sharded.params), jax.tree.leaves(single.params)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+  print("sharded OK")
+
+
+if __name__ == "__main__":
+  if sys.argv[1:] == ["sharded"]:
+    _sharded_child()
