@@ -21,13 +21,14 @@ from flax import nnx
 from host_devices import run_child
 
 from coevolve_jax import grpo
+from coevolve_jax.agent import AgentRunner, EpisodeLimits
 from coevolve_jax.models import Qwen, QwenConfig
 from coevolve_jax.models.qwen import SparseMoE
 from coevolve_jax.rollout.engine import Engine
 from coevolve_jax.rollout.generate import generate
 from coevolve_jax.rollout.sampling import SamplingParams
-from coevolve_jax.trainer import PolicyTrainer, make_batch
-from coevolve_jax.types import Trajectory
+from coevolve_jax.trainer import PolicyTrainer, grpo_micro_loss, make_batch, token_logprobs
+from coevolve_jax.types import Action, StepResult, Task, Trajectory
 
 MOE = QwenConfig(
   vocab_size=64,
@@ -225,6 +226,120 @@ def test_the_trainer_refuses_a_routing_record_that_does_not_fit_the_model():
   ):
     with pytest.raises(ValueError, match=match):
       trainer.logprobs(dataclasses.replace(batch, routing=bad))
+
+
+# ---------------------------------------------------------------------------------------------
+# The near-tie end to end: agent loop on the real engine, trainer with and without replay.
+# ---------------------------------------------------------------------------------------------
+
+STOP = 0
+
+
+class _Chat:
+  """Ids are the model's vocabulary itself; replies are cut at the token limit or stop at 0."""
+
+  im_end_id = STOP
+
+  def prompt_ids(self, messages, tools):
+    return list(messages[-1]["content"])
+
+  def continuation_ids(self, messages):
+    return [1, 2, 3, 4, 5, 6]
+
+  def assistant_text(self, content, tool_calls=()):
+    return content
+
+  def parse_tool_calls(self, text, truncated=False):
+    return Action(text=text)
+
+  def encode(self, text):
+    return [ord(c) % MOE.vocab_size for c in text]
+
+  def decode(self, ids):
+    return " ".join(map(str, ids))
+
+
+class _Env:
+  """Three replies per episode: two tool observations are prefilled between them."""
+
+  system_prompt, tools = None, []
+
+  def __init__(self, task):
+    self.task, self.steps, self.calls = task, 0, [[]]
+
+  def reset(self):
+    return StepResult(messages=[{"role": "user", "content": self.task.turns[0]}])
+
+  def step(self, action):
+    self.steps += 1
+    return StepResult(messages=[{"role": "tool", "content": "ok"}], done=self.steps == 3)
+
+  def close(self):
+    pass
+
+
+def _rollouts(model):
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(7, MOE.vocab_size, (8, 12)).tolist()  # one length: fewer compiles
+  tasks = [
+    Task(task_id=f"t{i}", env="fake", turns=[p], ground_truth=[[]]) for i, p in enumerate(prompts)
+  ]
+  runner = AgentRunner(
+    Engine(model, num_slots=2, cache_len=64),
+    _Chat(),
+    lambda task, _: _Env(task),
+    EpisodeLimits(max_new_tokens=8, max_model_steps=3),
+    env_threads=1,
+  )
+  return runner.run([(t, i) for i, t in enumerate(tasks)], SamplingParams(1.0), jax.random.key(1))
+
+
+def test_near_tie_routing_is_replayed_by_the_trainer():
+  model = _near_tie_model()
+  trajs = _rollouts(model)
+  for traj in trajs:  # every token the engine consumed is recorded; only the tail is not
+    assert traj.routing.shape == (len(traj.token_ids), 2, 2)
+    recorded = np.flatnonzero(traj.routing[:, 0, 0] >= 0)
+    np.testing.assert_array_equal(recorded, np.arange(len(recorded)))
+    assert len(recorded) >= max(i for i, m in enumerate(traj.loss_mask) if m)
+
+  # The near-tie: experts 1 and 2's router logits are within one ulp for about half of all inputs.
+  x = np.random.default_rng(1).standard_normal((1000, MOE.hidden_size)).astype(np.float32)
+  for layer in model.layers:
+    logits = x @ np.asarray(layer.mlp.gate[...])
+    gap = np.abs(logits[:, TIED[0]] - logits[:, TIED[1]])
+    assert np.mean(gap <= np.spacing(np.abs(logits[:, TIED[0]]))) > 0.3
+
+  trainer = PolicyTrainer(model, optax.sgd(0.0), grpo.GRPOConfig(), temperature=1.0)
+  batch = make_batch(trajs, np.linspace(-1.0, 1.0, len(trajs)))
+  mask = batch.target_mask > 0
+  assert mask.sum() >= 150
+  replayed = np.asarray(trainer.logprobs(batch))
+  free = np.asarray(trainer.logprobs(dataclasses.replace(batch, routing=None)))
+  gap_replay = np.abs(replayed - batch.sampler_logp)[mask]
+  gap_free = np.abs(free - batch.sampler_logp)[mask]
+  print(
+    f"sampled {mask.sum()}: without replay {int((gap_free > 1e-3).sum())} tokens > 1e-3 "
+    f"(max {gap_free.max():.3g}); with replay max {gap_replay.max():.3g}"
+  )
+  assert gap_replay.max() <= 1e-5
+  # Without replay the trainer routes some tokens to other experts than the engine did.
+  assert (gap_free > 1e-3).sum() >= 5 and gap_free.max() > 0.05
+
+  # The router keeps a gradient under replay (GRPO loss at the sampler's log-probs).
+  graphdef, params = nnx.split(model)
+  routing = jnp.asarray(batch.routing)
+
+  def logp_fn(p, tokens, pos, routing):
+    return token_logprobs(nnx.merge(graphdef, p), tokens, pos, routing_ntlk=routing)
+
+  loss_fn = grpo_micro_loss(logp_fn, grpo.GRPOConfig(), jnp.asarray(batch.target_mask))
+  arrays = {k: jnp.asarray(v) for k, v in vars(batch).items() if k != "sampler_logp"}
+  arrays.update(old=jnp.asarray(replayed), routing=routing)
+  grads = jax.jit(jax.grad(lambda p: loss_fn(p, arrays)[0]))(params)
+  for i in MOE.moe_layers:
+    g = np.asarray(grads["layers"][i]["mlp"]["gate"][...])
+    assert np.all(np.isfinite(g)) and np.abs(g).max() > 1e-6, i
 
 
 def test_replay_on_a_mesh_matches_one_device():
