@@ -111,6 +111,12 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.train.loss_norm_tokens = 4096.0  # constant divisor (tokens) of "seq-mean-token-sum-norm"
   c.train.adv_eps = 1e-6  # added to the group's reward std in the advantage (paper Eq. 1)
   c.train.scale_by_std = True  # advantages / group std; False = mean-centred only (Dr. GRPO)
+  # MoE policies (Qwen3-MoE): the rollout engine records the experts each token was routed to and
+  # the trainer's forwards route by them (routing replay), so a near-tie in the router cannot
+  # score a token under experts it was not sampled with; the router still gets its gradient.
+  # Costs 2 * L_moe * k bytes of host memory per token (768 for Qwen3-30B-A3B). No effect on
+  # dense models.
+  c.train.replay_routing = True
 
   c.feedback = ml_collections.ConfigDict()
   c.feedback.every = 10  # F: a feedback round every F steps

@@ -141,6 +141,7 @@ BAD = [  # (field, value); the bfcl cpu config (16 rollouts a step in 2 mini-bat
   ("train.kl_beta", -1e-3),
   ("train.loss_norm_tokens", 0.0),
   ("train.adv_eps", -1e-6),
+  ("train.replay_routing", None),
   ("feedback.kinds", ("rare", "novelty")),
   ("feedback.mode", "guided"),
   ("feedback.every", 0),

@@ -57,7 +57,8 @@ class LocalLLM:
     self._key = jax.random.key(seed)
     self._lock = threading.Lock()
     current = model() if callable(model) and not isinstance(model, Qwen) else model
-    self.engine = Engine(current, 1, cache_len, jax.numpy.dtype(dtype))
+    # Nothing is trained on the explorer's replies: no routing record.
+    self.engine = Engine(current, 1, cache_len, jax.numpy.dtype(dtype), record_routing=False)
 
   def refresh(self) -> None:
     """Re-reads the model from the callable given at construction (e.g. the newest policy)."""
