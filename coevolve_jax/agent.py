@@ -81,7 +81,8 @@ class AgentRunner:
 
   Args:
     engine: decode slots and KV cache (`rollout.slots.SlotEngine`: `num_slots`, `reset_slot`,
-      `room`, `prefill_many` for the episodes that start or resume together, `generate`).
+      `room`, `prefill_many` for the episodes that start or resume together, `generate`,
+      `routing`: a MoE engine's routing record goes into `Trajectory.routing`).
     chat: the chat format (`ChatFormat`: `prompt_ids`, `continuation_ids`, `parse_tool_calls`,
       `decode`, `im_end_id`).
     make_env: `(task, episode_id) -> Env`.
@@ -176,6 +177,8 @@ class AgentRunner:
     """Ends an episode: records the outcome, closes its environment, frees its slot."""
     ep.traj.finish, ep.traj.reward = how, reward
     ep.traj.info.update(info or {})
+    if ep.traj.token_ids:  # the slot was reset for this episode: its record is this episode's
+      ep.traj.set_routing(self.engine.routing(ep.slot))
     if not ep.traj.calls:  # episodes cut short still report what they called, per user turn
       ep.traj.calls = [[c for step in turn for c in step] for turn in ep.env.calls]
     ep.env.close()

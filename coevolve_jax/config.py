@@ -39,11 +39,11 @@ def validate(cfg: Mapping[str, Any]) -> None:
   sampling through `SamplingParams` with temperature >= 0 and top_p in (0, 1]); train (steps,
   optimizer, the GRPO objective of `grpo.GRPOConfig.from_config`, mini-/micro-batches that
   divide the step's tasks_per_step * group_size rollouts as `PolicyTrainer.grpo_epoch` splits
-  them, and drop_from_loss: finishes of `types.FINISHES` other than "done"); feedback (kinds
-  and mode through `rounds.check_selection`, max_contexts, every >= 1, 0 <= lag < every); eval;
-  checkpoint; and the suite's own fields (`envs.validate_config`). File system and data
-  (checkpoint folders, BFCL categories, AppWorld servers) are checked where they are opened, not
-  here.
+  them, drop_from_loss: finishes of `types.FINISHES` other than "done", replay_routing a bool);
+  feedback (kinds and mode through `rounds.check_selection`, max_contexts, every >= 1,
+  0 <= lag < every); eval; checkpoint; and the suite's own fields (`envs.validate_config`). File
+  system and data (checkpoint folders, BFCL categories, AppWorld servers) are checked where they
+  are opened, not here.
 
   Args:
     cfg: the whole run config.
@@ -270,8 +270,9 @@ def _train(cfg: Mapping[str, Any]) -> None:
   number(cfg, "train.kl_beta", lo=0.0)
   number(cfg, "train.loss_norm_tokens", lo=0.0, lo_open=True)
   number(cfg, "train.adv_eps", lo=0.0)
-  if not isinstance(get(cfg, "train.scale_by_std"), bool):
-    fail("train.scale_by_std", "must be a bool", get(cfg, "train.scale_by_std"))
+  for field in ("train.scale_by_std", "train.replay_routing"):
+    if not isinstance(get(cfg, field), bool):
+      fail(field, "must be a bool", get(cfg, field))
   drop, droppable = get(cfg, "train.drop_from_loss"), tuple(f for f in FINISHES if f != "done")
   if not isinstance(drop, (tuple, list)) or not all(f in droppable for f in drop):
     fail("train.drop_from_loss", f"must be a tuple of episode finishes from {droppable}", drop)

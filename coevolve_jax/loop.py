@@ -209,6 +209,7 @@ class CoEvolveRun:
       cache_len=cfg.rollout.cache_len,
       dtype=jnp.dtype(cfg.model.dtype),
       max_prefill_tokens=cfg.rollout.max_prefill_tokens,
+      record_routing=cfg.train.replay_routing,  # MoE: trajectories carry it to the trainer
     )
     self.runner = AgentRunner(
       self.engine,

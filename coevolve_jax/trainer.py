@@ -38,7 +38,12 @@ class Batch:
   """Padded training arrays (numpy) for N rows.
 
   tokens [N, T] int32 (right-padded with 0); target_pos [N, P] int32 index of each sampled token
-  (>= 1; padded with 1); target_mask [N, P] float32; sampler_logp [N, P]; advantages [N] float32.
+  (>= 1; padded with 1); target_mask [N, P] float32; sampler_logp [N, P]; advantages [N] float32;
+  routing [N, T, L_moe, k] (`models.qwen.routing_dtype`, int16) expert indices the rollout
+  engine routed each token to (`Trajectory.routing`; -1 where none was recorded: padding, tokens
+  never fed to the engine, trajectories without a record), or None when no trajectory has one.
+  The trainer replays it (`token_logprobs`); 2 * L_moe * k bytes per token (768 for
+  Qwen3-30B-A3B, about 25 MB for a row of 32k tokens).
   """
 
   tokens: np.ndarray
@@ -46,12 +51,19 @@ class Batch:
   target_mask: np.ndarray
   sampler_logp: np.ndarray
   advantages: np.ndarray
+  routing: np.ndarray | None = None
 
   def rows(self, idx: np.ndarray) -> "Batch":
-    return Batch(*(getattr(self, f.name)[idx] for f in dataclasses.fields(self)))
+    return Batch(*(_take(getattr(self, f.name), idx) for f in dataclasses.fields(self)))
 
   def arrays(self) -> dict[str, jax.Array]:
-    return {f.name: jnp.asarray(getattr(self, f.name)) for f in dataclasses.fields(self)}
+    """The fields as device arrays; `routing` only when present."""
+    fields = (f.name for f in dataclasses.fields(self))
+    return {k: jnp.asarray(getattr(self, k)) for k in fields if getattr(self, k) is not None}
+
+
+def _take(x: np.ndarray | None, idx: np.ndarray) -> np.ndarray | None:
+  return None if x is None else x[idx]
 
 
 def make_batch(
@@ -60,7 +72,15 @@ def make_batch(
   min_len: int = 128,
   min_targets: int = 32,
 ) -> Batch:
-  """Pads trajectories into bucketed shapes (powers of two) so the step compiles rarely."""
+  """Pads trajectories into bucketed shapes (powers of two) so the step compiles rarely.
+
+  Routing records (`Trajectory.routing`, [len(token_ids), L_moe, k]) are padded with -1 into
+  `Batch.routing` when any trajectory has one; rows without one are all -1 (the router chooses).
+
+  Raises:
+    ValueError: routing records of different [L_moe, k] shapes, or one whose length is not its
+      trajectory's token count.
+  """
   n = len(trajs)
   t = _bucket(max(len(tr.token_ids) for tr in trajs), min_len)
   pos_lists = [[i for i, m in enumerate(tr.loss_mask) if m and i > 0] for tr in trajs]
@@ -75,7 +95,29 @@ def make_batch(
     target_mask[r, : len(pos)] = 1.0
     sampler_logp[r, : len(pos)] = [tr.logprobs[i] for i in pos]
   adv = np.zeros((n,), np.float32) if advantages is None else np.asarray(advantages, np.float32)
-  return Batch(tokens, target_pos, target_mask, sampler_logp, adv)
+  return Batch(tokens, target_pos, target_mask, sampler_logp, adv, _routing_rows(trajs, t))
+
+
+def _routing_rows(trajs: Sequence[Trajectory], t: int) -> np.ndarray | None:
+  """[N, t, L_moe, k] routing records padded with -1, or None when no trajectory has one."""
+  records = [tr.routing for tr in trajs]
+  shapes = {r.shape[1:] for r in records if r is not None}
+  if not shapes:
+    return None
+  if len(shapes) > 1:
+    raise ValueError(f"routing records of different [L_moe, k] shapes: {sorted(shapes)}")
+  dtype = np.result_type(*(r.dtype for r in records if r is not None))
+  out = np.full((len(trajs), t, *shapes.pop()), -1, dtype)
+  for row, (tr, rec) in enumerate(zip(trajs, records)):
+    if rec is None:
+      continue
+    if len(rec) != len(tr.token_ids):
+      raise ValueError(
+        f"trajectory {row} ({tr.task_id}): routing of {len(rec)} tokens for "
+        f"{len(tr.token_ids)} token ids"
+      )
+    out[row, : len(rec)] = rec
+  return out
 
 
 def token_logprobs(
@@ -85,6 +127,7 @@ def token_logprobs(
   temperature: float = 1.0,
   chunk_rows: int = 128,
   sampling: SamplingParams | None = None,
+  routing_ntlk: jax.Array | None = None,
 ) -> jax.Array:
   """log pi(token[pos] | tokens[:pos]) at the target positions, under the sampler's distribution.
 
@@ -109,17 +152,22 @@ def token_logprobs(
     chunk_rows: static; scored tokens per vocabulary-projection chunk (>= 1).
     sampling: static; the sampler's parameters (temperature, top_k, top_p), or None for
       `SamplingParams(temperature)`.
+    routing_ntlk: optional [N, T, L_moe, k] integer expert indices (-1: not recorded) that the
+      rollout engine's forward used for each token (`Batch.routing`): the MoE layers route by
+      them (routing replay, `Qwen.hidden_states`), so tokens are scored under the experts they
+      were sampled with; the router still gets its gradient through the routing weights.
   Returns:
     [N, P] float32 log-probs; -inf for a token outside the kept set (`grpo.grpo_loss` gives such
     tokens no gradient; padding positions may score -inf too).
   Raises:
-    ValueError: top_k larger than the vocabulary.
+    ValueError: top_k larger than the vocabulary; routing_ntlk not of shape [N, T, L_moe, k].
   """
   params = SamplingParams(temperature) if sampling is None else sampling
   h_sel = model.hidden_states(  # [N, P, D]: the last layer runs only at the scored positions
     tokens_nt,
     jnp.broadcast_to(jnp.arange(tokens_nt.shape[1]), tokens_nt.shape),
     output_index_bp=target_pos_np - 1,
+    routing_btlk=routing_ntlk,
   )
   targets = jnp.take_along_axis(tokens_nt, target_pos_np, axis=1)  # [N, P]
   n, p, d = h_sel.shape
@@ -237,22 +285,28 @@ def grpo_micro_loss(logp_fn: Callable, cfg: grpo.GRPOConfig, mask_np: jax.Array)
   """The GRPO loss of one micro-batch, normalised by the whole batch (see `aggregate`).
 
   Args:
-    logp_fn: (params, tokens [M, T], target_pos [M, P]) -> [M, P] log-probs.
+    logp_fn: (params, tokens [M, T], target_pos [M, P]) -> [M, P] log-probs; called with the
+      keyword routing=[M, T, L_moe, k] too when the micro-batch holds "routing".
     cfg: the objective. mask_np: [N, P] target mask of the WHOLE batch (its denominators).
   Returns:
     loss_fn(params, micro) -> (loss, metrics) for `accumulate_gradients`; `micro` holds tokens,
-    target_pos, target_mask, advantages, old and optionally ref (each with M rows).
+    target_pos, target_mask, advantages, old and optionally ref and routing (each with M rows).
   """
   loss_den = grpo.aggregate_denominator(mask_np, cfg.loss_agg)
   token_den = grpo.aggregate_denominator(mask_np, "token-mean")
 
   def loss_fn(params, mb):
-    logp = logp_fn(params, mb["tokens"], mb["target_pos"])
+    logp = logp_fn(params, mb["tokens"], mb["target_pos"], **_routing_kwarg(mb))
     return grpo.grpo_loss(
       logp, mb["old"], mb.get("ref"), mb["advantages"], mb["target_mask"], cfg, loss_den, token_den
     )
 
   return loss_fn
+
+
+def _routing_kwarg(arrays: dict) -> dict:
+  """{"routing": the batch's routing record} when the batch has one, else {}."""
+  return {"routing": arrays["routing"]} if arrays.get("routing") is not None else {}
 
 
 @struct.dataclass
@@ -311,6 +365,7 @@ class PolicyTrainer:
     if micro_batches < 1:
       raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
     self.graphdef, params = nnx.split(model)
+    self.model_config = model.config
     self.tx, self.cfg = tx, cfg
     self.sampling = (
       sampling if isinstance(sampling, SamplingParams) else SamplingParams(temperature=sampling)
@@ -328,7 +383,7 @@ class PolicyTrainer:
       self.opt_state = self._jit(tx.init, (self._param_sh,), self._opt_sh)(self.params)
     self.ref_params = None
     self._logp = self._jit(
-      self._logp_fn, (self._param_sh, self._rows_sh, self._rows_sh), self._rows_sh
+      self._logp_fn, (self._param_sh, self._rows_sh, self._rows_sh, self._rows_sh), self._rows_sh
     )
     state_sh = (self._param_sh, self._opt_sh)
     self._grpo_step = self._jit(
@@ -354,6 +409,25 @@ class PolicyTrainer:
   def _ctx(self):
     """The mesh for activation sharding constraints while tracing."""
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+  def _check_batch(self, batch: Batch) -> None:
+    """Rows that split as `_check_rows` wants, and a routing record that fits the model.
+
+    Raises:
+      ValueError: the rows do not split, or `batch.routing` is not [N, T, L_moe, k] or holds an
+        index outside [-1, num_experts).
+    """
+    self._check_rows(batch.tokens.shape[0])
+    if batch.routing is None:
+      return
+    cfg = self.model_config
+    want = (*batch.tokens.shape, len(cfg.moe_layers), cfg.num_experts_per_tok)
+    if batch.routing.shape != want:
+      raise ValueError(
+        f"batch routing of shape {batch.routing.shape}, want [N, T, L_moe, k] = {list(want)}"
+      )
+    if batch.routing.size and (batch.routing.min() < -1 or batch.routing.max() >= cfg.num_experts):
+      raise ValueError(f"batch routing holds expert indices outside [-1, {cfg.num_experts})")
 
   def _check_rows(self, n: int) -> None:
     data = (
@@ -403,14 +477,15 @@ class PolicyTrainer:
     )
     self.opt_state = init(self.params)
 
-  def _logp_fn(self, params, tokens, target_pos):
+  def _logp_fn(self, params, tokens, target_pos, routing):
     k = self.micro_batches
     graph = nnx.merge(self.graphdef, params)
     if k == 1:
-      return token_logprobs(graph, tokens, target_pos, sampling=self.sampling)
+      return token_logprobs(graph, tokens, target_pos, sampling=self.sampling, routing_ntlk=routing)
+    split = lambda x: None if x is None else split_micro_batches(x, k)  # noqa: E731
     out = jax.lax.map(
-      lambda a: token_logprobs(graph, *a, sampling=self.sampling),
-      (split_micro_batches(tokens, k), split_micro_batches(target_pos, k)),
+      lambda a: token_logprobs(graph, *a[:2], sampling=self.sampling, routing_ntlk=a[2]),
+      (split(tokens), split(target_pos), split(routing)),
     )
     return out.swapaxes(0, 1).reshape(target_pos.shape)  # undo the strided split
 
@@ -418,18 +493,20 @@ class PolicyTrainer:
     """[N, P] float32 log-probs of the batch's sampled tokens under `params` (default: current).
 
     No gradient is taken: this is how old (sampler-side) and reference log-probs are computed.
+    With `batch.routing`, the MoE layers replay the recorded routing (`token_logprobs`).
     Raises:
-      ValueError: N not divisible by micro_batches times the data-parallel device count.
+      ValueError: N not divisible by micro_batches times the data-parallel device count, or a
+        routing record that does not fit the model (`_check_batch`).
     """
     params = self.params if params is None else params
-    self._check_rows(batch.tokens.shape[0])
+    self._check_batch(batch)
     with self._ctx():
-      return self._logp(params, *self._rows((batch.tokens, batch.target_pos)))
+      return self._logp(params, *self._rows((batch.tokens, batch.target_pos, batch.routing)))
 
   def _grpo_step_fn(self, params, opt_state, arrays, old_logp, ref_logp):
     k = self.micro_batches
-    logp_fn = lambda p, tokens, pos: token_logprobs(  # noqa: E731
-      nnx.merge(self.graphdef, p), tokens, pos, sampling=self.sampling
+    logp_fn = lambda p, tokens, pos, routing=None: token_logprobs(  # noqa: E731
+      nnx.merge(self.graphdef, p), tokens, pos, sampling=self.sampling, routing_ntlk=routing
     )
     loss_fn = grpo_micro_loss(logp_fn, self.cfg, arrays["target_mask"])
     inputs = {**arrays, "old": old_logp}
@@ -448,15 +525,18 @@ class PolicyTrainer:
     """One optimizer step on a mini-batch of N rows; gradients accumulated over micro-batches.
 
     Args:
-      batch: N rows (`make_batch`). old_logp, ref_logp: [N, P] from `logprobs` (ref may be None).
+      batch: N rows (`make_batch`); its routing record, if any, is replayed. old_logp, ref_logp:
+        [N, P] from `logprobs` (ref may be None).
     Returns:
       Scalar metrics: loss, pg_loss, clip_frac, ratio_mean, kl (with a reference), grad_norm
       (global norm before clipping).
     Raises:
-      ValueError: N not divisible by micro_batches times the data-parallel device count.
+      ValueError: N not divisible by micro_batches times the data-parallel device count, or a
+        routing record that does not fit the model.
     """
-    self._check_rows(batch.tokens.shape[0])
+    self._check_batch(batch)
     arrays = {k: getattr(batch, k) for k in ("tokens", "target_pos", "target_mask", "advantages")}
+    arrays.update(_routing_kwarg(vars(batch)))
     arrays, old_logp, ref_logp = self._rows((arrays, old_logp, ref_logp))
     with self._ctx():
       self.params, self.opt_state, metrics = self._grpo_step(
@@ -485,7 +565,8 @@ class PolicyTrainer:
 
     Args:
       trajectories: the N rollouts of the step (`Trajectory` with token ids, loss mask and the
-        sampler's log-probs).
+        sampler's log-probs; for a MoE policy, the engine's routing records, which the old,
+        reference and updated forwards all replay).
       advantages: [N] float advantages, one per trajectory (`grpo.compute_advantages`).
       mini_batches: optimizer steps in the epoch, 1 <= mini_batches <= N.
       keep: [N] bool, False for trajectories dropped from the loss (`train.drop_from_loss`), or
@@ -537,7 +618,13 @@ class PolicyTrainer:
     den = jnp.maximum(jnp.sum(mask), 1.0)
 
     def loss_fn(p, mb):
-      logp = token_logprobs(nnx.merge(self.graphdef, p), mb["tokens"], mb["target_pos"], 1.0)
+      logp = token_logprobs(
+        nnx.merge(self.graphdef, p),
+        mb["tokens"],
+        mb["target_pos"],
+        1.0,
+        routing_ntlk=mb.get("routing"),
+      )
       return -jnp.sum(logp * mb["target_mask"]) / den, {}
 
     micro = jax.tree.map(lambda x: split_micro_batches(x, k), arrays)
@@ -550,10 +637,12 @@ class PolicyTrainer:
     trainer's optimizer. Returns the loss before the step.
 
     Raises:
-      ValueError: N not divisible by micro_batches times the data-parallel device count.
+      ValueError: N not divisible by micro_batches times the data-parallel device count, or a
+        routing record that does not fit the model.
     """
-    self._check_rows(batch.tokens.shape[0])
-    arrays = self._rows({k: getattr(batch, k) for k in ("tokens", "target_pos", "target_mask")})
+    self._check_batch(batch)
+    arrays = {k: getattr(batch, k) for k in ("tokens", "target_pos", "target_mask")}
+    arrays = self._rows({**arrays, **_routing_kwarg(vars(batch))})
     with self._ctx():
       self.params, self.opt_state, loss = self._sft_step(self.params, self.opt_state, arrays)
     return float(loss)

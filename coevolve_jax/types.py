@@ -10,6 +10,8 @@ import dataclasses
 import json
 from typing import Any
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
@@ -104,6 +106,13 @@ class Trajectory:
 
   `reward` is the outcome reward in [0, 1]; `step_rewards` (per model step) is reserved for process
   rewards and empty unless an environment or critic provides them.
+
+  `routing` (MoE policies; None otherwise) is [len(token_ids), L_moe, k] integer expert indices
+  (int16): row i holds the top-k experts token i was routed to in each MoE layer when the rollout
+  engine consumed it, -1 for tokens it never consumed (the last sampled token, ids appended
+  after the episode's last forward). The trainer replays it so it scores every token under the
+  experts it was sampled with (routing replay). 2 * L_moe * k bytes per token: 768 for
+  Qwen3-30B-A3B (48 MoE layers, 8 experts per token), 25 MB for a 32k-token episode.
   """
 
   task_id: str
@@ -120,6 +129,26 @@ class Trajectory:
   model_steps: int = 0
   parse_errors: int = 0
   info: dict[str, Any] = dataclasses.field(default_factory=dict)
+  routing: np.ndarray | None = None
+
+  def set_routing(self, consumed: np.ndarray | None) -> None:
+    """Sets `routing` from the routing record of the first n tokens ([n, L_moe, k], the tokens a
+    rollout engine consumed, in order); the remaining rows are -1. None leaves no record.
+
+    Raises:
+      ValueError: a record of more rows than token ids, or not 3-dimensional.
+    """
+    if consumed is None:
+      self.routing = None
+      return
+    consumed = np.asarray(consumed)
+    if consumed.ndim != 3 or len(consumed) > len(self.token_ids):
+      raise ValueError(
+        f"routing record of shape {consumed.shape} for {len(self.token_ids)} token ids "
+        f"(want [n <= {len(self.token_ids)}, L_moe, k])"
+      )
+    self.routing = np.full((len(self.token_ids), *consumed.shape[1:]), -1, consumed.dtype)
+    self.routing[: len(consumed)] = consumed
 
   def extend(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
     self.token_ids.extend(ids)

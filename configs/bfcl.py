@@ -127,6 +127,12 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   # "error" (the environment failed), e.g. ("context", "error"). Default () keeps every episode,
   # a cut or failed one as a failure with reward 0 (the paper; docs/design.md §1.1).
   c.train.drop_from_loss = ()
+  # MoE policies (Qwen3-MoE): the rollout engine records the experts each token was routed to and
+  # the trainer's forwards route by them (routing replay), so a near-tie in the router cannot
+  # score a token under experts it was not sampled with; the router still gets its gradient.
+  # Costs 2 * L_moe * k bytes of host memory per token (768 for Qwen3-30B-A3B). No effect on
+  # dense models.
+  c.train.replay_routing = True
 
   c.feedback = ml_collections.ConfigDict()
   c.feedback.every = 10  # F: a feedback round every F steps

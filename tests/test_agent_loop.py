@@ -56,6 +56,9 @@ class ScriptedEngine:
       self.pos[s] += 1
     return toks, np.full(self.num_slots, -0.5, np.float32)
 
+  def routing(self, slot):
+    return None  # no model, no experts
+
 
 def _make_env(task, episode_id):
   return bfcl.make_env(task, episode_id, max_obs_chars=2000, tool_style="compact")
@@ -326,6 +329,9 @@ class _CountingEngine:
       toks[s] = ord("x") if self.left[s] > 0 else 0
     return toks, np.full(self.num_slots, -0.1, np.float32)
 
+  def routing(self, slot):
+    return None
+
 
 def test_env_steps_run_on_host_threads_while_other_slots_decode():
   release, log = threading.Event(), []
@@ -501,6 +507,9 @@ class _RunOnEngine:
   def generate(self, active, rng, sampling):
     tok = self.queue.pop(0) if self.queue else self.filler
     return np.array([tok], np.int32), np.array([-0.25], np.float32)
+
+  def routing(self, slot):
+    return None  # no model, no experts
 
 
 class _CallThenDoneEnv:

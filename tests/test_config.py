@@ -151,6 +151,7 @@ BAD = [  # (field, value); the bfcl cpu config (16 rollouts a step in 2 mini-bat
   ("train.drop_from_loss", ("done",)),  # a scored episode is never dropped
   ("train.drop_from_loss", ("context", "timeout")),
   ("train.drop_from_loss", ("context,error",)),  # what --config...=context,error parses to
+  ("train.replay_routing", None),
   ("feedback.kinds", ("rare", "novelty")),
   ("feedback.mode", "guided"),
   ("feedback.every", 0),

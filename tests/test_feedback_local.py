@@ -100,6 +100,9 @@ class _EndOfTextEngine(Engine):
     tok = self.script.pop(0) if self.script else self.filler
     return np.array([tok], np.int32), np.array([-0.5], np.float32)
 
+  def routing(self, slot):
+    return None  # scripted: no experts
+
 
 def test_local_llm_stops_at_every_eos_id_of_its_checkpoint(model, tmp_path):
   """Qwen3 instruct's generation_config.json lists 151645 and 151643 (<|endoftext|>): a reply

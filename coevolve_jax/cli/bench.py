@@ -91,7 +91,13 @@ def _rollout(model, cfg, prompt_len: int, gen_len: int, repeats: int) -> dict:
   from coevolve_jax.rollout.sampling import SamplingParams  # noqa: PLC0415
 
   slots = cfg.rollout.num_slots
-  engine = Engine(model, slots, prompt_len + gen_len + 1, jnp.dtype(cfg.model.dtype))
+  engine = Engine(
+    model,
+    slots,
+    prompt_len + gen_len + 1,
+    jnp.dtype(cfg.model.dtype),
+    record_routing=cfg.train.replay_routing,  # as the run's engine: MoE records routing
+  )
   sampling = SamplingParams(temperature=cfg.rollout.temperature)
   rng = np.random.default_rng(0)
   prompts = rng.integers(1, model.config.vocab_size, (slots, prompt_len)).tolist()

@@ -168,6 +168,7 @@ def run(
       cfg.rollout.cache_len,
       jnp.dtype(cfg.model.dtype),
       cfg.rollout.max_prefill_tokens,
+      record_routing=False,  # nothing is trained on evaluation episodes
     )
   report: dict[str, Any] = {
     "checkpoint": checkpoint,

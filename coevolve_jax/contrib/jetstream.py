@@ -180,7 +180,7 @@ class JetStreamEngine(_Base):
     if start + padded.shape[0] > self._cache_len:
       raise ValueError(f"{start} + {padded.shape[0]} tokens exceed the cache ({self._cache_len})")
     kv_len = _kv_bucket(start + padded.shape[0], self._cache_len, engine_lib.PREFILL_MIN_KV)
-    state, tok, logp = _prefill_rows(
+    state, tok, logp, _ = _prefill_rows(
       self._graphdef,
       params,
       state,
@@ -207,7 +207,7 @@ class JetStreamEngine(_Base):
     pos = np.asarray(slots.next_pos)
     active = pos < self._cache_len
     kv_len = _kv_bucket(int(pos[active].max(initial=0)) + 1, self._cache_len)
-    slots, tok, logp = _generate_step(
+    slots, tok, logp, _ = _generate_step(
       self._graphdef, params, slots, jnp.asarray(active), self._next_key(), self.sampling, kv_len
     )
     data = jnp.stack([tok, jnp.asarray(active, jnp.int32), slots.next_pos], axis=1)

@@ -61,7 +61,8 @@ class LocalLLM:
     self._lock = threading.Lock()
     current = model() if callable(model) and not isinstance(model, Qwen) else model
     self.stop_ids = frozenset({self._tok.im_end_id, *current.config.eos_token_ids})
-    self.engine = Engine(current, 1, cache_len, jax.numpy.dtype(dtype))
+    # Nothing is trained on the explorer's replies: no routing record.
+    self.engine = Engine(current, 1, cache_len, jax.numpy.dtype(dtype), record_routing=False)
 
   def refresh(self) -> None:
     """Re-reads the model from the callable given at construction (e.g. the newest policy)."""

@@ -3,7 +3,8 @@
 Dimension letters used in names and einsums:
   B batch, T query length, S key / cache length, D hidden (model) size, N query heads,
   K key/value heads, G = N // K query heads per kv head, H head dim, F MLP hidden size, V vocab,
-  L layers, E experts, M tokens (B * T flattened), A token-expert assignments (M * top-k).
+  L layers, E experts, M tokens (B * T flattened), A token-expert assignments (M * top-k),
+  k experts per token (top-k), L_moe sparse MoE layers (`QwenConfig.moe_layers`).
 
 Parameters use the Hugging Face layout (names `embed_tokens`, `layers[i].self_attn.q_proj`, ...)
 but store kernels as [in, out] (HF stores [out, in]); the weight mapper transposes.
@@ -87,6 +88,12 @@ class QwenConfig:
       and layer not in self.mlp_only_layers
       and (layer + 1) % self.decoder_sparse_step == 0
     )
+
+  @property
+  def moe_layers(self) -> tuple[int, ...]:
+    """Indices of the sparse MoE layers, in order (empty for a dense model). Routing records
+    ([B, T, L_moe, k] expert indices, `Qwen.hidden_states`) hold one entry per layer listed here."""
+    return tuple(i for i in range(self.num_hidden_layers) if self.is_moe_layer(i))
 
   @classmethod
   def tiny_cpu(cls, vocab_size: int = 151936) -> "QwenConfig":
@@ -192,6 +199,12 @@ class QwenConfig:
 
 # Named presets (QwenConfig classmethods). Published parameter counts: tests/test_model_presets.py.
 PRESETS = ("tiny_cpu", "qwen3_0_6b", "qwen3_1_7b", "qwen3_4b", "qwen2_5_7b", "qwen3_30b_a3b")
+
+
+def routing_dtype(num_experts: int) -> jnp.dtype:
+  """The integer dtype that stores routing records (expert indices and -1) for E experts: int16
+  up to 32767 experts (every Qwen MoE), int32 beyond."""
+  return jnp.dtype(jnp.int16 if num_experts <= jnp.iinfo(jnp.int16).max else jnp.int32)
 
 
 CPU_LOGITS_ROWS = 256  # full-logits projection on XLA:CPU: rows per product (see Qwen.__call__)
@@ -438,6 +451,13 @@ class SparseMoE(nnx.Module):
   w_me = p_me (or p_me / sum_topk p_m when `norm_topk_prob`), as in HF `Qwen3MoeSparseMoeBlock`.
   Dispatch is dropless: the M * k token copies are sorted by expert and multiplied with
   `jax.lax.ragged_dot`, so each token costs k expert MLPs (no capacity factor, nothing dropped).
+
+  Routing replay: `forward` can be given the experts each token used before (recorded by the
+  rollout engine); those replace topk(p_m), and the weights are still the router's p_me there
+  (renormalised over them with `norm_topk_prob`), so the router keeps its gradient. Two router
+  logits a rounding error apart otherwise pick different experts in the KV-cached decode and the
+  cache-free training forward, and the trainer scores tokens under experts they were not sampled
+  with.
   """
 
   def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype):
@@ -446,6 +466,26 @@ class SparseMoE(nnx.Module):
     self.experts = Experts(cfg, rngs=rngs, dtype=dtype)
 
   def __call__(self, x_btd: jax.Array) -> jax.Array:
+    """[B, T, D] -> [B, T, D], each token through its own top-k experts."""
+    return self.forward(x_btd)[0]
+
+  def forward(
+    self, x_btd: jax.Array, experts_btk: jax.Array | None = None
+  ) -> tuple[jax.Array, jax.Array]:
+    """The block, optionally replaying recorded expert choices.
+
+    Args:
+      x_btd: [B, T, D] inputs.
+      experts_btk: optional [B, T, k] integer expert indices in [-1, E) to route by (routing
+        replay). A token whose k entries are all >= 0 goes to these experts, weighted by the
+        router's probabilities at them (renormalised over them with `norm_topk_prob`); a token
+        with any entry -1 (not recorded) takes the router's own top-k. Indices are not checked
+        here (callers validate them on the host); with None, or with every token at -1, the
+        result equals the block without replay bit for bit.
+    Returns:
+      ([B, T, D] outputs in x's dtype, [B, T, k] int32 experts each token used, in the router's
+      order for tokens it routed).
+    """
     cfg = self.cfg
     with jax.named_scope("moe"):
       b, t, d = x_btd.shape
@@ -454,6 +494,12 @@ class SparseMoE(nnx.Module):
       logits_me = jnp.einsum("MD,DE->ME", x_md, self.gate[...]).astype(jnp.float32)
       probs_me = jax.nn.softmax(logits_me, axis=-1)
       weights_mk, experts_mk = jax.lax.top_k(probs_me, k)
+      if experts_btk is not None:
+        forced_mk = experts_btk.reshape(b * t, k).astype(jnp.int32)
+        recorded_m1 = jnp.all(forced_mk >= 0, axis=-1, keepdims=True)
+        experts_mk = jnp.where(recorded_m1, forced_mk, experts_mk)
+        # Gathered at the router's own choice this is the top-k value itself (same gradient).
+        weights_mk = jnp.take_along_axis(probs_me, experts_mk, axis=-1)
       if cfg.norm_topk_prob:
         weights_mk = weights_mk / jnp.sum(weights_mk, axis=-1, keepdims=True)
       weights_mk = weights_mk.astype(x_md.dtype)
@@ -464,7 +510,7 @@ class SparseMoE(nnx.Module):
       y_ad = self.experts(x_md[token_a], group_sizes)
       y_ad = y_ad * weights_mk.reshape(-1)[order][:, None]
       out_md = jnp.zeros_like(x_md).at[token_a].add(y_ad)
-      return out_md.reshape(b, t, d)
+      return out_md.reshape(b, t, d), experts_mk.reshape(b, t, k)
 
 
 class DecoderLayer(nnx.Module):
@@ -477,17 +523,31 @@ class DecoderLayer(nnx.Module):
     else:
       self.mlp = MLP(cfg, rngs=rngs, dtype=dtype)
 
-  def __call__(self, x, positions, kc, vc, write, key_pos, key_valid, query_index=None):
-    """One pre-norm block; with `query_index` [B, P] the output is [B, P, D], only there."""
+  def __call__(
+    self, x, positions, kc, vc, write, key_pos, key_valid, query_index=None, experts=None
+  ):
+    """One pre-norm block; with `query_index` [B, P] the output is [B, P, D], only there.
+
+    `experts` ([B, T, k] int, sparse layers only) replays recorded routing (`SparseMoE.forward`).
+    Returns (x, k cache, v cache, [B, T, k] (or [B, P, k]) int32 experts used, or None for a
+    dense layer).
+    """
     # The blocks name their own scopes ("attention", "mlp" or "moe") for profiles.
     a, kc, vc = self.self_attn(
       self.input_layernorm(x), positions, kc, vc, write, key_pos, key_valid, query_index
     )
     if query_index is not None:
       x = jnp.take_along_axis(x, query_index[..., None], axis=1)
+      if experts is not None:
+        experts = jnp.take_along_axis(experts, query_index[..., None], axis=1)
     x = x + a
-    x = x + self.mlp(self.post_attention_layernorm(x))
-    return constrain(x, ("batch", "length", "act_embed")), kc, vc
+    h = self.post_attention_layernorm(x)
+    if isinstance(self.mlp, SparseMoE):
+      m, used = self.mlp.forward(h, experts)
+    else:
+      m, used = self.mlp(h), None
+    x = x + m
+    return constrain(x, ("batch", "length", "act_embed")), kc, vc, used
 
 
 class Qwen(nnx.Module):
@@ -516,6 +576,7 @@ class Qwen(nnx.Module):
     positions_bt: jax.Array | None = None,
     attention_mask_bt: jax.Array | None = None,
     output_index_bp: jax.Array | None = None,
+    routing_btlk: jax.Array | None = None,
   ) -> jax.Array:
     """Full forward without a cache. input_ids: [B, T] int; mask: [B, T] (1 = real token).
 
@@ -523,17 +584,24 @@ class Qwen(nnx.Module):
     `output_index_bp` ([B, P] int indices into T) asks for the hidden states at those inputs
     only: the last layer then computes queries, attention output and MLP just there (keys and
     values still at all T), which saves most of a layer when a loss scores a completion.
+    `routing_btlk` ([B, T, L_moe, k] integer expert indices in [-1, E), any integer dtype)
+    replays recorded routing: entry [b, t, j] gives the experts of token t in MoE layer
+    `config.moe_layers[j]` (-1: not recorded, the router chooses; `SparseMoE.forward`). Dense
+    models, and None, take the router's own choice everywhere.
     Returns [B, T, D] hidden states after the final norm, or [B, P, D] with output_index_bp.
+    Raises:
+      ValueError: routing_btlk not of shape [B, T, L_moe, k].
     """
     if attention_mask_bt is None:
       attention_mask_bt = jnp.ones(input_ids_bt.shape, jnp.bool_)
     attention_mask_bt = attention_mask_bt.astype(jnp.bool_)
     if positions_bt is None:
       positions_bt = jnp.maximum(jnp.cumsum(attention_mask_bt, axis=-1) - 1, 0)
+    layer_routing = self._split_routing(routing_btlk, input_ids_bt.shape)
     x = self._embed(input_ids_bt)
     last = len(self.layers) - 1
     for i, layer in enumerate(self.layers):
-      x, _, _ = layer(
+      x, _, _, _ = layer(
         x,
         positions_bt,
         None,
@@ -542,10 +610,27 @@ class Qwen(nnx.Module):
         positions_bt,
         attention_mask_bt,
         output_index_bp if i == last else None,
+        layer_routing[i],
       )
     if output_index_bp is not None and last < 0:  # no layers: select from the embeddings
       x = jnp.take_along_axis(x, output_index_bp[..., None], axis=1)
     return self.norm(x)
+
+  def _split_routing(self, routing_btlk: jax.Array | None, bt: tuple[int, ...]) -> list:
+    """Per decoder layer: its [B, T, k] slice of a routing record, or None (dense layer, none)."""
+    cfg = self.config
+    moe = cfg.moe_layers
+    out: list = [None] * len(self.layers)
+    if routing_btlk is None:
+      return out
+    want = (*bt, len(moe), cfg.num_experts_per_tok)
+    if tuple(routing_btlk.shape) != want:
+      raise ValueError(
+        f"routing of shape {tuple(routing_btlk.shape)}, want [B, T, L_moe, k] = {list(want)}"
+      )
+    for j, i in enumerate(moe):
+      out[i] = routing_btlk[:, :, j]
+    return out
 
   def __call__(
     self,
@@ -592,16 +677,38 @@ class Qwen(nnx.Module):
     Returns:
       ([B, T, D] hidden states after the final norm, updated cache).
     """
+    hidden, cache, _ = self.decode_routed(input_ids_bt, positions_bt, cache, write_b, kv_len)
+    return hidden, cache
+
+  def decode_routed(
+    self,
+    input_ids_bt: jax.Array,
+    positions_bt: jax.Array,
+    cache: KVCache,
+    write_b: jax.Array,
+    kv_len: int | None = None,
+  ) -> tuple[jax.Array, KVCache, jax.Array | None]:
+    """`decode`, also returning the experts every new token was routed to.
+
+    Arguments as `decode`.
+    Returns:
+      ([B, T, D] hidden states, updated cache, [B, T, L_moe, k] int32 expert indices of each
+      token in each MoE layer (`config.moe_layers` order; what `hidden_states` replays), or None
+      for a dense model).
+    """
     s = cache.length if kv_len is None else kv_len
     key_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (input_ids_bt.shape[0], s))
     key_valid = jnp.ones_like(key_pos, jnp.bool_)
     x = self._embed(input_ids_bt)
-    ks, vs = [], []
+    ks, vs, routing = [], [], []
     for layer, kc, vc in zip(self.layers, cache.k, cache.v):
-      x, kc, vc = layer(x, positions_bt, kc, vc, write_b, key_pos, key_valid)
+      x, kc, vc, used = layer(x, positions_bt, kc, vc, write_b, key_pos, key_valid)
       ks.append(kc)
       vs.append(vc)
-    return self.norm(x), KVCache(tuple(ks), tuple(vs))
+      if used is not None:
+        routing.append(used)
+    routing_btlk = jnp.stack(routing, axis=2) if routing else None
+    return self.norm(x), KVCache(tuple(ks), tuple(vs)), routing_btlk
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """Projects [..., D] hidden states to [..., V] float32 logits."""

@@ -8,6 +8,12 @@ shape: prompts are cut into power-of-two chunks so that few shapes exist.
 Invariant per slot: cache indices [0, next_pos) hold keys of tokens already consumed; `tokens[b]`
 is the last sampled token, not yet in the cache. Nothing is written at index >= S: the host checks
 `room(slot)` before asking for more.
+
+Routing record (Qwen3-MoE): for each slot the host also keeps the experts every consumed token was
+routed to, [next_pos, L_moe, k] (`Engine.routing`), so the trainer can score the tokens under the
+same experts (routing replay, `Qwen.hidden_states(routing_btlk=...)`). It costs one small
+device-to-host copy per forward and 2 * L_moe * k bytes per consumed token on the host (768 bytes
+for Qwen3-30B-A3B: 48 layers x 8 experts).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from coevolve_jax.models.qwen import KVCache, Qwen
+from coevolve_jax.models.qwen import KVCache, Qwen, routing_dtype
 from coevolve_jax.rollout.sampling import SamplingParams, sample
 
 
@@ -36,14 +42,18 @@ class DecodeState(NamedTuple):
 def _prefill_rows(
   graphdef, params, state: DecodeState, slots_r, chunk_rt, true_len_r, keys_r, sampling, kv_len
 ):
-  """One chunk into R slots at once. Rows may repeat a slot only as exact copies (padding)."""
+  """One chunk into R slots at once. Rows may repeat a slot only as exact copies (padding).
+
+  Returns (state, tokens [R], log-probs [R], routing [R, t, L_moe, k] of the chunk's tokens in
+  `routing_dtype`, or None for a dense model).
+  """
   model = nnx.merge(graphdef, params)
   starts = state.next_pos[slots_r]
   t = chunk_rt.shape[1]
   take = lambda c: c[slots_r]  # noqa: E731
   cache = KVCache(tuple(map(take, state.cache.k)), tuple(map(take, state.cache.v)))
   positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-  hidden, cache = model.decode(chunk_rt, positions, cache, starts, kv_len)
+  hidden, cache, routing = model.decode_routed(chunk_rt, positions, cache, starts, kv_len)
   last = jnp.take_along_axis(hidden, (true_len_r - 1)[:, None, None], axis=1)[:, 0]
   tok, logp = sample(model.logits(last), keys_r, sampling)
   put = lambda full, part: full.at[slots_r].set(part)  # noqa: E731
@@ -55,21 +65,31 @@ def _prefill_rows(
     state.next_pos.at[slots_r].set(starts + true_len_r),
     state.tokens.at[slots_r].set(tok),
   )
-  return state, tok, logp
+  return state, tok, logp, _small(routing, model)
 
 
 @functools.partial(
   jax.jit, static_argnames=("graphdef", "sampling", "kv_len"), donate_argnames=("state",)
 )
 def _generate(graphdef, params, state: DecodeState, active_b, rng, sampling, kv_len):
+  """One decode step. Returns (state, tokens [B], log-probs [B], routing [B, L_moe, k] of the
+  pending tokens consumed (`routing_dtype`), or None for a dense model)."""
   model = nnx.merge(graphdef, params)
   s = state.cache.length
   write = jnp.minimum(state.next_pos, s - 1)  # inactive slots may sit at S; never write past it
-  hidden, cache = model.decode(state.tokens[:, None], write[:, None], state.cache, write, kv_len)
+  hidden, cache, routing = model.decode_routed(
+    state.tokens[:, None], write[:, None], state.cache, write, kv_len
+  )
   tok, logp = sample(model.logits(hidden[:, 0]), rng, sampling)
   tok = jnp.where(active_b, tok, state.tokens)
   next_pos = jnp.where(active_b, state.next_pos + 1, state.next_pos)
-  return DecodeState(cache, next_pos, tok), tok, logp
+  routing = None if routing is None else routing[:, 0]
+  return DecodeState(cache, next_pos, tok), tok, logp, _small(routing, model)
+
+
+def _small(routing, model: Qwen):
+  """A routing record in `routing_dtype` (int16 for every Qwen MoE): half the copy to the host."""
+  return None if routing is None else routing.astype(routing_dtype(model.config.num_experts))
 
 
 MAX_PREFILL_CHUNK = 512  # longest prefill chunk (tokens); longer inputs take several
@@ -183,6 +203,8 @@ class Engine:
       batch of prompts runs as several forwards (a single chunk longer than this still runs).
       On a 2-core CPU, 64 prompts of 128 tokens prefilled 10-15% faster as 8 forwards of 1024
       tokens than as one of 8192 (activations that fit the cache); accelerators may want more.
+    record_routing: keep each slot's routing record (`routing`) when the model has MoE layers
+      (for routing replay in training); no effect on a dense model.
   Raises:
     ValueError: num_slots, cache_len or max_prefill_tokens below 1.
   """
@@ -194,6 +216,7 @@ class Engine:
     cache_len: int,
     dtype=jnp.float32,
     max_prefill_tokens: int = 1024,
+    record_routing: bool = True,
   ):
     if min(num_slots, cache_len, max_prefill_tokens) < 1:
       raise ValueError(
@@ -209,6 +232,9 @@ class Engine:
     self.state = self.init_decode_state()
     # Host mirror of state.next_pos: room checks and kv buckets need no device round trip.
     self._pos = np.zeros((num_slots,), np.int64)
+    # Per slot: routing of the consumed tokens, in order, as [n, L_moe, k] pieces (host memory).
+    self.record_routing = bool(record_routing) and bool(self.config.moe_layers)
+    self._routing: list[list[np.ndarray]] = [[] for _ in range(num_slots)]
 
   @property
   def max_concurrent_decodes(self) -> int:
@@ -229,6 +255,26 @@ class Engine:
     """Frees a slot: its next request starts at cache index 0."""
     self.state = self.state._replace(next_pos=self.state.next_pos.at[slot].set(0))
     self._pos[slot] = 0
+    self._routing[slot] = []
+
+  def routing(self, slot: int) -> np.ndarray | None:
+    """The experts each token consumed into `slot` since its reset was routed to.
+
+    Returns:
+      [position(slot), L_moe, k] numpy array (`models.qwen.routing_dtype`, int16 for every Qwen
+      MoE): row i holds token i's top-k expert indices in each MoE layer (`config.moe_layers`
+      order), as the engine's forward chose them; or None when the model is dense or the engine
+      does not record routing. The pending sampled token is not consumed yet, so not included.
+    """
+    if not self.record_routing:
+      return None
+    pieces = self._routing[slot]
+    if not pieces:
+      moe, k = len(self.config.moe_layers), self.config.num_experts_per_tok
+      return np.zeros((0, moe, k), routing_dtype(self.config.num_experts))
+    if len(pieces) > 1:  # keep the joined record: later calls append to it
+      self._routing[slot] = [np.concatenate(pieces)]
+    return self._routing[slot][0]
 
   def position(self, slot: int) -> int:
     """Cache index the slot's next token will be written at (tokens consumed so far)."""
@@ -349,7 +395,8 @@ class Engine:
 
     Returns:
       (tokens [R] int32, log-probs [R] float32) as numpy, one per real row; a row's sample is
-      meaningful only after its request's last piece.
+      meaningful only after its request's last piece. Appends each real row's routing to its
+      slot's record when recording.
     """
     rows = len(slots_r)
     pad = (1 << (rows - 1).bit_length()) - rows
@@ -363,7 +410,7 @@ class Engine:
     kv_len = max(
       min_kv_len, _kv_bucket(int(self._pos[slot_rows].max()) + t, self.cache_len, PREFILL_MIN_KV)
     )
-    self.state, tok, logp = _prefill_rows(
+    self.state, tok, logp, routing = _prefill_rows(
       self.graphdef,
       self.params,
       self.state,
@@ -374,6 +421,10 @@ class Engine:
       sampling,
       kv_len,
     )
+    if self.record_routing:
+      routing = np.asarray(routing)
+      for r in range(rows):
+        self._routing[slots_r[r]].append(routing[r, : true_len[r]].copy())
     for r in range(rows):
       self._pos[slots_r[r]] += true_len[r]
     return np.asarray(tok)[:rows], np.asarray(logp)[:rows]
@@ -385,7 +436,8 @@ class Engine:
 
     `rng` is one key for the step, or [B] keys (one per slot: see `sample`).
 
-    Each active slot writes its pending token at cache index `position(slot)` and samples the next.
+    Each active slot writes its pending token at cache index `position(slot)` and samples the next
+    (and, when recording, appends that token's routing to the slot's record).
 
     Returns:
       (tokens [B] int32, logprobs [B] float32) as numpy; inactive slots repeat their last token.
@@ -400,8 +452,12 @@ class Engine:
     if full.size:
       raise ValueError(f"slots {full.tolist()} are full (cache {self.cache_len}); end them first")
     kv_len = _kv_bucket(int(self._pos[active].max(initial=0)) + 1, self.cache_len)
-    self.state, tok, logp = _generate(
+    self.state, tok, logp, routing = _generate(
       self.graphdef, self.params, self.state, jnp.asarray(active), rng, sampling, kv_len
     )
+    if self.record_routing:
+      routing = np.asarray(routing)
+      for slot in np.flatnonzero(active):
+        self._routing[slot].append(routing[slot : slot + 1].copy())
     self._pos[active] += 1
     return np.asarray(tok), np.asarray(logp)

@@ -32,11 +32,16 @@ class Completion:
     token_ids: sampled ids, in order, including the stop token when finish_reason is "stop".
     logprobs: float per sampled id, under the distribution it was drawn from (natural log).
     finish_reason: "stop" or "length".
+    routing: the engine's routing record of the request (`Engine.routing`): [len(prompt) +
+      len(token_ids) - 1, L_moe, k] expert indices of every token the engine consumed (the prompt,
+      then each sampled id but the last), for routing replay when the completion is scored; None
+      for a dense model or an engine that does not record routing.
   """
 
   token_ids: list[int]
   logprobs: list[float]
   finish_reason: str
+  routing: np.ndarray | None = None
 
 
 def generate(
@@ -152,6 +157,7 @@ class _Batcher:
       comp.finish_reason = FINISH_LENGTH
     else:
       return
+    comp.routing = self.engine.routing(slot)
     out[index] = comp
     del busy[slot]
     free.append(slot)

@@ -5,7 +5,8 @@ entries. A conversation holds one slot for its whole life: `reset_slot` starts i
 0, `prefill_many` appends token ids to several slots and samples each one's next token, and
 `generate` appends every active slot's pending token and samples the next. The last sampled
 token of a slot is pending: it is not in the slot's cache until the next `generate` (or a
-`prefill_many` whose ids start with it) consumes it.
+`prefill_many` whose ids start with it) consumes it. `routing` gives the experts a MoE model
+routed each consumed token to, for routing replay in training.
 
 Implemented by `rollout.engine.Engine` (the model), `testing.replay_engine.ReplayEngine` (scripted
 ground-truth replies) and the scripted engines of the tests. `SlotEngine` is a `typing.Protocol`:
@@ -80,5 +81,15 @@ class SlotEngine(Protocol):
       no meaning (the real engine repeats their last token).
     Raises:
       ValueError: an active slot with no room left (the real engine).
+    """
+    ...
+
+  def routing(self, slot: int) -> np.ndarray | None:
+    """The routing record of the tokens `slot` consumed since its reset, or None.
+
+    Returns:
+      [n, L_moe, k] integer expert indices (n = tokens consumed, in order; the pending token is
+      not among them) for a MoE model whose engine records routing; None otherwise (dense
+      models, scripted engines). The agent loop stores it in `Trajectory.routing`.
     """
     ...

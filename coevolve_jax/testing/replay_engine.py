@@ -136,6 +136,10 @@ class ReplayEngine:
       self._pos[s] += 1
     return toks, np.zeros(self.num_slots, np.float32)
 
+  def routing(self, slot: int) -> None:
+    """No model, so no routing record."""
+    del slot
+
   def load_params(self, model) -> None:
     """No weights: replaying ignores the model (kept so it can stand in where weights reload)."""
     del model
