@@ -6,7 +6,10 @@ events, counters and timings; the task pool lives in its own append-only file be
 Saving is asynchronous: `save` copies the arrays off the devices and returns, and the files are
 written in the background while training continues (the next step may donate the saved buffers).
 Orbax commits a step atomically (a temporary folder renamed when complete), so a run killed
-mid-save resumes from the previous complete step; a damaged step is skipped with a warning.
+mid-save resumes from the previous complete step. A committed step that cannot be read (a bad
+disk, a truncated file, edited metadata) is moved aside to `<step>.damaged-<n>` beside the others
+(kept, never deleted) with a one-line warning, and the previous step is restored; the run then
+writes that step again.
 
 Restoring places every array with the sharding of the example TrainState it is given, so a
 checkpoint saved on one device count or mesh restores onto another.
@@ -15,6 +18,7 @@ checkpoint saved on one device count or mesh restores onto another.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import jax
@@ -41,6 +45,7 @@ class RunCheckpointer:
       max_to_keep=keep, create=True, enable_async_checkpointing=True
     )
     self._mgr = ocp.CheckpointManager(directory, options=options, item_names=self.ITEMS)
+    self.directory = os.fspath(self._mgr.directory)
 
   def latest_step(self) -> int | None:
     return self._mgr.latest_step()
@@ -88,36 +93,62 @@ class RunCheckpointer:
     return TrainState(out.params, out.opt_state, out.ref_params), out.meta
 
   def restore_latest(self, like: TrainState) -> tuple[int, TrainState, dict[str, Any]] | None:
-    """Restores the newest readable checkpoint onto `like` (see `restore`); an unreadable one
-    (corrupt, partial) is skipped with a warning and the previous one used.
+    """Restores the newest readable checkpoint onto `like` (see `restore`).
+
+    Newer steps that cannot be read (corrupt, truncated, missing files) are moved aside to
+    `<directory>/<step>.damaged-<n>` (kept for inspection; n counts earlier ones of that step), with
+    one warning line each, so that the run can write those steps again.
 
     Returns:
       (step, TrainState, meta), or None when there is no checkpoint.
     Raises:
-      RuntimeError: checkpoints exist but none can be read.
+      RuntimeError: checkpoints exist but none can be read (nothing is moved then).
     """
     steps = sorted(self._mgr.all_steps(), reverse=True)
+    unreadable: list[tuple[int, Exception]] = []
     for step in steps:
       try:
-        return (step, *self.restore(step, like))
+        state, meta = self.restore(step, like)
       except Exception as e:  # orbax raises many types for a damaged checkpoint
-        first_line = str(e).strip().splitlines()[0][:300] if str(e).strip() else repr(e)
-        logging.warning(
-          "checkpoint step %d is unreadable (%s); trying an older one", step, first_line
-        )
-        print(
-          f"warning: checkpoint step {step} is unreadable ({type(e).__name__}: "
-          f"{first_line}); trying an older one"
-        )
+        unreadable.append((step, e))
+        continue
+      for bad, error in unreadable:
+        self._set_aside(bad, error, step)
+      if unreadable:
+        self._mgr.reload()  # forget the steps moved aside, so that they can be saved again
+      return step, state, meta
     if steps:
+      for step, error in unreadable:
+        print(f"warning: checkpoint step {step} is unreadable ({_describe(error)})")
       raise RuntimeError(
-        f"no readable checkpoint among steps {steps} in {self._mgr.directory}; "
+        f"no readable checkpoint among steps {steps} in {self.directory}; "
         "delete the checkpoints folder to start over"
       )
     return None
+
+  def _set_aside(self, step: int, error: Exception, restored: int) -> None:
+    """Renames the unreadable `step` to `<step>.damaged-<n>` (primary host; the others wait)."""
+    if ocp.multihost.is_primary_host(0):
+      folder = os.path.join(self.directory, str(step))
+      n = 1
+      while os.path.exists(f"{folder}.damaged-{n}"):
+        n += 1
+      os.rename(folder, f"{folder}.damaged-{n}")
+      print(
+        f"warning: checkpoint step {step} is unreadable ({_describe(error)}); moved it to "
+        f"{folder}.damaged-{n} and resuming from step {restored}"
+      )
+    if jax.process_count() > 1:
+      ocp.multihost.sync_global_processes(f"coevolve_set_aside_{step}")
 
   def wait(self) -> None:
     self._mgr.wait_until_finished()
 
   def close(self) -> None:
     self._mgr.close()
+
+
+def _describe(error: Exception) -> str:
+  """`Type: first line` of an exception, at most 300 characters of the line."""
+  text = str(error).strip()
+  return f"{type(error).__name__}: {text.splitlines()[0][:300]}" if text else repr(error)

@@ -112,6 +112,90 @@ def test_corrupt_metadata_falls_back_with_a_warning(tmp_path, capsys):
   ckpt.close()
 
 
+def _wide_state(scale, n=40):
+  """A TrainState with many small arrays: a damaged step then fails on one read while others are
+  still in flight."""
+  params = {f"w{i}": jnp.full((3, 2), scale, jnp.float32) for i in range(n)}
+  return TrainState(params, {"m": jnp.zeros((3, 2))}, {"w": jnp.ones((3, 2))})
+
+
+def _truncate_array_files(step_dir):
+  """What a bad disk or a writer killed past the commit leaves: the array data files cut short."""
+  for root, _, files in os.walk(step_dir / "params"):
+    if os.path.basename(root) == "d":
+      for name in files:
+        path = os.path.join(root, name)
+        os.truncate(path, os.path.getsize(path) // 2)
+
+
+def _corrupt_meta(step_dir):
+  with open(step_dir / "meta" / "metadata", "w") as f:
+    f.write('{"step": 2, "trunc')  # a torn JSON write
+
+
+def _remove_item(step_dir):
+  shutil.rmtree(step_dir / "params")
+
+
+@pytest.mark.parametrize("damage", [_truncate_array_files, _corrupt_meta, _remove_item])
+def test_a_damaged_newest_step_is_moved_aside_and_written_again(tmp_path, capsys, damage):
+  """Rerun 1 falls back to step 1, moves step 2 to 2.damaged-1 with one warning line, and saves
+  step 2 again (was StepAlreadyExistsError on every rerun); rerun 2 restores the new step 2."""
+  ck = tmp_path / "ck"
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  for step in (1, 2):
+    ckpt.save(step, _wide_state(float(step)), {"step": step})
+  ckpt.close()
+  damage(ck / "2")
+  damaged = sorted(p.relative_to(ck / "2") for p in (ck / "2").rglob("*"))
+  capsys.readouterr()
+
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  step, state, meta = ckpt.restore_latest(_wide_state(0.0))
+  assert step == 1 and meta == {"step": 1} and float(state.params["w0"][0, 0]) == 1.0
+  lines = capsys.readouterr().out.splitlines()
+  assert len(lines) == 1, lines
+  assert lines[0].startswith("warning: checkpoint step 2 is unreadable (")
+  assert lines[0].endswith(f"moved it to {ck}/2.damaged-1 and resuming from step 1")
+  assert sorted(os.listdir(ck)) == ["1", "2.damaged-1"]
+  assert sorted(p.relative_to(ck / "2.damaged-1") for p in (ck / "2.damaged-1").rglob("*")) == (
+    damaged
+  )  # kept as it was
+  assert ckpt.all_steps() == [1]
+  ckpt.save(2, _wide_state(5.0), {"step": 2})  # the resumed run redoes step 2
+  ckpt.close()
+
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  step, state, meta = ckpt.restore_latest(_wide_state(0.0))
+  assert step == 2 and meta == {"step": 2} and float(state.params["w0"][0, 0]) == 5.0
+  assert capsys.readouterr().out == ""
+  ckpt.close()
+
+  damage(ck / "2")  # damaged again: the earlier copy stays, this one is the second
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  assert ckpt.restore_latest(_wide_state(0.0))[0] == 1
+  assert sorted(os.listdir(ck)) == ["1", "2.damaged-1", "2.damaged-2"]
+  assert "moved it to" in capsys.readouterr().out
+  ckpt.close()
+
+
+def test_no_readable_step_moves_nothing(tmp_path, capsys):
+  ck = tmp_path / "ck"
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  for step in (1, 2):
+    ckpt.save(step, _state(float(step)), {"step": step})
+  ckpt.close()
+  for step in ("1", "2"):
+    _corrupt_meta(ck / step)
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  with pytest.raises(RuntimeError, match=r"no readable checkpoint among steps \[2, 1\]"):
+    ckpt.restore_latest(_state(0.0))
+  ckpt.close()
+  assert sorted(os.listdir(ck)) == ["1", "2"]
+  out = capsys.readouterr().out
+  assert "checkpoint step 2 is unreadable" in out and "checkpoint step 1 is unreadable" in out
+
+
 # ---------------------------------------------------------------------------------------------
 # Resume of a real trainer.
 # ---------------------------------------------------------------------------------------------
