@@ -17,6 +17,8 @@ checkpoint saved on one device count or mesh restores onto another.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 from typing import Any
@@ -80,15 +82,16 @@ class RunCheckpointer:
       Whatever orbax raises for a missing, damaged or mismatched checkpoint.
     """
     abstract = lambda tree: jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)  # noqa: E731
-    out = self._mgr.restore(
-      step,
-      args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract(like.params)),
-        opt_state=ocp.args.StandardRestore(abstract(like.opt_state)),
-        ref_params=ocp.args.StandardRestore(abstract(like.ref_params)),
-        meta=ocp.args.JsonRestore(),
-      ),
-    )
+    with _event_loops_drained_on_close():
+      out = self._mgr.restore(
+        step,
+        args=ocp.args.Composite(
+          params=ocp.args.StandardRestore(abstract(like.params)),
+          opt_state=ocp.args.StandardRestore(abstract(like.opt_state)),
+          ref_params=ocp.args.StandardRestore(abstract(like.ref_params)),
+          meta=ocp.args.JsonRestore(),
+        ),
+      )
     logging.info("restored checkpoint step %d", step)
     return TrainState(out.params, out.opt_state, out.ref_params), out.meta
 
@@ -152,3 +155,66 @@ def _describe(error: Exception) -> str:
   """`Type: first line` of an exception, at most 300 characters of the line."""
   text = str(error).strip()
   return f"{type(error).__name__}: {text.splitlines()[0][:300]}" if text else repr(error)
+
+
+_DRAIN_TIMEOUT_S = 600.0  # reads of a damaged step still running when it failed
+
+
+class _DrainingEventLoop(asyncio.SelectorEventLoop):
+  """An event loop that, closed with tasks still pending, first lets them finish.
+
+  Orbax runs a restore in a fresh event loop, reads the arrays concurrently (`asyncio.gather`) and
+  closes the loop when the restore returns. When one read fails, gather raises at once while the
+  other reads are still in flight in TensorStore; each of those, completing after the close,
+  schedules its result on the closed loop and TensorStore prints "RuntimeError: Event loop is
+  closed" (one traceback per array of a damaged checkpoint). Closing only after they finish leaves
+  nothing to arrive late.
+  """
+
+  def close(self) -> None:
+    if not self.is_closed() and not self.is_running():
+      pending = [t for t in asyncio.all_tasks(self) if not t.done()]
+      if pending:
+        _, left = self.run_until_complete(asyncio.wait(pending, timeout=_DRAIN_TIMEOUT_S))
+        for task in left:  # a read that hangs: give up on it rather than hang the resume
+          task.cancel()
+        if left:
+          self.run_until_complete(asyncio.wait(left))
+        for task in pending:  # their errors repeat the one already raised
+          if not task.cancelled():
+            task.exception()
+    super().close()
+
+
+class _DrainingPolicy(asyncio.AbstractEventLoopPolicy):
+  """The current event loop policy, except that new loops are `_DrainingEventLoop`s."""
+
+  def __init__(self, base: asyncio.AbstractEventLoopPolicy):
+    self._base = base
+
+  def get_event_loop(self):
+    return self._base.get_event_loop()
+
+  def set_event_loop(self, loop) -> None:
+    self._base.set_event_loop(loop)
+
+  def new_event_loop(self):
+    return _DrainingEventLoop()
+
+  def get_child_watcher(self):
+    return self._base.get_child_watcher()
+
+  def set_child_watcher(self, watcher) -> None:
+    self._base.set_child_watcher(watcher)
+
+
+@contextlib.contextmanager
+def _event_loops_drained_on_close():
+  """Within: event loops created by `asyncio.new_event_loop` (as orbax's are) close only once
+  their tasks are done."""
+  base = asyncio.get_event_loop_policy()
+  asyncio.set_event_loop_policy(_DrainingPolicy(base))
+  try:
+    yield
+  finally:
+    asyncio.set_event_loop_policy(base)
