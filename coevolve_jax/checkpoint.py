@@ -11,6 +11,10 @@ disk, a truncated file, edited metadata) is moved aside to `<step>.damaged-<n>` 
 (kept, never deleted) with a one-line warning, and the previous step is restored; the run then
 writes that step again.
 
+A save that fails for a full disk (now, or in the background) raises DiskFullError naming the
+step's folder and the space left, from `save` or `wait`; the previous checkpoints are untouched
+and the unfinished step's temporary folder is removed by the next save.
+
 Restoring places every array with the sharding of the example TrainState it is given, so a
 checkpoint saved on one device count or mesh restores onto another.
 """
@@ -26,6 +30,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from coevolve_jax import errors
 from coevolve_jax.trainer import TrainState
 
 
@@ -44,10 +49,16 @@ class RunCheckpointer:
     if keep < 1:
       raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
     options = ocp.CheckpointManagerOptions(
-      max_to_keep=keep, create=True, enable_async_checkpointing=True
+      max_to_keep=keep,
+      create=True,
+      enable_async_checkpointing=True,
+      # The step's folders are made in `save` itself: made in the background, a failure (a full
+      # disk) left orbax's other writer threads waiting 5 minutes for them, at interpreter exit.
+      async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
     )
     self._mgr = ocp.CheckpointManager(directory, options=options, item_names=self.ITEMS)
     self.directory = os.fspath(self._mgr.directory)
+    self._saving: int | None = None  # the step of the save in flight
 
   def latest_step(self) -> int | None:
     return self._mgr.latest_step()
@@ -57,20 +68,26 @@ class RunCheckpointer:
     return sorted(self._mgr.all_steps())
 
   def save(self, step: int, train_state: TrainState, meta: dict[str, Any]) -> None:
-    """Starts an asynchronous save of `step` and returns once the arrays are copied to the host.
+    """Starts an asynchronous save of `step` and returns once the arrays are copied to the host
+    (after the previous save has finished).
 
     Args:
       step: the checkpoint's step. train_state: params, opt_state and ref_params to save.
       meta: JSON-serialisable metadata.
     Older checkpoints beyond `keep` are deleted.
+    Raises:
+      DiskFullError: this save, or the previous one still in flight, failed for a full disk.
     """
+    self.wait()
     args = ocp.args.Composite(
       params=ocp.args.StandardSave(train_state.params),
       opt_state=ocp.args.StandardSave(train_state.opt_state),
       ref_params=ocp.args.StandardSave(train_state.ref_params),
       meta=ocp.args.JsonSave(meta),
     )
-    self._mgr.save(step, args=args, force=True)
+    self._saving = step
+    with errors.writing(self._step_folder(step)):
+      self._mgr.save(step, args=args, force=True)
 
   def restore(self, step: int, like: TrainState) -> tuple[TrainState, dict[str, Any]]:
     """Restores `step` onto the structure, shapes, dtypes and shardings of `like`'s arrays (which
@@ -132,7 +149,7 @@ class RunCheckpointer:
   def _set_aside(self, step: int, error: Exception, restored: int) -> None:
     """Renames the unreadable `step` to `<step>.damaged-<n>` (primary host; the others wait)."""
     if ocp.multihost.is_primary_host(0):
-      folder = os.path.join(self.directory, str(step))
+      folder = self._step_folder(step)
       n = 1
       while os.path.exists(f"{folder}.damaged-{n}"):
         n += 1
@@ -144,11 +161,33 @@ class RunCheckpointer:
     if jax.process_count() > 1:
       ocp.multihost.sync_global_processes(f"coevolve_set_aside_{step}")
 
+  def _step_folder(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def _writing_in_flight(self):
+    """`errors.writing` naming the folder of the save in flight (the directory when none)."""
+    return errors.writing(
+      self.directory if self._saving is None else self._step_folder(self._saving)
+    )
+
   def wait(self) -> None:
-    self._mgr.wait_until_finished()
+    """Waits for the save in flight.
+
+    Raises:
+      DiskFullError: it failed for a full disk.
+    """
+    with self._writing_in_flight():
+      self._mgr.wait_until_finished()
+    self._saving = None
 
   def close(self) -> None:
-    self._mgr.close()
+    """Waits for the save in flight and releases orbax's threads.
+
+    Raises:
+      DiskFullError: the save in flight failed for a full disk.
+    """
+    with self._writing_in_flight():
+      self._mgr.close()
 
 
 def _describe(error: Exception) -> str:

@@ -37,6 +37,7 @@ from flax import nnx
 from coevolve_jax import config, grpo, models
 from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
 from coevolve_jax.checkpoint import RunCheckpointer
+from coevolve_jax.errors import RunError
 from coevolve_jax.feedback import factory, rounds
 from coevolve_jax.feedback.pool import TaskPool
 from coevolve_jax.feedback.signals import SignalTracker
@@ -51,10 +52,6 @@ from envs import make_suite
 
 log = logging.getLogger(__name__)
 PHASES = ("explore", "warmstart", "rollout", "reward", "train", "feedback", "eval", "checkpoint")
-
-
-class RunError(Exception):
-  """A run that cannot start or resume as configured (the message says why)."""
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, Any]:

@@ -2,8 +2,11 @@
 resumed run's next step is bit-identical, and restoring onto another device count or mesh."""
 
 import asyncio
+import contextlib
 import dataclasses
+import errno
 import os
+import re
 import shutil
 import sys
 import time
@@ -12,10 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from etils import epath
 from flax import nnx
 
-from coevolve_jax import grpo
+from coevolve_jax import errors, grpo
 from coevolve_jax.checkpoint import RunCheckpointer
+from coevolve_jax.errors import DiskFullError, RunError
 from coevolve_jax.metrics import truncate_jsonl
 from coevolve_jax.models import Qwen, QwenConfig
 from coevolve_jax.trainer import PolicyTrainer, TrainState, make_batch, make_optimizer
@@ -225,6 +230,110 @@ def test_falling_back_leaves_no_read_in_flight_on_a_closed_event_loop(tmp_path, 
   time.sleep(0.5)  # late reads would print now
   assert pending_at_close and max(pending_at_close) == 0, pending_at_close
   assert "Event loop is closed" not in capfd.readouterr().err
+
+
+def _full_disk(monkeypatch, method, name_end):
+  """Makes orbax's `method` ("mkdir", "write_text") of local paths ending in `name_end` fail as on
+  a full disk (ENOSPC)."""
+  cls = type(epath.Path("/"))
+  original = getattr(cls, method)
+
+  def failing(self, *args, **kwargs):
+    if str(self).endswith(name_end):
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+    return original(self, *args, **kwargs)
+
+  monkeypatch.setattr(cls, method, failing)
+
+
+def _assert_disk_full(error, path):
+  assert isinstance(error, DiskFullError) and isinstance(error, RunError)
+  assert str(error).startswith(f"no space left on device writing {path} (")
+  assert re.search(r"\((\d+ B|[\d.]+ [KMGT]iB) free on /[^)]*\)$", str(error)), str(error)
+
+
+def test_a_full_disk_when_a_save_starts_is_a_disk_full_error_and_loses_nothing(
+  tmp_path, monkeypatch
+):
+  """The step's folder cannot be made: `save` itself raises DiskFullError naming it (orbax made
+  the folders in the background: its writer threads then waited 5 minutes at exit)."""
+  ck = tmp_path / "ck"
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  ckpt.save(1, _state(1.0), {"step": 1})
+  ckpt.wait()
+  with monkeypatch.context() as m:
+    _full_disk(m, "mkdir", "2.orbax-checkpoint-tmp")
+    start = time.monotonic()
+    with pytest.raises(DiskFullError) as e:
+      ckpt.save(2, _state(2.0), {"step": 2})
+    _assert_disk_full(e.value, f"{ck}/2")
+    ckpt.close()
+    assert time.monotonic() - start < 60
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  step, state, meta = ckpt.restore_latest(_state(0.0))
+  assert step == 1 and meta == {"step": 1} and float(state.params["w"][0, 0]) == 1.0
+  ckpt.save(2, _state(2.0), {"step": 2})  # space again: the same step saves
+  ckpt.close()
+  assert RunCheckpointer(str(ck), keep=3).all_steps() == [1, 2]
+
+
+def test_a_full_disk_during_a_background_save_is_a_disk_full_error_and_loses_nothing(
+  tmp_path, monkeypatch
+):
+  """A write of the background save fails: the next `save` (or `wait`) raises DiskFullError naming
+  the failed step, not the one being started."""
+  ck = tmp_path / "ck"
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  ckpt.save(1, _state(1.0), {"step": 1})
+  ckpt.wait()
+  with monkeypatch.context() as m:
+    _full_disk(m, "write_text", "meta.orbax-checkpoint-tmp/metadata")
+    ckpt.save(2, _state(2.0), {"step": 2})  # returns: the files are written in the background
+    with pytest.raises(DiskFullError) as e:
+      ckpt.save(3, _state(3.0), {"step": 3})
+    _assert_disk_full(e.value, f"{ck}/2")
+    with contextlib.suppress(DiskFullError):  # orbax may report it once more
+      ckpt.close()
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  assert ckpt.all_steps() == [1]
+  step, state, _ = ckpt.restore_latest(_state(0.0))
+  assert step == 1 and float(state.params["w"][0, 0]) == 1.0
+  with monkeypatch.context() as m:
+    _full_disk(m, "write_text", "meta.orbax-checkpoint-tmp/metadata")
+    ckpt.save(2, _state(2.0), {"step": 2})
+    with pytest.raises(DiskFullError) as e:
+      ckpt.wait()
+    _assert_disk_full(e.value, f"{ck}/2")
+    with contextlib.suppress(DiskFullError):
+      ckpt.close()
+  assert RunCheckpointer(str(ck), keep=3).all_steps() == [1]
+
+
+def test_disk_full_is_recognised_in_orbax_and_tensorstore_errors(tmp_path):
+  """TensorStore reports ENOSPC in its message (as captured from a save to a full tmpfs); errors
+  chained from one count too; other errors do not."""
+  tensorstore = ValueError(
+    'RESOURCE_EXHAUSTED: Error writing "1.0.count/0" in OCDBT database at local file '
+    '"/r/checkpoints/1.orbax-checkpoint-tmp/opt_state.orbax-checkpoint-tmp/ocdbt.process_0/": '
+    'Failed writing: "/r/checkpoints/1.orbax-checkpoint-tmp/d/123f": Failed to write 2375680 '
+    "bytes to file 20: No space left on device [os_error_code='28']"
+  )
+  assert errors.disk_full_errno(tensorstore) == errno.ENOSPC
+  assert errors.disk_full_errno(OSError(errno.EDQUOT, "quota")) == errno.EDQUOT
+  try:
+    try:
+      raise tensorstore
+    except ValueError as inner:
+      raise RuntimeError("commit failed") from inner
+  except RuntimeError as outer:
+    assert errors.disk_full_errno(outer) == errno.ENOSPC
+  assert errors.disk_full_errno(OSError(errno.EACCES, "denied")) is None
+  assert errors.disk_full_errno(ValueError("[os_error_code='2'] not found")) is None
+  with pytest.raises(DiskFullError, match="^disk quota exceeded writing .*/x/y.json"):
+    with errors.writing(str(tmp_path / "x" / "y.json")):  # the folder need not exist
+      raise OSError(errno.EDQUOT, "Disk quota exceeded")
+  with pytest.raises(PermissionError), errors.writing(str(tmp_path)):
+    raise PermissionError(errno.EACCES, "denied")
 
 
 # ---------------------------------------------------------------------------------------------
