@@ -41,7 +41,13 @@ from coevolve_jax.errors import RunError
 from coevolve_jax.feedback import factory, rounds
 from coevolve_jax.feedback.pool import TaskPool
 from coevolve_jax.feedback.signals import SignalTracker
-from coevolve_jax.metrics import MetricsWriter, PhaseTimer, truncate_jsonl
+from coevolve_jax.metrics import (
+  MetricsWriter,
+  PhaseTimer,
+  append_lines,
+  truncate_jsonl,
+  write_atomic,
+)
 from coevolve_jax.rollout.engine import Engine
 from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.run_state import RoundInFlight, RunState
@@ -162,10 +168,7 @@ class CoEvolveRun:
       eval_after = self.evaluate("after")
     self.ckpt.wait()
     summary = self._summary(eval_after, resumed_from, self._wall_s())
-    tmp = self.summary_path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-      json.dump(summary, f, indent=1, sort_keys=True)
-    os.replace(tmp, self.summary_path)
+    write_atomic(self.summary_path, json.dumps(summary, indent=1, sort_keys=True))
     self.metrics.close()
     self.ckpt.close()
     self.suite.close()  # stops what the suite started (servers, workers), also at exit on failure
@@ -291,17 +294,21 @@ class CoEvolveRun:
   def evaluate(self, tag: str) -> float:
     """Greedy success rate on the held-out split; per-task results in eval_<tag>.jsonl."""
     trajs = self._rollout([(t, i) for i, t in enumerate(self.eval_tasks)], eval=True)
-    with open(os.path.join(self.workdir, f"eval_{tag}.jsonl"), "w", encoding="utf-8") as f:
-      for t in trajs:
-        row = {
-          "task_id": t.task_id,
-          "reward": t.reward,
-          "finish": t.finish,
-          "model_steps": t.model_steps,
-          "parse_errors": t.parse_errors,
-          "calls": t.calls,
-        }
-        f.write(json.dumps(row) + "\n")
+    rows = (
+      {
+        "task_id": t.task_id,
+        "reward": t.reward,
+        "finish": t.finish,
+        "model_steps": t.model_steps,
+        "parse_errors": t.parse_errors,
+        "calls": t.calls,
+      }
+      for t in trajs
+    )
+    write_atomic(
+      os.path.join(self.workdir, f"eval_{tag}.jsonl"),
+      "".join(json.dumps(row) + "\n" for row in rows),
+    )
     suite_metrics = self.suite.metrics(trajs)  # the suite's own figures (e.g. TGC / SGC)
     if suite_metrics:
       self.state.suite_eval[tag] = suite_metrics
@@ -393,13 +400,14 @@ class CoEvolveRun:
       "eval_similarity": report.eval_similarity,
       "pool_size": len(self.pool),
     }
-    with open(os.path.join(self.workdir, "feedback.jsonl"), "a", encoding="utf-8") as f:
-      f.write(json.dumps(row) + "\n")
-    with open(os.path.join(self.workdir, "exploration.jsonl"), "a", encoding="utf-8") as f:
-      f.writelines(
-        json.dumps({"round": pending.round_idx, "step": s.step, **t}, ensure_ascii=False) + "\n"
+    append_lines(os.path.join(self.workdir, "feedback.jsonl"), [json.dumps(row)])
+    append_lines(
+      os.path.join(self.workdir, "exploration.jsonl"),
+      (
+        json.dumps({"round": pending.round_idx, "step": s.step, **t}, ensure_ascii=False)
         for t in result.trace
-      )
+      ),
+    )
     out = {
       "feedback/synthesized": report.synthesized,
       "feedback/accepted": report.accepted,
@@ -468,8 +476,7 @@ class CoEvolveRun:
     path = os.path.join(self.workdir, "config.json")
     now = json.loads(self.cfg.to_json_best_effort())
     if fresh or not os.path.exists(path):
-      with open(path, "w", encoding="utf-8") as f:
-        json.dump(now, f, indent=1, sort_keys=True)
+      write_atomic(path, json.dumps(now, indent=1, sort_keys=True))
       return
     with open(path, encoding="utf-8") as f:
       before = json.load(f)

@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import errno
 import os
-import re
 import shutil
 import sys
 import time
@@ -20,11 +19,12 @@ from flax import nnx
 
 from coevolve_jax import errors, grpo
 from coevolve_jax.checkpoint import RunCheckpointer
-from coevolve_jax.errors import DiskFullError, RunError
+from coevolve_jax.errors import DiskFullError
 from coevolve_jax.metrics import truncate_jsonl
 from coevolve_jax.models import Qwen, QwenConfig
 from coevolve_jax.trainer import PolicyTrainer, TrainState, make_batch, make_optimizer
 from coevolve_jax.types import Trajectory
+from disk_full import assert_disk_full
 from host_devices import run_child
 
 
@@ -246,12 +246,6 @@ def _full_disk(monkeypatch, method, name_end):
   monkeypatch.setattr(cls, method, failing)
 
 
-def _assert_disk_full(error, path):
-  assert isinstance(error, DiskFullError) and isinstance(error, RunError)
-  assert str(error).startswith(f"no space left on device writing {path} (")
-  assert re.search(r"\((\d+ B|[\d.]+ [KMGT]iB) free on /[^)]*\)$", str(error)), str(error)
-
-
 def test_a_full_disk_when_a_save_starts_is_a_disk_full_error_and_loses_nothing(
   tmp_path, monkeypatch
 ):
@@ -266,7 +260,7 @@ def test_a_full_disk_when_a_save_starts_is_a_disk_full_error_and_loses_nothing(
     start = time.monotonic()
     with pytest.raises(DiskFullError) as e:
       ckpt.save(2, _state(2.0), {"step": 2})
-    _assert_disk_full(e.value, f"{ck}/2")
+    assert_disk_full(e.value, f"{ck}/2")
     ckpt.close()
     assert time.monotonic() - start < 60
   ckpt = RunCheckpointer(str(ck), keep=3)
@@ -291,7 +285,7 @@ def test_a_full_disk_during_a_background_save_is_a_disk_full_error_and_loses_not
     ckpt.save(2, _state(2.0), {"step": 2})  # returns: the files are written in the background
     with pytest.raises(DiskFullError) as e:
       ckpt.save(3, _state(3.0), {"step": 3})
-    _assert_disk_full(e.value, f"{ck}/2")
+    assert_disk_full(e.value, f"{ck}/2")
     with contextlib.suppress(DiskFullError):  # orbax may report it once more
       ckpt.close()
   ckpt = RunCheckpointer(str(ck), keep=3)
@@ -303,7 +297,7 @@ def test_a_full_disk_during_a_background_save_is_a_disk_full_error_and_loses_not
     ckpt.save(2, _state(2.0), {"step": 2})
     with pytest.raises(DiskFullError) as e:
       ckpt.wait()
-    _assert_disk_full(e.value, f"{ck}/2")
+    assert_disk_full(e.value, f"{ck}/2")
     with contextlib.suppress(DiskFullError):
       ckpt.close()
   assert RunCheckpointer(str(ck), keep=3).all_steps() == [1]
