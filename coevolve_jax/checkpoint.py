@@ -15,6 +15,10 @@ A save that fails for a full disk (now, or in the background) raises DiskFullErr
 step's folder and the space left, from `save` or `wait`; the previous checkpoints are untouched
 and the unfinished step's temporary folder is removed by the next save.
 
+While a RunCheckpointer is open, event loops that asyncio creates (orbax makes one per restore
+and per background write) close only once their tasks are done (bounded): see
+`_DrainingEventLoop`.
+
 Restoring places every array with the sharding of the example TrainState it is given, so a
 checkpoint saved on one device count or mesh restores onto another.
 """
@@ -22,9 +26,9 @@ checkpoint saved on one device count or mesh restores onto another.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
+import threading
 from typing import Any
 
 import jax
@@ -59,6 +63,8 @@ class RunCheckpointer:
     self._mgr = ocp.CheckpointManager(directory, options=options, item_names=self.ITEMS)
     self.directory = os.fspath(self._mgr.directory)
     self._saving: int | None = None  # the step of the save in flight
+    _DrainingPolicy.hold()
+    self._holds_policy = True
 
   def latest_step(self) -> int | None:
     return self._mgr.latest_step()
@@ -99,16 +105,15 @@ class RunCheckpointer:
       Whatever orbax raises for a missing, damaged or mismatched checkpoint.
     """
     abstract = lambda tree: jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)  # noqa: E731
-    with _event_loops_drained_on_close():
-      out = self._mgr.restore(
-        step,
-        args=ocp.args.Composite(
-          params=ocp.args.StandardRestore(abstract(like.params)),
-          opt_state=ocp.args.StandardRestore(abstract(like.opt_state)),
-          ref_params=ocp.args.StandardRestore(abstract(like.ref_params)),
-          meta=ocp.args.JsonRestore(),
-        ),
-      )
+    out = self._mgr.restore(
+      step,
+      args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract(like.params)),
+        opt_state=ocp.args.StandardRestore(abstract(like.opt_state)),
+        ref_params=ocp.args.StandardRestore(abstract(like.ref_params)),
+        meta=ocp.args.JsonRestore(),
+      ),
+    )
     logging.info("restored checkpoint step %d", step)
     return TrainState(out.params, out.opt_state, out.ref_params), out.meta
 
@@ -139,7 +144,7 @@ class RunCheckpointer:
       return step, state, meta
     if steps:
       for step, error in unreadable:
-        print(f"warning: checkpoint step {step} is unreadable ({_describe(error)})")
+        print(f"warning: checkpoint step {step} is unreadable ({errors.describe(error)})")
       raise RuntimeError(
         f"no readable checkpoint among steps {steps} in {self.directory}; "
         "delete the checkpoints folder to start over"
@@ -155,7 +160,7 @@ class RunCheckpointer:
         n += 1
       os.rename(folder, f"{folder}.damaged-{n}")
       print(
-        f"warning: checkpoint step {step} is unreadable ({_describe(error)}); moved it to "
+        f"warning: checkpoint step {step} is unreadable ({errors.describe(error)}); moved it to "
         f"{folder}.damaged-{n} and resuming from step {restored}"
       )
     if jax.process_count() > 1:
@@ -186,28 +191,27 @@ class RunCheckpointer:
     Raises:
       DiskFullError: the save in flight failed for a full disk.
     """
-    with self._writing_in_flight():
-      self._mgr.close()
+    try:
+      with self._writing_in_flight():
+        self._mgr.close()
+    finally:
+      if self._holds_policy:
+        self._holds_policy = False
+        _DrainingPolicy.release()
 
 
-def _describe(error: Exception) -> str:
-  """`Type: first line` of an exception, at most 300 characters of the line."""
-  text = str(error).strip()
-  return f"{type(error).__name__}: {text.splitlines()[0][:300]}" if text else repr(error)
-
-
-_DRAIN_TIMEOUT_S = 600.0  # reads of a damaged step still running when it failed
+_DRAIN_TIMEOUT_S = 120.0  # for reads or writes still in flight when their operation failed
 
 
 class _DrainingEventLoop(asyncio.SelectorEventLoop):
   """An event loop that, closed with tasks still pending, first lets them finish.
 
-  Orbax runs a restore in a fresh event loop, reads the arrays concurrently (`asyncio.gather`) and
-  closes the loop when the restore returns. When one read fails, gather raises at once while the
-  other reads are still in flight in TensorStore; each of those, completing after the close,
-  schedules its result on the closed loop and TensorStore prints "RuntimeError: Event loop is
-  closed" (one traceback per array of a damaged checkpoint). Closing only after they finish leaves
-  nothing to arrive late.
+  Orbax runs a restore, or a background write, in a fresh event loop: it reads or writes the
+  arrays concurrently (`asyncio.gather`) and closes the loop when done. When one of them fails
+  (a damaged checkpoint, a full disk), gather raises at once while the others are still in flight
+  in TensorStore; each of those, completing after the close, schedules its result on the closed
+  loop and TensorStore prints "RuntimeError: Event loop is closed" (one traceback per array).
+  Closing only after they finish leaves nothing to arrive late.
   """
 
   def close(self) -> None:
@@ -215,7 +219,7 @@ class _DrainingEventLoop(asyncio.SelectorEventLoop):
       pending = [t for t in asyncio.all_tasks(self) if not t.done()]
       if pending:
         _, left = self.run_until_complete(asyncio.wait(pending, timeout=_DRAIN_TIMEOUT_S))
-        for task in left:  # a read that hangs: give up on it rather than hang the resume
+        for task in left:  # one that hangs: give up on it rather than hang the run
           task.cancel()
         if left:
           self.run_until_complete(asyncio.wait(left))
@@ -226,10 +230,32 @@ class _DrainingEventLoop(asyncio.SelectorEventLoop):
 
 
 class _DrainingPolicy(asyncio.AbstractEventLoopPolicy):
-  """The current event loop policy, except that new loops are `_DrainingEventLoop`s."""
+  """The event loop policy in force before, except that new loops are `_DrainingEventLoop`s;
+  installed while any RunCheckpointer is open (`hold`, `release`)."""
+
+  _lock = threading.Lock()
+  _holders = 0
+  _installed: _DrainingPolicy | None = None
 
   def __init__(self, base: asyncio.AbstractEventLoopPolicy):
     self._base = base
+
+  @classmethod
+  def hold(cls) -> None:
+    with cls._lock:
+      if cls._holders == 0:
+        cls._installed = cls(asyncio.get_event_loop_policy())
+        asyncio.set_event_loop_policy(cls._installed)
+      cls._holders += 1
+
+  @classmethod
+  def release(cls) -> None:
+    with cls._lock:
+      cls._holders -= 1
+      if cls._holders == 0:
+        if asyncio.get_event_loop_policy() is cls._installed:  # not replaced by someone else
+          asyncio.set_event_loop_policy(cls._installed._base)
+        cls._installed = None
 
   def get_event_loop(self):
     return self._base.get_event_loop()
@@ -245,15 +271,3 @@ class _DrainingPolicy(asyncio.AbstractEventLoopPolicy):
 
   def set_child_watcher(self, watcher) -> None:
     self._base.set_child_watcher(watcher)
-
-
-@contextlib.contextmanager
-def _event_loops_drained_on_close():
-  """Within: event loops created by `asyncio.new_event_loop` (as orbax's are) close only once
-  their tasks are done."""
-  base = asyncio.get_event_loop_policy()
-  asyncio.set_event_loop_policy(_DrainingPolicy(base))
-  try:
-    yield
-  finally:
-    asyncio.set_event_loop_policy(base)

@@ -71,6 +71,12 @@ def writing(path: str):
     raise DiskFullError(path, code) from e
 
 
+def describe(error: BaseException) -> str:
+  """`Type: first line of the message` (the line cut at 300 characters), for one-line reports."""
+  text = str(error).strip()
+  return f"{type(error).__name__}: {text.splitlines()[0][:300]}" if text else repr(error)
+
+
 def _free_space(path: str) -> tuple[int | None, str]:
   """(free bytes, mount point) of the filesystem holding `path` (or its nearest existing parent)."""
   existing = os.path.abspath(path)

@@ -1,9 +1,11 @@
-"""Test helpers for writes on a full disk: a simulated short write then ENOSPC, and the check of
-the one-line DiskFullError message."""
+"""Test helpers for writes on a full disk: a short write then ENOSPC, an orbax write failing with
+ENOSPC, and the check of the one-line DiskFullError message."""
 
 import errno
 import os
 import re
+
+from etils import epath
 
 from coevolve_jax.errors import DiskFullError, RunError
 
@@ -27,3 +29,17 @@ def assert_disk_full(error, path):
   assert isinstance(error, DiskFullError) and isinstance(error, RunError)
   assert str(error).startswith(f"no space left on device writing {path} (")
   assert re.search(r"\((\d+ B|[\d.]+ [KMGT]iB) free on /[^)]*\)$", str(error)), str(error)
+
+
+def orbax_write_fails(monkeypatch, method, name_end):
+  """Makes orbax's `method` ("mkdir", "write_text") of local paths ending in `name_end` fail as on
+  a full disk (ENOSPC)."""
+  cls = type(epath.Path("/"))
+  original = getattr(cls, method)
+
+  def failing(self, *args, **kwargs):
+    if str(self).endswith(name_end):
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+    return original(self, *args, **kwargs)
+
+  monkeypatch.setattr(cls, method, failing)

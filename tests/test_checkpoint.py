@@ -8,13 +8,13 @@ import errno
 import os
 import shutil
 import sys
+import threading
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from etils import epath
 from flax import nnx
 
 from coevolve_jax import errors, grpo
@@ -24,7 +24,7 @@ from coevolve_jax.metrics import truncate_jsonl
 from coevolve_jax.models import Qwen, QwenConfig
 from coevolve_jax.trainer import PolicyTrainer, TrainState, make_batch, make_optimizer
 from coevolve_jax.types import Trajectory
-from disk_full import assert_disk_full
+from disk_full import assert_disk_full, orbax_write_fails
 from host_devices import run_child
 
 
@@ -232,18 +232,52 @@ def test_falling_back_leaves_no_read_in_flight_on_a_closed_event_loop(tmp_path, 
   assert "Event loop is closed" not in capfd.readouterr().err
 
 
-def _full_disk(monkeypatch, method, name_end):
-  """Makes orbax's `method` ("mkdir", "write_text") of local paths ending in `name_end` fail as on
-  a full disk (ENOSPC)."""
-  cls = type(epath.Path("/"))
-  original = getattr(cls, method)
+def _late_result_after_a_failure(loop):
+  """What orbax's gather over TensorStore operations does when one fails: the coroutine ends at
+  once while another operation completes 0.2 s later from TensorStore's thread. Returns whether
+  that late completion found the loop open."""
+  late = loop.create_future()
+  delivered = []
 
-  def failing(self, *args, **kwargs):
-    if str(self).endswith(name_end):
-      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
-    return original(self, *args, **kwargs)
+  def complete_later():
+    time.sleep(0.2)
+    try:
+      loop.call_soon_threadsafe(late.set_result, "read")
+      delivered.append(True)
+    except RuntimeError:  # "Event loop is closed": TensorStore prints this traceback
+      delivered.append(False)
 
-  monkeypatch.setattr(cls, method, failing)
+  async def fails():
+    raise ValueError("the damaged array")
+
+  async def waits():
+    return await late
+
+  async def restore():
+    await asyncio.gather(fails(), waits())
+
+  threading.Thread(target=complete_later).start()
+  with pytest.raises(ValueError):
+    loop.run_until_complete(restore())
+  loop.close()
+  time.sleep(0.4)
+  return delivered == [True]
+
+
+def test_event_loops_close_after_their_tasks_while_a_checkpointer_is_open(tmp_path):
+  """The mechanism behind both the restore fallback and a background write failing: while a
+  RunCheckpointer is open, a loop that orbax closes with operations in flight waits for them; the
+  asyncio policy in force before comes back once the last one is closed."""
+  before = asyncio.get_event_loop_policy()
+  assert not _late_result_after_a_failure(asyncio.SelectorEventLoop())  # what happened
+  a = RunCheckpointer(str(tmp_path / "a"), keep=1)
+  b = RunCheckpointer(str(tmp_path / "b"), keep=1)
+  assert _late_result_after_a_failure(asyncio.new_event_loop())
+  a.close()
+  assert _late_result_after_a_failure(asyncio.new_event_loop())  # b still open
+  b.close()
+  b.close()  # closing twice releases once
+  assert asyncio.get_event_loop_policy() is before
 
 
 def test_a_full_disk_when_a_save_starts_is_a_disk_full_error_and_loses_nothing(
@@ -256,7 +290,7 @@ def test_a_full_disk_when_a_save_starts_is_a_disk_full_error_and_loses_nothing(
   ckpt.save(1, _state(1.0), {"step": 1})
   ckpt.wait()
   with monkeypatch.context() as m:
-    _full_disk(m, "mkdir", "2.orbax-checkpoint-tmp")
+    orbax_write_fails(m, "mkdir", "2.orbax-checkpoint-tmp")
     start = time.monotonic()
     with pytest.raises(DiskFullError) as e:
       ckpt.save(2, _state(2.0), {"step": 2})
@@ -268,7 +302,9 @@ def test_a_full_disk_when_a_save_starts_is_a_disk_full_error_and_loses_nothing(
   assert step == 1 and meta == {"step": 1} and float(state.params["w"][0, 0]) == 1.0
   ckpt.save(2, _state(2.0), {"step": 2})  # space again: the same step saves
   ckpt.close()
-  assert RunCheckpointer(str(ck), keep=3).all_steps() == [1, 2]
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  assert ckpt.all_steps() == [1, 2]
+  ckpt.close()
 
 
 def test_a_full_disk_during_a_background_save_is_a_disk_full_error_and_loses_nothing(
@@ -281,7 +317,7 @@ def test_a_full_disk_during_a_background_save_is_a_disk_full_error_and_loses_not
   ckpt.save(1, _state(1.0), {"step": 1})
   ckpt.wait()
   with monkeypatch.context() as m:
-    _full_disk(m, "write_text", "meta.orbax-checkpoint-tmp/metadata")
+    orbax_write_fails(m, "write_text", "meta.orbax-checkpoint-tmp/metadata")
     ckpt.save(2, _state(2.0), {"step": 2})  # returns: the files are written in the background
     with pytest.raises(DiskFullError) as e:
       ckpt.save(3, _state(3.0), {"step": 3})
@@ -293,14 +329,16 @@ def test_a_full_disk_during_a_background_save_is_a_disk_full_error_and_loses_not
   step, state, _ = ckpt.restore_latest(_state(0.0))
   assert step == 1 and float(state.params["w"][0, 0]) == 1.0
   with monkeypatch.context() as m:
-    _full_disk(m, "write_text", "meta.orbax-checkpoint-tmp/metadata")
+    orbax_write_fails(m, "write_text", "meta.orbax-checkpoint-tmp/metadata")
     ckpt.save(2, _state(2.0), {"step": 2})
     with pytest.raises(DiskFullError) as e:
       ckpt.wait()
     assert_disk_full(e.value, f"{ck}/2")
     with contextlib.suppress(DiskFullError):
       ckpt.close()
-  assert RunCheckpointer(str(ck), keep=3).all_steps() == [1]
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  assert ckpt.all_steps() == [1]
+  ckpt.close()
 
 
 def test_disk_full_is_recognised_in_orbax_and_tensorstore_errors(tmp_path):
