@@ -7,7 +7,6 @@ import contextlib
 import errno
 import os
 import re
-import shutil
 
 _DISK_FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
 # TensorStore (orbax's array writer) reports the OS error inside its message.
@@ -22,16 +21,22 @@ class DiskFullError(RunError):
   """A write failed because its filesystem is full (ENOSPC) or over quota (EDQUOT).
 
   The message names the path and the space left, e.g. `no space left on device writing
-  /runs/x/metrics.jsonl (0 B free on /runs)`. Attributes: path, code (the errno), free (bytes, or
-  None when the filesystem cannot be asked), mount.
+  /runs/x/metrics.jsonl (0 B free on /runs)`, or `(2.1 GiB but no inodes free on /runs)` when the
+  filesystem ran out of inodes. Attributes: path, code (the errno), free (bytes), free_inodes
+  (None where the filesystem has no inode count; both None when it cannot be asked), mount.
   """
 
   def __init__(self, path: str, code: int = errno.ENOSPC):
     self.path, self.code = os.fspath(path), code
-    self.free, self.mount = _free_space(self.path)
-    free = "unknown space" if self.free is None else _size(self.free)
+    self.free, self.free_inodes, self.mount = _free_space(self.path)
+    if self.free is None:
+      free = "unknown space free"
+    elif self.free_inodes == 0:
+      free = f"{_size(self.free)} but no inodes free"
+    else:
+      free = f"{_size(self.free)} free"
     reason = _DISK_FULL.get(code, os.strerror(code))
-    super().__init__(f"{reason} writing {self.path} ({free} free on {self.mount})")
+    super().__init__(f"{reason} writing {self.path} ({free} on {self.mount})")
 
 
 def disk_full_errno(error: BaseException | None) -> int | None:
@@ -77,8 +82,9 @@ def describe(error: BaseException) -> str:
   return f"{type(error).__name__}: {text.splitlines()[0][:300]}" if text else repr(error)
 
 
-def _free_space(path: str) -> tuple[int | None, str]:
-  """(free bytes, mount point) of the filesystem holding `path` (or its nearest existing parent)."""
+def _free_space(path: str) -> tuple[int | None, int | None, str]:
+  """(free bytes, free inodes or None, mount point) of the filesystem holding `path` (or its
+  nearest existing parent); (None, None, mount) when it cannot be asked."""
   existing = os.path.abspath(path)
   while not os.path.exists(existing) and os.path.dirname(existing) != existing:
     existing = os.path.dirname(existing)
@@ -86,9 +92,10 @@ def _free_space(path: str) -> tuple[int | None, str]:
   while not os.path.ismount(mount):
     mount = os.path.dirname(mount)
   try:
-    return shutil.disk_usage(existing).free, mount
+    st = os.statvfs(existing)
   except OSError:
-    return None, mount
+    return None, None, mount
+  return st.f_bavail * st.f_frsize, (st.f_favail if st.f_files else None), mount
 
 
 def _size(n: float) -> str:

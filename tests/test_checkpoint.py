@@ -368,6 +368,18 @@ def test_disk_full_is_recognised_in_orbax_and_tensorstore_errors(tmp_path):
     raise PermissionError(errno.EACCES, "denied")
 
 
+def test_a_disk_out_of_inodes_says_so(tmp_path, monkeypatch):
+  """ENOSPC with bytes to spare: the filesystem ran out of inodes (as a tmpfs with nr_inodes does
+  at orbax's first mkdir); "883.5 MiB free" alone would mislead."""
+  # bsize, frsize, blocks, bfree, bavail, files, ffree, favail, flag, namemax
+  full = os.statvfs_result((4096, 4096, 262144, 226176, 226176, 74, 0, 0, 0, 255))
+  monkeypatch.setattr(os, "statvfs", lambda path: full)
+  error = DiskFullError(str(tmp_path / "ck" / "0"))
+  assert str(error).startswith(f"no space left on device writing {tmp_path}/ck/0 (883.5 MiB but ")
+  assert "no inodes free on /" in str(error)
+  assert error.free == 226176 * 4096 and error.free_inodes == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Resume of a real trainer.
 # ---------------------------------------------------------------------------------------------
