@@ -34,7 +34,7 @@ import optax
 import tqdm
 from flax import nnx
 
-from coevolve_jax import config, grpo, models
+from coevolve_jax import config, errors, grpo, models
 from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
 from coevolve_jax.checkpoint import RunCheckpointer
 from coevolve_jax.errors import RunError
@@ -76,6 +76,8 @@ class CoEvolveRun:
   Raises (from `fit`):
     ValueError: a bad config field (`config.validate`, before any work).
     RunError: the workdir holds a run that cannot continue as configured, or D0 is empty.
+    DiskFullError (a RunError): a checkpoint or log write failed for a full disk; the files keep
+      what was written before it, so the same run resumes once there is space.
   """
 
   def __init__(self, cfg: ml_collections.ConfigDict, workdir: str):
@@ -87,10 +89,21 @@ class CoEvolveRun:
   # ------------------------------------------------------------------ the algorithm
 
   def fit(self) -> dict[str, Any]:
-    """Runs (or resumes) the whole job and returns the summary written to summary.json."""
+    """Runs (or resumes) the whole job and returns the summary written to summary.json.
+
+    On an error, the checkpoint save in flight is finished (or fails) and the logs are closed
+    before the error propagates, so that nothing writes on after it is reported.
+    """
     if (done := self._completed_summary()) is not None:
       return done
     self._session_start = time.perf_counter()
+    try:
+      return self._run()
+    except Exception:
+      self._close_after_error()
+      raise
+
+  def _run(self) -> dict[str, Any]:
     self._setup()
     restored = self._restore()  # the newest readable checkpoint's step, or None: a fresh start
     self._open_logs(restored)
@@ -173,6 +186,18 @@ class CoEvolveRun:
     self.ckpt.close()
     self.suite.close()  # stops what the suite started (servers, workers), also at exit on failure
     return summary
+
+  def _close_after_error(self) -> None:
+    """Closes the checkpointer (waiting for its save in flight) and the metrics writer. A failure
+    of theirs is the same full disk as the error being raised, or is told in one warning line."""
+    for what, attr in (("checkpoints", "ckpt"), ("metrics", "metrics")):
+      if (resource := getattr(self, attr, None)) is None:
+        continue
+      try:
+        resource.close()
+      except Exception as e:
+        if errors.disk_full_errno(e) is None:
+          print(f"warning: closing the {what} after the error failed too: {errors.describe(e)}")
 
   # ------------------------------------------------------------------ set-up
 
