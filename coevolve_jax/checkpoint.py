@@ -6,7 +6,18 @@ events, counters and timings; the task pool lives in its own append-only file be
 Saving is asynchronous: `save` copies the arrays off the devices and returns, and the files are
 written in the background while training continues (the next step may donate the saved buffers).
 Orbax commits a step atomically (a temporary folder renamed when complete), so a run killed
-mid-save resumes from the previous complete step; a damaged step is skipped with a warning.
+mid-save resumes from the previous complete step. A committed step that cannot be read (a bad
+disk, a truncated file, edited metadata) is moved aside to `<step>.damaged-<n>` beside the others
+(kept, never deleted) with a one-line warning, and the previous step is restored; the run then
+writes that step again.
+
+A save that fails for a full disk (now, or in the background) raises DiskFullError naming the
+step's folder and the space left, from `save` or `wait`; the previous checkpoints are untouched
+and the unfinished step's temporary folder is removed by the next save.
+
+While a RunCheckpointer is open, event loops that asyncio creates (orbax makes one per restore
+and per background write) close only once their tasks are done (bounded): see
+`_DrainingEventLoop`.
 
 Restoring places every array with the sharding of the example TrainState it is given, so a
 checkpoint saved on one device count or mesh restores onto another.
@@ -14,12 +25,16 @@ checkpoint saved on one device count or mesh restores onto another.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import threading
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+from coevolve_jax import errors
 from coevolve_jax.trainer import TrainState
 
 
@@ -38,9 +53,18 @@ class RunCheckpointer:
     if keep < 1:
       raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
     options = ocp.CheckpointManagerOptions(
-      max_to_keep=keep, create=True, enable_async_checkpointing=True
+      max_to_keep=keep,
+      create=True,
+      enable_async_checkpointing=True,
+      # The step's folders are made in `save` itself: made in the background, a failure (a full
+      # disk) left orbax's other writer threads waiting 5 minutes for them, at interpreter exit.
+      async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
     )
     self._mgr = ocp.CheckpointManager(directory, options=options, item_names=self.ITEMS)
+    self.directory = os.fspath(self._mgr.directory)
+    self._saving: int | None = None  # the step of the save in flight
+    _DrainingPolicy.hold()
+    self._holds_policy = True
 
   def latest_step(self) -> int | None:
     return self._mgr.latest_step()
@@ -50,20 +74,26 @@ class RunCheckpointer:
     return sorted(self._mgr.all_steps())
 
   def save(self, step: int, train_state: TrainState, meta: dict[str, Any]) -> None:
-    """Starts an asynchronous save of `step` and returns once the arrays are copied to the host.
+    """Starts an asynchronous save of `step` and returns once the arrays are copied to the host
+    (after the previous save has finished).
 
     Args:
       step: the checkpoint's step. train_state: params, opt_state and ref_params to save.
       meta: JSON-serialisable metadata.
     Older checkpoints beyond `keep` are deleted.
+    Raises:
+      DiskFullError: this save, or the previous one still in flight, failed for a full disk.
     """
+    self.wait()
     args = ocp.args.Composite(
       params=ocp.args.StandardSave(train_state.params),
       opt_state=ocp.args.StandardSave(train_state.opt_state),
       ref_params=ocp.args.StandardSave(train_state.ref_params),
       meta=ocp.args.JsonSave(meta),
     )
-    self._mgr.save(step, args=args, force=True)
+    self._saving = step
+    with errors.writing(self._step_folder(step)):
+      self._mgr.save(step, args=args, force=True)
 
   def restore(self, step: int, like: TrainState) -> tuple[TrainState, dict[str, Any]]:
     """Restores `step` onto the structure, shapes, dtypes and shardings of `like`'s arrays (which
@@ -88,36 +118,156 @@ class RunCheckpointer:
     return TrainState(out.params, out.opt_state, out.ref_params), out.meta
 
   def restore_latest(self, like: TrainState) -> tuple[int, TrainState, dict[str, Any]] | None:
-    """Restores the newest readable checkpoint onto `like` (see `restore`); an unreadable one
-    (corrupt, partial) is skipped with a warning and the previous one used.
+    """Restores the newest readable checkpoint onto `like` (see `restore`).
+
+    Newer steps that cannot be read (corrupt, truncated, missing files) are moved aside to
+    `<directory>/<step>.damaged-<n>` (kept for inspection; n counts earlier ones of that step), with
+    one warning line each, so that the run can write those steps again.
 
     Returns:
       (step, TrainState, meta), or None when there is no checkpoint.
     Raises:
-      RuntimeError: checkpoints exist but none can be read.
+      RuntimeError: checkpoints exist but none can be read (nothing is moved then).
     """
     steps = sorted(self._mgr.all_steps(), reverse=True)
+    unreadable: list[tuple[int, Exception]] = []
     for step in steps:
       try:
-        return (step, *self.restore(step, like))
+        state, meta = self.restore(step, like)
       except Exception as e:  # orbax raises many types for a damaged checkpoint
-        first_line = str(e).strip().splitlines()[0][:300] if str(e).strip() else repr(e)
-        logging.warning(
-          "checkpoint step %d is unreadable (%s); trying an older one", step, first_line
-        )
-        print(
-          f"warning: checkpoint step {step} is unreadable ({type(e).__name__}: "
-          f"{first_line}); trying an older one"
-        )
+        unreadable.append((step, e))
+        continue
+      for bad, error in unreadable:
+        self._set_aside(bad, error, step)
+      if unreadable:
+        self._mgr.reload()  # forget the steps moved aside, so that they can be saved again
+      return step, state, meta
     if steps:
+      for step, error in unreadable:
+        print(f"warning: checkpoint step {step} is unreadable ({errors.describe(error)})")
       raise RuntimeError(
-        f"no readable checkpoint among steps {steps} in {self._mgr.directory}; "
+        f"no readable checkpoint among steps {steps} in {self.directory}; "
         "delete the checkpoints folder to start over"
       )
     return None
 
+  def _set_aside(self, step: int, error: Exception, restored: int) -> None:
+    """Renames the unreadable `step` to `<step>.damaged-<n>` (primary host; the others wait)."""
+    if ocp.multihost.is_primary_host(0):
+      folder = self._step_folder(step)
+      n = 1
+      while os.path.exists(f"{folder}.damaged-{n}"):
+        n += 1
+      os.rename(folder, f"{folder}.damaged-{n}")
+      print(
+        f"warning: checkpoint step {step} is unreadable ({errors.describe(error)}); moved it to "
+        f"{folder}.damaged-{n} and resuming from step {restored}"
+      )
+    if jax.process_count() > 1:
+      ocp.multihost.sync_global_processes(f"coevolve_set_aside_{step}")
+
+  def _step_folder(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def _writing_in_flight(self):
+    """`errors.writing` naming the folder of the save in flight (the directory when none)."""
+    return errors.writing(
+      self.directory if self._saving is None else self._step_folder(self._saving)
+    )
+
   def wait(self) -> None:
-    self._mgr.wait_until_finished()
+    """Waits for the save in flight.
+
+    Raises:
+      DiskFullError: it failed for a full disk.
+    """
+    with self._writing_in_flight():
+      self._mgr.wait_until_finished()
+    self._saving = None
 
   def close(self) -> None:
-    self._mgr.close()
+    """Waits for the save in flight and releases orbax's threads.
+
+    Raises:
+      DiskFullError: the save in flight failed for a full disk.
+    """
+    try:
+      with self._writing_in_flight():
+        self._mgr.close()
+    finally:
+      if self._holds_policy:
+        self._holds_policy = False
+        _DrainingPolicy.release()
+
+
+_DRAIN_TIMEOUT_S = 120.0  # for reads or writes still in flight when their operation failed
+
+
+class _DrainingEventLoop(asyncio.SelectorEventLoop):
+  """An event loop that, closed with tasks still pending, first lets them finish.
+
+  Orbax runs a restore, or a background write, in a fresh event loop: it reads or writes the
+  arrays concurrently (`asyncio.gather`) and closes the loop when done. When one of them fails
+  (a damaged checkpoint, a full disk), gather raises at once while the others are still in flight
+  in TensorStore; each of those, completing after the close, schedules its result on the closed
+  loop and TensorStore prints "RuntimeError: Event loop is closed" (one traceback per array).
+  Closing only after they finish leaves nothing to arrive late.
+  """
+
+  def close(self) -> None:
+    if not self.is_closed() and not self.is_running():
+      pending = [t for t in asyncio.all_tasks(self) if not t.done()]
+      if pending:
+        _, left = self.run_until_complete(asyncio.wait(pending, timeout=_DRAIN_TIMEOUT_S))
+        for task in left:  # one that hangs: give up on it rather than hang the run
+          task.cancel()
+        if left:
+          self.run_until_complete(asyncio.wait(left))
+        for task in pending:  # their errors repeat the one already raised
+          if not task.cancelled():
+            task.exception()
+    super().close()
+
+
+class _DrainingPolicy(asyncio.AbstractEventLoopPolicy):
+  """The event loop policy in force before, except that new loops are `_DrainingEventLoop`s;
+  installed while any RunCheckpointer is open (`hold`, `release`)."""
+
+  _lock = threading.Lock()
+  _holders = 0
+  _installed: _DrainingPolicy | None = None
+
+  def __init__(self, base: asyncio.AbstractEventLoopPolicy):
+    self._base = base
+
+  @classmethod
+  def hold(cls) -> None:
+    with cls._lock:
+      if cls._holders == 0:
+        cls._installed = cls(asyncio.get_event_loop_policy())
+        asyncio.set_event_loop_policy(cls._installed)
+      cls._holders += 1
+
+  @classmethod
+  def release(cls) -> None:
+    with cls._lock:
+      cls._holders -= 1
+      if cls._holders == 0:
+        if asyncio.get_event_loop_policy() is cls._installed:  # not replaced by someone else
+          asyncio.set_event_loop_policy(cls._installed._base)
+        cls._installed = None
+
+  def get_event_loop(self):
+    return self._base.get_event_loop()
+
+  def set_event_loop(self, loop) -> None:
+    self._base.set_event_loop(loop)
+
+  def new_event_loop(self):
+    return _DrainingEventLoop()
+
+  def get_child_watcher(self):
+    return self._base.get_child_watcher()
+
+  def set_child_watcher(self, watcher) -> None:
+    self._base.set_child_watcher(watcher)

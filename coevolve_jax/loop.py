@@ -34,13 +34,20 @@ import optax
 import tqdm
 from flax import nnx
 
-from coevolve_jax import config, grpo, models
+from coevolve_jax import config, errors, grpo, models
 from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
 from coevolve_jax.checkpoint import RunCheckpointer
+from coevolve_jax.errors import RunError
 from coevolve_jax.feedback import factory, rounds
 from coevolve_jax.feedback.pool import TaskPool
 from coevolve_jax.feedback.signals import SignalTracker
-from coevolve_jax.metrics import MetricsWriter, PhaseTimer, truncate_jsonl
+from coevolve_jax.metrics import (
+  MetricsWriter,
+  PhaseTimer,
+  append_lines,
+  truncate_jsonl,
+  write_atomic,
+)
 from coevolve_jax.rollout.engine import Engine
 from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.run_state import RoundInFlight, RunState
@@ -51,10 +58,6 @@ from envs import make_suite
 
 log = logging.getLogger(__name__)
 PHASES = ("explore", "warmstart", "rollout", "reward", "train", "feedback", "eval", "checkpoint")
-
-
-class RunError(Exception):
-  """A run that cannot start or resume as configured (the message says why)."""
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -73,6 +76,8 @@ class CoEvolveRun:
   Raises (from `fit`):
     ValueError: a bad config field (`config.validate`, before any work).
     RunError: the workdir holds a run that cannot continue as configured, or D0 is empty.
+    DiskFullError (a RunError): a checkpoint or log write failed for a full disk; the files keep
+      what was written before it, so the same run resumes once there is space.
   """
 
   def __init__(self, cfg: ml_collections.ConfigDict, workdir: str):
@@ -84,10 +89,21 @@ class CoEvolveRun:
   # ------------------------------------------------------------------ the algorithm
 
   def fit(self) -> dict[str, Any]:
-    """Runs (or resumes) the whole job and returns the summary written to summary.json."""
+    """Runs (or resumes) the whole job and returns the summary written to summary.json.
+
+    On an error, the checkpoint save in flight is finished (or fails) and the logs are closed
+    before the error propagates, so that nothing writes on after it is reported.
+    """
     if (done := self._completed_summary()) is not None:
       return done
     self._session_start = time.perf_counter()
+    try:
+      return self._run()
+    except Exception:
+      self._close_after_error()
+      raise
+
+  def _run(self) -> dict[str, Any]:
     self._setup()
     restored = self._restore()  # the newest readable checkpoint's step, or None: a fresh start
     self._open_logs(restored)
@@ -168,14 +184,23 @@ class CoEvolveRun:
       eval_after = self.evaluate("after")
     self.ckpt.wait()
     summary = self._summary(eval_after, resumed_from, self._wall_s())
-    tmp = self.summary_path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-      json.dump(summary, f, indent=1, sort_keys=True)
-    os.replace(tmp, self.summary_path)
+    write_atomic(self.summary_path, json.dumps(summary, indent=1, sort_keys=True))
     self.metrics.close()
     self.ckpt.close()
     self.suite.close()  # stops what the suite started (servers, workers), also at exit on failure
     return summary
+
+  def _close_after_error(self) -> None:
+    """Closes the checkpointer (waiting for its save in flight) and the metrics writer. A failure
+    of theirs is the same full disk as the error being raised, or is told in one warning line."""
+    for what, attr in (("checkpoints", "ckpt"), ("metrics", "metrics")):
+      if (resource := getattr(self, attr, None)) is None:
+        continue
+      try:
+        resource.close()
+      except Exception as e:
+        if errors.disk_full_errno(e) is None:
+          print(f"warning: closing the {what} after the error failed too: {errors.describe(e)}")
 
   # ------------------------------------------------------------------ set-up
 
@@ -307,17 +332,21 @@ class CoEvolveRun:
   def evaluate(self, tag: str) -> float:
     """Greedy success rate on the held-out split; per-task results in eval_<tag>.jsonl."""
     trajs = self._rollout([(t, i) for i, t in enumerate(self.eval_tasks)], eval=True)
-    with open(os.path.join(self.workdir, f"eval_{tag}.jsonl"), "w", encoding="utf-8") as f:
-      for t in trajs:
-        row = {
-          "task_id": t.task_id,
-          "reward": t.reward,
-          "finish": t.finish,
-          "model_steps": t.model_steps,
-          "parse_errors": t.parse_errors,
-          "calls": t.calls,
-        }
-        f.write(json.dumps(row) + "\n")
+    rows = (
+      {
+        "task_id": t.task_id,
+        "reward": t.reward,
+        "finish": t.finish,
+        "model_steps": t.model_steps,
+        "parse_errors": t.parse_errors,
+        "calls": t.calls,
+      }
+      for t in trajs
+    )
+    write_atomic(
+      os.path.join(self.workdir, f"eval_{tag}.jsonl"),
+      "".join(json.dumps(row) + "\n" for row in rows),
+    )
     suite_metrics = self.suite.metrics(trajs)  # the suite's own figures (e.g. TGC / SGC)
     if suite_metrics:
       self.state.suite_eval[tag] = suite_metrics
@@ -417,13 +446,14 @@ class CoEvolveRun:
       "eval_similarity": report.eval_similarity,
       "pool_size": len(self.pool),
     }
-    with open(os.path.join(self.workdir, "feedback.jsonl"), "a", encoding="utf-8") as f:
-      f.write(json.dumps(row) + "\n")
-    with open(os.path.join(self.workdir, "exploration.jsonl"), "a", encoding="utf-8") as f:
-      f.writelines(
-        json.dumps({"round": pending.round_idx, "step": s.step, **t}, ensure_ascii=False) + "\n"
+    append_lines(os.path.join(self.workdir, "feedback.jsonl"), [json.dumps(row)])
+    append_lines(
+      os.path.join(self.workdir, "exploration.jsonl"),
+      (
+        json.dumps({"round": pending.round_idx, "step": s.step, **t}, ensure_ascii=False)
         for t in result.trace
-      )
+      ),
+    )
     out = {
       "feedback/synthesized": report.synthesized,
       "feedback/accepted": report.accepted,
@@ -494,8 +524,7 @@ class CoEvolveRun:
     path = os.path.join(self.workdir, "config.json")
     now = json.loads(self.cfg.to_json_best_effort())
     if fresh or not os.path.exists(path):
-      with open(path, "w", encoding="utf-8") as f:
-        json.dump(now, f, indent=1, sort_keys=True)
+      write_atomic(path, json.dumps(now, indent=1, sort_keys=True))
       return
     with open(path, encoding="utf-8") as f:
       before = json.load(f)

@@ -1,12 +1,14 @@
 """Entry point: `python -m coevolve_jax.main --config=configs/bfcl.py:cpu --workdir=runs/bfcl-cpu`.
 
 Rerunning the same command resumes from the last checkpoint; after completion it reports that the
-run is complete and exits 0.
+run is complete and exits 0. A run that cannot go on (RunError, e.g. a full disk: DiskFullError)
+prints one line, `error: ...`, and exits 2.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -15,6 +17,8 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from coevolve_jax import errors
+
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "Config file (path[:variant]).", lock_config=True
 )
@@ -22,10 +26,26 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metr
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+class _AfterDiskFull(logging.Filter):
+  """Drops what orbax logs (on absl's logger) from its first report of a write that failed for a
+  full disk on: its threads report that one failure several times over, with tracebacks, and the
+  run stops with DiskFullError, which `main` prints as one line."""
+
+  def __init__(self):
+    super().__init__()
+    self.disk_full = False
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.exc_info and errors.disk_full_errno(record.exc_info[1]) is not None:
+      self.disk_full = True
+    return not self.disk_full
+
+
 def main(argv: list[str]) -> int:
   del argv
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; -v 0 shows them
     absl_logging.set_verbosity(absl_logging.WARNING)
+    logging.getLogger("absl").addFilter(_AfterDiskFull())  # -v shows those reports too
   cfg = _CONFIG.value
   import envs  # noqa: PLC0415 (keep --help fast)
   from coevolve_jax import config  # noqa: PLC0415

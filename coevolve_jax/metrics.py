@@ -1,4 +1,6 @@
-"""Metrics: JSON lines plus TensorBoard event files (tensorboardX), and phase timers."""
+"""Metrics: JSON lines plus TensorBoard event files (tensorboardX), and phase timers; the run's
+log writes (`append_lines`, `write_atomic`), which leave no torn line and raise DiskFullError for
+a full disk."""
 
 from __future__ import annotations
 
@@ -7,14 +9,72 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from tensorboardX import SummaryWriter
 
+from coevolve_jax import errors
+
+
+def append_lines(path: str, lines: Iterable[str], *, sync: bool = False) -> None:
+  """Appends `lines` (each without its newline) to the file at `path`, created if missing, in one
+  O_APPEND write for any normal size; `sync`: fsync before returning.
+
+  A failed write cuts the file back to its size before, so the file never ends in a torn line.
+
+  Raises:
+    DiskFullError: the disk is full (the file is as it was); other OSErrors as raised.
+  """
+  data = "".join(line + "\n" for line in lines).encode("utf-8")
+  with errors.writing(path):
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+      size = os.fstat(fd).st_size
+      try:
+        view = memoryview(data)
+        while view:  # one write() for any normal size; loop only on a short write
+          view = view[os.write(fd, view) :]
+        if sync:
+          os.fsync(fd)
+      except BaseException:
+        with contextlib.suppress(OSError):  # not a regular file
+          os.ftruncate(fd, size)
+        raise
+    finally:
+      os.close(fd)
+
+
+def write_atomic(path: str, text: str, *, sync: bool = False) -> None:
+  """Replaces the file at `path` by `text`: written to `<path>.tmp` (`sync`: and fsynced), then
+  renamed over it.
+
+  Raises:
+    DiskFullError: the disk is full (the file is as it was, the temporary one removed); other
+      OSErrors as raised.
+  """
+  tmp = path + ".tmp"
+  with errors.writing(path):
+    try:
+      with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        if sync:
+          f.flush()
+          os.fsync(f.fileno())
+      os.replace(tmp, path)
+    except BaseException:
+      with contextlib.suppress(OSError):
+        os.remove(tmp)
+      raise
+
 
 def truncate_jsonl(path: str, max_step: int) -> int:
   """Drops the rows of a JSON-lines log whose "step" is above `max_step` (rows that a resumed run
-  writes again) and any torn line; replaces the file atomically. Returns the rows dropped."""
+  writes again) and any torn line; replaces the file atomically. Returns the rows dropped.
+
+  Raises:
+    DiskFullError: the disk is full (the file is as it was).
+  """
   if not os.path.exists(path):
     return 0
   with open(path, encoding="utf-8") as f:
@@ -26,10 +86,7 @@ def truncate_jsonl(path: str, max_step: int) -> int:
         kept.append(line)
     except ValueError:  # a torn last line from a killed run
       continue
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.writelines(line + "\n" for line in kept)
-  os.replace(tmp, path)
+  write_atomic(path, "".join(line + "\n" for line in kept))
   return len(lines) - len(kept)
 
 
@@ -39,26 +96,29 @@ class MetricsWriter:
 
   `resume_step` is the step the run restarts from (-1 for a fresh start): rows and TensorBoard
   events that an interrupted run wrote after it are dropped, so there is one row per step.
+  Every method raises DiskFullError when the disk is full (metrics.jsonl then ends with the last
+  whole row).
   """
 
   def __init__(self, workdir: str, resume_step: int = -1):
     os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, "metrics.jsonl")
-    truncate_jsonl(path, resume_step)
-    self._jsonl = open(path, "a", encoding="utf-8")
-    self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1)
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    truncate_jsonl(self.path, resume_step)
+    self._tb_dir = os.path.join(workdir, "tensorboard")
+    with errors.writing(self._tb_dir):
+      self._tb = SummaryWriter(self._tb_dir, purge_step=resume_step + 1)
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
-    self._jsonl.write(json.dumps({"step": step, **metrics}, sort_keys=True) + "\n")
-    self._jsonl.flush()
+    append_lines(self.path, [json.dumps({"step": step, **metrics}, sort_keys=True)])
     for k, v in metrics.items():
       if isinstance(v, (int, float)) and not isinstance(v, bool):
         self._tb.add_scalar(k, v, step)
-    self._tb.flush()
+    with errors.writing(self._tb_dir):
+      self._tb.flush()
 
   def close(self) -> None:
-    self._jsonl.close()
-    self._tb.close()
+    with errors.writing(self._tb_dir):
+      self._tb.close()
 
 
 class PhaseTimer:

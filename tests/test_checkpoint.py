@@ -1,10 +1,15 @@
 """Run checkpoints: round trip, keep-last-N, damaged checkpoints fall back to the previous one, a
 resumed run's next step is bit-identical, and restoring onto another device count or mesh."""
 
+import asyncio
+import contextlib
 import dataclasses
+import errno
 import os
 import shutil
 import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -12,12 +17,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from coevolve_jax import grpo
+from coevolve_jax import errors, grpo
 from coevolve_jax.checkpoint import RunCheckpointer
+from coevolve_jax.errors import DiskFullError
 from coevolve_jax.metrics import truncate_jsonl
 from coevolve_jax.models import Qwen, QwenConfig
 from coevolve_jax.trainer import PolicyTrainer, TrainState, make_batch, make_optimizer
 from coevolve_jax.types import Trajectory
+from disk_full import assert_disk_full, orbax_write_fails
 from host_devices import run_child
 
 
@@ -110,6 +117,267 @@ def test_corrupt_metadata_falls_back_with_a_warning(tmp_path, capsys):
   assert step == 1 and meta == {"step": 1} and float(state.params["w"][0, 0]) == 1.0
   assert "checkpoint step 2 is unreadable" in capsys.readouterr().out
   ckpt.close()
+
+
+def _wide_state(scale, n=40):
+  """A TrainState with many small arrays: a damaged step then fails on one read while others are
+  still in flight."""
+  params = {f"w{i}": jnp.full((3, 2), scale, jnp.float32) for i in range(n)}
+  return TrainState(params, {"m": jnp.zeros((3, 2))}, {"w": jnp.ones((3, 2))})
+
+
+def _truncate_array_files(step_dir):
+  """What a bad disk or a writer killed past the commit leaves: the array data files cut short."""
+  for root, _, files in os.walk(step_dir / "params"):
+    if os.path.basename(root) == "d":
+      for name in files:
+        path = os.path.join(root, name)
+        os.truncate(path, os.path.getsize(path) // 2)
+
+
+def _corrupt_meta(step_dir):
+  with open(step_dir / "meta" / "metadata", "w") as f:
+    f.write('{"step": 2, "trunc')  # a torn JSON write
+
+
+def _remove_item(step_dir):
+  shutil.rmtree(step_dir / "params")
+
+
+@pytest.mark.parametrize("damage", [_truncate_array_files, _corrupt_meta, _remove_item])
+def test_a_damaged_newest_step_is_moved_aside_and_written_again(tmp_path, capsys, damage):
+  """Rerun 1 falls back to step 1, moves step 2 to 2.damaged-1 with one warning line, and saves
+  step 2 again (was StepAlreadyExistsError on every rerun); rerun 2 restores the new step 2."""
+  ck = tmp_path / "ck"
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  for step in (1, 2):
+    ckpt.save(step, _wide_state(float(step)), {"step": step})
+  ckpt.close()
+  damage(ck / "2")
+  damaged = sorted(p.relative_to(ck / "2") for p in (ck / "2").rglob("*"))
+  capsys.readouterr()
+
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  step, state, meta = ckpt.restore_latest(_wide_state(0.0))
+  assert step == 1 and meta == {"step": 1} and float(state.params["w0"][0, 0]) == 1.0
+  lines = capsys.readouterr().out.splitlines()
+  assert len(lines) == 1, lines
+  assert lines[0].startswith("warning: checkpoint step 2 is unreadable (")
+  assert lines[0].endswith(f"moved it to {ck}/2.damaged-1 and resuming from step 1")
+  assert sorted(os.listdir(ck)) == ["1", "2.damaged-1"]
+  assert sorted(p.relative_to(ck / "2.damaged-1") for p in (ck / "2.damaged-1").rglob("*")) == (
+    damaged
+  )  # kept as it was
+  assert ckpt.all_steps() == [1]
+  ckpt.save(2, _wide_state(5.0), {"step": 2})  # the resumed run redoes step 2
+  ckpt.close()
+
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  step, state, meta = ckpt.restore_latest(_wide_state(0.0))
+  assert step == 2 and meta == {"step": 2} and float(state.params["w0"][0, 0]) == 5.0
+  assert capsys.readouterr().out == ""
+  ckpt.close()
+
+  damage(ck / "2")  # damaged again: the earlier copy stays, this one is the second
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  assert ckpt.restore_latest(_wide_state(0.0))[0] == 1
+  assert sorted(os.listdir(ck)) == ["1", "2.damaged-1", "2.damaged-2"]
+  assert "moved it to" in capsys.readouterr().out
+  ckpt.close()
+
+
+def test_no_readable_step_moves_nothing(tmp_path, capsys):
+  ck = tmp_path / "ck"
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  for step in (1, 2):
+    ckpt.save(step, _state(float(step)), {"step": step})
+  ckpt.close()
+  for step in ("1", "2"):
+    _corrupt_meta(ck / step)
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  with pytest.raises(RuntimeError, match=r"no readable checkpoint among steps \[2, 1\]"):
+    ckpt.restore_latest(_state(0.0))
+  ckpt.close()
+  assert sorted(os.listdir(ck)) == ["1", "2"]
+  out = capsys.readouterr().out
+  assert "checkpoint step 2 is unreadable" in out and "checkpoint step 1 is unreadable" in out
+
+
+def test_falling_back_leaves_no_read_in_flight_on_a_closed_event_loop(tmp_path, capfd, monkeypatch):
+  """A damaged step fails on one array while the others are still being read; orbax then closed
+  its event loop under them and each late read printed "RuntimeError: Event loop is closed" (~48
+  tracebacks per fallback). Now every loop closes with no task pending and nothing is printed."""
+  ck = tmp_path / "ck"
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  for step in (1, 2):
+    ckpt.save(step, _wide_state(float(step)), {"step": step})
+  ckpt.close()
+  _truncate_array_files(ck / "2")
+  pending_at_close = []
+  close = asyncio.BaseEventLoop.close
+
+  def counting_close(loop):
+    pending_at_close.append(sum(not t.done() for t in asyncio.all_tasks(loop)))
+    close(loop)
+
+  monkeypatch.setattr(asyncio.BaseEventLoop, "close", counting_close)
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  for _ in range(3):  # the failing read is not always first: try a few times
+    with pytest.raises(ValueError):
+      ckpt.restore(2, _wide_state(0.0))
+  assert ckpt.restore_latest(_wide_state(0.0))[0] == 1
+  ckpt.close()
+  time.sleep(0.5)  # late reads would print now
+  assert pending_at_close and max(pending_at_close) == 0, pending_at_close
+  assert "Event loop is closed" not in capfd.readouterr().err
+
+
+def _late_result_after_a_failure(loop):
+  """What orbax's gather over TensorStore operations does when one fails: the coroutine ends at
+  once while another operation completes 0.2 s later from TensorStore's thread. Returns whether
+  that late completion found the loop open."""
+  late = loop.create_future()
+  delivered = []
+
+  def complete_later():
+    time.sleep(0.2)
+    try:
+      loop.call_soon_threadsafe(late.set_result, "read")
+      delivered.append(True)
+    except RuntimeError:  # "Event loop is closed": TensorStore prints this traceback
+      delivered.append(False)
+
+  async def fails():
+    raise ValueError("the damaged array")
+
+  async def waits():
+    return await late
+
+  async def restore():
+    await asyncio.gather(fails(), waits())
+
+  threading.Thread(target=complete_later).start()
+  with pytest.raises(ValueError):
+    loop.run_until_complete(restore())
+  loop.close()
+  time.sleep(0.4)
+  return delivered == [True]
+
+
+def test_event_loops_close_after_their_tasks_while_a_checkpointer_is_open(tmp_path):
+  """The mechanism behind both the restore fallback and a background write failing: while a
+  RunCheckpointer is open, a loop that orbax closes with operations in flight waits for them; the
+  asyncio policy in force before comes back once the last one is closed."""
+  before = asyncio.get_event_loop_policy()
+  assert not _late_result_after_a_failure(asyncio.SelectorEventLoop())  # what happened
+  a = RunCheckpointer(str(tmp_path / "a"), keep=1)
+  b = RunCheckpointer(str(tmp_path / "b"), keep=1)
+  assert _late_result_after_a_failure(asyncio.new_event_loop())
+  a.close()
+  assert _late_result_after_a_failure(asyncio.new_event_loop())  # b still open
+  b.close()
+  b.close()  # closing twice releases once
+  assert asyncio.get_event_loop_policy() is before
+
+
+def test_a_full_disk_when_a_save_starts_is_a_disk_full_error_and_loses_nothing(
+  tmp_path, monkeypatch
+):
+  """The step's folder cannot be made: `save` itself raises DiskFullError naming it (orbax made
+  the folders in the background: its writer threads then waited 5 minutes at exit)."""
+  ck = tmp_path / "ck"
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  ckpt.save(1, _state(1.0), {"step": 1})
+  ckpt.wait()
+  with monkeypatch.context() as m:
+    orbax_write_fails(m, "mkdir", "2.orbax-checkpoint-tmp")
+    start = time.monotonic()
+    with pytest.raises(DiskFullError) as e:
+      ckpt.save(2, _state(2.0), {"step": 2})
+    assert_disk_full(e.value, f"{ck}/2")
+    ckpt.close()
+    assert time.monotonic() - start < 60
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  step, state, meta = ckpt.restore_latest(_state(0.0))
+  assert step == 1 and meta == {"step": 1} and float(state.params["w"][0, 0]) == 1.0
+  ckpt.save(2, _state(2.0), {"step": 2})  # space again: the same step saves
+  ckpt.close()
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  assert ckpt.all_steps() == [1, 2]
+  ckpt.close()
+
+
+def test_a_full_disk_during_a_background_save_is_a_disk_full_error_and_loses_nothing(
+  tmp_path, monkeypatch
+):
+  """A write of the background save fails: the next `save` (or `wait`) raises DiskFullError naming
+  the failed step, not the one being started."""
+  ck = tmp_path / "ck"
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  ckpt.save(1, _state(1.0), {"step": 1})
+  ckpt.wait()
+  with monkeypatch.context() as m:
+    orbax_write_fails(m, "write_text", "meta.orbax-checkpoint-tmp/metadata")
+    ckpt.save(2, _state(2.0), {"step": 2})  # returns: the files are written in the background
+    with pytest.raises(DiskFullError) as e:
+      ckpt.save(3, _state(3.0), {"step": 3})
+    assert_disk_full(e.value, f"{ck}/2")
+    with contextlib.suppress(DiskFullError):  # orbax may report it once more
+      ckpt.close()
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  assert ckpt.all_steps() == [1]
+  step, state, _ = ckpt.restore_latest(_state(0.0))
+  assert step == 1 and float(state.params["w"][0, 0]) == 1.0
+  with monkeypatch.context() as m:
+    orbax_write_fails(m, "write_text", "meta.orbax-checkpoint-tmp/metadata")
+    ckpt.save(2, _state(2.0), {"step": 2})
+    with pytest.raises(DiskFullError) as e:
+      ckpt.wait()
+    assert_disk_full(e.value, f"{ck}/2")
+    with contextlib.suppress(DiskFullError):
+      ckpt.close()
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  assert ckpt.all_steps() == [1]
+  ckpt.close()
+
+
+def test_disk_full_is_recognised_in_orbax_and_tensorstore_errors(tmp_path):
+  """TensorStore reports ENOSPC in its message (as captured from a save to a full tmpfs); errors
+  chained from one count too; other errors do not."""
+  tensorstore = ValueError(
+    'RESOURCE_EXHAUSTED: Error writing "1.0.count/0" in OCDBT database at local file '
+    '"/r/checkpoints/1.orbax-checkpoint-tmp/opt_state.orbax-checkpoint-tmp/ocdbt.process_0/": '
+    'Failed writing: "/r/checkpoints/1.orbax-checkpoint-tmp/d/123f": Failed to write 2375680 '
+    "bytes to file 20: No space left on device [os_error_code='28']"
+  )
+  assert errors.disk_full_errno(tensorstore) == errno.ENOSPC
+  assert errors.disk_full_errno(OSError(errno.EDQUOT, "quota")) == errno.EDQUOT
+  try:
+    try:
+      raise tensorstore
+    except ValueError as inner:
+      raise RuntimeError("commit failed") from inner
+  except RuntimeError as outer:
+    assert errors.disk_full_errno(outer) == errno.ENOSPC
+  assert errors.disk_full_errno(OSError(errno.EACCES, "denied")) is None
+  assert errors.disk_full_errno(ValueError("[os_error_code='2'] not found")) is None
+  with pytest.raises(DiskFullError, match="^disk quota exceeded writing .*/x/y.json"):
+    with errors.writing(str(tmp_path / "x" / "y.json")):  # the folder need not exist
+      raise OSError(errno.EDQUOT, "Disk quota exceeded")
+  with pytest.raises(PermissionError), errors.writing(str(tmp_path)):
+    raise PermissionError(errno.EACCES, "denied")
+
+
+def test_a_disk_out_of_inodes_says_so(tmp_path, monkeypatch):
+  """ENOSPC with bytes to spare: the filesystem ran out of inodes (as a tmpfs with nr_inodes does
+  at orbax's first mkdir); "883.5 MiB free" alone would mislead."""
+  # bsize, frsize, blocks, bfree, bavail, files, ffree, favail, flag, namemax
+  full = os.statvfs_result((4096, 4096, 262144, 226176, 226176, 74, 0, 0, 0, 255))
+  monkeypatch.setattr(os, "statvfs", lambda path: full)
+  error = DiskFullError(str(tmp_path / "ck" / "0"))
+  assert str(error).startswith(f"no space left on device writing {tmp_path}/ck/0 (883.5 MiB but ")
+  assert "no inodes free on /" in str(error)
+  assert error.free == 226176 * 4096 and error.free_inodes == 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,13 +1,17 @@
 """The entry points as a user runs them: `python -m coevolve_jax.main --config=... --workdir=...`
 and the tools `python -m coevolve_jax.cli.NAME`."""
 
+import contextlib
+import logging
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from disk_full import orbax_write_fails
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 
@@ -105,3 +109,75 @@ def test_command_line_tools_run_as_modules(tool):
   )
   assert proc.returncode == 1, proc.stderr[-2000:]
   assert f"python -m coevolve_jax.cli.{tool} " in proc.stdout
+
+
+def test_a_full_disk_stops_the_run_with_one_error_line_and_exit_status_2(tmp_path):
+  """The run's first write, config.json, meets a real ENOSPC (its temporary file is /dev/full):
+  one line naming the file and the free space, exit status 2, no traceback, no file left."""
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  os.symlink("/dev/full", workdir / "config.json.tmp")
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "coevolve_jax.main",
+      "--config=configs/bfcl.py:cpu",
+      f"--workdir={workdir}",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  last = proc.stderr.strip().splitlines()[-1]
+  assert re.fullmatch(
+    rf"error: no space left on device writing {re.escape(str(workdir))}/config\.json "
+    r"\((\d+ B|[\d.]+ [KMGT]iB) free on /.*\)",
+    last,
+  ), last
+  assert not os.path.lexists(workdir / "config.json")
+  assert not os.path.lexists(workdir / "config.json.tmp")
+
+
+def test_orbax_reports_of_a_full_disk_are_left_to_the_one_error_line(tmp_path, monkeypatch, caplog):
+  """A background checkpoint write fails for a full disk: orbax logs that one failure four times
+  over with tracebacks (and its threads go on reporting); main's filter keeps them off the console,
+  where the run's DiskFullError is printed once."""
+  import jax.numpy as jnp  # noqa: PLC0415 (keep the other tests of this file light)
+
+  from coevolve_jax.checkpoint import RunCheckpointer  # noqa: PLC0415
+  from coevolve_jax.errors import DiskFullError  # noqa: PLC0415
+  from coevolve_jax.main import _AfterDiskFull  # noqa: PLC0415
+  from coevolve_jax.trainer import TrainState  # noqa: PLC0415
+
+  state = TrainState({"w": jnp.ones((3, 2))}, {"m": jnp.zeros((3, 2))}, {"w": jnp.ones((3, 2))})
+
+  def failed_save(directory):
+    ckpt = RunCheckpointer(str(directory), keep=2)
+    with monkeypatch.context() as m:
+      orbax_write_fails(m, "write_text", "meta.orbax-checkpoint-tmp/metadata")
+      ckpt.save(1, state, {"step": 1})
+      with pytest.raises(DiskFullError):
+        ckpt.wait()
+    with contextlib.suppress(DiskFullError):
+      ckpt.close()
+
+  absl_logger = logging.getLogger("absl")
+  with caplog.at_level(logging.WARNING):
+    failed_save(tmp_path / "unfiltered")
+    assert [r for r in caplog.records if r.name == "absl" and r.exc_info]  # what it would print
+    caplog.clear()
+    keep = _AfterDiskFull()
+    absl_logger.addFilter(keep)
+    try:
+      absl_logger.warning("before the disk filled up")
+      failed_save(tmp_path / "filtered")
+      time.sleep(0.5)  # orbax's threads report late too
+    finally:
+      absl_logger.removeFilter(keep)
+  assert [r.getMessage() for r in caplog.records if r.name == "absl"] == [
+    "before the disk filled up"
+  ]

@@ -1,7 +1,8 @@
 """End to end: the CPU preset of the main job, shrunk to two GRPO steps and one feedback round.
 
 Runs the real path (BFCL data and backends, exploration, warm-start, rollouts, official checker,
-GRPO, feedback round, orbax checkpoints, summary), then checks resume and completion behaviour.
+GRPO, feedback round, orbax checkpoints, summary), then checks resume (also after a full disk
+stopped it) and completion behaviour.
 """
 
 import importlib.util
@@ -12,7 +13,9 @@ import uuid
 
 import numpy as np
 import pytest
+from disk_full import assert_disk_full, orbax_write_fails
 
+from coevolve_jax.errors import DiskFullError
 from coevolve_jax.feedback.rounds import RoundResult
 from coevolve_jax.loop import CoEvolveRun, RunError
 from coevolve_jax.types import FINISHES, Task, Trajectory
@@ -66,15 +69,26 @@ def small_config():
   return cfg
 
 
-@pytest.mark.timeout(300)
-def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys):
+@pytest.mark.timeout(400)
+def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys, monkeypatch):
   workdir = str(tmp_path / "run")
   cfg = small_config()
   cfg.train.steps = 1  # first invocation stops after step 1 (as if killed after its checkpoint)
   first = CoEvolveRun(cfg, workdir).fit()
   assert first["steps"] == 1 and first["resumed_from_step"] == 0
 
-  cfg = small_config()  # same run, now 2 steps: resumes from the step-1 checkpoint
+  # Same run, 2 steps, but the disk is full when step 2's checkpoint is written in the background
+  # (after the feedback round joined the pool and the logs): one DiskFullError naming the step.
+  with monkeypatch.context() as m:
+    orbax_write_fails(m, "write_text", "meta.orbax-checkpoint-tmp/metadata")
+    with pytest.raises(DiskFullError) as e:
+      CoEvolveRun(small_config(), workdir).fit()
+  assert_disk_full(e.value, os.path.join(workdir, "checkpoints", "2"))
+  assert not os.path.exists(os.path.join(workdir, "summary.json.tmp"))
+  with open(os.path.join(workdir, "summary.json")) as f:
+    assert json.load(f) == first  # not replaced by the failed session
+
+  cfg = small_config()  # space again: resumes from the step-1 checkpoint
   summary = CoEvolveRun(cfg, workdir).fit()
   assert SUMMARY_KEYS <= set(summary)
   assert summary["steps"] == 2 and summary["resumed_from_step"] == 1

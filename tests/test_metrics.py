@@ -1,8 +1,19 @@
-"""PhaseTimer: phases accumulate, per-step figures pop, seconds move between phases."""
+"""PhaseTimer: phases accumulate, per-step figures pop, seconds move between phases. Log writes
+on a full disk: DiskFullError, and no torn or lost file."""
+
+import os
 
 import pytest
+from disk_full import assert_disk_full, short_write_then_disk_full
 
-from coevolve_jax.metrics import PhaseTimer
+from coevolve_jax.errors import DiskFullError
+from coevolve_jax.metrics import (
+  MetricsWriter,
+  PhaseTimer,
+  append_lines,
+  truncate_jsonl,
+  write_atomic,
+)
 
 
 def test_move_reassigns_seconds_in_totals_and_the_current_step():
@@ -22,3 +33,48 @@ def test_move_reassigns_seconds_in_totals_and_the_current_step():
   assert timer.totals["train"] == -1.0 and timer.totals["eval"] == 1.0
   assert timer.pop_last() == {"timing/train": -1.0, "timing/eval": 1.0}
   assert timer.pop_last() == {}
+
+
+def test_an_append_on_a_full_disk_raises_disk_full_error_and_leaves_no_torn_line(
+  tmp_path, monkeypatch
+):
+  """metrics.jsonl (and every appended log) ends with its last whole row, not half of the row the
+  full disk cut; a resumed writer reads it as it was."""
+  writer = MetricsWriter(str(tmp_path))
+  writer.write(1, {"reward/mean": 0.5})
+  path = str(tmp_path / "metrics.jsonl")
+  with open(path, "rb") as f:
+    before = f.read()
+  with monkeypatch.context() as m:
+    short_write_then_disk_full(m)
+    with pytest.raises(DiskFullError) as e:
+      writer.write(2, {"reward/mean": 0.75})
+  assert_disk_full(e.value, path)
+  with open(path, "rb") as f:
+    assert f.read() == before
+  writer.close()
+  with monkeypatch.context() as m:
+    short_write_then_disk_full(m)
+    with pytest.raises(DiskFullError):
+      append_lines(path, ['{"step": 3}'])
+  MetricsWriter(str(tmp_path), resume_step=1).close()
+  with open(path, "rb") as f:
+    assert f.read() == before
+
+
+def test_a_replacement_on_a_full_disk_raises_disk_full_error_and_keeps_the_old_file(tmp_path):
+  """summary.json, config.json, eval_*.jsonl and truncated logs are written beside and renamed:
+  a full disk (here a real ENOSPC: the temporary file is /dev/full) leaves the old file whole."""
+  path = tmp_path / "summary.json"
+  path.write_text('{"steps": 1}')
+  os.symlink("/dev/full", f"{path}.tmp")
+  with pytest.raises(DiskFullError) as e:
+    write_atomic(str(path), '{"steps": 2}\n' * 10000)
+  assert_disk_full(e.value, str(path))
+  assert path.read_text() == '{"steps": 1}' and not os.path.lexists(f"{path}.tmp")
+  rows = tmp_path / "feedback.jsonl"
+  rows.write_text('{"step": 1}\n{"step": 2}\n')
+  os.symlink("/dev/full", f"{rows}.tmp")
+  with pytest.raises(DiskFullError):
+    truncate_jsonl(str(rows), 1)
+  assert rows.read_text() == '{"step": 1}\n{"step": 2}\n'

@@ -1,10 +1,13 @@
 """TaskPool: durable append/reload, torn lines, leak and duplicate filtering, sampling mix."""
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
+from disk_full import assert_disk_full, short_write_then_disk_full
 
+from coevolve_jax.errors import DiskFullError
 from coevolve_jax.feedback.pool import TaskPool
 from coevolve_jax.types import Task
 from envs.bfcl.data import load_bfcl_tasks
@@ -164,3 +167,32 @@ def test_eval_index_follows_the_split_it_is_given(tmp_path, eval_tasks):
   report = pool.add([copy], eval_tasks=eval_tasks[5:10])  # split B contains the original
   assert report.dropped == [("copy7", "exact_eval", eval_tasks[7].task_id)]
   assert pool.add([copy], eval_tasks=eval_tasks[:5]).added == 1  # back to A: not a leak there
+
+
+def test_a_full_disk_loses_no_task_and_leaves_no_torn_line(tmp_path, monkeypatch):
+  """An append cut short by a full disk raises DiskFullError with the pool file at its last whole
+  task (was: OSError and half a line); a rollback that cannot write leaves both files as they
+  were, so the resumed run rolls back again."""
+  path = tmp_path / "pool.jsonl"
+  pool = TaskPool(path)
+  pool.add([_task(1), _task(2)])
+  before = path.read_bytes()
+  with monkeypatch.context() as m:
+    short_write_then_disk_full(m)
+    with pytest.raises(DiskFullError) as e:
+      pool.add([_task(3)])
+  assert_disk_full(e.value, str(path))
+  assert path.read_bytes() == before
+  assert [t.task_id for t in TaskPool(path).tasks] == ["explore-1", "explore-2"]
+
+  rolled = tmp_path / "pool.jsonl.rolled-back"
+  rolled.write_text(_task(9).to_json() + "\n")  # moved aside by an earlier resume
+  rolled_before = rolled.read_bytes()
+  os.symlink("/dev/full", f"{path}.tmp")  # the new pool file cannot be written
+  with pytest.raises(DiskFullError) as e:
+    TaskPool(path).rollback(1, str(rolled))
+  assert_disk_full(e.value, str(path))
+  assert path.read_bytes() == before and rolled.read_bytes() == rolled_before
+  assert not os.path.lexists(f"{path}.tmp")
+  assert TaskPool(path).rollback(1, str(rolled)) == 1  # space again
+  assert [t.task_id for t in TaskPool(path).tasks] == ["explore-1"]

@@ -3,8 +3,9 @@ and duplicate filtering.
 
 Every accepted task is appended as one O_APPEND write of its whole line followed by fsync, so a
 crash mid-round loses no task accepted before it; a torn last line (a crash during a write) is
-skipped with a warning and cut off on load. `add` drops exact and near-duplicates (MinHash over
-word 3-gram shingles of the user turns plus the ground-truth calls, estimated Jaccard >=
+skipped with a warning and cut off on load. A write that fails for a full disk leaves the file at
+its last whole line and raises DiskFullError. `add` drops exact and near-duplicates (MinHash
+over word 3-gram shingles of the user turns plus the ground-truth calls, estimated Jaccard >=
 `threshold`) of the evaluation split and of the pool itself, and tasks whose ground-truth calls
 and initial state equal an evaluation task's (its solution under another wording), logging every
 drop. It also reports each added task's highest similarity to the evaluation split.
@@ -23,6 +24,8 @@ from typing import Any
 import numpy as np
 from datasketch import MinHash, MinHashLSH
 
+from coevolve_jax.errors import DiskFullError
+from coevolve_jax.metrics import append_lines, write_atomic
 from coevolve_jax.types import Task
 
 log = logging.getLogger(__name__)
@@ -111,22 +114,20 @@ class TaskPool:
 
     Raises:
       ValueError: `size` larger than the pool.
+      DiskFullError: the disk is full; both files are as they were.
     """
     if size > len(self._tasks):
       raise ValueError(f"task pool {self.path}: has {len(self._tasks)} tasks, asked to keep {size}")
     kept, moved = self._tasks[:size], self._tasks[size:]
     if not moved:
       return 0
-    with open(backup_path, "a", encoding="utf-8") as f:
-      f.writelines(t.to_json() + "\n" for t in moved)
-      f.flush()
-      os.fsync(f.fileno())
-    tmp = f"{self.path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-      f.writelines(t.to_json() + "\n" for t in kept)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, self.path)
+    backup_size = os.path.getsize(backup_path) if os.path.exists(backup_path) else 0
+    append_lines(backup_path, (t.to_json() for t in moved), sync=True)
+    try:
+      write_atomic(self.path, "".join(t.to_json() + "\n" for t in kept), sync=True)
+    except DiskFullError:
+      os.truncate(backup_path, backup_size)  # the resumed run moves them again
+      raise
     self._tasks, self._exact, self._hashes = [], {}, {}
     self._lsh = MinHashLSH(threshold=self.threshold, num_perm=self.num_perm)
     for task in kept:
@@ -141,15 +142,7 @@ class TaskPool:
     self._lsh.insert(f"pool:{task.task_id}", m)
 
   def _append(self, task: Task) -> None:
-    data = (task.to_json() + "\n").encode("utf-8")
-    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-      view = memoryview(data)
-      while view:  # one write() for any normal line; loop only on a short write
-        view = view[os.write(fd, view) :]
-      os.fsync(fd)
-    finally:
-      os.close(fd)
+    append_lines(self.path, [task.to_json()], sync=True)
 
   def _near(self, m: MinHash, lsh: MinHashLSH, hashes: dict[str, MinHash]) -> str | None:
     """The most similar indexed key with estimated Jaccard >= threshold, or None."""
@@ -189,6 +182,8 @@ class TaskPool:
         added task's highest similarity to the evaluation split. Reasons are "duplicate_id",
         "exact_eval", "solution_eval" (same initial state and ground-truth calls as an evaluation
         task), "near_eval", "exact_pool", "near_pool".
+    Raises:
+      DiskFullError: the disk is full (the tasks before the failed one are added).
     """
     eval_exact, eval_solutions, eval_hashes, eval_lsh = self._eval_index(list(eval_tasks))
     pool_hashes = {f"pool:{k}": m for k, m in self._hashes.items()}

@@ -18,7 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from coevolve_jax import errors
 from coevolve_jax.feedback.pool import TaskPool
+from coevolve_jax.metrics import write_atomic
 from coevolve_jax.feedback.signals import KINDS, SignalEvent
 from coevolve_jax.types import Task
 
@@ -133,15 +135,15 @@ class RoundJournal:
     return os.path.join(self.directory, f"round-{round_idx:05d}.json")
 
   def save(self, result: RoundResult, digest: str) -> None:
-    """Records `result` for the round whose contexts have fingerprint `digest`."""
-    os.makedirs(self.directory, exist_ok=True)
-    path = self._path(result.round_idx)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-      json.dump({"events_digest": digest, "result": result.to_json()}, f, ensure_ascii=False)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Records `result` for the round whose contexts have fingerprint `digest`.
+
+    Raises:
+      DiskFullError: the disk is full (no record is left half written).
+    """
+    with errors.writing(self.directory):
+      os.makedirs(self.directory, exist_ok=True)
+    record = {"events_digest": digest, "result": result.to_json()}
+    write_atomic(self._path(result.round_idx), json.dumps(record, ensure_ascii=False), sync=True)
 
   def load(self, round_idx: int, digest: str) -> RoundResult | None:
     """The recorded result of round `round_idx`, if one exists for the same contexts."""
