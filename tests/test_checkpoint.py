@@ -400,7 +400,7 @@ def _trainer(seed, mesh=None):
     Qwen(TINY, rngs=nnx.Rngs(seed)),
     make_optimizer(1e-2, 0.01, 1.0),
     grpo.GRPOConfig(),
-    temperature=0.9,
+    sampling=0.9,
     mesh=mesh,
   )
 
