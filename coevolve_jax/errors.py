@@ -17,6 +17,11 @@ class RunError(Exception):
   """A run that cannot start, resume or go on as configured (the message says why)."""
 
 
+class CorruptFileError(RunError, ValueError):
+  """A file of the run's workdir is damaged in a way the run cannot repair by itself (the message
+  names the file and what to do). Also a ValueError, for callers that catch bad data as such."""
+
+
 class DiskFullError(RunError):
   """A write failed because its filesystem is full (ENOSPC) or over quota (EDQUOT).
 

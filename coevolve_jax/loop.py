@@ -37,7 +37,7 @@ from flax import nnx
 from coevolve_jax import config, errors, grpo, models
 from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
 from coevolve_jax.checkpoint import RunCheckpointer
-from coevolve_jax.errors import RunError
+from coevolve_jax.errors import CorruptFileError, RunError
 from coevolve_jax.feedback import factory, rounds
 from coevolve_jax.feedback.pool import TaskPool
 from coevolve_jax.feedback.signals import SignalTracker
@@ -543,8 +543,16 @@ class CoEvolveRun:
     """The summary of a run that already finished its configured steps, else None."""
     if not os.path.exists(self.summary_path):
       return None
-    with open(self.summary_path, encoding="utf-8") as f:
-      summary = json.load(f)
+    try:
+      with open(self.summary_path, encoding="utf-8") as f:
+        summary = json.load(f)
+      if not isinstance(summary, dict):
+        raise ValueError(f"a JSON {type(summary).__name__}, not an object")
+    except ValueError as e:
+      raise CorruptFileError(
+        f"{self.summary_path} is damaged ({e}); move it aside and rerun the same command: the "
+        f"run resumes from its last checkpoint and writes the summary again"
+      ) from e
     if summary.get("complete") and summary.get("steps") == self.cfg.train.steps:
       print(f"run in {self.workdir} is complete ({summary['steps']} steps); nothing to do")
       return summary

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from disk_full import assert_disk_full, orbax_write_fails
 
-from coevolve_jax.errors import DiskFullError
+from coevolve_jax.errors import CorruptFileError, DiskFullError
 from coevolve_jax.feedback.rounds import RoundResult
 from coevolve_jax.loop import CoEvolveRun, RunError
 from coevolve_jax.types import FINISHES, Task, Trajectory
@@ -210,3 +210,13 @@ def test_step_metrics_count_how_episodes_ended_and_the_dropped():
     "error": 1,
   }
   assert got["rollout/dropped_from_loss"] == 3 and got["signals/boundary"] == 1
+
+
+def test_a_damaged_summary_is_one_clear_error_before_any_work(tmp_path):
+  """A summary.json cut mid-write (or edited by hand) stops the run at once with a RunError that
+  names it and says how to go on, not a bare JSONDecodeError."""
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "summary.json").write_text('{"complete": tru')
+  with pytest.raises(CorruptFileError, match="summary.json is damaged .*move it aside"):
+    CoEvolveRun(small_config(), str(workdir)).fit()

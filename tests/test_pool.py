@@ -196,3 +196,27 @@ def test_a_full_disk_loses_no_task_and_leaves_no_torn_line(tmp_path, monkeypatch
   assert not os.path.lexists(f"{path}.tmp")
   assert TaskPool(path).rollback(1, str(rolled)) == 1  # space again
   assert [t.task_id for t in TaskPool(path).tasks] == ["explore-1"]
+
+
+def test_damaged_pool_files_are_one_clear_run_error_and_keep_their_bytes(tmp_path):
+  """A torn last line is moved to pool.jsonl.torn (not deleted); a corrupt line, or a pool with
+  fewer tasks than the checkpoint counted, is a CorruptFileError (main: one `error:` line, exit 2)
+  that says what to do."""
+  from coevolve_jax.errors import CorruptFileError, RunError  # noqa: PLC0415
+
+  path = tmp_path / "pool.jsonl"
+  TaskPool(path).add([_task(i) for i in range(4)])
+  whole = path.read_bytes()
+  path.write_bytes(whole[:-40])  # the last line cut: what a crash mid-write leaves
+  pool = TaskPool(path)
+  assert len(pool) == 3
+  assert (tmp_path / "pool.jsonl.torn").read_bytes() == whole[
+    whole.rfind(b"\n", 0, -1) + 1 : -40
+  ] + b"\n"
+  with pytest.raises(CorruptFileError, match="counted 4") as e:
+    pool.rollback(4, str(tmp_path / "pool.jsonl.rolled-back"))
+  assert isinstance(e.value, RunError) and "new --workdir" in str(e.value)
+  lines = whole.decode().splitlines()
+  path.write_text("\n".join([lines[0], '{"env": "bfcl", "ground_tr', *lines[2:]]) + "\n")
+  with pytest.raises(CorruptFileError, match="corrupt line 2"):
+    TaskPool(path)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from datasketch import MinHash, MinHashLSH
 
+from coevolve_jax import errors
 from coevolve_jax.errors import DiskFullError
 from coevolve_jax.metrics import append_lines, write_atomic
 from coevolve_jax.types import Task
@@ -91,9 +92,16 @@ class TaskPool:
     with open(self.path, "rb") as f:
       data = f.read()
     good_end = data.rfind(b"\n") + 1
-    if good_end < len(data):
+    if good_end < len(data):  # a write cut by a crash; kept beside the pool, not deleted
+      torn = self.path + ".torn"
+      with errors.writing(torn), open(torn, "ab") as f:
+        f.write(data[good_end:] + b"\n")
+        os.fsync(f.fileno())
       log.warning(
-        "task pool %s: skipping torn last line (%d bytes)", self.path, len(data) - good_end
+        "task pool %s: a torn last line (%d bytes) moved to %s",
+        self.path,
+        len(data) - good_end,
+        torn,
       )
       with open(self.path, "r+b") as f:
         f.truncate(good_end)
@@ -104,7 +112,10 @@ class TaskPool:
         try:
           tasks.append(Task.from_json(line))
         except (ValueError, TypeError) as e:
-          raise ValueError(f"task pool {self.path}: corrupt line {i + 1}: {e}") from e
+          raise errors.CorruptFileError(
+            f"task pool {self.path}: corrupt line {i + 1}: {e}. Repair or remove that line "
+            f"(the run's tasks are one JSON object per line), or start a new --workdir"
+          ) from e
     return tasks
 
   def rollback(self, size: int, backup_path: str) -> int:
@@ -113,11 +124,15 @@ class TaskPool:
     deleted. Returns the number of tasks moved. The pool file is replaced atomically.
 
     Raises:
-      ValueError: `size` larger than the pool.
+      CorruptFileError: `size` larger than the pool (tasks the checkpoint counted are missing).
       DiskFullError: the disk is full; both files are as they were.
     """
     if size > len(self._tasks):
-      raise ValueError(f"task pool {self.path}: has {len(self._tasks)} tasks, asked to keep {size}")
+      raise errors.CorruptFileError(
+        f"task pool {self.path} holds {len(self._tasks)} tasks but the checkpoint being resumed "
+        f"counted {size}: tasks committed before it were lost (a damaged file; a torn line is "
+        f"kept in {self.path}.torn). Restore the file, or start a new --workdir"
+      )
     kept, moved = self._tasks[:size], self._tasks[size:]
     if not moved:
       return 0
