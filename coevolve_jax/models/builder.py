@@ -7,48 +7,54 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from coevolve_jax.models.hf import from_pretrained
 from coevolve_jax.models.qwen import Qwen, QwenConfig
-from coevolve_jax.models.sharding import param_sharding
+from coevolve_jax.models.sharding import tree_shardings
 
 
-def build(model_cfg: Mapping[str, Any], *, seed: int, mesh: Mesh | None = None) -> Qwen:
+def build(model_cfg: Mapping[str, Any], *, seed: int, mesh: Mesh | None = None, dtype=None) -> Qwen:
   """The model a run trains, from its `model` config group (configs/bfcl.py `c.model`).
 
   With `model_cfg.checkpoint` set, the Hugging Face folder is loaded (`from_pretrained`; its
   config.json replaces the preset, which is then not read, and the `eos_token_id` ids of its
   config.json and generation_config.json are `model.config.eos_token_ids`, the ids that end a
   reply besides the tokenizer's `<|im_end|>`); otherwise `QwenConfig.preset(
-  model_cfg.preset)` is initialised at random with `nnx.Rngs(seed)`. Parameters are in
-  `model_cfg.dtype`.
+  model_cfg.preset)` is initialised at random with `nnx.Rngs(seed)`. Parameters are in `dtype`
+  (default `model_cfg.dtype`; a training run passes `model_cfg.param_dtype`, its master copy).
 
   Args:
     model_cfg: has `preset` (a `models.PRESETS` name), `checkpoint` (a folder, "" for random
       init) and `dtype` (a float dtype name: "float32", "bfloat16").
     seed: the random initialisation's seed (a run passes its `seed`).
     mesh: when given, every parameter is placed in its logical sharding on this mesh
-      (`sharding.param_sharding`), with the values it has without a mesh; otherwise parameters
+      (`sharding.tree_shardings`), with the values it has without a mesh; otherwise parameters
       stay where JAX puts them (the first device).
+    dtype: the parameters' float dtype (a name or dtype), overriding `model_cfg.dtype`.
   Returns:
     The `Qwen` model.
   Raises:
     ValueError: an unknown preset (random init). TypeError: an unknown dtype name.
     FileNotFoundError, CheckpointFormatError: an unusable checkpoint folder (`from_pretrained`).
   """
-  dtype = jnp.dtype(model_cfg["dtype"])
+  dtype = jnp.dtype(model_cfg["dtype"] if dtype is None else dtype)
   if model_cfg["checkpoint"]:
     return from_pretrained(model_cfg["checkpoint"], dtype=dtype, mesh=mesh)
-  model = Qwen(QwenConfig.preset(model_cfg["preset"]), rngs=nnx.Rngs(seed), dtype=dtype)
-  if mesh is not None:
-    for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-      value = np.asarray(var.get_value())
-      sharding = param_sharding(mesh, var.get_metadata()["out_sharding"], value.shape)
-      # Each device (and, on several hosts, each host) copies only its own slice.
-      var.set_value(
-        jax.make_array_from_callback(value.shape, sharding, lambda index, v=value: v[index])
-      )
-  return model
+  return init(QwenConfig.preset(model_cfg["preset"]), seed=seed, dtype=dtype, mesh=mesh)
+
+
+def init(cfg: QwenConfig, *, seed: int, dtype=jnp.float32, mesh: Mesh | None = None) -> Qwen:
+  """A randomly initialised `Qwen(cfg)` (`nnx.Rngs(seed)`, parameters in `dtype`).
+
+  With a `mesh`, the model is initialised inside one jit whose outputs carry the parameters'
+  logical shardings (`sharding.tree_shardings`): each device draws only its own shard, with the
+  values it has without a mesh, and no device ever holds the whole model.
+  """
+  make = lambda: Qwen(cfg, rngs=nnx.Rngs(seed), dtype=dtype)  # noqa: E731
+  if mesh is None:
+    return make()
+  graphdef, shapes = nnx.split(nnx.eval_shape(make))
+  state = jax.jit(lambda: nnx.split(make())[1], out_shardings=tree_shardings(shapes, mesh))()
+  return nnx.merge(graphdef, state)

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
@@ -111,17 +112,18 @@ def named_sharding(mesh: Mesh, axes: Sequence[str | None]) -> NamedSharding:
   return NamedSharding(mesh, logical_to_spec(axes))
 
 
-def param_sharding(
-  mesh: Mesh,
+def param_spec(
+  mesh_shape: Mapping[str, int],
   axes: Sequence[str | None],
   shape: Sequence[int],
   rules: Mapping[str, str | tuple[str, ...] | None] = LOGICAL_RULES,
-) -> NamedSharding:
-  """The sharding of a parameter of `shape` with logical `axes` on `mesh`.
+) -> PartitionSpec:
+  """The PartitionSpec of an array of `shape` with logical `axes` on a mesh of `mesh_shape` sizes.
 
   A mesh axis that does not divide its dimension is dropped for that dimension, which then stays
   replicated over it: e.g. Qwen2.5-7B's 4 KV heads on a tensor axis of 8 devices. Mesh axes of
-  size 1 are left out of the spec.
+  size 1 are left out of the spec. The memory planner (`cli.plan_device_memory`) sizes arrays
+  with this same function, so its figures are the job's.
 
   Raises:
     ValueError: `axes` and `shape` of different lengths. KeyError: an unknown logical axis.
@@ -133,9 +135,62 @@ def param_sharding(
     names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
     kept, size = [], 1
     for name in names:
-      n = mesh.shape.get(name, 1)
+      n = mesh_shape.get(name, 1)
       if n > 1 and dim % (size * n) == 0:  # size-1 axes split nothing: leave them out
         kept.append(name)
         size *= n
     spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
-  return NamedSharding(mesh, PartitionSpec(*spec))
+  return PartitionSpec(*spec)
+
+
+def shard_shape(mesh_shape: Mapping[str, int], spec: PartitionSpec, shape: Sequence[int]):
+  """The per-device shape of an array of `shape` under `spec` (dimensions divide exactly, as
+  `param_spec` keeps only dividing axes)."""
+  out = list(shape)
+  for i, entry in enumerate(spec):
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    out[i] //= math.prod(mesh_shape.get(n, 1) for n in names)
+  return tuple(out)
+
+
+def param_sharding(
+  mesh: Mesh,
+  axes: Sequence[str | None],
+  shape: Sequence[int],
+  rules: Mapping[str, str | tuple[str, ...] | None] = LOGICAL_RULES,
+) -> NamedSharding:
+  """The sharding of a parameter of `shape` with logical `axes` on `mesh` (`param_spec`).
+
+  Raises:
+    ValueError: `axes` and `shape` of different lengths. KeyError: an unknown logical axis.
+  """
+  return NamedSharding(mesh, param_spec(mesh.shape, axes, shape, rules))
+
+
+def _is_variable(x) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def tree_shardings(
+  tree, mesh: Mesh, rules: Mapping[str, str | tuple[str, ...] | None] = LOGICAL_RULES
+):
+  """NamedShardings for a tree of nnx Params (parameters or an optax state that mirrors them).
+
+  A Param is sharded by its `out_sharding` logical axes through `rules` (default
+  `LOGICAL_RULES`); every other leaf (step counts, ...) is replicated. Returns a
+  tree of the same structure.
+  """
+  leaves = jax.tree.leaves(tree, is_leaf=_is_variable)
+  out = []
+  for leaf in leaves:
+    if _is_variable(leaf):
+      axes = leaf.get_metadata().get("out_sharding")
+      value = leaf.get_value()
+      out.append(
+        NamedSharding(mesh, PartitionSpec())
+        if axes is None
+        else param_sharding(mesh, axes, value.shape, rules)
+      )
+    else:
+      out.append(NamedSharding(mesh, PartitionSpec()))
+  return jax.tree.unflatten(jax.tree.structure(tree), out)
