@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -205,30 +206,31 @@ def make_optimizer(
 # ---------------------------------------------------------------------------------------------
 
 
-def _is_variable(x) -> bool:
-  return isinstance(x, nnx.Variable)
+def _is_float(x) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def tree_shardings(tree, mesh: Mesh):
-  """NamedShardings for a tree of nnx Params (parameters or an optax state that mirrors them).
+def inference_rules() -> dict[str, str | tuple[str, ...] | None]:
+  """The logical-axis table of the rollout engine's copy of the weights ("gathered" layout).
 
-  A Param is sharded by its `out_sharding` logical axes through `models.sharding.LOGICAL_RULES`;
-  every other leaf (step counts, ...) is replicated. Returns a tree of the same structure.
+  `sharding.LOGICAL_RULES` with the fsdp-sharded parameter dimension ("embed") replicated: the
+  weights are gathered over fsdp once per parameter version (`PolicyTrainer.inference_params`)
+  instead of inside every decode step's every layer, and stay split over tensor and expert.
+  Costs one compute-dtype parameter copy of size params / (tensor * expert) per device.
   """
-  leaves = jax.tree.leaves(tree, is_leaf=_is_variable)
-  out = []
-  for leaf in leaves:
-    if _is_variable(leaf):
-      axes = leaf.get_metadata().get("out_sharding")
-      value = leaf.get_value()
-      out.append(
-        NamedSharding(mesh, PartitionSpec())
-        if axes is None
-        else sharding.param_sharding(mesh, axes, value.shape)
-      )
-    else:
-      out.append(NamedSharding(mesh, PartitionSpec()))
-  return jax.tree.unflatten(jax.tree.structure(tree), out)
+  return {**sharding.LOGICAL_RULES, "embed": None}
+
+
+def cast_floating(tree, dtype):
+  """`tree` with every floating-point array cast to `dtype` (a no-op for None or equal dtypes);
+  integer and boolean leaves are kept."""
+  if dtype is None:
+    return tree
+
+  def cast(x):
+    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else x
+
+  return jax.tree.map(cast, tree)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -335,11 +337,22 @@ class PolicyTrainer:
   shard like any pytree. `model()` returns an nnx model view for the rollout engine.
 
   With a `mesh`, parameters and optimizer state are placed by their logical axes
-  (`tree_shardings`), batch rows are split over the data axes, and every step is jitted with
-  those shardings fixed in and out (state buffers donated), so shardings never change between
+  (`sharding.tree_shardings`), batch rows are split over the data axes, and every step is jitted
+  with those shardings fixed in and out (state buffers donated), so shardings never change between
   steps and the step compiles once per batch shape. Each update accumulates gradients over
   `micro_batches` strided slices of its batch, dividing by the whole batch's denominators, so
   the result does not depend on the split.
+
+  Mixed precision: the parameters the trainer holds are the master copy, in the dtype the model
+  was built with (a run builds them in `model.param_dtype`, float32); with a `compute_dtype`
+  (`model.dtype`, e.g. bfloat16) every forward and backward runs on a copy cast to it inside the
+  step, so gradients, optimizer moments and the update are in the master dtype. In bfloat16
+  itself an update of lr 1e-6 rounds away on most weights (bfloat16 keeps 8 bits of mantissa);
+  in the float32 master it does not. The frozen reference is kept in the compute dtype.
+
+  Weight sync: `inference_params()` is what the rollout engine decodes with: the current
+  parameters cast to the compute dtype and laid out for decoding, made once per parameter
+  version (every update, restore or assignment of `params` is a new version).
   """
 
   def __init__(
@@ -350,6 +363,8 @@ class PolicyTrainer:
     sampling: SamplingParams | float,
     mesh: Mesh | None = None,
     micro_batches: int = 1,
+    compute_dtype=None,
+    inference_layout: str = "gathered",
   ):
     """Args:
       model: the policy (its parameters are taken over; the trainer donates them at each step).
@@ -359,11 +374,25 @@ class PolicyTrainer:
         (`token_logprobs`); a float is a temperature with neither top-k nor top-p.
       mesh: a `models.sharding.make_mesh` mesh, or None for one device.
       micro_batches: gradient-accumulation slices per update; batch rows must divide by it.
+      compute_dtype: the float dtype forwards and backwards run in (None: the parameters' own
+        dtype); the parameters themselves stay in theirs (the master copy).
+      inference_layout: the layout of `inference_params()` on a mesh: "gathered" (the fsdp
+        dimension replicated, `inference_rules`) or "train" (the training layout; no extra copy
+        when no cast is needed either).
     Raises:
-      ValueError: micro_batches < 1.
+      ValueError: micro_batches < 1, an unknown inference_layout, or a compute_dtype that is not
+        a float dtype.
     """
     if micro_batches < 1:
       raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    if inference_layout not in ("gathered", "train"):
+      raise ValueError(f"inference_layout must be 'gathered' or 'train', got {inference_layout!r}")
+    self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
+    if self.compute_dtype is not None and not jnp.issubdtype(self.compute_dtype, jnp.floating):
+      raise ValueError(f"compute_dtype must be a float dtype, got {self.compute_dtype}")
+    self._version = 0  # bumped by every new `params` (update, restore, assignment)
+    self._infer, self._infer_version = None, -1
+    self.last_sync_s = 0.0  # seconds the last `inference_params()` copy took
     self.graphdef, params = nnx.split(model)
     self.model_config = model.config
     self.tx, self.cfg = tx, cfg
@@ -372,16 +401,34 @@ class PolicyTrainer:
     )
     self.mesh, self.micro_batches = mesh, micro_batches
     if mesh is None:
-      self._param_sh = self._opt_sh = self._rows_sh = None
+      self._param_sh = self._opt_sh = self._rows_sh = self._infer_sh = None
       self.params = params
       self.opt_state = tx.init(params)
     else:
-      self._param_sh = tree_shardings(params, mesh)
-      self._opt_sh = tree_shardings(jax.eval_shape(tx.init, params), mesh)
+      self._param_sh = sharding.tree_shardings(params, mesh)
+      self._opt_sh = sharding.tree_shardings(jax.eval_shape(tx.init, params), mesh)
       self._rows_sh = batch_sharding(mesh)
+      self._infer_sh = (
+        sharding.tree_shardings(params, mesh, inference_rules())
+        if inference_layout == "gathered"
+        else self._param_sh
+      )
       self.params = jax.device_put(params, self._param_sh)
       self.opt_state = self._jit(tx.init, (self._param_sh,), self._opt_sh)(self.params)
     self.ref_params = None
+    # Casting (and, on a mesh, resharding) for the engine and the reference: a new buffer always.
+    self._needs_copy = (
+      self.compute_dtype is not None
+      and any(x.dtype != self.compute_dtype for x in jax.tree.leaves(params) if _is_float(x))
+    ) or (mesh is not None and inference_layout == "gathered")
+    self._to_compute = self._jit(
+      lambda p: cast_floating(p, self.compute_dtype), (self._param_sh,), self._infer_sh
+    )
+    self._to_reference = self._jit(
+      lambda p: jax.tree.map(jnp.copy, cast_floating(p, self.compute_dtype)),
+      (self._param_sh,),
+      self._param_sh,
+    )
     self._logp = self._jit(
       self._logp_fn, (self._param_sh, self._rows_sh, self._rows_sh, self._rows_sh), self._rows_sh
     )
@@ -411,13 +458,12 @@ class PolicyTrainer:
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
   def _check_batch(self, batch: Batch) -> None:
-    """Rows that split as `_check_rows` wants, and a routing record that fits the model.
+    """A routing record that fits the model.
 
     Raises:
-      ValueError: the rows do not split, or `batch.routing` is not [N, T, L_moe, k] or holds an
-        index outside [-1, num_experts).
+      ValueError: `batch.routing` is not [N, T, L_moe, k] or holds an index outside
+        [-1, num_experts).
     """
-    self._check_rows(batch.tokens.shape[0])
     if batch.routing is None:
       return
     cfg = self.model_config
@@ -429,17 +475,34 @@ class PolicyTrainer:
     if batch.routing.size and (batch.routing.min() < -1 or batch.routing.max() >= cfg.num_experts):
       raise ValueError(f"batch routing holds expert indices outside [-1, {cfg.num_experts})")
 
-  def _check_rows(self, n: int) -> None:
+  def _row_multiple(self) -> int:
+    """Rows a device batch must be a multiple of: micro-batches x data-parallel devices."""
     data = (
       1
       if self.mesh is None
       else math.prod(self.mesh.shape[a] for a in ("data", "fsdp") if a in self.mesh.shape)
     )
-    if n % (self.micro_batches * data):
-      raise ValueError(
-        f"a batch of {n} rows does not split into {self.micro_batches} "
-        f"micro-batches over {data} data-parallel devices"
-      )
+    return self.micro_batches * data
+
+  def _padded(self, batch: Batch, *per_row) -> tuple[Batch, ...]:
+    """`batch` (and [N, ...] arrays `per_row`, None kept) with rows appended up to a multiple of
+    `_row_multiple()`: padding rows have an all-zero target mask and advantage (token 0,
+    routing -1), so they add nothing to any loss, gradient, denominator or metric
+    (`grpo.aggregate_denominator` counts masked tokens or non-empty rows)."""
+    n = batch.tokens.shape[0]
+    pad = -n % self._row_multiple()
+    if not pad:
+      return (batch, *per_row)
+    fill = {"target_pos": 1, "routing": -1}
+
+    def grow(name, x):
+      if x is None:
+        return None
+      extra = np.full((pad, *x.shape[1:]), fill.get(name, 0), np.asarray(x).dtype)
+      return np.concatenate([np.asarray(x), extra])
+
+    padded = Batch(*(grow(f.name, getattr(batch, f.name)) for f in dataclasses.fields(batch)))
+    return (padded, *(grow("", x) for x in per_row))
 
   def _rows(self, tree):
     """Batch arrays onto the devices: rows split over the data axes with a mesh."""
@@ -447,8 +510,42 @@ class PolicyTrainer:
       return jax.tree.map(jnp.asarray, tree)
     return jax.device_put(tree, self._rows_sh)
 
+  @property
+  def params(self):
+    """The master parameters (nnx.State); assigning new ones starts a new parameter version."""
+    return self._params
+
+  @params.setter
+  def params(self, value) -> None:
+    self._params = value
+    self._version += 1
+
   def model(self) -> Qwen:
+    """An nnx view of the master parameters (their own dtype; the next update donates them)."""
     return nnx.merge(self.graphdef, self.params)
+
+  def _merge(self, params) -> Qwen:
+    """The model on `params` cast to the compute dtype (traced inside the jitted steps)."""
+    return nnx.merge(self.graphdef, cast_floating(params, self.compute_dtype))
+
+  def inference_params(self):
+    """The weights the rollout engine decodes with: the current parameters in the compute dtype
+    and the inference layout (`inference_layout`), an nnx.State for `graphdef`.
+
+    Made once per parameter version (the previous copy is released first, so two copies never
+    coexist) and timed into `last_sync_s`; without a cast or a layout change it is `params`
+    itself. The arrays stay valid until the next update: an engine must ask again after it
+    (`rollout.engine.Engine(weights=...)` does, at every call).
+    """
+    if self._infer_version != self._version:
+      self._infer = None
+      start = time.perf_counter()
+      with self._ctx():
+        infer = self._to_compute(self.params) if self._needs_copy else self.params
+      jax.block_until_ready(infer)
+      self.last_sync_s = time.perf_counter() - start
+      self._infer, self._infer_version = infer, self._version
+    return self._infer
 
   @property
   def state(self) -> TrainState:
@@ -463,10 +560,10 @@ class PolicyTrainer:
     self.params, self.opt_state, self.ref_params = value.params, value.opt_state, value.ref_params
 
   def freeze_reference(self) -> None:
-    """The KL reference policy = a copy of the current parameters (same shardings)."""
-    self.ref_params = jax.tree.map(jnp.copy, self.params)
-    if self._param_sh is not None:
-      self.ref_params = jax.device_put(self.ref_params, self._param_sh)
+    """The KL reference policy = a copy of the current parameters in the compute dtype (same
+    shardings as the parameters)."""
+    with self._ctx():
+      self.ref_params = self._to_reference(self.params)
 
   def reset_optimizer(self) -> None:
     """Fresh optimizer state for the current parameters (e.g. after a warm-start)."""
@@ -479,7 +576,7 @@ class PolicyTrainer:
 
   def _logp_fn(self, params, tokens, target_pos, routing):
     k = self.micro_batches
-    graph = nnx.merge(self.graphdef, params)
+    graph = self._merge(params)
     if k == 1:
       return token_logprobs(graph, tokens, target_pos, sampling=self.sampling, routing_ntlk=routing)
     split = lambda x: None if x is None else split_micro_batches(x, k)  # noqa: E731
@@ -493,20 +590,24 @@ class PolicyTrainer:
     """[N, P] float32 log-probs of the batch's sampled tokens under `params` (default: current).
 
     No gradient is taken: this is how old (sampler-side) and reference log-probs are computed.
-    With `batch.routing`, the MoE layers replay the recorded routing (`token_logprobs`).
+    With `batch.routing`, the MoE layers replay the recorded routing (`token_logprobs`). Rows
+    are padded to a multiple of micro_batches x data-parallel devices (`_padded`) and the
+    padding dropped from the result.
     Raises:
-      ValueError: N not divisible by micro_batches times the data-parallel device count, or a
-        routing record that does not fit the model (`_check_batch`).
+      ValueError: a routing record that does not fit the model (`_check_batch`).
     """
     params = self.params if params is None else params
     self._check_batch(batch)
+    n = batch.tokens.shape[0]
+    (batch,) = self._padded(batch)
     with self._ctx():
-      return self._logp(params, *self._rows((batch.tokens, batch.target_pos, batch.routing)))
+      out = self._logp(params, *self._rows((batch.tokens, batch.target_pos, batch.routing)))
+    return out if out.shape[0] == n else out[:n]
 
   def _grpo_step_fn(self, params, opt_state, arrays, old_logp, ref_logp):
     k = self.micro_batches
     logp_fn = lambda p, tokens, pos, routing=None: token_logprobs(  # noqa: E731
-      nnx.merge(self.graphdef, p), tokens, pos, sampling=self.sampling, routing_ntlk=routing
+      self._merge(p), tokens, pos, sampling=self.sampling, routing_ntlk=routing
     )
     loss_fn = grpo_micro_loss(logp_fn, self.cfg, arrays["target_mask"])
     inputs = {**arrays, "old": old_logp}
@@ -530,11 +631,13 @@ class PolicyTrainer:
     Returns:
       Scalar metrics: loss, pg_loss, clip_frac, ratio_mean, kl (with a reference), grad_norm
       (global norm before clipping).
+    Rows are padded to a multiple of micro_batches x data-parallel devices with rows that add
+    nothing (`_padded`).
     Raises:
-      ValueError: N not divisible by micro_batches times the data-parallel device count, or a
-        routing record that does not fit the model.
+      ValueError: a routing record that does not fit the model.
     """
     self._check_batch(batch)
+    batch, old_logp, ref_logp = self._padded(batch, old_logp, ref_logp)
     arrays = {k: getattr(batch, k) for k in ("tokens", "target_pos", "target_mask", "advantages")}
     arrays.update(_routing_kwarg(vars(batch)))
     arrays, old_logp, ref_logp = self._rows((arrays, old_logp, ref_logp))
@@ -581,8 +684,7 @@ class PolicyTrainer:
       set, rounded differently at its edge, leaves out a token the sampler drew; 0 in exact
       arithmetic; `grpo.grpo_loss` gives them ratio 1 and no gradient).
     Raises:
-      ValueError: mini_batches outside [1, N], advantages or keep not of shape [N], or a
-        mini-batch whose rows do not divide by micro_batches times the data-parallel device count.
+      ValueError: mini_batches outside [1, N], advantages or keep not of shape [N].
     """
     n = len(trajectories)
     if not 1 <= mini_batches <= n:
@@ -619,7 +721,7 @@ class PolicyTrainer:
 
     def loss_fn(p, mb):
       logp = token_logprobs(
-        nnx.merge(self.graphdef, p),
+        self._merge(p),
         mb["tokens"],
         mb["target_pos"],
         1.0,
@@ -636,11 +738,12 @@ class PolicyTrainer:
     """One supervised step (token-mean cross-entropy on the sampled-token positions) with this
     trainer's optimizer. Returns the loss before the step.
 
+    Rows are padded as in `grpo_update`.
     Raises:
-      ValueError: N not divisible by micro_batches times the data-parallel device count, or a
-        routing record that does not fit the model.
+      ValueError: a routing record that does not fit the model.
     """
     self._check_batch(batch)
+    (batch,) = self._padded(batch)
     arrays = {k: getattr(batch, k) for k in ("tokens", "target_pos", "target_mask")}
     arrays = self._rows({**arrays, **_routing_kwarg(vars(batch))})
     with self._ctx():

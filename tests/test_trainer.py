@@ -382,19 +382,36 @@ def test_grpo_epoch_refuses_bad_mini_batches_and_advantages(one_layer_model):
     trainer.grpo_epoch(trajs, np.zeros(3, np.float32), 1)
 
 
-def test_micro_batches_must_divide_rows(base_model):
-  trainer = PolicyTrainer(
-    _fresh(base_model),
-    make_optimizer(1e-3, 0.0, 1.0),
-    grpo.GRPOConfig(),
-    1.0,
-    micro_batches=4,
-  )
+def test_rows_that_do_not_split_are_padded_with_rows_that_add_nothing(one_layer_model):
+  """6 rows over 4 micro-batches: the trainer pads to 8 rows with zero-mask rows, and log-probs,
+  metrics and the updated parameters equal the unsplit batch's (seq-mean aggregation: it counts
+  rows, so a padding row that counted would show; token-mean counts tokens, which padding rows
+  have none of)."""
   batch = make_batch(_group(3, 4, [2, 3, 4, 5, 6, 7]), min_len=16, min_targets=8)  # 6 rows
-  with pytest.raises(ValueError, match="6 rows does not split into 4 micro-batches"):
-    trainer.logprobs(batch)
-  with pytest.raises(ValueError, match="micro-batches"):
-    trainer.sft_update(batch)
+  batch.advantages = np.linspace(-1.0, 1.0, 6).astype(np.float32)
+  for agg in ("seq-mean-token-mean",):
+    cfg = grpo.GRPOConfig(loss_agg=agg, kl_beta=0.1)
+    out = {}
+    for k in (1, 4):
+      trainer = PolicyTrainer(_fresh(one_layer_model), optax.sgd(0.5), cfg, 1.0, micro_batches=k)
+      trainer.freeze_reference()
+      old = trainer.logprobs(batch)
+      ref = trainer.logprobs(batch, trainer.ref_params) - 0.05
+      metrics = [trainer.grpo_update(batch, old, ref) for _ in range(2)]
+      sft = trainer.sft_update(batch)
+      out[k] = (np.asarray(old), metrics, sft, jax.tree.map(np.asarray, trainer.params))
+    (old1, m1, s1, p1), (old4, m4, s4, p4) = out[1], out[4]
+    assert old4.shape == old1.shape == batch.target_pos.shape
+    np.testing.assert_allclose(old4, old1, rtol=1e-6, atol=1e-6)
+    for a, b in zip(m1, m4):
+      for key in a:
+        np.testing.assert_allclose(b[key], a[key], rtol=2e-5, atol=1e-6, err_msg=f"{agg} {key}")
+    np.testing.assert_allclose(s4, s1, rtol=2e-5)
+    for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)):
+      np.testing.assert_allclose(y, x, rtol=2e-5, atol=1e-6)
+
+
+def test_micro_batches_must_be_positive(base_model):
   with pytest.raises(ValueError, match="micro_batches must be >= 1"):
     PolicyTrainer(_fresh(base_model), optax.sgd(0.1), grpo.GRPOConfig(), 1.0, micro_batches=0)
 
@@ -547,3 +564,46 @@ def _sharded_child():
 if __name__ == "__main__":
   if sys.argv[1:] == ["sharded"]:
     _sharded_child()
+
+
+def test_a_float32_master_learns_under_bfloat16_compute_as_float32_does(one_layer_model):
+  """3 AdamW updates at lr 1e-6: float32 master weights with bfloat16 compute change the weights
+  as the all-float32 run does, while bfloat16 weights round nearly every update away (the
+  failure this guards against); the engine's bfloat16 copy follows the master."""
+  trajs = _group(7, 6, [5, 6, 7, 8]) + _group(8, 6, [4, 5, 6, 9])
+  batch = make_batch(trajs, np.array([1, -1, 1, -1, -1, 1, 1, -1], np.float32), 16, 8)
+
+  def run(param_dtype, compute_dtype):
+    graphdef, state = nnx.split(one_layer_model)
+    # jnp.array copies: the trainer donates its parameters, and the fixture's must survive.
+    model = nnx.merge(graphdef, jax.tree.map(lambda x: jnp.array(x, param_dtype), state))
+    tx = make_optimizer(1e-6, 0.0, 1.0)
+    trainer = PolicyTrainer(model, tx, grpo.GRPOConfig(), 1.0, compute_dtype=compute_dtype)
+    flat = lambda: np.concatenate(  # noqa: E731
+      [np.asarray(x, np.float32).ravel() for x in jax.tree.leaves(trainer.params)]
+    )
+    w0 = flat()
+    for _ in range(3):
+      trainer.grpo_update(batch, trainer.logprobs(batch), None)
+    return w0, flat(), trainer
+
+  m0, m3, mixed = run(jnp.float32, jnp.bfloat16)
+  f0, f3, _ = run(jnp.float32, None)
+  b0, b3, _ = run(jnp.bfloat16, None)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(mixed.params))
+  dm, df, db = m3 - m0, f3 - f0, b3 - b0
+  changed = (df != 0).mean()
+  assert changed > 0.5  # AdamW moves every weight with a gradient by about lr
+  assert (dm != 0).mean() == pytest.approx(changed, abs=0.01)
+  assert (db != 0).mean() < 0.1  # bfloat16 weights: most updates round away
+  np.testing.assert_array_less(np.linalg.norm(m3 - f3) / np.linalg.norm(f3), 1e-3)
+  # Same direction: bfloat16 gradients flip Adam's sign only on near-zero gradient entries.
+  cosine = dm @ df / (np.linalg.norm(dm) * np.linalg.norm(df))
+  assert cosine > 0.99, cosine
+  assert db @ df / (np.linalg.norm(db) * np.linalg.norm(df) + 1e-30) < 0.5
+  infer = mixed.inference_params()
+  for x, master in zip(jax.tree.leaves(infer), jax.tree.leaves(mixed.params)):
+    assert x.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(master.astype(jnp.bfloat16)))
+  mixed.freeze_reference()
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(mixed.ref_params))
