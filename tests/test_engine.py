@@ -622,3 +622,38 @@ def test_generate_samples_do_not_depend_on_batching(model):
     Engine(model, SLOTS, CACHE), prompts, sampling, max_new_tokens=7, rng=jax.random.key(12)
   )
   assert [c.token_ids for c in other] != [c.token_ids for c in three]  # the key matters
+
+
+def test_donated_weights_are_a_clear_error_and_a_trainer_fed_engine_follows_updates(model):
+  """An engine left on weights a training step donated raises StaleWeightsError (not a crash);
+  one built with weights=trainer.inference_params decodes each update's weights unasked."""
+  import optax
+
+  from coevolve_jax import grpo
+  from coevolve_jax.rollout.engine import StaleWeightsError
+  from coevolve_jax.trainer import PolicyTrainer, make_batch
+  from coevolve_jax.types import Trajectory
+
+  graphdef, state = nnx.split(model)  # the trainer donates what it is given: not the fixture
+  copy = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
+  trainer = PolicyTrainer(copy, optax.sgd(1.0), grpo.GRPOConfig(), 1.0)
+  stale = Engine(copy, num_slots=2, cache_len=32)  # holds the trainer's first buffers
+  live = Engine(copy, num_slots=2, cache_len=32, weights=trainer.inference_params)
+  greedy, key, ids = SamplingParams(temperature=0.0), jax.random.key(0), _prompt(3, 6)
+  before = live.prefill(0, ids, key, SamplingParams(temperature=1.0))
+
+  ids_t = _prompt(4, 12)
+  traj = Trajectory("t", 0, ids_t, [0] * 6 + [1] * 6, [0.0] * 12, reward=1.0)
+  trainer.sft_update(make_batch([traj], min_len=16, min_targets=8))
+  with pytest.raises(StaleWeightsError, match="donated"):
+    stale.prefill(0, ids, key, greedy)
+  with pytest.raises(StaleWeightsError):
+    stale.generate(np.ones(2, bool), key, greedy)
+
+  live.reset_slot(0)
+  after = live.prefill(0, ids, key, SamplingParams(temperature=1.0))
+  assert after[1] != before[1]  # the update moved the log-prob of the sampled token
+  reference = Engine(nnx.merge(trainer.graphdef, jax.tree.map(jnp.copy, trainer.params)), 2, 32)
+  assert reference.prefill(0, ids, key, SamplingParams(temperature=1.0)) == after
+  stale.load_params(trainer.model())  # re-pointed by hand, it works again
+  assert stale.prefill(1, ids, key, SamplingParams(temperature=1.0)) == after

@@ -18,14 +18,18 @@ for Qwen3-30B-A3B: 48 layers x 8 experts).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from coevolve_jax.models import sharding
 from coevolve_jax.models.qwen import KVCache, Qwen, routing_dtype
 from coevolve_jax.rollout.sampling import SamplingParams, sample
 
@@ -36,11 +40,34 @@ class DecodeState(NamedTuple):
   tokens: jax.Array  # [B] int32: last sampled token per slot
 
 
+class StaleWeightsError(RuntimeError):
+  """The engine was asked to decode with weights whose buffers are gone (donated to a training
+  step, or deleted): it must be given the trainer's current weights (`Engine(weights=...)`, or
+  `load_params` after every update)."""
+
+
+def _pin(state: DecodeState, shardings: DecodeState | None) -> DecodeState:
+  """`state` constrained to the engine's decode-state shardings (a no-op without a mesh), so the
+  KV cache leaves every jitted call as it came in: never replicated by the partitioner."""
+  return state if shardings is None else jax.lax.with_sharding_constraint(state, shardings)
+
+
 @functools.partial(
-  jax.jit, static_argnames=("graphdef", "sampling", "kv_len"), donate_argnames=("state",)
+  jax.jit,
+  static_argnames=("graphdef", "sampling", "kv_len", "shardings"),
+  donate_argnames=("state",),
 )
 def _prefill_rows(
-  graphdef, params, state: DecodeState, slots_r, chunk_rt, true_len_r, keys_r, sampling, kv_len
+  graphdef,
+  params,
+  state: DecodeState,
+  slots_r,
+  chunk_rt,
+  true_len_r,
+  keys_r,
+  sampling,
+  kv_len,
+  shardings=None,
 ):
   """One chunk into R slots at once. Rows may repeat a slot only as exact copies (padding).
 
@@ -65,13 +92,17 @@ def _prefill_rows(
     state.next_pos.at[slots_r].set(starts + true_len_r),
     state.tokens.at[slots_r].set(tok),
   )
-  return state, tok, logp, _small(routing, model)
+  return _pin(state, shardings), tok, logp, _small(routing, model)
 
 
 @functools.partial(
-  jax.jit, static_argnames=("graphdef", "sampling", "kv_len"), donate_argnames=("state",)
+  jax.jit,
+  static_argnames=("graphdef", "sampling", "kv_len", "shardings"),
+  donate_argnames=("state",),
 )
-def _generate(graphdef, params, state: DecodeState, active_b, rng, sampling, kv_len):
+def _generate(
+  graphdef, params, state: DecodeState, active_b, rng, sampling, kv_len, shardings=None
+):
   """One decode step. Returns (state, tokens [B], log-probs [B], routing [B, L_moe, k] of the
   pending tokens consumed (`routing_dtype`), or None for a dense model)."""
   model = nnx.merge(graphdef, params)
@@ -84,7 +115,7 @@ def _generate(graphdef, params, state: DecodeState, active_b, rng, sampling, kv_
   tok = jnp.where(active_b, tok, state.tokens)
   next_pos = jnp.where(active_b, state.next_pos + 1, state.next_pos)
   routing = None if routing is None else routing[:, 0]
-  return DecodeState(cache, next_pos, tok), tok, logp, _small(routing, model)
+  return _pin(DecodeState(cache, next_pos, tok), shardings), tok, logp, _small(routing, model)
 
 
 def _small(routing, model: Qwen):
@@ -194,8 +225,21 @@ def check_token_ids(ids, vocab_size: int, what: str) -> np.ndarray:
 class Engine:
   """Decode slots over a KV cache for one model.
 
+  Weights: with `weights` (a callable, e.g. `PolicyTrainer.inference_params`) the engine asks
+  for the weights at every prefill and decode call, so it always decodes the trainer's current
+  parameters and re-pointing cannot be forgotten; without it, it decodes `model`'s parameters
+  until `load_params` points it at others. Either way, weights whose buffers were donated or
+  deleted raise `StaleWeightsError` before any work, never a crash.
+
+  Mesh: with a `mesh`, the KV cache is allocated sharded by its logical axes (`KVCache.KEY_AXES`
+  / `VALUE_AXES` through `models.sharding.LOGICAL_RULES`): slots over (data, fsdp) and KV heads
+  over tensor (replicated over tensor where the head count does not divide), and every prefill
+  and decode step keeps it so (`_pin`); the model's activations follow the same table
+  (`jax.set_mesh` while tracing). Per device the cache holds num_slots / (data * fsdp) slots.
+  The slot counters (next_pos, tokens: [B] int32) are replicated.
+
   Args:
-    model: a Qwen model (its parameters are read at each call through `params`).
+    model: a Qwen model (graph, and the weights unless `weights` is given).
     num_slots: max concurrent decodes B.
     cache_len: S, tokens per slot (prompt + all turns).
     dtype: KV cache dtype.
@@ -205,8 +249,12 @@ class Engine:
       tokens than as one of 8192 (activations that fit the cache); accelerators may want more.
     record_routing: keep each slot's routing record (`routing`) when the model has MoE layers
       (for routing replay in training); no effect on a dense model.
+    mesh: a `models.sharding.make_mesh` mesh to shard the KV cache over, or None (one device).
+    weights: optional callable returning the nnx.State of parameters to decode with (for
+      `model`'s graph), called at every prefill and decode call.
   Raises:
-    ValueError: num_slots, cache_len or max_prefill_tokens below 1.
+    ValueError: num_slots, cache_len or max_prefill_tokens below 1, or num_slots that does not
+      divide by the mesh's data * fsdp size (the cache would otherwise be replicated).
   """
 
   def __init__(
@@ -217,18 +265,30 @@ class Engine:
     dtype=jnp.float32,
     max_prefill_tokens: int = 1024,
     record_routing: bool = True,
+    mesh: Mesh | None = None,
+    weights: Callable[[], nnx.State] | None = None,
   ):
     if min(num_slots, cache_len, max_prefill_tokens) < 1:
       raise ValueError(
         f"num_slots ({num_slots}), cache_len ({cache_len}) and "
         f"max_prefill_tokens ({max_prefill_tokens}) must be >= 1"
       )
-    self.graphdef, self.params = nnx.split(model)
+    rows = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    if num_slots % rows:
+      raise ValueError(
+        f"num_slots ({num_slots}) must divide by the mesh's data * fsdp size ({rows}): the KV "
+        "cache's slots are split over those devices"
+      )
+    self.mesh = mesh
+    self._weights = weights
+    self.graphdef, params = nnx.split(model)
+    self.params = None if weights is not None else params  # holds no buffer it does not use
     self.config = model.config
     self.num_slots = num_slots
     self.cache_len = cache_len
     self.max_prefill_tokens = max_prefill_tokens
     self.dtype = dtype
+    self.shardings = self._state_shardings()
     self.state = self.init_decode_state()
     # Host mirror of state.next_pos: room checks and kv buckets need no device round trip.
     self._pos = np.zeros((num_slots,), np.int64)
@@ -241,15 +301,57 @@ class Engine:
     return self.num_slots
 
   def load_params(self, model: Qwen) -> None:
-    """Points the engine at new weights (after a training step)."""
+    """Points the engine at `model`'s weights (after a training step) and stops asking the
+    `weights` callable, if one was given."""
     self.graphdef, self.params = nnx.split(model)
+    self._weights = None
+
+  def current_params(self) -> nnx.State:
+    """The weights the next call decodes with (`weights()` when given, else `params`).
+
+    Raises:
+      StaleWeightsError: a weight buffer was donated (to a training step) or deleted.
+    """
+    params = self._weights() if self._weights is not None else self.params
+    if any(x.is_deleted() for x in jax.tree.leaves(params) if isinstance(x, jax.Array)):
+      raise StaleWeightsError(
+        "the engine's weights were donated to a training step or deleted: build the Engine with "
+        "weights=trainer.inference_params, or call load_params(trainer.model()) after every update"
+      )
+    return params
+
+  def _ctx(self):
+    """The mesh for the model's activation sharding constraints while tracing."""
+    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+  def _state_shardings(self) -> DecodeState | None:
+    """NamedShardings of the decode state on the mesh (None without one); see the class doc."""
+    if self.mesh is None:
+      return None
+    cfg, b, s = self.config, self.num_slots, self.cache_len
+    kv, h = cfg.num_key_value_heads, cfg.head_dim
+    key = sharding.param_sharding(self.mesh, KVCache.KEY_AXES, (b, kv, h, s))
+    value = sharding.param_sharding(self.mesh, KVCache.VALUE_AXES, (b, kv, s, h))
+    n = cfg.num_hidden_layers
+    replicated = NamedSharding(self.mesh, PartitionSpec())
+    return DecodeState(KVCache((key,) * n, (value,) * n), replicated, replicated)
 
   def init_decode_state(self) -> DecodeState:
-    cache = KVCache.zeros(self.config, self.num_slots, self.cache_len, self.dtype)
-    # Two distinct buffers: the state is donated, and one buffer donated twice is an error.
-    return DecodeState(
-      cache, jnp.zeros((self.num_slots,), jnp.int32), jnp.zeros((self.num_slots,), jnp.int32)
-    )
+    """A fresh decode state (zero cache, counters at 0), placed by `shardings` on a mesh."""
+    if self.shardings is None:
+      cache = KVCache.zeros(self.config, self.num_slots, self.cache_len, self.dtype)
+      # Two distinct buffers: the state is donated, and one buffer donated twice is an error.
+      return DecodeState(
+        cache, jnp.zeros((self.num_slots,), jnp.int32), jnp.zeros((self.num_slots,), jnp.int32)
+      )
+
+    def fresh():
+      cache = KVCache.zeros(self.config, self.num_slots, self.cache_len, self.dtype)
+      zeros = jnp.zeros((self.num_slots,), jnp.int32)
+      return DecodeState(cache, zeros, zeros + 0)
+
+    # Each device allocates only its own shard (never the whole cache on one device).
+    return jax.jit(fresh, out_shardings=self.shardings)()
 
   def reset_slot(self, slot: int) -> None:
     """Frees a slot: its next request starts at cache index 0."""
@@ -410,17 +512,20 @@ class Engine:
     kv_len = max(
       min_kv_len, _kv_bucket(int(self._pos[slot_rows].max()) + t, self.cache_len, PREFILL_MIN_KV)
     )
-    self.state, tok, logp, routing = _prefill_rows(
-      self.graphdef,
-      self.params,
-      self.state,
-      jnp.asarray(slot_rows),
-      jnp.asarray(chunk),
-      jnp.asarray(true_len),
-      jnp.stack(keys_p),
-      sampling,
-      kv_len,
-    )
+    params = self.current_params()
+    with self._ctx():
+      self.state, tok, logp, routing = _prefill_rows(
+        self.graphdef,
+        params,
+        self.state,
+        jnp.asarray(slot_rows),
+        jnp.asarray(chunk),
+        jnp.asarray(true_len),
+        jnp.stack(keys_p),
+        sampling,
+        kv_len,
+        self.shardings,
+      )
     if self.record_routing:
       routing = np.asarray(routing)
       for r in range(rows):
@@ -452,9 +557,18 @@ class Engine:
     if full.size:
       raise ValueError(f"slots {full.tolist()} are full (cache {self.cache_len}); end them first")
     kv_len = _kv_bucket(int(self._pos[active].max(initial=0)) + 1, self.cache_len)
-    self.state, tok, logp, routing = _generate(
-      self.graphdef, self.params, self.state, jnp.asarray(active), rng, sampling, kv_len
-    )
+    params = self.current_params()
+    with self._ctx():
+      self.state, tok, logp, routing = _generate(
+        self.graphdef,
+        params,
+        self.state,
+        jnp.asarray(active),
+        rng,
+        sampling,
+        kv_len,
+        self.shardings,
+      )
     if self.record_routing:
       routing = np.asarray(routing)
       for slot in np.flatnonzero(active):
