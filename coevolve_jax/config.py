@@ -166,6 +166,7 @@ def _model(cfg: Mapping[str, Any]) -> None:
     preset = get(cfg, "model.preset")
     owner("model.preset", lambda: QwenConfig.preset(preset))
   _float_dtype(cfg, "model.dtype")
+  _float_dtype(cfg, "model.param_dtype")
 
 
 def _mesh(cfg: Mapping[str, Any]) -> None:
@@ -232,6 +233,9 @@ def _rollout(cfg: Mapping[str, Any]) -> None:
     "rollout.max_model_steps",
   ):
     int_at_least(cfg, field, 1)
+  layout = get(cfg, "rollout.weights_layout")
+  if layout not in ("gathered", "train"):
+    fail("rollout.weights_layout", "must be 'gathered' or 'train'", layout)
   temperature, top_k, top_p = (get(cfg, f"rollout.{k}") for k in ("temperature", "top_k", "top_p"))
   owner("rollout.temperature", lambda: SamplingParams(temperature=temperature))
   owner("rollout.top_k", lambda: SamplingParams(top_k=top_k))

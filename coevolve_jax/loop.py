@@ -37,10 +37,12 @@ from flax import nnx
 from coevolve_jax import config, errors, grpo, models
 from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
 from coevolve_jax.checkpoint import RunCheckpointer
+from coevolve_jax.cli import plan_device_memory
 from coevolve_jax.errors import CorruptFileError, RunError
 from coevolve_jax.feedback import factory, rounds
 from coevolve_jax.feedback.pool import TaskPool
 from coevolve_jax.feedback.signals import SignalTracker
+from coevolve_jax.models import sharding
 from coevolve_jax.metrics import (
   MetricsWriter,
   PhaseTimer,
@@ -169,6 +171,8 @@ class CoEvolveRun:
       info.update(self._feedback_tick(step))
     info["pool/size"] = len(self.pool)
     info.update(self.timer.pop_last())
+    # The engine's copy of the weights (cast, gathered over fsdp) made for this step's rollouts.
+    info["timing/weight_sync_s"] = self.trainer.last_sync_s
     self.metrics.write(step, info)  # before the save: a resume rewrites rows after its step
     if step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
       self._save(step)
@@ -214,7 +218,11 @@ class CoEvolveRun:
       os.path.join(self.workdir, "pool.jsonl"), threshold=cfg.pool.near_dup_threshold
     )
     self.tracker = SignalTracker.from_config(cfg.signals)
-    model = models.build(cfg.model, seed=cfg.seed)
+    # One mesh for everything the job allocates: parameters, optimizer state, reference, KV cache,
+    # the train step and the decode step (models/sharding.py holds the logical-axis table).
+    self.mesh = sharding.make_mesh(dict(cfg.mesh))
+    self._check_memory()
+    model = models.build(cfg.model, seed=cfg.seed, mesh=self.mesh, dtype=cfg.model.param_dtype)
     self.gcfg = grpo.GRPOConfig.from_config(cfg.train)
     tx = make_optimizer(
       lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, grad_clip=cfg.train.grad_clip
@@ -225,7 +233,14 @@ class CoEvolveRun:
       temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p
     )
     self.trainer = PolicyTrainer(
-      model, tx, self.gcfg, self.sampling, micro_batches=cfg.train.micro_batches
+      model,
+      tx,
+      self.gcfg,
+      self.sampling,
+      mesh=self.mesh,
+      micro_batches=cfg.train.micro_batches,
+      compute_dtype=cfg.model.dtype,
+      inference_layout=cfg.rollout.weights_layout,
     )
     self._setup_feedback()
     self.engine = Engine(
@@ -235,6 +250,9 @@ class CoEvolveRun:
       dtype=jnp.dtype(cfg.model.dtype),
       max_prefill_tokens=cfg.rollout.max_prefill_tokens,
       record_routing=cfg.train.replay_routing,  # MoE: trajectories carry it to the trainer
+      mesh=self.mesh,
+      # Asked at every call: the engine always decodes the trainer's current weights.
+      weights=self.trainer.inference_params,
     )
     self.runner = AgentRunner(
       self.engine,
@@ -256,6 +274,27 @@ class CoEvolveRun:
     )
     self.ckpt = RunCheckpointer(os.path.join(self.workdir, "checkpoints"), cfg.checkpoint.keep)
 
+  def _check_memory(self) -> None:
+    """Stops at start-up, with the memory planner's table, when the run cannot fit its devices
+    (`plan_device_memory.check_run_fits`); platforms that report no device memory (CPU) and
+    checkpoint runs (no preset to plan) are not checked.
+
+    Raises:
+      RunError: the run's parameters, optimizer, reference, rollout weights and KV cache alone
+        exceed one device's memory.
+    """
+    if self.cfg.model.checkpoint:
+      return
+    stats = jax.local_devices()[0].memory_stats() or {}
+    try:
+      warning = plan_device_memory.check_run_fits(
+        self.cfg, dict(self.mesh.shape), stats.get("bytes_limit")
+      )
+    except MemoryError as e:
+      raise RunError(str(e)) from None
+    if warning:
+      print(warning)
+
   def _setup_feedback(self) -> None:
     """The explorer LLMs (D0 and feedback rounds; None = programmatic) and the round worker."""
     ex = self.cfg.explore
@@ -268,8 +307,9 @@ class CoEvolveRun:
     self.journal = rounds.RoundJournal(os.path.join(self.workdir, "rounds"))
 
   def _policy_snapshot(self):
-    """A copy of the current policy (the trainer donates its own buffers at every step)."""
-    return nnx.merge(self.trainer.graphdef, jax.tree.map(jnp.copy, self.trainer.params))
+    """A copy of the current policy in the compute dtype (the trainer's buffers are donated or
+    replaced at every step)."""
+    return nnx.merge(self.trainer.graphdef, jax.tree.map(jnp.copy, self.trainer.inference_params()))
 
   def _warmstart(self) -> None:
     cfg = self.cfg.warmstart
@@ -284,7 +324,12 @@ class CoEvolveRun:
       0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), cfg.lr * 0.05
     )
     sft = PolicyTrainer(
-      self.trainer.model(), make_optimizer(schedule, 0.0, self.cfg.train.grad_clip), self.gcfg, 1.0
+      self.trainer.model(),
+      make_optimizer(schedule, 0.0, self.cfg.train.grad_clip),
+      self.gcfg,
+      1.0,
+      mesh=self.mesh,
+      compute_dtype=self.cfg.model.dtype,
     )
     t_max = max(len(d.token_ids) for d in demos)  # one shape for every warm-start batch
     p_max = max(d.num_generated for d in demos)
@@ -294,7 +339,7 @@ class CoEvolveRun:
       if i % 10 == 0 or i == cfg.steps - 1:
         self.metrics.write(0, {"warmstart/loss": loss, "warmstart/step": i})
     self.trainer.params = sft.params
-    self.trainer.opt_state = self.trainer.tx.init(sft.params)
+    self.trainer.reset_optimizer()
 
   # ------------------------------------------------------------------ rollouts and evaluation
 
@@ -303,7 +348,6 @@ class CoEvolveRun:
     the evaluator's seconds are moved from the "rollout" phase to "reward"."""
     runner = self.eval_runner if eval else self.runner
     sampling = SamplingParams(temperature=0.0) if eval else self.sampling
-    self.engine.load_params(self.trainer.model())
     self.state.key, sub = jax.random.split(self.state.key)
     before = runner.timings.get("reward", 0.0)
     with self.timer("rollout"):

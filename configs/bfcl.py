@@ -31,13 +31,19 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   c.model.preset = "qwen3_4b"  # QwenConfig preset name
   c.model.checkpoint = ""  # Hugging Face folder with safetensors; "" = random init
-  c.model.dtype = "bfloat16"
+  c.model.dtype = "bfloat16"  # compute dtype: forwards, backwards, KV cache, rollout weights
+  # Master copy of the trained parameters, gradients and AdamW moments (fp32: a bf16 update of
+  # lr 1e-6 rounds away on most weights). The reference policy is kept in `model.dtype`.
+  c.model.param_dtype = "float32"
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1
   c.mesh.fsdp = -1  # -1 = all remaining devices
   c.mesh.tensor = 1
   c.mesh.expert = 1
+  # One mesh for the run (built once at start-up): parameters, optimizer state and reference are
+  # sharded by the logical-axis table (models/sharding.py), training rows over data * fsdp, the
+  # KV cache's slots over data * fsdp and its KV heads over tensor.
 
   c.explore = ml_collections.ConfigDict()
   c.explore.explorer = "programmatic"  # "programmatic" | "gemini" | "local"
@@ -98,7 +104,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.rollout.temperature = 0.9
   c.rollout.top_p = 1.0
   c.rollout.top_k = 0
-  c.rollout.num_slots = 64  # concurrent episodes (decode slots)
+  c.rollout.num_slots = 64  # concurrent episodes (decode slots); divisible by data * fsdp
+  # The engine's copy of the weights: "gathered" (fsdp dimension replicated, gathered once per
+  # step: decode steps then need no per-layer all-gather) or "train" (the training layout).
+  c.rollout.weights_layout = "gathered"
   c.rollout.cache_len = 32768  # tokens per episode (prompt + all turns)
   c.rollout.max_prefill_tokens = 8192  # tokens per prefill forward (rows x chunk)
   c.rollout.max_new_tokens = 4096  # per model reply

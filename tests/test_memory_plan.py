@@ -60,10 +60,12 @@ def test_kv_cache_matches_hand_formula():
   assert got == want
 
 
-def test_uneven_shards_round_up():
+def test_non_dividing_mesh_axes_leave_the_dimension_replicated_as_the_job_does():
+  # 10 rows do not split over 4 devices: the job keeps them whole (sharding.param_spec).
   assert (
-    plan_device_memory.shard_bytes((10, 3), jnp.float32, ("embed", None), {"fsdp": 4}) == 3 * 3 * 4
+    plan_device_memory.shard_bytes((10, 3), jnp.float32, ("embed", None), {"fsdp": 4}) == 10 * 3 * 4
   )
+  assert plan_device_memory.shard_bytes((12, 3), jnp.float32, ("embed", None), {"fsdp": 4}) == 36
   with pytest.raises(KeyError, match="no sharding rule"):
     plan_device_memory.shard_bytes((4,), jnp.float32, ("nonexistent",), {})
   with pytest.raises(ValueError, match="logical axes"):

@@ -7,5 +7,6 @@
 - `prices` (a table, not a command): chip facts, Vertex AI machine types and on-demand prices,
   with the date they were recorded.
 
-The training job (`coevolve_jax.main`) imports none of these.
+The training job (`coevolve_jax.main`) imports only `plan_device_memory`, for its start-up
+memory check.
 """

@@ -3,17 +3,24 @@
     python -m coevolve_jax.cli.plan_device_memory --preset=qwen3_4b --mesh=fsdp=8 --batch=64 \
         --seq_len=4096 --num_slots=64 --cache_len=32768 --chip=v5p
 
-prints parameter, gradient, optimizer-state (AdamW m and v), reference-policy, activation and
-KV-cache memory per device, and whether the sum fits the chip's HBM. `--devices=8,16,32,...`
-instead prints one row per slice size with `fsdp=-1` (all devices on the fsdp axis).
+prints parameter, gradient, optimizer-state (AdamW m and v), reference-policy, rollout-weights,
+activation and KV-cache memory per device, and whether the sum fits the chip's HBM.
+`--devices=8,16,32,...` instead prints one row per slice size with `fsdp=-1` (all devices on the
+fsdp axis).
 
-How each figure is obtained:
-- Parameters: `nnx.eval_shape` of the real `Qwen` module; each parameter carries its logical axes
-  (`out_sharding`), mapped to mesh axes by `sharding.LOGICAL_RULES`. A dimension of size n over
-  mesh axes of total size m takes ceil(n / m) per device (XLA pads uneven shards).
+How each figure is obtained (the job's own rules, so the figures are what it allocates):
+- Parameters: `nnx.eval_shape` of the real `Qwen` module in the master dtype (`--param_dtype`,
+  the run's `model.param_dtype`); each parameter carries its logical axes (`out_sharding`),
+  mapped to mesh axes by `sharding.param_spec`, the function the job shards with: a mesh axis
+  that does not divide a dimension leaves that dimension replicated over it.
 - Optimizer state: `jax.eval_shape` of the trainer's own optax transformation (`make_optimizer`)
-  on the abstract parameters; each moment leaf is sharded like its parameter.
-- Gradients and the GRPO reference policy: one parameter-sized copy each.
+  on the abstract master parameters; each moment leaf is sharded like its parameter.
+- Gradients: one master-dtype parameter copy. Reference policy: one copy in the compute dtype
+  (`--dtype`, the run's `model.dtype`), sharded like the parameters.
+- Rollout weights (`PolicyTrainer.inference_params`): one compute-dtype copy in the engine's
+  layout (`--weights_layout`: "gathered" = `trainer.inference_rules`, the fsdp dimension
+  replicated; "train" = the parameters' layout); none when neither a cast nor a layout change is
+  needed (the engine then decodes the parameters themselves).
 - Activations: the residuals that `jax.vjp` of the trainer's `token_logprobs` keeps for the
   backward pass, read with `jax.eval_shape` at batch 1 and 2. Residual leaves whose shape changes
   with the batch are activations (the rest are parameters, counted above); per device they scale
@@ -21,8 +28,8 @@ How each figure is obtained:
   dimension is a tensor-sharded one (heads, kv heads, MLP, vocab; the `act_*`/`mlp` rules).
   Transient buffers inside one op are not counted: leave headroom (see `--headroom`).
 - KV cache: `KVCache.zeros` shapes ([slots, K, H, cache_len] keys and [slots, K, cache_len, H]
-  values per layer), slots over (data, fsdp), kv heads over tensor, as the rollout engine
-  allocates it.
+  values per layer) in the compute dtype, slots over (data, fsdp), kv heads over tensor where
+  they divide, as the rollout engine allocates it (`sharding.param_spec` of its logical axes).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +48,7 @@ from flax import nnx
 from coevolve_jax.cli import prices
 from coevolve_jax.models import sharding
 from coevolve_jax.models.qwen import KVCache, Qwen, QwenConfig
-from coevolve_jax.trainer import make_optimizer, token_logprobs
+from coevolve_jax.trainer import inference_rules, make_optimizer, token_logprobs
 
 GIB = 2**30
 
@@ -52,6 +60,7 @@ class MemoryPlan:
   preset: str
   mesh: dict[str, int]
   dtype: str
+  param_dtype: str
   batch: int
   seq_len: int
   num_slots: int
@@ -61,19 +70,25 @@ class MemoryPlan:
   gradients: int
   optimizer: int
   reference: int
+  rollout_weights: int
   activations: int
   kv_cache: int
 
   @property
-  def total(self) -> int:
+  def static(self) -> int:
+    """Everything but activations: what the job holds from start-up on, whatever it trains on."""
     return (
       self.params
       + self.gradients
       + self.optimizer
       + self.reference
-      + self.activations
+      + self.rollout_weights
       + self.kv_cache
     )
+
+  @property
+  def total(self) -> int:
+    return self.static + self.activations
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -97,6 +112,7 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def _axis_size(mesh: Mapping[str, int], logical: str | None) -> int:
+  """Devices a logical activation axis is split over (the activation estimate's rule)."""
   if logical is None:
     return 1
   if logical not in sharding.LOGICAL_RULES:
@@ -111,18 +127,21 @@ def _axis_size(mesh: Mapping[str, int], logical: str | None) -> int:
 
 
 def shard_bytes(
-  shape: Sequence[int], dtype, axes: Sequence[str | None], mesh: Mapping[str, int]
+  shape: Sequence[int],
+  dtype,
+  axes: Sequence[str | None],
+  mesh: Mapping[str, int],
+  rules: Mapping[str, str | tuple[str, ...] | None] = sharding.LOGICAL_RULES,
 ) -> int:
-  """Bytes one device holds of an array of `shape` sharded by logical `axes` over `mesh`.
+  """Bytes one device holds of an array of `shape` sharded by logical `axes` over `mesh`, by the
+  job's rule (`sharding.param_spec`: non-dividing mesh axes leave the dimension replicated).
 
   Raises:
-    KeyError: a logical axis with no rule in `sharding.LOGICAL_RULES`.
+    KeyError: a logical axis with no rule in `rules`.
     ValueError: `axes` and `shape` of different lengths.
   """
-  if len(axes) != len(shape):
-    raise ValueError(f"{len(axes)} logical axes for shape {tuple(shape)}")
-  per_dev = [-(-d // _axis_size(mesh, a)) for d, a in zip(shape, axes)]
-  return math.prod(per_dev) * jnp.dtype(dtype).itemsize
+  spec = sharding.param_spec(mesh, axes, shape, rules)
+  return math.prod(sharding.shard_shape(mesh, spec, shape)) * jnp.dtype(dtype).itemsize
 
 
 def abstract_model(cfg: QwenConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
@@ -218,6 +237,25 @@ def parameter_bytes(
   return count, sum(shard_bytes(s, d, a, mesh) for s, d, a in axes.values())
 
 
+def rollout_weights_bytes(
+  preset: str, mesh: Mapping[str, int], dtype: str, param_dtype: str, layout: str = "gathered"
+) -> int:
+  """Bytes per device of the engine's weight copy (`PolicyTrainer.inference_params`): the
+  parameters in `dtype` and the `layout`'s rules; 0 when the job makes no copy (`layout` "train"
+  and no cast).
+
+  Raises:
+    ValueError: unknown preset or layout.
+  """
+  if layout not in ("gathered", "train"):
+    raise ValueError(f"layout must be 'gathered' or 'train', got {layout!r}")
+  if layout == "train" and jnp.dtype(dtype) == jnp.dtype(param_dtype):
+    return 0
+  rules = inference_rules() if layout == "gathered" else sharding.LOGICAL_RULES
+  _, axes = _abstract_params(preset, str(jnp.dtype(param_dtype)))
+  return sum(shard_bytes(s, dtype, a, mesh, rules) for s, _, a in axes.values())
+
+
 def kv_cache_bytes(
   preset: str, mesh: Mapping[str, int], num_slots: int, cache_len: int, dtype: str = "bfloat16"
 ) -> int:
@@ -245,6 +283,8 @@ def plan(
   num_slots: int,
   cache_len: int,
   dtype: str = "bfloat16",
+  param_dtype: str = "float32",
+  weights_layout: str = "gathered",
   targets: int | None = None,
   micro_batches: int = 1,
 ) -> MemoryPlan:
@@ -257,7 +297,10 @@ def plan(
     seq_len: tokens per training sequence.
     num_slots: concurrent rollout episodes (KV-cache rows), global.
     cache_len: KV-cache tokens per slot.
-    dtype: parameter, activation and cache dtype.
+    dtype: the compute dtype (`model.dtype`): activations, reference, rollout weights, cache.
+    param_dtype: the master parameters' dtype (`model.param_dtype`): parameters, gradients and
+      optimizer moments.
+    weights_layout: the engine's weight layout (`rollout.weights_layout`).
     targets: sampled (trained) positions per sequence; default seq_len // 2.
     micro_batches: gradient-accumulation slices per step (the trainer's `micro_batches`): only
       one slice's activations are alive at a time.
@@ -270,9 +313,10 @@ def plan(
     raise ValueError("batch, seq_len, num_slots, cache_len and micro_batches must be >= 1")
   mesh = {a: int(mesh.get(a, 1)) for a in sharding.MESH_AXES}
   cfg = QwenConfig.preset(preset)
-  dt = jnp.dtype(dtype)
-  params_state, axes = _abstract_params(preset, str(dt))
-  num_params, param_bytes = parameter_bytes(preset, mesh, dtype)
+  dt, pdt = jnp.dtype(dtype), jnp.dtype(param_dtype)
+  params_state, axes = _abstract_params(preset, str(pdt))
+  num_params, param_bytes = parameter_bytes(preset, mesh, param_dtype)
+  _, reference = parameter_bytes(preset, mesh, dtype)
   tx = make_optimizer(1e-6, 0.01, 1.0)
   opt_state = jax.eval_shape(tx.init, params_state)
   opt_bytes = _sharded_tree_bytes(opt_state, axes, mesh)
@@ -284,6 +328,7 @@ def plan(
     preset=preset,
     mesh=mesh,
     dtype=str(dt),
+    param_dtype=str(pdt),
     batch=batch,
     seq_len=seq_len,
     num_slots=num_slots,
@@ -292,7 +337,8 @@ def plan(
     params=param_bytes,
     gradients=param_bytes,
     optimizer=opt_bytes,
-    reference=param_bytes,
+    reference=reference,
+    rollout_weights=rollout_weights_bytes(preset, mesh, dtype, param_dtype, weights_layout),
     activations=act,
     kv_cache=kv,
   )
@@ -309,6 +355,7 @@ def format_table(
     "grads",
     "optimizer",
     "reference",
+    "rollout weights",
     "activations",
     "kv cache",
     "total",
@@ -321,12 +368,80 @@ def format_table(
     row = [p.preset, f"{m['data']},{m['fsdp']},{m['tensor']},{m['expert']}"]
     row += [
       f"{b / GIB:.2f}"
-      for b in (p.params, p.gradients, p.optimizer, p.reference, p.activations, p.kv_cache, p.total)
+      for b in (
+        p.params,
+        p.gradients,
+        p.optimizer,
+        p.reference,
+        p.rollout_weights,
+        p.activations,
+        p.kv_cache,
+        p.total,
+      )
     ]
     if hbm_gib:
       row.append("yes" if p.total <= headroom * hbm_gib * GIB else "no")
     lines.append("| " + " | ".join(row) + " |")
   return "\n".join(lines)
+
+
+def plan_for_run(cfg: Mapping[str, Any], mesh: Mapping[str, int]) -> MemoryPlan:
+  """The plan of a run's config (configs/bfcl.py groups) on `mesh` (axis sizes, -1 resolved).
+
+  The training sequence is taken at its longest, `rollout.cache_len` tokens (a trajectory never
+  holds more), and a mini-batch holds tasks_per_step * group_size / mini_batches rows.
+  """
+  rollout, train = cfg["rollout"], cfg["train"]
+  rows = -(-rollout["tasks_per_step"] * rollout["group_size"] // train["mini_batches"])
+  return plan(
+    cfg["model"]["preset"],
+    mesh,
+    batch=rows,
+    seq_len=rollout["cache_len"],
+    num_slots=rollout["num_slots"],
+    cache_len=rollout["cache_len"],
+    dtype=cfg["model"]["dtype"],
+    param_dtype=cfg["model"]["param_dtype"],
+    weights_layout=rollout["weights_layout"],
+    micro_batches=train["micro_batches"],
+  )
+
+
+def check_run_fits(
+  cfg: Mapping[str, Any], mesh: Mapping[str, int], device_bytes: int | None
+) -> str | None:
+  """Checks a run's plan against the memory of one device, before anything is allocated.
+
+  Args:
+    cfg: the run's config. mesh: axis sizes of the run's mesh.
+    device_bytes: memory of one device (`jax.Device.memory_stats()["bytes_limit"]`), or None
+      where the platform does not say (CPU): nothing is checked.
+  Returns:
+    None when it fits (or nothing was checked); a warning with the table when only the
+    activations of the longest possible training sequence would not fit.
+  Raises:
+    MemoryError: parameters, gradients, optimizer, reference, rollout weights and KV cache alone
+      exceed the device (the job would run out of memory for certain); the message holds the
+      planner's table and what to change.
+  """
+  if not device_bytes:
+    return None
+  p = plan_for_run(cfg, mesh)
+  table = format_table([p], device_bytes / GIB, headroom=1.0)
+  if p.static > device_bytes:
+    raise MemoryError(
+      f"the run does not fit its devices: {p.static / GIB:.1f} GiB per device before any "
+      f"activation, {device_bytes / GIB:.1f} GiB available (memory planner, GiB per device):\n"
+      f"{table}\nUse more devices (mesh.fsdp = -1 spreads parameters and optimizer over all), "
+      f"fewer rollout.num_slots or a shorter rollout.cache_len, or rollout.weights_layout=train."
+    )
+  if p.total > device_bytes:
+    return (
+      f"warning: a training batch of {p.batch} rows of rollout.cache_len = {p.seq_len} tokens "
+      f"would not fit ({p.total / GIB:.1f} GiB per device of {device_bytes / GIB:.1f}); shorter "
+      f"trajectories do. Raise train.micro_batches if the step runs out of memory:\n{table}"
+    )
+  return None
 
 
 def _define_flags() -> None:
@@ -339,7 +454,9 @@ def _define_flags() -> None:
   flags.DEFINE_integer("micro_batches", 1, "Gradient-accumulation slices per step.")
   flags.DEFINE_integer("num_slots", 64, "Concurrent rollout episodes (global).")
   flags.DEFINE_integer("cache_len", 32768, "KV-cache tokens per episode.")
-  flags.DEFINE_string("dtype", "bfloat16", "Parameter / activation / cache dtype.")
+  flags.DEFINE_string("dtype", "bfloat16", "Compute dtype: activations, reference, weights, cache.")
+  flags.DEFINE_string("param_dtype", "float32", "Master parameter / gradient / optimizer dtype.")
+  flags.DEFINE_string("weights_layout", "gathered", "Rollout weights layout: gathered or train.")
   flags.DEFINE_string("chip", "", "Chip name of coevolve_jax/cli/prices.py (for the fits column).")
   flags.DEFINE_float("headroom", 0.9, "Share of HBM the plan may use.")
 
@@ -372,12 +489,15 @@ def main(argv: Sequence[str]) -> None:
       num_slots=F.num_slots,
       cache_len=F.cache_len,
       dtype=F.dtype,
+      param_dtype=F.param_dtype,
+      weights_layout=F.weights_layout,
       micro_batches=F.micro_batches,
     )
     for m in meshes
   ]
   print(
-    f"{F.preset}: {plans[0].num_params / 1e9:.3f}B parameters, {F.dtype}; "
+    f"{F.preset}: {plans[0].num_params / 1e9:.3f}B parameters, {F.param_dtype} master, "
+    f"{F.dtype} compute, {F.weights_layout} rollout weights; "
     f"batch {F.batch} x {F.seq_len} tokens in {F.micro_batches} micro-batches, "
     f"{F.num_slots} slots x "
     f"{F.cache_len} cache tokens; GiB per device"

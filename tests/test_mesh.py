@@ -1,0 +1,273 @@
+"""One process on a mesh of 8 host devices: what the main job allocates is sharded as the
+logical-axis table says, through set-up, rollout, a GRPO step and a restore onto another mesh.
+
+The job's objects are built as `loop.CoEvolveRun._setup` builds them (`models.build` on the
+mesh, `PolicyTrainer(mesh=..., compute_dtype=...)`, `Engine(mesh=..., weights=trainer.
+inference_params)`, `RunCheckpointer`), on a small model so that the check stays fast; the whole
+job on two meshes and on one device is `test_mesh_run.py` (slow).
+"""
+
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from host_devices import run_child
+
+
+def test_every_leaf_is_sharded_by_the_table_after_setup_step_and_restore(tmp_path):
+  run_child(__file__, "layout", str(tmp_path))
+
+
+def _nbytes_per_device(x: jax.Array) -> int:
+  """Bytes of `x` that device 0 holds."""
+  (shard,) = [s for s in x.addressable_shards if s.device == jax.devices()[0]]
+  return shard.data.nbytes
+
+
+def _layout_child(tmp: str) -> None:
+  from coevolve_jax import grpo
+  from coevolve_jax.checkpoint import RunCheckpointer
+  from coevolve_jax.models import builder, sharding
+  from coevolve_jax.models.qwen import QwenConfig
+  from coevolve_jax.rollout.engine import Engine
+  from coevolve_jax.rollout.sampling import SamplingParams
+  from coevolve_jax.trainer import PolicyTrainer, inference_rules, make_optimizer
+  from coevolve_jax.types import Trajectory
+
+  assert jax.device_count() == 8, jax.devices()
+  P = jax.sharding.PartitionSpec  # noqa: N806
+  cfg = QwenConfig(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    tie_word_embeddings=True,
+  )
+
+  def build(mesh):
+    # As the loop does: float32 master weights initialised onto the mesh, bfloat16 compute.
+    model = builder.init(cfg, seed=0, dtype=jnp.float32, mesh=mesh)
+    trainer = PolicyTrainer(
+      model,
+      make_optimizer(1e-3, 0.01, 1.0),
+      grpo.GRPOConfig(kl_beta=0.05),
+      1.0,
+      mesh=mesh,
+      compute_dtype=jnp.bfloat16,
+    )
+    engine = Engine(
+      model,
+      num_slots=8,
+      cache_len=64,
+      dtype=jnp.bfloat16,
+      mesh=mesh,
+      weights=trainer.inference_params,
+    )
+    return trainer, engine
+
+  def check_params(tree, mesh, rules, dtype, what):
+    """Every Param leaf carries the table's sharding, in `dtype`; count what device 0 holds."""
+    flat = nnx.to_flat_state(tree)
+    assert flat, what
+    held = total = 0
+    for path, var in flat:
+      x = var.get_value()
+      axes = var.get_metadata()["out_sharding"]
+      want = sharding.param_sharding(mesh, axes, x.shape, rules)
+      assert x.sharding.is_equivalent_to(want, x.ndim), (what, path, x.sharding, want)
+      assert x.dtype == dtype, (what, path, x.dtype)
+      held += _nbytes_per_device(x)
+      total += x.nbytes
+    return held, total
+
+  def check_opt_state(opt_state, params, mesh, what):
+    """AdamW's moments shard like their parameters (float32); counters are replicated."""
+    want = sharding.tree_shardings(params, mesh)
+    moments = 0
+    for state in jax.tree.leaves(opt_state, is_leaf=lambda s: hasattr(s, "mu")):
+      if hasattr(state, "mu"):
+        for m in (state.mu, state.nu):
+          for x, w in zip(jax.tree.leaves(m), jax.tree.leaves(want)):
+            assert x.sharding.is_equivalent_to(w, x.ndim), (what, x.sharding, w)
+            assert x.dtype == jnp.float32
+            moments += 1
+    assert moments == 2 * len(jax.tree.leaves(params)), what
+    for x in jax.tree.leaves(opt_state):
+      if x.ndim == 0:
+        assert x.sharding.is_fully_replicated, (what, x.sharding)
+
+  def check_cache(engine, mesh, what):
+    batch_axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
+    heads = "tensor" if mesh.shape["tensor"] > 1 else None
+    batch = batch_axes[0] if len(batch_axes) == 1 else (batch_axes or None)
+    for k, v in zip(engine.state.cache.k, engine.state.cache.v):
+      assert k.sharding.is_equivalent_to(
+        jax.sharding.NamedSharding(mesh, P(batch, heads, None, None)), 4
+      ), (what, k.sharding)
+      assert v.sharding.is_equivalent_to(
+        jax.sharding.NamedSharding(mesh, P(batch, heads, None, None)), 4
+      ), (what, v.sharding)
+      # Device 0 holds its slots' share of its KV heads, never the whole cache.
+      rows = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
+      tp = mesh.shape["tensor"]
+      assert _nbytes_per_device(k) == k.nbytes // (rows * tp), (what, k.shape)
+    assert engine.state.cache.k[0].dtype == jnp.bfloat16
+
+  def check_all(trainer, engine, mesh, what, reference=True):
+    held, total = check_params(trainer.params, mesh, sharding.LOGICAL_RULES, jnp.float32, what)
+    # fsdp=8: every parameter but the norms (64 floats each) is split 8 ways on device 0.
+    norms = 4 * 64 * (2 * cfg.num_hidden_layers + 1) + 4 * 16 * 2 * cfg.num_hidden_layers
+    if mesh.shape["fsdp"] == 8:
+      assert held == (total - norms) // 8 + norms, (what, held, total)
+    check_opt_state(trainer.opt_state, trainer.params, mesh, what)
+    if reference:
+      check_params(trainer.ref_params, mesh, sharding.LOGICAL_RULES, jnp.bfloat16, what)
+    infer, _ = check_params(
+      trainer.inference_params(), mesh, inference_rules(), jnp.bfloat16, what + " weights"
+    )
+    check_cache(engine, mesh, what)
+    return held, infer
+
+  mesh_a = sharding.make_mesh({"fsdp": 8})
+  mesh_b = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+
+  # Set-up.
+  trainer, engine = build(mesh_a)
+  trainer.freeze_reference()
+  check_all(trainer, engine, mesh_a, "set-up")
+  emb = trainer.params["embed_tokens"].get_value()
+  assert emb.sharding.spec == P(None, "fsdp"), emb.sharding  # vocab x embed: embed over fsdp
+  infer_emb = trainer.inference_params()["embed_tokens"].get_value()
+  assert infer_emb.sharding.is_fully_replicated  # gathered over fsdp for decoding
+
+  # Rollout: prefill two conversations and decode; the cache keeps its sharding.
+  sampling = SamplingParams(temperature=1.0)
+  keys = list(jax.random.split(jax.random.key(0), 2))
+  engine.prefill_many([(0, [1, 2, 3, 4, 5], keys[0]), (5, [7, 8, 9], keys[1])], sampling)
+  active = np.zeros(8, bool)
+  active[[0, 5]] = True
+  for i in range(4):
+    engine.generate(active, jax.random.split(jax.random.key(i), 8), sampling)
+  check_cache(engine, mesh_a, "after decode")
+
+  # A GRPO step on 8 trajectories (mini-batch rows split over the 8 devices).
+  rng = np.random.default_rng(0)
+  trajs = []
+  for i in range(8):
+    ids = [int(x) for x in rng.integers(1, 512, 24)]
+    trajs.append(
+      Trajectory(
+        task_id=f"t{i}",
+        group_id=i // 4,
+        token_ids=ids,
+        loss_mask=[0] * 8 + [1] * 16,
+        logprobs=[-6.0] * 24,
+        reward=float(i % 2),
+      )
+    )
+  version = trainer.inference_params()
+  metrics = trainer.grpo_epoch(trajs, np.where(np.arange(8) % 2, 1.0, -1.0), 1)
+  assert np.isfinite(metrics["train/loss"])
+  assert trainer.inference_params() is not version  # a new version after the update
+  check_all(trainer, engine, mesh_a, "after a GRPO step")
+  # The engine decodes the new weights with no re-pointing.
+  engine.generate(active, jax.random.split(jax.random.key(9), 8), sampling)
+  check_cache(engine, mesh_a, "after decode with the new weights")
+
+  # Checkpoint on mesh A, restore onto mesh B: values kept, shardings B's.
+  ckpt = RunCheckpointer(f"{tmp}/checkpoints", keep=2)
+  ckpt.save(1, trainer.state, {"step": 1})
+  ckpt.wait()
+  saved = jax.tree.map(np.asarray, trainer.state)
+  trainer_b, engine_b = build(mesh_b)
+  trainer_b.freeze_reference()
+  state, meta = ckpt.restore(1, like=trainer_b.state)
+  ckpt.close()
+  trainer_b.state = state
+  assert meta == {"step": 1}
+  check_all(trainer_b, engine_b, mesh_b, "after restore on another mesh")
+  restored = jax.tree.map(np.asarray, trainer_b.state)
+  for x, y in zip(jax.tree.leaves(saved), jax.tree.leaves(restored)):
+    np.testing.assert_array_equal(x, y)
+  emb_b = trainer_b.params["embed_tokens"].get_value()
+  assert emb_b.sharding.spec == P("tensor", "fsdp"), emb_b.sharding
+  _planner_agrees(mesh_a, mesh_b)
+  print("layout OK")
+
+
+def _planner_agrees(*meshes) -> None:
+  """The memory planner's per-device figures equal the bytes device 0 holds of the arrays the
+  job allocates (tiny_cpu: parameters, optimizer, reference, rollout weights, KV cache), and,
+  for every preset, its parameter figures equal the job's shardings' shard shapes (abstract)."""
+  from coevolve_jax import grpo
+  from coevolve_jax.cli import plan_device_memory
+  from coevolve_jax.models import PRESETS, builder, sharding
+  from coevolve_jax.models.qwen import Qwen, QwenConfig
+  from coevolve_jax.rollout.engine import Engine
+  from coevolve_jax.trainer import PolicyTrainer, inference_rules, make_optimizer
+
+  def held(tree) -> int:
+    return sum(_nbytes_per_device(x) for x in jax.tree.leaves(tree))
+
+  for mesh in meshes:
+    sizes = dict(mesh.shape)
+    model = builder.init(QwenConfig.preset("tiny_cpu"), seed=0, dtype=jnp.float32, mesh=mesh)
+    trainer = PolicyTrainer(
+      model,
+      make_optimizer(1e-6, 0.01, 1.0),
+      grpo.GRPOConfig(),
+      1.0,
+      mesh=mesh,
+      compute_dtype=jnp.bfloat16,
+    )
+    trainer.freeze_reference()
+    engine = Engine(model, 16, 256, dtype=jnp.bfloat16, mesh=mesh, weights=trainer.inference_params)
+    plan = plan_device_memory.plan(
+      "tiny_cpu", sizes, batch=8, seq_len=64, num_slots=16, cache_len=256, dtype="bfloat16"
+    )
+    got = {
+      "params": held(trainer.params),
+      "optimizer": held(trainer.opt_state),
+      "reference": held(trainer.ref_params),
+      "rollout_weights": held(trainer.inference_params()),
+      "kv_cache": held(engine.state.cache),
+    }
+    want = {k: getattr(plan, k) for k in got}
+    assert got == want, (sizes, got, want)
+    del trainer, engine, model
+
+    for preset in PRESETS:  # shapes only: the job's shardings against the planner's arithmetic
+      abstract = nnx.eval_shape(lambda p=preset: Qwen(QwenConfig.preset(p), rngs=nnx.Rngs(0)))
+      state = nnx.state(abstract, nnx.Param)
+      for rules, dtype, figure in (
+        (
+          sharding.LOGICAL_RULES,
+          "float32",
+          plan_device_memory.parameter_bytes(preset, sizes, "float32")[1],
+        ),
+        (
+          inference_rules(),
+          "bfloat16",
+          plan_device_memory.rollout_weights_bytes(preset, sizes, "bfloat16", "float32"),
+        ),
+      ):
+        shardings = sharding.tree_shardings(state, mesh, rules)
+        job = sum(
+          math.prod(sh.shard_shape(x.shape)) * jnp.dtype(dtype).itemsize
+          for x, sh in zip(jax.tree.leaves(state), jax.tree.leaves(shardings))
+        )
+        assert job == figure, (preset, sizes, job, figure)
+
+
+if __name__ == "__main__":
+  if sys.argv[1:2] == ["layout"]:
+    _layout_child(sys.argv[2])
+  else:
+    raise SystemExit(f"unknown mode {sys.argv[1:]}")
