@@ -183,3 +183,27 @@ def test_cli_sweep_prints_table():
     timeout=300,
   )
   assert bad.returncode != 0 and "bad mesh size" in bad.stderr
+
+
+def test_a_run_that_cannot_fit_stops_with_the_planners_table():
+  """`check_run_fits` against a device size: static memory over it is a MemoryError with the
+  table; only the longest sequences' activations over it, a warning; nothing known, no check."""
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location(
+    "bfcl_config", os.path.join(ROOT, "configs/bfcl.py")
+  )
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  cfg = module.get_config("cpu")
+  mesh = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
+  p = plan_device_memory.plan_for_run(cfg, mesh)
+  assert p.seq_len == cfg.rollout.cache_len and p.param_dtype == "float32"
+  assert p.batch == cfg.rollout.tasks_per_step * cfg.rollout.group_size // cfg.train.mini_batches
+  assert plan_device_memory.check_run_fits(cfg, mesh, None) is None
+  assert plan_device_memory.check_run_fits(cfg, mesh, p.total + 1) is None
+  warning = plan_device_memory.check_run_fits(cfg, mesh, (p.static + p.total) // 2)
+  assert warning.startswith("warning:") and "| tiny_cpu |" in warning
+  with pytest.raises(MemoryError, match="does not fit its devices") as e:
+    plan_device_memory.check_run_fits(cfg, mesh, p.static - 1)
+  assert "| tiny_cpu | 1,1,1,1 |" in str(e.value) and "mesh.fsdp" in str(e.value)
