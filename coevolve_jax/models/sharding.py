@@ -126,16 +126,36 @@ def param_sharding(
   Raises:
     ValueError: `axes` and `shape` of different lengths. KeyError: an unknown logical axis.
   """
+  return NamedSharding(mesh, fitted_spec(mesh, axes, shape, rules))
+
+
+def fitted_spec(
+  mesh,
+  axes: Sequence[str | None],
+  shape: Sequence[int],
+  rules: Mapping[str, str | tuple[str, ...] | None] = LOGICAL_RULES,
+) -> PartitionSpec:
+  """The PartitionSpec of an array of `shape` with logical `axes` on `mesh` (a `Mesh` or the
+  `AbstractMesh` of `active_mesh()`), by the rule of `param_sharding`: a mesh axis that does not
+  divide its dimension, is of size 1, or is not in the mesh is left out.
+
+  Raises:
+    ValueError: `axes` and `shape` of different lengths. KeyError: an unknown logical axis.
+  """
   if len(axes) != len(shape):
     raise ValueError(f"logical axes {tuple(axes)} do not match shape {tuple(shape)}")
   spec = []
   for entry, dim in zip(logical_to_spec(axes, rules), shape):
-    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
     kept, size = [], 1
-    for name in names:
+    for name in spec_axes(entry):
       n = mesh.shape.get(name, 1)
       if n > 1 and dim % (size * n) == 0:  # size-1 axes split nothing: leave them out
         kept.append(name)
         size *= n
     spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
-  return NamedSharding(mesh, PartitionSpec(*spec))
+  return PartitionSpec(*spec)
+
+
+def spec_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry, as a tuple (() for a replicated dimension)."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
