@@ -16,6 +16,7 @@ per-head q/k RMSNorm; Qwen3-MoE softmax router with top-k experts, optionally re
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -23,7 +24,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from coevolve_jax.models.sharding import active_mesh, constrain
+from jax.sharding import PartitionSpec as P
+
+from coevolve_jax.models.sharding import active_mesh, constrain, fitted_spec, spec_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,10 +441,28 @@ class Experts(nnx.Module):
 
   def __call__(self, x_ad: jax.Array, group_sizes_e: jax.Array) -> jax.Array:
     """x_ad: [A, D] token copies sorted by expert; group_sizes_e: [E] int32 copies per expert."""
+    return self.apply(
+      x_ad, group_sizes_e, self.gate_proj[...], self.up_proj[...], self.down_proj[...]
+    )
+
+  @staticmethod
+  def apply(x_ad, group_sizes_g, gate_gdf, up_gdf, down_gfd) -> jax.Array:
+    """SwiGLU of row groups under their own kernels: rows [sum(g[:i]), sum(g[:i+1])) of x_ad use
+    kernel i. The kernels may be a slice of the experts (G of them, e.g. one device's experts
+    under expert parallelism) and of the hidden size (F/n, a tensor shard: the output is then a
+    partial sum over the shards).
+
+    Args:
+      x_ad: [A, D] rows sorted by group. group_sizes_g: [G] int32, summing to at most A.
+      gate_gdf, up_gdf: [G, D, F] kernels; down_gfd: [G, F, D].
+    Returns:
+      [A, D] in x's dtype; rows past sum(group_sizes_g) belong to no group and are to be masked
+      by the caller (XLA:CPU gives zeros there; other backends' ragged_dot need not).
+    """
     with jax.named_scope("experts"):
-      gate = jax.lax.ragged_dot(x_ad, self.gate_proj[...], group_sizes_e)
-      up = jax.lax.ragged_dot(x_ad, self.up_proj[...], group_sizes_e)
-      return jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...], group_sizes_e)
+      gate = jax.lax.ragged_dot(x_ad, gate_gdf, group_sizes_g)
+      up = jax.lax.ragged_dot(x_ad, up_gdf, group_sizes_g)
+      return jax.lax.ragged_dot(jax.nn.silu(gate) * up, down_gfd, group_sizes_g)
 
 
 class SparseMoE(nnx.Module):
@@ -503,14 +524,164 @@ class SparseMoE(nnx.Module):
       if cfg.norm_topk_prob:
         weights_mk = weights_mk / jnp.sum(weights_mk, axis=-1, keepdims=True)
       weights_mk = weights_mk.astype(x_md.dtype)
-      flat_experts = experts_mk.reshape(-1)  # [A]
-      order = jnp.argsort(flat_experts, stable=True)  # assignments grouped by expert
+      experts_btk = experts_mk.reshape(b, t, k)
+      plan = self._expert_parallel_plan(active_mesh(), x_btd.shape)
+      if plan is None:
+        flat_experts = experts_mk.reshape(-1)  # [A]
+        order = jnp.argsort(flat_experts, stable=True)  # assignments grouped by expert
+        token_a = order // k
+        group_sizes = jnp.bincount(flat_experts, length=cfg.num_experts).astype(jnp.int32)
+        y_ad = self.experts(x_md[token_a], group_sizes)
+        y_ad = y_ad * weights_mk.reshape(-1)[order][:, None]
+        out_md = jnp.zeros_like(x_md).at[token_a].add(y_ad)
+        return out_md.reshape(b, t, d), experts_btk
+      out_btd = self._dispatch_expert_parallel(
+        plan, x_btd, experts_btk, weights_mk.reshape(b, t, k)
+      )
+      return out_btd, experts_btk
+
+  # Logical axes of the expert kernels that the expert-parallel block gathers before its products
+  # (FSDP: the kernels' model dimension is sharded at rest and whole in use).
+  EP_GATHERED_AXES = ("embed",)
+
+  def _expert_parallel_plan(self, mesh, x_shape: tuple[int, ...]) -> _EPPlan | None:
+    """The shard_map specs of the expert-parallel dispatch on `mesh`, or None for the
+    single-device dispatch (no mesh active, or the experts dimension not sharded on it: an
+    `expert` axis of size 1, or one that does not divide E, which `param_sharding` then leaves
+    replicated). Every spec comes from `sharding.LOGICAL_RULES` by `fitted_spec`, the rule that
+    placed the parameters."""
+    if mesh is None:
+      return None
+    kernels = []
+    for var in (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj):
+      axes = var.get_metadata()["out_sharding"]
+      spec = fitted_spec(mesh, axes, var.shape)
+      kernels.append(P(*(None if a in self.EP_GATHERED_AXES else e for a, e in zip(axes, spec))))
+    expert_axes = spec_axes(kernels[0][0])
+    if not expert_axes:
+      return None
+    kernel_axes = {a for spec in kernels for entry in spec for a in spec_axes(entry)}
+    tokens = fitted_spec(mesh, ("batch", "length", "act_embed"), x_shape)
+    # Inside the block a token's rows are whole: kernel axes that split length or the model
+    # dimension are gathered on entry; kernel axes that split the batch are gathered in the block.
+    inner = [tuple(a for a in spec_axes(e) if a not in kernel_axes) or None for e in tokens[1:]]
+    tokens = P(tokens[0], *inner)
+    batch_axes = spec_axes(tokens[0])
+    order = [a for a in mesh.axis_names if a in kernel_axes]
+    return _EPPlan(
+      mesh=mesh,
+      tokens=tokens,
+      routes=P(tokens[0], tokens[1], None),
+      kernels=tuple(kernels),
+      expert_axes=expert_axes,
+      gather_axes=tuple(a for a in order if a in batch_axes),
+      sum_axes=tuple(a for a in order if a not in batch_axes),
+    )
+
+  def _dispatch_expert_parallel(self, plan, x_btd, experts_btk, weights_btk) -> jax.Array:
+    """Expert-parallel dispatch: every device computes only its own experts' token copies.
+
+    Inside `jax.shard_map` over the whole mesh, a device holds E / n_ep experts (n_ep: the size
+    of the mesh axes of the experts dimension, `expert`), a tensor shard F / n_tp of their hidden
+    size, and the tokens of its batch rows, which the rules leave whole on every device of an
+    expert group (`batch` is not split over `expert`). It sorts its M * k token copies so that
+    those routed to its own experts come first, runs `Experts.apply` on them (the copies of other
+    devices' experts fall past the groups and are masked to zero), scatter-adds the weighted
+    results into its [M, D] partial output, and `psum`s that over the expert (and tensor) axes.
+    Were the rules to split `batch` over `expert`, the rows would be `all_gather`ed over it
+    first and the sum would be a `psum_scatter` back to each device's rows. Dropless and exact:
+    each copy is computed once, on the device holding its expert, and summed in float32 rounding
+    of the single-device result.
+
+    Communication per MoE layer and device, for its M tokens: one all-reduce of [M, D] over the
+    expert x tensor group (about 2 M D values moved, forward; the same in the backward), plus the
+    FSDP all-gather of its own E / n_ep experts' kernels when `embed` is split over `fsdp`. The
+    expert kernels are never gathered over `expert`. An all-to-all dispatch (each token copy sent
+    to its expert's device and back) moves about 2 M k D (n_ep - 1) / n_ep values, but only pays
+    off when the tokens are split over `expert` too, and needs `jax.lax.ragged_all_to_all` to be
+    dropless (a fixed-capacity `jax.lax.all_to_all` drops copies past its capacity), which
+    XLA:CPU does not implement. MaxText (`layers/moe.py`, `sparse_matmul`) splits the batch over
+    the expert axis and dispatches with `ragged_all_to_all` into a worst-case-sized buffer; its
+    `use_ring_of_experts` option is this scheme: `all_gather` the tokens, compute local experts,
+    `psum_scatter` the outputs. Compute per device: `ragged_dot` over the A = M k sorted rows,
+    of which about A / n_ep belong to its groups (whether the rest cost FLOPs depends on the
+    backend's ragged_dot; XLA:CPU's runs over all rows).
+
+    Args:
+      plan: `_expert_parallel_plan`'s specs.
+      x_btd: [B, T, D] inputs; experts_btk: [B, T, k] int32 experts in [0, E);
+      weights_btk: [B, T, k] combine weights in x's dtype.
+    Returns:
+      [B, T, D] outputs in x's dtype, sharded as `plan.tokens`.
+    """
+    k = self.cfg.num_experts_per_tok
+
+    def per_device(x_btd, experts_btk, weights_btk, gate_gdf, up_gdf, down_gfd):
+      if plan.gather_axes:
+        gather = functools.partial(jax.lax.all_gather, axis_name=plan.gather_axes, tiled=True)
+        x_btd, experts_btk, weights_btk = gather(x_btd), gather(experts_btk), gather(weights_btk)
+      if plan.sum_axes:
+        # Typed as differing over the summed axes from here on, so that the backward sums the
+        # inputs' gradients over them once, on [M, D] and [M, k], not on the [A, D] copies.
+        x_btd, weights_btk = _pcast_varying((x_btd, weights_btk), plan.sum_axes)
+      b, t, d = x_btd.shape
+      g = gate_gdf.shape[0]  # this device's experts: [first, first + g)
+      first = jax.lax.axis_index(plan.expert_axes) * g
+      local_a = experts_btk.reshape(-1) - first
+      mine_a = (local_a >= 0) & (local_a < g)
+      key_a = jnp.where(mine_a, local_a, g)  # other devices' copies sort last, past the groups
+      # Not jnp.argsort: in JAX 0.10 its result inside shard_map is typed as the same on every
+      # device of the expert axis although it differs, and the backward then sums the gradients
+      # of differently ordered rows over that axis (wrong dx; tests/test_moe_expert_parallel.py).
+      iota_a = jnp.arange(key_a.shape[0], dtype=jnp.int32)
+      _, order = jax.lax.sort((key_a, iota_a), num_keys=1, is_stable=True)
       token_a = order // k
-      group_sizes = jnp.bincount(flat_experts, length=cfg.num_experts).astype(jnp.int32)
-      y_ad = self.experts(x_md[token_a], group_sizes)
-      y_ad = y_ad * weights_mk.reshape(-1)[order][:, None]
-      out_md = jnp.zeros_like(x_md).at[token_a].add(y_ad)
-      return out_md.reshape(b, t, d), experts_mk.reshape(b, t, k)
+      group_sizes = jnp.bincount(key_a, length=g + 1)[:g].astype(jnp.int32)
+      x_md = x_btd.reshape(b * t, d)
+      y_ad = Experts.apply(x_md[token_a], group_sizes, gate_gdf, up_gdf, down_gfd)
+      w_a = jnp.where(mine_a, weights_btk.reshape(-1), 0)[order]
+      y_ad = jnp.where(mine_a[order][:, None], y_ad * w_a[:, None], 0)
+      out_btd = jnp.zeros_like(x_md).at[token_a].add(y_ad).reshape(b, t, d)
+      if plan.sum_axes:
+        out_btd = jax.lax.psum(out_btd, plan.sum_axes)
+      if plan.gather_axes:
+        out_btd = jax.lax.psum_scatter(out_btd, plan.gather_axes, scatter_dimension=0, tiled=True)
+      return out_btd
+
+    with jax.named_scope("expert_parallel"):
+      return jax.shard_map(
+        per_device,
+        mesh=plan.mesh,
+        in_specs=(plan.tokens, plan.routes, plan.routes, *plan.kernels),
+        out_specs=plan.tokens,
+      )(
+        x_btd,
+        experts_btk,
+        weights_btk,
+        self.experts.gate_proj[...],
+        self.experts.up_proj[...],
+        self.experts.down_proj[...],
+      )
+
+
+def _pcast_varying(xs, axes: tuple[str, ...]):
+  """Inside shard_map: `xs` typed as varying over mesh `axes` (`jax.lax.pcast`, `pvary` before
+  JAX 0.8); its transpose sums the gradient over them."""
+  if hasattr(jax.lax, "pcast"):
+    return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), xs)
+  return jax.tree.map(lambda x: jax.lax.pvary(x, axes), xs)
+
+
+class _EPPlan(NamedTuple):
+  """How `SparseMoE` runs expert-parallel on a mesh (`SparseMoE._expert_parallel_plan`)."""
+
+  mesh: object  # the active (abstract) mesh
+  tokens: P  # spec of x and of the output [B, T, D]
+  routes: P  # spec of the experts and weights [B, T, k]
+  kernels: tuple[P, P, P]  # specs of gate/up [E, D, F] and down [E, F, D] inside the block
+  expert_axes: tuple[str, ...]  # mesh axes that split the experts dimension
+  gather_axes: tuple[str, ...]  # kernel axes that also split the batch: all_gather, psum_scatter
+  sum_axes: tuple[str, ...]  # kernel axes that do not: psum
 
 
 class DecoderLayer(nnx.Module):
