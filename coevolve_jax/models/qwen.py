@@ -479,6 +479,13 @@ class SparseMoE(nnx.Module):
   logits a rounding error apart otherwise pick different experts in the KV-cached decode and the
   cache-free training forward, and the trainer scores tokens under experts they were not sampled
   with.
+
+  Expert parallelism: under an active mesh (`jax.set_mesh`) whose `expert` axis splits the
+  experts (E divisible by its size), each device keeps E / n_ep experts and the dispatch runs in
+  `jax.shard_map` (`_dispatch_expert_parallel`: each device computes its own experts' copies,
+  partial outputs summed over `expert`). An `expert` axis that does not divide E leaves the
+  experts replicated (`sharding.param_sharding`), and the block then takes the single-device
+  dispatch, which the XLA partitioner spreads; no error is raised.
   """
 
   def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype):
@@ -581,31 +588,36 @@ class SparseMoE(nnx.Module):
   def _dispatch_expert_parallel(self, plan, x_btd, experts_btk, weights_btk) -> jax.Array:
     """Expert-parallel dispatch: every device computes only its own experts' token copies.
 
-    Inside `jax.shard_map` over the whole mesh, a device holds E / n_ep experts (n_ep: the size
-    of the mesh axes of the experts dimension, `expert`), a tensor shard F / n_tp of their hidden
-    size, and the tokens of its batch rows, which the rules leave whole on every device of an
-    expert group (`batch` is not split over `expert`). It sorts its M * k token copies so that
-    those routed to its own experts come first, runs `Experts.apply` on them (the copies of other
-    devices' experts fall past the groups and are masked to zero), scatter-adds the weighted
-    results into its [M, D] partial output, and `psum`s that over the expert (and tensor) axes.
-    Were the rules to split `batch` over `expert`, the rows would be `all_gather`ed over it
-    first and the sum would be a `psum_scatter` back to each device's rows. Dropless and exact:
-    each copy is computed once, on the device holding its expert, and summed in float32 rounding
-    of the single-device result.
+    Inside `jax.shard_map` over the whole mesh, a device holds E / n_ep of the experts (n_ep:
+    the size of the mesh axes that split the experts dimension, `expert`), a tensor shard
+    F / n_tp of their hidden size, and the tokens of its batch rows, which the rules leave whole
+    on every device of an expert group (`batch` is not split over `expert`). It sorts its M k
+    token copies so that those routed to its own experts come first, runs `Experts.apply` on
+    them (copies for other devices' experts fall past the groups and are masked to zero),
+    scatter-adds the weighted results into its [M, D] partial output and `psum`s that over the
+    expert (and tensor) axes. Were the rules to split `batch` over `expert`, the rows would be
+    `all_gather`ed over it first and the sum would be a `psum_scatter` back to each device's
+    rows. Dropless and exact: each copy is computed once, by the device holding its expert, and
+    the sum equals the single-device result up to float rounding.
 
-    Communication per MoE layer and device, for its M tokens: one all-reduce of [M, D] over the
-    expert x tensor group (about 2 M D values moved, forward; the same in the backward), plus the
-    FSDP all-gather of its own E / n_ep experts' kernels when `embed` is split over `fsdp`. The
-    expert kernels are never gathered over `expert`. An all-to-all dispatch (each token copy sent
-    to its expert's device and back) moves about 2 M k D (n_ep - 1) / n_ep values, but only pays
-    off when the tokens are split over `expert` too, and needs `jax.lax.ragged_all_to_all` to be
-    dropless (a fixed-capacity `jax.lax.all_to_all` drops copies past its capacity), which
-    XLA:CPU does not implement. MaxText (`layers/moe.py`, `sparse_matmul`) splits the batch over
-    the expert axis and dispatches with `ragged_all_to_all` into a worst-case-sized buffer; its
-    `use_ring_of_experts` option is this scheme: `all_gather` the tokens, compute local experts,
-    `psum_scatter` the outputs. Compute per device: `ragged_dot` over the A = M k sorted rows,
-    of which about A / n_ep belong to its groups (whether the rest cost FLOPs depends on the
-    backend's ragged_dot; XLA:CPU's runs over all rows).
+    Communication per MoE layer, per device, for the M tokens of its expert group: forward, one
+    all-reduce of [M, D] over the n_ep n_tp devices of the expert x tensor group (a ring moves
+    2 (n - 1) / n M D values); backward, one more of [M, D] (the input gradient) and one of
+    [M, k] (the routing weights'); plus, with `embed` split over `fsdp`, the FSDP all-gather of
+    the device's own E / n_ep experts' kernels (and the reduce-scatter of their gradients). The
+    experts are never gathered over `expert`. With the batch split over `expert`, the all-gather
+    plus reduce-scatter move 2 (n_ep - 1) / n_ep M D values; an all-to-all dispatch (each copy
+    sent to its expert's device and back) moves 2 (n_ep - 1) / n_ep (M / n_ep) k D, so the
+    gather scheme moves n_ep / k times as much: no more for Qwen3-30B-A3B (k = 8) up to n_ep = 8.
+    A dropless all-to-all needs `jax.lax.ragged_all_to_all` (a fixed-capacity
+    `jax.lax.all_to_all` drops copies past its capacity unless that is all M k copies), which
+    XLA:CPU does not implement (UNIMPLEMENTED in JAX 0.10). MaxText (`layers/moe.py`,
+    `sparse_matmul`) splits the batch over the expert axis and dispatches and returns the copies
+    with `ragged_all_to_all` into a buffer sized for the worst case; its `use_ring_of_experts`
+    option is the gather scheme here (`all_gather` tokens, local experts, `psum_scatter`).
+    Compute per device: `ragged_dot` over a buffer of all A = M k copies (dropless: any device
+    may get all of them), about A / n_ep of them in its groups; XLA:CPU's ragged_dot also works
+    on the rows past the groups, grouped-matmul kernels on accelerators may skip them.
 
     Args:
       plan: `_expert_parallel_plan`'s specs.
