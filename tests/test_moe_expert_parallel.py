@@ -1,6 +1,6 @@
 """Expert parallelism for Qwen3-MoE (issue 15, item 6): on 8 host devices with an `expert` axis of
 4, each device holds a quarter of the experts, the MoE block computes only its own experts' token
-copies inside `jax.shard_map` (`SparseMoE._dispatch_expert_parallel`), and logits, the KV-cached
+copies inside `jax.shard_map` (`SparseMoE._forward_expert_parallel`), and logits, the KV-cached
 `decode_routed`, routing replay and the loss gradient equal the single-device model's.
 
 The device count of a JAX process is fixed at start-up, so the checks run in one child process

@@ -482,7 +482,7 @@ class SparseMoE(nnx.Module):
 
   Expert parallelism: under an active mesh (`jax.set_mesh`) whose `expert` axis splits the
   experts (E divisible by its size), each device keeps E / n_ep experts and the dispatch runs in
-  `jax.shard_map` (`_dispatch_expert_parallel`: each device computes its own experts' copies,
+  `jax.shard_map` (`_forward_expert_parallel`: each device computes its own experts' copies,
   partial outputs summed over `expert`). An `expert` axis that does not divide E leaves the
   experts replicated (`sharding.param_sharding`), and the block then takes the single-device
   dispatch, which the XLA partitioner spreads; no error is raised.
@@ -516,36 +516,46 @@ class SparseMoE(nnx.Module):
     """
     cfg = self.cfg
     with jax.named_scope("moe"):
+      plan = self._expert_parallel_plan(active_mesh(), x_btd.shape)
+      if plan is not None:
+        return self._forward_expert_parallel(plan, x_btd, experts_btk)
       b, t, d = x_btd.shape
       k = cfg.num_experts_per_tok
       x_md = x_btd.reshape(b * t, d)
-      logits_me = jnp.einsum("MD,DE->ME", x_md, self.gate[...]).astype(jnp.float32)
-      probs_me = jax.nn.softmax(logits_me, axis=-1)
-      weights_mk, experts_mk = jax.lax.top_k(probs_me, k)
-      if experts_btk is not None:
-        forced_mk = experts_btk.reshape(b * t, k).astype(jnp.int32)
-        recorded_m1 = jnp.all(forced_mk >= 0, axis=-1, keepdims=True)
-        experts_mk = jnp.where(recorded_m1, forced_mk, experts_mk)
-        # Gathered at the router's own choice this is the top-k value itself (same gradient).
-        weights_mk = jnp.take_along_axis(probs_me, experts_mk, axis=-1)
-      if cfg.norm_topk_prob:
-        weights_mk = weights_mk / jnp.sum(weights_mk, axis=-1, keepdims=True)
-      weights_mk = weights_mk.astype(x_md.dtype)
-      experts_btk = experts_mk.reshape(b, t, k)
-      plan = self._expert_parallel_plan(active_mesh(), x_btd.shape)
-      if plan is None:
-        flat_experts = experts_mk.reshape(-1)  # [A]
-        order = jnp.argsort(flat_experts, stable=True)  # assignments grouped by expert
-        token_a = order // k
-        group_sizes = jnp.bincount(flat_experts, length=cfg.num_experts).astype(jnp.int32)
-        y_ad = self.experts(x_md[token_a], group_sizes)
-        y_ad = y_ad * weights_mk.reshape(-1)[order][:, None]
-        out_md = jnp.zeros_like(x_md).at[token_a].add(y_ad)
-        return out_md.reshape(b, t, d), experts_btk
-      out_btd = self._dispatch_expert_parallel(
-        plan, x_btd, experts_btk, weights_mk.reshape(b, t, k)
-      )
-      return out_btd, experts_btk
+      weights_mk, experts_mk = self._route(x_md, self.gate[...], experts_btk)
+      flat_experts = experts_mk.reshape(-1)  # [A]
+      order = jnp.argsort(flat_experts, stable=True)  # assignments grouped by expert
+      token_a = order // k
+      group_sizes = jnp.bincount(flat_experts, length=cfg.num_experts).astype(jnp.int32)
+      y_ad = self.experts(x_md[token_a], group_sizes)
+      y_ad = y_ad * weights_mk.reshape(-1)[order][:, None]
+      out_md = jnp.zeros_like(x_md).at[token_a].add(y_ad)
+      return out_md.reshape(b, t, d), experts_mk.reshape(b, t, k)
+
+  def _route(
+    self, x_md: jax.Array, gate_de: jax.Array, experts_btk: jax.Array | None
+  ) -> tuple[jax.Array, jax.Array]:
+    """The router: top-k of softmax(x W_router) in float32, or the replayed experts.
+
+    Args:
+      x_md: [M, D] tokens. gate_de: [D, E] router kernel (whole: every expert scored).
+      experts_btk: None, or [B, T, k] replayed experts with B T = M (`forward`).
+    Returns:
+      ([M, k] combine weights in x's dtype, [M, k] int32 experts).
+    """
+    k = self.cfg.num_experts_per_tok
+    logits_me = jnp.einsum("MD,DE->ME", x_md, gate_de).astype(jnp.float32)
+    probs_me = jax.nn.softmax(logits_me, axis=-1)
+    weights_mk, experts_mk = jax.lax.top_k(probs_me, k)
+    if experts_btk is not None:
+      forced_mk = experts_btk.reshape(x_md.shape[0], k).astype(jnp.int32)
+      recorded_m1 = jnp.all(forced_mk >= 0, axis=-1, keepdims=True)
+      experts_mk = jnp.where(recorded_m1, forced_mk, experts_mk)
+      # Gathered at the router's own choice this is the top-k value itself (same gradient).
+      weights_mk = jnp.take_along_axis(probs_me, experts_mk, axis=-1)
+    if self.cfg.norm_topk_prob:
+      weights_mk = weights_mk / jnp.sum(weights_mk, axis=-1, keepdims=True)
+    return weights_mk.astype(x_md.dtype), experts_mk
 
   # Logical axes of the expert kernels that the expert-parallel block gathers before its products
   # (FSDP: the kernels' model dimension is sharded at rest and whole in use).
@@ -585,13 +595,17 @@ class SparseMoE(nnx.Module):
       sum_axes=tuple(a for a in order if a not in batch_axes),
     )
 
-  def _dispatch_expert_parallel(self, plan, x_btd, experts_btk, weights_btk) -> jax.Array:
-    """Expert-parallel dispatch: every device computes only its own experts' token copies.
+  def _forward_expert_parallel(
+    self, plan: _EPPlan, x_btd: jax.Array, experts_btk: jax.Array | None
+  ) -> tuple[jax.Array, jax.Array]:
+    """`forward` expert-parallel: every device computes only its own experts' token copies.
 
     Inside `jax.shard_map` over the whole mesh, a device holds E / n_ep of the experts (n_ep:
     the size of the mesh axes that split the experts dimension, `expert`), a tensor shard
-    F / n_tp of their hidden size, and the tokens of its batch rows, which the rules leave whole
-    on every device of an expert group (`batch` is not split over `expert`). It sorts its M k
+    F / n_tp of their hidden size, the whole router, and the tokens of its batch rows, which the
+    rules leave whole on every device of an expert group (`batch` is not split over `expert`).
+    It routes its own rows (`_route`; the router's gradient is summed over the batch axes by
+    shard_map's transpose), sorts its M k
     token copies so that those routed to its own experts come first, runs `Experts.apply` on
     them (copies for other devices' experts fall past the groups and are masked to zero),
     scatter-adds the weighted results into its [M, D] partial output and `psum`s that over the
@@ -621,14 +635,18 @@ class SparseMoE(nnx.Module):
 
     Args:
       plan: `_expert_parallel_plan`'s specs.
-      x_btd: [B, T, D] inputs; experts_btk: [B, T, k] int32 experts in [0, E);
-      weights_btk: [B, T, k] combine weights in x's dtype.
+      x_btd, experts_btk: as `forward`.
     Returns:
-      [B, T, D] outputs in x's dtype, sharded as `plan.tokens`.
+      As `forward`: [B, T, D] outputs in x's dtype, sharded as `plan.tokens`, and [B, T, k] int32
+      experts, sharded as `plan.routes`.
     """
     k = self.cfg.num_experts_per_tok
 
-    def per_device(x_btd, experts_btk, weights_btk, gate_gdf, up_gdf, down_gfd):
+    def per_device(x_btd, gate_de, gate_gdf, up_gdf, down_gfd, forced_btk=None):
+      b, t, d = x_btd.shape
+      weights_mk, experts_mk = self._route(x_btd.reshape(b * t, d), gate_de, forced_btk)
+      used_btk = experts_mk.reshape(b, t, k)
+      experts_btk, weights_btk = used_btk, weights_mk.reshape(b, t, k)
       if plan.gather_axes:
         gather = functools.partial(jax.lax.all_gather, axis_name=plan.gather_axes, tiled=True)
         x_btd, experts_btk, weights_btk = gather(x_btd), gather(experts_btk), gather(weights_btk)
@@ -658,22 +676,21 @@ class SparseMoE(nnx.Module):
         out_btd = jax.lax.psum(out_btd, plan.sum_axes)
       if plan.gather_axes:
         out_btd = jax.lax.psum_scatter(out_btd, plan.gather_axes, scatter_dimension=0, tiled=True)
-      return out_btd
+      return out_btd, used_btk
 
+    args = [x_btd, self.gate[...]]
+    args += [v[...] for v in (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj)]
+    specs = [plan.tokens, P(), *plan.kernels]  # the router whole: every device scores every expert
+    if experts_btk is not None:
+      args.append(experts_btk)
+      specs.append(plan.routes)
     with jax.named_scope("expert_parallel"):
       return jax.shard_map(
         per_device,
         mesh=plan.mesh,
-        in_specs=(plan.tokens, plan.routes, plan.routes, *plan.kernels),
-        out_specs=plan.tokens,
-      )(
-        x_btd,
-        experts_btk,
-        weights_btk,
-        self.experts.gate_proj[...],
-        self.experts.up_proj[...],
-        self.experts.down_proj[...],
-      )
+        in_specs=tuple(specs),
+        out_specs=(plan.tokens, plan.routes),
+      )(*args)
 
 
 def _pcast_varying(xs, axes: tuple[str, ...]):
