@@ -605,20 +605,21 @@ class SparseMoE(nnx.Module):
     F / n_tp of their hidden size, the whole router, and the tokens of its batch rows, which the
     rules leave whole on every device of an expert group (`batch` is not split over `expert`).
     It routes its own rows (`_route`; the router's gradient is summed over the batch axes by
-    shard_map's transpose), sorts its M k
-    token copies so that those routed to its own experts come first, runs `Experts.apply` on
-    them (copies for other devices' experts fall past the groups and are masked to zero),
-    scatter-adds the weighted results into its [M, D] partial output and `psum`s that over the
-    expert (and tensor) axes. Were the rules to split `batch` over `expert`, the rows would be
-    `all_gather`ed over it first and the sum would be a `psum_scatter` back to each device's
-    rows. Dropless and exact: each copy is computed once, by the device holding its expert, and
-    the sum equals the single-device result up to float rounding.
+    shard_map's transpose), sorts its M k token copies so that those routed to its own experts
+    come first, runs `Experts.apply` on them (copies for other devices' experts fall past the
+    groups and are masked to zero), scatter-adds the weighted results into its [M, D] partial
+    output and `psum`s that over the expert (and tensor) axes. Were the rules to split `batch`
+    over `expert`, the rows would be `all_gather`ed over it first and the sum would be a
+    `psum_scatter` back to each device's rows. Dropless and exact: each copy is computed once,
+    by the device holding its expert, and the sum equals the single-device result up to float
+    rounding.
 
     Communication per MoE layer, per device, for the M tokens of its expert group: forward, one
     all-reduce of [M, D] over the n_ep n_tp devices of the expert x tensor group (a ring moves
     2 (n - 1) / n M D values); backward, one more of [M, D] (the input gradient) and one of
-    [M, k] (the routing weights'); plus, with `embed` split over `fsdp`, the FSDP all-gather of
-    the device's own E / n_ep experts' kernels (and the reduce-scatter of their gradients). The
+    [M, k] (the routing weights'), and the sum of the [D, E] router gradient over the batch
+    axes; plus, with `embed` split over `fsdp`, the FSDP all-gather of the router and of the
+    device's own E / n_ep experts' kernels (and the reduce-scatter of their gradients). The
     experts are never gathered over `expert`. With the batch split over `expert`, the all-gather
     plus reduce-scatter move 2 (n_ep - 1) / n_ep M D values; an all-to-all dispatch (each copy
     sent to its expert's device and back) moves 2 (n_ep - 1) / n_ep (M / n_ep) k D, so the
