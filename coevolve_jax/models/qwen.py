@@ -16,6 +16,7 @@ per-head q/k RMSNorm; Qwen3-MoE softmax router with top-k experts, optionally re
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -23,7 +24,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from coevolve_jax.models.sharding import active_mesh, constrain
+from jax.sharding import PartitionSpec as P
+
+from coevolve_jax.models.sharding import active_mesh, constrain, param_spec, spec_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,10 +441,28 @@ class Experts(nnx.Module):
 
   def __call__(self, x_ad: jax.Array, group_sizes_e: jax.Array) -> jax.Array:
     """x_ad: [A, D] token copies sorted by expert; group_sizes_e: [E] int32 copies per expert."""
+    return self.apply(
+      x_ad, group_sizes_e, self.gate_proj[...], self.up_proj[...], self.down_proj[...]
+    )
+
+  @staticmethod
+  def apply(x_ad, group_sizes_g, gate_gdf, up_gdf, down_gfd) -> jax.Array:
+    """SwiGLU of row groups under their own kernels: rows [sum(g[:i]), sum(g[:i+1])) of x_ad use
+    kernel i. The kernels may be a slice of the experts (G of them, e.g. one device's experts
+    under expert parallelism) and of the hidden size (F/n, a tensor shard: the output is then a
+    partial sum over the shards).
+
+    Args:
+      x_ad: [A, D] rows sorted by group. group_sizes_g: [G] int32, summing to at most A.
+      gate_gdf, up_gdf: [G, D, F] kernels; down_gfd: [G, F, D].
+    Returns:
+      [A, D] in x's dtype; rows past sum(group_sizes_g) belong to no group and are to be masked
+      by the caller (XLA:CPU gives zeros there; other backends' ragged_dot need not).
+    """
     with jax.named_scope("experts"):
-      gate = jax.lax.ragged_dot(x_ad, self.gate_proj[...], group_sizes_e)
-      up = jax.lax.ragged_dot(x_ad, self.up_proj[...], group_sizes_e)
-      return jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...], group_sizes_e)
+      gate = jax.lax.ragged_dot(x_ad, gate_gdf, group_sizes_g)
+      up = jax.lax.ragged_dot(x_ad, up_gdf, group_sizes_g)
+      return jax.lax.ragged_dot(jax.nn.silu(gate) * up, down_gfd, group_sizes_g)
 
 
 class SparseMoE(nnx.Module):
@@ -458,6 +479,13 @@ class SparseMoE(nnx.Module):
   logits a rounding error apart otherwise pick different experts in the KV-cached decode and the
   cache-free training forward, and the trainer scores tokens under experts they were not sampled
   with.
+
+  Expert parallelism: under an active mesh (`jax.set_mesh`) whose `expert` axis splits the
+  experts (E divisible by its size), each device keeps E / n_ep experts and the dispatch runs in
+  `jax.shard_map` (`_forward_expert_parallel`: each device computes its own experts' copies,
+  partial outputs summed over `expert`). An `expert` axis that does not divide E leaves the
+  experts replicated (`sharding.param_sharding`), and the block then takes the single-device
+  dispatch, which the XLA partitioner spreads; no error is raised.
   """
 
   def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype):
@@ -488,21 +516,13 @@ class SparseMoE(nnx.Module):
     """
     cfg = self.cfg
     with jax.named_scope("moe"):
+      plan = self._expert_parallel_plan(active_mesh(), x_btd.shape)
+      if plan is not None:
+        return self._forward_expert_parallel(plan, x_btd, experts_btk)
       b, t, d = x_btd.shape
       k = cfg.num_experts_per_tok
       x_md = x_btd.reshape(b * t, d)
-      logits_me = jnp.einsum("MD,DE->ME", x_md, self.gate[...]).astype(jnp.float32)
-      probs_me = jax.nn.softmax(logits_me, axis=-1)
-      weights_mk, experts_mk = jax.lax.top_k(probs_me, k)
-      if experts_btk is not None:
-        forced_mk = experts_btk.reshape(b * t, k).astype(jnp.int32)
-        recorded_m1 = jnp.all(forced_mk >= 0, axis=-1, keepdims=True)
-        experts_mk = jnp.where(recorded_m1, forced_mk, experts_mk)
-        # Gathered at the router's own choice this is the top-k value itself (same gradient).
-        weights_mk = jnp.take_along_axis(probs_me, experts_mk, axis=-1)
-      if cfg.norm_topk_prob:
-        weights_mk = weights_mk / jnp.sum(weights_mk, axis=-1, keepdims=True)
-      weights_mk = weights_mk.astype(x_md.dtype)
+      weights_mk, experts_mk = self._route(x_md, self.gate[...], experts_btk)
       flat_experts = experts_mk.reshape(-1)  # [A]
       order = jnp.argsort(flat_experts, stable=True)  # assignments grouped by expert
       token_a = order // k
@@ -511,6 +531,187 @@ class SparseMoE(nnx.Module):
       y_ad = y_ad * weights_mk.reshape(-1)[order][:, None]
       out_md = jnp.zeros_like(x_md).at[token_a].add(y_ad)
       return out_md.reshape(b, t, d), experts_mk.reshape(b, t, k)
+
+  def _route(
+    self, x_md: jax.Array, gate_de: jax.Array, experts_btk: jax.Array | None
+  ) -> tuple[jax.Array, jax.Array]:
+    """The router: top-k of softmax(x W_router) in float32, or the replayed experts.
+
+    Args:
+      x_md: [M, D] tokens. gate_de: [D, E] router kernel (whole: every expert scored).
+      experts_btk: None, or [B, T, k] replayed experts with B T = M (`forward`).
+    Returns:
+      ([M, k] combine weights in x's dtype, [M, k] int32 experts).
+    """
+    k = self.cfg.num_experts_per_tok
+    logits_me = jnp.einsum("MD,DE->ME", x_md, gate_de).astype(jnp.float32)
+    probs_me = jax.nn.softmax(logits_me, axis=-1)
+    weights_mk, experts_mk = jax.lax.top_k(probs_me, k)
+    if experts_btk is not None:
+      forced_mk = experts_btk.reshape(x_md.shape[0], k).astype(jnp.int32)
+      recorded_m1 = jnp.all(forced_mk >= 0, axis=-1, keepdims=True)
+      experts_mk = jnp.where(recorded_m1, forced_mk, experts_mk)
+      # Gathered at the router's own choice this is the top-k value itself (same gradient).
+      weights_mk = jnp.take_along_axis(probs_me, experts_mk, axis=-1)
+    if self.cfg.norm_topk_prob:
+      weights_mk = weights_mk / jnp.sum(weights_mk, axis=-1, keepdims=True)
+    return weights_mk.astype(x_md.dtype), experts_mk
+
+  # Logical axes of the expert kernels that the expert-parallel block gathers before its products
+  # (FSDP: the kernels' model dimension is sharded at rest and whole in use).
+  EP_GATHERED_AXES = ("embed",)
+
+  def _expert_parallel_plan(self, mesh, x_shape: tuple[int, ...]) -> _EPPlan | None:
+    """The shard_map specs of the expert-parallel dispatch on `mesh`, or None for the
+    single-device dispatch (no mesh active, or the experts dimension not sharded on it: an
+    `expert` axis of size 1, or one that does not divide E, which `param_sharding` then leaves
+    replicated). Every spec comes from `sharding.LOGICAL_RULES` by `param_spec`, the rule that
+    placed the parameters."""
+    if mesh is None:
+      return None
+    kernels = []
+    for var in (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj):
+      axes = var.get_metadata()["out_sharding"]
+      spec = param_spec(mesh.shape, axes, var.shape)
+      kernels.append(P(*(None if a in self.EP_GATHERED_AXES else e for a, e in zip(axes, spec))))
+    expert_axes = spec_axes(kernels[0][0])
+    if not expert_axes:
+      return None
+    kernel_axes = {a for spec in kernels for entry in spec for a in spec_axes(entry)}
+    tokens = param_spec(mesh.shape, ("batch", "length", "act_embed"), x_shape)
+    # Inside the block a token's rows are whole: kernel axes that split length or the model
+    # dimension are gathered on entry; kernel axes that split the batch are gathered in the block.
+    inner = [tuple(a for a in spec_axes(e) if a not in kernel_axes) or None for e in tokens[1:]]
+    tokens = P(tokens[0], *inner)
+    batch_axes = spec_axes(tokens[0])
+    order = [a for a in mesh.axis_names if a in kernel_axes]
+    return _EPPlan(
+      mesh=mesh,
+      tokens=tokens,
+      routes=P(tokens[0], tokens[1], None),
+      kernels=tuple(kernels),
+      expert_axes=expert_axes,
+      gather_axes=tuple(a for a in order if a in batch_axes),
+      sum_axes=tuple(a for a in order if a not in batch_axes),
+    )
+
+  def _forward_expert_parallel(
+    self, plan: _EPPlan, x_btd: jax.Array, experts_btk: jax.Array | None
+  ) -> tuple[jax.Array, jax.Array]:
+    """`forward` expert-parallel: every device computes only its own experts' token copies.
+
+    Inside `jax.shard_map` over the whole mesh, a device holds E / n_ep of the experts (n_ep:
+    the size of the mesh axes that split the experts dimension, `expert`), a tensor shard
+    F / n_tp of their hidden size, the whole router, and the tokens of its batch rows, which the
+    rules leave whole on every device of an expert group (`batch` is not split over `expert`).
+    It routes its own rows (`_route`; the router's gradient is summed over the batch axes by
+    shard_map's transpose), sorts its M k token copies so that those routed to its own experts
+    come first, runs `Experts.apply` on them (copies for other devices' experts fall past the
+    groups and are masked to zero), scatter-adds the weighted results into its [M, D] partial
+    output and `psum`s that over the expert (and tensor) axes. Were the rules to split `batch`
+    over `expert`, the rows would be `all_gather`ed over it first and the sum would be a
+    `psum_scatter` back to each device's rows. Dropless and exact: each copy is computed once,
+    by the device holding its expert, and the sum equals the single-device result up to float
+    rounding.
+
+    Communication per MoE layer, per device, for the M tokens of its expert group: forward, one
+    all-reduce of [M, D] over the n_ep n_tp devices of the expert x tensor group (a ring moves
+    2 (n - 1) / n M D values); backward, one more of [M, D] (the input gradient) and one of
+    [M, k] (the routing weights'), and the sum of the [D, E] router gradient over the batch
+    axes; plus, with `embed` split over `fsdp`, the FSDP all-gather of the router and of the
+    device's own E / n_ep experts' kernels (and the reduce-scatter of their gradients). The
+    experts are never gathered over `expert`. With the batch split over `expert`, the all-gather
+    plus reduce-scatter move 2 (n_ep - 1) / n_ep M D values; an all-to-all dispatch (each copy
+    sent to its expert's device and back) moves 2 (n_ep - 1) / n_ep (M / n_ep) k D, so the
+    gather scheme moves n_ep / k times as much: no more for Qwen3-30B-A3B (k = 8) up to n_ep = 8.
+    A dropless all-to-all needs `jax.lax.ragged_all_to_all` (a fixed-capacity
+    `jax.lax.all_to_all` drops copies past its capacity unless that is all M k copies), which
+    XLA:CPU does not implement (UNIMPLEMENTED in JAX 0.10). MaxText (`layers/moe.py`,
+    `sparse_matmul`) splits the batch over the expert axis and dispatches and returns the copies
+    with `ragged_all_to_all` into a buffer sized for the worst case; its `use_ring_of_experts`
+    option is the gather scheme here (`all_gather` tokens, local experts, `psum_scatter`).
+    Compute per device: `ragged_dot` over a buffer of all A = M k copies (dropless: any device
+    may get all of them), about A / n_ep of them in its groups; XLA:CPU's ragged_dot also works
+    on the rows past the groups, grouped-matmul kernels on accelerators may skip them.
+
+    Args:
+      plan: `_expert_parallel_plan`'s specs.
+      x_btd, experts_btk: as `forward`.
+    Returns:
+      As `forward`: [B, T, D] outputs in x's dtype, sharded as `plan.tokens`, and [B, T, k] int32
+      experts, sharded as `plan.routes`.
+    """
+    k = self.cfg.num_experts_per_tok
+
+    def per_device(x_btd, gate_de, gate_gdf, up_gdf, down_gfd, forced_btk=None):
+      b, t, d = x_btd.shape
+      weights_mk, experts_mk = self._route(x_btd.reshape(b * t, d), gate_de, forced_btk)
+      used_btk = experts_mk.reshape(b, t, k)
+      experts_btk, weights_btk = used_btk, weights_mk.reshape(b, t, k)
+      if plan.gather_axes:
+        gather = functools.partial(jax.lax.all_gather, axis_name=plan.gather_axes, tiled=True)
+        x_btd, experts_btk, weights_btk = gather(x_btd), gather(experts_btk), gather(weights_btk)
+      if plan.sum_axes:
+        # Typed as differing over the summed axes from here on, so that the backward sums the
+        # inputs' gradients over them once, on [M, D] and [M, k], not on the [A, D] copies.
+        x_btd, weights_btk = _pcast_varying((x_btd, weights_btk), plan.sum_axes)
+      b, t, d = x_btd.shape
+      g = gate_gdf.shape[0]  # this device's experts: [first, first + g)
+      first = jax.lax.axis_index(plan.expert_axes) * g
+      local_a = experts_btk.reshape(-1) - first
+      mine_a = (local_a >= 0) & (local_a < g)
+      key_a = jnp.where(mine_a, local_a, g)  # other devices' copies sort last, past the groups
+      # Not jnp.argsort: in JAX 0.10 its result inside shard_map is typed as the same on every
+      # device of the expert axis although it differs, and the backward then sums the gradients
+      # of differently ordered rows over that axis (wrong dx; tests/test_moe_expert_parallel.py).
+      iota_a = jnp.arange(key_a.shape[0], dtype=jnp.int32)
+      _, order = jax.lax.sort((key_a, iota_a), num_keys=1, is_stable=True)
+      token_a = order // k
+      group_sizes = jnp.bincount(key_a, length=g + 1)[:g].astype(jnp.int32)
+      x_md = x_btd.reshape(b * t, d)
+      y_ad = Experts.apply(x_md[token_a], group_sizes, gate_gdf, up_gdf, down_gfd)
+      w_a = jnp.where(mine_a, weights_btk.reshape(-1), 0)[order]
+      y_ad = jnp.where(mine_a[order][:, None], y_ad * w_a[:, None], 0)
+      out_btd = jnp.zeros_like(x_md).at[token_a].add(y_ad).reshape(b, t, d)
+      if plan.sum_axes:
+        out_btd = jax.lax.psum(out_btd, plan.sum_axes)
+      if plan.gather_axes:
+        out_btd = jax.lax.psum_scatter(out_btd, plan.gather_axes, scatter_dimension=0, tiled=True)
+      return out_btd, used_btk
+
+    args = [x_btd, self.gate[...]]
+    args += [v[...] for v in (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj)]
+    specs = [plan.tokens, P(), *plan.kernels]  # the router whole: every device scores every expert
+    if experts_btk is not None:
+      args.append(experts_btk)
+      specs.append(plan.routes)
+    with jax.named_scope("expert_parallel"):
+      return jax.shard_map(
+        per_device,
+        mesh=plan.mesh,
+        in_specs=tuple(specs),
+        out_specs=(plan.tokens, plan.routes),
+      )(*args)
+
+
+def _pcast_varying(xs, axes: tuple[str, ...]):
+  """Inside shard_map: `xs` typed as varying over mesh `axes` (`jax.lax.pcast`, `pvary` before
+  JAX 0.8); its transpose sums the gradient over them."""
+  if hasattr(jax.lax, "pcast"):
+    return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), xs)
+  return jax.tree.map(lambda x: jax.lax.pvary(x, axes), xs)
+
+
+class _EPPlan(NamedTuple):
+  """How `SparseMoE` runs expert-parallel on a mesh (`SparseMoE._expert_parallel_plan`)."""
+
+  mesh: object  # the active (abstract) mesh
+  tokens: P  # spec of x and of the output [B, T, D]
+  routes: P  # spec of the experts and weights [B, T, k]
+  kernels: tuple[P, P, P]  # specs of gate/up [E, D, F] and down [E, F, D] inside the block
+  expert_axes: tuple[str, ...]  # mesh axes that split the experts dimension
+  gather_axes: tuple[str, ...]  # kernel axes that also split the batch: all_gather, psum_scatter
+  sum_axes: tuple[str, ...]  # kernel axes that do not: psum
 
 
 class DecoderLayer(nnx.Module):

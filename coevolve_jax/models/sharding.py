@@ -118,12 +118,14 @@ def param_spec(
   shape: Sequence[int],
   rules: Mapping[str, str | tuple[str, ...] | None] = LOGICAL_RULES,
 ) -> PartitionSpec:
-  """The PartitionSpec of an array of `shape` with logical `axes` on a mesh of `mesh_shape` sizes.
+  """The PartitionSpec of an array of `shape` with logical `axes` on a mesh of `mesh_shape` sizes
+  (`Mesh.shape`, or the `AbstractMesh` of `active_mesh()` inside a trace).
 
   A mesh axis that does not divide its dimension is dropped for that dimension, which then stays
   replicated over it: e.g. Qwen2.5-7B's 4 KV heads on a tensor axis of 8 devices. Mesh axes of
-  size 1 are left out of the spec. The memory planner (`cli.plan_device_memory`) sizes arrays
-  with this same function, so its figures are the job's.
+  size 1, or not in the mesh, are left out of the spec. Parameters, the KV cache, the
+  expert-parallel shard_map specs (`SparseMoE`) and the memory planner
+  (`cli.plan_device_memory`) all use this one rule, so the planner's figures are the job's.
 
   Raises:
     ValueError: `axes` and `shape` of different lengths. KeyError: an unknown logical axis.
@@ -132,9 +134,8 @@ def param_spec(
     raise ValueError(f"logical axes {tuple(axes)} do not match shape {tuple(shape)}")
   spec = []
   for entry, dim in zip(logical_to_spec(axes, rules), shape):
-    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
     kept, size = [], 1
-    for name in names:
+    for name in spec_axes(entry):
       n = mesh_shape.get(name, 1)
       if n > 1 and dim % (size * n) == 0:  # size-1 axes split nothing: leave them out
         kept.append(name)
@@ -143,13 +144,17 @@ def param_spec(
   return PartitionSpec(*spec)
 
 
+def spec_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry, as a tuple (() for a replicated dimension)."""
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def shard_shape(mesh_shape: Mapping[str, int], spec: PartitionSpec, shape: Sequence[int]):
   """The per-device shape of an array of `shape` under `spec` (dimensions divide exactly, as
   `param_spec` keeps only dividing axes)."""
   out = list(shape)
   for i, entry in enumerate(spec):
-    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    out[i] //= math.prod(mesh_shape.get(n, 1) for n in names)
+    out[i] //= math.prod(mesh_shape.get(n, 1) for n in spec_axes(entry))
   return tuple(out)
 
 
