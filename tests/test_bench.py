@@ -120,7 +120,23 @@ def test_bench_and_compare_command_line(tmp_path):
     "old_logprobs",
     "ref_logprobs",
     "update",
+    "weight_sync",
   }
+  # The arrays the benchmark allocated, as the job does, are what the memory planner plans.
+  plan = plan_device_memory.plan(
+    "tiny_cpu",
+    rec["config"]["mesh"],
+    batch=2,
+    seq_len=32,
+    num_slots=2,
+    cache_len=16 + 2 + 1,
+    dtype="float32",
+    param_dtype="float32",
+  )
+  memory = rec["memory_bytes_per_device"]
+  for key in ("params", "optimizer", "reference", "rollout_weights", "kv_cache"):
+    assert memory[key] == getattr(plan, key), key
+  assert memory["peak"] is None  # XLA:CPU reports no device memory
   report = tmp_path / "report.md"
   cmp = subprocess.run(
     [sys.executable, "-m", "coevolve_jax.cli.bench", "compare", str(out), f"--report={report}"],

@@ -9,10 +9,18 @@
 model preset, dtype and mesh, random weights and random token ids (throughput does not depend on
 the values), and prints a table. It measures, as medians over `--repeats` after a compile run:
 - rollout: prefill of `--prompt_len` tokens into each of `rollout.num_slots` slots, then
-  `--gen_len` decode steps of all slots (`rollout.engine.Engine`, which runs on one device:
-  per-chip figures divide by the devices each phase used);
+  `--gen_len` decode steps of all slots (`rollout.engine.Engine`);
 - training: old and reference log-probs and one GRPO update (`trainer.PolicyTrainer`) on
-  `--train_rows` sequences of `--train_seq` tokens, the second half of each sampled;
+  `--train_rows` sequences of `--train_seq` tokens, the second half of each sampled, and the
+  weight sync after it (`PolicyTrainer.inference_params`: cast, and gather over fsdp with
+  `rollout.weights_layout=gathered`);
+- memory: the bytes device 0 holds of each array the job allocates (master parameters, AdamW
+  state, reference, rollout weights, KV cache), and the device's peak where it reports one.
+
+Everything is built as the main job builds it (`loop.CoEvolveRun._setup`): one mesh from the
+config's `mesh` group over all local devices, float32 master weights (`model.param_dtype`) and
+`model.dtype` compute, the engine decoding the trainer's weights. Per-chip figures divide by the
+mesh's devices.
 - reference, in the same run: a dense `jnp.dot` of two N x N matrices in the model dtype, the
   device's attainable matmul rate, so utilisation is also reported where no vendor peak is known.
 
@@ -86,18 +94,10 @@ def _matmul_rate(n: int, dtype, repeats: int) -> float:
   return 2.0 * n**3 / _median_time(lambda: dot(a, b).block_until_ready(), repeats)
 
 
-def _rollout(model, cfg, prompt_len: int, gen_len: int, repeats: int) -> dict:
-  from coevolve_jax.rollout.engine import Engine  # noqa: PLC0415
+def _rollout(engine, model, cfg, prompt_len: int, gen_len: int, repeats: int) -> dict:
   from coevolve_jax.rollout.sampling import SamplingParams  # noqa: PLC0415
 
   slots = cfg.rollout.num_slots
-  engine = Engine(
-    model,
-    slots,
-    prompt_len + gen_len + 1,
-    jnp.dtype(cfg.model.dtype),
-    record_routing=cfg.train.replay_routing,  # as the run's engine: MoE records routing
-  )
   sampling = SamplingParams(temperature=cfg.rollout.temperature)
   rng = np.random.default_rng(0)
   prompts = rng.integers(1, model.config.vocab_size, (slots, prompt_len)).tolist()
@@ -122,10 +122,9 @@ def _rollout(model, cfg, prompt_len: int, gen_len: int, repeats: int) -> dict:
   flops = slots * model_flops(mc, prompt_len, (prompt_len + 1) / 2, 1) + slots * model_flops(
     mc, gen_len, prompt_len + (gen_len + 1) / 2, gen_len
   )
-  devices = len(jax.tree.leaves(engine.params)[0].devices())
   return {
     "slots": slots,
-    "devices": devices,
+    "devices": 1 if engine.mesh is None else engine.mesh.size,
     "prompt_len": prompt_len,
     "gen_len": gen_len,
     "prefill_s": prefill_s,
@@ -137,9 +136,8 @@ def _rollout(model, cfg, prompt_len: int, gen_len: int, repeats: int) -> dict:
   }
 
 
-def _training(model, cfg, mesh, rows: int, seq: int, repeats: int) -> dict:
-  from coevolve_jax import grpo  # noqa: PLC0415
-  from coevolve_jax.trainer import PolicyTrainer, make_batch, make_optimizer  # noqa: PLC0415
+def _training(trainer, model, cfg, rows: int, seq: int, repeats: int) -> dict:
+  from coevolve_jax.trainer import make_batch  # noqa: PLC0415
   from coevolve_jax.types import Trajectory  # noqa: PLC0415
 
   rng = np.random.default_rng(0)
@@ -154,11 +152,6 @@ def _training(model, cfg, mesh, rows: int, seq: int, repeats: int) -> dict:
     trajs.append(tr)
   adv = rng.standard_normal(rows).astype(np.float32)
   batch = make_batch(trajs, adv)
-  kwargs = {"mesh": mesh} if mesh is not None else {}
-  trainer = PolicyTrainer(
-    model, make_optimizer(1e-6, 0.0, 1.0), grpo.GRPOConfig(), cfg.rollout.temperature, **kwargs
-  )
-  trainer.freeze_reference()
 
   def logp(params=None):
     return jax.block_until_ready(trainer.logprobs(batch, params))
@@ -169,6 +162,11 @@ def _training(model, cfg, mesh, rows: int, seq: int, repeats: int) -> dict:
   old_s = _median_time(logp, repeats)
   ref_s = _median_time(lambda: logp(trainer.ref_params), repeats)
   update_s = _median_time(lambda: trainer.grpo_update(batch, old, ref), repeats)
+  syncs = []
+  for _ in range(repeats):  # one weight sync per update, as in the run
+    trainer.grpo_update(batch, old, ref)
+    trainer.inference_params()
+    syncs.append(trainer.last_sync_s)
   targets = rows * (seq - seq // 2)
   fwd = model_flops(model.config, rows * seq, (seq + 1) / 2, targets)
   step_s = old_s + ref_s + update_s
@@ -178,18 +176,51 @@ def _training(model, cfg, mesh, rows: int, seq: int, repeats: int) -> dict:
     "old_logprobs_s": old_s,
     "ref_logprobs_s": ref_s,
     "update_s": update_s,
+    "weight_sync_s": statistics.median(syncs),
     "tokens_per_s": rows * seq / step_s,
     "update_tokens_per_s": rows * seq / update_s,
     "model_flops_per_s": (2 * fwd + 3 * fwd) / step_s,
   }
 
 
-def _mesh(cfg):
-  if jax.device_count() == 1:
-    return None
-  from coevolve_jax.models import sharding  # noqa: PLC0415
+def _device0_bytes(tree) -> int:
+  """Bytes of `tree`'s arrays that the first device holds."""
+  dev = jax.devices()[0]
+  return sum(
+    s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == dev
+  )
 
-  return sharding.make_mesh(dict(cfg.mesh))
+
+def _build(cfg, prompt_len: int, gen_len: int):
+  """The mesh, model, trainer (reference frozen) and engine, as the main job builds them."""
+  from coevolve_jax import grpo, models  # noqa: PLC0415
+  from coevolve_jax.models import sharding  # noqa: PLC0415
+  from coevolve_jax.rollout.engine import Engine  # noqa: PLC0415
+  from coevolve_jax.trainer import PolicyTrainer, make_optimizer  # noqa: PLC0415
+
+  mesh = sharding.make_mesh(dict(cfg.mesh))
+  # The preset at random (or model.checkpoint), float32 master weights on the mesh.
+  model = models.build(cfg.model, seed=0, mesh=mesh, dtype=cfg.model.param_dtype)
+  trainer = PolicyTrainer(
+    model,
+    make_optimizer(1e-6, 0.0, 1.0),
+    grpo.GRPOConfig(),
+    cfg.rollout.temperature,
+    mesh=mesh,
+    compute_dtype=cfg.model.dtype,
+    inference_layout=cfg.rollout.weights_layout,
+  )
+  trainer.freeze_reference()
+  engine = Engine(
+    model,
+    cfg.rollout.num_slots,
+    prompt_len + gen_len + 1,
+    jnp.dtype(cfg.model.dtype),
+    record_routing=cfg.train.replay_routing,  # as the run's engine: MoE records routing
+    mesh=mesh,
+    weights=trainer.inference_params,
+  )
+  return mesh, model, trainer, engine
 
 
 def run_bench(
@@ -214,22 +245,28 @@ def run_bench(
     raise ValueError(
       "prompt_len, gen_len, train_rows, train_seq, repeats and matmul_n must be >= 1"
     )
-  from coevolve_jax import models  # noqa: PLC0415
 
   dev = jax.devices()[0]
   chip = chip or prices_lib.chip_for_device_kind(dev.device_kind) or ""
   facts = prices_lib.chip(chip) if chip else None
   dtype = jnp.dtype(cfg.model.dtype)
-  mesh = _mesh(cfg)
-  model = models.build(cfg.model, seed=0)  # the preset at random, or model.checkpoint
   matmul = _matmul_rate(matmul_n, dtype, repeats)
-  rollout = _rollout(model, cfg, prompt_len, gen_len, repeats)
-  model = models.build(cfg.model, seed=0)  # a fresh copy: the trainer takes over its buffers
-  train = _training(model, cfg, mesh, rows, seq, repeats)
+  mesh, model, trainer, engine = _build(cfg, prompt_len, gen_len)
+  memory = {
+    "params": _device0_bytes(trainer.params),
+    "optimizer": _device0_bytes(trainer.opt_state),
+    "reference": _device0_bytes(trainer.ref_params),
+    "rollout_weights": _device0_bytes(trainer.inference_params()),
+    "kv_cache": _device0_bytes(engine.state.cache),
+  }
+  rollout = _rollout(engine, model, cfg, prompt_len, gen_len, repeats)
+  train = _training(trainer, model, cfg, rows, seq, repeats)
+  stats = dev.memory_stats() or {}
+  memory["peak"] = stats.get("peak_bytes_in_use")  # None where the platform does not say (CPU)
   n = jax.device_count()
-  train["devices"] = n if mesh is not None else 1
+  train["devices"] = mesh.size
   for part in (rollout, train):
-    used = part["devices"]  # the engine has no mesh: it decodes on one device
+    used = part["devices"]
     part["tokens_per_s_per_chip"] = part["tokens_per_s"] / used
     part["mfu"] = (
       part["model_flops_per_s"] / (used * facts["peak_tflops_bf16"] * 1e12) if facts else None
@@ -254,9 +291,12 @@ def run_bench(
     "config": {
       "preset": cfg.model.preset,
       "dtype": str(dtype),
-      "mesh": dict(cfg.mesh),
+      "mesh": dict(mesh.shape),
+      "param_dtype": cfg.model.param_dtype,
+      "weights_layout": cfg.rollout.weights_layout,
       "repeats": repeats,
     },
+    "memory_bytes_per_device": memory,
     "reference": {
       "name": f"jnp.dot {matmul_n}x{matmul_n} {dtype} (one device)",
       "flops_per_s": matmul,
@@ -269,6 +309,7 @@ def run_bench(
       "old_logprobs": train["old_logprobs_s"],
       "ref_logprobs": train["ref_logprobs_s"],
       "update": train["update_s"],
+      "weight_sync": train["weight_sync_s"],
     },
   }
 
@@ -283,6 +324,17 @@ def format_record(rec: dict) -> str:
   rows = [
     ("device", f"{m['device_kind']} x {m['device_count']} ({m['backend']})"),
     ("model", f"{rec['config']['preset']} {rec['config']['dtype']}"),
+    (
+      "mesh (data, fsdp, tensor, expert)",
+      ", ".join(str(v) for v in rec["config"].get("mesh", {}).values()),
+    ),
+    (
+      "GiB per device (params, optimizer, reference, rollout weights, kv cache, peak)",
+      ", ".join(
+        _fmt(None if v is None else v / 2**30)
+        for v in rec.get("memory_bytes_per_device", {}).values()
+      ),
+    ),
     (
       "rollout tokens/s (prefill / decode)",
       f"{_fmt(r['tokens_per_s'])} ({_fmt(r['prefill_tokens_per_s'])} / "
