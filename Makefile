@@ -1,10 +1,15 @@
 # coevolve_jax developer entry points.
 #
 #   make setup   create .venv (Python 3.11) and install the package with test extras + bfcl-eval
-#   make test    run the test suite (TESTS=tests/test_x.py to narrow it; extra pytest flags:
-#                PYTEST_ARGS=... or the PYTEST_ADDOPTS environment variable). Builds
-#                .venv-appworld first (appworld-setup) so the AppWorld tests run rather than
-#                skip; AW_SETUP= (empty) leaves it out.
+#   make test    run the test suite without the tests marked slow (what CI runs; ~10 minutes on 2
+#                cores). TESTS=tests/test_x.py narrows it; extra pytest flags: PYTEST_ARGS=...
+#                or the PYTEST_ADDOPTS environment variable; MARKERS= (empty) selects every test,
+#                MARKERS=slow only the slow ones. Builds .venv-appworld first (appworld-setup) so
+#                the AppWorld tests run rather than skip; AW_SETUP= (empty) leaves it out.
+#   make test-slow  only the tests marked @pytest.mark.slow: long end-to-end checks (kill/resume
+#                runs, two-process collectives, the real-vocabulary engine under the agent loop),
+#                each with a smaller version in `make test`. TESTS= narrows it too.
+#   make test-all   both: every test (make test MARKERS=).
 #   make run     small offline CPU training run on BFCL
 #   make lint    ruff check and ruff format --check (CI runs it before the tests)
 #   make appworld-setup   .venv-appworld with appworld==0.1.3.post1 and its apps unpacked
@@ -22,9 +27,10 @@ BFCL_EVAL ?= bfcl-eval==2026.3.23
 PIP_ARGS ?=
 PYTEST_ARGS ?=
 TESTS ?= tests
+MARKERS ?= not slow
 export PYTEST_ADDOPTS
 
-.PHONY: setup test run lint format clean appworld-setup
+.PHONY: setup test test-slow test-all run lint format clean appworld-setup
 
 # AppWorld's own environment (its pins conflict with ours): appworld plus its unpacked app code.
 # Tests and the AppWorld run use it when it exists and skip or stop with this command otherwise.
@@ -51,7 +57,13 @@ $(STAMP): setup.py Makefile
 
 AW_SETUP ?= appworld-setup
 test: setup $(AW_SETUP)
-	$(VPY) -m pytest -q $(PYTEST_ARGS) $(TESTS)
+	$(VPY) -m pytest -q -m '$(MARKERS)' $(PYTEST_ARGS) $(TESTS)
+
+test-slow:
+	$(MAKE) test MARKERS=slow
+
+test-all:
+	$(MAKE) test MARKERS=
 
 run: setup
 	$(VPY) -m coevolve_jax.main --config=configs/bfcl.py:cpu --workdir=runs/bfcl-cpu

@@ -18,7 +18,7 @@ from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.rollout.slots import SlotEngine
 from coevolve_jax.warmstart import CLOSING_REPLY, demonstration
 from envs.bfcl import env as bfcl
-from coevolve_jax.types import Action, Task
+from coevolve_jax.types import Action, StepResult, Task
 
 
 class ScriptedEngine:
@@ -360,39 +360,133 @@ def test_env_steps_run_on_host_threads_while_other_slots_decode():
   assert any(e[0] == "generate" and slow_slot not in e[1] for e in log[slow_done:])
 
 
-def test_real_engine_episodes_do_not_depend_on_batching(entries):
-  """The real engine under the loop: three episodes started together (their prompts, and their
-  continuations after each environment step, prefilled in batches) produce the same tokens as
-  the same jobs run one at a time through a single slot, and the trainer's recomputed log-probs
-  of every sampled token equal the engine's."""
-  from flax import nnx  # noqa: PLC0415
+class _IdChat:
+  """Token ids are the tiny model's vocabulary itself: a prompt is its user turn's id list, a
+  continuation after an environment step is fixed ids, a reply stops at 0 or the token limit."""
 
-  from coevolve_jax.models import Qwen, QwenConfig  # noqa: PLC0415
-  from coevolve_jax.rollout.engine import Engine  # noqa: PLC0415
+  im_end_id = 0
+
+  def prompt_ids(self, messages, tools):
+    return list(messages[-1]["content"])
+
+  def continuation_ids(self, messages):
+    return [1, 2, 3, 4, 5, 6]
+
+  def assistant_text(self, content, tool_calls=()):
+    return content
+
+  def parse_tool_calls(self, text, truncated=False):
+    return Action(text=text)
+
+  def encode(self, text):
+    return [ord(c) % 64 for c in text]
+
+  def decode(self, ids):
+    return " ".join(map(str, ids))
+
+
+class _StepEnv:
+  """Every reply gets a tool observation; the episode ends after `steps` replies."""
+
+  system_prompt, tools = None, []
+
+  def __init__(self, task, steps=2):
+    self.task, self.steps, self.calls = task, steps, [[]]
+
+  def reset(self):
+    return StepResult(messages=[{"role": "user", "content": self.task.turns[0]}])
+
+  def step(self, action):
+    self.steps -= 1
+    return StepResult(messages=[{"role": "tool", "content": "ok"}], done=self.steps == 0)
+
+  def close(self):
+    pass
+
+
+def _assert_batching_invariant(model, make_runner, jobs, temperature):
+  """`make_runner(num_slots)`'s episodes started together equal the same jobs run one at a time
+  through a single slot (tokens, masks, log-probs), and the trainer's recomputed log-probs of
+  every sampled token equal the engine's."""
   from coevolve_jax.trainer import token_logprobs  # noqa: PLC0415
 
-  chat = QwenChat()
-  model = Qwen(QwenConfig.tiny_cpu(), rngs=nnx.Rngs(3))
-  limits = EpisodeLimits(max_new_tokens=4, max_model_steps=2)
-  sampling = SamplingParams(temperature=0.9)
-  jobs = [(t, i) for i, t in enumerate(entries[:3])]
-  together = AgentRunner(Engine(model, 3, 4096), chat, _make_env, limits).run(
-    jobs, sampling, rng=jax.random.key(5)
-  )
-  one_slot = AgentRunner(Engine(model, 1, 4096), chat, _make_env, limits).run(  # one at a time
-    jobs, sampling, rng=jax.random.key(5)
-  )
+  sampling = SamplingParams(temperature=temperature)
+  together = make_runner(len(jobs)).run(jobs, sampling, rng=jax.random.key(5))
+  one_slot = make_runner(1).run(jobs, sampling, rng=jax.random.key(5))  # one at a time
   for traj, alone in zip(together, one_slot):
     assert traj.model_steps >= 2  # at least one continuation after an environment step
     assert traj.token_ids == alone.token_ids and traj.loss_mask == alone.loss_mask
     np.testing.assert_allclose(traj.logprobs, alone.logprobs, atol=1e-5)
-    pos = [i for i, m in enumerate(traj.loss_mask) if m]
-    recomputed = np.asarray(
-      token_logprobs(
-        model, np.asarray([traj.token_ids], np.int32), np.asarray([pos], np.int32), temperature=0.9
-      )
-    )[0]
-    np.testing.assert_allclose(recomputed, [traj.logprobs[i] for i in pos], atol=1e-5)
+  # One batched forward for all episodes (one compile): rows padded at the end, which a causal
+  # model's earlier positions do not see; padded positions repeat a row's last one.
+  positions = [[i for i, m in enumerate(t.loss_mask) if m] for t in together]
+  width, npos = max(len(t.token_ids) for t in together), max(map(len, positions))
+  tokens = np.zeros((len(together), width), np.int32)
+  pos = np.zeros((len(together), npos), np.int32)
+  for r, (traj, p) in enumerate(zip(together, positions)):
+    tokens[r, : len(traj.token_ids)] = traj.token_ids
+    pos[r] = p + [p[-1]] * (npos - len(p))
+  recomputed = np.asarray(token_logprobs(model, tokens, pos, temperature=temperature))
+  for r, (traj, p) in enumerate(zip(together, positions)):
+    np.testing.assert_allclose(recomputed[r, : len(p)], [traj.logprobs[i] for i in p], atol=1e-5)
+
+
+def test_tiny_real_engine_episodes_do_not_depend_on_batching():
+  """The default-run version of the slow real-engine check below: the same invariance on a tiny
+  64-token model with id-level chat and environment (prompts of three lengths, each episode
+  continued after two environment steps)."""
+  from flax import nnx  # noqa: PLC0415
+
+  from coevolve_jax.models import Qwen, QwenConfig  # noqa: PLC0415
+  from coevolve_jax.rollout.engine import Engine  # noqa: PLC0415
+
+  tiny = QwenConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+  )
+  model = Qwen(tiny, rngs=nnx.Rngs(3))
+  rng = np.random.default_rng(0)
+  tasks = [
+    Task(task_id=f"t{i}", env="fake", turns=[rng.integers(7, 64, n).tolist()], ground_truth=[[]])
+    for i, n in enumerate((5, 9, 12))
+  ]
+
+  def make_runner(num_slots):
+    return AgentRunner(
+      Engine(model, num_slots, 128),
+      _IdChat(),
+      lambda task, _: _StepEnv(task),
+      EpisodeLimits(max_new_tokens=4, max_model_steps=3),
+    )
+
+  _assert_batching_invariant(model, make_runner, [(t, i) for i, t in enumerate(tasks)], 0.9)
+
+
+@pytest.mark.slow
+def test_real_engine_episodes_do_not_depend_on_batching(entries):
+  """The real engine under the loop: three episodes started together (their prompts, and their
+  continuations after each environment step, prefilled in batches) produce the same tokens as
+  the same jobs run one at a time through a single slot, and the trainer's recomputed log-probs
+  of every sampled token equal the engine's. Slow (a 151936-token model, real BFCL prompts in a
+  4096-token cache); `test_tiny_real_engine_episodes_do_not_depend_on_batching` checks the same
+  on a tiny model in the default run."""
+  from flax import nnx  # noqa: PLC0415
+
+  from coevolve_jax.models import Qwen, QwenConfig  # noqa: PLC0415
+  from coevolve_jax.rollout.engine import Engine  # noqa: PLC0415
+
+  model = Qwen(QwenConfig.tiny_cpu(), rngs=nnx.Rngs(3))
+  limits = EpisodeLimits(max_new_tokens=4, max_model_steps=2)
+
+  def make_runner(num_slots):
+    return AgentRunner(Engine(model, num_slots, 4096), QwenChat(), _make_env, limits)
+
+  _assert_batching_invariant(model, make_runner, [(t, i) for i, t in enumerate(entries[:3])], 0.9)
 
 
 def _signature_mismatches(cls, protocol) -> list[str]:

@@ -55,13 +55,50 @@ def _pool_lines(path):
     return [line for line in f if line.strip()]
 
 
+def _assert_key_not_written(workdir, key, stub, capsys, caplog):
+  """Every Gemini request carried the key, and no file under `workdir`, output or log holds it."""
+  assert stub.requests, "the feedback round never called the Gemini endpoint"
+  assert all(r["headers"].get("x-goog-api-key") == key for r in stub.requests)
+  files = [os.path.join(d, f) for d, _, fs in os.walk(workdir) for f in fs]
+  assert any(f.endswith("config.json") for f in files)
+  assert any("checkpoints" in f for f in files)
+  assert any(f.endswith("exploration.jsonl") for f in files)
+  needle = key.encode()
+  leaked = [f for f in files if needle in open(f, "rb").read()]
+  assert not leaked, f"API key written to {leaked}"
+  out = capsys.readouterr()
+  assert key not in out.out and key not in out.err and key not in caplog.text
+
+
+@pytest.mark.timeout(300)
+def test_key_never_leaks_from_a_run_with_a_gemini_round(tmp_path, monkeypatch, capsys, caplog):
+  """The default-run version of the slow kill/resume check below: one step, whose Gemini
+  feedback round joins the pool at once; no file or log holds the API key."""
+  key = f"AIzaLEAKCHECK-{uuid.uuid4().hex}"
+  monkeypatch.delenv("GOOGLE_API_KEY", raising=False)
+  monkeypatch.setenv("GEMINI_API_KEY", key)
+  caplog.set_level(logging.DEBUG)
+  workdir = str(tmp_path / "run")
+  with GeminiStub() as stub:
+    summary = CoEvolveRun(tiny_gemini_config(stub.url), workdir).fit()
+  assert summary["steps"] == 1 and summary["feedback_rounds"] == 1
+  with open(os.path.join(workdir, "feedback.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  assert [(r["round"], r["start_step"], r["step"]) for r in rows] == [(1, 1, 1)]
+  _assert_key_not_written(workdir, key, stub, capsys, caplog)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_key_never_leaks_and_a_round_in_flight_resumes_exactly(
   tmp_path, monkeypatch, capsys, caplog
 ):
   """Run 1 starts a feedback round after step 2 (joined after step 3), checkpoints step 2 with
   the round in flight, and dies in step 3. Run 2 resumes from step 2, redoes the round and must
-  add exactly the tasks run 1's worker had synthesized. No file or log holds the API key."""
+  add exactly the tasks run 1's worker had synthesized. No file or log holds the API key.
+  Slow (two runs of three steps); the default run keeps the key check
+  (`test_key_never_leaks_from_a_run_with_a_gemini_round`), and resuming a round in flight is
+  covered at unit level by test_feedback_round's round-journal test."""
   key = f"AIzaLEAKCHECK-{uuid.uuid4().hex}"
   monkeypatch.delenv("GOOGLE_API_KEY", raising=False)
   monkeypatch.setenv("GEMINI_API_KEY", key)
@@ -100,15 +137,4 @@ def test_key_never_leaks_and_a_round_in_flight_resumes_exactly(
   pool = _pool_lines(os.path.join(workdir, "pool.jsonl"))
   assert len(pool) > 2 and rows[0]["synthesized"] >= len(in_flight)
   assert pool[2:] == [t.to_json() + "\n" for t in in_flight if t.task_id not in dropped]
-
-  assert stub.requests, "the feedback round never called the Gemini endpoint"
-  assert all(r["headers"].get("x-goog-api-key") == key for r in stub.requests)
-  files = [os.path.join(d, f) for d, _, fs in os.walk(workdir) for f in fs]
-  assert any(f.endswith("config.json") for f in files)
-  assert any("checkpoints" in f for f in files)
-  assert any(f.endswith("exploration.jsonl") for f in files)
-  needle = key.encode()
-  leaked = [f for f in files if needle in open(f, "rb").read()]
-  assert not leaked, f"API key written to {leaked}"
-  out = capsys.readouterr()
-  assert key not in out.out and key not in out.err and key not in caplog.text
+  _assert_key_not_written(workdir, key, stub, capsys, caplog)

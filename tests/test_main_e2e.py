@@ -151,11 +151,15 @@ def _unrepeatable_round(self, events, rng, round_idx, llm):
   return RoundResult(round_idx, tasks, n, counts, [], [])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_round_committed_before_a_kill_keeps_its_tasks_on_resume(tmp_path, monkeypatch):
   """Run 1 commits round 1 after step 3 and dies writing the step-3 checkpoint; run 2 resumes
   from step 2 with the round in flight. The round is not synthesized again: its tasks come back
-  under the same ids with the same content, and no task id names two tasks."""
+  under the same ids with the same content, and no task id names two tasks. Slow (two runs of
+  three steps); the default run covers its parts: resume from a checkpoint end to end (the test
+  above), the pool's rollback to the checkpointed prefix (test_pool) and the round journal that
+  hands a resumed round its recorded tasks (test_feedback_round)."""
   monkeypatch.setattr(BfclSuite, "synthesize_round", _unrepeatable_round)
   workdir = str(tmp_path / "run")
 

@@ -89,7 +89,12 @@ def _env(devices: int, **extra) -> dict:
   return env
 
 
+@pytest.mark.slow
 def test_grpo_step_across_two_processes_equals_single_process(tmp_path):
+  """Slow (three interpreters that each compile the step, two joined by gloo collectives). The
+  default run keeps the sharded-equals-single-device step in one process on 8 host devices
+  (test_trainer.py::test_sharded_step_on_eight_cpu_devices) and the coordinator detection and
+  entry-point checks below; only the two-process collectives are left to `make test-slow`."""
   script = tmp_path / "worker.py"
   script.write_text(WORKER)
   port = _free_port()
