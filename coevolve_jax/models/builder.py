@@ -48,13 +48,14 @@ def build(model_cfg: Mapping[str, Any], *, seed: int, mesh: Mesh | None = None, 
 def init(cfg: QwenConfig, *, seed: int, dtype=jnp.float32, mesh: Mesh | None = None) -> Qwen:
   """A randomly initialised `Qwen(cfg)` (`nnx.Rngs(seed)`, parameters in `dtype`).
 
-  With a `mesh`, the model is initialised inside one jit whose outputs carry the parameters'
-  logical shardings (`sharding.tree_shardings`): each device draws only its own shard, with the
-  values it has without a mesh, and no device ever holds the whole model.
+  The draw runs inside one jit; with a `mesh`, its outputs carry the parameters' logical
+  shardings (`sharding.tree_shardings`): each device draws only its own shard, with the values
+  it has without a mesh (bit for bit), and no device ever holds the whole model.
   """
   make = lambda: Qwen(cfg, rngs=nnx.Rngs(seed), dtype=dtype)  # noqa: E731
-  if mesh is None:
-    return make()
   graphdef, shapes = nnx.split(nnx.eval_shape(make))
-  state = jax.jit(lambda: nnx.split(make())[1], out_shardings=tree_shardings(shapes, mesh))()
+  # Jitted with or without a mesh: the same compiled draw, so the values are bit-identical on
+  # any mesh (an eager draw rounds differently in the last place).
+  out = None if mesh is None else tree_shardings(shapes, mesh)
+  state = jax.jit(lambda: nnx.split(make())[1], out_shardings=out)()
   return nnx.merge(graphdef, state)
