@@ -228,7 +228,7 @@ def cast_floating(tree, dtype):
     return tree
 
   def cast(x):
-    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else x
+    return x.astype(dtype) if _is_float(x) and x.dtype != dtype else x
 
   return jax.tree.map(cast, tree)
 
@@ -373,7 +373,8 @@ class PolicyTrainer:
         current log-probs are all scored under the distribution the engine sampled from
         (`token_logprobs`); a float is a temperature with neither top-k nor top-p.
       mesh: a `models.sharding.make_mesh` mesh, or None for one device.
-      micro_batches: gradient-accumulation slices per update; batch rows must divide by it.
+      micro_batches: gradient-accumulation slices per update (a batch whose rows do not divide
+        by micro_batches x data-parallel devices is padded with rows that add nothing).
       compute_dtype: the float dtype forwards and backwards run in (None: the parameters' own
         dtype); the parameters themselves stay in theirs (the master copy).
       inference_layout: the layout of `inference_params()` on a mesh: "gathered" (the fsdp

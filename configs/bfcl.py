@@ -121,7 +121,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.train.grad_clip = 1.0
   c.train.mini_batches = 4  # optimizer updates per step (1 epoch over the step's rollouts)
   c.train.micro_batches = 1  # gradient-accumulation slices per update (memory only: the
-  # update does not depend on it); must divide each mini-batch's rows
+  # update does not depend on it); rows that do not divide are padded with rows that add nothing
   c.train.clip_eps_low = 0.20
   c.train.clip_eps_high = 0.28
   c.train.dual_clip_c = 3.0
