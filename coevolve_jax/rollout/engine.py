@@ -273,7 +273,7 @@ class Engine:
         f"num_slots ({num_slots}), cache_len ({cache_len}) and "
         f"max_prefill_tokens ({max_prefill_tokens}) must be >= 1"
       )
-    rows = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    rows = 1 if mesh is None else mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
     if num_slots % rows:
       raise ValueError(
         f"num_slots ({num_slots}) must divide by the mesh's data * fsdp size ({rows}): the KV "
