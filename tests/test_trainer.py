@@ -506,8 +506,8 @@ def _sharded_child():
   emb = sharded.params["embed_tokens"].get_value()
   assert emb.sharding.spec == P("tensor", "fsdp"), emb.sharding
   assert len(emb.addressable_shards) == 8 and emb.addressable_shards[0].data.shape == (256, 32)
-  kproj = sharded.params["layers"][0]["self_attn"]["k_proj"].get_value()
-  assert kproj.sharding.spec == P("fsdp", "tensor", None)
+  kproj = sharded.params["blocks"][0]["self_attn"]["k_proj"].get_value()  # [L_g, D, K, H]
+  assert kproj.sharding.spec == P(None, "fsdp", "tensor", None)
   for t in (sharded, single):
     t.freeze_reference()
   for seed in (11, 12):

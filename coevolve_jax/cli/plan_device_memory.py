@@ -20,9 +20,9 @@ How each figure is obtained:
   with the sequences per device (batch / (data * fsdp)) and are divided by the tensor axis when a
   dimension is a tensor-sharded one (heads, kv heads, MLP, vocab; the `act_*`/`mlp` rules).
   Transient buffers inside one op are not counted: leave headroom (see `--headroom`).
-- KV cache: `KVCache.zeros` shapes ([slots, K, H, cache_len] keys and [slots, K, cache_len, H]
-  values per layer), slots over (data, fsdp), kv heads over tensor, as the rollout engine
-  allocates it.
+- KV cache: `KVCache.zeros` shapes ([L, slots, K, H, cache_len] keys and
+  [L, slots, K, cache_len, H] values), slots over (data, fsdp), kv heads over tensor, as the
+  rollout engine allocates it.
 """
 
 from __future__ import annotations
@@ -192,7 +192,8 @@ def _activation_bytes(leaves, cfg: QwenConfig, mesh: Mapping[str, int], seqs_per
   total = 0
   for leaf in leaves:
     size = leaf.size * leaf.dtype.itemsize * seqs_per_device
-    # The first dimension is the batch (already scaled); divide by one tensor-sharded dimension.
+    # The first dimension is the batch or, for the residuals a layer scan stacks, the layer axis
+    # (either way the size is already scaled); divide by one tensor-sharded dimension.
     logical = next((tensor_dims[d] for d in leaf.shape[1:] if d in tensor_dims), None)
     total += -(-size // _axis_size(mesh, logical)) if logical else size
   return total
@@ -231,8 +232,7 @@ def kv_cache_bytes(
   cache = jax.eval_shape(lambda: KVCache.zeros(cfg, num_slots, cache_len, jnp.dtype(dtype)))
   return sum(
     shard_bytes(x.shape, x.dtype, axes, mesh)
-    for arrays, axes in ((cache.k, KVCache.KEY_AXES), (cache.v, KVCache.VALUE_AXES))
-    for x in arrays
+    for x, axes in ((cache.k, KVCache.KEY_AXES), (cache.v, KVCache.VALUE_AXES))
   )
 
 

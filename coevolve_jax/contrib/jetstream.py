@@ -81,8 +81,8 @@ _Base = _jetstream_api.Engine if JETSTREAM_AVAILABLE else abc.ABC
 
 
 class Prefix(NamedTuple):
-  """A prefilled request: a one-slot decode state (per layer, keys [1, K, H, S] and values
-  [1, K, S, H]), the length in the cache, the first sampled token and its log-prob."""
+  """A prefilled request: a one-slot decode state (keys [L, 1, K, H, S] and values
+  [L, 1, K, S, H]), the length in the cache, the first sampled token and its log-prob."""
 
   state: engine_lib.DecodeState
   length: int
@@ -99,10 +99,9 @@ class DecodeState(NamedTuple):
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def _insert(prefix: engine_lib.DecodeState, state: engine_lib.DecodeState, slot):
-  put = lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, slot, axis=0)  # noqa
-  cache = KVCache(
-    tuple(map(put, state.cache.k, prefix.cache.k)), tuple(map(put, state.cache.v, prefix.cache.v))
-  )
+  put = lambda full, part, axis=0: jax.lax.dynamic_update_slice_in_dim(full, part, slot, axis)  # noqa
+  # The cache is [L, B, ...]: slots are its axis 1.
+  cache = KVCache(put(state.cache.k, prefix.cache.k, 1), put(state.cache.v, prefix.cache.v, 1))
   return engine_lib.DecodeState(
     cache, put(state.next_pos, prefix.next_pos), put(state.tokens, prefix.tokens)
   )

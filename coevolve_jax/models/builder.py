@@ -28,7 +28,8 @@ def build(model_cfg: Mapping[str, Any], *, seed: int, mesh: Mesh | None = None) 
 
   Args:
     model_cfg: has `preset` (a `models.PRESETS` name), `checkpoint` (a folder, "" for random
-      init) and `dtype` (a float dtype name: "float32", "bfloat16").
+      init), `dtype` (a float dtype name: "float32", "bfloat16") and optionally `remat`
+      ("none", "full" or "save_dots").
     seed: the random initialisation's seed (a run passes its `seed`).
     mesh: when given, every parameter is placed in its logical sharding on this mesh
       (`sharding.param_sharding`), with the values it has without a mesh; otherwise parameters
@@ -36,13 +37,15 @@ def build(model_cfg: Mapping[str, Any], *, seed: int, mesh: Mesh | None = None) 
   Returns:
     The `Qwen` model.
   Raises:
-    ValueError: an unknown preset (random init). TypeError: an unknown dtype name.
+    ValueError: an unknown preset (random init) or remat policy. TypeError: an unknown dtype name.
     FileNotFoundError, CheckpointFormatError: an unusable checkpoint folder (`from_pretrained`).
   """
   dtype = jnp.dtype(model_cfg["dtype"])
+  remat = model_cfg.get("remat", "full")
   if model_cfg["checkpoint"]:
-    return from_pretrained(model_cfg["checkpoint"], dtype=dtype, mesh=mesh)
-  model = Qwen(QwenConfig.preset(model_cfg["preset"]), rngs=nnx.Rngs(seed), dtype=dtype)
+    return from_pretrained(model_cfg["checkpoint"], dtype=dtype, mesh=mesh, remat=remat)
+  cfg = QwenConfig.preset(model_cfg["preset"])
+  model = Qwen(cfg, rngs=nnx.Rngs(seed), dtype=dtype, remat=remat)
   if mesh is not None:
     for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
       value = np.asarray(var.get_value())

@@ -6,8 +6,11 @@ Dimension letters used in names and einsums:
   L layers, E experts, M tokens (B * T flattened), A token-expert assignments (M * top-k),
   k experts per token (top-k), L_moe sparse MoE layers (`QwenConfig.moe_layers`).
 
-Parameters use the Hugging Face layout (names `embed_tokens`, `layers[i].self_attn.q_proj`, ...)
-but store kernels as [in, out] (HF stores [out, in]); the weight mapper transposes.
+Parameters use the Hugging Face names (`embed_tokens`, `self_attn.q_proj`, ...) but store kernels as
+[in, out] (HF stores [out, in]; the weight mapper transposes), and the decoder layers are stacked:
+`blocks[g]` is one `DecoderLayer` whose parameters carry a leading [L_g] layer axis (logical axis
+"layers") for the consecutive layers of block g (`QwenConfig.layer_blocks`), and the forward passes
+run each block under `jax.lax.scan`, so compile time does not grow with the depth.
 Architecture reference: Hugging Face transformers `modeling_qwen2.py` / `modeling_qwen3.py` /
 `modeling_qwen3_moe.py` (rotate-half RoPE, RMSNorm, SwiGLU MLP, GQA; Qwen2 q/k/v biases; Qwen3
 per-head q/k RMSNorm; Qwen3-MoE softmax router with top-k experts, optionally renormalised).
@@ -16,6 +19,7 @@ per-head q/k RMSNorm; Qwen3-MoE softmax router with top-k experts, optionally re
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -94,6 +98,28 @@ class QwenConfig:
     """Indices of the sparse MoE layers, in order (empty for a dense model). Routing records
     ([B, T, L_moe, k] expert indices, `Qwen.hidden_states`) hold one entry per layer listed here."""
     return tuple(i for i in range(self.num_hidden_layers) if self.is_moe_layer(i))
+
+  @property
+  def layer_blocks(self) -> tuple[tuple[int, int], ...]:
+    """(first layer, layer count) of each block of stacked, scanned layers, in order.
+
+    Consecutive layers of one kind (dense or sparse MoE) share a block, except the last layer,
+    which is always a block of its own: with `output_index_bp` it runs at P positions only, and
+    keeping it apart avoids slicing it off a stacked parameter (a slice would copy the stack).
+    A dense model has two blocks, (0, L-1) and (L-1, 1); Qwen3-MoE with `mlp_only_layers` or
+    `decoder_sparse_step` > 1 has one block per run of same-kind layers (for an alternating stack
+    that is one block per layer, and compile time grows with the depth again).
+    """
+    n = self.num_hidden_layers
+    blocks: list[tuple[int, int]] = []
+    for i in range(n - 1):
+      if blocks and self.is_moe_layer(i) == self.is_moe_layer(blocks[-1][0]):
+        blocks[-1] = (blocks[-1][0], blocks[-1][1] + 1)
+      else:
+        blocks.append((i, 1))
+    if n:
+      blocks.append((n - 1, 1))
+    return tuple(blocks)
 
   @classmethod
   def tiny_cpu(cls, vocab_size: int = 151936) -> "QwenConfig":
@@ -211,36 +237,64 @@ CPU_LOGITS_ROWS = 256  # full-logits projection on XLA:CPU: rows per product (se
 
 
 class KVCache(NamedTuple):
-  """Per-layer key caches [B, K, H, S] and value caches [B, K, S, H]. Cache index == position.
+  """Key caches [L, B, K, H, S] and value caches [L, B, K, S, H], every layer stacked on a leading
+  axis (the decoder's scan reads and writes layer l in place). Cache index == position.
 
   Heads before positions, so a decode step's attention is a batched product over (B, K) that
   reads the cache as laid out (with [B, S, K, H], XLA:CPU transposed every layer's whole cache
   each step). Keys are stored transposed, position minor: the scores product q [G, H] x k [H, S]
   then runs in the standard layout (see `_attend`; docs/benchmarks/rollout.md). Values stay
-  [S, H], the layout probs [G, S] x v [S, H] wants.
+  [S, H], the layout probs [G, S] x v [S, H] wants. `cache.k[l]` is layer l's [B, K, H, S] keys.
   """
 
-  k: tuple[jax.Array, ...]
-  v: tuple[jax.Array, ...]
+  k: jax.Array
+  v: jax.Array
 
-  # Logical axes (models/sharding.py) of each key and value array.
-  KEY_AXES = ("batch", "act_kv_heads", None, "cache_length")
-  VALUE_AXES = ("batch", "act_kv_heads", "cache_length", None)
+  # Logical axes (models/sharding.py) of the key and value arrays.
+  KEY_AXES = ("layers", "batch", "act_kv_heads", None, "cache_length")
+  VALUE_AXES = ("layers", "batch", "act_kv_heads", "cache_length", None)
 
   @classmethod
   def zeros(cls, cfg: QwenConfig, batch: int, length: int, dtype=jnp.float32) -> "KVCache":
+    """An empty cache of `batch` slots of `length` entries for every layer of `cfg`, in `dtype`."""
     b, k, h = batch, cfg.num_key_value_heads, cfg.head_dim
     n = cfg.num_hidden_layers
-    # Distinct buffers per layer: engines donate the cache, and a buffer donated twice is an error.
+    # Two distinct buffers: engines donate the cache, and a buffer donated twice is an error.
     return cls(
-      k=tuple(jnp.zeros((b, k, h, length), dtype) for _ in range(n)),
-      v=tuple(jnp.zeros((b, k, length, h), dtype) for _ in range(n)),
+      k=jnp.zeros((n, b, k, h, length), dtype),
+      v=jnp.zeros((n, b, k, length, h), dtype),
     )
 
   @property
   def length(self) -> int:
     """S, entries per slot."""
-    return self.v[0].shape[2]
+    return self.v.shape[3]
+
+
+REMAT_POLICIES = ("none", "full", "save_dots")
+
+
+def remat_layer(fn, policy: str, prevent_cse: bool = True):
+  """`fn` (a decoder layer's forward) under the rematerialisation `policy`.
+
+  "none": the backward pass keeps every intermediate of every layer; "full": only each layer's
+  input is kept and the layer is recomputed in the backward pass (`jax.checkpoint`); "save_dots":
+  the outputs of matrix products without batch dimensions (`jax.checkpoint_policies.
+  dots_with_no_batch_dims_saveable`: the q/k/v/o projections and MLP or expert products) are kept
+  and the rest (norms, RoPE, the attention scores and probabilities, which are batched products,
+  activations) is recomputed.
+
+  Raises:
+    ValueError: a policy not in REMAT_POLICIES.
+  """
+  if policy == "none":
+    return fn
+  if policy == "full":
+    return jax.checkpoint(fn, prevent_cse=prevent_cse)
+  if policy == "save_dots":
+    saveable = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return jax.checkpoint(fn, prevent_cse=prevent_cse, policy=saveable)
+  raise ValueError(f"unknown remat policy {policy!r}; known: {', '.join(REMAT_POLICIES)}")
 
 
 def _init(rngs: nnx.Rngs, shape, axes, dtype, scale: float = 0.02) -> nnx.Param:
@@ -550,21 +604,52 @@ class DecoderLayer(nnx.Module):
     return constrain(x, ("batch", "length", "act_embed")), kc, vc, used
 
 
+def stacked_layers(
+  cfg: QwenConfig, first: int, count: int, *, rngs: nnx.Rngs, dtype
+) -> DecoderLayer:
+  """One `DecoderLayer` whose parameters hold `count` layers stacked on a leading axis.
+
+  Layers `first` .. `first + count - 1` must be of one kind (all dense or all sparse MoE). Each
+  layer is initialised in turn, as separate layers would be (so a seed gives the values it gave
+  an unstacked model), then the values are stacked; every parameter's logical axes
+  (`out_sharding`) gain a leading "layers" axis (models/sharding.py: not sharded).
+  """
+  sparse = cfg.is_moe_layer(first)
+  if any(cfg.is_moe_layer(i) != sparse for i in range(first, first + count)):
+    raise ValueError(f"layers {first}..{first + count - 1} mix dense and sparse MoE blocks")
+  layers = [DecoderLayer(cfg, rngs=rngs, dtype=dtype, sparse=sparse) for _ in range(count)]
+  flat = [nnx.to_flat_state(nnx.state(layer, nnx.Param)) for layer in layers]
+  for (_, var), *rest in zip(*flat):
+    var.set_value(jnp.stack([var.get_value()] + [v.get_value() for _, v in rest]))
+    var.set_metadata(out_sharding=("layers", *var.get_metadata()["out_sharding"]))
+  return layers[0]
+
+
 class Qwen(nnx.Module):
   """Qwen decoder-only language model.
 
   `hidden_states` gives final-norm hidden states [B, T, D]; `logits` projects chosen positions to
   the vocabulary, so callers compute full-vocabulary logits only where they need them.
+
+  The decoder layers live in `blocks` (`QwenConfig.layer_blocks`: block g holds layers
+  `block_spans[g]` = (first, count), parameters stacked [count, ...]); every forward runs each
+  block under `jax.lax.scan`. `remat` (one of REMAT_POLICIES, default "full") is the
+  rematerialisation of each layer in the backward pass of `hidden_states` (`remat_layer`); it is
+  a training setting, not architecture, and is not written to config.json.
+
+  Raises (constructor):
+    ValueError: an unknown remat policy.
   """
 
-  def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+  def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, remat: str = "full"):
+    if remat not in REMAT_POLICIES:
+      raise ValueError(f"unknown remat policy {remat!r}; known: {', '.join(REMAT_POLICIES)}")
     self.config = cfg
+    self.remat = remat
     self.embed_tokens = _init(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
-    self.layers = nnx.List(
-      [
-        DecoderLayer(cfg, rngs=rngs, dtype=dtype, sparse=cfg.is_moe_layer(i))
-        for i in range(cfg.num_hidden_layers)
-      ]
+    self.block_spans = cfg.layer_blocks
+    self.blocks = nnx.List(
+      [stacked_layers(cfg, i, n, rngs=rngs, dtype=dtype) for i, n in self.block_spans]
     )
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     if not cfg.tie_word_embeddings:
@@ -588,7 +673,10 @@ class Qwen(nnx.Module):
     replays recorded routing: entry [b, t, j] gives the experts of token t in MoE layer
     `config.moe_layers[j]` (-1: not recorded, the router chooses; `SparseMoE.forward`). Dense
     models, and None, take the router's own choice everywhere.
-    Returns [B, T, D] hidden states after the final norm, or [B, P, D] with output_index_bp.
+    Each block of layers runs under `jax.lax.scan`, its layer body rematerialised in the
+    backward pass as `self.remat` says.
+    Returns [B, T, D] hidden states after the final norm (in the parameters' dtype), or
+    [B, P, D] with output_index_bp.
     Raises:
       ValueError: routing_btlk not of shape [B, T, L_moe, k].
     """
@@ -597,30 +685,63 @@ class Qwen(nnx.Module):
     attention_mask_bt = attention_mask_bt.astype(jnp.bool_)
     if positions_bt is None:
       positions_bt = jnp.maximum(jnp.cumsum(attention_mask_bt, axis=-1) - 1, 0)
-    layer_routing = self._split_routing(routing_btlk, input_ids_bt.shape)
+    block_routing = self._split_routing(routing_btlk, input_ids_bt.shape)
     x = self._embed(input_ids_bt)
-    last = len(self.layers) - 1
-    for i, layer in enumerate(self.layers):
-      x, _, _, _ = layer(
-        x,
-        positions_bt,
-        None,
-        None,
-        None,
-        positions_bt,
-        attention_mask_bt,
-        output_index_bp if i == last else None,
-        layer_routing[i],
+    last = len(self.blocks) - 1
+
+    def layer_fn(graphdef, x, params, experts, query_index):
+      layer = nnx.merge(graphdef, params)
+      x, _, _, used = layer(
+        x, positions_bt, None, None, None, positions_bt, attention_mask_bt, query_index, experts
       )
+      return x, used
+
+    for g, block in enumerate(self.blocks):
+      graphdef, params = nnx.split(block)
+      if g == last and output_index_bp is not None:
+        # One layer (QwenConfig.layer_blocks), run outside the scan at the P positions only.
+        one = jax.tree.map(lambda a: a[0], params)
+        experts = None if block_routing[g] is None else block_routing[g][0]
+        fn = remat_layer(functools.partial(layer_fn, graphdef), self.remat)
+        x, _ = fn(x, one, experts, output_index_bp)
+        continue
+
+      def body(x, xs, graphdef=graphdef):
+        params, experts = xs
+        return layer_fn(graphdef, x, params, experts, None)
+
+      body = remat_layer(body, self.remat, prevent_cse=False)
+      x, _ = jax.lax.scan(body, x, (params, block_routing[g]))
     if output_index_bp is not None and last < 0:  # no layers: select from the embeddings
       x = jnp.take_along_axis(x, output_index_bp[..., None], axis=1)
     return self.norm(x)
 
+  def layer(self, i: int) -> DecoderLayer:
+    """A copy of decoder layer `i` as an unstacked `DecoderLayer` (parameters without the layer
+    axis), for inspection and tests: changing it does not change the model.
+
+    Raises:
+      IndexError: i outside [0, num_hidden_layers).
+    """
+    for block, (first, count) in zip(self.blocks, self.block_spans):
+      if first <= i < first + count:
+        graphdef, state = nnx.split(block)
+        j = i - first
+        out = nnx.merge(graphdef, jax.tree.map(lambda a, j=j: a[j], state))
+        for _, var in nnx.to_flat_state(nnx.state(out, nnx.Param)):
+          var.set_metadata(out_sharding=tuple(var.get_metadata()["out_sharding"][1:]))
+        return out
+    raise IndexError(f"layer {i} outside [0, {self.config.num_hidden_layers})")
+
   def _split_routing(self, routing_btlk: jax.Array | None, bt: tuple[int, ...]) -> list:
-    """Per decoder layer: its [B, T, k] slice of a routing record, or None (dense layer, none)."""
+    """Per block: its [L_g, B, T, k] slice of a routing record, or None (dense block, none).
+
+    A sparse block's layers are consecutive MoE layers, so its slice is a contiguous run of the
+    record's L_moe axis, moved to the front (the scan's axis).
+    """
     cfg = self.config
     moe = cfg.moe_layers
-    out: list = [None] * len(self.layers)
+    out: list = [None] * len(self.blocks)
     if routing_btlk is None:
       return out
     want = (*bt, len(moe), cfg.num_experts_per_tok)
@@ -628,8 +749,10 @@ class Qwen(nnx.Module):
       raise ValueError(
         f"routing of shape {tuple(routing_btlk.shape)}, want [B, T, L_moe, k] = {list(want)}"
       )
-    for j, i in enumerate(moe):
-      out[i] = routing_btlk[:, :, j]
+    for g, (first, count) in enumerate(self.block_spans):
+      if cfg.is_moe_layer(first):
+        j = moe.index(first)
+        out[g] = jnp.moveaxis(routing_btlk[:, :, j : j + count], 2, 0)
     return out
 
   def __call__(
@@ -668,8 +791,8 @@ class Qwen(nnx.Module):
     Args:
       input_ids_bt: [B, T] int32 new tokens.
       positions_bt: [B, T] int32 absolute positions; must equal write_b[:, None] + arange(T).
-      cache: KVCache ([B, K, H, S] keys, [B, K, S, H] values); entries at index <= position
-        are attended.
+      cache: KVCache ([L, B, K, H, S] keys, [L, B, K, S, H] values); entries at index <=
+        position are attended.
       write_b: [B] int32 cache index where the new keys go. The caller guarantees
         write_b + T <= S (dynamic_update_slice would otherwise clamp the write).
       kv_len: static; attend only to cache entries [0, kv_len) (default S). The caller guarantees
@@ -700,15 +823,29 @@ class Qwen(nnx.Module):
     key_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (input_ids_bt.shape[0], s))
     key_valid = jnp.ones_like(key_pos, jnp.bool_)
     x = self._embed(input_ids_bt)
-    ks, vs, routing = [], [], []
-    for layer, kc, vc in zip(self.layers, cache.k, cache.v):
-      x, kc, vc, used = layer(x, positions_bt, kc, vc, write_b, key_pos, key_valid)
-      ks.append(kc)
-      vs.append(vc)
+    ck, cv = cache.k, cache.v
+    routing = []
+    for (first, count), block in zip(self.block_spans, self.blocks):
+      graphdef, params = nnx.split(block)
+
+      # The whole cache is carried: layer l's slices are read and written back in place.
+      def body(carry, xs, graphdef=graphdef):
+        x, ck, cv = carry
+        params, i = xs
+        kc = jax.lax.dynamic_index_in_dim(ck, i, 0, keepdims=False)
+        vc = jax.lax.dynamic_index_in_dim(cv, i, 0, keepdims=False)
+        layer = nnx.merge(graphdef, params)
+        x, kc, vc, used = layer(x, positions_bt, kc, vc, write_b, key_pos, key_valid)
+        ck = jax.lax.dynamic_update_index_in_dim(ck, kc, i, 0)
+        cv = jax.lax.dynamic_update_index_in_dim(cv, vc, i, 0)
+        return (x, ck, cv), used
+
+      layer_ids = jnp.arange(first, first + count, dtype=jnp.int32)
+      (x, ck, cv), used = jax.lax.scan(body, (x, ck, cv), (params, layer_ids))
       if used is not None:
-        routing.append(used)
-    routing_btlk = jnp.stack(routing, axis=2) if routing else None
-    return self.norm(x), KVCache(tuple(ks), tuple(vs)), routing_btlk
+        routing.append(used)  # [L_g, B, T, k]
+    routing_btlk = jnp.moveaxis(jnp.concatenate(routing), 0, 2) if routing else None
+    return self.norm(x), KVCache(ck, cv), routing_btlk
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """Projects [..., D] hidden states to [..., V] float32 logits."""

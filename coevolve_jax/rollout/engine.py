@@ -1,6 +1,7 @@
 """KV-cached inference engine over decode slots (the shape of JetStream's `Engine` contract).
 
-A decode state holds `B` slots sharing one KV cache per layer (`KVCache`: B slots of S entries).
+A decode state holds `B` slots sharing one stacked KV cache (`KVCache`: L layers of B slots of S
+entries).
 `prefill` runs a request's prompt (or the continuation of a multi-turn conversation) into one slot
 and samples its first token; `generate` advances every slot by one token. Both are jitted once per
 shape: prompts are cut into power-of-two chunks so that few shapes exist.
@@ -31,7 +32,7 @@ from coevolve_jax.rollout.sampling import SamplingParams, sample
 
 
 class DecodeState(NamedTuple):
-  cache: KVCache  # per layer: keys [B, K, H, S], values [B, K, S, H]
+  cache: KVCache  # keys [L, B, K, H, S], values [L, B, K, S, H]
   next_pos: jax.Array  # [B] int32: cache index for the next token
   tokens: jax.Array  # [B] int32: last sampled token per slot
 
@@ -50,16 +51,14 @@ def _prefill_rows(
   model = nnx.merge(graphdef, params)
   starts = state.next_pos[slots_r]
   t = chunk_rt.shape[1]
-  take = lambda c: c[slots_r]  # noqa: E731
-  cache = KVCache(tuple(map(take, state.cache.k)), tuple(map(take, state.cache.v)))
+  take = lambda c: c[:, slots_r]  # noqa: E731  (the cache is [L, B, ...])
+  cache = KVCache(take(state.cache.k), take(state.cache.v))
   positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
   hidden, cache, routing = model.decode_routed(chunk_rt, positions, cache, starts, kv_len)
   last = jnp.take_along_axis(hidden, (true_len_r - 1)[:, None, None], axis=1)[:, 0]
   tok, logp = sample(model.logits(last), keys_r, sampling)
-  put = lambda full, part: full.at[slots_r].set(part)  # noqa: E731
-  new_cache = KVCache(
-    tuple(map(put, state.cache.k, cache.k)), tuple(map(put, state.cache.v, cache.v))
-  )
+  put = lambda full, part: full.at[:, slots_r].set(part)  # noqa: E731
+  new_cache = KVCache(put(state.cache.k, cache.k), put(state.cache.v, cache.v))
   state = DecodeState(
     new_cache,
     state.next_pos.at[slots_r].set(starts + true_len_r),
