@@ -32,6 +32,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.model.preset = "qwen3_4b"  # QwenConfig preset name
   c.model.checkpoint = ""  # Hugging Face folder with safetensors; "" = random init
   c.model.dtype = "bfloat16"
+  # Backward-pass rematerialisation of each decoder layer (models/qwen.py `remat_layer`):
+  # "full" keeps only each layer's input (the least memory), "save_dots" also keeps the outputs
+  # of the non-batched matrix products, "none" keeps everything.
+  c.model.remat = "full"
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1

@@ -155,7 +155,7 @@ def test_engine_records_the_routing_of_every_consumed_token():
   assert record.shape == (len(seq) - 1, 2, 2) and record.dtype == np.int16
   assert engine.routing(0).shape == (0, 2, 2)
 
-  cache = jax.tree.map(lambda c: c[:1], engine.init_decode_state().cache)
+  cache = jax.tree.map(lambda c: c[:, :1], engine.init_decode_state().cache)  # [L, B, ...]
   n = len(seq) - 1
   one_shot = nnx.jit(
     lambda m, ids: m.decode_routed(ids, jnp.arange(n)[None], cache, jnp.zeros(1, jnp.int32))

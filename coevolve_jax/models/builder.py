@@ -24,7 +24,8 @@ def build(model_cfg: Mapping[str, Any], *, seed: int, mesh: Mesh | None = None) 
   config.json and generation_config.json are `model.config.eos_token_ids`, the ids that end a
   reply besides the tokenizer's `<|im_end|>`); otherwise `QwenConfig.preset(
   model_cfg.preset)` is initialised at random with `nnx.Rngs(seed)`. Parameters are in
-  `model_cfg.dtype`.
+  `model_cfg.dtype`; `model_cfg.remat` ("full" when absent) is each decoder layer's
+  rematerialisation in the training backward pass (`qwen.remat_layer`).
 
   Args:
     model_cfg: has `preset` (a `models.PRESETS` name), `checkpoint` (a folder, "" for random

@@ -458,6 +458,24 @@ class Attention(nnx.Module):
             )
           )
         out = jnp.concatenate(outs, axis=1)
+      elif k_cache_bkhs is None and query_index_bp is not None and attention_block(t):
+        # Queries at P chosen positions (the last layer of a scoring pass): any query may see
+        # every key, so no block skipping, but each block of queries is rematerialised, so the
+        # backward pass keeps no [.., P, T] scores (at P = 2048 of T = 4096 in Qwen3-4B, 1 GiB
+        # of float32 per copy).
+        block = attention_block(t)
+        outs = [
+          jax.checkpoint(_attend)(
+            q[:, lo : lo + block],
+            keys,
+            values,
+            q_pos[:, lo : lo + block],
+            key_pos_bs,
+            key_valid_bs,
+          )
+          for lo in range(0, t, block)
+        ]
+        out = jnp.concatenate(outs, axis=1)
       else:
         out = _attend(q, keys, values, q_pos, key_pos_bs, key_valid_bs)
       out = jnp.einsum("BTNH,NHD->BTD", out, self.o_proj[...])
