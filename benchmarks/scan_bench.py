@@ -14,7 +14,11 @@ memory: `compiled.memory_analysis()` of the same loss and gradient for Qwen3-4B 
   (`nnx.eval_shape`, `jax.ShapeDtypeStruct`: nothing is allocated): temp bytes (every buffer
   the step allocates besides its arguments and outputs: activations kept for the backward pass,
   recomputed activations, per-layer gradient temporaries), argument bytes (parameters and
-  tokens) and output bytes (the gradients and the loss), per remat policy.
+  tokens) and output bytes (the gradients and the loss), per remat policy; also the temp bytes of
+  a 128-token sequence (what does not grow with the sequence: on XLA:CPU, which has no bfloat16
+  matrix products, this holds float32 copies of the bfloat16 weights, 16 GiB, and of the
+  [V, D] embedding and its gradient), temp minus that (the activation memory of one 4,096-token
+  sequence), and the temp bytes one more sequence adds (batch 2 minus batch 1).
 
 The same script runs against a tree without scanned layers (`Qwen` without a `remat` argument:
 the layers are then a Python loop and "remat" is reported as "-").
@@ -106,10 +110,10 @@ def step_ms(layers: int, remat: str, steps: int) -> float:
   return 1000 * statistics.median(times)
 
 
-def memory_4b(remat: str, seq: int = 4096) -> tuple[dict, float]:
+def memory_4b(remat: str, batch: int = 1, seq: int = 4096) -> tuple[dict, float]:
   """(memory_analysis fields in bytes, compile seconds) of the Qwen3-4B loss and gradient."""
   graphdef, params = make_model(QwenConfig.qwen3_4b(), remat, jnp.bfloat16, abstract=True)
-  tokens, pos = inputs(1, seq, seq // 2, abstract=True)
+  tokens, pos = inputs(batch, seq, seq // 2, abstract=True)
   t0 = time.perf_counter()
   compiled = loss_and_grad(graphdef).lower(params, tokens, pos).compile()
   seconds = time.perf_counter() - t0
@@ -145,9 +149,19 @@ def main():
     rows = []
     for remat in remats:
       m, seconds = memory_4b(remat)
-      rows.append([remat] + [f"{m[f] / GIB:.2f}" for f in m] + [f"{seconds:.0f}"])
+      short = memory_4b(remat, seq=128)[0]["temp_size_in_bytes"]
+      two = memory_4b(remat, batch=2)[0]["temp_size_in_bytes"]
+      temp = m["temp_size_in_bytes"]
+      rows.append(
+        [remat]
+        + [f"{m[f] / GIB:.2f}" for f in m]
+        + [f"{short / GIB:.2f}", f"{(temp - short) / GIB:.2f}", f"{(two - temp) / GIB:.2f}"]
+        + [f"{seconds:.0f}"]
+      )
     print("Qwen3-4B loss + gradient, 1 x 4096 tokens, bfloat16: memory_analysis() GiB")
-    print(markdown_table([["remat", "temp", "arguments", "outputs", "compile s"], *rows]) + "\n")
+    head = ["remat", "temp", "arguments", "outputs", "temp at 128 tokens", "temp - temp(128)"]
+    head += ["temp(2 seqs) - temp", "compile s"]
+    print(markdown_table([head, *rows]) + "\n")
   print(machine())
 
 

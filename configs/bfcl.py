@@ -168,6 +168,9 @@ def _cpu(c: ml_collections.ConfigDict) -> None:
   """Small enough for 2 CPU cores in ~15 minutes; same code path as the full run."""
   c.model.preset = "tiny_cpu"
   c.model.dtype = "float32"
+  # A 2-layer model's activations are small: recomputing them only costs time (2-core CPU: the
+  # training step compiled in 7.7 s without remat, 12.1 s with full remat; docs/benchmarks/scan.md).
+  c.model.remat = "none"
   c.data.eval_size = 20
   c.data.tool_style = "compact"
   c.data.max_obs_chars = 600

@@ -337,9 +337,13 @@ def test_near_tie_routing_is_replayed_by_the_trainer():
   arrays = {k: jnp.asarray(v) for k, v in vars(batch).items() if k != "sampler_logp"}
   arrays.update(old=jnp.asarray(replayed), routing=routing)
   grads = jax.jit(jax.grad(lambda p: loss_fn(p, arrays)[0]))(params)
-  for i in MOE.moe_layers:
-    g = np.asarray(grads["layers"][i]["mlp"]["gate"][...])
-    assert np.all(np.isfinite(g)) and np.abs(g).max() > 1e-6, i
+  for b, (first, count) in enumerate(model.block_spans):  # stacked: [L_g, D, E] per block
+    if not MOE.is_moe_layer(first):
+      continue
+    stacked = np.asarray(grads["blocks"][b]["mlp"]["gate"][...])
+    for j in range(count):
+      g = stacked[j]
+      assert np.all(np.isfinite(g)) and np.abs(g).max() > 1e-6, first + j
 
 
 def test_replay_on_a_mesh_matches_one_device():

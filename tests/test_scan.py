@@ -181,3 +181,16 @@ def test_full_remat_keeps_one_hidden_state_per_layer():
   none = (temp(6, "none") - temp(3, "none")) / 3
   assert full <= 1.25 * carry, (full, carry)
   assert none >= 4 * carry, (none, carry)
+
+
+def test_last_layer_at_many_positions_runs_in_query_blocks():
+  """P = 512 scored positions take the blocked, rematerialised attention path and give the hidden
+  states of the full forward there."""
+  model = Qwen(TINY, rngs=nnx.Rngs(3))
+  rng = np.random.default_rng(1)
+  tokens = jnp.asarray(rng.integers(0, 512, (1, 600)), jnp.int32)
+  index = jnp.asarray(np.sort(rng.choice(600, 512, replace=False))[None], jnp.int32)
+  forward = nnx.jit(lambda m, t, i: (m.hidden_states(t), m.hidden_states(t, output_index_bp=i)))
+  full, picked = forward(model, tokens, index)
+  want = jnp.take_along_axis(full, index[..., None], axis=1)
+  np.testing.assert_allclose(picked, want, atol=1e-5)
