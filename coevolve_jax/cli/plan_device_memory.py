@@ -19,7 +19,9 @@ How each figure is obtained:
   with the batch are activations (the rest are parameters, counted above); per device they scale
   with the sequences per device (batch / (data * fsdp)) and are divided by the tensor axis when a
   dimension is a tensor-sharded one (heads, kv heads, MLP, vocab; the `act_*`/`mlp` rules).
-  Transient buffers inside one op are not counted: leave headroom (see `--headroom`).
+  With `--remat=full` (the default, as in the full-scale configs) the decoder keeps only each
+  layer's input; the layer being recomputed in the backward pass, like any transient buffer
+  inside one op, is not counted: leave headroom (see `--headroom`).
 - KV cache: `KVCache.zeros` shapes ([L, slots, K, H, cache_len] keys and
   [L, slots, K, cache_len, H] values), slots over (data, fsdp), kv heads over tensor, as the
   rollout engine allocates it.
@@ -125,9 +127,9 @@ def shard_bytes(
   return math.prod(per_dev) * jnp.dtype(dtype).itemsize
 
 
-def abstract_model(cfg: QwenConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_model(cfg: QwenConfig, dtype, remat: str = "full") -> tuple[nnx.GraphDef, nnx.State]:
   """The model's graph and abstract parameter state (ShapeDtypeStructs with their metadata)."""
-  model = nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+  model = nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0), dtype=dtype, remat=remat))
   return nnx.split(model)
 
 
@@ -160,9 +162,10 @@ def _sharded_tree_bytes(tree, param_axes: dict[tuple, tuple], mesh) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _activation_leaves(preset: str, dtype: str, seq_len: int, targets: int):
-  """Residual shapes of the training forward that depend on the batch, at batch 1."""
-  graphdef, state = abstract_model(QwenConfig.preset(preset), jnp.dtype(dtype))
+def _activation_leaves(preset: str, dtype: str, seq_len: int, targets: int, remat: str):
+  """Residual shapes of the training forward that depend on the batch, at batch 1, with the
+  decoder layers rematerialised by `remat` (`qwen.REMAT_POLICIES`)."""
+  graphdef, state = abstract_model(QwenConfig.preset(preset), jnp.dtype(dtype), remat)
 
   def residuals(batch):
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
@@ -247,6 +250,7 @@ def plan(
   dtype: str = "bfloat16",
   targets: int | None = None,
   micro_batches: int = 1,
+  remat: str = "full",
 ) -> MemoryPlan:
   """Memory per device for training and rollout of `preset` on a mesh of `mesh` axis sizes.
 
@@ -261,10 +265,12 @@ def plan(
     targets: sampled (trained) positions per sequence; default seq_len // 2.
     micro_batches: gradient-accumulation slices per step (the trainer's `micro_batches`): only
       one slice's activations are alive at a time.
+    remat: the decoder layers' rematerialisation (`model.remat`; "full" keeps only each layer's
+      input for the backward pass, "none" everything).
   Returns:
     A `MemoryPlan` in bytes per device.
   Raises:
-    ValueError: unknown preset, or non-positive sizes.
+    ValueError: unknown preset or remat policy, or non-positive sizes.
   """
   if min(batch, seq_len, num_slots, cache_len, micro_batches) < 1:
     raise ValueError("batch, seq_len, num_slots, cache_len and micro_batches must be >= 1")
@@ -277,7 +283,7 @@ def plan(
   opt_state = jax.eval_shape(tx.init, params_state)
   opt_bytes = _sharded_tree_bytes(opt_state, axes, mesh)
   batch_shards = _axis_size(mesh, "batch")
-  leaves = _activation_leaves(preset, str(dt), seq_len, targets or max(1, seq_len // 2))
+  leaves = _activation_leaves(preset, str(dt), seq_len, targets or max(1, seq_len // 2), remat)
   act = _activation_bytes(leaves, cfg, mesh, -(-batch // (batch_shards * micro_batches)))
   kv = kv_cache_bytes(preset, mesh, num_slots, cache_len, dtype)
   return MemoryPlan(
@@ -337,6 +343,7 @@ def _define_flags() -> None:
   flags.DEFINE_integer("batch", 64, "Sequences per optimizer step (global).")
   flags.DEFINE_integer("seq_len", 4096, "Tokens per training sequence.")
   flags.DEFINE_integer("micro_batches", 1, "Gradient-accumulation slices per step.")
+  flags.DEFINE_string("remat", "full", "Decoder-layer rematerialisation: none, full, save_dots.")
   flags.DEFINE_integer("num_slots", 64, "Concurrent rollout episodes (global).")
   flags.DEFINE_integer("cache_len", 32768, "KV-cache tokens per episode.")
   flags.DEFINE_string("dtype", "bfloat16", "Parameter / activation / cache dtype.")
@@ -373,6 +380,7 @@ def main(argv: Sequence[str]) -> None:
       cache_len=F.cache_len,
       dtype=F.dtype,
       micro_batches=F.micro_batches,
+      remat=F.remat,
     )
     for m in meshes
   ]
