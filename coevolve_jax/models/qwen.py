@@ -831,7 +831,10 @@ class Qwen(nnx.Module):
   ) -> tuple[jax.Array, KVCache, jax.Array | None]:
     """`decode`, also returning the experts every new token was routed to.
 
-    Arguments as `decode`.
+    Arguments as `decode`. Each block of layers runs under `jax.lax.scan` (no remat: nothing is
+    differentiated), carrying the whole stacked cache: layer l's slice is read and written back
+    with dynamic slices (in place where XLA aliases the loop carry; not measured against the
+    per-layer cache this replaced).
     Returns:
       ([B, T, D] hidden states, updated cache, [B, T, L_moe, k] int32 expert indices of each
       token in each MoE layer (`config.moe_layers` order; what `hidden_states` replays), or None
