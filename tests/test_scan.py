@@ -84,6 +84,7 @@ def _compile_seconds(layers: int, remat: str) -> float:
   return best
 
 
+@pytest.mark.slow  # four fresh compiles, and a timing: `make test-slow`, or benchmarks/scan_bench.py
 def test_train_step_compile_time_does_not_grow_with_depth():
   """Once the first block is a real loop, depth adds no compile time: 36 layers compile in at
   most 1.3x the time of 8 (unrolled, 36 layers took 4.3x the time of 2; docs/benchmarks/scan.md).
@@ -94,6 +95,20 @@ def test_train_step_compile_time_does_not_grow_with_depth():
   """
   eight, deep = _compile_seconds(8, "none"), _compile_seconds(36, "none")
   assert deep <= 1.3 * eight, (eight, deep)
+
+
+def test_lowered_train_step_does_not_grow_with_depth():
+  """The deterministic side of the compile-time claim (the timing is the slow test above): the
+  lowered loss-and-gradient program of 36 layers is the program of 8 layers (the same number of
+  lines and of loops), where unrolled layers would make it 4.5x longer."""
+
+  def lowered(layers):
+    fn, *args = _abstract_step(dataclasses.replace(TINY, num_hidden_layers=layers), "full", 2, 64)
+    return fn.lower(*args).as_text()
+
+  eight, deep = lowered(8), lowered(36)
+  assert deep.count("stablehlo.while") == eight.count("stablehlo.while") >= 2
+  assert len(deep.splitlines()) == len(eight.splitlines())
 
 
 def test_layer_blocks_group_runs_of_one_kind_and_keep_the_last_layer_apart():
