@@ -84,7 +84,7 @@ def _compile_seconds(layers: int, remat: str) -> float:
   return best
 
 
-@pytest.mark.slow  # four fresh compiles, and a timing: `make test-slow`, or benchmarks/scan_bench.py
+@pytest.mark.slow  # four fresh compiles and a timing: `make test-slow`, benchmarks/scan_bench.py
 def test_train_step_compile_time_does_not_grow_with_depth():
   """Once the first block is a real loop, depth adds no compile time: 36 layers compile in at
   most 1.3x the time of 8 (unrolled, 36 layers took 4.3x the time of 2; docs/benchmarks/scan.md).
