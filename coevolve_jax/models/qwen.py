@@ -7,10 +7,11 @@ Dimension letters used in names and einsums:
   k experts per token (top-k), L_moe sparse MoE layers (`QwenConfig.moe_layers`).
 
 Parameters use the Hugging Face names (`embed_tokens`, `self_attn.q_proj`, ...) but store kernels as
-[in, out] (HF stores [out, in]; the weight mapper transposes), and the decoder layers are stacked:
-`blocks[g]` is one `DecoderLayer` whose parameters carry a leading [L_g] layer axis (logical axis
-"layers") for the consecutive layers of block g (`QwenConfig.layer_blocks`), and the forward passes
-run each block under `jax.lax.scan`, so compile time does not grow with the depth.
+[in, out] (HF stores [out, in]; the weight mapper transposes). The decoder layers are stacked for
+training: `blocks[g]` is one `DecoderLayer` whose parameters carry a leading [L_g] layer axis
+(logical axis "layers") for the consecutive layers of block g (`QwenConfig.layer_blocks`), and
+the training forward runs each block under `jax.lax.scan`, so compile time does not grow with
+the depth; the rollout engine decodes an unrolled copy (`Qwen(stacked=False)`, `unstack`).
 Architecture reference: Hugging Face transformers `modeling_qwen2.py` / `modeling_qwen3.py` /
 `modeling_qwen3_moe.py` (rotate-half RoPE, RMSNorm, SwiGLU MLP, GQA; Qwen2 q/k/v biases; Qwen3
 per-head q/k RMSNorm; Qwen3-MoE softmax router with top-k experts, optionally renormalised).
