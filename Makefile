@@ -57,7 +57,7 @@ $(STAMP): setup.py Makefile
 
 AW_SETUP ?= appworld-setup
 test: setup $(AW_SETUP)
-	$(VPY) -m pytest -q -m '$(MARKERS)' $(PYTEST_ARGS) $(TESTS)
+	$(VPY) -m pytest -q --durations=15 -m '$(MARKERS)' $(PYTEST_ARGS) $(TESTS)
 
 test-slow:
 	$(MAKE) test MARKERS=slow

@@ -25,6 +25,7 @@ import envs
 from coevolve_jax.feedback import factory, rounds
 from coevolve_jax.feedback.signals import SignalTracker
 from coevolve_jax.models import QwenConfig
+from coevolve_jax.models.qwen import REMAT_POLICIES
 from coevolve_jax.models.sharding import MESH_AXES
 from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.types import FINISHES
@@ -33,8 +34,8 @@ from coevolve_jax.types import FINISHES
 def validate(cfg: Mapping[str, Any]) -> None:
   """Checks a run config (an ml_collections ConfigDict from configs/*.py, possibly overridden).
 
-  Covers: env; seed; data; model (preset unless a checkpoint is set, dtype); mesh (sizes >= 1 or
-  one -1); explore (explorers, D0 and synthesis sizes); pool (near-duplicate threshold,
+  Covers: env; seed; data; model (preset unless a checkpoint is set, dtype, remat); mesh (sizes
+  >= 1 or one -1); explore (explorers, D0 and synthesis sizes); pool (near-duplicate threshold,
   synth_fraction); signals (through `SignalTracker`); warmstart; rollout (sizes, group_size >= 2,
   sampling through `SamplingParams` with temperature >= 0 and top_p in (0, 1]); train (steps,
   optimizer, the GRPO objective of `grpo.GRPOConfig.from_config`, mini-/micro-batches that
@@ -167,6 +168,8 @@ def _model(cfg: Mapping[str, Any]) -> None:
     owner("model.preset", lambda: QwenConfig.preset(preset))
   _float_dtype(cfg, "model.dtype")
   _float_dtype(cfg, "model.param_dtype")
+  if get(cfg, "model.remat") not in REMAT_POLICIES:
+    fail("model.remat", f"must be one of {REMAT_POLICIES}", get(cfg, "model.remat"))
 
 
 def _mesh(cfg: Mapping[str, Any]) -> None:

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from coevolve_jax import grpo
 from coevolve_jax.models import sharding
-from coevolve_jax.models.qwen import Qwen
+from coevolve_jax.models.qwen import Qwen, unrolled_template, unstack_state
 from coevolve_jax.rollout.sampling import SamplingParams, filtered_logits, gathered_logprobs
 from coevolve_jax.types import Trajectory
 
@@ -351,7 +351,8 @@ class PolicyTrainer:
   in the float32 master it does not. The frozen reference is kept in the compute dtype.
 
   Weight sync: `inference_params()` is what the rollout engine decodes with: the current
-  parameters cast to the compute dtype and laid out for decoding, made once per parameter
+  parameters cast to the compute dtype, unrolled (`qwen.unstack`: the engine decodes layer by
+  layer while training scans stacked layers) and laid out for decoding, made once per parameter
   version (every update, restore or assignment of `params` is a new version).
   """
 
@@ -379,7 +380,7 @@ class PolicyTrainer:
         dtype); the parameters themselves stay in theirs (the master copy).
       inference_layout: the layout of `inference_params()` on a mesh: "gathered" (the fsdp
         dimension replicated, `inference_rules`) or "train" (the training layout; no extra copy
-        when no cast is needed either).
+        when the model is unrolled and no cast is needed either).
     Raises:
       ValueError: micro_batches < 1, an unknown inference_layout, or a compute_dtype that is not
         a float dtype.
@@ -396,6 +397,8 @@ class PolicyTrainer:
     self.last_sync_s = 0.0  # seconds the last `inference_params()` copy took
     self.graphdef, params = nnx.split(model)
     self.model_config = model.config
+    # The engine decodes the unrolled layout (`qwen.unstack`): the weight sync also unstacks.
+    self.inference_graphdef, infer_template = unrolled_template(model)
     self.tx, self.cfg = tx, cfg
     self.sampling = (
       sampling if isinstance(sampling, SamplingParams) else SamplingParams(temperature=sampling)
@@ -409,21 +412,24 @@ class PolicyTrainer:
       self._param_sh = sharding.tree_shardings(params, mesh)
       self._opt_sh = sharding.tree_shardings(jax.eval_shape(tx.init, params), mesh)
       self._rows_sh = batch_sharding(mesh)
-      self._infer_sh = (
-        sharding.tree_shardings(params, mesh, inference_rules())
-        if inference_layout == "gathered"
-        else self._param_sh
-      )
+      rules = inference_rules() if inference_layout == "gathered" else sharding.LOGICAL_RULES
+      self._infer_sh = sharding.tree_shardings(infer_template, mesh, rules)
       self.params = jax.device_put(params, self._param_sh)
       self.opt_state = self._jit(tx.init, (self._param_sh,), self._opt_sh)(self.params)
     self.ref_params = None
     # Casting (and, on a mesh, resharding) for the engine and the reference: a new buffer always.
     self._needs_copy = (
-      self.compute_dtype is not None
-      and any(x.dtype != self.compute_dtype for x in jax.tree.leaves(params) if _is_float(x))
-    ) or (mesh is not None and inference_layout == "gathered")
+      (
+        self.compute_dtype is not None
+        and any(x.dtype != self.compute_dtype for x in jax.tree.leaves(params) if _is_float(x))
+      )
+      or (mesh is not None and inference_layout == "gathered")
+      or model.stacked
+    )
     self._to_compute = self._jit(
-      lambda p: cast_floating(p, self.compute_dtype), (self._param_sh,), self._infer_sh
+      lambda p: unstack_state(cast_floating(p, self.compute_dtype), model.config, infer_template),
+      (self._param_sh,),
+      self._infer_sh,
     )
     self._to_reference = self._jit(
       lambda p: jax.tree.map(jnp.copy, cast_floating(p, self.compute_dtype)),
@@ -531,12 +537,13 @@ class PolicyTrainer:
 
   def inference_params(self):
     """The weights the rollout engine decodes with: the current parameters in the compute dtype
-    and the inference layout (`inference_layout`), an nnx.State for `graphdef`.
+    and the inference layout (`inference_layout`), unrolled: an nnx.State for
+    `inference_graphdef` (`qwen.unstack`).
 
     Made once per parameter version (the previous copy is released first, so two copies never
-    coexist) and timed into `last_sync_s`; without a cast or a layout change it is `params`
-    itself. The arrays stay valid until the next update: an engine must ask again after it
-    (`rollout.engine.Engine(weights=...)` does, at every call).
+    coexist) and timed into `last_sync_s`; for an unrolled model without a cast or a layout
+    change it is `params` itself. The arrays stay valid until the next update: an engine must
+    ask again after it (`rollout.engine.Engine(weights=...)` does, at every call).
     """
     if self._infer_version != self._version:
       self._infer = None

@@ -35,6 +35,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   # Master copy of the trained parameters, gradients and AdamW moments (fp32: a bf16 update of
   # lr 1e-6 rounds away on most weights). The reference policy is kept in `model.dtype`.
   c.model.param_dtype = "float32"
+  # Backward-pass rematerialisation of each decoder layer (models/qwen.py `remat_layer`):
+  # "full" keeps only each layer's input (the least memory), "save_dots" also keeps the outputs
+  # of the non-batched matrix products, "none" keeps everything.
+  c.model.remat = "full"
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1
@@ -173,6 +177,9 @@ def _cpu(c: ml_collections.ConfigDict) -> None:
   """Small enough for 2 CPU cores in ~15 minutes; same code path as the full run."""
   c.model.preset = "tiny_cpu"
   c.model.dtype = "float32"
+  # A 2-layer model's activations are small: recomputing them only costs time (2-core CPU: the
+  # training step compiled in 7.7 s without remat, 12.1 s with full remat; docs/benchmarks/scan.md).
+  c.model.remat = "none"
   c.data.eval_size = 20
   c.data.tool_style = "compact"
   c.data.max_obs_chars = 600

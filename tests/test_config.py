@@ -94,6 +94,7 @@ BAD = [  # (field, value); the bfcl cpu config (16 rollouts a step in 2 mini-bat
   ("model.preset", "qwen9_1t"),
   ("model.dtype", "int32"),
   ("model.dtype", "no_such_dtype"),
+  ("model.remat", "save_everything"),
   ("mesh.fsdp", 0),
   ("mesh.data", -2),
   ("explore.explorer", "oracle"),

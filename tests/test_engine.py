@@ -100,7 +100,7 @@ def _keys(cache_k):
 
 @nnx.jit
 def _layer0_kv_jit(model, ids):
-  layer = model.layers[0]
+  layer = model.layer(0)
   attn = layer.self_attn
   x = layer.input_layernorm(jnp.take(model.embed_tokens[...], jnp.asarray(ids)[None], axis=0))
   k = attn.k_norm(jnp.einsum("BTD,DKH->BTKH", x, attn.k_proj[...]))

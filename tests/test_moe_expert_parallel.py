@@ -140,10 +140,12 @@ def _child():
   for axes in ({"data": 2, "expert": 4}, {"fsdp": 2, "expert": 4}, {"tensor": 2, "expert": 4}):
     mesh = shd.make_mesh(axes)
     placed = _placed(model, mesh)
-    for i in CFG.moe_layers:
-      for name in ("gate_proj", "up_proj", "down_proj"):
-        kernel = getattr(placed.layers[i].mlp.experts, name).get_value()
-        shapes = {s.data.shape[0] for s in kernel.addressable_shards}
+    for g, (first, _) in enumerate(placed.block_spans):
+      if not CFG.is_moe_layer(first):
+        continue
+      for name in ("gate_proj", "up_proj", "down_proj"):  # stacked: [L_g, E, ...]
+        kernel = getattr(placed.blocks[g].mlp.experts, name).get_value()
+        shapes = {s.data.shape[1] for s in kernel.addressable_shards}
         assert shapes == {CFG.num_experts // 4}, (axes, name, shapes)
     got, hlo = _results(placed, mesh, ids, mask, routing)
     _close(got, single, str(axes))
@@ -202,7 +204,7 @@ def _child():
   # An expert axis that does not divide E: experts stay replicated, the single-device dispatch.
   mesh = shd.make_mesh({"expert": 8})
   placed = _placed(model, mesh)
-  assert placed.layers[0].mlp.experts.gate_proj.get_value().sharding.spec[0] is None
+  assert placed.blocks[0].mlp.experts.gate_proj.get_value().sharding.spec[1] is None
   got, _ = _results(placed, mesh, ids, mask, routing, full=False)
   _close(got, single, "E=12 on expert=8")
   print("ep OK")

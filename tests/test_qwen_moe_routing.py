@@ -51,12 +51,12 @@ def _near_tie_model(seed: int = 0) -> Qwen:
   enough (x10) that a flipped choice moves the next-token distribution by much more than
   rounding."""
   model = Qwen(MOE, rngs=nnx.Rngs(seed))
-  for layer in model.layers:
-    gate = np.array(layer.mlp.gate[...]) * 20.0
-    gate[:, TIED[1]] = np.nextafter(gate[:, TIED[0]], np.float32(np.inf))
-    layer.mlp.gate[...] = jnp.asarray(gate)
+  for block in model.blocks:  # stacked layers: [L_g, D, E] routers, [L_g, E, ...] experts
+    gate = np.array(block.mlp.gate[...]) * 20.0
+    gate[..., TIED[1]] = np.nextafter(gate[..., TIED[0]], np.float32(np.inf))
+    block.mlp.gate[...] = jnp.asarray(gate)
     for name in ("gate_proj", "up_proj", "down_proj"):
-      kernel = getattr(layer.mlp.experts, name)
+      kernel = getattr(block.mlp.experts, name)
       kernel[...] = kernel[...] * 10.0
   return model
 
@@ -305,8 +305,8 @@ def test_near_tie_routing_is_replayed_by_the_trainer():
 
   # The near-tie: experts 1 and 2's router logits are within one ulp for about half of all inputs.
   x = np.random.default_rng(1).standard_normal((1000, MOE.hidden_size)).astype(np.float32)
-  for layer in model.layers:
-    logits = x @ np.asarray(layer.mlp.gate[...])
+  for i in range(model.config.num_hidden_layers):
+    logits = x @ np.asarray(model.layer(i).mlp.gate[...])
     gap = np.abs(logits[:, TIED[0]] - logits[:, TIED[1]])
     assert np.mean(gap <= np.spacing(np.abs(logits[:, TIED[0]]))) > 0.3
 
@@ -337,9 +337,13 @@ def test_near_tie_routing_is_replayed_by_the_trainer():
   arrays = {k: jnp.asarray(v) for k, v in vars(batch).items() if k != "sampler_logp"}
   arrays.update(old=jnp.asarray(replayed), routing=routing)
   grads = jax.jit(jax.grad(lambda p: loss_fn(p, arrays)[0]))(params)
-  for i in MOE.moe_layers:
-    g = np.asarray(grads["layers"][i]["mlp"]["gate"][...])
-    assert np.all(np.isfinite(g)) and np.abs(g).max() > 1e-6, i
+  for b, (first, count) in enumerate(model.block_spans):  # stacked: [L_g, D, E] per block
+    if not MOE.is_moe_layer(first):
+      continue
+    stacked = np.asarray(grads["blocks"][b]["mlp"]["gate"][...])
+    for j in range(count):
+      g = stacked[j]
+      assert np.all(np.isfinite(g)) and np.abs(g).max() > 1e-6, first + j
 
 
 def test_replay_on_a_mesh_matches_one_device():

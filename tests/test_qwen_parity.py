@@ -189,7 +189,7 @@ def test_moe_routes_each_token_to_top_k_experts_only(tmp_path):
   and zeroing a picked one changes it (the block is sparse, not a dense mixture)."""
   _, folder = _hf_folder(tmp_path, "qwen3_moe", False, 4, 2)
   ours = from_pretrained(folder)
-  moe = ours.layers[0].mlp
+  moe = ours.layer(0).mlp  # a copy of layer 0's block, unstacked
   x = jnp.asarray(np.random.default_rng(2).normal(size=(1, 5, 64)), jnp.float32)
   probs = jax.nn.softmax(jnp.einsum("BTD,DE->BTE", x, moe.gate[...]), axis=-1)
   picked = np.argsort(-np.asarray(probs[0, 0]))[:2]

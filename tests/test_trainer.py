@@ -11,6 +11,7 @@ from flax import nnx
 
 from coevolve_jax import grpo
 from coevolve_jax.models import Qwen, QwenConfig
+from coevolve_jax.models.qwen import unstack
 from coevolve_jax.rollout.generate import generate
 from coevolve_jax.rollout.sampling import SamplingParams, filtered_logits, processed_logprobs
 from coevolve_jax.trainer import (
@@ -523,8 +524,8 @@ def _sharded_child():
   emb = sharded.params["embed_tokens"].get_value()
   assert emb.sharding.spec == P("tensor", "fsdp"), emb.sharding
   assert len(emb.addressable_shards) == 8 and emb.addressable_shards[0].data.shape == (256, 32)
-  kproj = sharded.params["layers"][0]["self_attn"]["k_proj"].get_value()
-  assert kproj.sharding.spec == P("fsdp", "tensor", None)
+  kproj = sharded.params["blocks"][0]["self_attn"]["k_proj"].get_value()  # [L_g, D, K, H]
+  assert kproj.sharding.spec == P(None, "fsdp", "tensor", None)
   for t in (sharded, single):
     t.freeze_reference()
   for seed in (11, 12):
@@ -601,8 +602,10 @@ def test_a_float32_master_learns_under_bfloat16_compute_as_float32_does(one_laye
   cosine = dm @ df / (np.linalg.norm(dm) * np.linalg.norm(df))
   assert cosine > 0.99, cosine
   assert db @ df / (np.linalg.norm(db) * np.linalg.norm(df) + 1e-30) < 0.5
-  infer = mixed.inference_params()
-  for x, master in zip(jax.tree.leaves(infer), jax.tree.leaves(mixed.params)):
+  infer = mixed.inference_params()  # unrolled, bfloat16: the engine's copy
+  masters = nnx.state(unstack(mixed.model()))
+  assert jax.tree.structure(infer) == jax.tree.structure(masters)
+  for x, master in zip(jax.tree.leaves(infer), jax.tree.leaves(masters), strict=True):
     assert x.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(x), np.asarray(master.astype(jnp.bfloat16)))
   mixed.freeze_reference()

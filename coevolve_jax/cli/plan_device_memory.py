@@ -26,7 +26,9 @@ How each figure is obtained (the job's own rules, so the figures are what it all
   with the batch are activations (the rest are parameters, counted above); per device they scale
   with the sequences per device (batch / (data * fsdp)) and are divided by the tensor axis when a
   dimension is a tensor-sharded one (heads, kv heads, MLP, vocab; the `act_*`/`mlp` rules).
-  Transient buffers inside one op are not counted: leave headroom (see `--headroom`).
+  With `--remat=full` (the default, as in the full-scale configs) the decoder keeps only each
+  layer's input; the layer being recomputed in the backward pass, like any transient buffer
+  inside one op, is not counted: leave headroom (see `--headroom`).
 - KV cache: `KVCache.zeros` shapes ([slots, K, H, cache_len] keys and [slots, K, cache_len, H]
   values per layer) in the compute dtype, slots over (data, fsdp), kv heads over tensor where
   they divide, as the rollout engine allocates it (`sharding.param_spec` of its logical axes).
@@ -144,9 +146,9 @@ def shard_bytes(
   return math.prod(sharding.shard_shape(mesh, spec, shape)) * jnp.dtype(dtype).itemsize
 
 
-def abstract_model(cfg: QwenConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_model(cfg: QwenConfig, dtype, remat: str = "full") -> tuple[nnx.GraphDef, nnx.State]:
   """The model's graph and abstract parameter state (ShapeDtypeStructs with their metadata)."""
-  model = nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+  model = nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0), dtype=dtype, remat=remat))
   return nnx.split(model)
 
 
@@ -179,9 +181,10 @@ def _sharded_tree_bytes(tree, param_axes: dict[tuple, tuple], mesh) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _activation_leaves(preset: str, dtype: str, seq_len: int, targets: int):
-  """Residual shapes of the training forward that depend on the batch, at batch 1."""
-  graphdef, state = abstract_model(QwenConfig.preset(preset), jnp.dtype(dtype))
+def _activation_leaves(preset: str, dtype: str, seq_len: int, targets: int, remat: str):
+  """Residual shapes of the training forward that depend on the batch, at batch 1, with the
+  decoder layers rematerialised by `remat` (`qwen.REMAT_POLICIES`)."""
+  graphdef, state = abstract_model(QwenConfig.preset(preset), jnp.dtype(dtype), remat)
 
   def residuals(batch):
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
@@ -211,7 +214,8 @@ def _activation_bytes(leaves, cfg: QwenConfig, mesh: Mapping[str, int], seqs_per
   total = 0
   for leaf in leaves:
     size = leaf.size * leaf.dtype.itemsize * seqs_per_device
-    # The first dimension is the batch (already scaled); divide by one tensor-sharded dimension.
+    # The first dimension is the batch or, for the residuals a layer scan stacks, the layer axis
+    # (either way the size is already scaled); divide by one tensor-sharded dimension.
     logical = next((tensor_dims[d] for d in leaf.shape[1:] if d in tensor_dims), None)
     total += -(-size // _axis_size(mesh, logical)) if logical else size
   return total
@@ -241,18 +245,17 @@ def rollout_weights_bytes(
   preset: str, mesh: Mapping[str, int], dtype: str, param_dtype: str, layout: str = "gathered"
 ) -> int:
   """Bytes per device of the engine's weight copy (`PolicyTrainer.inference_params`): the
-  parameters in `dtype` and the `layout`'s rules; 0 when the job makes no copy (`layout` "train"
-  and no cast).
+  parameters in `dtype` and the `layout`'s rules. The job always makes it, as the engine decodes
+  the unrolled layout of the trainer's stacked layers (`qwen.unstack`).
 
   Raises:
     ValueError: unknown preset or layout.
   """
+  del param_dtype  # the copy's size depends on the compute dtype only
   if layout not in ("gathered", "train"):
     raise ValueError(f"layout must be 'gathered' or 'train', got {layout!r}")
-  if layout == "train" and jnp.dtype(dtype) == jnp.dtype(param_dtype):
-    return 0
   rules = inference_rules() if layout == "gathered" else sharding.LOGICAL_RULES
-  _, axes = _abstract_params(preset, str(jnp.dtype(param_dtype)))
+  _, axes = _abstract_params(preset, str(jnp.dtype(dtype)))
   return sum(shard_bytes(s, dtype, a, mesh, rules) for s, _, a in axes.values())
 
 
@@ -287,6 +290,7 @@ def plan(
   weights_layout: str = "gathered",
   targets: int | None = None,
   micro_batches: int = 1,
+  remat: str = "full",
 ) -> MemoryPlan:
   """Memory per device for training and rollout of `preset` on a mesh of `mesh` axis sizes.
 
@@ -304,10 +308,12 @@ def plan(
     targets: sampled (trained) positions per sequence; default seq_len // 2.
     micro_batches: gradient-accumulation slices per step (the trainer's `micro_batches`): only
       one slice's activations are alive at a time.
+    remat: the decoder layers' rematerialisation (`model.remat`; "full" keeps only each layer's
+      input for the backward pass, "none" everything).
   Returns:
     A `MemoryPlan` in bytes per device.
   Raises:
-    ValueError: unknown preset, or non-positive sizes.
+    ValueError: unknown preset or remat policy, or non-positive sizes.
   """
   if min(batch, seq_len, num_slots, cache_len, micro_batches) < 1:
     raise ValueError("batch, seq_len, num_slots, cache_len and micro_batches must be >= 1")
@@ -321,7 +327,7 @@ def plan(
   opt_state = jax.eval_shape(tx.init, params_state)
   opt_bytes = _sharded_tree_bytes(opt_state, axes, mesh)
   batch_shards = _axis_size(mesh, "batch")
-  leaves = _activation_leaves(preset, str(dt), seq_len, targets or max(1, seq_len // 2))
+  leaves = _activation_leaves(preset, str(dt), seq_len, targets or max(1, seq_len // 2), remat)
   act = _activation_bytes(leaves, cfg, mesh, -(-batch // (batch_shards * micro_batches)))
   kv = kv_cache_bytes(preset, mesh, num_slots, cache_len, dtype)
   return MemoryPlan(
@@ -404,6 +410,7 @@ def plan_for_run(cfg: Mapping[str, Any], mesh: Mapping[str, int]) -> MemoryPlan:
     param_dtype=cfg["model"]["param_dtype"],
     weights_layout=rollout["weights_layout"],
     micro_batches=train["micro_batches"],
+    remat=cfg["model"]["remat"],
   )
 
 
@@ -452,6 +459,7 @@ def _define_flags() -> None:
   flags.DEFINE_integer("batch", 64, "Sequences per optimizer step (global).")
   flags.DEFINE_integer("seq_len", 4096, "Tokens per training sequence.")
   flags.DEFINE_integer("micro_batches", 1, "Gradient-accumulation slices per step.")
+  flags.DEFINE_string("remat", "full", "Decoder-layer rematerialisation: none, full, save_dots.")
   flags.DEFINE_integer("num_slots", 64, "Concurrent rollout episodes (global).")
   flags.DEFINE_integer("cache_len", 32768, "KV-cache tokens per episode.")
   flags.DEFINE_string("dtype", "bfloat16", "Compute dtype: activations, reference, weights, cache.")
@@ -492,6 +500,7 @@ def main(argv: Sequence[str]) -> None:
       param_dtype=F.param_dtype,
       weights_layout=F.weights_layout,
       micro_batches=F.micro_batches,
+      remat=F.remat,
     )
     for m in meshes
   ]

@@ -23,11 +23,14 @@ def build(model_cfg: Mapping[str, Any], *, seed: int, mesh: Mesh | None = None, 
   config.json and generation_config.json are `model.config.eos_token_ids`, the ids that end a
   reply besides the tokenizer's `<|im_end|>`); otherwise `QwenConfig.preset(
   model_cfg.preset)` is initialised at random with `nnx.Rngs(seed)`. Parameters are in `dtype`
-  (default `model_cfg.dtype`; a training run passes `model_cfg.param_dtype`, its master copy).
+  (default `model_cfg.dtype`; a training run passes `model_cfg.param_dtype`, its master copy);
+  `model_cfg.remat` ("full" when absent) is each decoder layer's rematerialisation in the
+  training backward pass (`qwen.remat_layer`).
 
   Args:
     model_cfg: has `preset` (a `models.PRESETS` name), `checkpoint` (a folder, "" for random
-      init) and `dtype` (a float dtype name: "float32", "bfloat16").
+      init), `dtype` (a float dtype name: "float32", "bfloat16") and optionally `remat`
+      ("none", "full" or "save_dots").
     seed: the random initialisation's seed (a run passes its `seed`).
     mesh: when given, every parameter is placed in its logical sharding on this mesh
       (`sharding.tree_shardings`), with the values it has without a mesh; otherwise parameters
@@ -36,23 +39,33 @@ def build(model_cfg: Mapping[str, Any], *, seed: int, mesh: Mesh | None = None, 
   Returns:
     The `Qwen` model.
   Raises:
-    ValueError: an unknown preset (random init). TypeError: an unknown dtype name.
+    ValueError: an unknown preset (random init) or remat policy. TypeError: an unknown dtype name.
     FileNotFoundError, CheckpointFormatError: an unusable checkpoint folder (`from_pretrained`).
   """
   dtype = jnp.dtype(model_cfg["dtype"] if dtype is None else dtype)
+  remat = model_cfg.get("remat", "full")
   if model_cfg["checkpoint"]:
-    return from_pretrained(model_cfg["checkpoint"], dtype=dtype, mesh=mesh)
-  return init(QwenConfig.preset(model_cfg["preset"]), seed=seed, dtype=dtype, mesh=mesh)
+    return from_pretrained(model_cfg["checkpoint"], dtype=dtype, mesh=mesh, remat=remat)
+  cfg = QwenConfig.preset(model_cfg["preset"])
+  return init(cfg, seed=seed, dtype=dtype, mesh=mesh, remat=remat)
 
 
-def init(cfg: QwenConfig, *, seed: int, dtype=jnp.float32, mesh: Mesh | None = None) -> Qwen:
-  """A randomly initialised `Qwen(cfg)` (`nnx.Rngs(seed)`, parameters in `dtype`).
+def init(
+  cfg: QwenConfig,
+  *,
+  seed: int,
+  dtype=jnp.float32,
+  mesh: Mesh | None = None,
+  remat: str = "full",
+) -> Qwen:
+  """A randomly initialised `Qwen(cfg)` (`nnx.Rngs(seed)`, parameters in `dtype`, `remat` as
+  `Qwen`'s).
 
   The draw runs inside one jit; with a `mesh`, its outputs carry the parameters' logical
   shardings (`sharding.tree_shardings`): each device draws only its own shard, with the values
   it has without a mesh (bit for bit), and no device ever holds the whole model.
   """
-  make = lambda: Qwen(cfg, rngs=nnx.Rngs(seed), dtype=dtype)  # noqa: E731
+  make = lambda: Qwen(cfg, rngs=nnx.Rngs(seed), dtype=dtype, remat=remat)  # noqa: E731
   graphdef, shapes = nnx.split(nnx.eval_shape(make))
   # Jitted with or without a mesh: the same compiled draw, so the values are bit-identical on
   # any mesh (an eager draw rounds differently in the last place).

@@ -5,13 +5,16 @@ A folder holds `config.json` and either one `model.safetensors` or shards listed
 (with those of config.json) become the model's `config.eos_token_ids`: the ids that end a reply.
 Loading reads one tensor at a time (safetensors) and places it straight into its target sharding,
 so no host ever holds the whole model: the peak extra host memory is one tensor (or one layer's
-stacked experts for MoE) plus the model's own shards.
+stacked experts for MoE) plus the model's own shards. The model stacks its decoder layers
+(`Qwen.blocks`); each layer's tensor is written into its slice of the stacked device array, and
+saving reads one layer's slice at a time, so the checkpoint keeps HF's per-layer names.
 `benchmarks/load_memory.py` measures it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -25,9 +28,9 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 from flax import nnx
-from jax.sharding import Mesh, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from coevolve_jax.models.params import hf_to_path, path_to_hf
+from coevolve_jax.models.params import hf_to_path, layer_paths, path_to_hf, stacked_path
 from coevolve_jax.models.qwen import Qwen, QwenConfig
 from coevolve_jax.models.sharding import param_sharding
 
@@ -217,22 +220,44 @@ def _iter_hf_tensors(files: list[Path]) -> Iterator[tuple[str, np.ndarray]]:
       raise CheckpointFormatError(f"{file}: unreadable safetensors file ({e})") from e
 
 
-def _place(value: np.ndarray, var: nnx.Variable, mesh: Mesh | None, path: str) -> jax.Array:
+def _place(
+  value: np.ndarray, var: nnx.Variable, mesh: Mesh | None, path: str, layer: int | None = None
+) -> jax.Array:
+  """`value` as a device array in `var`'s sharding; with `layer`, as the slice [layer] of the
+  stacked `var` (in the stack's sharding without its unsharded leading axis).
+
+  Raises:
+    CheckpointFormatError: a shape that does not fit.
+  """
   want = var.get_value()
-  if tuple(value.shape) != tuple(want.shape):
+  shape = tuple(want.shape) if layer is None else tuple(want.shape[1:])
+  if tuple(value.shape) != shape:
     raise CheckpointFormatError(
-      f"{path}: checkpoint shape {value.shape} does not fit the config's {tuple(want.shape)}"
+      f"{path}: checkpoint shape {value.shape} does not fit the config's {shape}"
     )
   value = np.asarray(value, dtype=want.dtype)
-  if mesh is None:
-    sharding = SingleDeviceSharding(jax.devices()[0])
-  else:
-    sharding = param_sharding(mesh, var.get_metadata()["out_sharding"], want.shape)
+  sharding = _sharding(var, mesh)
+  if layer is not None and mesh is not None:
+    sharding = NamedSharding(mesh, PartitionSpec(*sharding.spec[1:]))
   # Each device (and, on a multi-host mesh, each host) copies only its own slice.
-  return jax.make_array_from_callback(want.shape, sharding, lambda index: value[index])
+  return jax.make_array_from_callback(shape, sharding, lambda index: value[index])
 
 
-def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = None) -> Qwen:
+def _sharding(var: nnx.Variable, mesh: Mesh | None):
+  if mesh is None:
+    return SingleDeviceSharding(jax.devices()[0])
+  return param_sharding(mesh, var.get_metadata()["out_sharding"], var.get_value().shape)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_layer(stack: jax.Array, value: jax.Array, layer) -> jax.Array:
+  """stack [L, ...] with slice [layer] replaced by value [...], in place (stack is donated)."""
+  return jax.lax.dynamic_update_index_in_dim(stack, value.astype(stack.dtype), layer, 0)
+
+
+def from_pretrained(
+  path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = None, remat: str = "full"
+) -> Qwen:
   """Loads a Hugging Face Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE checkpoint folder.
 
   Args:
@@ -241,11 +266,13 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | Non
     dtype: parameter dtype (float32 or bfloat16); tensors are cast one at a time.
     mesh: when given, every parameter is placed in its logical sharding on this mesh
       (`sharding.LOGICAL_RULES`); otherwise on the first device.
+    remat: the model's rematerialisation policy (`qwen.REMAT_POLICIES`; not read from the folder).
   Returns:
     A `Qwen` model; `model(input_ids, attention_mask=mask)` gives [B, T, V] float32 logits.
     `model.config.eos_token_ids` holds every `eos_token_id` of config.json and
     generation_config.json (config.json's first), each once.
   Raises:
+    ValueError: an unknown remat policy.
     FileNotFoundError: no `config.json`. CheckpointFormatError: an unsupported architecture, an
       unknown or missing tensor, a shape that does not fit the config, a damaged file, an
       `eos_token_id` that is not ids in the vocabulary.
@@ -261,16 +288,18 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | Non
   cfg = config_from_hf(hf)
   generation = generation_eos_ids(folder, cfg.vocab_size)
   cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + generation)))
-  abstract = nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+  abstract = nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0), dtype=dtype, remat=remat))
   graphdef, state = nnx.split(abstract)
   variables = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(state)}
-  done: set[str] = set()
-  experts: dict[str, tuple[np.ndarray, set[int]]] = {}  # stacked parameter -> (buffer, filled)
+  done: set[str] = set()  # per-layer paths ("layers.3.mlp.up_proj") and unstacked ones
+  stacks: dict[str, jax.Array] = {}  # stacked parameter -> its device array, being filled
+  experts: dict[str, tuple[np.ndarray, set[int]]] = {}  # per-layer path -> (buffer, filled)
   for name, array in _iter_hf_tensors(_weight_files(folder)):
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
       continue  # some tied checkpoints also store the (identical) head
     try:
-      target, expert, transform = hf_to_path(name)
+      path, expert, transform = hf_to_path(name)
+      target, layer = stacked_path(path, cfg)
     except KeyError as e:
       raise CheckpointFormatError(str(e.args[0])) from None
     if target not in variables:
@@ -281,23 +310,32 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | Non
     del array
     var = variables[target]
     if expert is not None:
-      want = var.get_value()
-      if expert >= want.shape[0] or tuple(value.shape) != tuple(want.shape[1:]):
+      want = var.get_value().shape[1:]  # one layer's [E, ...]
+      if expert >= want[0] or tuple(value.shape) != tuple(want[1:]):
         raise CheckpointFormatError(
-          f"{name}: expert {expert} of shape {value.shape} does not fit "
-          f"{target} {tuple(want.shape)}"
+          f"{name}: expert {expert} of shape {value.shape} does not fit {path} {tuple(want)}"
         )
-      buf, filled = experts.setdefault(target, (np.empty(want.shape, want.dtype), set()))
+      buf, filled = experts.setdefault(path, (np.empty(want, var.get_value().dtype), set()))
       buf[expert] = value
       filled.add(expert)
-      if len(filled) < want.shape[0]:
+      if len(filled) < want[0]:
         continue
-      value = experts.pop(target)[0]
-    var.set_value(_place(value, var, mesh, target))
-    done.add(target)
-  missing = sorted(set(variables) - done)
+      value = experts.pop(path)[0]
+    if layer is None:
+      var.set_value(_place(value, var, mesh, target))
+    else:
+      if target not in stacks:
+        spec = var.get_value()
+        zeros = functools.partial(jnp.zeros, spec.shape, spec.dtype)
+        stacks[target] = jax.jit(zeros, out_shardings=_sharding(var, mesh))()
+      stacks[target] = _set_layer(stacks[target], _place(value, var, mesh, path, layer), layer)
+    done.add(path)
+  want = {p for t in variables for p, _ in layer_paths(t, cfg)}
+  missing = sorted(want - done)
   if missing:
     raise CheckpointFormatError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")
+  for target, stack in stacks.items():
+    variables[target].set_value(stack)
   return nnx.merge(graphdef, state)
 
 
@@ -333,14 +371,16 @@ def save_pretrained(
 
   try:
     for p, var in nnx.to_flat_state(state):
-      host = np.asarray(jax.device_get(var.get_value()))
-      for name, array in path_to_hf(".".join(map(str, p)), host, cfg):
-        if shard and shard_bytes + array.nbytes > max_shard_bytes:
-          flush()
-          shard_bytes = 0
-        shard[name] = np.ascontiguousarray(array)
-        shard_bytes += array.nbytes
-        total += array.nbytes
+      for path, layer in layer_paths(".".join(map(str, p)), cfg):
+        value = var.get_value() if layer is None else var.get_value()[layer]  # one layer's slice
+        host = np.asarray(jax.device_get(value))
+        for name, array in path_to_hf(path, host, cfg):
+          if shard and shard_bytes + array.nbytes > max_shard_bytes:
+            flush()
+            shard_bytes = 0
+          shard[name] = np.ascontiguousarray(array)
+          shard_bytes += array.nbytes
+          total += array.nbytes
     flush()
     n = len(written)
     names = (

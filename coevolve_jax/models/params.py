@@ -3,8 +3,10 @@
 Hugging Face stores linear kernels as [out, in] and one tensor per expert
 (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`, the checkpoint format on the Hub and what
 transformers' `save_pretrained` writes). We store kernels as [in, out], attention projections split
-by head ([D, N, H]) and experts stacked ([E, D, F]). Paths below are dotted nnx paths
-("layers.3.self_attn.q_proj").
+by head ([D, N, H]) and experts stacked ([E, D, F]). The rules below speak of one layer at a time
+in dotted per-layer paths ("layers.3.self_attn.q_proj"); the model stacks the layers of each block
+(`QwenConfig.layer_blocks`) on a leading axis, and `stacked_path` / `layer_paths` translate between
+a per-layer path and (stacked nnx path "blocks.1.self_attn.q_proj", index in the stack).
 """
 
 from __future__ import annotations
@@ -72,6 +74,45 @@ RULES: list[tuple[str, str, Callable]] = [
   (_L + r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", "layers.{0}.mlp.experts.{2}_proj", _T),
 ]
 _EXPERT_RULE = RULES[-1][0]
+
+
+_LAYER_PATH = re.compile(r"layers\.(\d+)\.(.+)")
+_BLOCK_PATH = re.compile(r"blocks\.(\d+)\.(.+)")
+
+
+def stacked_path(path: str, cfg: QwenConfig) -> tuple[str, int | None]:
+  """A per-layer path "layers.{i}.rest" as (the stacked parameter "blocks.{g}.rest" that holds
+  layer i, i's index in that block); any other path as (path, None).
+
+  Raises:
+    KeyError: a layer index outside [0, num_hidden_layers).
+  """
+  m = _LAYER_PATH.fullmatch(path)
+  if not m:
+    return path, None
+  i = int(m.group(1))
+  for g, (first, count) in enumerate(cfg.layer_blocks):
+    if first <= i < first + count:
+      return f"blocks.{g}.{m.group(2)}", i - first
+  raise KeyError(f"layer {i} is outside the model's {cfg.num_hidden_layers} layers")
+
+
+def layer_paths(path: str, cfg: QwenConfig) -> list[tuple[str, int | None]]:
+  """The inverse of `stacked_path`: a stacked parameter "blocks.{g}.rest" as its layers'
+  [("layers.{i}.rest", index in the stack), ...]; any other path as [(path, None)].
+
+  Raises:
+    KeyError: a block index the config does not have.
+  """
+  m = _BLOCK_PATH.fullmatch(path)
+  if not m:
+    return [(path, None)]
+  g = int(m.group(1))
+  blocks = cfg.layer_blocks
+  if g >= len(blocks):
+    raise KeyError(f"block {g} is outside the model's {len(blocks)} blocks")
+  first, count = blocks[g]
+  return [(f"layers.{first + j}.{m.group(2)}", j) for j in range(count)]
 
 
 def hf_to_path(name: str) -> tuple[str, int | None, Callable]:

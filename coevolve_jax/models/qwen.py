@@ -6,8 +6,12 @@ Dimension letters used in names and einsums:
   L layers, E experts, M tokens (B * T flattened), A token-expert assignments (M * top-k),
   k experts per token (top-k), L_moe sparse MoE layers (`QwenConfig.moe_layers`).
 
-Parameters use the Hugging Face layout (names `embed_tokens`, `layers[i].self_attn.q_proj`, ...)
-but store kernels as [in, out] (HF stores [out, in]); the weight mapper transposes.
+Parameters use the Hugging Face names (`embed_tokens`, `self_attn.q_proj`, ...) but store kernels as
+[in, out] (HF stores [out, in]; the weight mapper transposes). The decoder layers are stacked for
+training: `blocks[g]` is one `DecoderLayer` whose parameters carry a leading [L_g] layer axis
+(logical axis "layers") for the consecutive layers of block g (`QwenConfig.layer_blocks`), and
+the training forward runs each block under `jax.lax.scan`, so compile time does not grow with
+the depth; the rollout engine decodes an unrolled copy (`Qwen(stacked=False)`, `unstack`).
 Architecture reference: Hugging Face transformers `modeling_qwen2.py` / `modeling_qwen3.py` /
 `modeling_qwen3_moe.py` (rotate-half RoPE, RMSNorm, SwiGLU MLP, GQA; Qwen2 q/k/v biases; Qwen3
 per-head q/k RMSNorm; Qwen3-MoE softmax router with top-k experts, optionally renormalised).
@@ -97,6 +101,28 @@ class QwenConfig:
     """Indices of the sparse MoE layers, in order (empty for a dense model). Routing records
     ([B, T, L_moe, k] expert indices, `Qwen.hidden_states`) hold one entry per layer listed here."""
     return tuple(i for i in range(self.num_hidden_layers) if self.is_moe_layer(i))
+
+  @property
+  def layer_blocks(self) -> tuple[tuple[int, int], ...]:
+    """(first layer, layer count) of each block of stacked, scanned layers, in order.
+
+    Consecutive layers of one kind (dense or sparse MoE) share a block, except the last layer,
+    which is always a block of its own: with `output_index_bp` it runs at P positions only, and
+    keeping it apart avoids slicing it off a stacked parameter (a slice would copy the stack).
+    A dense model has two blocks, (0, L-1) and (L-1, 1); Qwen3-MoE with `mlp_only_layers` or
+    `decoder_sparse_step` > 1 has one block per run of same-kind layers (for an alternating stack
+    that is one block per layer, and compile time grows with the depth again).
+    """
+    n = self.num_hidden_layers
+    blocks: list[tuple[int, int]] = []
+    for i in range(n - 1):
+      if blocks and self.is_moe_layer(i) == self.is_moe_layer(blocks[-1][0]):
+        blocks[-1] = (blocks[-1][0], blocks[-1][1] + 1)
+      else:
+        blocks.append((i, 1))
+    if n:
+      blocks.append((n - 1, 1))
+    return tuple(blocks)
 
   @classmethod
   def tiny_cpu(cls, vocab_size: int = 151936) -> "QwenConfig":
@@ -220,7 +246,8 @@ class KVCache(NamedTuple):
   reads the cache as laid out (with [B, S, K, H], XLA:CPU transposed every layer's whole cache
   each step). Keys are stored transposed, position minor: the scores product q [G, H] x k [H, S]
   then runs in the standard layout (see `_attend`; docs/benchmarks/rollout.md). Values stay
-  [S, H], the layout probs [G, S] x v [S, H] wants.
+  [S, H], the layout probs [G, S] x v [S, H] wants. One array per layer (not stacked), so a
+  decode step writes and reads each layer's cache in place (`Qwen.decode_routed`).
   """
 
   k: tuple[jax.Array, ...]
@@ -244,6 +271,32 @@ class KVCache(NamedTuple):
   def length(self) -> int:
     """S, entries per slot."""
     return self.v[0].shape[2]
+
+
+REMAT_POLICIES = ("none", "full", "save_dots")
+
+
+def remat_layer(fn, policy: str, prevent_cse: bool = True):
+  """`fn` (a decoder layer's forward) under the rematerialisation `policy`.
+
+  "none": the backward pass keeps every intermediate of every layer; "full": only each layer's
+  input is kept and the layer is recomputed in the backward pass (`jax.checkpoint`); "save_dots":
+  the outputs of matrix products without batch dimensions (`jax.checkpoint_policies.
+  dots_with_no_batch_dims_saveable`: the q/k/v/o projections and MLP or expert products) are kept
+  and the rest (norms, RoPE, the attention scores and probabilities, which are batched products,
+  activations) is recomputed.
+
+  Raises:
+    ValueError: a policy not in REMAT_POLICIES.
+  """
+  if policy == "none":
+    return fn
+  if policy == "full":
+    return jax.checkpoint(fn, prevent_cse=prevent_cse)
+  if policy == "save_dots":
+    saveable = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return jax.checkpoint(fn, prevent_cse=prevent_cse, policy=saveable)
+  raise ValueError(f"unknown remat policy {policy!r}; known: {', '.join(REMAT_POLICIES)}")
 
 
 def _init(rngs: nnx.Rngs, shape, axes, dtype, scale: float = 0.02) -> nnx.Param:
@@ -406,6 +459,24 @@ class Attention(nnx.Module):
               key_valid_bs[:, :hi],
             )
           )
+        out = jnp.concatenate(outs, axis=1)
+      elif k_cache_bkhs is None and query_index_bp is not None and attention_block(t):
+        # Queries at P chosen positions (the last layer of a scoring pass): any query may see
+        # every key, so no block skipping, but each block of queries is rematerialised, so the
+        # backward pass keeps no [.., P, T] scores (at P = 2048 of T = 4096 in Qwen3-4B, 1 GiB
+        # of float32 per copy).
+        block = attention_block(t)
+        outs = [
+          jax.checkpoint(_attend)(
+            q[:, lo : lo + block],
+            keys,
+            values,
+            q_pos[:, lo : lo + block],
+            key_pos_bs,
+            key_valid_bs,
+          )
+          for lo in range(0, t, block)
+        ]
         out = jnp.concatenate(outs, axis=1)
       else:
         out = _attend(q, keys, values, q_pos, key_pos_bs, key_valid_bs)
@@ -572,6 +643,8 @@ class SparseMoE(nnx.Module):
     kernels = []
     for var in (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj):
       axes = var.get_metadata()["out_sharding"]
+      if len(axes) == var.ndim + 1 and axes[0] == "layers":
+        axes = axes[1:]  # one layer's slice of a stacked block, inside the layer scan
       spec = param_spec(mesh.shape, axes, var.shape)
       kernels.append(P(*(None if a in self.EP_GATHERED_AXES else e for a, e in zip(axes, spec))))
     expert_axes = spec_axes(kernels[0][0])
@@ -751,22 +824,80 @@ class DecoderLayer(nnx.Module):
     return constrain(x, ("batch", "length", "act_embed")), kc, vc, used
 
 
+def stacked_layers(
+  cfg: QwenConfig, first: int, count: int, *, rngs: nnx.Rngs, dtype
+) -> DecoderLayer:
+  """One `DecoderLayer` whose parameters hold `count` layers stacked on a leading axis.
+
+  Layers `first` .. `first + count - 1` must be of one kind (all dense or all sparse MoE). Each
+  layer is initialised in turn, as separate layers would be (so a seed gives the values it gave
+  an unstacked model), then the values are stacked; every parameter's logical axes
+  (`out_sharding`) gain a leading "layers" axis (models/sharding.py: not sharded).
+  """
+  sparse = cfg.is_moe_layer(first)
+  if any(cfg.is_moe_layer(i) != sparse for i in range(first, first + count)):
+    raise ValueError(f"layers {first}..{first + count - 1} mix dense and sparse MoE blocks")
+  layers = [DecoderLayer(cfg, rngs=rngs, dtype=dtype, sparse=sparse) for _ in range(count)]
+  flat = [nnx.to_flat_state(nnx.state(layer, nnx.Param)) for layer in layers]
+  for (_, var), *rest in zip(*flat):
+    var.set_value(jnp.stack([var.get_value()] + [v.get_value() for _, v in rest]))
+    var.set_metadata(out_sharding=("layers", *var.get_metadata()["out_sharding"]))
+  return layers[0]
+
+
 class Qwen(nnx.Module):
   """Qwen decoder-only language model.
 
   `hidden_states` gives final-norm hidden states [B, T, D]; `logits` projects chosen positions to
   the vocabulary, so callers compute full-vocabulary logits only where they need them.
+
+  Two layouts of the decoder layers, the same values:
+  - stacked (`stacked=True`, what training uses): `blocks` (`QwenConfig.layer_blocks`: block g
+    holds layers `block_spans[g]` = (first, count), parameters stacked [count, ...], logical
+    axis "layers"); `hidden_states` runs each block under `jax.lax.scan`, so the train step's
+    compile time does not grow with the depth.
+  - unrolled (`stacked=False`, what the rollout engine decodes with; `unstack` converts): one
+    `DecoderLayer` per layer in `layers`, run in a Python loop. A decode step then reads and
+    writes each layer's KV cache in place; under a scan the loop carry copied the whole cache
+    every step (2.5-4x slower decode on CPU, docs/benchmarks/scan.md), the reason MaxText also
+    serves unscanned weights.
+  `decode` works in both (stacked: each layer's parameters are sliced off the stack inside the
+  step, a copy per step; use `unstack` for serving). `remat` (one of REMAT_POLICIES, default
+  "full") is the rematerialisation of each layer in the backward pass of `hidden_states`
+  (`remat_layer`); it is a training setting, not architecture, and is not written to config.json.
+
+  Raises (constructor):
+    ValueError: an unknown remat policy.
   """
 
-  def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+  def __init__(
+    self,
+    cfg: QwenConfig,
+    *,
+    rngs: nnx.Rngs,
+    dtype=jnp.float32,
+    remat: str = "full",
+    stacked: bool = True,
+  ):
+    if remat not in REMAT_POLICIES:
+      raise ValueError(f"unknown remat policy {remat!r}; known: {', '.join(REMAT_POLICIES)}")
     self.config = cfg
+    self.remat = remat
+    self.stacked = stacked
     self.embed_tokens = _init(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
-    self.layers = nnx.List(
-      [
-        DecoderLayer(cfg, rngs=rngs, dtype=dtype, sparse=cfg.is_moe_layer(i))
-        for i in range(cfg.num_hidden_layers)
-      ]
-    )
+    self.block_spans = cfg.layer_blocks if stacked else ()
+    if stacked:
+      self.blocks = nnx.List(
+        [stacked_layers(cfg, i, n, rngs=rngs, dtype=dtype) for i, n in self.block_spans]
+      )
+    else:
+      # Initialised in the order the stacked layout draws them: the same seed, the same values.
+      self.layers = nnx.List(
+        [
+          DecoderLayer(cfg, rngs=rngs, dtype=dtype, sparse=cfg.is_moe_layer(i))
+          for i in range(cfg.num_hidden_layers)
+        ]
+      )
     self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = _init(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
@@ -789,7 +920,10 @@ class Qwen(nnx.Module):
     replays recorded routing: entry [b, t, j] gives the experts of token t in MoE layer
     `config.moe_layers[j]` (-1: not recorded, the router chooses; `SparseMoE.forward`). Dense
     models, and None, take the router's own choice everywhere.
-    Returns [B, T, D] hidden states after the final norm, or [B, P, D] with output_index_bp.
+    Stacked: each block of layers runs under `jax.lax.scan`; unrolled: layer by layer. Either
+    way each layer is rematerialised in the backward pass as `self.remat` says.
+    Returns [B, T, D] hidden states after the final norm (in the parameters' dtype), or
+    [B, P, D] with output_index_bp.
     Raises:
       ValueError: routing_btlk not of shape [B, T, L_moe, k].
     """
@@ -798,30 +932,75 @@ class Qwen(nnx.Module):
     attention_mask_bt = attention_mask_bt.astype(jnp.bool_)
     if positions_bt is None:
       positions_bt = jnp.maximum(jnp.cumsum(attention_mask_bt, axis=-1) - 1, 0)
-    layer_routing = self._split_routing(routing_btlk, input_ids_bt.shape)
+    routing = self._split_routing(routing_btlk, input_ids_bt.shape)
     x = self._embed(input_ids_bt)
-    last = len(self.layers) - 1
-    for i, layer in enumerate(self.layers):
-      x, _, _, _ = layer(
-        x,
-        positions_bt,
-        None,
-        None,
-        None,
-        positions_bt,
-        attention_mask_bt,
-        output_index_bp if i == last else None,
-        layer_routing[i],
+
+    def layer_fn(graphdef, x, params, experts, query_index):
+      layer = nnx.merge(graphdef, params)
+      x, _, _, used = layer(
+        x, positions_bt, None, None, None, positions_bt, attention_mask_bt, query_index, experts
       )
+      return x, used
+
+    if not self.stacked:
+      last = len(self.layers) - 1
+      for i, layer in enumerate(self.layers):
+        graphdef, params = nnx.split(layer)
+        fn = remat_layer(functools.partial(layer_fn, graphdef), self.remat)
+        x, _ = fn(x, params, routing[i], output_index_bp if i == last else None)
+    else:
+      last = len(self.blocks) - 1
+    for g, block in enumerate(self.blocks if self.stacked else ()):
+      graphdef, params = nnx.split(block)
+      if g == last and output_index_bp is not None:
+        # One layer (QwenConfig.layer_blocks), run outside the scan at the P positions only.
+        one = jax.tree.map(lambda a: a[0], params)
+        experts = None if routing[g] is None else routing[g][0]
+        fn = remat_layer(functools.partial(layer_fn, graphdef), self.remat)
+        x, _ = fn(x, one, experts, output_index_bp)
+        continue
+
+      def body(x, xs, graphdef=graphdef):
+        params, experts = xs
+        return layer_fn(graphdef, x, params, experts, None)
+
+      body = remat_layer(body, self.remat, prevent_cse=False)
+      x, _ = jax.lax.scan(body, x, (params, routing[g]))
     if output_index_bp is not None and last < 0:  # no layers: select from the embeddings
       x = jnp.take_along_axis(x, output_index_bp[..., None], axis=1)
     return self.norm(x)
 
+  def layer(self, i: int) -> DecoderLayer:
+    """A copy of decoder layer `i` as an unstacked `DecoderLayer` (parameters without the layer
+    axis), for inspection and tests: changing it does not change the model.
+
+    Raises:
+      IndexError: i outside [0, num_hidden_layers).
+    """
+    if not self.stacked:
+      if not 0 <= i < len(self.layers):
+        raise IndexError(f"layer {i} outside [0, {self.config.num_hidden_layers})")
+      return nnx.clone(self.layers[i])
+    for block, (first, count) in zip(self.blocks, self.block_spans):
+      if first <= i < first + count:
+        graphdef, state = nnx.split(block)
+        j = i - first
+        out = nnx.merge(graphdef, jax.tree.map(lambda a, j=j: a[j], state))
+        for _, var in nnx.to_flat_state(nnx.state(out, nnx.Param)):
+          var.set_metadata(out_sharding=tuple(var.get_metadata()["out_sharding"][1:]))
+        return out
+    raise IndexError(f"layer {i} outside [0, {self.config.num_hidden_layers})")
+
   def _split_routing(self, routing_btlk: jax.Array | None, bt: tuple[int, ...]) -> list:
-    """Per decoder layer: its [B, T, k] slice of a routing record, or None (dense layer, none)."""
+    """Stacked: per block, its [L_g, B, T, k] slice of a routing record; unrolled: per layer, its
+    [B, T, k] slice; None for a dense block or layer, or without a record.
+
+    A sparse block's layers are consecutive MoE layers, so its slice is a contiguous run of the
+    record's L_moe axis, moved to the front (the scan's axis).
+    """
     cfg = self.config
     moe = cfg.moe_layers
-    out: list = [None] * len(self.layers)
+    out: list = [None] * (len(self.blocks) if self.stacked else len(self.layers))
     if routing_btlk is None:
       return out
     want = (*bt, len(moe), cfg.num_experts_per_tok)
@@ -829,8 +1008,14 @@ class Qwen(nnx.Module):
       raise ValueError(
         f"routing of shape {tuple(routing_btlk.shape)}, want [B, T, L_moe, k] = {list(want)}"
       )
-    for j, i in enumerate(moe):
-      out[i] = routing_btlk[:, :, j]
+    if not self.stacked:
+      for j, i in enumerate(moe):
+        out[i] = routing_btlk[:, :, j]
+      return out
+    for g, (first, count) in enumerate(self.block_spans):
+      if cfg.is_moe_layer(first):
+        j = moe.index(first)
+        out[g] = jnp.moveaxis(routing_btlk[:, :, j : j + count], 2, 0)
     return out
 
   def __call__(
@@ -869,8 +1054,8 @@ class Qwen(nnx.Module):
     Args:
       input_ids_bt: [B, T] int32 new tokens.
       positions_bt: [B, T] int32 absolute positions; must equal write_b[:, None] + arange(T).
-      cache: KVCache ([B, K, H, S] keys, [B, K, S, H] values); entries at index <= position
-        are attended.
+      cache: KVCache (per layer [B, K, H, S] keys, [B, K, S, H] values); entries at index <=
+        position are attended.
       write_b: [B] int32 cache index where the new keys go. The caller guarantees
         write_b + T <= S (dynamic_update_slice would otherwise clamp the write).
       kv_len: static; attend only to cache entries [0, kv_len) (default S). The caller guarantees
@@ -891,7 +1076,9 @@ class Qwen(nnx.Module):
   ) -> tuple[jax.Array, KVCache, jax.Array | None]:
     """`decode`, also returning the experts every new token was routed to.
 
-    Arguments as `decode`.
+    Arguments as `decode`. Layer by layer in a Python loop, each layer's cache read and written
+    in place (a stacked model slices each layer's parameters off its stack first: `unstack` the
+    model once to serve it).
     Returns:
       ([B, T, D] hidden states, updated cache, [B, T, L_moe, k] int32 expert indices of each
       token in each MoE layer (`config.moe_layers` order; what `hidden_states` replays), or None
@@ -901,8 +1088,9 @@ class Qwen(nnx.Module):
     key_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (input_ids_bt.shape[0], s))
     key_valid = jnp.ones_like(key_pos, jnp.bool_)
     x = self._embed(input_ids_bt)
+    layers = self.layers if not self.stacked else map(self.layer, range(len(cache.k)))
     ks, vs, routing = [], [], []
-    for layer, kc, vc in zip(self.layers, cache.k, cache.v):
+    for layer, kc, vc in zip(layers, cache.k, cache.v):
       x, kc, vc, used = layer(x, positions_bt, kc, vc, write_b, key_pos, key_valid)
       ks.append(kc)
       vs.append(vc)
@@ -923,6 +1111,54 @@ class Qwen(nnx.Module):
   def _embed(self, ids):
     x = jnp.take(self.embed_tokens[...], ids, axis=0)
     return constrain(x, ("batch", "length", "act_embed"))
+
+
+def unrolled_template(model: Qwen) -> tuple[nnx.GraphDef, nnx.State]:
+  """The graph and abstract state (ShapeDtypeStructs, with their logical axes) of `model` in the
+  unrolled layout (`Qwen(stacked=False)`), allocating nothing."""
+  cfg = model.config
+  dtype = model.embed_tokens.get_value().dtype
+  abstract = nnx.eval_shape(
+    lambda: Qwen(cfg, rngs=nnx.Rngs(0), dtype=dtype, remat=model.remat, stacked=False)
+  )
+  return nnx.split(abstract)
+
+
+def unstack_state(state: nnx.State, cfg: QwenConfig, template: nnx.State) -> nnx.State:
+  """A stacked model's state (`Qwen(stacked=True)`: "blocks.{g}.rest" of [L_g, ...]) as the
+  unrolled layout's ("layers.{i}.rest" of [...]), shaped like `template` (`unrolled_template`).
+
+  Traceable (use it inside a jit: the per-layer slices are then one copy). A state already in
+  the unrolled layout is returned as it is.
+
+  Raises:
+    KeyError: `state` lacks a parameter the template has (another config).
+  """
+  src = dict(nnx.to_flat_state(state))
+  if not any(path[0] == "blocks" for path in src):
+    return state
+  owner = {}
+  for g, (first, count) in enumerate(cfg.layer_blocks):
+    owner.update({first + j: (g, j) for j in range(count)})
+  out = []
+  for path, var in nnx.to_flat_state(template):
+    if path[0] == "layers":
+      g, j = owner[int(path[1])]
+      value = src[("blocks", g, *path[2:])].get_value()[j]
+    else:
+      value = src[path].get_value()
+    out.append((path, var.replace(value)))
+  return nnx.from_flat_state(out)
+
+
+def unstack(model: Qwen) -> Qwen:
+  """`model` in the unrolled layout (the rollout engine's; `Qwen`), with the same values: new
+  per-layer arrays sliced off the stacks (one copy of the decoder weights). An unrolled model is
+  returned as it is."""
+  if not model.stacked:
+    return model
+  graphdef, template = unrolled_template(model)
+  return nnx.merge(graphdef, unstack_state(nnx.state(model), model.config, template))
 
 
 def count_params(cfg: QwenConfig, model: Qwen | None = None) -> dict[str, int]:

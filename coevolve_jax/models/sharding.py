@@ -29,6 +29,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
   "expert_mlp": "tensor",
   "router": None,  # the router's expert dimension: every device scores every expert
   "norm": None,
+  "layers": None,  # the stacked decoder layers' leading axis: scanned over, never sharded
   # activations
   "batch": ("data", "fsdp"),
   "length": None,

@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from coevolve_jax.models import sharding
-from coevolve_jax.models.qwen import KVCache, Qwen, routing_dtype
+from coevolve_jax.models.qwen import KVCache, Qwen, routing_dtype, unrolled_template, unstack
 from coevolve_jax.rollout.sampling import SamplingParams, sample
 
 
@@ -239,7 +239,9 @@ class Engine:
   The slot counters (next_pos, tokens: [B] int32) are replicated.
 
   Args:
-    model: a Qwen model (graph, and the weights unless `weights` is given).
+    model: a Qwen model (graph, and the weights unless `weights` is given), in either layout:
+      the engine decodes the unrolled one (`qwen.unstack`; a stacked model's weights are copied
+      into it once, or with `weights` only its graph is derived, allocating nothing).
     num_slots: max concurrent decodes B.
     cache_len: S, tokens per slot (prompt + all turns).
     dtype: KV cache dtype.
@@ -250,8 +252,9 @@ class Engine:
     record_routing: keep each slot's routing record (`routing`) when the model has MoE layers
       (for routing replay in training); no effect on a dense model.
     mesh: a `models.sharding.make_mesh` mesh to shard the KV cache over, or None (one device).
-    weights: optional callable returning the nnx.State of parameters to decode with (for
-      `model`'s graph), called at every prefill and decode call.
+    weights: optional callable returning the nnx.State of parameters to decode with, in the
+      unrolled layout (`PolicyTrainer.inference_params` is), called at every prefill and decode
+      call.
   Raises:
     ValueError: num_slots, cache_len or max_prefill_tokens below 1, or num_slots that does not
       divide by the mesh's data * fsdp size (the cache would otherwise be replicated).
@@ -281,8 +284,10 @@ class Engine:
       )
     self.mesh = mesh
     self._weights = weights
-    self.graphdef, params = nnx.split(model)
-    self.params = None if weights is not None else params  # holds no buffer it does not use
+    if weights is not None:  # holds no buffer it does not use
+      self.graphdef, self.params = unrolled_template(model)[0], None
+    else:
+      self.graphdef, self.params = nnx.split(unstack(model))
     self.config = model.config
     self.num_slots = num_slots
     self.cache_len = cache_len
@@ -302,8 +307,8 @@ class Engine:
 
   def load_params(self, model: Qwen) -> None:
     """Points the engine at `model`'s weights (after a training step) and stops asking the
-    `weights` callable, if one was given."""
-    self.graphdef, self.params = nnx.split(model)
+    `weights` callable, if one was given. A stacked model is unrolled (a copy, `qwen.unstack`)."""
+    self.graphdef, self.params = nnx.split(unstack(model))
     self._weights = None
 
   def current_params(self) -> nnx.State:
