@@ -213,7 +213,8 @@ def _pool(cfg: Mapping[str, Any]) -> None:
 
 
 def _signals(cfg: Mapping[str, Any]) -> None:
-  for name in ("window", "rare_theta_percent", "rare_min_total", "pattern", "success_threshold"):
+  names = ("window", "rare_theta_percent", "rare_min_total", "pattern", "success_threshold")
+  for name in (*names, "forgetting", "rare_min_count", "rare_count"):
     value = get(cfg, f"signals.{name}")
     owner(f"signals.{name}", lambda name=name, value=value: SignalTracker(**{name: value}))
 

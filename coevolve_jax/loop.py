@@ -435,10 +435,11 @@ class CoEvolveRun:
       mode=fb.mode,
       pool_tasks=self.pool.tasks,
     )
+    shares = rounds.signal_shares(self.state.events)
     self.state.events = []
     # the last step's round is joined at once, before the final checkpoint
     commit_at = min(step + fb.lag, self.cfg.train.steps) if fb.concurrent else step
-    self._submit(RoundInFlight(self.state.round, step, commit_at, chosen))
+    self._submit(RoundInFlight(self.state.round, step, commit_at, chosen, shares))
 
   def _submit(self, round_: RoundInFlight) -> None:
     """Hands the round to the suite's synthesis: in the worker thread, or here when not
@@ -482,6 +483,8 @@ class CoEvolveRun:
       "accepted": report.accepted,
       "pass_rate": report.pass_rate,
       "per_signal": report.per_signal,
+      "signal_events": pending.signals.get("events", {}),
+      "signal_shares": pending.signals.get("shares", {}),
       "dropped": report.dropped,
       "rejected": report.rejected,
       "llm_usage": report.llm_usage,
@@ -508,6 +511,8 @@ class CoEvolveRun:
     }
     if report.llm_usage:
       out["feedback/llm_tokens"] = report.llm_usage["tokens"]
+    for kind, share in pending.signals.get("shares", {}).items():
+      out[f"feedback/share_{kind}"] = share  # the round's events per kind (paper Fig. 4)
     return out
 
   # ------------------------------------------------------------------ checkpoints and logs

@@ -31,6 +31,8 @@ class RoundInFlight:
     commit_at: the step after which its tasks join the pool (start_step + feedback.lag, or the
       last step): fixed in advance so the pool does not depend on timing.
     events: the selected contexts (signal events), in order.
+    signals: the round's candidate events per kind and their shares (`rounds.signal_shares`,
+      counted before selection), for feedback.jsonl.
     future: the synthesis running in the feedback worker (not saved: a resumed run resubmits).
   """
 
@@ -38,6 +40,7 @@ class RoundInFlight:
   start_step: int
   commit_at: int
   events: list[SignalEvent]
+  signals: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
   future: concurrent.futures.Future[RoundResult] | None = dataclasses.field(
     default=None, compare=False, repr=False
   )
@@ -48,6 +51,7 @@ class RoundInFlight:
       "start_step": self.start_step,
       "commit_at": self.commit_at,
       "events": [e.to_dict() for e in self.events],
+      "signals": self.signals,
     }
 
   @classmethod
@@ -57,6 +61,7 @@ class RoundInFlight:
       start_step=int(d["start_step"]),
       commit_at=int(d["commit_at"]),
       events=[SignalEvent.from_dict(e) for e in d["events"]],
+      signals=d.get("signals", {}),
     )
 
 

@@ -91,11 +91,19 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.pool.synth_fraction = -1.0  # share of synthesized tasks when sampling; -1 = proportional
 
   c.signals = ml_collections.ConfigDict()
-  c.signals.window = 5  # W, last task scores kept for forgetting
+  c.signals.window = 5  # W, training iterations a task's earlier scores count for forgetting
   c.signals.rare_theta_percent = 5.0  # theta
   c.signals.rare_min_total = 50  # N_min
   c.signals.pattern = "tool_sequence"  # or "ngram:N"
   c.signals.success_threshold = 0.5  # a score >= this counts as solved (docs/design.md §1.1: 0.5)
+  # Forgetting: an earlier visit's score is its best rollout ("rollout": the paper's "solved at
+  # least once before") or its mean ("visit_mean"); `window` counts training iterations.
+  c.signals.forgetting = "rollout"
+  # Rare (feedback/signals.py): c_p counts the tasks that showed pattern p ("tasks") or the
+  # trajectories ("trajectories"); a pattern fires only once this many tasks (trajectories),
+  # the judged one included, showed it, judged against the earlier steps' counts.
+  c.signals.rare_count = "tasks"
+  c.signals.rare_min_count = 2
 
   c.warmstart = ml_collections.ConfigDict()
   c.warmstart.steps = 0  # supervised steps on validated D0 solutions before RL (0 = off)
@@ -149,7 +157,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
 
   c.feedback = ml_collections.ConfigDict()
   c.feedback.every = 10  # F: a feedback round every F steps
-  c.feedback.max_contexts = 32  # signal events (contexts) explored per round
+  # Contexts explored per round: one per (task, signal kind) of the round's events, balanced
+  # across kinds under this budget; 0 = every candidate (the paper's reading).
+  c.feedback.max_contexts = 0
   c.feedback.enabled = True  # False = GRPO only (ablation)
   c.feedback.kinds = ("forgetting", "boundary", "rare")  # signals used (drop one to ablate it)
   c.feedback.mode = "signals"  # "signals" | "random" (random re-exploration, no signals)

@@ -14,6 +14,7 @@ from coevolve_jax.feedback.rounds import (
   commit_round,
   events_digest,
   select_events,
+  signal_shares,
 )
 from coevolve_jax.feedback.signals import SignalEvent
 from coevolve_jax.testing.gemini_stub import GeminiStub
@@ -24,6 +25,7 @@ from coevolve_jax.feedback.llm import GeminiLLM, GeminiSettings
 from envs.bfcl.llm_explorer import LLMExplorer
 from coevolve_jax.feedback.pool import TaskPool
 from envs.bfcl.validation import ValidationResult
+from coevolve_jax.types import Task
 from envs.bfcl.data import load_bfcl_tasks, split_tasks
 
 SETTINGS = SynthesisSettings(min_calls=2, max_calls=4, max_turns=1, rounds=2, steps_per_round=6)
@@ -73,6 +75,34 @@ def test_select_events_kinds_mode_and_limit(data):
     select_events(events, rng, 1, mode="bogus")
   with pytest.raises(ValueError, match="kinds"):
     select_events(events, rng, 1, kinds=("forgetting", "typo"))
+
+
+def test_contexts_are_one_per_task_and_kind_balanced_across_kinds():
+  """Paper Sec. 3.2: every annotated trajectory is a candidate; here deduplicated by (task, kind)
+  and, under a budget, taken in turn from each kind. 5 boundary tasks (2 rollouts each), 1
+  forgetting task (3 rollouts), 1 rare task (2 rollouts): 7 candidates."""
+  tasks = [Task(f"t{i}", "bfcl", [f"q{i}"], [["a()"]]) for i in range(8)]
+  events = [
+    SignalEvent(tasks[i], "boundary", [[f"b{i}{j}()"]], float(j)) for i in range(5) for j in (0, 1)
+  ]
+  events += [SignalEvent(tasks[5], "forgetting", [[f"f{j}()"]], 0.0) for j in range(3)]
+  events += [SignalEvent(tasks[7], "rare", [[f"r{j}()"]], 1.0) for j in range(2)]
+  rng = np.random.default_rng(0)
+  every = select_events(events, rng, 0)
+  keys = [(e.task.task_id, e.signal) for e in every]
+  assert len(keys) == len(set(keys)) == 7
+  assert set(keys) == {(e.task.task_id, e.signal) for e in events}
+  assert [e.signal for e in select_events(events, rng, 3)] == ["forgetting", "boundary", "rare"]
+  five = [e.signal for e in select_events(events, rng, 5)]
+  assert sorted(five) == ["boundary", "boundary", "boundary", "forgetting", "rare"]
+  assert len(select_events(events, rng, 100)) == 7
+  # The random ablation explores as many pool tasks as the signals would have given contexts.
+  assert len(select_events(events, rng, 0, mode="random", pool_tasks=tasks)) == 7
+  with pytest.raises(ValueError, match="max_contexts"):
+    select_events(events, rng, -1)
+  stats = signal_shares(events)
+  assert stats["events"] == {"forgetting": 3, "boundary": 10, "rare": 2}
+  assert stats["shares"]["boundary"] == pytest.approx(10 / 15)
 
 
 def test_synthesis_in_a_thread_matches_the_main_thread_and_spares_the_pool(data, tmp_path):

@@ -51,6 +51,22 @@ def check_selection(kinds: tuple[str, ...], mode: str) -> None:
     raise ValueError(f"unknown signal kinds {sorted(unknown)} (known: {KINDS})")
 
 
+def candidate_contexts(
+  events: list[SignalEvent], rng: np.random.Generator, kinds: tuple[str, ...] = KINDS
+) -> dict[str, list[SignalEvent]]:
+  """Every signal-annotated trajectory of `kinds` is a candidate context (paper Sec. 3.2), one
+  per (task, kind): of the trajectories of one task that fired one kind, one drawn uniformly
+  represents it. Returns kind -> its candidates in random order (every kind of `kinds`)."""
+  by_key: dict[tuple[str, str], list[SignalEvent]] = {}
+  for e in events:
+    if e.signal in kinds:
+      by_key.setdefault((e.task.task_id, e.signal), []).append(e)
+  out: dict[str, list[SignalEvent]] = {k: [] for k in kinds}
+  for (_, kind), same in by_key.items():
+    out[kind].append(same[int(rng.integers(len(same)))])
+  return {k: [v[int(i)] for i in rng.permutation(len(v))] for k, v in out.items()}
+
+
 def select_events(
   events: list[SignalEvent],
   rng: np.random.Generator,
@@ -60,25 +76,54 @@ def select_events(
   mode: str = "signals",
   pool_tasks: list[Task] = (),
 ) -> list[SignalEvent]:
-  """The contexts of one round: up to `max_contexts` events, drawn uniformly without replacement.
+  """The contexts of one round (paper Sec. 3.2): the candidate contexts (`candidate_contexts`:
+  one per (task, kind)), all of them when `max_contexts` is 0 (the paper's reading), otherwise at
+  most `max_contexts` balanced across kinds: taken in turn from each kind (forgetting, boundary,
+  rare), so a kind with few candidates is not drowned by one with many; a kind that runs out
+  leaves its turns to the others.
 
   Args:
     events: the signal events since the last round.
+    max_contexts: the per-round budget (`feedback.max_contexts`; 0 = no limit).
     kinds: signal kinds used (the no-forgetting / no-boundary / no-rare ablations drop one).
     mode: "signals" (docs/design.md §1.2) or "random": random re-exploration, no signals;
-      contexts are pool tasks drawn uniformly, explored unguided (signal None, no focus calls).
+      contexts are pool tasks drawn uniformly, explored unguided (signal None, no focus calls),
+      as many as the signals mode would pick from the same events (the budget, or with 0 the
+      number of candidates), so the ablation explores as much.
     pool_tasks: the pool's tasks (only read in "random" mode).
 
   Raises:
-    ValueError: an unknown mode or kind.
+    ValueError: an unknown mode or kind, or a negative budget.
   """
   check_selection(kinds, mode)
+  if max_contexts < 0:
+    raise ValueError(f"max_contexts must be >= 0 (0 = all candidates), got {max_contexts}")
+  candidates = candidate_contexts(events, rng, kinds)
+  total = sum(map(len, candidates.values()))
+  budget = total if max_contexts == 0 else min(max_contexts, total)
   if mode == "random":
     pool_tasks = list(pool_tasks)
-    idx = rng.permutation(len(pool_tasks))[:max_contexts]
+    n = budget if max_contexts == 0 else max_contexts
+    idx = rng.permutation(len(pool_tasks))[:n]
     return [SignalEvent(pool_tasks[int(i)], None, [[]], 0.0) for i in idx]
-  usable = [e for e in events if e.signal in kinds]
-  return [usable[int(i)] for i in rng.permutation(len(usable))[:max_contexts]]
+  chosen: list[SignalEvent] = []
+  queues = [list(candidates[k]) for k in kinds]
+  while len(chosen) < budget:
+    for q in queues:
+      if q and len(chosen) < budget:
+        chosen.append(q.pop(0))
+  return chosen
+
+
+def signal_shares(events: list[SignalEvent]) -> dict[str, dict[str, float]]:
+  """Per signal kind: the round's events (trajectories that fired it) and their share of all
+  events, the figure of the paper's Fig. 4 (`feedback.jsonl`, TensorBoard `signals/share_*`)."""
+  counts = {k: sum(e.signal == k for e in events) for k in KINDS}
+  total = sum(counts.values())
+  return {
+    "events": counts,
+    "shares": {k: (n / total if total else 0.0) for k, n in counts.items()},
+  }
 
 
 @dataclasses.dataclass

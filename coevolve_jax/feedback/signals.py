@@ -4,26 +4,34 @@ Plain Python, host side. One `SignalTracker` lives for the whole run; `update` i
 training step with that step's rollout records and returns the fired signals. Its state goes into
 checkpoints through `state_dict` / `load_state_dict` (JSON-serialisable).
 
-Semantics (threshold t = `success_threshold`, 0.5 by default):
+Semantics (threshold t = `success_threshold`, 0.5 by default; paper Sec. 3.1, where the text
+leaves a choice the option is named and the default is the closer reading):
 
-* forgetting: every task keeps the scores of its last `window` visits (a visit = one training step
-  in which the task was rolled out). A trajectory of the current step with score < t fires when
-  some score in that history (earlier steps only) is >= t. After all current trajectories are
-  judged against the earlier history, the visit's score, i.e. the mean score of the task's
-  rollouts at this step, is appended (the oldest one drops out past `window`). A task's first visit
-  never fires.
+* forgetting: a trajectory of the current step with score < t fires when its task was rolled out
+  within the last `window` training iterations (steps s - W .. s - 1; W counts iterations, not
+  visits) and one of those earlier rollouts scored >= t. `forgetting="rollout"` (default, the
+  paper's "previously solved at least once") keeps, per task and visit, the best rollout score;
+  `forgetting="visit_mean"` keeps the visit's mean score instead (a task solved 2/8, then 0/8,
+  then fires under "rollout" and not under "visit_mean"). The current visit is recorded after
+  its trajectories are judged, so a task's first visit never fires.
 * boundary: all K rollouts of a task at this step are marked when at least one score is > t and at
   least one is < t (strict: a score of exactly t counts as neither). Rollouts are grouped by
   `task_id` (all groups of the same task at this step together).
 * rare: each trajectory maps to patterns: `pattern="tool_sequence"` gives one pattern, the ordered
   tuple of tool names it called (the empty tuple when it called none); `pattern="ngram:N"` gives
   the set of distinct contiguous N-grams of that sequence (the whole sequence when it is shorter
-  than N, so a short or empty trajectory still has one pattern). Counts c_p are cumulative over
-  training; N = sum_p c_p. Order within a step: all of this step's patterns are counted first,
-  then every trajectory of the step is judged, so c_p >= 1 for its own patterns. Once
-  N >= `rare_min_total`, a trajectory fires when one of its patterns has 0 < c_p / N < theta / 100.
-  With n-grams a trajectory adds 1 to each distinct n-gram it contains (repeats within one
-  trajectory count once).
+  than N, so a short or empty trajectory still has one pattern). c_p counts, cumulatively over
+  training, the tasks whose trajectories showed pattern p (`rare_count="tasks"`, default: each
+  task counts once per pattern) or the trajectories that did (`rare_count="trajectories"`;
+  repeats within one trajectory count once either way); N = sum_p c_p. A step's trajectories are
+  judged against the counts of the earlier steps, then counted: a trajectory of task tau fires
+  when N >= `rare_min_total` and one of its patterns p has 0 < c_p / N < theta / 100 and recurs:
+  the tasks that showed p, tau included (or the trajectories, this one included) number at least
+  `rare_min_count` (default 2). So a pattern seen for the first time never fires, and with task
+  counting neither does a task's own solution repeated by its own rollouts: with many tasks each
+  solution's share is below theta, and counted per trajectory every solved task's rollouts fired
+  "rare" (scripts/simulate_signals.py: a third of all events, more than forgetting). Rare is a
+  behaviour several tasks show that is still a small part of all (task, pattern) pairs.
 
 All three kinds can mark the same trajectory; each is reported separately. Signals come back
 ordered by kind (forgetting, boundary, rare) and, within a kind, in the order of the records.
@@ -45,7 +53,9 @@ BOUNDARY = "boundary"
 RARE = "rare"
 KINDS = (FORGETTING, BOUNDARY, RARE)
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 1: history of visit means without their steps
+FORGETTING_MODES = ("rollout", "visit_mean")
+RARE_COUNTS = ("tasks", "trajectories")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,11 +132,16 @@ class SignalTracker:
   """Keeps per-task score histories and pattern counts; turns each step's rollouts into signals.
 
   Args:
-    window: W, number of earlier visit scores kept per task for forgetting (>= 1).
+    window: W, the training iterations a task's earlier scores count for forgetting (>= 1).
     rare_theta_percent: theta; a pattern is rare when its share of all counts is < theta / 100.
     rare_min_total: N_min; no rare signal fires before the total count N reaches it.
     pattern: "tool_sequence" (default) or "ngram:N".
     success_threshold: t, the 0.5 of docs/design.md §1.1.
+    forgetting: "rollout" (default) or "visit_mean": what an earlier visit's score is.
+    rare_min_count: a pattern fires only once this many tasks (or trajectories, with
+      `rare_count="trajectories"`), the judged one included, showed it (>= 1; counting
+      trajectories, 1 and 2 agree: a pattern needs an earlier count to have a share at all).
+    rare_count: "tasks" (default) or "trajectories": what c_p counts.
 
   Raises:
     ValueError: invalid arguments.
@@ -139,6 +154,9 @@ class SignalTracker:
     rare_min_total: int = 50,
     pattern: str = "tool_sequence",
     success_threshold: float = 0.5,
+    forgetting: str = "rollout",
+    rare_min_count: int = 2,
+    rare_count: str = "tasks",
   ):
     if window < 1:
       raise ValueError(f"window must be >= 1, got {window}")
@@ -148,28 +166,42 @@ class SignalTracker:
       raise ValueError(f"rare_min_total must be >= 0, got {rare_min_total}")
     if not 0.0 <= success_threshold <= 1.0:
       raise ValueError(f"success_threshold must be in [0, 1], got {success_threshold}")
+    if forgetting not in FORGETTING_MODES:
+      raise ValueError(f"forgetting must be one of {FORGETTING_MODES}, got {forgetting!r}")
+    if rare_min_count < 1:
+      raise ValueError(f"rare_min_count must be >= 1, got {rare_min_count}")
+    self.forgetting = forgetting
+    self.rare_min_count = int(rare_min_count)
+    if rare_count not in RARE_COUNTS:
+      raise ValueError(f"rare_count must be one of {RARE_COUNTS}, got {rare_count!r}")
+    self.rare_count = rare_count
     self.window = int(window)
     self.rare_theta_percent = float(rare_theta_percent)
     self.rare_min_total = int(rare_min_total)
     self.pattern = pattern
     self._ngram = _parse_pattern(pattern)
     self.success_threshold = float(success_threshold)
-    self.history: dict[str, collections.deque[float]] = {}
+    # task -> [(step, visit score)] of its visits within the last `window` steps, oldest first
+    self.history: dict[str, list[tuple[int, float]]] = {}
     self.pattern_counts: collections.Counter[str] = collections.Counter()
     self.total = 0  # N = sum of pattern_counts
+    self.pattern_tasks: dict[str, set[str]] = {}  # rare_count="tasks": the tasks behind c_p
     self.counts: dict[str, int] = {k: 0 for k in KINDS}  # signals fired so far, per kind
     self.steps = 0
 
   @classmethod
   def from_config(cls, signals_cfg: Any) -> SignalTracker:
     """A tracker from the `signals` config group (window, rare_theta_percent, rare_min_total,
-    pattern, success_threshold), built by keyword."""
+    pattern, success_threshold, forgetting, rare_min_count, rare_count), built by keyword."""
     return cls(
       window=signals_cfg.window,
       rare_theta_percent=signals_cfg.rare_theta_percent,
       rare_min_total=signals_cfg.rare_min_total,
       pattern=signals_cfg.pattern,
       success_threshold=signals_cfg.success_threshold,
+      forgetting=signals_cfg.forgetting,
+      rare_min_count=signals_cfg.rare_min_count,
+      rare_count=signals_cfg.rare_count,
     )
 
   # ------------------------------------------------------------------ patterns
@@ -219,15 +251,22 @@ class SignalTracker:
     for r in records:
       by_task.setdefault(r.task_id, []).append(r)
 
-    # Forgetting: judge against earlier visits only, then record this visit's mean.
-    forgetting = []
-    for r in records:
-      hist = self.history.get(r.task_id)
-      if r.score < t and hist is not None and any(h >= t for h in hist):
-        forgetting.append(Signal(FORGETTING, r.task_id, r.trajectory_index))
+    # Forgetting: judge against the earlier visits of the last W steps, then record this visit.
+    step, oldest = self.steps, self.steps - self.window
+    self.history = {
+      k: kept for k, h in self.history.items() if (kept := [(s, v) for s, v in h if s >= oldest])
+    }
+    for task_id in by_task:
+      self.history.setdefault(task_id, [])
+    forgetting = [
+      Signal(FORGETTING, r.task_id, r.trajectory_index)
+      for r in records
+      if r.score < t and any(v >= t for _, v in self.history[r.task_id])
+    ]
     for task_id, rs in by_task.items():
-      hist = self.history.setdefault(task_id, collections.deque(maxlen=self.window))
-      hist.append(sum(float(r.score) for r in rs) / len(rs))
+      scores = [float(r.score) for r in rs]
+      visit = max(scores) if self.forgetting == "rollout" else sum(scores) / len(scores)
+      self.history[task_id].append((step, visit))
 
     # Boundary: a mixed group marks all of its rollouts.
     mixed = {
@@ -239,17 +278,33 @@ class SignalTracker:
       Signal(BOUNDARY, r.task_id, r.trajectory_index) for r in records if r.task_id in mixed
     ]
 
-    # Rare: count this step's patterns first, then judge.
+    # Rare: judge against the earlier steps' counts, then count this step's patterns.
     keys = [self.patterns(r.tool_names) for r in records]
-    for ks in keys:
+    rare = []
+    by_tasks = self.rare_count == "tasks"
+    if self.total >= max(self.rare_min_total, 1):
+      limit = self.rare_theta_percent / 100.0
+
+      def is_rare(k: str, task_id: str) -> bool:
+        c = self.pattern_counts.get(k, 0)
+        if by_tasks:
+          recurs = len(self.pattern_tasks.get(k, set()) | {task_id})
+        else:
+          recurs = c + 1
+        return 0 < c and c / self.total < limit and recurs >= self.rare_min_count
+
+      rare = [
+        Signal(RARE, r.task_id, r.trajectory_index)
+        for r, ks in zip(records, keys, strict=True)
+        if any(is_rare(k, r.task_id) for k in ks)
+      ]
+    for r, ks in zip(records, keys, strict=True):
+      if by_tasks:
+        ks = [k for k in ks if r.task_id not in self.pattern_tasks.setdefault(k, set())]
+        for k in ks:
+          self.pattern_tasks[k].add(r.task_id)
       self.pattern_counts.update(ks)
       self.total += len(ks)
-    rare = []
-    if self.total >= self.rare_min_total and self.total > 0:
-      limit = self.rare_theta_percent / 100.0
-      for r, ks in zip(records, keys, strict=True):
-        if any(0.0 < self.pattern_counts[k] / self.total < limit for k in ks):
-          rare.append(Signal(RARE, r.task_id, r.trajectory_index))
 
     signals = forgetting + boundary + rare
     for s in signals:
@@ -289,6 +344,9 @@ class SignalTracker:
       "rare_min_total": self.rare_min_total,
       "pattern": self.pattern,
       "success_threshold": self.success_threshold,
+      "forgetting": self.forgetting,
+      "rare_min_count": self.rare_min_count,
+      "rare_count": self.rare_count,
     }
 
   def state_dict(self) -> dict[str, Any]:
@@ -296,9 +354,10 @@ class SignalTracker:
     return {
       "version": _STATE_VERSION,
       "config": self.config(),
-      "history": {k: list(v) for k, v in self.history.items()},
+      "history": {k: [[s, v] for s, v in h] for k, h in self.history.items()},
       "pattern_counts": dict(self.pattern_counts),
       "total": self.total,
+      "pattern_tasks": {k: sorted(v) for k, v in self.pattern_tasks.items()},
       "counts": dict(self.counts),
       "steps": self.steps,
     }
@@ -306,24 +365,31 @@ class SignalTracker:
   def load_state_dict(self, state: dict[str, Any]) -> None:
     """Restores a `state_dict` snapshot; the tracker's own thresholds are kept.
 
-    Histories longer than this tracker's window keep their most recent scores.
+    Scores older than this tracker's window are dropped at the next `update`. A version-1
+    snapshot (visit means without their steps) is read as visits at consecutive last steps.
 
     Raises:
       ValueError: an unknown version, or the snapshot used another pattern spec (its counts would
         mean something else).
     """
-    if state.get("version") != _STATE_VERSION:
-      raise ValueError(f"unknown signal state version {state.get('version')!r}")
+    version = state.get("version")
+    if version not in (1, _STATE_VERSION):
+      raise ValueError(f"unknown signal state version {version!r}")
     pattern = state.get("config", {}).get("pattern", self.pattern)
     if pattern != self.pattern:
       raise ValueError(f"state was built with pattern={pattern!r}, tracker uses {self.pattern!r}")
-    self.history = {
-      k: collections.deque((float(x) for x in v), maxlen=self.window)
-      for k, v in state["history"].items()
-    }
+    steps = int(state.get("steps", 0))
+    if version == 1:
+      self.history = {
+        k: [(steps - len(v) + i, float(x)) for i, x in enumerate(v)]
+        for k, v in state["history"].items()
+      }
+    else:
+      self.history = {k: [(int(s), float(x)) for s, x in v] for k, v in state["history"].items()}
     self.pattern_counts = collections.Counter(
       {k: int(v) for k, v in state["pattern_counts"].items()}
     )
     self.total = int(state["total"])
+    self.pattern_tasks = {k: set(v) for k, v in state.get("pattern_tasks", {}).items()}
     self.counts = {k: int(state["counts"].get(k, 0)) for k in KINDS}
-    self.steps = int(state.get("steps", 0))
+    self.steps = steps
