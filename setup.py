@@ -24,6 +24,7 @@ INSTALL_REQUIRES = [
     "ml-collections>=1.1",
     "absl-py",
     "google-genai>=1.0",
+    "openai>=1.40",  # OpenAI-compatible explorer endpoints (feedback/openai_llm.py)
     "tokenizers",
     "safetensors",
     "jinja2>=3.1.6",  # sandbox fixes; chat templates are untrusted code

@@ -89,6 +89,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
 
   c.data.category = ""  # unused for AppWorld (BFCL only); see c.appworld.split / eval_split
   c.explore.only_classes = ()  # BFCL backends: not used for AppWorld
+  # AppWorld's synthesis builds worlds from templates and does not drive an LLM explorer yet, so
+  # none is configured (an LLM here would need a key and go unused).
+  c.explore.explorer = "programmatic"
   if variant == "cpu":  # generated worlds; one code reply solves a task (~150 tokens)
     c.appworld.build.num_scenarios = 10
     c.appworld.build.tasks_per_scenario = 2

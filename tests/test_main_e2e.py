@@ -17,6 +17,7 @@ from disk_full import assert_disk_full, orbax_write_fails
 
 from coevolve_jax.errors import CorruptFileError, DiskFullError
 from coevolve_jax.feedback.rounds import RoundResult
+from coevolve_jax.feedback.signals import KINDS
 from coevolve_jax.loop import CoEvolveRun, RunError
 from coevolve_jax.types import FINISHES, Task, Trajectory
 from envs.bfcl.suite import BfclSuite
@@ -106,6 +107,13 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
     rows = [json.loads(line) for line in f]
   grpo_steps = [r["step"] for r in rows if "reward/mean" in r]
   assert grpo_steps == [1, 2]  # one row per step, also across the resume
+  # The round's signal shares are those of the events its steps fired (paper Fig. 4); the
+  # metrics count cumulatively, and round 1 covers steps 1 and 2.
+  last = [r for r in rows if "reward/mean" in r][-1]
+  fired = {k: last[f"signals/{k}"] for k in KINDS}
+  assert rounds[0]["signal_events"] == fired
+  if sum(fired.values()):
+    assert sum(rounds[0]["signal_shares"].values()) == pytest.approx(1.0)
   for r in rows:  # how each of the 2 x 2 episodes ended; none dropped by default
     if "reward/mean" in r:
       assert sum(r[f"rollout/finished_{f}"] for f in FINISHES) == 4

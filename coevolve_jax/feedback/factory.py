@@ -1,5 +1,5 @@
-"""Builds the configured explorer LLM (Gemini, or a local model served by our engine) from the
-`explore` config section. Which explorer a suite drives with it is the suite's business."""
+"""Builds the configured explorer LLM (Gemini, an OpenAI-compatible endpoint, or a local model
+served by our engine) from the `explore` config section. Which explorer a suite drives with it is the suite's business."""
 
 from __future__ import annotations
 
@@ -8,14 +8,21 @@ from collections.abc import Callable
 from typing import Any
 
 from coevolve_jax.feedback.llm import GeminiLLM, GeminiSettings, TextLLM
+from coevolve_jax.feedback.openai_llm import OpenAILLM, OpenAISettings
 
-EXPLORERS = ("programmatic", "gemini", "local")
+EXPLORERS = ("programmatic", "gemini", "openai", "local")
 
 
 def gemini_settings(section: Any) -> GeminiSettings:
   """GeminiSettings from a config section with the same field names (credentials are not there)."""
   fields = GeminiSettings.__dataclass_fields__
   return GeminiSettings(**{k: section[k] for k in fields if k in section})
+
+
+def openai_settings(section: Any) -> OpenAISettings:
+  """OpenAISettings from a config section with the same field names (the key is not there)."""
+  fields = OpenAISettings.__dataclass_fields__
+  return OpenAISettings(**{k: section[k] for k in fields if k in section})
 
 
 def make_llm(
@@ -25,13 +32,13 @@ def make_llm(
 
   Args:
     kind: one of EXPLORERS.
-    explore_cfg: the `explore` config section (reads `gemini` or `local`).
+    explore_cfg: the `explore` config section (reads `gemini`, `openai` or `local`).
     policy: zero-argument callable returning the current policy model (for "local" without
       `explore.local.checkpoint`; with it, that Hugging Face folder is served instead).
 
   Raises:
     ValueError: unknown kind; "local" without a policy or checkpoint.
-    LLMError: Gemini credentials missing.
+    LLMError: Gemini credentials, or the OpenAI-compatible endpoint's key, missing.
   """
   if kind not in EXPLORERS:
     raise ValueError(f"explore.explorer must be one of {EXPLORERS}, got {kind!r}")
@@ -39,6 +46,8 @@ def make_llm(
     return None
   if kind == "gemini":
     return GeminiLLM(gemini_settings(explore_cfg.gemini))
+  if kind == "openai":
+    return OpenAILLM(openai_settings(explore_cfg.openai))
   from coevolve_jax.feedback.local_llm import LocalLLM  # pylint: disable=g-import-not-at-top
 
   local = explore_cfg.local
