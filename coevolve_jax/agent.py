@@ -181,6 +181,7 @@ class AgentRunner:
       ep.traj.set_routing(self.engine.routing(ep.slot))
     if not ep.traj.calls:  # episodes cut short still report what they called, per user turn
       ep.traj.calls = [[c for step in turn for c in step] for turn in ep.env.calls]
+      ep.traj.observations = [list(t) for t in getattr(ep.env, "observations", ())]
     ep.env.close()
     self._results[ep.index] = ep.traj
     self._active.pop(ep.slot, None)
@@ -252,6 +253,7 @@ class AgentRunner:
     traj = ep.traj
     if result.done:
       traj.calls = result.info.get("per_turn_calls", traj.calls)
+      traj.observations = result.info.get("per_turn_observations", traj.observations)
       self._finish(ep, "done", float(result.reward), result.info)
       return
     if traj.model_steps >= self.limits.max_model_steps:

@@ -125,6 +125,9 @@ class Trajectory:
   step_rewards: list[float] = dataclasses.field(default_factory=list)
   tool_names: list[str] = dataclasses.field(default_factory=list)
   calls: list[list[str]] = dataclasses.field(default_factory=list)
+  # Per user turn, the output of each call in `calls` as the model saw it (environments that
+  # record them; empty otherwise): the context summary's evidence (docs/design.md §1.2).
+  observations: list[list[str]] = dataclasses.field(default_factory=list)
   finish: str = ""  # one of FINISHES: "done", "context", "max_model_steps", "error"
   model_steps: int = 0
   parse_errors: int = 0

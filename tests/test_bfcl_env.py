@@ -72,9 +72,11 @@ def test_ground_truth_replay_scores_one(tasks, index):
   env = make_env(tasks[index], f"gt{index}")
   result = _play(env, tasks[index].ground_truth)
   assert result.done and result.reward == 1.0, result.info["checker"]
-  assert result.info["per_turn_calls"] == [
-    [c for c in turn] for turn in result.info["per_turn_calls"]
-  ]
+  calls, observations = result.info["per_turn_calls"], result.info["per_turn_observations"]
+  assert [len(turn) for turn in calls] == [len(turn) for turn in tasks[index].ground_truth]
+  # One output per call that ran, as the model saw it (the context summary's evidence).
+  assert [len(turn) for turn in observations] == [len(turn) for turn in calls]
+  assert all(isinstance(o, str) and o for turn in observations for o in turn)
   assert len(result.info["calls"]) == len(tasks[index].ground_truth)
   env.close()
   assert not env.cached_instance_names()

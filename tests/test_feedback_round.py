@@ -3,6 +3,7 @@ result, pool untouched until commit), provenance, per-round logs, token budget, 
 
 import concurrent.futures
 import dataclasses
+import json
 import os
 
 import numpy as np
@@ -52,7 +53,13 @@ def data():
 def events_of(d0):
   return [
     SignalEvent(d0[0], "forgetting", [[]], 0.0),
-    SignalEvent(d0[1], "boundary", d0[1].ground_truth, 1.0),
+    SignalEvent(
+      d0[1],
+      "boundary",
+      d0[1].ground_truth,
+      1.0,
+      [[f"output of {c}" for c in turn] for turn in d0[1].ground_truth],
+    ),
     SignalEvent(d0[2], "rare", d0[2].ground_truth, 1.0),
     SignalEvent(d0[0], "boundary", [[]], 0.0),
   ]
@@ -184,6 +191,11 @@ def test_llm_round_summary_abstraction_judge_and_budget(data, monkeypatch):
     assert result.llm_usage["requests"] == len(stub.requests) > 0
     systems = [r["body"]["systemInstruction"]["parts"][0]["text"] for r in stub.requests]
     assert any(s.startswith("You analyse") for s in systems)  # docs/design.md §1.2 context summary
+    # The summary of the boundary event sees each call with the environment's output (Fig. 11).
+    first = next(r for r, s in zip(stub.requests, systems) if s.startswith("You analyse"))
+    shown = json.loads(first["body"]["contents"][0]["parts"][0]["text"])
+    want = [[{"call": c, "observation": f"output of {c}"} for c in t] for t in d0[1].ground_truth]
+    assert shown["signal"] == "boundary" and shown["agent_steps"] == want
     assert result.tasks  # the stub's explorer calls list_users() etc., which succeed
     for task in result.tasks:
       assert task.provenance["explorer"] == "gemini:m"

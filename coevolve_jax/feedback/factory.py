@@ -1,5 +1,6 @@
 """Builds the configured explorer LLM (Gemini, an OpenAI-compatible endpoint, or a local model
-served by our engine) from the `explore` config section. Which explorer a suite drives with it is the suite's business."""
+served by our engine) from the `explore` config section. Which explorer a suite drives with it
+is the suite's business."""
 
 from __future__ import annotations
 

@@ -79,13 +79,14 @@ class RolloutRecord:
 
 @dataclasses.dataclass
 class SignalEvent:
-  """A marked trajectory: its task, the signal kind, the agent's calls per turn, and its reward in
-  [0, 1]."""
+  """A marked trajectory: its task, the signal kind, the agent's calls per turn, its reward in
+  [0, 1], and per turn the output of each call (where the environment records them)."""
 
   task: Task
   signal: str | None
   calls: list[list[str]]
   reward: float
+  observations: list[list[str]] = dataclasses.field(default_factory=list)
 
   def to_dict(self) -> dict[str, Any]:
     """A JSON-serialisable form (checkpoints keep the events of the round to come)."""
@@ -94,11 +95,14 @@ class SignalEvent:
       "signal": self.signal,
       "calls": self.calls,
       "reward": self.reward,
+      "observations": self.observations,
     }
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]) -> SignalEvent:
-    return cls(Task.from_dict(d["task"]), d["signal"], d["calls"], d["reward"])
+    return cls(
+      Task.from_dict(d["task"]), d["signal"], d["calls"], d["reward"], d.get("observations", [])
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,7 +336,7 @@ class SignalTracker:
     events = []
     for s in self.update(records):
       tr = trajectories[s.trajectory_index]
-      events.append(SignalEvent(tasks[tr.group_id], s.kind, tr.calls, tr.reward))
+      events.append(SignalEvent(tasks[tr.group_id], s.kind, tr.calls, tr.reward, tr.observations))
     return events
 
   # ------------------------------------------------------------------ checkpointing

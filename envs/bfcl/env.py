@@ -103,6 +103,8 @@ class BfclEnv:
     )
     self.system_prompt: str | None = SYSTEM_PROMPT
     self.calls: list[list[list[str]]] = []
+    # Per user turn, per call that ran: the tool's output as the model saw it (context summaries).
+    self.observations: list[list[str]] = []
     self.backends = backends or default_pool()
     self._session: BackendSession | None = None
     self._turn = -1
@@ -129,6 +131,7 @@ class BfclEnv:
       self.task.involved_classes, self.tool_style, self.task.provenance.get("excluded_function", ())
     )
     self.calls, self._turn, self._steps, self._done = [[]], 0, 0, False
+    self.observations = [[]]
     return StepResult(messages=[self._user_message(0)])
 
   def _tool_message(self, content: str) -> dict[str, str]:
@@ -150,6 +153,8 @@ class BfclEnv:
     ran = [c for c, o in zip(valid, outcomes) if o.ran]
     if ran:
       self.calls[self._turn].append(ran)
+      shown = (truncate(o.text, self.max_obs_chars) for o in outcomes if o.ran)
+      self.observations[self._turn].extend(shown)
     results = iter(outcomes)
     return [
       self._tool_message(errors[i] if c is None else next(results).text)
@@ -177,6 +182,7 @@ class BfclEnv:
         self.task, self.calls, self.model_name + "_score", pool=self.backends
       )
     info["per_turn_calls"] = [[c for step in turn for c in step] for turn in self.calls]
+    info["per_turn_observations"] = [list(turn) for turn in self.observations]
     return StepResult(messages=messages, done=True, reward=reward, info=info)
 
   def step(self, action: Action) -> StepResult:
@@ -210,6 +216,7 @@ class BfclEnv:
     if self._turn >= len(self.task.turns):
       return self._finish([])
     self.calls.append([])
+    self.observations.append([])
     return StepResult(messages=[self._user_message(self._turn)])
 
   def _official_step(self, action: Action) -> StepResult:

@@ -16,6 +16,7 @@ against the tool schema and rebuilt by `call_to_string` before BFCL executes it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 from typing import Any
@@ -78,8 +79,13 @@ def summarize_with_llm(
   calls: list[list[str]],
   reward: float,
   fallback: dict[str, Any],
+  observations: list[list[str]] = (),
 ) -> dict[str, Any]:
   """The docs/design.md §1.2 context for one marked trajectory, by `llm`; `fallback` if it fails.
+
+  The prompt holds the task, the signal, the reward, the reference calls and the agent's steps:
+  per user turn each call with the environment's output (paper Fig. 11's trajectory evidence;
+  `observations`, cut to _OBS_CHARS each; a call without a recorded output shows none).
 
   Returns:
     dict with SUMMARY_KEYS plus "by": "llm" or "template".
@@ -92,7 +98,15 @@ def summarize_with_llm(
       "signal": signal,
       "task": task.turns,
       "reward": reward,
-      "agent_calls": calls,
+      "agent_steps": [
+        [
+          {"call": c, "observation": o[:_OBS_CHARS]} if o is not None else {"call": c}
+          for c, o in itertools.zip_longest(turn, obs[: len(turn)])
+        ]
+        for turn, obs in itertools.zip_longest(
+          calls, list(observations)[: len(calls)], fillvalue=[]
+        )
+      ],
       "reference_calls": task.ground_truth,
     },
     ensure_ascii=False,

@@ -281,7 +281,7 @@ def synthesize_round(
       summary, focus = summarize_event(event)
       if llm is not None and event.signal is not None:
         summary = llm_explorer.summarize_with_llm(
-          llm, event.task, event.signal, event.calls, event.reward, summary
+          llm, event.task, event.signal, event.calls, event.reward, summary, event.observations
         )
       context = ExplorationContext(
         task_id=event.task.task_id,
