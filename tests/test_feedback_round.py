@@ -18,7 +18,7 @@ from coevolve_jax.feedback.rounds import (
   signal_shares,
 )
 from coevolve_jax.feedback.signals import SignalEvent
-from coevolve_jax.testing.gemini_stub import GeminiStub
+from coevolve_jax.testing.gemini_stub import GeminiStub, feedback_responder
 from envs.bfcl import synthesis as controller
 from envs.bfcl.explorer import ProgrammaticExplorer
 from envs.bfcl.synthesis import SynthesisSettings, synthesize_round
@@ -110,6 +110,34 @@ def test_contexts_are_one_per_task_and_kind_balanced_across_kinds():
   stats = signal_shares(events)
   assert stats["events"] == {"forgetting": 3, "boundary": 10, "rare": 2}
   assert stats["shares"]["boundary"] == pytest.approx(10 / 15)
+
+
+def test_one_context_yields_every_task_its_exploration_supports(data, monkeypatch):
+  """Paper Fig. 12: the abstraction returns several tasks for one context; each is validated
+  on its own and joins the round under its own id."""
+  d0, _ = data
+  monkeypatch.setenv("GEMINI_API_KEY", "fake-key-for-the-stub")
+
+  def two_tasks(system, prompt):
+    reply = feedback_responder(system, prompt)
+    if system.startswith("You turn"):
+      task = json.loads(reply)["tasks"][0]
+      steps = task["turns"][0]["steps"]
+      part = {**task, "turns": [{"query": "Only the first call.", "steps": steps[:1]}]}
+      return json.dumps({"tasks": [task, part] if len(steps) > 1 else [task]})
+    return reply
+
+  with GeminiStub(two_tasks) as stub:
+    llm = GeminiLLM(GeminiSettings(model="m", base_url=stub.url, attempts=1))
+    settings = dataclasses.replace(SETTINGS, min_calls=1)
+    result = synthesize_round(
+      events_of(d0)[1:2], LLMExplorer(llm), np.random.default_rng(0), 1, settings, llm
+    )
+  assert [t.task_id for t in result.tasks] == ["syn-r1-0000", "syn-r1-0000-1"]
+  assert result.synthesized == 2 and result.per_signal["boundary"]["validated"] == 2
+  full, part = result.tasks
+  assert len(full.ground_truth[0]) > 1 and part.ground_truth == [full.ground_truth[0][:1]]
+  assert part.turns == ["Only the first call."]
 
 
 def test_synthesis_in_a_thread_matches_the_main_thread_and_spares_the_pool(data, tmp_path):

@@ -233,14 +233,14 @@ def test_abstraction_and_attempt_and_judge(stub, message_task):
     stub.script.append(Reply(200, ok_body(json.dumps({"name": name, "arguments": args}))))
   triplets = LLMExplorer(llm).explore(ctx, np.random.default_rng(0))
   assert len(triplets) == 4
-  choice = abstract_with_llm(llm, triplets, ctx, min_calls=3, max_calls=3)
-  assert choice.calls == [t.action for t in triplets[:3]]
-  assert choice.query == "Please do the stub task."
+  (choice,) = abstract_with_llm(llm, triplets, ctx, min_calls=3, max_calls=3)
+  assert choice.calls == [[t.action for t in triplets[:3]]]
+  assert choice.turns == ["Please do the stub task."]
   task = Task(
     "syn-x",
     "bfcl",
-    [choice.query],
-    [choice.calls],
+    choice.turns,
+    choice.calls,
     ctx.initial_config,
     ctx.involved_classes,
     "synth",
@@ -252,7 +252,27 @@ def test_abstraction_and_attempt_and_judge(stub, message_task):
   stub.script.append(
     Reply(200, ok_body(json.dumps({"run_id": 0, "steps": [0, 1, 99], "query": "q"})))
   )
-  assert abstract_with_llm(llm, triplets, ctx, min_calls=3, max_calls=3) is None
+  assert abstract_with_llm(llm, triplets, ctx, min_calls=3, max_calls=3) == []
+
+  # Every task the log supports: a two-turn task (two phases), a one-turn one (the older
+  # single-object form), and rejects: a repeat, unordered steps, too many turns, an empty query.
+  turns = [{"query": "First list the users.", "steps": [0]}, {"query": "Then...", "steps": [1, 2]}]
+  reply = {
+    "tasks": [
+      {"run_id": 0, "turns": turns, "description": "d", "completion": "c"},
+      {"run_id": 0, "steps": [1, 2, 3], "query": "Add Zed."},
+      {"run_id": 0, "turns": turns},
+      {"run_id": 0, "turns": [{"query": "q", "steps": [2, 1, 3]}]},
+      {"run_id": 0, "turns": [{"query": "q", "steps": [i]} for i in range(3)]},
+      {"run_id": 0, "turns": [{"query": " ", "steps": [0, 1, 3]}]},
+    ]
+  }
+  stub.script.append(Reply(200, ok_body(json.dumps(reply))))
+  got = abstract_with_llm(llm, triplets, ctx, min_calls=3, max_calls=4, max_turns=2)
+  actions = [t.action for t in triplets]
+  assert [c.turns for c in got] == [["First list the users.", "Then..."], ["Add Zed."]]
+  assert [c.calls for c in got] == [[actions[:1], actions[1:3]], [actions[1:4]]]
+  assert (got[0].description, got[0].completion) == ("d", "c")
 
 
 def test_judge_decides_when_the_checker_fails(stub, message_task):

@@ -83,16 +83,20 @@ def feedback_responder(system: str, prompt: str) -> str:
   if system.startswith("You turn"):
     runs = collections.Counter(int(r) for r in re.findall(r"^run (\d+) step", prompt, re.M))
     if not runs:
-      return json.dumps({"run_id": 0, "steps": [], "query": ""})
+      return json.dumps({"tasks": []})
     run_id, n = max(runs.items(), key=lambda kv: (kv[1], -kv[0]))
     at_most = int(m.group(1)) if (m := re.search(r"At most (\d+) steps", prompt)) else n
+    steps = list(range(min(n, at_most)))
     return json.dumps(
       {
-        "run_id": run_id,
-        "steps": list(range(min(n, at_most))),
-        "description": "stub",
-        "query": "Please do the stub task.",
-        "completion": "all calls done",
+        "tasks": [
+          {
+            "run_id": run_id,
+            "turns": [{"query": "Please do the stub task.", "steps": steps}],
+            "description": "stub",
+            "completion": "all calls done",
+          }
+        ]
       }
     )
   if system.startswith("You judge"):

@@ -3,8 +3,10 @@ or local).
 
 * `summarize_with_llm`: condenses a marked trajectory into the JSON context of docs/design.md §1.2.
 * `LLMExplorer`: acts in fresh real backends, one call per step, under the signal's guidance text.
-* `abstract_with_llm`: picks a minimal call sequence from one exploration run and writes the
-  user query (the calls stay the executed ones, so the task keeps an executable evaluator).
+* `abstract_with_llm`: every task the exploration supports (paper Fig. 12): per task, call
+  sequences from one exploration run, one user query per phase (turn), a description and a
+  completion criterion (the calls stay the executed ones, so each task keeps an executable
+  evaluator).
 * `attempt_and_judge`: the validation of docs/design.md §1.3: an agent attempts the query with
   the ground-truth calls as hints; accepted when the official checker gives reward 1 or the LLM
   judge says success.
@@ -46,11 +48,14 @@ SUMMARY_SYSTEM = (
   "strings)."
 )
 ABSTRACT_SYSTEM = (
-  "You turn an exploration log into one training task. Reply with one JSON object: "
-  '{"run_id": <int>, "steps": [<step indices of that run, in order>], "description": "<what '
-  'the task exercises>", "query": "<the user request, natural and self-contained, that those '
-  'calls fulfil>", "completion": "<how to tell the task is done>"}. Choose a minimal sequence of '
-  "at least {min_calls} steps from one run that solves the query from the initial state."
+  "You turn an exploration log into training tasks: every distinct task the log supports, each "
+  "from one run, with as many steps as the evidence allows. Reply with one JSON object: "
+  '{"tasks": [{"run_id": <int>, "turns": [{"query": "<the user request of this phase, natural '
+  'and self-contained>", "steps": [<step indices of that run that fulfil it, in order>]}, ...], '
+  '"description": "<what the task exercises>", "completion": "<how to tell the task is '
+  'done>"}, ...]}. A task has one turn per phase of the exploration (at most {max_turns}), '
+  "{min_calls} to {max_calls} steps in all, in increasing order across its turns, and solves "
+  "its queries from the initial state."
 )
 JUDGE_SYSTEM = (
   "You judge whether an agent's attempt fulfils a task. Compare the attempt with the reference "
@@ -243,11 +248,50 @@ class LLMExplorer:
 
 @dataclasses.dataclass
 class AbstractionChoice:
+  """One abstracted task: its run, per user turn the query and the executed calls, what it
+  exercises and how to tell it is done."""
+
   run_id: int
-  calls: list[str]
-  query: str
+  turns: list[str]
+  calls: list[list[str]]
   description: str
   completion: str
+
+
+def _choice(
+  item: Any, runs: dict[int, list[Triplet]], *, min_calls: int, max_calls: int, max_turns: int
+) -> AbstractionChoice:
+  """One task of an abstraction reply, checked against the log.
+
+  Accepts {"run_id", "turns": [{"query", "steps"}], "description", "completion"} and the
+  one-turn form {"run_id", "steps", "query", ...}.
+
+  Raises:
+    KeyError, TypeError, ValueError: a malformed task, a step outside its run, steps not
+      increasing, an empty query or turn, too few or too many calls or turns.
+  """
+  run = runs[int(item["run_id"])]
+  turns = item.get("turns")
+  if turns is None:
+    turns = [{"query": item["query"], "steps": item["steps"]}]
+  if not isinstance(turns, list) or not 1 <= len(turns) <= max_turns:
+    raise ValueError(f"{len(turns) if isinstance(turns, list) else turns!r} turns")
+  queries = [str(t["query"]).strip() for t in turns]
+  steps = [[int(i) for i in t["steps"]] for t in turns]
+  flat = [i for turn in steps for i in turn]
+  if not all(queries) or not all(steps):
+    raise ValueError("a turn without a query or without steps")
+  if not min_calls <= len(flat) <= max_calls:
+    raise ValueError(f"{len(flat)} steps, want {min_calls}..{max_calls}")
+  if flat != sorted(set(flat)) or any(not 0 <= i < len(run) for i in flat):
+    raise ValueError(f"steps {flat} of a run of {len(run)}")
+  return AbstractionChoice(
+    int(item["run_id"]),
+    queries,
+    [[run[i].action for i in turn] for turn in steps],
+    str(item.get("description", "")),
+    str(item.get("completion", "")),
+  )
 
 
 def abstract_with_llm(
@@ -257,12 +301,16 @@ def abstract_with_llm(
   *,
   min_calls: int,
   max_calls: int,
-) -> AbstractionChoice | None:
-  """Asks the LLM to pick a minimal sequence of executed calls and to write its user query.
+  max_turns: int = 8,
+  max_tasks: int = 8,
+) -> list[AbstractionChoice]:
+  """Asks the LLM for every task the exploration supports (paper Sec. 3.3, Fig. 12).
 
-  The chosen calls are the executed ones (by index), never text the LLM wrote, so the task's
-  ground truth stays executable. Returns None when the reply is unusable (too few or out-of-range
-  steps, empty query, not JSON) or on an LLM error other than a spent budget.
+  The chosen calls are the executed ones (by index), never text the LLM wrote, so each task's
+  ground truth stays executable. Unusable tasks of a reply (out-of-range or unordered steps,
+  empty queries, too few or many calls or turns) are dropped, as are repeats of an earlier
+  task's calls; at most `max_tasks` are kept. Returns [] when nothing is usable, the reply is
+  not JSON, or on an LLM error other than a spent budget.
 
   Raises:
     BudgetExhausted: the round's token budget is spent.
@@ -279,33 +327,31 @@ def abstract_with_llm(
     f"Signal: {context.signal}\nContext: {json.dumps(context.summary, ensure_ascii=False)}"
     f"\nAt most {max_calls} steps.\nExploration log:\n{log_text}"
   )
+  system = (
+    ABSTRACT_SYSTEM.replace("{min_calls}", str(min_calls))
+    .replace("{max_calls}", str(max_calls))
+    .replace("{max_turns}", str(max_turns))
+  )
   try:
-    data = parse_json_reply(
-      llm.complete(ABSTRACT_SYSTEM.replace("{min_calls}", str(min_calls)), prompt, json_output=True)
-    )
-    run = runs[int(data["run_id"])]
-    steps = [int(i) for i in data["steps"]]
-    query = str(data["query"]).strip()
+    data = parse_json_reply(llm.complete(system, prompt, json_output=True))
   except BudgetExhausted:
     raise
-  except (LLMError, KeyError, TypeError, ValueError) as e:
+  except LLMError as e:
     log.info("LLM abstraction unusable (%s)", e)
-    return None
-  if (
-    not query
-    or not min_calls <= len(steps) <= max_calls
-    or steps != sorted(set(steps))
-    or any(not 0 <= i < len(run) for i in steps)
-  ):
-    log.info("LLM abstraction rejected: steps %s of a run of %d, query %r", steps, len(run), query)
-    return None
-  return AbstractionChoice(
-    int(data["run_id"]),
-    [run[i].action for i in steps],
-    query,
-    str(data.get("description", "")),
-    str(data.get("completion", "")),
-  )
+    return []
+  items = data.get("tasks", [data]) if isinstance(data, dict) else data
+  if not isinstance(items, list):
+    items = []
+  out: list[AbstractionChoice] = []
+  for item in items:
+    try:
+      choice = _choice(item, runs, min_calls=min_calls, max_calls=max_calls, max_turns=max_turns)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+      log.info("LLM abstraction: task rejected (%s): %r", e, item)
+      continue
+    if all(choice.calls != c.calls for c in out) and len(out) < max_tasks:
+      out.append(choice)
+  return out
 
 
 def attempt_and_judge(llm: TextLLM, task: Task, max_steps: int = 12) -> tuple[bool, dict[str, Any]]:

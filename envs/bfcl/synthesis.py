@@ -87,32 +87,36 @@ class SynthesisSettings:
   judge: bool = True
 
 
-def _abstract(triplets, context, task_id, source, round_idx, explorer_name, s, llm):
-  """LLM abstraction when `llm` is given and its answer is usable, else the template."""
+def _abstract(triplets, context, task_id, source, round_idx, explorer_name, s, llm) -> list[Task]:
+  """Every task the LLM abstracts from the exploration when `llm` is given and it yields any
+  (ids `task_id`, `task_id`-1, ...), else the template's one task (or none)."""
   if llm is not None and triplets:
-    choice = llm_explorer.abstract_with_llm(
-      llm, triplets, context, min_calls=s.min_calls, max_calls=s.max_calls
+    choices = llm_explorer.abstract_with_llm(
+      llm, triplets, context, min_calls=s.min_calls, max_calls=s.max_calls, max_turns=s.max_turns
     )
-    if choice is not None:
-      return Task(
-        task_id=task_id,
-        env="bfcl",
-        turns=[choice.query],
-        ground_truth=[choice.calls],
-        initial_config=context.initial_config,
-        involved_classes=list(context.involved_classes),
-        source=source,
-        provenance={
-          "signal": context.signal,
-          "round": round_idx,
-          "explorer": explorer_name,
-          "parent_task_id": context.task_id,
-          "run_id": choice.run_id,
-          "abstraction": "llm",
-          "description": choice.description,
-          "completion": choice.completion,
-        },
-      )
+    if choices:
+      return [
+        Task(
+          task_id=task_id if j == 0 else f"{task_id}-{j}",
+          env="bfcl",
+          turns=choice.turns,
+          ground_truth=choice.calls,
+          initial_config=context.initial_config,
+          involved_classes=list(context.involved_classes),
+          source=source,
+          provenance={
+            "signal": context.signal,
+            "round": round_idx,
+            "explorer": explorer_name,
+            "parent_task_id": context.task_id,
+            "run_id": choice.run_id,
+            "abstraction": "llm",
+            "description": choice.description,
+            "completion": choice.completion,
+          },
+        )
+        for j, choice in enumerate(choices)
+      ]
   task = abstract_task(
     triplets,
     context,
@@ -124,9 +128,10 @@ def _abstract(triplets, context, task_id, source, round_idx, explorer_name, s, l
     explorer_name=explorer_name,
     round_idx=round_idx,
   )
-  if task is not None:
-    task.provenance["abstraction"] = "template"
-  return task
+  if task is None:
+    return []
+  task.provenance["abstraction"] = "template"
+  return [task]
 
 
 def _explore_one(
@@ -139,12 +144,16 @@ def _explore_one(
   settings: SynthesisSettings,
   llm: TextLLM | None = None,
   trace: list[dict[str, Any]] | None = None,
-) -> tuple[Task | None, str]:
-  """Explore -> abstract -> validate one context; returns (accepted task or None, reason).
+) -> tuple[list[tuple[Task | None, str]], bool]:
+  """Explore -> abstract -> validate one context.
 
   Acceptance (docs/design.md §1.3, plus an executable evaluator): the ground truth must replay, be
   deterministic and pass the official checker (`validate_task`); with an LLM and
   `settings.judge`, an agent attempt must then score 1.0 with the checker or be judged a success.
+
+  Returns:
+    ([(accepted task or None, reason)] for every abstracted task, in order, or [(None, why)]
+    when abstraction found none; whether any task was abstracted).
 
   Raises:
     BudgetExhausted: the LLM's token budget ran out (the caller ends the round).
@@ -158,9 +167,16 @@ def _explore_one(
     trace.extend(
       {"task_id": task_id, "parent": context.task_id, "signal": context.signal, **r} for r in steps
     )
-  task = _abstract(triplets, context, task_id, source, round_idx, explorer.name, settings, llm)
-  if task is None:
-    return None, "abstraction found no run with enough successful calls"
+  tasks = _abstract(triplets, context, task_id, source, round_idx, explorer.name, settings, llm)
+  if not tasks:
+    return [(None, "abstraction found no run with enough successful calls")], False
+  return [_validate_one(task, settings, llm) for task in tasks], True
+
+
+def _validate_one(
+  task: Task, settings: SynthesisSettings, llm: TextLLM | None
+) -> tuple[Task | None, str]:
+  """(the task, why) when it passes validation (see `_explore_one`), else (None, why not)."""
   if not settings.validate:
     task.provenance["validation"] = "skipped"
     return task, "ok (validation skipped)"
@@ -237,19 +253,21 @@ def build_initial_tasks(
       steps_per_round=steps_per_round,
     )
     try:
-      task, reason = _explore_one(
+      results, made = _explore_one(
         context, explorer, rng, f"d0-{len(out):05d}", "explore", None, settings, llm
       )
     except BudgetExhausted as e:
       log.warning("D0: stopped early: %s", e)
       break
     counts["attempted"] += 1
-    counts["abstracted"] += int(not reason.startswith("abstraction"))
-    if task is None:
-      counts["rejected"] += 1
-      log.info("D0: rejected context from %s: %s", base.task_id, reason)
-    else:
-      out.append(task)
+    counts["abstracted"] += len(results) if made else 0
+    for task, reason in results:
+      if task is None:
+        counts["rejected"] += 1
+        log.info("D0: rejected a task from %s: %s", base.task_id, reason)
+      elif len(out) < n:  # ids stay d0-00000, d0-00001, ... in order of acceptance
+        task.task_id = f"d0-{len(out):05d}"
+        out.append(task)
   counts["accepted"] = len(out)
   log.info("D0: %s", counts)
   return out
@@ -293,7 +311,7 @@ def synthesize_round(
         rounds=settings.rounds,
         steps_per_round=settings.steps_per_round,
       )
-      task, reason = _explore_one(
+      results, made = _explore_one(
         context, explorer, rng, task_id, "synth", round_idx, settings, llm, trace
       )
     except BudgetExhausted as e:
@@ -303,15 +321,16 @@ def synthesize_round(
       break
     counts = per_signal[event.signal or UNGUIDED]
     counts["events"] += 1
-    made = not reason.startswith("abstraction")
-    synthesized += int(made)
-    counts["synthesized"] += int(made)
-    if task is None:
-      if made:
-        rejected.append((task_id, reason))
+    if not made:
       continue
-    counts["validated"] += 1
-    tasks.append(task)
+    synthesized += len(results)
+    counts["synthesized"] += len(results)
+    for j, (task, reason) in enumerate(results):  # ids task_id, task_id-1, ... (`_abstract`)
+      if task is None:
+        rejected.append((task_id if j == 0 else f"{task_id}-{j}", reason))
+      else:
+        counts["validated"] += 1
+        tasks.append(task)
   return RoundResult(
     round_idx,
     tasks,
