@@ -286,15 +286,22 @@ def test_judge_decides_when_the_checker_fails(stub, message_task):
     message_task.involved_classes,
     "synth",
   )
+  task.provenance["completion"] = "Zed is a contact."
   stub.script.extend(
     [
-      Reply(200, ok_body('{"stop": true}')),  # the attempt does nothing
-      Reply(200, ok_body('{"success": false, "reason": "no call made"}')),
+      Reply(200, ok_body('{"name": "list_users", "arguments": {}}')),  # not what was asked
+      Reply(200, ok_body('{"stop": true}')),
+      Reply(200, ok_body('{"success": false, "reason": "no contact added"}')),
     ]
   )
   accepted, info = attempt_and_judge(llm, task)
   assert not accepted and info["checker_reward"] == 0.0
-  assert info["judge"] == {"success": False, "reason": "no call made"}
+  assert info["judge"] == {"success": False, "reason": "no contact added"}
+  # The judge saw the task, its completion criterion, the attempt and its final observation.
+  judged = json.loads(stub.requests[-1]["body"]["contents"][0]["parts"][0]["text"])
+  assert judged["completion"] == "Zed is a contact."
+  assert judged["attempt_calls"] == [[["list_users()"]]]
+  assert "user_list" in judged["final_observation"]
   assert gemini_stub.feedback_responder("You judge x", "")  # default judge answer exists
 
 

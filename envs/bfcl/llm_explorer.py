@@ -360,7 +360,9 @@ def attempt_and_judge(llm: TextLLM, task: Task, max_steps: int = 12) -> tuple[bo
 
   The agent acts turn by turn in a fresh backend (one JSON call per step, {"stop": true} ends the
   turn). Accepted when the official BFCL checker scores the attempt 1.0, else when the LLM judge
-  says success after comparing APIs, parameters, order and final result with the ground truth.
+  says success after comparing APIs, parameters, order and final result with the ground truth
+  (paper Fig. 13: the judge sees the task with its completion criterion, the attempt's calls and
+  the attempt's final observation).
 
   Returns:
     (accepted, info with "checker_reward", "judge" ({success, reason} or None), "attempt").
@@ -369,6 +371,7 @@ def attempt_and_judge(llm: TextLLM, task: Task, max_steps: int = 12) -> tuple[bo
     BudgetExhausted: the round's token budget is spent.
   """
   attempt: list[list[list[str]]] = []
+  final_observation = ""  # the environment's last output in the attempt (what the judge sees)
   with Sandbox(task.initial_config, task.involved_classes, task.task_id) as sandbox:
     tools = tools_text(sandbox.schemas)
     for query, hints in zip(task.turns, task.ground_truth, strict=True):
@@ -391,6 +394,7 @@ def attempt_and_judge(llm: TextLLM, task: Task, max_steps: int = 12) -> tuple[bo
           break
         text, result = sandbox.run(call)
         history.append(f"{text or call.name} -> {(result or 'invalid call')[:_OBS_CHARS]}")
+        final_observation = (result or "invalid call")[:_OBS_CHARS]
         if text:
           steps.append([text])
       attempt.append(steps)
@@ -401,8 +405,10 @@ def attempt_and_judge(llm: TextLLM, task: Task, max_steps: int = 12) -> tuple[bo
   prompt = json.dumps(
     {
       "query": task.turns,
+      "completion": task.provenance.get("completion", ""),
       "reference_calls": task.ground_truth,
       "attempt_calls": attempt,
+      "final_observation": final_observation,
       "checker": check.get("checker"),
     },
     ensure_ascii=False,
