@@ -156,6 +156,7 @@ def _float_dtype(cfg: Mapping[str, Any], field: str) -> None:
 def _data(cfg: Mapping[str, Any]) -> None:
   int_at_least(cfg, "data.eval_size", 0)  # its upper bound (the entries) is checked at load
   int_at_least(cfg, "data.max_obs_chars", 1)
+  int_at_least(cfg, "data.max_obs_tokens", 0)
   int_at_least(cfg, "data.max_call_chars", 1)
 
 
@@ -166,6 +167,13 @@ def _model(cfg: Mapping[str, Any]) -> None:
   if not checkpoint:  # a checkpoint's config.json replaces the preset
     preset = get(cfg, "model.preset")
     owner("model.preset", lambda: QwenConfig.preset(preset))
+    if not get(cfg, "model.allow_random_init"):
+      fail(
+        "model.checkpoint",
+        "is empty, and this config does not start from random weights: give a Hugging Face "
+        "folder (--config.model.checkpoint=DIR) or set --config.model.allow_random_init=True",
+        checkpoint,
+      )
   _float_dtype(cfg, "model.dtype")
   _float_dtype(cfg, "model.param_dtype")
   if get(cfg, "model.remat") not in REMAT_POLICIES:

@@ -18,6 +18,10 @@ Variants:
     solutions, and 4 evaluation tasks. Feedback rounds build and validate new worlds of the marked
     tasks' families (up to `feedback.max_contexts` = 3 per round).
 
+  `configs/appworld.py:paper`: the full scale with every knob the paper states (30 steps per
+    episode, over the limit = failure, observations cut at 4,096 tokens, evaluation on
+    test_normal and test_challenge); refuses to start without `model.checkpoint`.
+
 Any other variant name is refused (by configs/bfcl.py). Every field is overridable from the
 command line, e.g. `--config.appworld.source=generated` or `--config.appworld.data_root=DIR`.
 
@@ -76,8 +80,12 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.appworld.venv = ""  # AppWorld's own virtual environment ("" = .venv-appworld in the repo)
   c.appworld.startup_timeout_s = 120.0  # per server start (first health check)
   c.appworld.exec_timeout_s = 20  # AppWorld's own limit per code execution, seconds
-  c.appworld.max_steps = 10  # code replies per training episode before it is graded anyway
+  c.appworld.max_steps = 10  # code replies per training episode
+  # True: an episode at max_steps without complete_task scores 0 (the paper's rule); False: it
+  # is graded on its end state.
+  c.appworld.fail_over_limit = False
   c.appworld.max_obs_chars = 4000  # execution output shown to the model, characters
+  c.appworld.max_obs_tokens = 0  # > 0: cut it at this many Qwen tokens instead (paper: 4096)
   c.appworld.reward = "binary"  # "binary" (task goal completion) | "pass_fraction" (tests passed)
   c.appworld.build = ml_collections.ConfigDict()  # generated worlds (source = "generated")
   c.appworld.build.num_scenarios = 40  # scenarios; each is one task family, several worlds
@@ -88,6 +96,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.appworld.build.num_notes = 5  # the supervisor's notes per world
 
   c.data.category = ""  # unused for AppWorld (BFCL only); see c.appworld.split / eval_split
+  c.data.explore_category = ""  # BFCL only
   c.explore.only_classes = ()  # BFCL backends: not used for AppWorld
   # AppWorld's synthesis builds worlds from templates and does not drive an LLM explorer yet, so
   # none is configured (an LLM here would need a key and go unused).
@@ -111,4 +120,13 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     c.data.eval_size = 168  # evaluation tasks from c.appworld.eval_split (test_normal has 168)
     c.eval.max_tasks = 168
     c.eval.max_steps_per_turn = 30  # AppWorld episodes are single-instruction, up to 30 steps
+  if variant == "paper":  # every knob the paper states (README "The paper's settings")
+    c.appworld.max_steps = 30  # 30 steps per training episode; over the limit = failure
+    c.appworld.fail_over_limit = True
+    c.appworld.max_obs_tokens = 4096  # observations cut at 4,096 tokens
+    c.appworld.eval_split = "test_normal,test_challenge"  # both of the paper's test splits
+    c.data.eval_size = 585  # 168 + 417 tasks
+    c.eval.max_tasks = 585
+    c.explore.explorer = "programmatic"  # AppWorld synthesis drives no LLM yet (see above)
+    c.feedback.max_contexts = 0  # every candidate context
   return c

@@ -1,4 +1,6 @@
-"""CoEvolve on BFCL multi-turn. Variants: `configs/bfcl.py` (full scale), `configs/bfcl.py:cpu`.
+"""CoEvolve on BFCL multi-turn. Variants: `configs/bfcl.py` (full scale), `configs/bfcl.py:cpu`
+(2 CPU cores), `configs/bfcl.py:paper` (full scale with every knob the paper states; needs
+`model.checkpoint`).
 
 Every field is overridable from the command line, e.g. `--config.train.lr=1e-6`.
 """
@@ -16,6 +18,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.data.eval_size = 50  # held-out evaluation entries (seeded split; training never sees them)
   c.data.tool_style = "full"  # tool docs in the prompt: "full" (BFCL text) or "compact"
   c.data.max_obs_chars = 16384  # environment output truncation (~4096 tokens)
+  c.data.max_obs_tokens = 0  # > 0: cut outputs at this many Qwen tokens instead (paper: 4096)
+  # BFCL category whose entries' environment states D0 and the feedback rounds explore ("" = the
+  # training split of data.category); set when every entry of data.category is held out.
+  c.data.explore_category = ""
   # Longest JSON text of one tool call the parser accepts (characters, ~ one 4096-token reply); a
   # longer call is refused with an error observation and not run.
   c.data.max_call_chars = 16384
@@ -31,6 +37,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   c.model.preset = "qwen3_4b"  # QwenConfig preset name
   c.model.checkpoint = ""  # Hugging Face folder with safetensors; "" = random init
+  c.model.allow_random_init = True  # False: an empty checkpoint is a start-up error (paper variant)
   c.model.dtype = "bfloat16"  # compute dtype: forwards, backwards, KV cache, rollout weights
   # Master copy of the trained parameters, gradients and AdamW moments (fp32: a bf16 update of
   # lr 1e-6 rounds away on most weights). The reference policy is kept in `model.dtype`.
@@ -195,9 +202,29 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
 
   if variant == "cpu":
     _cpu(c)
+  elif variant == "paper":
+    _paper(c)
   elif variant:
-    raise ValueError(f"unknown variant {variant!r} (known: cpu)")
+    raise ValueError(f"unknown variant {variant!r} (known: cpu, paper)")
   return c
+
+
+def _paper(c: ml_collections.ConfigDict) -> None:
+  """Every knob arXiv 2604.15840 states (README "The paper's settings": setting -> field). Starts
+  only from a real checkpoint (`--config.model.checkpoint=DIR`)."""
+  c.model.allow_random_init = False
+  c.rollout.max_model_steps = 30  # 30 interaction steps; over the limit = failure (drop_from_loss)
+  c.train.drop_from_loss = ()
+  c.data.max_obs_tokens = 4096  # observations cut at 4,096 tokens
+  # Evaluation on all 200 multi_turn_base entries (paper Table 3); exploration then uses the
+  # environment states of multi_turn_miss_param, the same backends' entries with one parameter
+  # left out of the question (paper silent on which states BFCL's D0 explores).
+  c.data.eval_size = 200
+  c.eval.max_tasks = 200
+  c.data.explore_category = "multi_turn_miss_param"
+  c.explore.explorer = "openai"  # the paper's explorer, abstractor and judge: Qwen3-Max
+  c.explore.openai.model = "qwen3-max"
+  c.feedback.max_contexts = 0  # every candidate context
 
 
 def _cpu(c: ml_collections.ConfigDict) -> None:

@@ -201,3 +201,21 @@ def test_call_to_string_accepts_literals():
   assert call_to_string(ToolCall("cd", {"folder": nested}), SCHEMAS) == f"cd(folder={nested!r})"
   with pytest.raises(ToolCallError):
     parse_call_string("cd(folder=__import__('os'))", ["GorillaFileSystem"])
+
+
+def test_observations_are_cut_in_tokens_when_asked():
+  """The paper cuts observations at 4,096 tokens: `max_obs_tokens` counts Qwen tokens (the
+  characters limit then does not apply); the marker says how many tokens were dropped."""
+  from envs.base import truncate_observation  # noqa: PLC0415
+  from coevolve_jax.tokenizer import get_tokenizer  # noqa: PLC0415
+
+  text = " ".join(f"word{i}" for i in range(300))
+  n = len(get_tokenizer().encode(text))
+  cut = truncate_observation(text, max_chars=10, max_tokens=50)
+  kept = cut.split("... [truncated ")[0]
+  assert text.startswith(kept) and len(get_tokenizer().encode(kept)) == 50
+  assert cut.endswith(f"[truncated {n - 50} tokens]")
+  assert truncate_observation(text, max_chars=10, max_tokens=n) == text
+  assert truncate_observation(text, max_chars=10) == text[:10] + (
+    f"... [truncated {len(text) - 10} characters]"
+  )

@@ -40,6 +40,24 @@ def test_shipped_configs_validate(name, variant):
   validate(_get_config(name, variant))
 
 
+@pytest.mark.parametrize("name", ["bfcl.py", "appworld.py"])
+def test_paper_variant_sets_the_papers_knobs_and_refuses_random_weights(name):
+  cfg = _get_config(name, "paper")
+  with pytest.raises(ValueError, match="allow_random_init"):
+    validate(cfg)
+  cfg.model.checkpoint = "/some/hf/folder"
+  validate(cfg)
+  if name == "bfcl.py":
+    assert (cfg.rollout.max_model_steps, cfg.data.max_obs_tokens) == (30, 4096)
+    assert cfg.data.eval_size == cfg.eval.max_tasks == 200 and cfg.train.drop_from_loss == ()
+    assert (cfg.explore.explorer, cfg.explore.openai.model) == ("openai", "qwen3-max")
+  else:
+    assert (cfg.appworld.max_steps, cfg.appworld.max_obs_tokens) == (30, 4096)
+    assert cfg.appworld.fail_over_limit
+    assert cfg.appworld.eval_split == "test_normal,test_challenge"
+  assert cfg.feedback.max_contexts == 0
+
+
 VARIANTS = [  # (config, variant, overrides): ablations and settings a run may use
   ("bfcl.py", "cpu", {"feedback.kinds": ("forgetting", "boundary")}),
   ("bfcl.py", "cpu", {"feedback.kinds": ()}),
@@ -116,6 +134,10 @@ BAD = [  # (field, value); the bfcl cpu config (16 rollouts a step in 2 mini-bat
   ("signals.pattern", "ngram:0"),
   ("signals.pattern", "bigram"),
   ("signals.success_threshold", 1.5),
+  ("signals.forgetting", "mean"),
+  ("signals.rare_min_count", 0),
+  ("signals.rare_count", "patterns"),
+  ("data.max_obs_tokens", -1),
   ("warmstart.steps", -1),
   ("warmstart.batch_size", 0),
   ("warmstart.lr", 0.0),

@@ -189,7 +189,9 @@ def check_available(cfg: Any) -> None:
             else ("; run step 5 (appworld serve environment) for this port")
           )
           errors.append(f"server {url}: {error}{hint}")
-  errors += _data_errors(str(aw.data_root or ""), [str(aw.split), str(aw.eval_split)])
+  from envs.appworld.suite import split_names  # noqa: PLC0415
+
+  errors += _data_errors(str(aw.data_root or ""), [str(aw.split), *split_names(aw.eval_split)])
   if errors:
     problems = "\n".join(f"  - {e}" for e in errors)
     raise AppWorldUnavailable(f"AppWorld is not available:\n{problems}\n{SETUP_INSTRUCTIONS}")

@@ -22,6 +22,7 @@ from typing import Any
 
 from envs.appworld.server import AppWorldServer, ServerError, ServerPool
 from coevolve_jax.types import Action, StepResult, Task
+from envs.base import truncate_observation
 
 __all__ = ["AppWorldEnv", "SYSTEM_PROMPT", "extract_code", "rows_to_tasks", "task_from_row"]
 
@@ -48,12 +49,6 @@ def extract_code(text: str) -> str | None:
   if match is None or not match.group(1).strip():
     return None
   return match.group(1).strip()
-
-
-def truncate(text: str, max_chars: int) -> str:
-  if len(text) <= max_chars:
-    return text
-  return f"{text[:max_chars]}... [truncated {len(text) - max_chars} characters]"
 
 
 def task_from_row(row: dict[str, Any], source: str = "appworld") -> Task:
@@ -92,8 +87,11 @@ class AppWorldEnv:
     pool: the servers; one is held from reset() to close().
     experiment: prefix of AppWorld's experiment name (outputs under <root>/experiments/outputs);
       the server's port is appended so concurrent episodes of one task never share outputs.
-    max_steps: model replies before the episode is graded anyway.
+    max_steps: model replies before the episode ends.
+    fail_over_limit: an episode that reaches `max_steps` without calling complete_task scores
+      0 (the paper's rule), instead of being graded on its end state.
     max_obs_chars: execution output shown to the model, in characters.
+    max_obs_tokens: if > 0, the output is cut to this many Qwen tokens instead.
     reward: "binary" (1.0 iff every evaluation test passes) or "pass_fraction".
     exec_timeout_s: AppWorld's own limit per code execution, in seconds (a timed-out execution is
       an observation, not an error); each HTTP request allows this plus `pool.timeout_s`.
@@ -109,6 +107,8 @@ class AppWorldEnv:
     experiment: str = "coevolve",
     max_steps: int = 10,
     max_obs_chars: int = 4000,
+    max_obs_tokens: int = 0,
+    fail_over_limit: bool = False,
     reward: str = "binary",
     exec_timeout_s: int = 20,
   ):
@@ -116,6 +116,7 @@ class AppWorldEnv:
       raise ValueError(f"reward must be one of {REWARD_MODES}, got {reward!r}")
     self.task, self.pool, self.experiment = task, pool, experiment
     self.max_steps, self.max_obs_chars, self.reward_mode = max_steps, max_obs_chars, reward
+    self.max_obs_tokens, self.fail_over_limit = max_obs_tokens, fail_over_limit
     self.exec_timeout_s = int(exec_timeout_s)
     self.aw_id = task.initial_config.get("appworld_task_id", task.task_id)
     self.server: AppWorldServer | None = None
@@ -167,13 +168,22 @@ class AppWorldEnv:
         return self._grade("completed")
     if self.steps >= self.max_steps:
       return self._grade("max_steps")
-    return StepResult(messages=[{"role": "user", "content": truncate(output, self.max_obs_chars)}])
+    return StepResult(
+      messages=[
+        {
+          "role": "user",
+          "content": truncate_observation(output, self.max_obs_chars, self.max_obs_tokens),
+        }
+      ]
+    )
 
   def _grade(self, how: str) -> StepResult:
     report = self._call("evaluate", suppress_errors=True)
     passed, total = len(report.get("passes", [])), int(report.get("num_tests") or 0)
     success = bool(report.get("success"))
     reward = float(success) if self.reward_mode == "binary" else (passed / total if total else 0.0)
+    if how == "max_steps" and self.fail_over_limit:
+      reward = 0.0  # over the step limit = failure, whatever the end state
     info = {
       "end": how,
       "success": success,

@@ -60,6 +60,12 @@ The run starts and stops its own servers (the equivalent of `appworld serve envi
 uvicorn appworld.serve.environment:app on 127.0.0.1), one per concurrent episode."""
 
 
+def split_names(value: str) -> list[str]:
+  """The split names of `appworld.eval_split`: one name, or several separated by commas
+  ("test_normal,test_challenge")."""
+  return [name.strip() for name in str(value).split(",") if name.strip()]
+
+
 def check_setup(cfg: Any) -> None:
   """Raises AppWorldUnavailable (with the set-up steps) unless this run's AppWorld needs are met.
 
@@ -75,7 +81,7 @@ def check_setup(cfg: Any) -> None:
   if aw.source == "official":
     from envs.appworld.client import _data_errors  # noqa: PLC0415
 
-    errors += _data_errors(str(aw.data_root or ""), [str(aw.split), str(aw.eval_split)])
+    errors += _data_errors(str(aw.data_root or ""), [str(aw.split), *split_names(aw.eval_split)])
   elif aw.source != "generated":
     errors.append(f"appworld.source must be 'generated' or 'official', got {aw.source!r}")
   if errors:
@@ -94,10 +100,10 @@ def validate_config(cfg: Any) -> None:
     config.fail("appworld.source", f"must be one of {SOURCES}", source)
   splits = OFFICIAL_SPLITS if source == "official" else WORLD_SPLITS
   for field in ("appworld.split", "appworld.eval_split"):
-    if config.get(cfg, field) not in splits:
-      config.fail(
-        field, f"must be one of {splits} with appworld.source={source!r}", config.get(cfg, field)
-      )
+    value = config.get(cfg, field)
+    names = split_names(value) if field == "appworld.eval_split" else [value]
+    if not names or any(name not in splits for name in names):
+      config.fail(field, f"must be one of {splits} with appworld.source={source!r}", value)
   urls = config.get(cfg, "appworld.server_urls")
   if (
     not isinstance(urls, (tuple, list))
@@ -159,7 +165,10 @@ class AppWorldSuite:
     else:
       self.root = str(aw.data_root)
       self.train_tasks = load_split(self.root, str(aw.split))
-      self.eval_tasks = load_split(self.root, str(aw.eval_split))
+      # Several splits (the paper evaluates test_normal and test_challenge): one list, in order.
+      self.eval_tasks = [
+        t for name in split_names(aw.eval_split) for t in load_split(self.root, name)
+      ]
     log_dir = os.path.join(workdir, "appworld_logs")
     os.makedirs(log_dir, exist_ok=True)
     # One server per decode slot, plus one for the feedback round running beside the rollouts.
@@ -189,6 +198,8 @@ class AppWorldSuite:
       experiment="coevolve",
       max_steps=int(max_steps),
       max_obs_chars=int(self.aw.max_obs_chars),
+      max_obs_tokens=int(self.aw.get("max_obs_tokens", 0)),
+      fail_over_limit=bool(self.aw.get("fail_over_limit", False)),
       reward=str(self.aw.reward),
       exec_timeout_s=int(self.aw.exec_timeout_s),
     )

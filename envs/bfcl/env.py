@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from coevolve_jax.types import Action, StepResult, Task
+from envs.base import truncate_observation
 from envs.bfcl.calls import ToolCallError, call_to_string, parse_call_string
 from envs.bfcl.data import (
   load_bfcl_tasks,
@@ -50,13 +51,6 @@ DEFAULT_MAX_OBS_CHARS = 8000
 MAX_STEPS_PER_TURN = 20  # BFCL's MAXIMUM_STEP_LIMIT.
 
 
-def truncate(text: str, max_chars: int) -> str:
-  """`text` cut to `max_chars` characters plus a marker saying how much was dropped."""
-  if len(text) <= max_chars:
-    return text
-  return f"{text[:max_chars]}... [truncated {len(text) - max_chars} characters]"
-
-
 class BfclEnv:
   """One isolated episode of a BFCL multi-turn task (implements envs.base.Env).
 
@@ -85,6 +79,7 @@ class BfclEnv:
     episode_id: str,
     *,
     max_obs_chars: int = DEFAULT_MAX_OBS_CHARS,
+    max_obs_tokens: int = 0,
     tool_style: str = "full",
     max_steps_per_turn: int = MAX_STEPS_PER_TURN,
     official_loop: bool = False,
@@ -94,7 +89,7 @@ class BfclEnv:
       raise ValueError(f"task {task.task_id}: needs turns and one ground-truth list per turn")
     self.task = task
     self.tool_style = tool_style
-    self.max_obs_chars = max_obs_chars
+    self.max_obs_chars, self.max_obs_tokens = max_obs_chars, max_obs_tokens
     self.max_steps_per_turn = max_steps_per_turn
     self.official_loop = official_loop
     self.model_name = new_model_name("ep_" + re.sub(r"\W", "_", episode_id)[:40])
@@ -134,8 +129,11 @@ class BfclEnv:
     self.observations = [[]]
     return StepResult(messages=[self._user_message(0)])
 
+  def _cut(self, text: str) -> str:
+    return truncate_observation(text, self.max_obs_chars, self.max_obs_tokens)
+
   def _tool_message(self, content: str) -> dict[str, str]:
-    return {"role": "tool", "content": truncate(content, self.max_obs_chars)}
+    return {"role": "tool", "content": self._cut(content)}
 
   def _run_calls(self, action: Action) -> list[dict[str, str]]:
     """Validates and executes the action's calls; one tool message per call, in order."""
@@ -153,7 +151,7 @@ class BfclEnv:
     ran = [c for c, o in zip(valid, outcomes) if o.ran]
     if ran:
       self.calls[self._turn].append(ran)
-      shown = (truncate(o.text, self.max_obs_chars) for o in outcomes if o.ran)
+      shown = (self._cut(o.text) for o in outcomes if o.ran)
       self.observations[self._turn].extend(shown)
     results = iter(outcomes)
     return [
@@ -250,6 +248,7 @@ def make_env(
   episode_id: str,
   *,
   max_obs_chars: int = DEFAULT_MAX_OBS_CHARS,
+  max_obs_tokens: int = 0,
   tool_style: str = "full",
   max_steps_per_turn: int = MAX_STEPS_PER_TURN,
   official_loop: bool = False,
@@ -261,6 +260,7 @@ def make_env(
     task,
     episode_id,
     max_obs_chars=max_obs_chars,
+    max_obs_tokens=max_obs_tokens,
     tool_style=tool_style,
     max_steps_per_turn=max_steps_per_turn,
     official_loop=official_loop,

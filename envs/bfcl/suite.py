@@ -70,7 +70,7 @@ def backend_pool(cfg: Any) -> backends.BackendPool:
 
 def make_episode(cfg: Any, task: Task, episode_id: str, *, eval: bool = False) -> BfclEnv:
   """A BFCL episode with the run config's prompt settings (`data.tool_style`,
-  `data.max_obs_chars`).
+  `data.max_obs_chars`, or `data.max_obs_tokens` when > 0).
 
   Training (`eval=False`): a reply that cannot be parsed gets an error observation and the turn
   goes on; `rollout.max_steps_per_turn` model steps force-terminate the episode. Evaluation
@@ -83,6 +83,7 @@ def make_episode(cfg: Any, task: Task, episode_id: str, *, eval: bool = False) -
     task,
     episode_id,
     max_obs_chars=cfg.data.max_obs_chars,
+    max_obs_tokens=cfg.data.get("max_obs_tokens", 0),
     tool_style=cfg.data.tool_style,
     max_steps_per_turn=cfg.eval.max_steps_per_turn if eval else cfg.rollout.max_steps_per_turn,
     official_loop=eval,
@@ -105,6 +106,8 @@ class BfclSuite:
     self._pool = backend_pool(cfg)  # sandboxes of D0 and feedback rounds use it too
     entries = load_bfcl_tasks(cfg.data.category)
     self.train_tasks, self.eval_tasks = split_tasks(entries, cfg.data.eval_size, cfg.seed)
+    if cfg.data.get("explore_category"):  # states from another category (all of it)
+      self.train_tasks = load_bfcl_tasks(cfg.data.explore_category)
     self._cfg = cfg
     ex = cfg.explore
     self._d0_args = {
