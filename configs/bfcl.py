@@ -225,6 +225,9 @@ def _paper(c: ml_collections.ConfigDict) -> None:
   c.explore.explorer = "openai"  # the paper's explorer, abstractor and judge: Qwen3-Max
   c.explore.openai.model = "qwen3-max"
   c.feedback.max_contexts = 0  # every candidate context
+  # Tasks "with as many steps as possible", up to 8 turns (Fig. 7); a run has 18 steps.
+  c.explore.turns_per_task = 8
+  c.explore.max_calls = 18
 
 
 def _cpu(c: ml_collections.ConfigDict) -> None:
