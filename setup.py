@@ -46,6 +46,7 @@ EXTRAS_REQUIRE = {
     "test": [
         "pytest",
         "pytest-timeout",
+        "pytest-xdist",  # make test runs 2 workers (PYTEST_WORKERS)
         "torch==2.13.0",  # CPU wheel is enough: parity references in tests only
         "transformers>=5,<6",
         "ruff",
