@@ -40,6 +40,7 @@ from coevolve_jax.checkpoint import RunCheckpointer
 from coevolve_jax.cli import plan_device_memory
 from coevolve_jax.errors import CorruptFileError, RunError
 from coevolve_jax.feedback import factory, rounds
+from coevolve_jax.feedback.llm import LLMError
 from coevolve_jax.feedback.pool import TaskPool
 from coevolve_jax.feedback.signals import SignalTracker
 from coevolve_jax.models import sharding
@@ -298,11 +299,14 @@ class CoEvolveRun:
   def _setup_feedback(self) -> None:
     """The explorer LLMs (D0 and feedback rounds; None = programmatic) and the round worker."""
     ex = self.cfg.explore
-    self.llm = factory.make_llm(ex.explorer, ex, self._policy_snapshot)
     d0_kind = ex.d0_explorer or ex.explorer
-    self.d0_llm = (
-      self.llm if d0_kind == ex.explorer else factory.make_llm(d0_kind, ex, self._policy_snapshot)
-    )
+    try:  # missing credentials: a one-line start-up error, not a traceback
+      self.llm = factory.make_llm(ex.explorer, ex, self._policy_snapshot)
+      self.d0_llm = (
+        self.llm if d0_kind == ex.explorer else factory.make_llm(d0_kind, ex, self._policy_snapshot)
+      )
+    except LLMError as e:
+      raise RunError(f"explore.explorer={ex.explorer!r}, d0_explorer={d0_kind!r}: {e}") from None
     self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="feedback")
     self.journal = rounds.RoundJournal(os.path.join(self.workdir, "rounds"))
 

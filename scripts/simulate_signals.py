@@ -74,15 +74,26 @@ def shares(counts: dict[str, int]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--tasks", type=int, default=100)
-  parser.add_argument("--tools", type=int, default=40)
-  parser.add_argument("--tasks_per_step", type=int, default=32)
-  parser.add_argument("--group_size", type=int, default=8)
-  parser.add_argument("--steps", type=int, default=10)
-  parser.add_argument("--learning", type=float, default=0.15)
-  parser.add_argument("--seed", type=int, default=0)
+  parser = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0],
+    epilog="Exit status 1: rare is not the smallest share under the defaults.",
+  )
+  parser.add_argument("--tasks", type=int, default=100, help="tasks in the pool")
+  parser.add_argument("--tools", type=int, default=40, help="tool names the calls are drawn from")
+  parser.add_argument("--tasks_per_step", type=int, default=32, help="tasks rolled out per step")
+  parser.add_argument("--group_size", type=int, default=8, help="rollouts per task (>= 2)")
+  parser.add_argument("--steps", type=int, default=10, help="training steps")
+  parser.add_argument("--learning", type=float, default=0.15, help="skill gain per step (logit)")
+  parser.add_argument("--seed", type=int, default=0, help="random seed (>= 0)")
   args = parser.parse_args(argv)
+  if min(args.tools, args.tasks_per_step, args.steps, args.seed + 1) < 1 or args.group_size < 2:
+    parser.error(
+      "--tools, --tasks_per_step and --steps must be >= 1, --group_size >= 2, --seed >= 0"
+    )
+  if args.tasks < args.tasks_per_step:
+    parser.error(f"--tasks ({args.tasks}) must be >= --tasks_per_step ({args.tasks_per_step})")
+  if not math.isfinite(args.learning):
+    parser.error("--learning must be a finite number")
   run = simulate(args)
   n = sum(map(len, run))
   print(

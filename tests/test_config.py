@@ -227,6 +227,9 @@ APPWORLD_BAD = [  # the appworld cpu config: generated worlds, 10 scenarios
   ("appworld.source", "cloud"),
   ("appworld.split", "test_challenge"),  # official only
   ("appworld.eval_split", "holdout"),
+  ("appworld.eval_split", "test_normal,holdout"),
+  ("appworld.eval_split", "test_normal,test_normal"),  # would evaluate twice
+  ("appworld.max_obs_tokens", -1),
   ("appworld.server_urls", ()),
   ("appworld.timeout_s", 0.0),
   ("appworld.startup_timeout_s", -1.0),

@@ -135,3 +135,20 @@ def test_the_factory_builds_it_from_the_explore_config(stub, monkeypatch):
   llm = factory.make_llm("openai", cfg.explore)
   assert isinstance(llm, OpenAILLM) and llm.settings.model == "qwen3-max"
   assert "openai" in factory.EXPLORERS
+
+
+def test_a_run_without_the_key_stops_with_a_one_line_run_error(tmp_path, monkeypatch):
+  """Missing credentials are a RunError (main prints one line and exits 2), not a traceback."""
+  from coevolve_jax.errors import RunError  # noqa: PLC0415
+  from coevolve_jax.loop import CoEvolveRun  # noqa: PLC0415
+
+  path = os.path.join(os.path.dirname(__file__), "..", "configs", "bfcl.py")
+  spec = importlib.util.spec_from_file_location("_openai_run_bfcl_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  cfg = module.get_config("cpu")
+  cfg.explore.explorer = "openai"
+  cfg.explore.openai.api_key_env = "COEVOLVE_ABSENT_KEY"
+  monkeypatch.delenv("COEVOLVE_ABSENT_KEY", raising=False)
+  with pytest.raises(RunError, match="COEVOLVE_ABSENT_KEY"):
+    CoEvolveRun(cfg, str(tmp_path / "run")).fit()

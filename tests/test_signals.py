@@ -357,3 +357,21 @@ def test_from_config_reads_every_field_by_name():
   got = (t.window, t.rare_theta_percent, t.rare_min_total, t.pattern, t.success_threshold)
   assert got == (3, 7.5, 11, "ngram:2", 0.25)
   assert (t.forgetting, t.rare_min_count, t.rare_count) == ("visit_mean", 3, "trajectories")
+
+
+def test_simulation_script_reproduces_the_order_and_refuses_bad_sizes(capsys):
+  """scripts/simulate_signals.py (docs/design.md §1.1): rare is the smallest share under the
+  defaults (exit 0); impossible pools are argument errors, not numpy tracebacks."""
+  import importlib.util  # noqa: PLC0415
+  import os  # noqa: PLC0415
+
+  path = os.path.join(os.path.dirname(__file__), "..", "scripts", "simulate_signals.py")
+  spec = importlib.util.spec_from_file_location("simulate_signals", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  assert module.main(["--steps", "4"]) == 0
+  assert "smallest share under the defaults: rare" in capsys.readouterr().out
+  for bad in (["--tasks", "10"], ["--group_size", "1"], ["--steps", "0"], ["--learning", "nan"]):
+    with pytest.raises(SystemExit) as e:
+      module.main(bad)
+    assert e.value.code == 2, bad

@@ -127,7 +127,10 @@ class OpenAILLM:
     except errors.APIStatusError as e:
       raise LLMError(f"{self.name}: HTTP {e.status_code}") from None
     except errors.APIConnectionError as e:
-      raise LLMError(f"{self.name}: connection error ({type(e.__cause__).__name__})") from None
+      where = s.base_url or "the client's default endpoint"
+      raise LLMError(
+        f"{self.name}: connection error to {where} ({type(e.__cause__).__name__})"
+      ) from None
     except (errors.APIError, ValueError) as e:  # a body the client could not parse
       raise LLMError(f"{self.name}: malformed response ({type(e).__name__})") from None
     choices = getattr(response, "choices", None) or []

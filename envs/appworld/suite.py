@@ -102,7 +102,7 @@ def validate_config(cfg: Any) -> None:
   for field in ("appworld.split", "appworld.eval_split"):
     value = config.get(cfg, field)
     names = split_names(value) if field == "appworld.eval_split" else [value]
-    if not names or any(name not in splits for name in names):
+    if not names or any(name not in splits for name in names) or len(set(names)) < len(names):
       config.fail(field, f"must be one of {splits} with appworld.source={source!r}", value)
   urls = config.get(cfg, "appworld.server_urls")
   if (
@@ -115,6 +115,7 @@ def validate_config(cfg: Any) -> None:
     config.number(cfg, field, lo=0.0, lo_open=True)
   for field in ("appworld.max_steps", "appworld.max_obs_chars"):
     config.int_at_least(cfg, field, 1)
+  config.int_at_least(cfg, "appworld.max_obs_tokens", 0)
   if source == "generated":
     scenarios = config.int_at_least(cfg, "appworld.build.num_scenarios", 1)
     config.int_at_least(cfg, "appworld.build.tasks_per_scenario", 1)
