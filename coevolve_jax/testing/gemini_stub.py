@@ -177,6 +177,11 @@ class GeminiStub:
       self.requests.append({"path": path, "headers": headers, "body": body})
       if self.script:
         return self.script.popleft()
+    return self._reply(path, body)
+
+  def _reply(self, path: str, body: dict[str, Any]) -> Reply:
+    """The responder's answer to an unscripted request, in the API's wire format (subclasses
+    speaking another API override this)."""
     if not re.search(r"/models/[^/:]+:generateContent$", path):
       return Reply(404, error_body(404, "NOT_FOUND", f"no such method {path}"))
     parts = body.get("systemInstruction", {}).get("parts", [])

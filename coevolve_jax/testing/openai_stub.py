@@ -53,15 +53,7 @@ class OpenAIStub(GeminiStub):
     super().__init__(responder)
     self.api_url = f"{self.url}/v1"
 
-  def _answer(self, path: str, headers: dict[str, str], raw: bytes) -> Reply:
-    try:
-      body = json.loads(raw or b"{}")
-    except ValueError:
-      body = {}
-    with self._lock:
-      self.requests.append({"path": path, "headers": headers, "body": body})
-      if self.script:
-        return self.script.popleft()
+  def _reply(self, path: str, body: dict) -> Reply:
     if path.rstrip("/") != "/v1/chat/completions":
       return Reply(404, openai_error_body(f"no such route {path}", "invalid_request_error"))
     messages = body.get("messages", [])
