@@ -366,6 +366,85 @@ def _attend(q_btnh, keys_bkhs, values_bksh, q_pos_bt, k_pos_bs, k_valid_bs) -> j
   return out.reshape(b, kh, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
+ATTN_ONLINE_MIN_KEYS = 4096
+ATTN_ONLINE_Q_BLOCK, ATTN_ONLINE_K_BLOCK = 512, 1024
+
+
+def online_attention_blocks(t: int, s: int) -> tuple[int, int] | None:
+  """(query block, key block) for `_attend_online` over T queries and S keys without a cache, or
+  None where the blocked or plain `_attend` is used (fewer than ATTN_ONLINE_MIN_KEYS keys, or
+  lengths the blocks do not divide; training lengths above 512 are multiples of 512)."""
+  qb, kb = min(t, ATTN_ONLINE_Q_BLOCK), ATTN_ONLINE_K_BLOCK
+  if s < ATTN_ONLINE_MIN_KEYS or t % qb or s % kb:
+    return None
+  return qb, kb
+
+
+def _attend_online(
+  q_btnh, keys_bkhs, values_bksh, q_pos_bt, k_pos_bs, k_valid_bs, q_block: int, k_block: int
+) -> jax.Array:
+  """`_attend` in O(q_block * k_block) memory per head: memory-efficient attention (Rabe and
+  Staats 2021, "Self-attention does not need O(n^2) memory", Sec. 2-3).
+
+  Queries run in blocks of `q_block` (`lax.map`), and for each block the keys in blocks of
+  `k_block` (`lax.scan`) with the online softmax: a running maximum m, normaliser `total` and
+  weighted sum of values `acc`, rescaled by exp(m_old - m_new) as each key block arrives. Both
+  loops are rematerialised, so the backward pass keeps per query block only the scan's
+  [B, K, G, q_block] carries, never a [.., T, S] score matrix. At T = S = 32,768 in Qwen3-4B a
+  plain causal pass holds 128 GiB of float32 scores per layer, the 8-block `attention_block`
+  path 16 GiB, this one 64 MiB per key block. A key block that no query of the block may see
+  (all its keys after every query, or invalid) is skipped (`lax.cond`), so a causal pass costs
+  about half the products of a full one.
+
+  Same arguments and result as `_attend` ([B, T, N, H]); equal to it up to float rounding for
+  every query that sees at least one valid key (a query that sees none gets zeros here, the
+  mean of all values there). T must divide by q_block and S by k_block.
+  """
+  b, t, n, h = q_btnh.shape
+  kh, s = keys_bkhs.shape[1], keys_bkhs.shape[3]
+  g, nq, nk = n // kh, t // q_block, s // k_block
+  low = jnp.finfo(jnp.float32).min
+  # [nq, B, K, G, q_block, H] queries, [nk, ...] key and value blocks, positions alike.
+  q = q_btnh.reshape(b, nq, q_block, kh, g, h).transpose(1, 0, 3, 4, 2, 5) * (h**-0.5)
+  qp = q_pos_bt.reshape(b, nq, q_block).transpose(1, 0, 2)
+  kb = keys_bkhs.reshape(b, kh, h, nk, k_block).transpose(3, 0, 1, 2, 4).astype(q.dtype)
+  vb = values_bksh.reshape(b, kh, nk, k_block, h).transpose(2, 0, 1, 3, 4)
+  kp = k_pos_bs.reshape(b, nk, k_block).transpose(1, 0, 2)
+  kv = k_valid_bs.reshape(b, nk, k_block).transpose(1, 0, 2)
+
+  def query_block(args):
+    q_i, qp_i = args
+
+    def key_block(carry, xs):
+      k_j, v_j, kp_j, kv_j = xs
+
+      def update(carry):
+        m, total, acc = carry
+        scores = jnp.einsum("BKGQH,BKHS->BKGQS", q_i, k_j).astype(jnp.float32)
+        mask = (kp_j[:, None, :] <= qp_i[:, :, None]) & kv_j[:, None, :]  # [B, q_block, k_block]
+        scores = jnp.where(mask[:, None, None], scores, low)
+        m_new = jnp.maximum(m, scores.max(-1))
+        p = jnp.where(mask[:, None, None], jnp.exp(scores - m_new[..., None]), 0.0)
+        rescale = jnp.exp(m - m_new)
+        pv = jnp.einsum("BKGQS,BKSH->BKGQH", p.astype(v_j.dtype), v_j)
+        total = total * rescale + p.sum(-1)
+        return m_new, total, acc * rescale[..., None] + pv.astype(jnp.float32)
+
+      seen = jnp.any((kp_j[:, None, :] <= qp_i[:, :, None]) & kv_j[:, None, :])
+      return jax.lax.cond(seen, update, lambda c: c, carry), None
+
+    init = (
+      jnp.full((b, kh, g, q_block), low, jnp.float32),
+      jnp.zeros((b, kh, g, q_block), jnp.float32),
+      jnp.zeros((b, kh, g, q_block, h), jnp.float32),
+    )
+    (_, total, acc), _ = jax.lax.scan(jax.checkpoint(key_block), init, (kb, vb, kp, kv))
+    return (acc / jnp.where(total > 0, total, 1.0)[..., None]).astype(values_bksh.dtype)
+
+  out = jax.lax.map(jax.checkpoint(query_block), (q, qp))  # [nq, B, K, G, q_block, H]
+  return out.transpose(1, 0, 4, 2, 3, 5).reshape(b, t, n, h)
+
+
 class Attention(nnx.Module):
   """Grouped-query self-attention with optional q/k/v bias and q/k RMSNorm."""
 
@@ -442,7 +521,11 @@ class Attention(nnx.Module):
         keys, values = k_cache_bkhs[..., :s], v_cache_bksh[:, :, :s]
       b, t, n, h = q.shape
       block = attention_block(t) if k_cache_bkhs is None and query_index_bp is None else None
-      if block:
+      online = online_attention_blocks(t, keys.shape[-1]) if k_cache_bkhs is None else None
+      if online:
+        # Long cache-free passes (training at cache_len 32,768): key-blocked online softmax.
+        out = _attend_online(q, keys, values, q_pos, key_pos_bs, key_valid_bs, *online)
+      elif block:
         # Causal block skipping without a cache: query block i only needs keys [0, (i+1)*block)
         # (positions grow with the index for every real token), and each block is rematerialised
         # in the backward pass instead of storing its [.., block, keys] scores.
