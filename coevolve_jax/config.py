@@ -266,9 +266,9 @@ def _train(cfg: Mapping[str, Any]) -> None:
   mini = int_at_least(cfg, "train.mini_batches", 1)
   if mini > rows:
     fail("train.mini_batches", f"must be <= the step's {rows} rollouts", mini)
-  micro = int_at_least(cfg, "train.micro_batches", 1)  # PolicyTrainer's rule
+  micro = int_at_least(cfg, "train.micro_batches", 0)  # 0 = auto (plan_device_memory.fit_run)
   sizes = sorted({len(x) for x in np.array_split(np.arange(rows), mini)})  # as grpo_epoch splits
-  if any(s % micro for s in sizes):
+  if micro and any(s % micro for s in sizes):
     fail(
       "train.micro_batches",
       f"must divide every mini-batch's rows ({rows} rollouts in {mini} mini-batches of {sizes})",

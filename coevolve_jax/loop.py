@@ -222,7 +222,7 @@ class CoEvolveRun:
     # One mesh for everything the job allocates: parameters, optimizer state, reference, KV cache,
     # the train step and the decode step (models/sharding.py holds the logical-axis table).
     self.mesh = sharding.make_mesh(dict(cfg.mesh))
-    self._check_memory()
+    micro_batches = self._check_memory()
     model = models.build(cfg.model, seed=cfg.seed, mesh=self.mesh, dtype=cfg.model.param_dtype)
     self.gcfg = grpo.GRPOConfig.from_config(cfg.train)
     tx = make_optimizer(
@@ -239,7 +239,7 @@ class CoEvolveRun:
       self.gcfg,
       self.sampling,
       mesh=self.mesh,
-      micro_batches=cfg.train.micro_batches,
+      micro_batches=micro_batches,
       compute_dtype=cfg.model.dtype,
       inference_layout=cfg.rollout.weights_layout,
     )
@@ -275,26 +275,33 @@ class CoEvolveRun:
     )
     self.ckpt = RunCheckpointer(os.path.join(self.workdir, "checkpoints"), cfg.checkpoint.keep)
 
-  def _check_memory(self) -> None:
-    """Stops at start-up, with the memory planner's table, when the run cannot fit its devices
-    (`plan_device_memory.check_run_fits`); platforms that report no device memory (CPU) and
-    checkpoint runs (no preset to plan) are not checked.
+  def _check_memory(self) -> int:
+    """Chooses `train.micro_batches` (0 = auto: the fewest slices that fit) and stops at
+    start-up, with the memory planner's table, when the run cannot fit its devices
+    (`plan_device_memory.fit_run`). Platforms that report no device memory (CPU) and checkpoint
+    runs (no preset to plan) are not checked; there auto means 1.
 
+    Returns:
+      The gradient-accumulation slices per update.
     Raises:
-      RunError: the run's parameters, optimizer, reference, rollout weights and KV cache alone
-        exceed one device's memory.
+      RunError: static memory alone, or the activations of a worst-case mini-batch with every
+        allowed micro-batch count, exceed one device's memory.
     """
+    mesh = dict(self.mesh.shape)
     if self.cfg.model.checkpoint:
-      return
+      return plan_device_memory.micro_batch_choices(self.cfg, mesh)[0]
     stats = jax.local_devices()[0].memory_stats() or {}
     try:
-      warning = plan_device_memory.check_run_fits(
-        self.cfg, dict(self.mesh.shape), stats.get("bytes_limit")
-      )
+      micro, plan = plan_device_memory.fit_run(self.cfg, mesh, stats.get("bytes_limit"))
     except MemoryError as e:
       raise RunError(str(e)) from None
-    if warning:
-      print(warning)
+    if plan is not None:
+      print(
+        f"memory: train.micro_batches = {micro}, {plan.total / 2**30:.1f} GiB per device "
+        f"planned for a worst-case mini-batch ({plan.activation_source} activations) of "
+        f"{stats['bytes_limit'] / 2**30:.1f} GiB"
+      )
+    return micro
 
   def _setup_feedback(self) -> None:
     """The explorer LLMs (D0 and feedback rounds; None = programmatic) and the round worker."""

@@ -156,8 +156,11 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.train.weight_decay = 0.01
   c.train.grad_clip = 1.0
   c.train.mini_batches = 4  # optimizer updates per step (1 epoch over the step's rollouts)
-  c.train.micro_batches = 1  # gradient-accumulation slices per update (memory only: the
-  # update does not depend on it); rows that do not divide are padded with rows that add nothing
+  # Gradient-accumulation slices per update (memory only: the update does not depend on it;
+  # rows that do not divide are padded with rows that add nothing). 0 = auto: at start-up, on
+  # devices that report their memory (GPU, TPU), the fewest slices with which a mini-batch of
+  # cache_len-long rows fits by the memory planner (plan_device_memory.fit_run); 1 on CPU.
+  c.train.micro_batches = 0
   c.train.clip_eps_low = 0.20
   c.train.clip_eps_high = 0.28
   c.train.dual_clip_c = 3.0

@@ -74,6 +74,7 @@ VARIANTS = [  # (config, variant, overrides): ablations and settings a run may u
   ("bfcl.py", "cpu", {"train.mini_batches": 16, "train.micro_batches": 1}),
   ("bfcl.py", "cpu", {"train.mini_batches": 3, "train.micro_batches": 1}),  # sizes 6, 5, 5
   ("bfcl.py", "cpu", {"train.mini_batches": 2, "train.micro_batches": 4}),
+  ("bfcl.py", "cpu", {"train.mini_batches": 3, "train.micro_batches": 0}),  # auto
   ("bfcl.py", "cpu", {"warmstart.steps": 0, "warmstart.lr": 0.0}),
   ("bfcl.py", "cpu", {"train.drop_from_loss": ("context", "error")}),
   ("bfcl.py", "", {"train.drop_from_loss": ("context", "max_model_steps", "error")}),
@@ -161,7 +162,7 @@ BAD = [  # (field, value); the bfcl cpu config (16 rollouts a step in 2 mini-bat
   ("train.grad_clip", 0.0),
   ("train.mini_batches", 0),
   ("train.mini_batches", 17),
-  ("train.micro_batches", 0),
+  ("train.micro_batches", -1),
   ("train.micro_batches", 3),
   ("train.kl_estimator", "k4"),
   ("train.loss_agg", "sum"),

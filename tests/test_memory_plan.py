@@ -107,6 +107,25 @@ def test_activations_are_a_lower_bound_of_compiled_temporaries():
     "tiny_cpu", {}, batch=b, seq_len=t, num_slots=1, cache_len=8, dtype="float32"
   )
   assert 0 < p.activations <= temp
+  # The compiled figure is that step's own temporaries less those of a 16-token step: more than
+  # the residuals (it holds the recomputed layer and the logit chunks too), less than all.
+  c = plan_device_memory.plan(
+    "tiny_cpu",
+    {},
+    batch=b,
+    seq_len=t,
+    num_slots=1,
+    cache_len=8,
+    dtype="float32",
+    activations="compiled",
+  )
+  assert c.activation_source == "compiled" and p.activation_source == "residuals"
+  assert p.activations < c.activations < temp
+  assert c.static == p.static
+  with pytest.raises(ValueError, match="activations must be one of"):
+    plan_device_memory.plan(
+      "tiny_cpu", {}, batch=1, seq_len=8, num_slots=1, cache_len=8, activations="x"
+    )
 
 
 def test_parse_mesh():
@@ -189,9 +208,7 @@ def test_cli_sweep_prints_table():
   assert bad.returncode != 0 and "bad mesh size" in bad.stderr
 
 
-def test_a_run_that_cannot_fit_stops_with_the_planners_table():
-  """`check_run_fits` against a device size: static memory over it is a MemoryError with the
-  table; only the longest sequences' activations over it, a warning; nothing known, no check."""
+def _cpu_preset_config():
   import importlib.util
 
   spec = importlib.util.spec_from_file_location(
@@ -199,15 +216,36 @@ def test_a_run_that_cannot_fit_stops_with_the_planners_table():
   )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  cfg = module.get_config("cpu")
+  return module.get_config("cpu")
+
+
+def test_a_run_that_cannot_fit_stops_with_the_planners_table():
+  """`fit_run` against a device size: static memory over it is a MemoryError with the table;
+  with `train.micro_batches = 0` (auto) the fewest slices whose worst-case mini-batch fits are
+  chosen, confirmed by the compiled step's figure; a fixed count that does not fit is a
+  MemoryError that says what to change; nothing known (CPU), no check."""
+  cfg = _cpu_preset_config()
   mesh = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
-  p = plan_device_memory.plan_for_run(cfg, mesh)
-  assert p.seq_len == cfg.rollout.cache_len and p.param_dtype == "float32"
-  assert p.batch == cfg.rollout.tasks_per_step * cfg.rollout.group_size // cfg.train.mini_batches
-  assert plan_device_memory.check_run_fits(cfg, mesh, None) is None
-  assert plan_device_memory.check_run_fits(cfg, mesh, p.total + 1) is None
-  warning = plan_device_memory.check_run_fits(cfg, mesh, (p.static + p.total) // 2)
-  assert warning.startswith("warning:") and "| tiny_cpu |" in warning
-  with pytest.raises(MemoryError, match="does not fit its devices") as e:
-    plan_device_memory.check_run_fits(cfg, mesh, p.static - 1)
+  cfg.train.micro_batches = 0
+  rows = cfg.rollout.tasks_per_step * cfg.rollout.group_size // cfg.train.mini_batches
+  choices = plan_device_memory.micro_batch_choices(cfg, mesh)
+  assert choices == [k for k in range(1, rows + 1) if rows % k == 0]
+  assert plan_device_memory.micro_batch_choices(cfg, {"fsdp": rows}) == [1]
+  one = plan_device_memory.plan_for_run(cfg, mesh, 1, activations="compiled")
+  two = plan_device_memory.plan_for_run(cfg, mesh, 2, activations="compiled")
+  assert one.seq_len == cfg.rollout.cache_len and one.param_dtype == "float32"
+  assert one.batch == rows and two.activations < one.activations and two.static == one.static
+  assert plan_device_memory.fit_run(cfg, mesh, None) == (1, None)
+  k, plan = plan_device_memory.fit_run(cfg, mesh, one.total)
+  assert k == 1 and plan.activation_source == "compiled" and plan.total == one.total
+  # Room for two slices' activations but not one's: auto picks 2.
+  k, plan = plan_device_memory.fit_run(cfg, mesh, two.total)
+  assert k == 2 and plan.micro_batches == 2
+  # The same device with the count fixed at 1: stop, and say how.
+  cfg.train.micro_batches = 1
+  with pytest.raises(MemoryError, match="train.micro_batches = 0") as e:
+    plan_device_memory.fit_run(cfg, mesh, two.total)
+  assert "| tiny_cpu | 1,1,1,1 |" in str(e.value)
+  with pytest.raises(MemoryError, match="before any activation") as e:
+    plan_device_memory.fit_run(cfg, mesh, one.static - 1)
   assert "| tiny_cpu | 1,1,1,1 |" in str(e.value) and "mesh.fsdp" in str(e.value)

@@ -21,14 +21,19 @@ How each figure is obtained (the job's own rules, so the figures are what it all
   layout (`--weights_layout`: "gathered" = `trainer.inference_rules`, the fsdp dimension
   replicated; "train" = the parameters' layout); none when neither a cast nor a layout change is
   needed (the engine then decodes the parameters themselves).
-- Activations: the residuals that `jax.vjp` of the trainer's `token_logprobs` keeps for the
-  backward pass, read with `jax.eval_shape` at batch 1 and 2. Residual leaves whose shape changes
-  with the batch are activations (the rest are parameters, counted above); per device they scale
-  with the sequences per device (batch / (data * fsdp)) and are divided by the tensor axis when a
-  dimension is a tensor-sharded one (heads, kv heads, MLP, vocab; the `act_*`/`mlp` rules).
-  With `--remat=full` (the default, as in the full-scale configs) the decoder keeps only each
-  layer's input; the layer being recomputed in the backward pass, like any transient buffer
-  inside one op, is not counted: leave headroom (see `--headroom`).
+- Activations (`--activations=compiled`, the default): XLA's own `memory_analysis()` of the
+  trainer's loss and gradient compiled for one device's share of a micro-batch, minus the same
+  step at 16 tokens (`compiled_activation_bytes`). This counts the layer being recomputed and
+  every transient; it costs two compiles (seconds for Qwen3-4B on an idle CPU). With tensor > 1
+  it is scaled by the share of the residuals (below) that the tensor axis splits.
+- Activations (`--activations=residuals`): the residuals that `jax.vjp` of the trainer's
+  `token_logprobs` keeps for the backward pass, read with `jax.eval_shape` at batch 1 and 2.
+  Residual leaves whose shape changes with the batch are activations (the rest are parameters,
+  counted above); per device they scale with the sequences per device (batch / (data * fsdp))
+  and are divided by the tensor axis when a dimension is a tensor-sharded one (heads, kv heads,
+  MLP, vocab; the `act_*`/`mlp` rules). With `--remat=full` (the default, as in the full-scale
+  configs) the decoder keeps only each layer's input; the layer being recomputed in the
+  backward pass, like any transient buffer inside one op, is not counted: a lower bound.
 - KV cache: `KVCache.zeros` shapes ([slots, K, H, cache_len] keys and [slots, K, cache_len, H]
   values per layer) in the compute dtype, slots over (data, fsdp), kv heads over tensor where
   they divide, as the rollout engine allocates it (`sharding.param_spec` of its logical axes).
@@ -75,6 +80,8 @@ class MemoryPlan:
   rollout_weights: int
   activations: int
   kv_cache: int
+  micro_batches: int = 1
+  activation_source: str = "residuals"
 
   @property
   def static(self) -> int:
@@ -221,6 +228,53 @@ def _activation_bytes(leaves, cfg: QwenConfig, mesh: Mapping[str, int], seqs_per
   return total
 
 
+ACTIVATION_SOURCES = ("compiled", "residuals")
+FLOOR_TOKENS = 16  # the compiled figure's floor: a sequence this short needs next to nothing
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_temp_bytes(
+  preset: str, dtype: str, seqs: int, seq_len: int, targets: int, remat: str
+) -> int | None:
+  """`temp_size_in_bytes` of the compiled loss and gradient of the trainer's forward
+  (`token_logprobs`) over `seqs` sequences of `seq_len` tokens with `targets` scored positions,
+  compiled for the default backend from abstract inputs (nothing is allocated); None where the
+  backend gives no memory analysis."""
+  graphdef, state = abstract_model(QwenConfig.preset(preset), jnp.dtype(dtype), remat)
+
+  def loss(p, tokens, pos):
+    return jnp.sum(token_logprobs(nnx.merge(graphdef, p), tokens, pos))
+
+  tokens = jax.ShapeDtypeStruct((seqs, seq_len), jnp.int32)
+  pos = jax.ShapeDtypeStruct((seqs, targets), jnp.int32)
+  analysis = jax.jit(jax.value_and_grad(loss)).lower(state, tokens, pos).compile()
+  analysis = analysis.memory_analysis()
+  return None if analysis is None else int(analysis.temp_size_in_bytes)
+
+
+def compiled_activation_bytes(
+  preset: str, dtype: str, seq_len: int, targets: int, remat: str, seqs: int
+) -> int | None:
+  """Activation memory of `seqs` sequences from XLA's own buffer assignment: the temporaries of
+  the compiled training step (loss and gradient of `token_logprobs`, `remat` as the job runs it)
+  at `seq_len` tokens minus those at FLOOR_TOKENS tokens. The difference removes what does not
+  grow with the sequence (on XLA:CPU, float32 copies of every bfloat16 weight, as that backend
+  has no bfloat16 products), and keeps what does: the residuals kept for the backward pass, the
+  layer being recomputed, attention and logit blocks, gradient buffers of activations. XLA:CPU
+  computes bfloat16 activations in float32, so there the figure is up to 2x an accelerator's.
+
+  Returns None where the backend reports no memory analysis.
+  """
+  floor = min(seq_len, FLOOR_TOKENS)
+  full = _compiled_temp_bytes(preset, dtype, seqs, seq_len, targets, remat)
+  short = _compiled_temp_bytes(
+    preset, dtype, seqs, floor, max(1, targets * floor // seq_len), remat
+  )
+  if full is None or short is None:
+    return None
+  return max(0, full - short)
+
+
 @functools.lru_cache(maxsize=8)
 def _abstract_params(preset: str, dtype: str):
   graphdef, state = abstract_model(QwenConfig.preset(preset), jnp.dtype(dtype))
@@ -291,6 +345,7 @@ def plan(
   targets: int | None = None,
   micro_batches: int = 1,
   remat: str = "full",
+  activations: str = "residuals",
 ) -> MemoryPlan:
   """Memory per device for training and rollout of `preset` on a mesh of `mesh` axis sizes.
 
@@ -310,13 +365,20 @@ def plan(
       one slice's activations are alive at a time.
     remat: the decoder layers' rematerialisation (`model.remat`; "full" keeps only each layer's
       input for the backward pass, "none" everything).
+    activations: "residuals" (fast, shapes only: what the backward pass keeps, without the
+      transients of the layer being recomputed) or "compiled" (`compiled_activation_bytes`: the
+      compiled step's own temporaries for one device's sequences; with tensor > 1 scaled by the
+      share of the residuals the tensor axis splits). "compiled" falls back to "residuals"
+      where the backend gives no memory analysis (`MemoryPlan.activation_source` says which).
   Returns:
     A `MemoryPlan` in bytes per device.
   Raises:
-    ValueError: unknown preset or remat policy, or non-positive sizes.
+    ValueError: unknown preset, remat policy or activation source, or non-positive sizes.
   """
   if min(batch, seq_len, num_slots, cache_len, micro_batches) < 1:
     raise ValueError("batch, seq_len, num_slots, cache_len and micro_batches must be >= 1")
+  if activations not in ACTIVATION_SOURCES:
+    raise ValueError(f"activations must be one of {ACTIVATION_SOURCES}, got {activations!r}")
   mesh = {a: int(mesh.get(a, 1)) for a in sharding.MESH_AXES}
   cfg = QwenConfig.preset(preset)
   dt, pdt = jnp.dtype(dtype), jnp.dtype(param_dtype)
@@ -327,8 +389,16 @@ def plan(
   opt_state = jax.eval_shape(tx.init, params_state)
   opt_bytes = _sharded_tree_bytes(opt_state, axes, mesh)
   batch_shards = _axis_size(mesh, "batch")
-  leaves = _activation_leaves(preset, str(dt), seq_len, targets or max(1, seq_len // 2), remat)
-  act = _activation_bytes(leaves, cfg, mesh, -(-batch // (batch_shards * micro_batches)))
+  targets = targets or max(1, seq_len // 2)
+  seqs = -(-batch // (batch_shards * micro_batches))
+  leaves = _activation_leaves(preset, str(dt), seq_len, targets, remat)
+  act = _activation_bytes(leaves, cfg, mesh, seqs)
+  source = "residuals"
+  if activations == "compiled":
+    compiled = compiled_activation_bytes(preset, str(dt), seq_len, targets, remat, seqs)
+    if compiled is not None:
+      unsplit = _activation_bytes(leaves, cfg, {**mesh, "tensor": 1}, seqs)
+      act, source = (compiled * act) // max(1, unsplit), "compiled"
   kv = kv_cache_bytes(preset, mesh, num_slots, cache_len, dtype)
   return MemoryPlan(
     preset=preset,
@@ -347,6 +417,8 @@ def plan(
     rollout_weights=rollout_weights_bytes(preset, mesh, dtype, param_dtype, weights_layout),
     activations=act,
     kv_cache=kv,
+    micro_batches=micro_batches,
+    activation_source=source,
   )
 
 
@@ -391,64 +463,105 @@ def format_table(
   return "\n".join(lines)
 
 
-def plan_for_run(cfg: Mapping[str, Any], mesh: Mapping[str, int]) -> MemoryPlan:
+def _mini_batch_rows(cfg: Mapping[str, Any]) -> list[int]:
+  """Row counts of a step's mini-batches (`PolicyTrainer.grpo_epoch` splits the step's
+  tasks_per_step x group_size rollouts with `np.array_split`)."""
+  rows = cfg["rollout"]["tasks_per_step"] * cfg["rollout"]["group_size"]
+  mini = cfg["train"]["mini_batches"]
+  return sorted({rows // mini + (i < rows % mini) for i in range(mini)}, reverse=True)
+
+
+def micro_batch_choices(cfg: Mapping[str, Any], mesh: Mapping[str, int]) -> list[int]:
+  """`train.micro_batches` when it is set (> 0); for 0 ("auto") every k that divides every
+  mini-batch's rows and still gives each data-parallel device a row per slice, ascending."""
+  if cfg["train"]["micro_batches"] > 0:
+    return [int(cfg["train"]["micro_batches"])]
+  sizes = _mini_batch_rows(cfg)
+  shards = _axis_size({a: int(mesh.get(a, 1)) for a in sharding.MESH_AXES}, "batch")
+  return [1] + [
+    k for k in range(2, sizes[-1] + 1) if all(n % k == 0 for n in sizes) and sizes[0] // k >= shards
+  ]
+
+
+def plan_for_run(
+  cfg: Mapping[str, Any],
+  mesh: Mapping[str, int],
+  micro_batches: int | None = None,
+  activations: str = "residuals",
+) -> MemoryPlan:
   """The plan of a run's config (configs/bfcl.py groups) on `mesh` (axis sizes, -1 resolved).
 
   The training sequence is taken at its longest, `rollout.cache_len` tokens (a trajectory never
-  holds more), and a mini-batch holds tasks_per_step * group_size / mini_batches rows.
+  holds more), and a mini-batch holds tasks_per_step * group_size / mini_batches rows (rounded
+  up), in `micro_batches` slices (default: `train.micro_batches`, or 1 where that is 0 = auto).
   """
   rollout, train = cfg["rollout"], cfg["train"]
-  rows = -(-rollout["tasks_per_step"] * rollout["group_size"] // train["mini_batches"])
   return plan(
     cfg["model"]["preset"],
     mesh,
-    batch=rows,
+    batch=_mini_batch_rows(cfg)[0],
     seq_len=rollout["cache_len"],
     num_slots=rollout["num_slots"],
     cache_len=rollout["cache_len"],
     dtype=cfg["model"]["dtype"],
     param_dtype=cfg["model"]["param_dtype"],
     weights_layout=rollout["weights_layout"],
-    micro_batches=train["micro_batches"],
+    micro_batches=micro_batches or train["micro_batches"] or 1,
     remat=cfg["model"]["remat"],
+    activations=activations,
   )
 
 
-def check_run_fits(
+def fit_run(
   cfg: Mapping[str, Any], mesh: Mapping[str, int], device_bytes: int | None
-) -> str | None:
-  """Checks a run's plan against the memory of one device, before anything is allocated.
+) -> tuple[int, MemoryPlan | None]:
+  """Chooses the run's gradient-accumulation slices and checks that the run fits one device,
+  before anything is allocated.
+
+  The worst case is checked: every row of a mini-batch `rollout.cache_len` tokens long. For each
+  candidate of `micro_batch_choices` (the configured value, or with `train.micro_batches = 0`
+  every valid one, fewest first) the fast residual estimate is tried first, and the first that
+  fits is confirmed with the compiled step's figure (`plan(activations="compiled")`).
 
   Args:
     cfg: the run's config. mesh: axis sizes of the run's mesh.
     device_bytes: memory of one device (`jax.Device.memory_stats()["bytes_limit"]`), or None
       where the platform does not say (CPU): nothing is checked.
   Returns:
-    None when it fits (or nothing was checked); a warning with the table when only the
-    activations of the longest possible training sequence would not fit.
+    (micro_batches to run with, the confirmed plan or None when nothing was checked).
   Raises:
     MemoryError: parameters, gradients, optimizer, reference, rollout weights and KV cache alone
-      exceed the device (the job would run out of memory for certain); the message holds the
-      planner's table and what to change.
+      exceed the device, or the activations of a worst-case batch do not fit with any allowed
+      `train.micro_batches`; the message holds the planner's table and what to change.
   """
+  choices = micro_batch_choices(cfg, mesh)
   if not device_bytes:
-    return None
-  p = plan_for_run(cfg, mesh)
-  table = format_table([p], device_bytes / GIB, headroom=1.0)
+    return choices[0], None
+  gib = device_bytes / GIB
+  p = plan_for_run(cfg, mesh, choices[0])
   if p.static > device_bytes:
     raise MemoryError(
       f"the run does not fit its devices: {p.static / GIB:.1f} GiB per device before any "
-      f"activation, {device_bytes / GIB:.1f} GiB available (memory planner, GiB per device):\n"
-      f"{table}\nUse more devices (mesh.fsdp = -1 spreads parameters and optimizer over all), "
-      f"fewer rollout.num_slots or a shorter rollout.cache_len, or rollout.weights_layout=train."
+      f"activation, {gib:.1f} GiB available (memory planner, GiB per device):\n"
+      f"{format_table([p], gib, headroom=1.0)}\nUse more devices (mesh.fsdp = -1 spreads "
+      f"parameters and optimizer over all), fewer rollout.num_slots or a shorter "
+      f"rollout.cache_len, or rollout.weights_layout=train."
     )
-  if p.total > device_bytes:
-    return (
-      f"warning: a training batch of {p.batch} rows of rollout.cache_len = {p.seq_len} tokens "
-      f"would not fit ({p.total / GIB:.1f} GiB per device of {device_bytes / GIB:.1f}); shorter "
-      f"trajectories do. Raise train.micro_batches if the step runs out of memory:\n{table}"
-    )
-  return None
+  for k in choices:
+    p = plan_for_run(cfg, mesh, k)
+    if p.total > device_bytes:
+      continue
+    p = plan_for_run(cfg, mesh, k, activations="compiled")
+    if p.total <= device_bytes:
+      return k, p
+  raise MemoryError(
+    f"the run does not fit its devices: a mini-batch of {p.batch} rows of rollout.cache_len = "
+    f"{p.seq_len} tokens needs {p.total / GIB:.1f} GiB per device with "
+    f"train.micro_batches = {p.micro_batches} ({p.activation_source} activations), "
+    f"{gib:.1f} GiB available (tried train.micro_batches in {choices}):\n"
+    f"{format_table([p], gib, headroom=1.0)}\nSet train.micro_batches = 0 (the fewest slices "
+    f"that fit), use more devices, or a shorter rollout.cache_len."
+  )
 
 
 def _define_flags() -> None:
@@ -467,6 +580,14 @@ def _define_flags() -> None:
   flags.DEFINE_string("weights_layout", "gathered", "Rollout weights layout: gathered or train.")
   flags.DEFINE_string("chip", "", "Chip name of coevolve_jax/cli/prices.py (for the fits column).")
   flags.DEFINE_float("headroom", 0.9, "Share of HBM the plan may use.")
+  flags.DEFINE_enum(
+    "activations",
+    "compiled",
+    list(ACTIVATION_SOURCES),
+    "Activation figure: the compiled step's temporaries (compiles the step for this machine's "
+    "backend; XLA:CPU computes bfloat16 in float32, so its figure is up to 2x an accelerator's) "
+    "or the residuals the backward pass keeps (shapes only, no compile).",
+  )
 
 
 def main(argv: Sequence[str]) -> None:
@@ -501,6 +622,7 @@ def main(argv: Sequence[str]) -> None:
       weights_layout=F.weights_layout,
       micro_batches=F.micro_batches,
       remat=F.remat,
+      activations=F.activations,
     )
     for m in meshes
   ]
@@ -509,7 +631,8 @@ def main(argv: Sequence[str]) -> None:
     f"{F.dtype} compute, {F.weights_layout} rollout weights; "
     f"batch {F.batch} x {F.seq_len} tokens in {F.micro_batches} micro-batches, "
     f"{F.num_slots} slots x "
-    f"{F.cache_len} cache tokens; GiB per device"
+    f"{F.cache_len} cache tokens; {plans[0].activation_source} activations "
+    f"({jax.default_backend()}); GiB per device"
   )
   print(format_table(plans, hbm, F.headroom))
 
