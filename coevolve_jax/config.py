@@ -26,6 +26,7 @@ from coevolve_jax.feedback import factory, rounds
 from coevolve_jax.feedback.signals import SignalTracker
 from coevolve_jax.models import QwenConfig
 from coevolve_jax.models.qwen import REMAT_POLICIES
+from coevolve_jax.models.builder import MATMUL_PRECISIONS
 from coevolve_jax.models.sharding import MESH_AXES
 from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.types import FINISHES
@@ -178,6 +179,12 @@ def _model(cfg: Mapping[str, Any]) -> None:
   _float_dtype(cfg, "model.param_dtype")
   if get(cfg, "model.remat") not in REMAT_POLICIES:
     fail("model.remat", f"must be one of {REMAT_POLICIES}", get(cfg, "model.remat"))
+  if get(cfg, "model.matmul_precision") not in MATMUL_PRECISIONS:
+    fail(
+      "model.matmul_precision",
+      f"must be one of {MATMUL_PRECISIONS}",
+      get(cfg, "model.matmul_precision"),
+    )
 
 
 def _mesh(cfg: Mapping[str, Any]) -> None:

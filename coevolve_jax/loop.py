@@ -222,6 +222,7 @@ class CoEvolveRun:
     # One mesh for everything the job allocates: parameters, optimizer state, reference, KV cache,
     # the train step and the decode step (models/sharding.py holds the logical-axis table).
     self.mesh = sharding.make_mesh(dict(cfg.mesh))
+    models.apply_matmul_precision(cfg.model)
     micro_batches = self._check_memory()
     model = models.build(cfg.model, seed=cfg.seed, mesh=self.mesh, dtype=cfg.model.param_dtype)
     self.gcfg = grpo.GRPOConfig.from_config(cfg.train)

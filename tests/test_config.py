@@ -162,6 +162,7 @@ BAD = [  # (field, value); the bfcl cpu config (16 rollouts a step in 2 mini-bat
   ("train.grad_clip", 0.0),
   ("train.mini_batches", 0),
   ("train.mini_batches", 17),
+  ("model.matmul_precision", "tf32"),
   ("train.micro_batches", -1),
   ("train.micro_batches", 3),
   ("train.kl_estimator", "k4"),

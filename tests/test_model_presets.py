@@ -191,3 +191,25 @@ def _mesh_child():
 if __name__ == "__main__":
   if sys.argv[1:] == ["mesh"]:
     _mesh_child()
+
+
+def test_matmul_precision_setting_reaches_the_compiled_products():
+  """`model.matmul_precision` sets the precision of the float32 products every later trace gets
+  (the lowered dot carries it); "default" leaves the backend's own choice; unknown names are
+  refused."""
+  a = jnp.ones((8, 8), jnp.float32)
+
+  def lowered():
+    return jax.jit(lambda x: x @ x).lower(a).as_text()
+
+  try:
+    models.apply_matmul_precision({"matmul_precision": "highest"})
+    assert "precision = [HIGHEST, HIGHEST]" in lowered()
+    models.apply_matmul_precision({"matmul_precision": "high"})
+    assert "precision = [HIGH, HIGH]" in lowered()
+    models.apply_matmul_precision({})  # absent: the default
+    assert "precision = [DEFAULT, DEFAULT]" in lowered()
+    with pytest.raises(ValueError, match="matmul_precision must be one of"):
+      models.apply_matmul_precision({"matmul_precision": "tf32"})
+  finally:
+    models.apply_matmul_precision({"matmul_precision": "default"})

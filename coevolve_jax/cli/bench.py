@@ -200,6 +200,7 @@ def _build(cfg, prompt_len: int, gen_len: int):
 
   mesh = sharding.make_mesh(dict(cfg.mesh))
   # The preset at random (or model.checkpoint), float32 master weights on the mesh.
+  models.apply_matmul_precision(cfg.model)
   model = models.build(cfg.model, seed=0, mesh=mesh, dtype=cfg.model.param_dtype)
   trainer = PolicyTrainer(
     model,

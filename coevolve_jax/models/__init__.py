@@ -1,7 +1,7 @@
 """Model families: the Qwen decoders, their Hugging Face checkpoint I/O, and `build` (a run's
 model from its config)."""
 
-from coevolve_jax.models.builder import build
+from coevolve_jax.models.builder import MATMUL_PRECISIONS, apply_matmul_precision, build
 from coevolve_jax.models.hf import (
   CheckpointFormatError,
   config_from_hf,
@@ -13,6 +13,7 @@ from coevolve_jax.models.hf import (
 from coevolve_jax.models.qwen import PRESETS, KVCache, Qwen, QwenConfig
 
 __all__ = [
+  "MATMUL_PRECISIONS",
   "PRESETS",
   "CheckpointFormatError",
   "KVCache",
@@ -22,6 +23,7 @@ __all__ = [
   "from_pretrained",
   "generation_eos_ids",
   "hf_config",
+  "apply_matmul_precision",
   "build",
   "save_pretrained",
 ]
