@@ -45,6 +45,7 @@ from coevolve_jax.feedback.pool import TaskPool
 from coevolve_jax.feedback.signals import SignalTracker
 from coevolve_jax.models import sharding
 from coevolve_jax.metrics import (
+  CompileCounter,
   MetricsWriter,
   PhaseTimer,
   append_lines,
@@ -71,6 +72,14 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
     else:
       out[f"{prefix}{k}"] = v
   return out
+
+
+def _host_memory_bytes() -> int | None:
+  """The machine's physical memory in bytes, or None where the OS does not say."""
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    return None
 
 
 class CoEvolveRun:
@@ -100,11 +109,15 @@ class CoEvolveRun:
     if (done := self._completed_summary()) is not None:
       return done
     self._session_start = time.perf_counter()
+    # XLA compilations of this process, logged per step (`compile/count`, `compile/seconds`).
+    self.compiles = CompileCounter()
     try:
       return self._run()
     except Exception:
       self._close_after_error()
       raise
+    finally:
+      self.compiles.close()
 
   def _run(self) -> dict[str, Any]:
     self._setup()
@@ -114,6 +127,10 @@ class CoEvolveRun:
       self._bootstrap()  # D0 -> warm-start -> eval before -> checkpoint 0
     elif self.state.pending is not None:
       self._submit(self.state.pending)  # the round in flight at the checkpoint, redone exactly
+    before = self.compiles.pop()  # set-up, D0, warm-start, eval before: not step 1's
+    print(
+      f"compiled {before['compile/count']} programs before GRPO ({before['compile/seconds']:.1f} s)"
+    )
     with tqdm.tqdm(
       total=self.cfg.train.steps, initial=self.state.step, desc="grpo", unit="step"
     ) as bar:
@@ -174,6 +191,7 @@ class CoEvolveRun:
     info.update(self.timer.pop_last())
     # The engine's copy of the weights (cast, gathered over fsdp) made for this step's rollouts.
     info["timing/weight_sync_s"] = self.trainer.last_sync_s
+    info.update(self.compiles.pop())
     self.metrics.write(step, info)  # before the save: a resume rewrites rows after its step
     if step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
       self._save(step)
@@ -279,8 +297,10 @@ class CoEvolveRun:
   def _check_memory(self) -> int:
     """Chooses `train.micro_batches` (0 = auto: the fewest slices that fit) and stops at
     start-up, with the memory planner's table, when the run cannot fit its devices
-    (`plan_device_memory.fit_run`). Platforms that report no device memory (CPU) and checkpoint
-    runs (no preset to plan) are not checked; there auto means 1.
+    (`plan_device_memory.fit_run`). GPUs and TPUs report their memory; host (CPU) devices get an
+    equal share of the machine's memory and the residual estimate only (a Qwen3-4B config on a
+    laptop stops here instead of being killed for memory minutes later). Checkpoint runs (no
+    preset to plan) are not checked; there auto means 1.
 
     Returns:
       The gradient-accumulation slices per update.
@@ -291,16 +311,22 @@ class CoEvolveRun:
     mesh = dict(self.mesh.shape)
     if self.cfg.model.checkpoint:
       return plan_device_memory.micro_batch_choices(self.cfg, mesh)[0]
-    stats = jax.local_devices()[0].memory_stats() or {}
+    device = jax.local_devices()[0]
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    where = "device"
+    if limit is None and device.platform == "cpu" and (host := _host_memory_bytes()):
+      limit, where = host // jax.local_device_count(), "host-memory share per CPU device"
     try:
-      micro, plan = plan_device_memory.fit_run(self.cfg, mesh, stats.get("bytes_limit"))
+      micro, plan = plan_device_memory.fit_run(
+        self.cfg, mesh, limit, confirm_compiled=device.platform != "cpu"
+      )
     except MemoryError as e:
       raise RunError(str(e)) from None
     if plan is not None:
       print(
         f"memory: train.micro_batches = {micro}, {plan.total / 2**30:.1f} GiB per device "
         f"planned for a worst-case mini-batch ({plan.activation_source} activations) of "
-        f"{stats['bytes_limit'] / 2**30:.1f} GiB"
+        f"{limit / 2**30:.1f} GiB ({where})"
       )
     return micro
 

@@ -8,10 +8,12 @@ import collections
 import contextlib
 import json
 import os
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
 
+import jax
 from tensorboardX import SummaryWriter
 
 from coevolve_jax import errors
@@ -156,3 +158,44 @@ class PhaseTimer:
     out = {f"timing/{k}": v for k, v in self.last.items()}
     self.last = {}
     return out
+
+
+# The event JAX records around every XLA backend compilation (jax/_src/dispatch.py,
+# BACKEND_COMPILE_EVENT); tests/test_metrics.py checks that a new jit shape still fires it.
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+  """Counts this process's XLA compilations and their seconds, from JAX's own monitoring event
+  (`jax.monitoring`, BACKEND_COMPILE_EVENT), whichever thread compiles (the GRPO step, the
+  engine's prefill and decode buckets, the feedback thread's explorer model). Persistent
+  compilation-cache hits are not compilations and are not counted.
+
+  `pop()` gives {"compile/count": int, "compile/seconds": float} since the previous pop (the
+  run logs them per step in metrics.jsonl); `total` counts since construction. `close()`
+  unregisters the listener.
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self.total = 0
+    self._count, self._seconds = 0, 0.0
+    jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+  def _on_event(self, event: str, duration_secs: float, **kwargs) -> None:
+    del kwargs
+    if event == BACKEND_COMPILE_EVENT:
+      with self._lock:
+        self.total += 1
+        self._count += 1
+        self._seconds += float(duration_secs)
+
+  def pop(self) -> dict[str, float]:
+    with self._lock:
+      out = {"compile/count": self._count, "compile/seconds": self._seconds}
+      self._count, self._seconds = 0, 0.0
+    return out
+
+  def close(self) -> None:
+    with contextlib.suppress(AssertionError, ValueError):  # already unregistered
+      jax.monitoring.unregister_event_duration_listener(self._on_event)

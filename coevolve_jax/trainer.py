@@ -714,11 +714,14 @@ class PolicyTrainer:
       for k, v in self.grpo_update(mb, o, r).items():
         out.setdefault(f"train/{k}", []).append(v)
     metrics = {k: float(np.mean(v)) for k, v in out.items()}
-    misses = [gen & (np.asarray(o) == -np.inf) for gen, o in zip(generated, old)]
-    metrics["train/sampler_logp_gap"] = max(
-      float(jnp.max(jnp.where(gen & ~miss, jnp.abs(o - mb.sampler_logp), 0.0)))
-      for mb, o, gen, miss in zip(minis, old, generated, misses)
-    )
+    # On the host, in numpy: eager jnp ops here compiled a program per new batch shape.
+    old_np = [np.asarray(o) for o in old]
+    misses = [gen & (o == -np.inf) for gen, o in zip(generated, old_np)]
+    with np.errstate(invalid="ignore"):  # -inf - -inf where a token is outside the sampled set
+      metrics["train/sampler_logp_gap"] = max(
+        float(np.max(np.where(gen & ~miss, np.abs(o - mb.sampler_logp), 0.0), initial=0.0))
+        for mb, o, gen, miss in zip(minis, old_np, generated, misses)
+      )
     if self.sampling.truncates:
       metrics["train/sampler_set_misses"] = int(sum(m.sum() for m in misses))
     return metrics

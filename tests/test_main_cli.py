@@ -73,6 +73,30 @@ def test_unknown_config_variant_is_a_clear_error(tmp_path):
   assert "unknown variant 'tpu-typo'" in proc.stderr
 
 
+def test_a_full_scale_config_on_a_small_cpu_machine_stops_at_start_up_with_the_plan(tmp_path):
+  """The full-scale BFCL config (Qwen3-4B, fp32 master, 64 x 32k cache) on host CPU devices
+  with a fake 16 GiB machine: one error line with the planner's table and exit 2, before any
+  parameter is allocated (before this check it was killed for memory minutes later)."""
+  code = (
+    "import os, sys; real = os.sysconf; "
+    "os.sysconf = lambda n: 4096 if n == 'SC_PAGE_SIZE' else "
+    "(16 * 2**30 // 4096 if n == 'SC_PHYS_PAGES' else real(n)); "
+    "from coevolve_jax.main import run; sys.argv[0] = 'main'; run()"
+  )
+  proc = subprocess.run(
+    [sys.executable, "-c", code, "--config=configs/bfcl.py", f"--workdir={tmp_path}"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "error: the run does not fit its devices" in proc.stderr
+  assert "16.0 GiB available" in proc.stderr and "| qwen3_4b | 1,1,1,1 |" in proc.stderr
+  assert "Traceback" not in proc.stderr
+  assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
+
+
 def test_unusable_workdir_fails_fast_with_a_clear_error(tmp_path):
   afile = tmp_path / "afile"
   afile.write_text("keep me")

@@ -241,6 +241,10 @@ def test_a_run_that_cannot_fit_stops_with_the_planners_table():
   # Room for two slices' activations but not one's: auto picks 2.
   k, plan = plan_device_memory.fit_run(cfg, mesh, two.total)
   assert k == 2 and plan.micro_batches == 2
+  # Without the compiled confirmation (the job on CPU) the residual estimate decides.
+  residual_one = plan_device_memory.plan_for_run(cfg, mesh, 1)
+  k, plan = plan_device_memory.fit_run(cfg, mesh, residual_one.total, confirm_compiled=False)
+  assert k == 1 and plan.activation_source == "residuals" and plan.total == residual_one.total
   # The same device with the count fixed at 1: stop, and say how.
   cfg.train.micro_batches = 1
   with pytest.raises(MemoryError, match="train.micro_batches = 0") as e:

@@ -78,3 +78,33 @@ def test_a_replacement_on_a_full_disk_raises_disk_full_error_and_keeps_the_old_f
   with pytest.raises(DiskFullError):
     truncate_jsonl(str(rows), 1)
   assert rows.read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+def test_compile_counter_counts_each_new_program_once():
+  """A new jit shape is one XLA compilation (JAX's backend-compile event, whose name this checks
+  on the installed JAX); calling it again, or with a shape already compiled, is none; `pop`
+  resets the step's figures; after `close` nothing is counted."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from coevolve_jax.metrics import CompileCounter
+
+  counter = CompileCounter()
+  try:
+    f = jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.0)
+    f(np.ones(17)).block_until_ready()
+    f(np.ones(17)).block_until_ready()
+    first = counter.pop()
+    assert first["compile/count"] == 1 and first["compile/seconds"] > 0
+    f(np.ones(17)).block_until_ready()
+    f(np.ones(19)).block_until_ready()  # a new shape
+    f(np.ones(23)).block_until_ready()
+    assert counter.pop()["compile/count"] == 2
+    assert counter.pop() == {"compile/count": 0, "compile/seconds": 0.0}
+    assert counter.total == 3
+  finally:
+    counter.close()
+  f(np.ones(29)).block_until_ready()
+  assert counter.total == 3
+  counter.close()  # twice: no error

@@ -513,7 +513,10 @@ def plan_for_run(
 
 
 def fit_run(
-  cfg: Mapping[str, Any], mesh: Mapping[str, int], device_bytes: int | None
+  cfg: Mapping[str, Any],
+  mesh: Mapping[str, int],
+  device_bytes: int | None,
+  confirm_compiled: bool = True,
 ) -> tuple[int, MemoryPlan | None]:
   """Chooses the run's gradient-accumulation slices and checks that the run fits one device,
   before anything is allocated.
@@ -525,10 +528,13 @@ def fit_run(
 
   Args:
     cfg: the run's config. mesh: axis sizes of the run's mesh.
-    device_bytes: memory of one device (`jax.Device.memory_stats()["bytes_limit"]`), or None
-      where the platform does not say (CPU): nothing is checked.
+    device_bytes: memory of one device (`jax.Device.memory_stats()["bytes_limit"]`, or a host
+      device's share of the machine's memory), or None: nothing is checked.
+    confirm_compiled: confirm the choice with the compiled step's figure; False keeps the
+      residual estimate (a lower bound), as the job does on CPU, where the compile would cost
+      seconds per run and XLA:CPU's float32 figure would overstate a bfloat16 run.
   Returns:
-    (micro_batches to run with, the confirmed plan or None when nothing was checked).
+    (micro_batches to run with, the plan that fits, or None when nothing was checked).
   Raises:
     MemoryError: parameters, gradients, optimizer, reference, rollout weights and KV cache alone
       exceed the device, or the activations of a worst-case batch do not fit with any allowed
@@ -551,7 +557,8 @@ def fit_run(
     p = plan_for_run(cfg, mesh, k)
     if p.total > device_bytes:
       continue
-    p = plan_for_run(cfg, mesh, k, activations="compiled")
+    if confirm_compiled:
+      p = plan_for_run(cfg, mesh, k, activations="compiled")
     if p.total <= device_bytes:
       return k, p
   raise MemoryError(
