@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The prepared accelerator check (issue 17): one command for a machine with a GPU or TPU and no
+# internet, in stages, each with its own time limit and log, about 8 minutes in all.
+#
+#   bash benchmarks/accelerator_check.sh [OUT_DIR]        (from the repository root)
+#
+# OUT_DIR (default $OUT, else ./accelerator_check_out) receives at most 8 files:
+#   summary.md   one row per stage: exit status, seconds, limit; the machine and the date
+#   env.log      Python, JAX and device report (memory limit per device), GPU name
+#   bench.log    `coevolve_jax.cli.bench` at the Qwen3-0.6B shape (random weights), and
+#   bench.json   its record (compare it with `python -m coevolve_jax.cli.bench compare`)
+#   decode.log   benchmarks/rollout_bench.py: our engine against transformers `generate`
+#   main.log     the CPU preset's main job, shrunk, with per-step compile counts and step times
+#   tests.log    float32 parity with transformers (under model.matmul_precision "highest")
+#
+# Dependencies: the machine's image is expected to hold JAX for its accelerator, Flax, optax,
+# orbax, transformers, torch, tokenizers, safetensors and numpy. The project's other pure-Python
+# dependencies travel as wheels in $WHEELS (default .whl beside this repository's root), made on
+# a connected machine with benchmarks/fetch_accelerator_wheels.sh; they are installed into a
+# temporary folder on PYTHONPATH, nothing is installed system-wide. Stage limits (seconds) can be
+# changed with the variables below; LIMIT_SCALE multiplies them all (e.g. 0.5 for a dry run).
+set -u
+cd "$(dirname "$0")/.."
+OUT_DIR=${1:-${OUT:-accelerator_check_out}}
+WHEELS=${WHEELS:-.whl}
+PY=${PYTHON:-python3}
+SCALE=${LIMIT_SCALE:-1}
+mkdir -p "$OUT_DIR"
+summary="$OUT_DIR/summary.md"
+limit() { awk -v s="$1" -v k="$SCALE" 'BEGIN { v = int(s * k); print (v < 5 ? 5 : v) }'; }
+
+site=$(mktemp -d)/site
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
+    "$WHEELS"/*.whl >"$OUT_DIR/env.log" 2>&1 || echo "warning: wheel install failed" >>"$OUT_DIR/env.log"
+fi
+export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export TOKENIZERS_PARALLELISM=false
+
+{
+  echo "# Accelerator check"
+  echo
+  echo "$(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo
+  echo "| stage | exit status | seconds | limit (s) |"
+  echo "| --- | --- | --- | --- |"
+} >"$summary"
+
+# stage NAME LIMIT_S COMMAND...: runs COMMAND under `timeout`, output appended to NAME.log.
+stage() {
+  local name=$1 lim
+  lim=$(limit "$2")
+  shift 2
+  local start=$SECONDS
+  echo "== $name (limit ${lim} s): $*" >>"$OUT_DIR/$name.log"
+  timeout --kill-after=10 "$lim" "$@" >>"$OUT_DIR/$name.log" 2>&1
+  local rc=$?
+  local note=$rc
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then note="$rc (timed out)"; fi
+  echo "| $name | $note | $((SECONDS - start)) | $lim |" >>"$summary"
+  echo "$name: exit $note after $((SECONDS - start)) s"
+}
+
+stage env "${ENV_S:-20}" bash -c "uname -a; nproc; free -g 2>/dev/null | head -2;
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version \
+    --format=csv; $PY benchmarks/env_report.py"
+
+stage bench "${BENCH_S:-140}" "$PY" -m coevolve_jax.cli.bench --config=configs/bfcl.py \
+  --config.model.preset=qwen3_0_6b --out="$OUT_DIR/bench.json"
+
+stage decode "${DECODE_S:-90}" "$PY" benchmarks/rollout_bench.py --peers=transformers \
+  --batches=64 --prompt_len=512 --new_tokens=128 --layers=28 --hidden=1024 --kv_lengths=4096 \
+  --repeats=2
+
+run_dir=$(mktemp -d)/run
+stage main "${MAIN_S:-120}" bash -c "
+  $PY -m coevolve_jax.main --config=configs/bfcl.py:cpu --workdir=$run_dir \
+    --config.train.steps=4 --config.eval.max_tasks=2 --config.warmstart.steps=40 \
+  && $PY - <<EOF
+import json
+for line in open('$run_dir/metrics.jsonl'):
+  row = json.loads(line)
+  if 'compile/count' in row:
+    keep = ('step', 'compile/count', 'compile/seconds', 'timing/rollout', 'timing/train',
+            'reward/mean')
+    print({k: row.get(k) for k in keep})
+EOF"
+
+stage tests "${TESTS_S:-100}" "$PY" -m pytest -q -x -p no:cacheprovider tests/test_qwen_parity.py
+
+echo >>"$summary"
+echo "Logs: one file per stage beside this one. Machine: see env.log." >>"$summary"
+cat "$summary"
