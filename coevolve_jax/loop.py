@@ -299,18 +299,17 @@ class CoEvolveRun:
     start-up, with the memory planner's table, when the run cannot fit its devices
     (`plan_device_memory.fit_run`). GPUs and TPUs report their memory; host (CPU) devices get an
     equal share of the machine's memory and the residual estimate only (a Qwen3-4B config on a
-    laptop stops here instead of being killed for memory minutes later). Checkpoint runs (no
-    preset to plan) are not checked; there auto means 1.
+    laptop stops here instead of being killed for memory minutes later). A checkpoint run is
+    planned from its config.json.
 
     Returns:
       The gradient-accumulation slices per update.
     Raises:
       RunError: static memory alone, or the activations of a worst-case mini-batch with every
-        allowed micro-batch count, exceed one device's memory.
+        allowed micro-batch count, exceed one device's memory; `model.checkpoint` has no
+        usable config.json.
     """
     mesh = dict(self.mesh.shape)
-    if self.cfg.model.checkpoint:
-      return plan_device_memory.micro_batch_choices(self.cfg, mesh)[0]
     device = jax.local_devices()[0]
     limit = (device.memory_stats() or {}).get("bytes_limit")
     where = "device"
@@ -322,6 +321,8 @@ class CoEvolveRun:
       )
     except MemoryError as e:
       raise RunError(str(e)) from None
+    except (OSError, models.CheckpointFormatError) as e:  # the checkpoint's config.json
+      raise RunError(f"model.checkpoint={self.cfg.model.checkpoint!r}: {e}") from None
     if plan is not None:
       print(
         f"memory: train.micro_batches = {micro}, {plan.total / 2**30:.1f} GiB per device "

@@ -97,6 +97,26 @@ def test_a_full_scale_config_on_a_small_cpu_machine_stops_at_start_up_with_the_p
   assert not os.path.exists(os.path.join(tmp_path, "checkpoints"))
 
 
+def test_a_missing_checkpoint_folder_is_one_error_line(tmp_path):
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "coevolve_jax.main",
+      "--config=configs/bfcl.py:cpu",
+      f"--config.model.checkpoint={tmp_path}/no-such-model",
+      f"--workdir={tmp_path}/run",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "error: model.checkpoint=" in proc.stderr and "config.json not found" in proc.stderr
+  assert "Traceback" not in proc.stderr
+
+
 def test_unusable_workdir_fails_fast_with_a_clear_error(tmp_path):
   afile = tmp_path / "afile"
   afile.write_text("keep me")

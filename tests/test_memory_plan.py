@@ -1,5 +1,6 @@
 """Memory planning from shapes: parameter counts, per-device shards, optimizer, KV cache, CLI."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -253,3 +254,24 @@ def test_a_run_that_cannot_fit_stops_with_the_planners_table():
   with pytest.raises(MemoryError, match="before any activation") as e:
     plan_device_memory.fit_run(cfg, mesh, one.static - 1)
   assert "| tiny_cpu | 1,1,1,1 |" in str(e.value) and "mesh.fsdp" in str(e.value)
+
+
+def test_a_checkpoint_run_is_planned_from_its_config_json(tmp_path):
+  """With `model.checkpoint`, the plan is the checkpoint's model (its config.json, no tensor
+  read): a saved tiny_cpu plans exactly as the preset; a folder without config.json is an
+  error naming it."""
+  from coevolve_jax.models import save_pretrained
+  from coevolve_jax.models.builder import init
+
+  save_pretrained(init(QwenConfig.preset("tiny_cpu"), seed=0), str(tmp_path / "ckpt"))
+  cfg = _cpu_preset_config()
+  mesh = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
+  want = plan_device_memory.plan_for_run(cfg, mesh)
+  cfg.model.checkpoint = str(tmp_path / "ckpt")
+  cfg.model.preset = "qwen3_4b"  # not read with a checkpoint
+  got = plan_device_memory.plan_for_run(cfg, mesh)
+  assert got.preset == "qwen3-2x128" and want.preset == "tiny_cpu"
+  assert dataclasses.replace(got, preset="tiny_cpu") == want
+  cfg.model.checkpoint = str(tmp_path / "missing")
+  with pytest.raises(FileNotFoundError, match="config.json not found"):
+    plan_device_memory.plan_for_run(cfg, mesh)

@@ -54,6 +54,7 @@ from flax import nnx
 
 from coevolve_jax.cli import prices
 from coevolve_jax.models import sharding
+from coevolve_jax.models.hf import read_config
 from coevolve_jax.models.qwen import KVCache, Qwen, QwenConfig
 from coevolve_jax.trainer import inference_rules, make_optimizer, token_logprobs
 
@@ -153,6 +154,25 @@ def shard_bytes(
   return math.prod(sharding.shard_shape(mesh, spec, shape)) * jnp.dtype(dtype).itemsize
 
 
+Model = str | QwenConfig  # a preset name, or the config of a checkpoint (`hf.read_config`)
+
+
+def model_config(model: Model) -> QwenConfig:
+  """The QwenConfig of a preset name, or `model` itself.
+
+  Raises:
+    ValueError: unknown preset.
+  """
+  return model if isinstance(model, QwenConfig) else QwenConfig.preset(model)
+
+
+def model_label(model: Model) -> str:
+  """A preset's name; for a checkpoint's config, its family, depth and width."""
+  if isinstance(model, str):
+    return model
+  return f"{model.model_type}-{model.num_hidden_layers}x{model.hidden_size}"
+
+
 def abstract_model(cfg: QwenConfig, dtype, remat: str = "full") -> tuple[nnx.GraphDef, nnx.State]:
   """The model's graph and abstract parameter state (ShapeDtypeStructs with their metadata)."""
   model = nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0), dtype=dtype, remat=remat))
@@ -188,10 +208,10 @@ def _sharded_tree_bytes(tree, param_axes: dict[tuple, tuple], mesh) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _activation_leaves(preset: str, dtype: str, seq_len: int, targets: int, remat: str):
+def _activation_leaves(preset: Model, dtype: str, seq_len: int, targets: int, remat: str):
   """Residual shapes of the training forward that depend on the batch, at batch 1, with the
   decoder layers rematerialised by `remat` (`qwen.REMAT_POLICIES`)."""
-  graphdef, state = abstract_model(QwenConfig.preset(preset), jnp.dtype(dtype), remat)
+  graphdef, state = abstract_model(model_config(preset), jnp.dtype(dtype), remat)
 
   def residuals(batch):
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
@@ -234,13 +254,13 @@ FLOOR_TOKENS = 16  # the compiled figure's floor: a sequence this short needs ne
 
 @functools.lru_cache(maxsize=16)
 def _compiled_temp_bytes(
-  preset: str, dtype: str, seqs: int, seq_len: int, targets: int, remat: str
+  preset: Model, dtype: str, seqs: int, seq_len: int, targets: int, remat: str
 ) -> int | None:
   """`temp_size_in_bytes` of the compiled loss and gradient of the trainer's forward
   (`token_logprobs`) over `seqs` sequences of `seq_len` tokens with `targets` scored positions,
   compiled for the default backend from abstract inputs (nothing is allocated); None where the
   backend gives no memory analysis."""
-  graphdef, state = abstract_model(QwenConfig.preset(preset), jnp.dtype(dtype), remat)
+  graphdef, state = abstract_model(model_config(preset), jnp.dtype(dtype), remat)
 
   def loss(p, tokens, pos):
     return jnp.sum(token_logprobs(nnx.merge(graphdef, p), tokens, pos))
@@ -253,7 +273,7 @@ def _compiled_temp_bytes(
 
 
 def compiled_activation_bytes(
-  preset: str, dtype: str, seq_len: int, targets: int, remat: str, seqs: int
+  preset: Model, dtype: str, seq_len: int, targets: int, remat: str, seqs: int
 ) -> int | None:
   """Activation memory of `seqs` sequences from XLA's own buffer assignment: the temporaries of
   the compiled training step (loss and gradient of `token_logprobs`, `remat` as the job runs it)
@@ -276,14 +296,14 @@ def compiled_activation_bytes(
 
 
 @functools.lru_cache(maxsize=8)
-def _abstract_params(preset: str, dtype: str):
-  graphdef, state = abstract_model(QwenConfig.preset(preset), jnp.dtype(dtype))
+def _abstract_params(preset: Model, dtype: str):
+  graphdef, state = abstract_model(model_config(preset), jnp.dtype(dtype))
   params_state = nnx.state(nnx.merge(graphdef, state), nnx.Param)
   return params_state, _param_axes(params_state)
 
 
 def parameter_bytes(
-  preset: str, mesh: Mapping[str, int], dtype: str = "bfloat16"
+  preset: Model, mesh: Mapping[str, int], dtype: str = "bfloat16"
 ) -> tuple[int, int]:
   """(parameter count, parameter bytes per device) of `preset` on `mesh`, from shapes only.
 
@@ -296,7 +316,7 @@ def parameter_bytes(
 
 
 def rollout_weights_bytes(
-  preset: str, mesh: Mapping[str, int], dtype: str, param_dtype: str, layout: str = "gathered"
+  preset: Model, mesh: Mapping[str, int], dtype: str, param_dtype: str, layout: str = "gathered"
 ) -> int:
   """Bytes per device of the engine's weight copy (`PolicyTrainer.inference_params`): the
   parameters in `dtype` and the `layout`'s rules. The job always makes it, as the engine decodes
@@ -314,7 +334,7 @@ def rollout_weights_bytes(
 
 
 def kv_cache_bytes(
-  preset: str, mesh: Mapping[str, int], num_slots: int, cache_len: int, dtype: str = "bfloat16"
+  preset: Model, mesh: Mapping[str, int], num_slots: int, cache_len: int, dtype: str = "bfloat16"
 ) -> int:
   """Bytes per device of the rollout engine's KV cache (`KVCache.zeros` shapes, k and v for every
   layer), slots over the batch mesh axes and kv heads over the tensor axis.
@@ -322,7 +342,7 @@ def kv_cache_bytes(
   Raises:
     ValueError: unknown preset.
   """
-  cfg = QwenConfig.preset(preset)
+  cfg = model_config(preset)
   cache = jax.eval_shape(lambda: KVCache.zeros(cfg, num_slots, cache_len, jnp.dtype(dtype)))
   return sum(
     shard_bytes(x.shape, x.dtype, axes, mesh)
@@ -332,7 +352,7 @@ def kv_cache_bytes(
 
 
 def plan(
-  preset: str,
+  preset: Model,
   mesh: Mapping[str, int],
   *,
   batch: int,
@@ -350,7 +370,7 @@ def plan(
   """Memory per device for training and rollout of `preset` on a mesh of `mesh` axis sizes.
 
   Args:
-    preset: a `QwenConfig` preset name.
+    preset: a `QwenConfig` preset name, or a checkpoint's `QwenConfig` (`hf.read_config`).
     mesh: sizes of (data, fsdp, tensor, expert); missing axes are 1.
     batch: sequences per optimizer step (one mini-batch), global.
     seq_len: tokens per training sequence.
@@ -380,7 +400,7 @@ def plan(
   if activations not in ACTIVATION_SOURCES:
     raise ValueError(f"activations must be one of {ACTIVATION_SOURCES}, got {activations!r}")
   mesh = {a: int(mesh.get(a, 1)) for a in sharding.MESH_AXES}
-  cfg = QwenConfig.preset(preset)
+  cfg = model_config(preset)
   dt, pdt = jnp.dtype(dtype), jnp.dtype(param_dtype)
   params_state, axes = _abstract_params(preset, str(pdt))
   num_params, param_bytes = parameter_bytes(preset, mesh, param_dtype)
@@ -401,7 +421,7 @@ def plan(
       act, source = (compiled * act) // max(1, unsplit), "compiled"
   kv = kv_cache_bytes(preset, mesh, num_slots, cache_len, dtype)
   return MemoryPlan(
-    preset=preset,
+    preset=model_label(preset),
     mesh=mesh,
     dtype=str(dt),
     param_dtype=str(pdt),
@@ -494,10 +514,15 @@ def plan_for_run(
   The training sequence is taken at its longest, `rollout.cache_len` tokens (a trajectory never
   holds more), and a mini-batch holds tasks_per_step * group_size / mini_batches rows (rounded
   up), in `micro_batches` slices (default: `train.micro_batches`, or 1 where that is 0 = auto).
+  With `model.checkpoint` set, the model is the checkpoint's config.json (`hf.read_config`).
+
+  Raises:
+    FileNotFoundError, CheckpointFormatError: `model.checkpoint` has no usable config.json.
   """
   rollout, train = cfg["rollout"], cfg["train"]
+  checkpoint = cfg["model"].get("checkpoint", "")
   return plan(
-    cfg["model"]["preset"],
+    read_config(checkpoint) if checkpoint else cfg["model"]["preset"],
     mesh,
     batch=_mini_batch_rows(cfg)[0],
     seq_len=rollout["cache_len"],

@@ -255,6 +255,30 @@ def _set_layer(stack: jax.Array, value: jax.Array, layer) -> jax.Array:
   return jax.lax.dynamic_update_index_in_dim(stack, value.astype(stack.dtype), layer, 0)
 
 
+def read_config(path: str | os.PathLike) -> QwenConfig:
+  """The QwenConfig of a Hugging Face folder (`config_from_hf` of its config.json), with
+  `eos_token_ids` from config.json and generation_config.json, config.json's first, each once;
+  no tensor is read (the memory planner sizes a checkpoint run from it).
+
+  Raises:
+    FileNotFoundError: no `config.json`. CheckpointFormatError: not JSON, or what
+      `config_from_hf` refuses.
+  """
+  folder = Path(path)
+  config_file = folder / "config.json"
+  if not config_file.exists():
+    raise FileNotFoundError(f"{config_file} not found (is {folder} a Hugging Face model folder?)")
+  try:
+    hf = json.loads(config_file.read_text())
+  except ValueError as e:
+    raise CheckpointFormatError(f"{config_file}: not JSON ({e})") from e
+  cfg = config_from_hf(hf)
+  generation = generation_eos_ids(folder, cfg.vocab_size)
+  return dataclasses.replace(
+    cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + generation))
+  )
+
+
 def from_pretrained(
   path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = None, remat: str = "full"
 ) -> Qwen:
@@ -278,16 +302,7 @@ def from_pretrained(
       `eos_token_id` that is not ids in the vocabulary.
   """
   folder = Path(path)
-  config_file = folder / "config.json"
-  if not config_file.exists():
-    raise FileNotFoundError(f"{config_file} not found (is {folder} a Hugging Face model folder?)")
-  try:
-    hf = json.loads(config_file.read_text())
-  except ValueError as e:
-    raise CheckpointFormatError(f"{config_file}: not JSON ({e})") from e
-  cfg = config_from_hf(hf)
-  generation = generation_eos_ids(folder, cfg.vocab_size)
-  cfg = dataclasses.replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + generation)))
+  cfg = read_config(folder)
   abstract = nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0), dtype=dtype, remat=remat))
   graphdef, state = nnx.split(abstract)
   variables = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(state)}
