@@ -107,9 +107,10 @@ def test_model_takes_the_online_path_for_long_sequences_as_accurately_as_the_def
     h = nnx.merge(graphdef, p).hidden_states(tokens, attention_mask_bt=mask, output_index_bp=index)
     return jnp.sum(jnp.square(h))
 
-  plain = jax.value_and_grad(loss)(params)
+  # A fresh jit per call: each traces the module constants as they are at that moment.
+  plain = jax.jit(jax.value_and_grad(loss))(params)
   with jax.enable_x64(True):
-    exact = jax.value_and_grad(loss)(jax.tree.map(lambda a: a.astype(jnp.float64), params))
+    exact = jax.jit(jax.value_and_grad(loss))(jax.tree.map(lambda a: a.astype(jnp.float64), params))
     exact = jax.tree.map(np.asarray, exact)
   calls = []
   real = qwen._attend_online
@@ -122,7 +123,7 @@ def test_model_takes_the_online_path_for_long_sequences_as_accurately_as_the_def
   monkeypatch.setattr(qwen, "ATTN_ONLINE_Q_BLOCK", 16)
   monkeypatch.setattr(qwen, "ATTN_ONLINE_K_BLOCK", 32)
   monkeypatch.setattr(qwen, "_attend_online", spy)
-  online = jax.value_and_grad(loss)(params)
+  online = jax.jit(jax.value_and_grad(loss))(params)
   assert (16, 32) in calls  # both the scanned layer (T = 128) and the last (P = 32) went online
 
   def error(result):
