@@ -2,15 +2,14 @@
 
     .venv/bin/python benchmarks/rollout_bench.py [--batches=1,8,32,64] [--new_tokens=32]
 
-One random Qwen3 (8 layers, hidden 512, full 151,936-token vocabulary, float32; saved once as a
-Hugging Face folder that every contender loads) and one set of random 128-token prompts. For each
-batch size it prints generated tokens/s (new tokens over the wall time of a whole generate call,
-prefill included, median of --repeats calls after a warm-up call of the same shapes) greedy and
-sampled (T = 0.9, full vocabulary), the ratio of ours to the faster peer, whether our greedy
-tokens equal transformers', how one decode step's time grows with batch size and with cache
-length, and the matmul bound: the most tokens/s an implementation could reach here if every
-product ran at the rate XLA (or the faster of XLA and torch) reaches on it in this run
-(`matmul_bound`).
+One random Qwen3 (8 layers, hidden 512, full 151,936-token vocabulary, float32 or `--dtype`; saved
+once as a Hugging Face folder that every contender loads) and one set of random 128-token prompts.
+For each batch size it prints generated tokens/s (new tokens over the wall time of a whole generate
+call, prefill included, median of --repeats calls after a warm-up call of the same shapes) greedy
+and sampled (T = 0.9, full vocabulary), the ratio of ours to the faster peer, whether our greedy
+tokens equal transformers', how one decode step's time grows with batch size and with cache length,
+and the matmul bound: the most tokens/s an implementation could reach here if every product ran at
+the rate XLA (or the faster of XLA and torch) reaches on it in this run (`matmul_bound`).
 
 google-tunix conflicts with our pins, so it runs in its own environment (`--tunix_python`,
 default .venv-tunix/bin/python) as a subprocess of this script (`--worker=tunix`), on the same
@@ -90,7 +89,9 @@ def tunix_worker(args) -> None:
   )
   mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   with mesh:
-    model = qwen3_params.create_model_from_safe_tensors(args.folder, cfg, mesh, dtype=jnp.float32)
+    model = qwen3_params.create_model_from_safe_tensors(
+      args.folder, cfg, mesh, dtype=jnp.dtype(args.dtype)
+    )
 
   class IdTokenizer:
     """Prompts travel as space-separated token ids, so tunix sees exactly our ids."""
@@ -180,7 +181,9 @@ def run_transformers(args, prompts: np.ndarray) -> dict:
   import transformers  # noqa: PLC0415
 
   torch.set_num_threads(os.cpu_count() or 1)
-  model = transformers.AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.float32)
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+    args.folder, dtype=getattr(torch, args.dtype)
+  )
   model.eval()
   out = {}
   for mode in ("greedy", "sampled"):
@@ -215,6 +218,8 @@ def run_transformers(args, prompts: np.ndarray) -> dict:
 def run_ours(args, model, prompts: np.ndarray) -> dict:
   """Per batch size, greedy and sampled calls alternate (one engine, warmed up in both modes), so
   the sampled / greedy ratio compares neighbouring runs rather than runs minutes apart."""
+  import jax.numpy as jnp  # noqa: PLC0415
+
   from coevolve_jax.rollout import Engine, SamplingParams, generate  # noqa: PLC0415
 
   cache = -(-(args.prompt_len + args.new_tokens) // 128) * 128
@@ -224,7 +229,7 @@ def run_ours(args, model, prompts: np.ndarray) -> dict:
   }
   out = {mode: {} for mode in modes}
   for b in args.batches:
-    engine = Engine(model, b, cache)
+    engine = Engine(model, b, cache, dtype=jnp.dtype(args.dtype))
     batch = prompts[:b].tolist()
     times = {mode: [] for mode in modes}
     for rep in range(args.repeats + 1):  # the first round warms up (compiles)
@@ -250,7 +255,7 @@ def step_times(args, model) -> dict:
   greedy = SamplingParams(temperature=0.0)
   out = {}
   for b in args.batches:
-    engine = Engine(model, b, max(args.kv_lengths))
+    engine = Engine(model, b, max(args.kv_lengths), dtype=jnp.dtype(args.dtype))
     for kv in args.kv_lengths:
       # Timing only: every slot pretends kv - 1 entries are filled (contents do not matter).
       engine._pos[:] = kv - 1  # pylint: disable=protected-access
@@ -338,7 +343,7 @@ def matmul_bound(args, model) -> dict:
 def report(args, ours, hf, tunix, steps, bound) -> None:
   print(f"\nmachine: {machine(torch_version=True)}")
   print(
-    f"model: Qwen3, {args.layers} layers, hidden {args.hidden}, vocab {VOCAB}, float32; "
+    f"model: Qwen3, {args.layers} layers, hidden {args.hidden}, vocab {VOCAB}, {args.dtype}; "
     f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens per row\n"
   )
   rows = [
@@ -437,6 +442,12 @@ def main() -> None:
     help="timed generate calls per contender and setting (the median is reported)",
   )
   p.add_argument("--peers", default="transformers,tunix")
+  p.add_argument(
+    "--dtype",
+    default="float32",
+    choices=("float32", "bfloat16"),
+    help="weights and KV cache of every contender (the matmul bound stays float32: --bound=0)",
+  )
   p.add_argument("--tunix_python", default=".venv-tunix/bin/python")
   p.add_argument("--bound", type=int, default=1, help="print the matmul bound (0: skip)")
   p.add_argument("--folder", default="", help="(worker) the Hugging Face folder")
@@ -452,7 +463,13 @@ def main() -> None:
 
   from coevolve_jax.models import Qwen, QwenConfig, save_pretrained  # noqa: PLC0415
 
-  model = Qwen(QwenConfig(**_config_kwargs(args.layers, args.hidden)), rngs=nnx.Rngs(0))
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  model = Qwen(
+    QwenConfig(**_config_kwargs(args.layers, args.hidden)),
+    rngs=nnx.Rngs(0),
+    dtype=jnp.dtype(args.dtype),
+  )
   prompts = _prompts(max(args.batches), args.prompt_len)
   peers = args.peers.split(",") if args.peers else []
   with tempfile.TemporaryDirectory() as folder:
