@@ -11,7 +11,12 @@ import socket
 import pytest
 
 from coevolve_jax.feedback import factory
-from coevolve_jax.feedback.llm import BudgetExhausted, LLMError
+from coevolve_jax.feedback.llm import (
+  UNREACHABLE_AFTER,
+  BudgetExhausted,
+  EndpointUnreachable,
+  LLMError,
+)
 from coevolve_jax.feedback.openai_llm import NO_KEY, OpenAILLM, OpenAISettings
 from coevolve_jax.testing.gemini_stub import Reply
 from coevolve_jax.testing.openai_stub import OpenAIStub, chat_body, openai_error_body
@@ -99,6 +104,36 @@ def test_a_refused_connection_is_an_llm_error(monkeypatch):
   )
   with pytest.raises(LLMError, match="connection error"):
     llm.complete("s", "p")
+
+
+def test_an_unreachable_endpoint_stops_the_round_after_a_few_requests(stub, monkeypatch):
+  """A dead or misnamed endpoint: after UNREACHABLE_AFTER requests in a row that could not
+  connect, the next is refused before it is sent (EndpointUnreachable, a RoundStopped) instead
+  of every remaining context waiting out its retries; a new round tries again; an answer of any
+  kind, an HTTP error too, restarts the count."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  monkeypatch.setenv("COEVOLVE_TEST_KEY", KEY)
+  settings = dict(base_url=f"http://127.0.0.1:{port}/v1", api_key_env="COEVOLVE_TEST_KEY")
+  dead = OpenAILLM(OpenAISettings(**settings, attempts=1))
+  for _ in range(UNREACHABLE_AFTER):
+    with pytest.raises(LLMError, match="connection error") as e:
+      dead.complete("s", "p")
+    assert not isinstance(e.value, EndpointUnreachable)
+  with pytest.raises(EndpointUnreachable, match=f"127.0.0.1:{port}"):
+    dead.complete("s", "p")
+  dead.budget.reset()  # the next round
+  with pytest.raises(LLMError, match="connection error") as e:
+    dead.complete("s", "p")
+  assert not isinstance(e.value, EndpointUnreachable)
+  # A live endpoint that fails with HTTP errors is reachable: its errors never stop the round.
+  live = _llm(stub, monkeypatch, attempts=1)
+  stub.script.extend([Reply(500, openai_error_body())] * (UNREACHABLE_AFTER + 1))
+  for _ in range(UNREACHABLE_AFTER + 1):
+    with pytest.raises(LLMError, match="HTTP 500") as e:
+      live.complete("s", "p")
+    assert not isinstance(e.value, EndpointUnreachable)
 
 
 def test_the_token_budget_stops_requests_before_they_are_sent(stub, monkeypatch):

@@ -33,8 +33,21 @@ class LLMError(RuntimeError):
   """A request that failed for good (after retries): HTTP error, timeout, malformed response."""
 
 
-class BudgetExhausted(LLMError):
+class RoundStopped(LLMError):
+  """No further request is sent this round: the caller (D0 or a feedback round) stops early."""
+
+
+class BudgetExhausted(RoundStopped):
   """The round's token budget is spent; no further request is sent this round."""
+
+
+class EndpointUnreachable(RoundStopped):
+  """UNREACHABLE_AFTER requests in a row could not reach the endpoint (each after its client's
+  retries: refused connection, timeout, transport error); no further request is sent this
+  round, instead of every remaining context waiting out its own retries."""
+
+
+UNREACHABLE_AFTER = 3  # consecutive unreachable requests that stop a round (TokenBudget)
 
 
 class TokenBudget:
@@ -48,24 +61,44 @@ class TokenBudget:
     self.limit = int(limit)
     self.used = 0
     self.requests = 0
+    self.unreachable = 0  # consecutive requests that could not reach the endpoint
+    self.last_unreachable = ""
     self._lock = threading.Lock()
 
   def check(self) -> None:
-    """Raises BudgetExhausted when the round's budget is already spent."""
+    """Raises BudgetExhausted when the round's budget is already spent, EndpointUnreachable
+    when the last UNREACHABLE_AFTER requests could not reach the endpoint."""
     with self._lock:
       if self.limit > 0 and self.used >= self.limit:
         raise BudgetExhausted(f"token budget of {self.limit} per round spent ({self.used} used)")
+      if self.unreachable >= UNREACHABLE_AFTER:
+        raise EndpointUnreachable(
+          f"{self.unreachable} requests in a row could not reach the endpoint (last: "
+          f"{self.last_unreachable}); no more requests this round"
+        )
+
+  def reached(self) -> None:
+    """The endpoint answered (an HTTP error too): the count of unreachable requests restarts."""
+    with self._lock:
+      self.unreachable = 0
+
+  def unreachable_request(self, why: str) -> None:
+    """Counts a request that could not reach the endpoint (a reply of any kind resets it)."""
+    with self._lock:
+      self.unreachable += 1
+      self.last_unreachable = why
 
   def charge(self, tokens: int) -> None:
     with self._lock:
       self.used += max(0, int(tokens))
       self.requests += 1
+      self.unreachable = 0
 
   def reset(self) -> dict[str, int]:
     """Starts a new round; returns the finished round's {"tokens", "requests"}."""
     with self._lock:
       out = {"tokens": self.used, "requests": self.requests}
-      self.used, self.requests = 0, 0
+      self.used, self.requests, self.unreachable = 0, 0, 0
       return out
 
 
@@ -198,6 +231,8 @@ class GeminiLLM:
 
     Raises:
       BudgetExhausted: the round's token budget is spent (checked before sending).
+      EndpointUnreachable: the last requests could not reach the endpoint (checked before
+        sending; `TokenBudget.check`).
       LLMError: an HTTP error after the last retry, a timeout, a malformed or empty response.
     """
     from google.genai import errors  # pylint: disable=g-import-not-at-top
@@ -213,12 +248,15 @@ class GeminiLLM:
     try:
       response = self._client.models.generate_content(model=s.model, contents=prompt, config=config)
     except errors.APIError as e:
+      self.budget.reached()
       raise LLMError(f"Gemini HTTP {e.code} {e.status or ''}".strip()) from None
     except ValueError as e:  # the client's json.loads of a malformed body
       raise LLMError(f"malformed Gemini response: {e}") from None
     except Exception as e:  # transport errors (timeouts, refused connections) of the client
       kind = "timeout" if "Timeout" in type(e).__name__ else "transport error"
-      raise LLMError(f"Gemini {kind}: {type(e).__name__}") from None
+      why = f"Gemini {kind}: {type(e).__name__}"
+      self.budget.unreachable_request(why)
+      raise LLMError(why) from None
     usage = response.usage_metadata
     tokens = (usage.total_token_count or 0) if usage is not None else 0
     text = response.text

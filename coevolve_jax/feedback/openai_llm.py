@@ -105,6 +105,8 @@ class OpenAILLM:
 
     Raises:
       BudgetExhausted: the round's token budget is spent (checked before sending).
+      EndpointUnreachable: the last requests could not reach the endpoint (checked before
+        sending; `TokenBudget.check`).
       LLMError: an HTTP error after the last retry, a timeout, a refused connection, a
         malformed or empty response.
     """
@@ -123,14 +125,17 @@ class OpenAILLM:
         **extra,
       )
     except errors.APITimeoutError:
-      raise LLMError(f"{self.name}: timeout after {s.timeout_s:g} s") from None
+      why = f"{self.name}: timeout after {s.timeout_s:g} s"
+      self.budget.unreachable_request(why)
+      raise LLMError(why) from None
     except errors.APIStatusError as e:
+      self.budget.reached()
       raise LLMError(f"{self.name}: HTTP {e.status_code}") from None
     except errors.APIConnectionError as e:
       where = s.base_url or "the client's default endpoint"
-      raise LLMError(
-        f"{self.name}: connection error to {where} ({type(e.__cause__).__name__})"
-      ) from None
+      why = f"{self.name}: connection error to {where} ({type(e.__cause__).__name__})"
+      self.budget.unreachable_request(why)
+      raise LLMError(why) from None
     except (errors.APIError, ValueError) as e:  # a body the client could not parse
       raise LLMError(f"{self.name}: malformed response ({type(e).__name__})") from None
     choices = getattr(response, "choices", None) or []

@@ -26,7 +26,13 @@ from typing import Any
 import numpy as np
 
 from envs.bfcl.explorer import SUMMARY_KEYS, ExplorationContext, Triplet
-from coevolve_jax.feedback.llm import BudgetExhausted, LLMError, TextLLM, parse_json_reply
+from coevolve_jax.feedback.llm import (
+  EndpointUnreachable,
+  LLMError,
+  RoundStopped,
+  TextLLM,
+  parse_json_reply,
+)
 from envs.bfcl.sandbox import Sandbox
 from coevolve_jax.types import Task, ToolCall
 from envs.bfcl.data import compact_description
@@ -96,7 +102,8 @@ def summarize_with_llm(
     dict with SUMMARY_KEYS plus "by": "llm" or "template".
 
   Raises:
-    BudgetExhausted: the round's token budget is spent (the caller stops the round).
+    RoundStopped: the round's token budget is spent or its endpoint unreachable (the caller stops
+      the round).
   """
   prompt = json.dumps(
     {
@@ -118,7 +125,7 @@ def summarize_with_llm(
   )
   try:
     data = parse_json_reply(llm.complete(SUMMARY_SYSTEM, prompt, json_output=True))
-  except BudgetExhausted:
+  except RoundStopped:
     raise
   except LLMError as e:
     log.warning("context summary by LLM failed (%s); using the template summary", e)
@@ -235,7 +242,9 @@ class LLMExplorer:
     for run_id in range(context.rounds):
       try:
         out.extend(self._run(context, run_id, [t.action for t in out]))
-      except BudgetExhausted as e:
+      except EndpointUnreachable:
+        raise  # the round stops: no later context would reach it either
+      except RoundStopped as e:
         log.info("exploration of %s stopped: %s", context.task_id, e)
         break
       except LLMError as e:
@@ -313,7 +322,7 @@ def abstract_with_llm(
   not JSON, or on an LLM error other than a spent budget.
 
   Raises:
-    BudgetExhausted: the round's token budget is spent.
+    RoundStopped: the round's token budget is spent or its endpoint unreachable.
   """
   runs: dict[int, list[Triplet]] = {}
   for t in triplets:
@@ -334,7 +343,7 @@ def abstract_with_llm(
   )
   try:
     data = parse_json_reply(llm.complete(system, prompt, json_output=True))
-  except BudgetExhausted:
+  except RoundStopped:
     raise
   except LLMError as e:
     log.info("LLM abstraction unusable (%s)", e)
@@ -368,7 +377,7 @@ def attempt_and_judge(llm: TextLLM, task: Task, max_steps: int = 12) -> tuple[bo
     (accepted, info with "checker_reward", "judge" ({success, reason} or None), "attempt").
 
   Raises:
-    BudgetExhausted: the round's token budget is spent.
+    RoundStopped: the round's token budget is spent or its endpoint unreachable.
   """
   attempt: list[list[list[str]]] = []
   final_observation = ""  # the environment's last output in the attempt (what the judge sees)
@@ -385,7 +394,7 @@ def attempt_and_judge(llm: TextLLM, task: Task, max_steps: int = 12) -> tuple[bo
         )
         try:
           call = parse_call_reply(llm.complete(EXPLORER_SYSTEM, prompt, json_output=True))
-        except BudgetExhausted:
+        except RoundStopped:
           raise
         except LLMError as e:
           history.append(f"<unusable reply: {e}>")
@@ -416,7 +425,7 @@ def attempt_and_judge(llm: TextLLM, task: Task, max_steps: int = 12) -> tuple[bo
   )
   try:
     verdict = parse_json_reply(llm.complete(JUDGE_SYSTEM, prompt, json_output=True))
-  except BudgetExhausted:
+  except RoundStopped:
     raise
   except LLMError as e:
     info["judge"] = {"success": False, "reason": f"judge failed: {e}"}

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from coevolve_jax.feedback.llm import BudgetExhausted, TextLLM
+from coevolve_jax.feedback.llm import RoundStopped, TextLLM
 from coevolve_jax.feedback.pool import TaskPool
 from coevolve_jax.feedback.rounds import (
   UNGUIDED,
@@ -156,7 +156,8 @@ def _explore_one(
     when abstraction found none; whether any task was abstracted).
 
   Raises:
-    BudgetExhausted: the LLM's token budget ran out (the caller ends the round).
+    RoundStopped: the LLM's token budget ran out or its endpoint is unreachable (the caller ends
+      the round).
   """
   triplets = explorer.explore(context, rng)
   if trace is not None:
@@ -256,7 +257,7 @@ def build_initial_tasks(
       results, made = _explore_one(
         context, explorer, rng, f"d0-{len(out):05d}", "explore", None, settings, llm
       )
-    except BudgetExhausted as e:
+    except RoundStopped as e:
       log.warning("D0: stopped early: %s", e)
       break
     counts["attempted"] += 1
@@ -314,7 +315,7 @@ def synthesize_round(
       results, made = _explore_one(
         context, explorer, rng, task_id, "synth", round_idx, settings, llm, trace
       )
-    except BudgetExhausted as e:
+    except RoundStopped as e:
       log.warning(
         "feedback round %d stopped after %d of %d contexts: %s", round_idx, k, len(events), e
       )
