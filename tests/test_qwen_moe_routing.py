@@ -346,6 +346,7 @@ def test_near_tie_routing_is_replayed_by_the_trainer():
       assert np.all(np.isfinite(g)) and np.abs(g).max() > 1e-6, first + j
 
 
+@pytest.mark.slow  # 51 s; make test keeps replay on meshes in tests/test_moe_expert_parallel.py
 def test_replay_on_a_mesh_matches_one_device():
   """Runs `_sharded_child` in a fresh interpreter with 8 host devices."""
   run_child(__file__, "sharded")
