@@ -22,6 +22,18 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _main(*args: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+  """`python -m coevolve_jax.main ARGS` from the repository root, output captured."""
+  return subprocess.run(
+    [sys.executable, "-m", "coevolve_jax.main", *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
+
+
 def test_appworld_without_server_or_data_stops_at_once_with_setup_steps(tmp_path):
   env = dict(
     os.environ,
@@ -29,20 +41,7 @@ def test_appworld_without_server_or_data_stops_at_once_with_setup_steps(tmp_path
     APPWORLD_ROOT=str(tmp_path / "no-data"),
   )
   start = time.monotonic()
-  proc = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "coevolve_jax.main",
-      "--config=configs/appworld.py",
-      f"--workdir={tmp_path / 'run'}",
-    ],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=60,
-  )
+  proc = _main("--config=configs/appworld.py", f"--workdir={tmp_path / 'run'}", timeout=60, env=env)
   assert proc.returncode == 2, proc.stderr
   assert time.monotonic() - start < 20
   for step in (
@@ -56,19 +55,7 @@ def test_appworld_without_server_or_data_stops_at_once_with_setup_steps(tmp_path
 
 
 def test_unknown_config_variant_is_a_clear_error(tmp_path):
-  proc = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "coevolve_jax.main",
-      "--config=configs/bfcl.py:tpu-typo",
-      f"--workdir={tmp_path}",
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=60,
-  )
+  proc = _main("--config=configs/bfcl.py:tpu-typo", f"--workdir={tmp_path}", timeout=60)
   assert proc.returncode != 0
   assert "unknown variant 'tpu-typo'" in proc.stderr
 
@@ -98,18 +85,10 @@ def test_a_full_scale_config_on_a_small_cpu_machine_stops_at_start_up_with_the_p
 
 
 def test_a_missing_checkpoint_folder_is_one_error_line(tmp_path):
-  proc = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "coevolve_jax.main",
-      "--config=configs/bfcl.py:cpu",
-      f"--config.model.checkpoint={tmp_path}/no-such-model",
-      f"--workdir={tmp_path}/run",
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
+  proc = _main(
+    "--config=configs/bfcl.py:cpu",
+    f"--config.model.checkpoint={tmp_path}/no-such-model",
+    f"--workdir={tmp_path}/run",
     timeout=300,
   )
   assert proc.returncode == 2, proc.stderr[-2000:]
@@ -121,19 +100,7 @@ def test_unusable_workdir_fails_fast_with_a_clear_error(tmp_path):
   afile = tmp_path / "afile"
   afile.write_text("keep me")
   start = time.monotonic()
-  proc = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "coevolve_jax.main",
-      "--config=configs/bfcl.py:cpu",
-      f"--workdir={afile}",
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=60,
-  )
+  proc = _main("--config=configs/bfcl.py:cpu", f"--workdir={afile}", timeout=60)
   assert proc.returncode == 2
   assert "cannot use --workdir" in proc.stderr
   assert time.monotonic() - start < 20
@@ -161,19 +128,7 @@ def test_a_full_disk_stops_the_run_with_one_error_line_and_exit_status_2(tmp_pat
   workdir = tmp_path / "run"
   workdir.mkdir()
   os.symlink("/dev/full", workdir / "config.json.tmp")
-  proc = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "coevolve_jax.main",
-      "--config=configs/bfcl.py:cpu",
-      f"--workdir={workdir}",
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
+  proc = _main("--config=configs/bfcl.py:cpu", f"--workdir={workdir}", timeout=120)
   assert proc.returncode == 2, proc.stderr[-3000:]
   assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
   last = proc.stderr.strip().splitlines()[-1]
