@@ -4,19 +4,26 @@ AppWorld fields in `c.appworld` (read by envs/appworld/suite.py, the suite the l
 Variants:
   `configs/appworld.py` (full scale): the BFCL full-scale groups (Qwen3-4B shape, G = 8, ...) on
     the official AppWorld data (`appworld.source = "official"`: `appworld download data` under
-    `appworld.data_root`, default $APPWORLD_ROOT; training tasks from `appworld.split`, evaluation
-    on the 168 tasks of `appworld.eval_split` = test_normal; 10 code replies per training episode,
-    30 per evaluation episode). Official tasks carry no solution here, so D0 is
-    `explore.initial_tasks` of the split's tasks as they are, warm-start stays off
-    (`warmstart.steps = 0`), and feedback rounds synthesize nothing (the official data folder is
-    never written to): the run evaluates and trains by RL on the split.
+    `appworld.data_root`, default $APPWORLD_ROOT; evaluation on the 168 tasks of
+    `appworld.eval_split` = test_normal; 10 code replies per training episode, 30 per evaluation
+    episode). All three stages run as the paper's: D0 is `explore.initial_tasks` tasks made by
+    unguided LLM exploration of the `appworld.split` worlds (their human-written instructions
+    are never used unless `appworld.d0 = "official"`, a baseline), and every feedback round
+    explores the marked tasks' worlds under the signals' guidance; abstracted tasks are derived
+    from those worlds (envs/appworld/world.py `derive_task`: their reference code's answer and
+    database changes become their evaluation) into an overlay of the data under the workdir
+    (the official data folder is never written to) and validated by execution plus an LLM
+    agent's attempt and the judge. The explorer, abstractor and judge: `explore.explorer`
+    (gemini by default).
   `configs/appworld.py:cpu`: the BFCL CPU preset on generated worlds (`appworld.source =
     "generated"`: worlds built offline from AppWorld's shipped app models and factories, under
     <workdir>/appworld_root, no download), 10 scenarios x 2 worlds with the last 2 scenarios held
     out as test_normal, 2 code replies per episode, shorter observations and replies, up to 12
     D0 tasks (each validated by running its solution) with the CPU preset's warm-start on their
     solutions, and 4 evaluation tasks. Feedback rounds build and validate new worlds of the marked
-    tasks' families (up to `feedback.max_contexts` = 3 per round).
+    tasks' families (up to `feedback.max_contexts` = 3 per round). With an LLM explorer
+    (`--config.explore.explorer=openai` and a base_url, or gemini) the generated worlds go
+    through the same LLM path as official data.
 
   `configs/appworld.py:paper`: the full scale with every knob the paper states (30 steps per
     episode, over the limit = failure, observations cut at 4,096 tokens, evaluation on
@@ -98,9 +105,12 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.data.category = ""  # unused for AppWorld (BFCL only); see c.appworld.split / eval_split
   c.data.explore_category = ""  # BFCL only
   c.explore.only_classes = ()  # BFCL backends: not used for AppWorld
-  # AppWorld's synthesis builds worlds from templates and does not drive an LLM explorer yet, so
-  # none is configured (an LLM here would need a key and go unused).
-  c.explore.explorer = "programmatic"
+  # D0 (paper Sec. 3.1): "explore" = exploration of the training worlds (by the LLM explorer of
+  # explore.explorer / explore.d0_explorer; on generated worlds the programmatic explorer's
+  # template tasks), "official" = the split's human-written tasks as they are (a baseline).
+  c.appworld.d0 = "explore"
+  # The explorer, abstractor and judge are the BFCL config's: an LLM at full scale (gemini; the
+  # paper variant the OpenAI-compatible endpoint of Qwen3-Max), programmatic in the CPU preset.
   if variant == "cpu":  # generated worlds; one code reply solves a task (~150 tokens)
     c.appworld.build.num_scenarios = 10
     c.appworld.build.tasks_per_scenario = 2
@@ -127,6 +137,5 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     c.appworld.eval_split = "test_normal,test_challenge"  # both of the paper's test splits
     c.data.eval_size = 585  # 168 + 417 tasks
     c.eval.max_tasks = 585
-    c.explore.explorer = "programmatic"  # AppWorld synthesis drives no LLM yet (see above)
     c.feedback.max_contexts = 0  # every candidate context
   return c

@@ -6,6 +6,7 @@ tests; the built data lives in a pytest temp folder, never in the repository.
 """
 
 import importlib.util
+import json
 import os
 import signal
 import time
@@ -287,7 +288,7 @@ def test_official_source_loads_splits_and_never_writes_into_the_data(suite, tmp_
 
   c = _config()
   c.appworld.update(
-    source="official", data_root=suite.root, split="train", eval_split="test_normal"
+    source="official", data_root=suite.root, split="train", eval_split="test_normal", d0="official"
   )
   official = AppWorldSuite(c, str(tmp_path))  # the built root in the official layout
   try:
@@ -311,3 +312,166 @@ def test_official_source_loads_splits_and_never_writes_into_the_data(suite, tmp_
     assert result.done and result.reward == 0.0 and result.info["num_tests"] >= 2
   finally:
     env.close()
+
+
+# ---------------------------------------------------------------- the LLM path (paper Sec. 3)
+
+
+@pytest.fixture
+def stub_llm(monkeypatch):
+  """The real `openai` client against the loopback stub, whose default responder explores Simple
+  Note, abstracts one task with its answer, and replays the hints when it attempts a task."""
+  from coevolve_jax.feedback.openai_llm import OpenAILLM, OpenAISettings  # noqa: PLC0415
+  from coevolve_jax.testing.openai_stub import OpenAIStub  # noqa: PLC0415
+
+  monkeypatch.setenv("COEVOLVE_TEST_KEY", "sk-test")
+  with OpenAIStub() as server:
+    settings = OpenAISettings(base_url=server.api_url, api_key_env="COEVOLVE_TEST_KEY", model="s")
+    yield OpenAILLM(settings), server
+
+
+def _run(suite, task, code):
+  reward, info = suite.run_code(task, code)
+  return reward, info["passed"], info["num_tests"]
+
+
+@needs_appworld
+def test_derived_task_is_graded_by_its_reference_changes_and_answer(world):
+  root, rows, _ = world
+  base = rows["count_notes"]["task_id"]
+  login = (
+    'pw = {a["account_name"]: a["password"] for a in apis.supervisor.show_account_passwords()}\n'
+    "me = apis.supervisor.show_profile()\n"
+    'token = apis.simple_note.login(username=me["email"], password=pw["simple_note"])'
+    '["access_token"]'
+  )
+  add = 'apis.simple_note.create_note(access_token=token, title="T1", content="C1")'
+  count = "print(len(apis.simple_note.search_notes(access_token=token, page_limit=20)))"
+
+  def spec(n, steps, answer_step=None):
+    return {
+      "task_id": f"dd00001_{n}",
+      "base_task_id": base,
+      "instruction": f"derived task {n}",
+      "steps": steps,
+      "answer_step": answer_step,
+    }
+
+  specs = [
+    spec(1, [login, add, count], answer_step=2),
+    spec(2, [login, "apis.simple_note.no_such_api()"]),
+    spec(3, [login, count]),  # answers nothing, changes nothing
+    spec(4, [login, add, "apis.supervisor.complete_task()"]),
+    spec(5, ["import os\nos.system('true')"]),
+    spec(6, [login, add], answer_step=1),  # the answer step prints nothing
+  ]
+  out = appworld_server.derive_worlds(root, specs, PYTHON)
+  assert [r["task_id"] for r in out] == [s["task_id"] for s in specs]
+  made, *failed = out
+  assert made["error"] is None and made["changed"] == ["simple_note.Note"], made
+  n = made["answer"]  # what the count step printed in the derived world, after the new note
+  assert n == 4 + 1  # the world fixture gives the supervisor num_notes=4 notes
+  assert made["solution"].endswith(f"{count}\napis.supervisor.complete_task(answer={n})\n")
+  assert "step 1 failed" in failed[0]["error"]
+  assert "neither answers anything nor changes" in failed[1]["error"]
+  assert "completed the task itself" in failed[2]["error"]
+  assert "os.system" in failed[3]["error"] and "printed nothing" in failed[4]["error"]
+  tasks = os.path.join(root, "data", "tasks")
+  assert os.path.isdir(os.path.join(tasks, "dd00001_1"))
+  assert not any(os.path.exists(os.path.join(tasks, f"dd00001_{i}")) for i in range(2, 7))
+  with open(os.path.join(tasks, "dd00001_1", "specs.json")) as f:
+    assert json.load(f)["instruction"] == "derived task 1"
+  from envs.appworld.suite import AppWorldSuite  # noqa: PLC0415
+
+  suite = AppWorldSuite.__new__(AppWorldSuite)  # only run_code's episode factory is needed
+  suite.aw, suite.pool = _config().appworld, world[2]
+  task = task_from_row(made)
+  assert _run(suite, task, made["solution"]) == (1.0, 2, 2)
+  assert _run(suite, task, "apis.supervisor.complete_task()") == (0.0, 0, 2)
+  # Right answer, world unchanged; the right change, a wrong answer; the right change twice.
+  assert _run(suite, task, f"apis.supervisor.complete_task(answer={n})")[1:] == (1, 2)
+  wrong = f"{login}\n{add}\napis.supervisor.complete_task(answer={n + 1})"
+  assert _run(suite, task, wrong)[1:] == (1, 2)
+  twice = f"{login}\n{add}\n{add}\napis.supervisor.complete_task(answer={n})"
+  assert _run(suite, task, twice)[1:] == (1, 2)
+
+
+@needs_appworld
+def test_llm_d0_and_feedback_round_on_generated_worlds(suite, stub_llm, monkeypatch):
+  import numpy as np  # noqa: PLC0415
+
+  from coevolve_jax.feedback.signals import SignalEvent  # noqa: PLC0415
+
+  llm, server = stub_llm
+  monkeypatch.setitem(suite.explore_args, "max_calls", 6)  # the stub's 3-step task fits
+  rng = np.random.default_rng(1)
+  d0, counts = suite.initial_tasks(2, rng, llm)
+  assert counts == {"attempted": 2, "abstracted": 2, "accepted": 2, "rejected": 0}, counts
+  train_ids = {t.task_id for t in suite.train_tasks}
+  for task in d0:
+    assert task.source == "explore" and task.provenance["abstraction"] == "llm"
+    assert task.provenance["parent"] in train_ids  # a training world, not its instruction
+    assert task.turns[0].startswith("Add a Simple Note note titled")
+    assert task.provenance["validation"]["reward"] == 1.0  # the attempt passed the evaluator
+    # The answer is what the count printed in the derived world (4 notes + the new one).
+    assert task.initial_config["solution"].endswith("apis.supervisor.complete_task(answer=5)\n")
+  # The explorer never saw the base task's human-written instruction.
+  base = next(t for t in suite.train_tasks if t.task_id == d0[0].provenance["parent"])
+  assert not any(base.turns[0] in json.dumps(r["body"]) for r in server.requests)
+  event = SignalEvent(d0[0], "boundary", [["simple_note.login"]], 0.0, [["ok"]])
+  result = suite.synthesize_round([event], rng, 1, llm)
+  assert result.synthesized == 1 and len(result.tasks) == 1, result.rejected
+  (task,) = result.tasks
+  assert task.source == "synth" and task.provenance["signal"] == "boundary"
+  assert task.provenance["parent"] == d0[0].task_id  # re-explored in the marked task's world
+  assert result.per_signal == {"boundary": {"events": 1, "synthesized": 1, "validated": 1}}
+  assert any(r["ok"] and "create_note" in r["action"] for r in result.trace)
+  assert result.llm_usage["requests"] >= 5
+  assert _run(suite, task, task.initial_config["solution"])[0] == 1.0
+  assert _run(suite, task, "apis.supervisor.complete_task()")[0] == 0.0
+
+
+@needs_appworld
+def test_official_data_is_overlaid_and_derived_tasks_go_to_the_workdir(suite, tmp_path):
+  from envs.appworld.suite import AppWorldSuite  # noqa: PLC0415
+
+  c = _config()
+  c.appworld.update(source="official", data_root=suite.root, split="train")
+  official = AppWorldSuite(c, str(tmp_path))  # the built root in the official layout
+  data = os.path.join(suite.root, "data", "tasks")
+  before = sorted(os.listdir(data))
+  try:
+    assert official.root == os.path.join(str(tmp_path), "appworld_root")
+    assert os.path.islink(os.path.join(official.root, "data", "tasks", before[0]))
+    spec = {
+      "task_id": "ov00001_1",
+      "base_task_id": official.train_tasks[0].task_id,
+      "instruction": "Add a note.",
+      "steps": [
+        'pw = {a["account_name"]: a["password"] for a in '
+        "apis.supervisor.show_account_passwords()}\nme = apis.supervisor.show_profile()\n"
+        'token = apis.simple_note.login(username=me["email"], password=pw["simple_note"])'
+        '["access_token"]\napis.simple_note.create_note(access_token=token, title="t", content="c")'
+      ],
+    }
+    (row,) = appworld_server.derive_worlds(official.root, [spec], PYTHON)
+    assert row["error"] is None and row["answer"] is None and row["changed"] == ["simple_note.Note"]
+    assert sorted(os.listdir(data)) == before  # the data folder is never written to
+    derived = os.path.join(official.root, "data", "tasks", "ov00001_1")
+    assert os.path.isdir(derived) and not os.path.islink(derived)
+  finally:
+    official.close()
+
+
+def test_official_data_with_the_programmatic_explorer_is_refused():
+  from envs.appworld.suite import validate_config  # noqa: PLC0415
+
+  c = _config()
+  c.appworld.update(source="official", data_root="/nonexistent")
+  with pytest.raises(ValueError, match="appworld.d0"):
+    validate_config(c)
+  c.appworld.d0 = "official"
+  validate_config(c)
+  c.explore.explorer = "openai"
+  c.appworld.d0 = "explore"
+  validate_config(c)

@@ -67,8 +67,62 @@ def _tool_lines(prompt: str) -> list[tuple[str, list[tuple[str, bool, str]]]]:
   return out
 
 
+# The stub's AppWorld exploration (Simple Note, which every generated world has): log in, add a
+# note, count the notes; then STOP.
+APPWORLD_EXPLORATION = (
+  'pw = {a["account_name"]: a["password"] for a in apis.supervisor.show_account_passwords()}\n'
+  "me = apis.supervisor.show_profile()\n"
+  'token = apis.simple_note.login(username=me["email"], password=pw["simple_note"])'
+  '["access_token"]\nprint("logged in")',
+  'apis.simple_note.create_note(access_token=token, title="Stub note", content="by the stub")\n'
+  'print("created")',
+  "print(len(apis.simple_note.search_notes(access_token=token, page_limit=20)))",
+)
+
+
+def appworld_responder(system: str, prompt: str) -> str | None:
+  """Stand-in answers for the prompts of envs.appworld.llm_explorer (None: not one)."""
+  if system.startswith("You explore the apps of an AppWorld"):
+    step = int(m.group(1)) if (m := re.search(r"Step (\d+) of", prompt)) else 1
+    if step > len(APPWORLD_EXPLORATION):
+      return "STOP"
+    return f"```python\n{APPWORLD_EXPLORATION[step - 1]}\n```"
+  if system.startswith("You turn an exploration log of an AppWorld"):
+    runs = collections.Counter(int(r) for r in re.findall(r"^run (\d+) step", prompt, re.M))
+    if not runs:
+      return json.dumps({"tasks": []})
+    run_id, n = max(runs.items(), key=lambda kv: (kv[1], -kv[0]))
+    at_most = int(m.group(1)) if (m := re.search(r"At most (\d+) steps", prompt)) else n
+    if at_most >= n:  # log in, add the note, count
+      steps, query = (
+        list(range(n)),
+        (
+          'Add a Simple Note note titled "Stub note" saying "by the stub", then tell me how many '
+          "notes I have."
+        ),
+      )
+    else:  # log in, count
+      steps, query = [0, n - 1], "How many notes do I have in Simple Note?"
+    task = {
+      "run_id": run_id,
+      "steps": steps,
+      "query": query,
+      "answer_step": n - 1,
+      "description": "count the notes (after adding one)",
+      "completion": "the count is given",
+    }
+    return json.dumps({"tasks": [task]})
+  if "Hints (a known solution):\n```python\n" in prompt:  # the attempting AppWorld agent
+    hints = prompt.split("Hints (a known solution):\n```python\n", 1)[1].split("\n```", 1)[0]
+    return f"```python\n{hints}\n```"
+  return None
+
+
 def feedback_responder(system: str, prompt: str) -> str:
-  """Deterministic stand-in answers for the prompts of envs.bfcl.llm_explorer."""
+  """Deterministic stand-in answers for the prompts of envs.bfcl.llm_explorer and
+  envs.appworld.llm_explorer."""
+  if (reply := appworld_responder(system, prompt)) is not None:
+    return reply
   if system.startswith("You analyse"):
     return json.dumps(
       {

@@ -36,6 +36,7 @@ __all__ = [
   "ServerPool",
   "add_worlds",
   "build_worlds",
+  "derive_worlds",
   "venv_python",
 ]
 
@@ -384,6 +385,35 @@ def _read_rows(path: str) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
+def _run_builder(
+  root: str, python: str, flag: str, specs: list[dict], args: list[str], timeout_s: float
+) -> str:
+  """Runs envs/appworld/world.py `flag` SPEC_FILE on `root` in the AppWorld environment; its
+  stdout. Raises RuntimeError when it fails or times out."""
+  spec_path = os.path.join(root, f"coevolve_spec_{os.getpid()}_{time.monotonic_ns()}.json")
+  with open(spec_path, "w", encoding="utf-8") as f:
+    json.dump(specs, f)
+  try:
+    done = subprocess.run(
+      [python or venv_python(), WORLD_BUILDER, "--root", os.path.abspath(root), flag, spec_path]
+      + args,
+      env=_env(root),
+      capture_output=True,
+      text=True,
+      timeout=timeout_s,
+      check=False,
+    )
+  except subprocess.TimeoutExpired as e:
+    raise RuntimeError(f"the AppWorld world builder took over {timeout_s:g} s") from e
+  finally:
+    os.remove(spec_path)
+  if done.returncode != 0:
+    raise RuntimeError(
+      f"the AppWorld world builder failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
+    )
+  return done.stdout
+
+
 def add_worlds(
   root: str,
   specs: list[dict],
@@ -399,40 +429,29 @@ def add_worlds(
   """
   if not specs:
     return []
-  python = python or venv_python()
-  spec_path = os.path.join(root, f"coevolve_add_{os.getpid()}_{time.monotonic_ns()}.json")
-  with open(spec_path, "w", encoding="utf-8") as f:
-    json.dump(specs, f)
-  script = WORLD_BUILDER
-  try:
-    done = subprocess.run(
-      [
-        python,
-        script,
-        "--root",
-        os.path.abspath(root),
-        "--add",
-        spec_path,
-        "--num-people",
-        str(num_people),
-        "--num-notes",
-        str(num_notes),
-      ],
-      env=_env(root),
-      capture_output=True,
-      text=True,
-      timeout=timeout_s,
-      check=False,
-    )
-  except subprocess.TimeoutExpired as e:
-    raise RuntimeError(f"the AppWorld world builder took over {timeout_s:g} s") from e
-  finally:
-    os.remove(spec_path)
-  if done.returncode != 0:
-    raise RuntimeError(
-      f"the AppWorld world builder failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
-    )
+  args = ["--num-people", str(num_people), "--num-notes", str(num_notes)]
+  _run_builder(root, python, "--add", specs, args, timeout_s)
   wanted = {s["task_id"] for s in specs}
   return [
     r for r in _read_rows(os.path.join(root, "coevolve_tasks.jsonl")) if r["task_id"] in wanted
   ]
+
+
+def derive_worlds(
+  root: str, specs: list[dict], python: str = "", timeout_s: float = 900.0
+) -> list[dict]:
+  """Derives tasks ({task_id, base_task_id, instruction, steps, answer_step} each) from the
+  worlds of existing tasks under `root` (envs/appworld/world.py `derive_task`: the code steps
+  run once, and the answer step's printed output and the database changes become the task's
+  evaluation).
+
+  Returns one row per spec, in order; a row whose "error" is not None names why no task was made.
+  Raises RuntimeError when the builder itself fails.
+  """
+  if not specs:
+    return []
+  out = _run_builder(root, python, "--derive", specs, [], timeout_s)
+  lines = [line for line in out.splitlines() if line.startswith('{"rows"')]
+  if not lines:
+    raise RuntimeError(f"the AppWorld world builder printed no rows:\n{out[-2000:]}")
+  return json.loads(lines[-1])["rows"]

@@ -20,7 +20,9 @@ score 0.0. Accepted tasks go back to the loop, which commits them to the pool.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -36,15 +38,31 @@ from envs.appworld.client import AppWorldUnavailable
 from envs.appworld.data import OFFICIAL_SPLITS, goal_completion, load_split
 from envs.appworld.env import REWARD_MODES, AppWorldEnv, rows_to_tasks, task_from_row
 from envs.appworld.synthesis import code_reply
-from envs.appworld.server import ServerError, ServerPool, add_worlds, build_worlds, venv_python
-from coevolve_jax.feedback.llm import TextLLM
+from envs.appworld.server import (
+  ServerError,
+  ServerPool,
+  add_worlds,
+  build_worlds,
+  derive_worlds,
+  venv_python,
+)
+from envs.appworld import llm_explorer
+from envs.bfcl.explorer import ExplorationContext
+from envs.bfcl.llm_explorer import summarize_with_llm
+from coevolve_jax.feedback.llm import RoundStopped, TextLLM
+from coevolve_jax.feedback.rounds import UNGUIDED
 from coevolve_jax.chat import ChatFormat
 from coevolve_jax.feedback.rounds import RoundResult
 from coevolve_jax.feedback.signals import SignalEvent
 from coevolve_jax.types import Action, Task, Trajectory
 
-__all__ = ["AppWorldSuite", "check_setup", "validate_config"]
+__all__ = ["AppWorldSuite", "check_setup", "overlay_root", "validate_config"]
+log = logging.getLogger(__name__)
 SOURCES = ("official", "generated")  # `cfg.appworld.source`
+# Where D0 comes from (`cfg.appworld.d0`): "explore" (the paper: exploration of the training
+# worlds; an LLM explorer, or on generated worlds the programmatic one) or "official" (the
+# split's human-written tasks as they are: a baseline the paper does not use).
+D0_SOURCES = ("explore", "official")
 
 SETUP_STEPS = """\
 How to set AppWorld up (its pins, pydantic<2, conflict with this project's: it gets its own venv):
@@ -98,6 +116,19 @@ def validate_config(cfg: Any) -> None:
   source = config.get(cfg, "appworld.source")
   if source not in SOURCES:
     config.fail("appworld.source", f"must be one of {SOURCES}", source)
+  d0 = config.get(cfg, "appworld.d0")
+  if d0 not in D0_SOURCES:
+    config.fail("appworld.d0", f"must be one of {D0_SOURCES}", d0)
+  d0_explorer = config.get(cfg, "explore.d0_explorer") or config.get(cfg, "explore.explorer")
+  if source == "official" and d0 == "explore" and d0_explorer == "programmatic":
+    config.fail(
+      "appworld.d0",
+      "'explore' on official data needs an LLM explorer (explore.explorer or "
+      "explore.d0_explorer: gemini, openai or local); the programmatic explorer builds only "
+      "generated worlds. appworld.d0='official' trains on the split's human-written tasks "
+      "instead (a baseline)",
+      d0,
+    )
   splits = OFFICIAL_SPLITS if source == "official" else WORLD_SPLITS
   for field in ("appworld.split", "appworld.eval_split"):
     value = config.get(cfg, field)
@@ -129,6 +160,30 @@ def validate_config(cfg: Any) -> None:
       config.fail(
         "appworld.build.templates", f"must be a tuple of templates of {known} (() = all)", templates
       )
+
+
+def overlay_root(data_root: str, dest: str) -> str:
+  """An AppWorld root at `dest` that shows the official data under `data_root` through symbolic
+  links (every entry of data/, and each task folder of data/tasks/ on its own), so that derived
+  tasks are written into `dest`/data/tasks and the official data folder is never written to.
+
+  Idempotent: links already there are kept. Returns `dest`.
+  """
+  src = os.path.join(os.path.abspath(data_root), "data")
+  data = os.path.join(dest, "data")
+  os.makedirs(os.path.join(data, "tasks"), exist_ok=True)
+
+  def link(target: str, name: str) -> None:
+    if not os.path.lexists(name):
+      os.symlink(target, name)
+
+  for entry in os.listdir(src):
+    if entry != "tasks":
+      link(os.path.join(src, entry), os.path.join(data, entry))
+  for task_id in os.listdir(os.path.join(src, "tasks")):
+    link(os.path.join(src, "tasks", task_id), os.path.join(data, "tasks", task_id))
+  open(os.path.join(dest, "coevolve_tasks.jsonl"), "a", encoding="utf-8").close()
+  return dest
 
 
 class AppWorldSuite:
@@ -164,12 +219,15 @@ class AppWorldSuite:
       self.train_tasks = rows_to_tasks(rows, "train")
       self.eval_tasks = rows_to_tasks(rows, "test_normal")
     else:
-      self.root = str(aw.data_root)
-      self.train_tasks = load_split(self.root, str(aw.split))
+      self.data_root = str(aw.data_root)
+      self.train_tasks = load_split(self.data_root, str(aw.split))
       # Several splits (the paper evaluates test_normal and test_challenge): one list, in order.
       self.eval_tasks = [
-        t for name in split_names(aw.eval_split) for t in load_split(self.root, name)
+        t for name in split_names(aw.eval_split) for t in load_split(self.data_root, name)
       ]
+      # Servers run on an overlay of the official data under the workdir, so that derived tasks
+      # can be written beside the official ones without touching the data folder.
+      self.root = overlay_root(self.data_root, os.path.join(workdir, "appworld_root"))
     log_dir = os.path.join(workdir, "appworld_logs")
     os.makedirs(log_dir, exist_ok=True)
     # One server per decode slot, plus one for the feedback round running beside the rollouts.
@@ -182,6 +240,15 @@ class AppWorldSuite:
       log_dir=log_dir,
     )
     self.api_inventory: dict[str, list[str]] | None = None
+    ex = cfg.explore
+    self.explore_args = {
+      "rounds": int(ex.rounds),
+      "steps_per_round": int(ex.steps_per_round),
+      "min_calls": int(ex.min_calls),
+      "max_calls": int(ex.max_calls),
+    }
+    self.judge, self.validate_tasks = bool(ex.judge), bool(cfg.feedback.validate)
+    self.seed = int(cfg.seed)
 
   # ------------------------------------------------------------------ episodes
 
@@ -256,16 +323,22 @@ class AppWorldSuite:
   def initial_tasks(
     self, n: int, rng: np.random.Generator, llm: TextLLM | None
   ) -> tuple[list[Task], dict[str, int]]:
-    """D0: up to `n` training tasks with solutions, each validated by execution.
+    """D0: up to `n` training tasks.
 
-    Official tasks carry no solution here: they join D0 as they are (AppWorld's own evaluation
-    code grades them), so RL can start; there is nothing to warm-start on. The explorer is
-    programmatic: `llm` is not used yet.
+    `appworld.d0 = "explore"` (the paper, Sec. 3.1): with an LLM, unguided exploration of the
+    training worlds, abstraction and validation (`explore_initial_tasks`); without one (generated
+    worlds only), the programmatic explorer's tasks: training worlds whose reference solution
+    scores 1.0 and whose immediate completion scores 0.0. `appworld.d0 = "official"`: the split's
+    human-written tasks as they are (a baseline; official tasks carry no solution here, so there
+    is nothing to warm-start on).
     """
-    del llm
-    if self.aw.source == "official":
+    if str(self.aw.get("d0", "explore")) == "official":
       picked = [self.train_tasks[int(i)] for i in rng.permutation(len(self.train_tasks))[:n]]
       return picked, {"candidates": len(self.train_tasks), "official": len(picked)}
+    if llm is not None:
+      return self.explore_initial_tasks(n, rng, llm)
+    if self.aw.source == "official":  # validate_config refuses this combination
+      raise ValueError("D0 by exploration of official data needs an LLM explorer")
     candidates = [t for t in self.train_tasks if t.initial_config.get("solution")]
     order = rng.permutation(len(candidates))
     accepted, rejected = [], 0
@@ -280,6 +353,208 @@ class AppWorldSuite:
       "validated": len(accepted),
       "rejected": rejected,
     }
+
+  # ------------------------------------------------------------------ LLM exploration
+
+  def _context(
+    self, base: Task, signal: str | None = None, summary=None, focus=()
+  ) -> ExplorationContext:
+    """What to explore: the world of `base` (its AppWorld task id), with an optional signal."""
+    return ExplorationContext(
+      task_id=str(base.initial_config.get("appworld_task_id", base.task_id)),
+      initial_config={
+        "appworld_task_id": base.initial_config.get("appworld_task_id", base.task_id)
+      },
+      involved_classes=[],
+      signal=signal,
+      focus_calls=list(focus),
+      summary=dict(summary or {}),
+      rounds=self.explore_args["rounds"],
+      steps_per_round=self.explore_args["steps_per_round"],
+    )
+
+  def _tasks_from_context(
+    self,
+    context: ExplorationContext,
+    llm: TextLLM,
+    rng: np.random.Generator,
+    source: str,
+    round_idx: int | None,
+    trace: list[dict[str, Any]],
+  ) -> list[tuple[str, Task | None, str]]:
+    """Explore -> abstract -> derive -> validate one context (paper Sec. 3.2-3.3).
+
+    Returns (task id, the accepted task or None, why) per abstracted task ([] when abstraction
+    found none). Derived tasks of one context share a scenario id, as AppWorld's tasks of one
+    scenario do.
+
+    Raises:
+      RoundStopped: the LLM's budget is spent or its endpoint unreachable.
+    """
+    explorer = llm_explorer.AppWorldLLMExplorer(llm, self._env)
+    triplets = explorer.explore(context, rng)
+    scenario = hashlib.sha1(
+      f"{self.seed}:{source}:{round_idx}:{context.task_id}:{int(rng.integers(1 << 62))}".encode()
+    ).hexdigest()[:7]
+    trace.extend({"scenario": scenario, "parent": context.task_id, **r} for r in explorer.trace)
+    choices = llm_explorer.abstract_tasks(
+      llm,
+      triplets,
+      context,
+      min_calls=self.explore_args["min_calls"],
+      max_calls=self.explore_args["max_calls"],
+    )
+    if not choices:
+      log.info("abstraction found no task in the exploration of %s", context.task_id)
+      return []
+    usable, out = [], []
+    for j, choice in enumerate(choices):
+      try:
+        usable.append(
+          (choice, llm_explorer.derive_spec(choice, f"{scenario}_{j + 1}", context.task_id))
+        )
+      except ValueError as e:
+        out.append((f"{scenario}_{j + 1}", None, f"abstraction: {e}"))
+    rows = derive_worlds(self.root, [spec for _, spec in usable], self.python)
+    for (choice, _), row in zip(usable, rows, strict=True):
+      if row.get("error"):
+        out.append((row["task_id"], None, f"derivation: {row['error']}"))
+        continue
+      task = task_from_row(row, source=source)
+      task.provenance.update(
+        signal=context.signal,
+        round=round_idx,
+        parent=context.task_id,
+        explorer=explorer.name,
+        abstraction="llm",
+        run_id=choice.run_id,
+        description=choice.description,
+        completion=choice.completion,
+      )
+      accepted, why = self._validate_derived(task, llm)
+      out.append((task.task_id, task if accepted else None, why))
+    return out
+
+  def _validate_derived(self, task: Task, llm: TextLLM) -> tuple[bool, str]:
+    """Validation of a derived task: by execution (its reference solution scores 1.0 through a
+    server, completing at once scores 0.0), then with `explore.judge` an LLM agent's attempt,
+    accepted on a positive reward or the judge's success (paper Sec. 3.3)."""
+    if not self.validate_tasks:
+      task.provenance["validation"] = "skipped"
+      return True, "ok (validation skipped)"
+    why = self.validate(task)
+    if why is not None:
+      return False, why
+    if not self.judge:
+      task.provenance["validation"] = "execution"
+      return True, "ok"
+    accepted, info = llm_explorer.attempt_and_judge(
+      llm, task, self._env, max_steps=int(self.aw.max_steps)
+    )
+    task.provenance["validation"] = {"reward": info["reward"], "judge": info["judge"]}
+    if not accepted:
+      return False, f"judge rejected the attempt: {(info['judge'] or {}).get('reason', '')}"
+    return True, "ok"
+
+  def explore_initial_tasks(
+    self, n: int, rng: np.random.Generator, llm: TextLLM
+  ) -> tuple[list[Task], dict[str, int]]:
+    """D0 by unguided LLM exploration of the training worlds (paper Sec. 3.1: no human-written
+    task is used; the base tasks lend only their worlds). Tries up to 3 * n worlds; a spent
+    budget or an unreachable endpoint ends D0 with what was accepted."""
+    llm.budget.reset()  # D0 gets one round's token budget
+    counts = {"attempted": 0, "abstracted": 0, "accepted": 0, "rejected": 0}
+    out: list[Task] = []
+    trace: list[dict[str, Any]] = []
+    order = rng.permutation(len(self.train_tasks))
+    for attempt in range(3 * n):
+      if len(out) >= n or not len(order):
+        break
+      base = self.train_tasks[int(order[attempt % len(order)])]
+      try:
+        results = self._tasks_from_context(self._context(base), llm, rng, "explore", None, trace)
+      except RoundStopped as e:
+        log.warning("D0: stopped early: %s", e)
+        break
+      counts["attempted"] += 1
+      counts["abstracted"] += len(results)
+      for task_id, task, why in results:
+        if task is None:
+          counts["rejected"] += 1
+          log.info("D0: rejected %s (world of %s): %s", task_id, base.task_id, why)
+        elif len(out) < n:
+          out.append(task)
+    counts["accepted"] = len(out)
+    log.info("D0: %s", counts)
+    return out, counts
+
+  def llm_round(
+    self,
+    events: Sequence[SignalEvent],
+    rng: np.random.Generator,
+    round_idx: int,
+    llm: TextLLM,
+  ) -> RoundResult:
+    """A feedback round with an LLM (paper Sec. 3.2-3.3): per event, the context summary (LLM,
+    with the trajectory's observations), signal-guided exploration in the marked task's world,
+    abstraction, derivation and validation. A spent budget ends the round with what was
+    accepted; an unreachable endpoint likewise."""
+    start = time.perf_counter()
+    llm.budget.reset()
+    per_signal: dict[str, dict[str, int]] = {}
+    tasks, rejected, trace, synthesized = [], [], [], 0
+    for k, event in enumerate(events):
+      focus = list(dict.fromkeys(c for turn in event.calls for c in turn))
+      fallback = {
+        "summary": f"{event.signal} signal on task {event.task.task_id} "
+        f"(reward {event.reward:.2f}); APIs used: {', '.join(focus) or 'none'}",
+        "failure_cause": "unknown (template summary)" if event.reward < 0.5 else "",
+        "instability_pattern": event.signal or "",
+        "focus_pattern": focus,
+        "exploration_objectives": [f"exercise {api} in new ways" for api in focus],
+        "do_not_repeat": [],
+      }
+      try:
+        summary = fallback
+        if event.signal is not None:
+          summary = summarize_with_llm(
+            llm,
+            event.task,
+            event.signal,
+            event.calls,
+            event.reward,
+            fallback,
+            event.observations,
+          )
+        context = self._context(event.task, event.signal, summary, focus)
+        results = self._tasks_from_context(context, llm, rng, "synth", round_idx, trace)
+      except RoundStopped as e:
+        log.warning(
+          "feedback round %d stopped after %d of %d contexts: %s", round_idx, k, len(events), e
+        )
+        break
+      counts = per_signal.setdefault(
+        event.signal or UNGUIDED, {"events": 0, "synthesized": 0, "validated": 0}
+      )
+      counts["events"] += 1
+      for task_id, task, why in results:
+        synthesized += 1
+        counts["synthesized"] += 1
+        if task is None:
+          rejected.append((task_id, why))
+        else:
+          counts["validated"] += 1
+          tasks.append(task)
+    return RoundResult(
+      round_idx=round_idx,
+      tasks=tasks,
+      synthesized=synthesized,
+      per_signal=per_signal,
+      rejected=rejected,
+      trace=trace,
+      llm_usage=llm.budget.reset(),
+      wall_s=time.perf_counter() - start,
+    )
 
   def discover_apis(self) -> dict[str, list[str]]:
     """App -> API names, read in a live world through apis.api_docs (cached for the run)."""
@@ -340,11 +615,11 @@ class AppWorldSuite:
     round_idx: int,
     llm: TextLLM | None,
   ) -> RoundResult:
-    """A feedback round: new worlds of the marked tasks' families, validated by execution.
-
-    The explorer is programmatic (API discovery through `apis.api_docs`): `llm` is not used yet.
-    """
-    del llm
+    """A feedback round: with an LLM, `llm_round` (exploration, abstraction, derivation,
+    validation; official or generated worlds); without one, the programmatic explorer's new
+    worlds of the marked tasks' families, validated by execution (generated worlds only)."""
+    if llm is not None:
+      return self.llm_round(events, rng, round_idx, llm)
     start = time.perf_counter()
     tasks, rejected, accepted = self.synthesize(events, rng, round_idx, len(events))
     per_signal = {signal: {"validated": n} for signal, n in accepted.items()}

@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -270,8 +271,6 @@ def _fill_api_docs_table(mc) -> None:
 
 
 def _write_ground_truth(folder: str, answer, tests: str, difficulty: int, solution: str) -> None:
-  import re  # noqa: PLC0415
-
   os.makedirs(folder, exist_ok=True)
   requirements = re.findall(r'with test\("(.*?)"\):', tests)
   files = {
@@ -438,6 +437,216 @@ def add_tasks(root: str, specs: list[dict], num_people: int, num_notes: int) -> 
   return rows
 
 
+# Evaluation code of a derived task (`derive_tasks`): the agent's end state must change the same
+# records as the reference solution did and its answer must match. Records are compared as JSON
+# without their ids (an added record's id depends on insertion order) and `record_hash` (which
+# covers the id); updated records keep their ids. With `private_data["record_to"]` it records the
+# reference run's answer and changes to that file instead of testing (how `derive_task` makes
+# the expected values: one piece of code computes both sides).
+DERIVED_EVALUATION = """\
+import json
+
+_DROP = ("id", "record_hash")
+
+
+def _row(record, keep_id):
+    data = {k: v for k, v in record.dict().items() if k not in _DROP or (keep_id and k == "id")}
+    return json.dumps(data, sort_keys=True, default=str)
+
+
+def _changes(models):
+    out = {}
+    for name in sorted(models.changed_model_names()):
+        added, updated, removed = models.changed_records(name)
+        out[name] = {
+            "added": sorted(_row(r, False) for r in added),
+            "updated": sorted(_row(r, True) for r in updated),
+            "removed": sorted(r.id for r in removed),
+        }
+    return out
+
+
+def evaluate(test, public_data, private_data, main_user, models, ground_truth_answer):
+    answer = json.loads(models.end.supervisor.Task.first().answer)
+    changes = _changes(models)
+    if private_data.get("record_to"):
+        with open(private_data["record_to"], "w", encoding="utf-8") as f:
+            json.dump({"answer": answer, "changes": changes}, f)
+        return
+    with test("assert answers match."):
+        test.answer(answer, ground_truth_answer)
+    with test("assert the database changes match the reference solution's."):
+        test.case(changes, "==", private_data["changes"])
+"""
+DERIVED_REQUIREMENTS = (
+  "assert answers match.",
+  "assert the database changes match the reference solution's.",
+)
+
+
+def _write_json(path: str, value) -> None:
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(value, f, indent=1)
+
+
+def _printed_value(output: str):
+  """The value a step printed: JSON, else a Python literal, else the text (stripped)."""
+  import ast  # noqa: PLC0415
+
+  text = output.strip()
+  try:
+    return json.loads(text)
+  except ValueError:
+    pass
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError, MemoryError, RecursionError):
+    return text
+
+
+def derive_task(spec: dict) -> dict:
+  """One task derived from an existing task's world (paper Sec. 3.3 on AppWorld).
+
+  `spec`: {task_id, base_task_id, instruction, steps: [code, ...], answer_step: int or None}.
+  The new task starts from the base task's databases (its world, supervisor and date) with the
+  new instruction. Its ground truth comes from running the steps once here, in order (AppWorld
+  in this process, safety guard on): the answer is what step `answer_step` printed (JSON or a
+  Python literal, else the text), then `apis.supervisor.complete_task` is called with it; the
+  answer and the records added, changed and removed become the expected values of
+  `DERIVED_EVALUATION`, so AppWorld's own evaluator grades the task like any official one, with
+  no LLM judge. The reference solution (warm-start, hints) is the steps plus that final call.
+
+  Returns the task's index row, with "error" set (and the task folder removed) when a step
+  failed or completed the task itself, the answer step printed nothing, or the task neither
+  answers anything nor changes the world.
+  """
+  import sqlite3  # noqa: PLC0415
+
+  from appworld import AppWorld  # noqa: PLC0415
+  from appworld.common.path_store import path_store  # noqa: PLC0415
+
+  tasks = os.path.join(path_store.data, "tasks")
+  new, base = spec["task_id"], spec["base_task_id"]
+  steps, answer_step = [str(code) for code in spec["steps"]], spec.get("answer_step")
+  folder = os.path.join(tasks, new)
+  row = {
+    "task_id": new,
+    "scenario": new.split("_")[0],
+    "base_task_id": base,
+    "instruction": spec["instruction"],
+    "solution": "",
+    "apps": sorted(set(re.findall(r"apis\.(\w+)\.", "\n".join(steps))) - {"supervisor"}),
+    "difficulty": 2,
+    "error": None,
+  }
+  if os.path.exists(folder):
+    row["error"] = f"task folder {new} exists already"
+    return row
+  shutil.copytree(os.path.join(tasks, base), folder)
+  try:
+    with open(os.path.join(folder, "specs.json"), encoding="utf-8") as f:
+      specs = json.load(f)
+    specs["instruction"] = spec["instruction"]
+    _write_json(os.path.join(folder, "specs.json"), specs)
+    db = sqlite3.connect(os.path.join(folder, "dbs", "supervisor.db"))
+    try:
+      db.execute("UPDATE tasks SET instruction = ?", (spec["instruction"],))
+      db.commit()
+    finally:
+      db.close()
+    truth = os.path.join(folder, "ground_truth")
+    shutil.rmtree(truth, ignore_errors=True)
+    os.makedirs(truth)
+    record = os.path.join(truth, "reference_run.json")
+
+    def metadata(code: str) -> dict:
+      return {
+        "mode": "minimal",
+        "difficulty": 2,
+        "num_apps": len(row["apps"]),
+        "num_apis": len(set(re.findall(r"apis\.(\w+\.\w+)", code))),
+        "num_solution_code_lines": len(code.strip().splitlines()),
+        "derived_from": base,
+      }
+
+    files = {
+      "public_data.json": {},
+      "private_data.json": {"record_to": record},
+      "test_data.json": [],
+      "answer.json": None,
+      "metadata.json": metadata("\n".join(steps)),
+    }
+    for name, value in files.items():
+      _write_json(os.path.join(truth, name), value)
+    with open(os.path.join(truth, "evaluation.py"), "w", encoding="utf-8") as f:
+      f.write(DERIVED_EVALUATION)
+    world = AppWorld(
+      task_id=new,
+      experiment_name=f"derive-{new}",
+      raise_on_unsafe_syntax=True,
+      null_patch_unsafe_execution=True,
+    )
+    answer, final = None, ""
+    try:
+      for i, code in enumerate(steps):
+        output = world.execute(code)
+        if output.startswith("Execution failed"):
+          row["error"] = f"step {i} failed: {output[-300:]}"
+          break
+        if world.task_completed():
+          row["error"] = f"step {i} completed the task itself"
+          break
+        if i == answer_step:
+          if output.strip() == "Execution successful.":
+            row["error"] = f"the answer step {i} printed nothing"
+            break
+          answer = _printed_value(output)
+      if row["error"] is None:
+        final = (
+          "apis.supervisor.complete_task(" + ("" if answer is None else f"answer={answer!r}") + ")"
+        )
+        output = world.execute(final)
+        if output.startswith("Execution failed"):
+          row["error"] = f"completing the task failed: {output[-300:]}"
+        else:
+          world.evaluate(suppress_errors=False)
+    finally:
+      world.close()
+    if row["error"] is None:
+      with open(record, encoding="utf-8") as f:
+        reference = json.load(f)
+      if answer is None and not reference["changes"]:
+        row["error"] = "the task neither answers anything nor changes the world"
+      else:
+        solution = "\n".join(code.rstrip() for code in steps + [final]) + "\n"
+        _write_json(os.path.join(truth, "private_data.json"), {"changes": reference["changes"]})
+        _write_json(os.path.join(truth, "answer.json"), answer)
+        _write_json(
+          os.path.join(truth, "test_data.json"),
+          [{"requirement": r, "label": "no_op_fail"} for r in DERIVED_REQUIREMENTS],
+        )
+        _write_json(os.path.join(truth, "metadata.json"), metadata(solution))
+        row.update(solution=solution, answer=answer, changed=sorted(reference["changes"]))
+  except Exception as e:  # noqa: BLE001 - any failure rejects this task only
+    row["error"] = f"{type(e).__name__}: {e}"
+  if row["error"] is not None:
+    shutil.rmtree(folder, ignore_errors=True)
+  return row
+
+
+def derive_tasks(root: str, specs: list[dict]) -> list[dict]:
+  """`derive_task` for each spec under `root`; appends the rows of the tasks made to the index
+  (split "synth"). Returns every row, failed ones with their "error"."""
+  from appworld import update_root  # noqa: PLC0415
+
+  update_root(os.path.abspath(root))
+  rows = [derive_task(spec) for spec in specs]
+  made = [dict(r, split="synth") for r in rows if r["error"] is None]
+  with open(os.path.join(root, "coevolve_tasks.jsonl"), "a", encoding="utf-8") as f:
+    f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in made)
+  return rows
+
+
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--root", required=True, help="AppWorld root to write data/ under")
@@ -454,7 +663,19 @@ def main(argv: list[str] | None = None) -> int:
     help="JSON file with a list of {task_id, template, seed}: "
     "build these tasks into an existing root (split 'synth'), nothing else",
   )
+  p.add_argument(
+    "--derive",
+    default="",
+    help="JSON file with a list of {task_id, base_task_id, instruction, steps, answer_step}: "
+    "derive these tasks from the base tasks' worlds into an existing root; prints the rows "
+    "(with errors)",
+  )
   a = p.parse_args(argv)
+  if a.derive:
+    with open(a.derive, encoding="utf-8") as f:
+      specs = json.load(f)
+    print(json.dumps({"rows": derive_tasks(a.root, specs)}))
+    return 0
   if a.add:
     with open(a.add, encoding="utf-8") as f:
       specs = json.load(f)

@@ -257,14 +257,18 @@ class LLMExplorer:
 
 @dataclasses.dataclass
 class AbstractionChoice:
-  """One abstracted task: its run, per user turn the query and the executed calls, what it
-  exercises and how to tell it is done."""
+  """One abstracted task: its run, per user turn the query and the executed calls (or code
+  steps), what it exercises and how to tell it is done; `steps` are the chosen step indices of
+  the run (all turns, in order) and `raw` the task object as the LLM wrote it (AppWorld reads
+  its "answer_step")."""
 
   run_id: int
   turns: list[str]
   calls: list[list[str]]
   description: str
   completion: str
+  steps: list[int] = dataclasses.field(default_factory=list)
+  raw: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _choice(
@@ -300,6 +304,8 @@ def _choice(
     [[run[i].action for i in turn] for turn in steps],
     str(item.get("description", "")),
     str(item.get("completion", "")),
+    flat,
+    dict(item),
   )
 
 
@@ -312,6 +318,8 @@ def abstract_with_llm(
   max_calls: int,
   max_turns: int = 8,
   max_tasks: int = 8,
+  system: str = ABSTRACT_SYSTEM,
+  obs_chars: int = _OBS_CHARS,
 ) -> list[AbstractionChoice]:
   """Asks the LLM for every task the exploration supports (paper Sec. 3.3, Fig. 12).
 
@@ -319,7 +327,9 @@ def abstract_with_llm(
   ground truth stays executable. Unusable tasks of a reply (out-of-range or unordered steps,
   empty queries, too few or many calls or turns) are dropped, as are repeats of an earlier
   task's calls; at most `max_tasks` are kept. Returns [] when nothing is usable, the reply is
-  not JSON, or on an LLM error other than a spent budget.
+  not JSON, or on an LLM error other than a spent budget. `system` is the instruction (with
+  {min_calls}, {max_calls}, {max_turns} filled in; AppWorld passes its own); the log shows
+  `obs_chars` characters of each observation.
 
   Raises:
     RoundStopped: the round's token budget is spent or its endpoint unreachable.
@@ -328,7 +338,7 @@ def abstract_with_llm(
   for t in triplets:
     runs.setdefault(t.run_id, []).append(t)
   log_text = "\n".join(
-    f"run {r} step {i}: {t.action} -> {t.observation[:_OBS_CHARS]}"
+    f"run {r} step {i}: {t.action} -> {t.observation[:obs_chars]}"
     for r, ts in sorted(runs.items())
     for i, t in enumerate(ts)
   )
@@ -337,7 +347,7 @@ def abstract_with_llm(
     f"\nAt most {max_calls} steps.\nExploration log:\n{log_text}"
   )
   system = (
-    ABSTRACT_SYSTEM.replace("{min_calls}", str(min_calls))
+    system.replace("{min_calls}", str(min_calls))
     .replace("{max_calls}", str(max_calls))
     .replace("{max_turns}", str(max_turns))
   )
