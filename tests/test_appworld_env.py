@@ -66,7 +66,7 @@ def _config(seed=3):
   c = module.get_config("cpu")
   c.seed = seed
   c.appworld.build.update(
-    num_scenarios=5, tasks_per_scenario=1, eval_scenarios=1, num_people=2, num_notes=4
+    num_scenarios=7, tasks_per_scenario=1, eval_scenarios=1, num_people=2, num_notes=4
   )
   c.rollout.num_slots = 1  # pool of 2 servers
   return c
@@ -88,7 +88,7 @@ def world(suite):
   rows = appworld_server.build_worlds(
     suite.root,
     PYTHON,
-    num_scenarios=5,
+    num_scenarios=7,
     tasks_per_scenario=1,
     eval_scenarios=1,
     seed=3,
@@ -126,13 +126,24 @@ def test_built_layout_and_splits(world):
     eval_ids = f.read().split()
   with open(os.path.join(data, "datasets", "train.txt"), encoding="utf-8") as f:
     train_ids = f.read().split()
-  assert len(eval_ids) == 1 and len(train_ids) == 4 and not set(eval_ids) & set(train_ids)
-  assert os.path.isfile(os.path.join(data, "api_docs", "standard", "simple_note.json"))
+  assert len(eval_ids) == 1 and len(train_ids) == 6 and not set(eval_ids) & set(train_ids)
+  for app in ("simple_note", "todoist"):
+    assert os.path.isfile(os.path.join(data, "api_docs", "standard", f"{app}.json"))
+  assert {app for row in rows.values() for app in row["apps"]} == {"simple_note", "todoist"}
 
 
 @needs_appworld
 @pytest.mark.parametrize(
-  "template", ["count_notes", "count_tagged", "latest_title", "create_note", "delete_note"]
+  "template",
+  [
+    "count_notes",
+    "count_tagged",
+    "latest_title",
+    "create_note",
+    "delete_note",
+    "count_open_todos",
+    "complete_todo",
+  ],
 )
 def test_ground_truth_solution_scores_one_and_noop_scores_zero(world, template):
   _, rows, pool = world
@@ -141,7 +152,7 @@ def test_ground_truth_solution_scores_one_and_noop_scores_zero(world, template):
   assert row["instruction"] in first.messages[0]["content"]
   assert result.done and result.reward == 1.0, result.info
   assert result.info["end"] == "completed" and result.info["success"]
-  assert "simple_note.login" in result.info["per_turn_calls"][0]
+  assert f"{row['apps'][0]}.login" in result.info["per_turn_calls"][0]
   # Completing at once without doing anything (or with a wrong answer) fails the evaluation.
   _, result, _ = _episode(pool, row, [_act("apis.supervisor.complete_task(answer=12345)")])
   assert result.done and result.reward == 0.0 and not result.info["success"]
@@ -248,7 +259,7 @@ def test_suite_d0_warmstart_demo_api_discovery_and_feedback_round(suite):
 
   rng = np.random.default_rng(0)
   d0, counts = suite.initial_tasks(10, rng, None)
-  assert counts == {"candidates": 4, "validated": 4, "rejected": 0}
+  assert counts == {"candidates": 6, "validated": 6, "rejected": 0}
   assert all(t.source == "explore" and t.env == "appworld" for t in d0)
   assert {t.task_id for t in d0}.isdisjoint(t.task_id for t in suite.eval_tasks)
   chat = QwenChat(enable_thinking=False)
@@ -296,7 +307,7 @@ def test_official_source_loads_splits_and_never_writes_into_the_data(suite, tmp_
     assert [t.task_id for t in official.eval_tasks] == [t.task_id for t in suite.eval_tasks]
     assert all(not t.initial_config["solution"] for t in official.eval_tasks)
     d0, counts = official.initial_tasks(3, np.random.default_rng(0), None)
-    assert len(d0) == 3 and counts == {"candidates": 4, "official": 3}
+    assert len(d0) == 3 and counts == {"candidates": 6, "official": 3}
     before = sorted(os.listdir(os.path.join(suite.root, "data", "tasks")))
     assert official.synthesize([], np.random.default_rng(0), 1, 4) == ([], [], {})
     assert sorted(os.listdir(os.path.join(suite.root, "data", "tasks"))) == before

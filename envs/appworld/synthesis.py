@@ -42,6 +42,19 @@ FAMILY_APIS = {
     "simple_note.delete_note",
     "supervisor.complete_task",
   ),
+  "count_open_todos": (
+    "todoist.login",
+    "todoist.show_projects",
+    "todoist.show_tasks",
+    "supervisor.complete_task",
+  ),
+  "complete_todo": (
+    "todoist.login",
+    "todoist.show_projects",
+    "todoist.show_tasks",
+    "todoist.update_task",
+    "supervisor.complete_task",
+  ),
 }
 DISCOVER_APIS = """\
 import json

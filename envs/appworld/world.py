@@ -73,6 +73,10 @@ def _notes(collection, user):
     return sorted((n.title, n.content) for n in notes)
 
 
+def _todos(collection):
+    return sorted((t.title, t.priority, t.is_completed) for t in collection.todoist.Task.find_all())
+
+
 def evaluate(test, public_data, private_data, main_user, models, ground_truth_answer):
     user = _user(models, main_user)
     start_user = models.start.simple_note.User.find_one(email=main_user.email)
@@ -172,18 +176,96 @@ def _delete_note(world: dict, rng: random.Random) -> tuple[str, object, str, str
   return instruction, None, tests, solution
 
 
+_TODO_PREAMBLE = """\
+pw = {a["account_name"]: a["password"] for a in apis.supervisor.show_account_passwords()}
+me = apis.supervisor.show_profile()
+token = apis.todoist.login(username=me["email"], password=pw["todoist"])["access_token"]
+projects = apis.todoist.show_projects(access_token=token, page_limit=20)
+"""
+
+
+def _project_tasks(project: str) -> str:
+  return _TODO_PREAMBLE + (
+    f"pid = [p for p in projects if p['name'] == {project!r}][0]['project_id']\n"
+    "tasks = apis.todoist.show_tasks(access_token=token, project_id=pid)['no_section_tasks']\n"
+  )
+
+
+def _count_open_todos(world: dict, rng: random.Random) -> tuple[str, object, str, str]:
+  project = rng.choice(sorted({t["project"] for t in world["todos"]}))
+  priority = rng.choice(["high", "medium", "low"])
+  instruction = (
+    f'How many tasks in my Todoist project "{project}" are not completed yet and have '
+    f"{priority} priority?"
+  )
+  answer = sum(
+    t["project"] == project and not t["done"] and t["priority"] == priority for t in world["todos"]
+  )
+  tests = f'''\
+    with test("{ANSWER_REQUIREMENT}"):
+        test.answer(answer, ground_truth_answer)
+    with test("assert no Todoist task was added, removed or edited."):
+        test.case(_todos(models.end), "==", _todos(models.start))
+'''
+  solution = _project_tasks(project) + (
+    "apis.supervisor.complete_task(answer=sum(1 for t in tasks if not t['is_completed'] "
+    f"and t['priority'] == {priority!r}))\n"
+  )
+  return instruction, answer, tests, solution
+
+
+def _complete_todo(world: dict, rng: random.Random) -> tuple[str, object, str, str]:
+  todo = rng.choice([t for t in world["todos"] if not t["done"]] or world["todos"])
+  instruction = (
+    f'Mark my Todoist task "{todo["title"]}" in the project "{todo["project"]}" as completed. '
+    "Mark the task complete when done."
+  )
+  tests = f"""\
+    with test("assert the answer is None."):
+        test.case(answer, "==", None)
+    with test("assert the task is completed and no other Todoist task changed."):
+        expected = sorted(
+            (t, p, True if t == {todo["title"]!r} else done) for t, p, done in _todos(models.start)
+        )
+        test.case(_todos(models.end), "==", expected)
+"""
+  solution = _project_tasks(todo["project"]) + (
+    f"target = [t for t in tasks if t['title'] == {todo['title']!r}][0]\n"
+    "apis.todoist.update_task(access_token=token, task_id=target['task_id'], is_completed=True)\n"
+    "apis.supervisor.complete_task()\n"
+  )
+  return instruction, None, tests, solution
+
+
 TEMPLATES = {
   "count_notes": (_count_notes, 1),  # name -> (builder, difficulty)
   "count_tagged": (_count_tagged, 1),
   "latest_title": (_latest_title, 1),
   "create_note": (_create_note, 1),
   "delete_note": (_delete_note, 2),
+  "count_open_todos": (_count_open_todos, 2),
+  "complete_todo": (_complete_todo, 2),
 }
+TEMPLATE_APPS = {"count_open_todos": ["todoist"], "complete_todo": ["todoist"]}  # else simple_note
 _TAGS = ("work", "personal", "ideas", "travel", "health")
+_PROJECTS = ("Home", "Work", "Garden", "Trip", "Study")
+_TODO_TITLES = (
+  "Buy paint",
+  "Call the bank",
+  "Renew passport",
+  "Fix the fence",
+  "Book tickets",
+  "Water the plants",
+  "Read the report",
+  "Pay rent",
+  "Clean the garage",
+  "Plan menu",
+)
 
 
 def _populate(mc, rng: random.Random, num_people: int, num_notes: int) -> tuple[object, dict]:
-  """Fills `mc` with people, the supervisor and Simple Note accounts; -> (supervisor, world)."""
+  """Fills `mc` with people, the supervisor, and their Simple Note and Todoist accounts (notes;
+  the supervisor's Todoist projects and tasks); -> (supervisor, world)."""
   from appworld.common.datetime import DateTime  # noqa: PLC0415
 
   people = []
@@ -207,7 +289,42 @@ def _populate(mc, rng: random.Random, num_people: int, num_notes: int) -> tuple[
   mc.supervisor.AccountPassword(
     supervisor_id=sup.id, account_name="simple_note", password=password
   ).save()
-  notes = []
+  mc.supervisor.AccountPassword(
+    supervisor_id=sup.id, account_name="todoist", password=password
+  ).save()
+  notes, todos = [], []
+  for person in people:  # a Todoist account each; the supervisor's projects hold the tasks
+    member = mc.todoist.User(
+      first_name=person.first_name,
+      last_name=person.last_name,
+      email=person.email,
+      password=password if person is boss else f"pw-{rng.getrandbits(40):010x}",
+      verified=True,
+    )
+    member.save()
+    if person is not boss:
+      continue
+    titles = rng.sample(_TODO_TITLES, len(_TODO_TITLES))  # unique across the projects
+    for name in ["Inbox", *rng.sample(_PROJECTS, 2)]:
+      project = mc.todoist.Project(user_id=member.id, name=name, is_inbox=name == "Inbox")
+      project.save()
+      mc.todoist.ProjectCollaboratorLink(project_id=project.id, user_id=member.id).save()
+      if name == "Inbox":
+        continue
+      count = rng.randint(3, 5)
+      for k, title in enumerate(titles[:count]):
+        priority, done = rng.choice(["high", "medium", "low"]), rng.random() < 0.3
+        mc.todoist.Task(
+          project_id=project.id,
+          user_id=member.id,
+          title=title,
+          priority=priority,
+          is_completed=done,
+          order_index=k,
+          due_date=DateTime.now().add(days=rng.randint(1, 30)),
+        ).save()
+        todos.append({"project": name, "title": title, "priority": priority, "done": done})
+      titles = titles[count:]
   for person in people:  # everyone has an account; only the supervisor's notes matter
     user = mc.simple_note.User.factory().build(
       first_name=person.first_name,
@@ -234,7 +351,7 @@ def _populate(mc, rng: random.Random, num_people: int, num_notes: int) -> tuple[
       note.save()
       if person is boss:
         notes.append({"title": note.title, "tags": tags, "created_at": created.isoformat()})
-  return sup, {"notes": notes}
+  return sup, {"notes": notes, "todos": todos}
 
 
 def _write_api_docs(data: str) -> None:
@@ -358,7 +475,7 @@ def build_task(
     "instruction": instruction,
     "answer": answer,
     "difficulty": difficulty,
-    "apps": ["simple_note"],
+    "apps": TEMPLATE_APPS.get(template, ["simple_note"]),
     "solution": solution,
     "seed": seed,
   }
