@@ -195,3 +195,86 @@ def test_entry_point_rejects_a_half_set_coordinator(tmp_path):
   )
   assert proc.returncode == 2
   assert "JAX_NUM_PROCESSES must be set" in proc.stderr
+
+
+LOAD_WORKER = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import jax
+    from coevolve_jax import distributed
+    distributed.initialize_from_env()
+    from jax.experimental import multihost_utils
+    from coevolve_jax.models import sharding
+    from coevolve_jax.models.hf import from_pretrained
+
+    folder, out = sys.argv[1], sys.argv[2]
+    mesh = sharding.make_mesh({"fsdp": -1})  # 4 devices over 2 processes
+    stats = {}
+    model = from_pretrained(folder, mesh=mesh, stats=stats)
+    ids = np.arange(1, 25, dtype=np.int32).reshape(4, 6) % 256
+    with jax.set_mesh(mesh):
+      logits = jax.jit(lambda m, x: m(x))(model, ids)
+    np.save(out + ".npy", np.asarray(multihost_utils.process_allgather(logits, tiled=True)))
+    with open(out + ".json", "w") as f:
+      json.dump({"bytes_read": stats["bytes_read"], "process": jax.process_index()}, f)
+""")
+
+
+def test_each_process_loads_only_its_share_of_a_checkpoint(tmp_path):
+  """Issue 16 item 1: two processes (2 host devices each, one fsdp axis over all 4) load a
+  Hugging Face folder into global arrays; each reads about half of the checkpoint's bytes (its
+  devices' shards plus the small replicated vectors), and the sharded model's logits equal the
+  one-device model's."""
+  from flax import nnx  # noqa: PLC0415
+
+  from coevolve_jax.models import Qwen, QwenConfig, from_pretrained, save_pretrained  # noqa: PLC0415
+
+  cfg = QwenConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+  )
+  folder = save_pretrained(Qwen(cfg, rngs=nnx.Rngs(0)), tmp_path / "ckpt")
+  stats = {}
+  reference = np.asarray(from_pretrained(folder, stats=stats)(np.arange(1, 25).reshape(4, 6)))
+  total = stats["bytes_read"]
+  assert total == (folder / "model.safetensors").stat().st_size - _header_bytes(folder)
+  script = tmp_path / "load_worker.py"
+  script.write_text(LOAD_WORKER)
+  port = _free_port()
+  procs = [
+    subprocess.Popen(
+      [sys.executable, str(script), str(folder), str(tmp_path / f"p{i}")],
+      cwd=ROOT,
+      env=_env(
+        2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)
+      ),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  for p in procs:
+    try:
+      _, err = p.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      raise
+    assert p.returncode == 0, err[-3000:]
+  for i in range(2):
+    got = json.loads((tmp_path / f"p{i}.json").read_text())
+    assert got["process"] == i
+    assert 0.45 * total < got["bytes_read"] < 0.55 * total, (got, total)
+    np.testing.assert_allclose(np.load(tmp_path / f"p{i}.npy"), reference, rtol=1e-5, atol=1e-5)
+
+
+def _header_bytes(folder) -> int:
+  """The safetensors header size (8-byte length plus the JSON header) of model.safetensors."""
+  with open(folder / "model.safetensors", "rb") as f:
+    return 8 + int.from_bytes(f.read(8), "little")

@@ -3,23 +3,26 @@
 A folder holds `config.json` and either one `model.safetensors` or shards listed in
 `model.safetensors.index.json`, and may hold `generation_config.json`, whose `eos_token_id` ids
 (with those of config.json) become the model's `config.eos_token_ids`: the ids that end a reply.
-Loading reads one tensor at a time (safetensors) and places it straight into its target sharding,
-so no host ever holds the whole model: the peak extra host memory is one tensor (or one layer's
-stacked experts for MoE) plus the model's own shards. The model stacks its decoder layers
-(`Qwen.blocks`); each layer's tensor is written into its slice of the stacked device array, and
-saving reads one layer's slice at a time, so the checkpoint keeps HF's per-layer names.
+Loading builds each parameter with `jax.make_array_from_callback` in its target sharding: each
+device's shard is read from the safetensors files as a slice (`safe_open(...).get_slice`, through
+the HF -> ours `params.Layout`), so a process reads only the bytes its own devices hold (one
+process of a multi-host mesh reads its share of the checkpoint, and an expert-parallel device
+only its experts); the peak extra host memory is one device shard. The model stacks its decoder
+layers (`Qwen.blocks`); each layer's slice is written into the stacked device array, and saving
+reads one layer's slice at a time, so the checkpoint keeps HF's per-layer names.
 `benchmarks/load_memory.py` measures it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import jax
@@ -208,45 +211,73 @@ def _weight_files(folder: Path) -> list[Path]:
   )
 
 
-def _iter_hf_tensors(files: list[Path]) -> Iterator[tuple[str, np.ndarray]]:
-  for file in files:
-    if not file.exists():
-      raise CheckpointFormatError(f"shard {file} listed in the index is missing")
+class _Tensors:
+  """The tensors of a checkpoint's safetensors files, read lazily by slice.
+
+  `bytes_read` counts the bytes of every slice read (what `from_pretrained(stats=...)` reports).
+
+  Raises (constructor, `read`):
+    CheckpointFormatError: a listed shard is missing, a file is not safetensors or is cut short,
+      or a tensor name appears in two files.
+  """
+
+  def __init__(self, files: list[Path]):
+    self._stack = contextlib.ExitStack()
+    self.where: dict[str, Any] = {}
+    self.bytes_read = 0
+    for file in files:
+      if not file.exists():
+        self.close()
+        raise CheckpointFormatError(f"shard {file} listed in the index is missing")
+      try:
+        handle = self._stack.enter_context(safetensors.safe_open(str(file), framework="np"))
+      except safetensors.SafetensorError as e:
+        self.close()
+        raise CheckpointFormatError(f"{file}: unreadable safetensors file ({e})") from e
+      for name in handle.keys():
+        if name in self.where:
+          self.close()
+          raise CheckpointFormatError(f"tensor {name} is stored in two files ({file})")
+        self.where[name] = (file, handle)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self.where[name][1].get_slice(name).get_shape())
+
+  def read(self, name: str, index: tuple) -> np.ndarray:
+    file, handle = self.where[name]
     try:
-      with safetensors.safe_open(str(file), framework="np") as f:
-        for name in f.keys():
-          yield name, f.get_tensor(name)
+      out = handle.get_slice(name)[index]
     except safetensors.SafetensorError as e:
       raise CheckpointFormatError(f"{file}: unreadable safetensors file ({e})") from e
+    self.bytes_read += out.nbytes
+    return out
+
+  def close(self) -> None:
+    self._stack.close()
 
 
-def _place(
-  value: np.ndarray, var: nnx.Variable, mesh: Mesh | None, path: str, layer: int | None = None
-) -> jax.Array:
-  """`value` as a device array in `var`'s sharding; with `layer`, as the slice [layer] of the
-  stacked `var` (in the stack's sharding without its unsharded leading axis).
-
-  Raises:
-    CheckpointFormatError: a shape that does not fit.
-  """
-  want = var.get_value()
-  shape = tuple(want.shape) if layer is None else tuple(want.shape[1:])
-  if tuple(value.shape) != shape:
-    raise CheckpointFormatError(
-      f"{path}: checkpoint shape {value.shape} does not fit the config's {shape}"
-    )
-  value = np.asarray(value, dtype=want.dtype)
-  sharding = _sharding(var, mesh)
-  if layer is not None and mesh is not None:
-    sharding = NamedSharding(mesh, PartitionSpec(*sharding.spec[1:]))
-  # Each device (and, on a multi-host mesh, each host) copies only its own slice.
-  return jax.make_array_from_callback(shape, sharding, lambda index: value[index])
+def _normalize(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
+  """`index` (make_array_from_callback's, possibly slice(None)) as explicit step-1 slices."""
+  return tuple(slice(*s.indices(n)) for s, n in zip(index, shape, strict=True))
 
 
-def _sharding(var: nnx.Variable, mesh: Mesh | None):
+def _load(shape: tuple[int, ...], sharding, read_shard, dtype) -> jax.Array:
+  """A global array of `shape` in `sharding`; each addressable shard is `read_shard(index)`
+  (host numpy), cast to `dtype`. Each device (and each host) reads only its own shard."""
+
+  def callback(index):
+    return np.asarray(read_shard(_normalize(index, shape)), dtype=dtype)
+
+  return jax.make_array_from_callback(shape, sharding, callback)
+
+
+def _sharding(var: nnx.Variable, mesh: Mesh | None, layer: bool = False):
+  """`var`'s sharding on `mesh` (the first device without one); with `layer`, that of one
+  layer's slice of the stacked `var` (the stack's spec without its unsharded leading axis)."""
   if mesh is None:
     return SingleDeviceSharding(jax.devices()[0])
-  return param_sharding(mesh, var.get_metadata()["out_sharding"], var.get_value().shape)
+  sharding = param_sharding(mesh, var.get_metadata()["out_sharding"], var.get_value().shape)
+  return NamedSharding(mesh, PartitionSpec(*sharding.spec[1:])) if layer else sharding
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -280,7 +311,11 @@ def read_config(path: str | os.PathLike) -> QwenConfig:
 
 
 def from_pretrained(
-  path: str | os.PathLike, dtype=jnp.float32, mesh: Mesh | None = None, remat: str = "full"
+  path: str | os.PathLike,
+  dtype=jnp.float32,
+  mesh: Mesh | None = None,
+  remat: str = "full",
+  stats: dict[str, int] | None = None,
 ) -> Qwen:
   """Loads a Hugging Face Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE checkpoint folder.
 
@@ -291,6 +326,8 @@ def from_pretrained(
     mesh: when given, every parameter is placed in its logical sharding on this mesh
       (`sharding.LOGICAL_RULES`); otherwise on the first device.
     remat: the model's rematerialisation policy (`qwen.REMAT_POLICIES`; not read from the folder).
+    stats: if given, filled with "bytes_read": the checkpoint bytes this process read (its
+      devices' shards only; the whole checkpoint on one device).
   Returns:
     A `Qwen` model; `model(input_ids, attention_mask=mask)` gives [B, T, V] float32 logits.
     `model.config.eos_token_ids` holds every `eos_token_id` of config.json and
@@ -306,14 +343,47 @@ def from_pretrained(
   abstract = nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0), dtype=dtype, remat=remat))
   graphdef, state = nnx.split(abstract)
   variables = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(state)}
-  done: set[str] = set()  # per-layer paths ("layers.3.mlp.up_proj") and unstacked ones
-  stacks: dict[str, jax.Array] = {}  # stacked parameter -> its device array, being filled
-  experts: dict[str, tuple[np.ndarray, set[int]]] = {}  # per-layer path -> (buffer, filled)
-  for name, array in _iter_hf_tensors(_weight_files(folder)):
+  tensors = _Tensors(_weight_files(folder))
+  try:
+    sources = _sources(tensors, cfg, variables)
+    for target, var in variables.items():
+      want = var.get_value()
+      stacked = layer_paths(target, cfg)
+      if stacked[0][1] is None:
+        sharding = _sharding(var, mesh)
+        var.set_value(_load_param(tensors, sources, target, want.shape, sharding, cfg, want.dtype))
+        continue
+      zeros = functools.partial(jnp.zeros, want.shape, want.dtype)
+      stack = jax.jit(zeros, out_shardings=_sharding(var, mesh))()
+      layer_sharding = _sharding(var, mesh, layer=True)
+      for layer_path, layer in stacked:
+        value = _load_param(
+          tensors, sources, layer_path, want.shape[1:], layer_sharding, cfg, want.dtype
+        )
+        stack = _set_layer(stack, value, layer)
+      var.set_value(stack)
+  finally:
+    tensors.close()
+  if stats is not None:
+    stats["bytes_read"] = tensors.bytes_read
+  return nnx.merge(graphdef, state)
+
+
+def _sources(tensors: _Tensors, cfg: QwenConfig, variables: dict) -> dict[str, Any]:
+  """Per-layer parameter path -> (HF name, Layout), or for stacked experts {expert: HF name},
+  for every tensor of the checkpoint, after checking names, shapes and completeness (no data
+  is read: shapes come from the files' headers).
+
+  Raises:
+    CheckpointFormatError: an unknown tensor, a shape that does not fit the config, an expert
+      outside the config, a missing tensor.
+  """
+  sources: dict[str, Any] = {}
+  for name in tensors.where:
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
       continue  # some tied checkpoints also store the (identical) head
     try:
-      path, expert, transform = hf_to_path(name)
+      path, expert, layout = hf_to_path(name)
       target, layer = stacked_path(path, cfg)
     except KeyError as e:
       raise CheckpointFormatError(str(e.args[0])) from None
@@ -321,37 +391,55 @@ def from_pretrained(
       raise CheckpointFormatError(
         f"tensor {name} has no place in a {cfg.model_type} model with this config.json"
       )
-    value = transform(array, cfg)
-    del array
-    var = variables[target]
+    want = tuple(variables[target].get_value().shape[0 if layer is None else 1 :])
+    hf_shape = tensors.shape(name)
     if expert is not None:
-      want = var.get_value().shape[1:]  # one layer's [E, ...]
-      if expert >= want[0] or tuple(value.shape) != tuple(want[1:]):
+      if expert >= want[0] or hf_shape[::-1] != want[1:]:
         raise CheckpointFormatError(
-          f"{name}: expert {expert} of shape {value.shape} does not fit {path} {tuple(want)}"
+          f"{name}: expert {expert} of shape {hf_shape} does not fit {path} {want}"
         )
-      buf, filled = experts.setdefault(path, (np.empty(want, var.get_value().dtype), set()))
-      buf[expert] = value
-      filled.add(expert)
-      if len(filled) < want[0]:
-        continue
-      value = experts.pop(path)[0]
-    if layer is None:
-      var.set_value(_place(value, var, mesh, target))
-    else:
-      if target not in stacks:
-        spec = var.get_value()
-        zeros = functools.partial(jnp.zeros, spec.shape, spec.dtype)
-        stacks[target] = jax.jit(zeros, out_shardings=_sharding(var, mesh))()
-      stacks[target] = _set_layer(stacks[target], _place(value, var, mesh, path, layer), layer)
-    done.add(path)
+      sources.setdefault(path, {})[expert] = name
+      continue
+    if layout.shape(hf_shape, cfg) != want:
+      raise CheckpointFormatError(
+        f"{path}: checkpoint shape {hf_shape} does not fit the config's {want}"
+      )
+    sources[path] = (name, layout)
   want = {p for t in variables for p, _ in layer_paths(t, cfg)}
+  done = {
+    p
+    for p, src in sources.items()
+    if not isinstance(src, dict)
+    or len(src) == variables[stacked_path(p, cfg)[0]].get_value().shape[1]
+  }
   missing = sorted(want - done)
   if missing:
     raise CheckpointFormatError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")
-  for target, stack in stacks.items():
-    variables[target].set_value(stack)
-  return nnx.merge(graphdef, state)
+  return sources
+
+
+def _load_param(tensors, sources, path, shape, sharding, cfg, dtype) -> jax.Array:
+  """One per-layer parameter as a global array in `sharding`, each shard read as a slice."""
+  src = sources[path]
+  if isinstance(src, dict):  # stacked experts [E, ...]: shard [e0:e1] reads experts e0..e1-1
+    transpose = hf_to_path(src[0])[2]
+
+    def read_shard(index):
+      e, rest = index[0], index[1:]
+      return np.stack(
+        [
+          transpose.read(lambda i, name=src[k]: tensors.read(name, i), rest, cfg)
+          for k in range(e.start, e.stop)
+        ]
+      )
+
+  else:
+    name, layout = src
+
+    def read_shard(index):
+      return layout.read(lambda i: tensors.read(name, i), index, cfg)
+
+  return _load(tuple(shape), sharding, read_shard, dtype)
 
 
 def save_pretrained(

@@ -19,30 +19,125 @@ import numpy as np
 from coevolve_jax.models.qwen import QwenConfig
 
 
-def _heads_in(n_heads_attr: str) -> Callable:
+def _span(index: slice, size: int) -> tuple[int, int]:
+  start, stop, step = index.indices(size)
+  if step != 1:
+    raise ValueError(f"strided slice {index} is not supported")
+  return start, stop
+
+
+class Layout:
+  """How one Hugging Face tensor becomes one of our parameters: `__call__(hf, cfg)` transforms
+  the whole tensor; `read(get, index, cfg)` gives only `ours[index]` and reads only the part of
+  the HF tensor it needs through `get(hf_index) -> np.ndarray` (a safetensors slice), so a
+  process loads just the shards its devices hold. `index` is a tuple of step-1 slices over our
+  full shape (`jax.make_array_from_callback`'s)."""
+
+  def __call__(self, a: np.ndarray, cfg: QwenConfig) -> np.ndarray:
+    return self.read(lambda index: a[index], (slice(None),) * self.rank(a.ndim), cfg)
+
+  def rank(self, hf_rank: int) -> int:
+    return hf_rank
+
+  def shape(self, hf_shape: tuple[int, ...], cfg: QwenConfig) -> tuple[int, ...] | None:
+    """Our shape for an HF tensor of `hf_shape` (None when no shape of ours has that layout)."""
+    return tuple(hf_shape)
+
+  def read(self, get: Callable, index: tuple, cfg: QwenConfig) -> np.ndarray:
+    raise NotImplementedError
+
+
+class _Identity(Layout):
+  def read(self, get, index, cfg):
+    return get(tuple(index))
+
+
+class _Transpose(Layout):
+  """[out, in] -> [in, out]."""
+
+  def shape(self, hf_shape, cfg):
+    return tuple(hf_shape)[::-1]
+
+  def read(self, get, index, cfg):
+    return get(tuple(index)[::-1]).T
+
+
+class _Heads(Layout):
+  """q/k/v kernels [X*H, D] -> [D, X, H] (X heads of `n_heads_attr`)."""
+
+  def __init__(self, n_heads_attr: str):
+    self.attr = n_heads_attr
+
+  def rank(self, hf_rank):
+    return 3
+
+  def shape(self, hf_shape, cfg):
+    n, hd = getattr(cfg, self.attr), cfg.head_dim
+    return (hf_shape[1], n, hd) if len(hf_shape) == 2 and hf_shape[0] == n * hd else None
+
+  def read(self, get, index, cfg):
+    d, n, h = index
+    n0, n1 = _span(n, getattr(cfg, self.attr))
+    hd = cfg.head_dim
+    a = get((slice(n0 * hd, n1 * hd), d))  # [(n1 - n0) * H, D']
+    return a.reshape(n1 - n0, hd, a.shape[1]).transpose(2, 0, 1)[:, :, h]
+
+
+class _OProj(Layout):
+  """o_proj [D, N*H] -> [N, H, D]."""
+
+  def rank(self, hf_rank):
+    return 3
+
+  def shape(self, hf_shape, cfg):
+    n, hd = cfg.num_attention_heads, cfg.head_dim
+    return (n, hd, hf_shape[0]) if len(hf_shape) == 2 and hf_shape[1] == n * hd else None
+
+  def read(self, get, index, cfg):
+    n, h, d = index
+    n0, n1 = _span(n, cfg.num_attention_heads)
+    hd = cfg.head_dim
+    a = get((d, slice(n0 * hd, n1 * hd)))  # [D', (n1 - n0) * H]
+    return a.reshape(a.shape[0], n1 - n0, hd).transpose(1, 2, 0)[:, h, :]
+
+
+class _Bias(Layout):
+  """q/k/v biases [X*H] -> [X, H]."""
+
+  def __init__(self, n_heads_attr: str):
+    self.attr = n_heads_attr
+
+  def rank(self, hf_rank):
+    return 2
+
+  def shape(self, hf_shape, cfg):
+    n, hd = getattr(cfg, self.attr), cfg.head_dim
+    return (n, hd) if tuple(hf_shape) == (n * hd,) else None
+
+  def read(self, get, index, cfg):
+    n, h = index
+    n0, n1 = _span(n, getattr(cfg, self.attr))
+    hd = cfg.head_dim
+    return get((slice(n0 * hd, n1 * hd),)).reshape(n1 - n0, hd)[:, h]
+
+
+def _heads_in(n_heads_attr: str) -> Layout:
   """[N*H, D] -> [D, N, H]."""
-
-  def f(a, cfg):
-    return a.reshape(getattr(cfg, n_heads_attr), cfg.head_dim, cfg.hidden_size).transpose(2, 0, 1)
-
-  return f
+  return _Heads(n_heads_attr)
 
 
-def _bias_in(n_heads_attr: str) -> Callable:
-  return lambda a, cfg: a.reshape(getattr(cfg, n_heads_attr), cfg.head_dim)
+def _bias_in(n_heads_attr: str) -> Layout:
+  return _Bias(n_heads_attr)
 
 
-def _o_proj_in(a, cfg):  # [D, N*H] -> [N, H, D]
-  return a.reshape(cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2, 0)
-
-
-_T = lambda a, cfg: a.T  # noqa: E731
-_ID = lambda a, cfg: a  # noqa: E731
+_o_proj_in = _OProj()  # [D, N*H] -> [N, H, D]
+_T = _Transpose()
+_ID = _Identity()
 
 _L = r"model\.layers\.(\d+)\."
 # (HF name regex, our path template, HF -> ours transform). The expert rule's second group is the
 # expert index: its tensors fill one slice of a stacked [E, ...] parameter.
-RULES: list[tuple[str, str, Callable]] = [
+RULES: list[tuple[str, str, Layout]] = [
   (r"model\.embed_tokens\.weight", "embed_tokens", _ID),
   (r"model\.norm\.weight", "norm.weight", _ID),
   (r"lm_head\.weight", "lm_head", _T),
@@ -115,8 +210,8 @@ def layer_paths(path: str, cfg: QwenConfig) -> list[tuple[str, int | None]]:
   return [(f"layers.{first + j}.{m.group(2)}", j) for j in range(count)]
 
 
-def hf_to_path(name: str) -> tuple[str, int | None, Callable]:
-  """Maps a HF tensor name to (our dotted path, expert index or None, HF -> ours transform).
+def hf_to_path(name: str) -> tuple[str, int | None, Layout]:
+  """Maps a HF tensor name to (our dotted path, expert index or None, HF -> ours `Layout`).
 
   Raises:
     KeyError: a name no rule maps (for example a fused `mlp.experts.gate_up_proj`, which only
