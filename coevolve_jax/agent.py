@@ -119,6 +119,7 @@ class AgentRunner:
     self.stop_ids = frozenset({chat.im_end_id, *(int(i) for i in stop_ids)})
     self._episode_counter = 0
     self.timings: dict[str, float] = collections.defaultdict(float)  # seconds in env steps
+    self._lockstep = jax.process_count() > 1  # see `_collect_steps`
 
   def run(
     self,
@@ -158,12 +159,24 @@ class AgentRunner:
     return self._results  # type: ignore[return-value]
 
   def _collect_steps(self, block: bool) -> None:
-    """Handles finished environment steps; waits for one when nothing else can run."""
+    """Handles finished environment steps; waits for one when nothing else can run.
+
+    With several processes (`jax.process_count() > 1`) every process must make the same device
+    calls in the same order, so which steps are handled cannot depend on thread timing: each
+    call waits for every step in flight and handles them in episode order (the environments
+    are deterministic, so every process sees the same results). A single process handles the
+    steps that are done and decodes the other slots meanwhile.
+    """
     if not self._stepping:
       return
-    if block:
+    if self._lockstep:
+      futures.wait(list(self._stepping))
+    elif block:
       futures.wait(list(self._stepping), return_when=futures.FIRST_COMPLETED)
-    for fut in [f for f in self._stepping if f.done()]:
+    done = [f for f in self._stepping if f.done()]  # in submission order
+    if self._lockstep:
+      done.sort(key=lambda f: self._stepping[f].index)
+    for fut in done:
       ep = self._stepping.pop(fut)
       try:
         result, seconds = fut.result()

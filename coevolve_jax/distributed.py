@@ -25,9 +25,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,3 +118,50 @@ def initialize_from_env(env: Mapping[str, str] | None = None) -> ProcessSpec | N
     process_id=spec.process_id,
   )
   return spec
+
+
+def is_primary() -> bool:
+  """Whether this process writes the run's files and calls external services.
+
+  One logical controller (README "Several processes"): every process runs the same
+  deterministic controller over the same inputs and issues the same device calls in the same
+  order; only the first process (`jax.process_index() == 0`) writes logs, the task pool, round
+  journals and the summary, so each is written once however many processes run. True in a
+  single-process run.
+  """
+  return jax.process_index() == 0
+
+
+def broadcast_json(value: Any) -> Any:
+  """`value` (JSON-serialisable) as the primary process has it, on every process.
+
+  A collective: every process must call it at the same point (the others' `value` is ignored).
+  Returns `value` unchanged in a single-process run.
+  """
+  if jax.process_count() == 1:
+    return value
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+
+  data = json.dumps(value).encode("utf-8") if is_primary() else b""
+  size = int(multihost_utils.broadcast_one_to_all(np.int64(len(data))))
+  buf = np.frombuffer(data, np.uint8) if is_primary() else np.zeros((size,), np.uint8)
+  buf = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+  return json.loads(bytes(buf).decode("utf-8"))
+
+
+def on_primary(fn: Callable[[], Any]) -> Any:
+  """`fn()` run by the primary process only, its JSON-serialisable result given to every
+  process (`broadcast_json`): how host-side work with effects outside the job (LLM calls,
+  environment writes) happens once however many processes run. A collective."""
+  return broadcast_json(fn() if is_primary() else None)
+
+
+def fetch(x: Any) -> np.ndarray:
+  """`x` as a numpy array on this process, whole: directly when this process holds all of it,
+  else gathered from every process (`process_allgather`; a collective: every process must call
+  it at the same point). Non-JAX values pass through `np.asarray`."""
+  if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+    return np.asarray(x)
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -34,7 +34,7 @@ import optax
 import tqdm
 from flax import nnx
 
-from coevolve_jax import config, errors, grpo, models
+from coevolve_jax import config, distributed, errors, grpo, models
 from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
 from coevolve_jax.checkpoint import RunCheckpointer
 from coevolve_jax.cli import plan_device_memory
@@ -143,9 +143,7 @@ class CoEvolveRun:
   def _bootstrap(self) -> None:
     """Step 0: D0 by unguided exploration, supervised warm-start, eval before, checkpoint."""
     with self.timer("explore"):  # the pool is empty here: a fresh start rolls it back to 0
-      d0, counts = self.suite.initial_tasks(
-        self.cfg.explore.initial_tasks, self.state.np_rng, self.d0_llm
-      )
+      d0, counts = self._initial_tasks()
       report = self.pool.add(d0, eval_tasks=self.eval_split)
       self.state.d0 = {**counts, "added": report.added, "dropped": len(report.dropped)}
       print(f"D0: {self.state.d0}")
@@ -162,6 +160,21 @@ class CoEvolveRun:
       self.state.eval_before = self.evaluate("before")
     print(f"eval before training: {self.state.eval_before:.3f}")
     self._save(0)
+
+  def _initial_tasks(self) -> tuple[list[Task], dict[str, int]]:
+    """D0 from the suite, made once by the primary process and given to every process
+    (`distributed.on_primary`: explorer and judge LLM calls and environment writes happen once)
+    with the run's RNG state after it, so every process goes on from the same state."""
+    rng = self.state.np_rng
+
+    def make() -> dict[str, Any]:
+      d0, counts = self.suite.initial_tasks(self.cfg.explore.initial_tasks, rng, self.d0_llm)
+      tasks = [json.loads(t.to_json()) for t in d0]
+      return {"tasks": tasks, "counts": counts, "rng": rng.bit_generator.state}
+
+    out = distributed.on_primary(make)
+    rng.bit_generator.state = out["rng"]
+    return [Task.from_dict(t) for t in out["tasks"]], out["counts"]
 
   def _step(self, step: int) -> dict[str, Any]:
     """One GRPO step, then the feedback round's bookkeeping, metrics and (maybe) a checkpoint."""
@@ -230,6 +243,11 @@ class CoEvolveRun:
   def _setup(self) -> None:
     cfg = self.cfg
     self.chat = QwenChat(enable_thinking=False, max_call_chars=cfg.data.max_call_chars)
+    if jax.process_count() > 1 and cfg.env == "appworld":
+      raise RunError(
+        "AppWorld with several processes is not supported yet: every process would build and "
+        "serve the same world root (README, Several processes). Run it in one process."
+      )
     self.suite = make_suite(cfg, self.workdir)  # the benchmark (envs/<name>/suite.py)
     self.eval_split = list(self.suite.eval_tasks)
     self.eval_tasks = self.eval_split[: cfg.eval.max_tasks]
@@ -335,6 +353,12 @@ class CoEvolveRun:
     """The explorer LLMs (D0 and feedback rounds; None = programmatic) and the round worker."""
     ex = self.cfg.explore
     d0_kind = ex.d0_explorer or ex.explorer
+    if jax.process_count() > 1 and "local" in (ex.explorer, d0_kind):
+      raise RunError(
+        "explore.explorer='local' with several processes is not supported: the local explorer "
+        "decodes on the primary process only, and every process must make the same device "
+        "calls (README, Several processes). Use gemini, openai or programmatic."
+      )
     try:  # missing credentials: a one-line start-up error, not a traceback
       self.llm = factory.make_llm(ex.explorer, ex, self._policy_snapshot)
       self.d0_llm = (
@@ -490,6 +514,11 @@ class CoEvolveRun:
       round_.future.set_result(recorded)
       self.state.pending = round_
       return
+    if not distributed.is_primary():  # the primary synthesizes; `_commit_round` shares it
+      round_.future = concurrent.futures.Future()
+      round_.future.set_result(None)
+      self.state.pending = round_
+      return
     if self.llm is not None:
       self.llm.refresh()  # the local explorer serves the policy as of this step
     args = (round_.events, self._round_rngs(round_.round_idx)[1], round_.round_idx, self.llm)
@@ -505,6 +534,10 @@ class CoEvolveRun:
     pending, self.state.pending = self.state.pending, None
     start = time.perf_counter()
     result = pending.future.result()
+    if jax.process_count() > 1:  # the primary's round, on every process
+      result = rounds.RoundResult.from_json(
+        distributed.broadcast_json(result.to_json() if result is not None else None)
+      )
     wait_s = time.perf_counter() - start
     self.journal.save(result, rounds.events_digest(pending.events))  # before the pool sees it
     report = rounds.commit_round(result, self.pool, self.eval_split)

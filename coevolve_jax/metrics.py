@@ -16,18 +16,21 @@ from typing import Any
 import jax
 from tensorboardX import SummaryWriter
 
-from coevolve_jax import errors
+from coevolve_jax import distributed, errors
 
 
 def append_lines(path: str, lines: Iterable[str], *, sync: bool = False) -> None:
   """Appends `lines` (each without its newline) to the file at `path`, created if missing, in one
-  O_APPEND write for any normal size; `sync`: fsync before returning.
+  O_APPEND write for any normal size; `sync`: fsync before returning. Only the primary process
+  writes (`distributed.is_primary`); the others return at once.
 
   A failed write cuts the file back to its size before, so the file never ends in a torn line.
 
   Raises:
     DiskFullError: the disk is full (the file is as it was); other OSErrors as raised.
   """
+  if not distributed.is_primary():
+    return
   data = "".join(line + "\n" for line in lines).encode("utf-8")
   with errors.writing(path):
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -49,12 +52,14 @@ def append_lines(path: str, lines: Iterable[str], *, sync: bool = False) -> None
 
 def write_atomic(path: str, text: str, *, sync: bool = False) -> None:
   """Replaces the file at `path` by `text`: written to `<path>.tmp` (`sync`: and fsynced), then
-  renamed over it.
+  renamed over it. Only the primary process writes (`distributed.is_primary`).
 
   Raises:
     DiskFullError: the disk is full (the file is as it was, the temporary one removed); other
       OSErrors as raised.
   """
+  if not distributed.is_primary():
+    return
   tmp = path + ".tmp"
   with errors.writing(path):
     try:
@@ -107,11 +112,15 @@ class MetricsWriter:
     self.path = os.path.join(workdir, "metrics.jsonl")
     truncate_jsonl(self.path, resume_step)
     self._tb_dir = os.path.join(workdir, "tensorboard")
-    with errors.writing(self._tb_dir):
-      self._tb = SummaryWriter(self._tb_dir, purge_step=resume_step + 1)
+    self._tb = None  # only the primary process writes TensorBoard events
+    if distributed.is_primary():
+      with errors.writing(self._tb_dir):
+        self._tb = SummaryWriter(self._tb_dir, purge_step=resume_step + 1)
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
     append_lines(self.path, [json.dumps({"step": step, **metrics}, sort_keys=True)])
+    if self._tb is None:
+      return
     for k, v in metrics.items():
       if isinstance(v, (int, float)) and not isinstance(v, bool):
         self._tb.add_scalar(k, v, step)
@@ -119,6 +128,8 @@ class MetricsWriter:
       self._tb.flush()
 
   def close(self) -> None:
+    if self._tb is None:
+      return
     with errors.writing(self._tb_dir):
       self._tb.close()
 

@@ -20,7 +20,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from coevolve_jax import grpo
+from coevolve_jax import distributed, grpo
 from coevolve_jax.models import sharding
 from coevolve_jax.models.qwen import Qwen, unrolled_template, unstack_state
 from coevolve_jax.rollout.sampling import SamplingParams, filtered_logits, gathered_logprobs
@@ -715,7 +715,7 @@ class PolicyTrainer:
         out.setdefault(f"train/{k}", []).append(v)
     metrics = {k: float(np.mean(v)) for k, v in out.items()}
     # On the host, in numpy: eager jnp ops here compiled a program per new batch shape.
-    old_np = [np.asarray(o) for o in old]
+    old_np = [distributed.fetch(o) for o in old]
     misses = [gen & (o == -np.inf) for gen, o in zip(generated, old_np)]
     with np.errstate(invalid="ignore"):  # -inf - -inf where a token is outside the sampled set
       metrics["train/sampler_logp_gap"] = max(

@@ -53,7 +53,7 @@ WORKER = textwrap.dedent("""
     if mode == "multi":
       mesh = sharding.make_mesh({"fsdp": -1})  # the config default: 4 devices over 2 processes
       trainer = PolicyTrainer(Qwen(cfg, rngs=nnx.Rngs(0)), tx, grpo.GRPOConfig(), 1.0, mesh=mesh)
-      emb = jax.tree.leaves(trainer.params)[0]
+      emb = dict(nnx.to_flat_state(trainer.params))[("embed_tokens",)].get_value()
       info["local_fraction"] = (sum(s.data.size for s in emb.addressable_shards) / emb.size)
       old = trainer.logprobs(batch)
       metrics = [trainer.grpo_update(batch, old, None) for _ in range(2)]

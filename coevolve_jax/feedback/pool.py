@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from datasketch import MinHash, MinHashLSH
 
-from coevolve_jax import errors
+from coevolve_jax import distributed, errors
 from coevolve_jax.errors import DiskFullError
 from coevolve_jax.metrics import append_lines, write_atomic
 from coevolve_jax.types import Task
@@ -92,7 +92,8 @@ class TaskPool:
     with open(self.path, "rb") as f:
       data = f.read()
     good_end = data.rfind(b"\n") + 1
-    if good_end < len(data):  # a write cut by a crash; kept beside the pool, not deleted
+    if good_end < len(data) and distributed.is_primary():  # a write cut by a crash: kept beside
+      # the pool, not deleted (by the primary process; every process reads up to good_end)
       torn = self.path + ".torn"
       with errors.writing(torn), open(torn, "ab") as f:
         f.write(data[good_end:] + b"\n")

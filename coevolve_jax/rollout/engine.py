@@ -52,6 +52,14 @@ def _pin(state: DecodeState, shardings: DecodeState | None) -> DecodeState:
   return state if shardings is None else jax.lax.with_sharding_constraint(state, shardings)
 
 
+def _to_host(x, shardings: DecodeState | None):
+  """An output the host reads (tokens, log-probs, routing) replicated on every device of the
+  mesh, so each process of a multi-host mesh holds all of it (no-op without a mesh)."""
+  if shardings is None or x is None:
+    return x
+  return jax.lax.with_sharding_constraint(x, NamedSharding(shardings.tokens.mesh, PartitionSpec()))
+
+
 @functools.partial(
   jax.jit,
   static_argnames=("graphdef", "sampling", "kv_len", "shardings"),
@@ -92,7 +100,8 @@ def _prefill_rows(
     state.next_pos.at[slots_r].set(starts + true_len_r),
     state.tokens.at[slots_r].set(tok),
   )
-  return _pin(state, shardings), tok, logp, _small(routing, model)
+  out = (tok, logp, _small(routing, model))
+  return _pin(state, shardings), *(_to_host(x, shardings) for x in out)
 
 
 @functools.partial(
@@ -115,7 +124,8 @@ def _generate(
   tok = jnp.where(active_b, tok, state.tokens)
   next_pos = jnp.where(active_b, state.next_pos + 1, state.next_pos)
   routing = None if routing is None else routing[:, 0]
-  return _pin(DecodeState(cache, next_pos, tok), shardings), tok, logp, _small(routing, model)
+  out = (tok, logp, _small(routing, model))
+  return _pin(DecodeState(cache, next_pos, tok), shardings), *(_to_host(x, shardings) for x in out)
 
 
 def _small(routing, model: Qwen):
