@@ -278,3 +278,140 @@ def _header_bytes(folder) -> int:
   """The safetensors header size (8-byte length plus the JSON header) of model.safetensors."""
   with open(folder / "model.safetensors", "rb") as f:
     return 8 + int.from_bytes(f.read(8), "little")
+
+
+# The CPU preset, shrunk; the same arguments for every run of the job below.
+JOB_ARGS = [
+  "--config=configs/bfcl.py:cpu",
+  "--config.mesh.fsdp=-1",
+  "--config.train.steps=2",
+  "--config.warmstart.steps=4",
+  "--config.explore.initial_tasks=6",
+  "--config.eval.max_tasks=4",
+  "--config.rollout.tasks_per_step=2",
+  "--config.feedback.every=1",
+  "--config.feedback.lag=0",
+]
+# summary.json fields that measure time or the process layout, not the run's figures.
+_NOT_FIGURES = {"timings", "wall_s", "resumed_from_step", "compile", "feedback_share", "memory"}
+
+
+def _figures(summary: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in summary.items():
+    if k in _NOT_FIGURES:
+      continue
+    if isinstance(v, dict):
+      out.update(_figures(v, f"{prefix}{k}."))
+    else:
+      out[prefix + k] = v
+  return out
+
+
+@pytest.mark.slow
+def test_the_job_on_two_processes_equals_one_process(tmp_path):
+  """Issue 16: the shrunk CPU preset, with a feedback round after every step, on 2 loopback
+  processes x 4 host devices gives the summary.json figures of 1 process x 8 devices; files are
+  written once (slow: two runs of the job, about 10 minutes on 2 cores)."""
+  one, two = tmp_path / "one", tmp_path / "two"
+  single = subprocess.Popen(
+    [sys.executable, "-m", "coevolve_jax.main", *JOB_ARGS, f"--workdir={one}"],
+    cwd=ROOT,
+    env=_env(8),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
+  out, _ = single.communicate(timeout=1200)
+  assert single.returncode == 0, out[-3000:]
+  port = _free_port()
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-m", "coevolve_jax.main", *JOB_ARGS, f"--workdir={two}"],
+      cwd=ROOT,
+      env=_env(
+        4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)
+      ),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  for p in procs:
+    try:
+      out, _ = p.communicate(timeout=1800)
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      raise
+    assert p.returncode == 0, out[-3000:]
+  want = json.loads((one / "summary.json").read_text())
+  got = json.loads((two / "summary.json").read_text())
+  assert _figures(got) == _figures(want)
+  assert want["feedback_rounds"] >= 1  # a round ran (and its tasks were committed once)
+  for name in ("pool.jsonl", "metrics.jsonl", "feedback.jsonl"):  # written once, not twice
+    lines = lambda d, n=name: (d / n).read_text().splitlines()  # noqa: E731
+    assert len(lines(two)) == len(lines(one)), name
+
+
+HELPERS_WORKER = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np
+    import jax
+    from coevolve_jax import distributed
+    distributed.initialize_from_env()
+    from jax.sharding import NamedSharding, PartitionSpec
+    from coevolve_jax import metrics
+    from coevolve_jax.models import sharding
+
+    out = sys.argv[1]
+    me = jax.process_index()
+    calls = []
+    got = distributed.on_primary(lambda: calls.append(me) or {"made_by": me, "x": [1, 2.5, "é"]})
+    mesh = sharding.make_mesh({"fsdp": -1})
+    rows = jax.make_array_from_callback(
+        (8, 3), NamedSharding(mesh, PartitionSpec("fsdp")),
+        lambda idx: np.arange(24, dtype=np.float32).reshape(8, 3)[idx])
+    whole = distributed.fetch(rows)
+    metrics.append_lines(os.path.join(os.path.dirname(out), "shared.jsonl"), [json.dumps(me)])
+    with open(out, "w") as f:
+      json.dump({"got": got, "calls": calls, "whole": whole.tolist(),
+                 "primary": distributed.is_primary()}, f)
+""")
+
+
+def test_primary_decides_and_broadcasts_and_arrays_are_gathered(tmp_path):
+  """distributed.on_primary runs its function on process 0 only and gives its result to both
+  processes; fetch gathers a row-sharded array whole on each; append_lines writes once."""
+  script = tmp_path / "helpers_worker.py"
+  script.write_text(HELPERS_WORKER)
+  port = _free_port()
+  procs = [
+    subprocess.Popen(
+      [sys.executable, str(script), str(tmp_path / f"p{i}.json")],
+      cwd=ROOT,
+      env=_env(
+        2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)
+      ),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  for p in procs:
+    try:
+      _, err = p.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      raise
+    assert p.returncode == 0, err[-3000:]
+  for i in range(2):
+    got = json.loads((tmp_path / f"p{i}.json").read_text())
+    assert got["got"] == {"made_by": 0, "x": [1, 2.5, "é"]}
+    assert got["calls"] == ([0] if i == 0 else [])  # the function ran on the primary only
+    assert got["primary"] == (i == 0)
+    assert got["whole"] == np.arange(24, dtype=np.float32).reshape(8, 3).tolist()
+  assert (tmp_path / "shared.jsonl").read_text().splitlines() == ["0"]
