@@ -5,17 +5,20 @@ Task source (`cfg.appworld.source`):
   "generated": worlds built offline (envs/appworld/world.py) under <workdir>/appworld_root: the
     train split feeds D0, test_normal is the held-out evaluation set.
   "official": `appworld download data` under `cfg.appworld.data_root`: `cfg.appworld.split` and
-    `cfg.appworld.eval_split` (train/dev/test_normal/test_challenge). Official tasks carry no
-    solution here, so D0 and warm-start need generated worlds; an official run evaluates and trains
-    by RL on the split's tasks only.
-Servers: a ServerPool of `cfg.rollout.num_slots` AppWorld servers (one per concurrent episode).
+    `cfg.appworld.eval_split` (train/dev/test_normal/test_challenge), served from an overlay of
+    the data under the workdir (`overlay_root`), so the data folder is never written to.
+Servers: a ServerPool of `cfg.rollout.num_slots` + 1 AppWorld servers (one per concurrent
+episode, one for the feedback round).
 
-Feedback (paper Sec. 3.2-3.3 on AppWorld; envs/appworld/synthesis.py): the programmatic explorer
-discovers the apps' APIs in a live world through `apis.api_docs`; the task families whose every API
-it found are the ones it may synthesize. For each marked trajectory it builds a new world of the
-marked task's family (a fresh seed: new people, notes, question), and validates it by execution:
-the family's solution must score 1.0 in that world and completing at once without acting must
-score 0.0. Accepted tasks go back to the loop, which commits them to the pool.
+Feedback (paper Sec. 3.1-3.3), with an LLM explorer (`llm` given; official or generated worlds):
+D0 by unguided exploration of the training worlds, rounds by signal-guided exploration of the
+marked tasks' worlds, abstraction into tasks derived from those worlds (world.py `derive_task`:
+graded by the answer and database changes of their reference code), validation by execution and
+an LLM agent's attempt plus the judge (envs/appworld/llm_explorer.py). Without an LLM (generated
+worlds only) the programmatic explorer discovers the apps' APIs through `apis.api_docs`, and
+each marked trajectory yields a new world of its task's family (fresh seed), validated by
+execution (the family's solution scores 1.0, completing at once scores 0.0). Accepted tasks go
+back to the loop, which commits them to the pool.
 """
 
 from __future__ import annotations
