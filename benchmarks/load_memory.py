@@ -76,7 +76,7 @@ def _child(mode: str, folder: str) -> None:
 
     tensors = safetensors.numpy.load_file(os.path.join(folder, "model.safetensors"))
     cfg = config_from_hf(json.load(open(os.path.join(folder, "config.json"))))
-    model = Qwen(cfg, rngs=nnx.Rngs(0))
+    model = Qwen(cfg, rngs=nnx.Rngs(0), stacked=False)  # per-layer modules: HF's own paths
     for name, array in tensors.items():
       path, _, fn = hf_to_path(name)
       obj = model
