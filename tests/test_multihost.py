@@ -89,6 +89,37 @@ def _env(devices: int, **extra) -> dict:
   return env
 
 
+def _launch(argv: list[str], devices: int, **env) -> subprocess.Popen:
+  """`argv` in a fresh interpreter on `devices` host devices (output and errors in one pipe)."""
+  return subprocess.Popen(
+    argv,
+    cwd=ROOT,
+    env=_env(devices, **env),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
+
+
+def _launch_pair(argv_of, devices: int) -> list[subprocess.Popen]:
+  """Processes 0 and 1 of one job on loopback (`argv_of(i)`, `devices` host devices each)."""
+  port = _free_port()
+  coordinator = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2"}
+  return [_launch(argv_of(i), devices, **coordinator, JAX_PROCESS_ID=str(i)) for i in range(2)]
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
+  """Waits for every process; all are killed when one overruns; each must exit 0."""
+  for p in procs:
+    try:
+      out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      raise
+    assert p.returncode == 0, out[-3000:]
+
+
 @pytest.mark.slow
 def test_grpo_step_across_two_processes_equals_single_process(tmp_path):
   """Slow (three interpreters that each compile the step, two joined by gloo collectives). The
@@ -97,36 +128,11 @@ def test_grpo_step_across_two_processes_equals_single_process(tmp_path):
   entry-point checks below; only the two-process collectives are left to `make test-slow`."""
   script = tmp_path / "worker.py"
   script.write_text(WORKER)
-  port = _free_port()
-  single = subprocess.Popen(
-    [sys.executable, str(script), "single", str(tmp_path / "single")],
-    cwd=ROOT,
-    env=_env(1),
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-    text=True,
+  single = _launch([sys.executable, str(script), "single", str(tmp_path / "single")], 1)
+  pair = _launch_pair(
+    lambda i: [sys.executable, str(script), "multi", str(tmp_path / f"p{i}")], devices=2
   )
-  procs = [single] + [
-    subprocess.Popen(
-      [sys.executable, str(script), "multi", str(tmp_path / f"p{i}")],
-      cwd=ROOT,
-      env=_env(
-        2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)
-      ),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  for p in procs:
-    try:
-      _, err = p.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      raise
-    assert p.returncode == 0, err[-3000:]
+  _wait_all([single, *pair], timeout=300)
   ref = json.loads((tmp_path / "single.json").read_text())
   ref_params = np.load(tmp_path / "single.npz")
   assert ref["processes"] == 1 and ref["devices"] == 1
@@ -245,28 +251,10 @@ def test_each_process_loads_only_its_share_of_a_checkpoint(tmp_path):
   assert total == (folder / "model.safetensors").stat().st_size - _header_bytes(folder)
   script = tmp_path / "load_worker.py"
   script.write_text(LOAD_WORKER)
-  port = _free_port()
-  procs = [
-    subprocess.Popen(
-      [sys.executable, str(script), str(folder), str(tmp_path / f"p{i}")],
-      cwd=ROOT,
-      env=_env(
-        2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)
-      ),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  for p in procs:
-    try:
-      _, err = p.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      raise
-    assert p.returncode == 0, err[-3000:]
+  pair = _launch_pair(
+    lambda i: [sys.executable, str(script), str(folder), str(tmp_path / f"p{i}")], devices=2
+  )
+  _wait_all(pair, timeout=240)
   for i in range(2):
     got = json.loads((tmp_path / f"p{i}.json").read_text())
     assert got["process"] == i
@@ -314,38 +302,9 @@ def test_the_job_on_two_processes_equals_one_process(tmp_path):
   processes x 4 host devices gives the summary.json figures of 1 process x 8 devices; files are
   written once (slow: two runs of the job, about 10 minutes on 2 cores)."""
   one, two = tmp_path / "one", tmp_path / "two"
-  single = subprocess.Popen(
-    [sys.executable, "-m", "coevolve_jax.main", *JOB_ARGS, f"--workdir={one}"],
-    cwd=ROOT,
-    env=_env(8),
-    stdout=subprocess.PIPE,
-    stderr=subprocess.STDOUT,
-    text=True,
-  )
-  out, _ = single.communicate(timeout=1200)
-  assert single.returncode == 0, out[-3000:]
-  port = _free_port()
-  procs = [
-    subprocess.Popen(
-      [sys.executable, "-m", "coevolve_jax.main", *JOB_ARGS, f"--workdir={two}"],
-      cwd=ROOT,
-      env=_env(
-        4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)
-      ),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  for p in procs:
-    try:
-      out, _ = p.communicate(timeout=1800)
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      raise
-    assert p.returncode == 0, out[-3000:]
+  job = [sys.executable, "-m", "coevolve_jax.main", *JOB_ARGS]
+  _wait_all([_launch([*job, f"--workdir={one}"], 8)], timeout=1200)
+  _wait_all(_launch_pair(lambda i: [*job, f"--workdir={two}"], devices=4), timeout=1800)
   want = json.loads((one / "summary.json").read_text())
   got = json.loads((two / "summary.json").read_text())
   assert _figures(got) == _figures(want)
@@ -386,28 +345,8 @@ def test_primary_decides_and_broadcasts_and_arrays_are_gathered(tmp_path):
   processes; fetch gathers a row-sharded array whole on each; append_lines writes once."""
   script = tmp_path / "helpers_worker.py"
   script.write_text(HELPERS_WORKER)
-  port = _free_port()
-  procs = [
-    subprocess.Popen(
-      [sys.executable, str(script), str(tmp_path / f"p{i}.json")],
-      cwd=ROOT,
-      env=_env(
-        2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)
-      ),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  for p in procs:
-    try:
-      _, err = p.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      raise
-    assert p.returncode == 0, err[-3000:]
+  pair = _launch_pair(lambda i: [sys.executable, str(script), str(tmp_path / f"p{i}.json")], 2)
+  _wait_all(pair, timeout=180)
   for i in range(2):
     got = json.loads((tmp_path / f"p{i}.json").read_text())
     assert got["got"] == {"made_by": 0, "x": [1, 2.5, "é"]}
