@@ -77,7 +77,12 @@ class AgentRunner:
   runs on a host thread while the device keeps decoding the other slots, and the episode rejoins
   the batch once the step's observation is prefilled. A finished episode frees its slot for the
   next job. Each episode samples with its own key (fold_in(rng, job index), then per token), so
-  its tokens do not depend on which episodes share a step or on thread timing.
+  its sampling does not depend on which episodes share a step. The logits can: episodes that
+  resume together are prefilled in one batch, and a batch of another shape is another XLA
+  program whose float32 sums may round differently. With `reproducible` (the default) the
+  batches are therefore fixed by the jobs, not by thread timing: every environment step in
+  flight is awaited and the steps are handled in episode order (`_collect_steps`), so a seed
+  gives the same rollouts run after run and on any number of processes.
 
   Args:
     engine: decode slots and KV cache (`rollout.slots.SlotEngine`: `num_slots`, `reset_slot`,
@@ -88,6 +93,11 @@ class AgentRunner:
     make_env: `(task, episode_id) -> Env`.
     limits: episode limits.
     env_threads: host threads for environment steps (at least 1).
+    reproducible: handle environment steps in episode order once all in flight are done (the
+      same device calls whatever the step timings); False handles each step as it finishes and
+      decodes the other slots meanwhile, faster with slow environments (AppWorld servers) but
+      not reproducible run to run. Always on with several processes, which must make the same
+      device calls in the same order.
     stop_ids: end-of-sequence ids of the checkpoint (`model.config.eos_token_ids`, from its
       config.json and generation_config.json); a reply ends at any of them or at
       `chat.im_end_id`. The id that ended a reply is the reply's last sampled token (loss mask
@@ -106,6 +116,7 @@ class AgentRunner:
     limits: EpisodeLimits,
     env_threads: int = 4,
     stop_ids: Iterable[int] = (),
+    reproducible: bool = True,
   ):
     if env_threads < 1:
       raise ValueError(f"env_threads must be >= 1, got {env_threads}")
@@ -119,7 +130,7 @@ class AgentRunner:
     self.stop_ids = frozenset({chat.im_end_id, *(int(i) for i in stop_ids)})
     self._episode_counter = 0
     self.timings: dict[str, float] = collections.defaultdict(float)  # seconds in env steps
-    self._lockstep = jax.process_count() > 1  # see `_collect_steps`
+    self._lockstep = reproducible or jax.process_count() > 1  # see `_collect_steps`
 
   def run(
     self,
@@ -161,11 +172,11 @@ class AgentRunner:
   def _collect_steps(self, block: bool) -> None:
     """Handles finished environment steps; waits for one when nothing else can run.
 
-    With several processes (`jax.process_count() > 1`) every process must make the same device
-    calls in the same order, so which steps are handled cannot depend on thread timing: each
-    call waits for every step in flight and handles them in episode order (the environments
-    are deterministic, so every process sees the same results). A single process handles the
-    steps that are done and decodes the other slots meanwhile.
+    Lockstep (`reproducible`, and always with several processes, which must make the same device
+    calls in the same order): which steps are handled cannot depend on thread timing, so each
+    call waits for every step in flight and handles them in episode order (the environments are
+    deterministic, so every process sees the same results). Otherwise the steps that are done
+    are handled and the other slots decode meanwhile.
     """
     if not self._stepping:
       return

@@ -300,6 +300,7 @@ class CoEvolveRun:
         max_new_tokens=cfg.rollout.max_new_tokens, max_model_steps=cfg.rollout.max_model_steps
       ),
       stop_ids=model.config.eos_token_ids,
+      reproducible=cfg.rollout.reproducible,
     )
     self.eval_runner = AgentRunner(
       self.engine,
@@ -309,6 +310,7 @@ class CoEvolveRun:
         self.eval_tasks, cfg.eval.max_new_tokens, cfg.eval.max_steps_per_turn
       ),
       stop_ids=model.config.eos_token_ids,
+      reproducible=cfg.rollout.reproducible,
     )
     self.ckpt = RunCheckpointer(os.path.join(self.workdir, "checkpoints"), cfg.checkpoint.keep)
 

@@ -153,6 +153,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.rollout.max_new_tokens = 4096  # per model reply
   c.rollout.max_steps_per_turn = 20
   c.rollout.max_model_steps = 30
+  # Environment steps handled in episode order once all in flight are done, so a seed gives the
+  # same rollouts run after run (AgentRunner(reproducible=...)); False decodes the other slots
+  # while slow steps run (faster with AppWorld servers, not reproducible). On with >1 process.
+  c.rollout.reproducible = True
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 120

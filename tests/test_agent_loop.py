@@ -8,6 +8,7 @@ execution, the official checker. This pins down the loop's semantics independent
 
 import inspect
 import threading
+import time
 
 import jax
 import numpy as np
@@ -345,6 +346,7 @@ def test_env_steps_run_on_host_threads_while_other_slots_decode():
     lambda t, e: _ThreadEnv(t, release, log),
     EpisodeLimits(100, 10),
     env_threads=2,
+    reproducible=False,  # the overlap this test checks is what reproducible runs give up
   )
   trajs = runner.run(
     [(t, i) for i, t in enumerate(tasks)], SamplingParams(0.0), rng=jax.random.key(0)
@@ -358,6 +360,94 @@ def test_env_steps_run_on_host_threads_while_other_slots_decode():
   slow_slot = engine.slow_slot
   slow_done = log.index(next(e for e in steps if e[1] == "slow"))
   assert any(e[0] == "generate" and slow_slot not in e[1] for e in log[slow_done:])
+
+
+class _SleepyEnv:
+  """Three steps per episode, each sleeping a duration drawn from `durations` (seconds)."""
+
+  system_prompt, tools = None, []
+
+  def __init__(self, task, durations):
+    self.task, self.durations, self.calls, self.left = task, durations, [[]], 3
+
+  def reset(self):
+    return _step_result([{"role": "user", "content": self.task.task_id}])
+
+  def step(self, action):
+    time.sleep(next(self.durations))
+    self.left -= 1
+    return _step_result([{"role": "tool", "content": "ok"}], done=not self.left, reward=1.0)
+
+  def close(self):
+    pass
+
+
+class _LoggingEngine:
+  """Every reply is `len(task id)` tokens ("x", then the stop id 0); logs each device call."""
+
+  num_slots, cache_len = 3, 1000
+
+  def __init__(self):
+    self.calls, self.left, self.length = [], {}, {}
+
+  def reset_slot(self, slot):
+    pass
+
+  def room(self, slot):
+    return 1000
+
+  def prefill_many(self, requests, sampling):
+    self.calls.append(("prefill", tuple((slot, tuple(ids)) for slot, ids, _ in requests)))
+    out = []
+    for slot, ids, _ in requests:
+      if ids != [1, 2]:  # a first prompt: the task id's characters
+        self.length[slot] = len(ids)
+      self.left[slot] = self.length[slot]
+      out.append((ord("x"), -0.1))
+    return out
+
+  def generate(self, active, rng, sampling):
+    self.calls.append(("generate", tuple(np.flatnonzero(active))))
+    toks = np.zeros(self.num_slots, np.int32)
+    for s in np.flatnonzero(active):
+      self.left[s] -= 1
+      toks[s] = ord("x") if self.left[s] > 0 else 0
+    return toks, np.full(self.num_slots, -0.1, np.float32)
+
+  def routing(self, slot):
+    return None
+
+
+@pytest.mark.parametrize("reproducible", [True, False])
+def test_reproducible_runs_make_the_same_device_calls_whatever_the_step_timings(reproducible):
+  """With `reproducible` the prefill batches and decode masks depend on the jobs only, not on how
+  long environment steps take (a batch of another shape may round the logits differently);
+  without it they follow the timings (the check that the test can tell them apart)."""
+  tasks = [Task(task_id="a" * n, env="fake", turns=["q"], ground_truth=[[]]) for n in (2, 3, 5, 4)]
+
+  def calls(seed):
+    rng = np.random.default_rng(seed)
+    durations = iter(rng.choice([0.0, 0.03], size=64).tolist())
+    engine = _LoggingEngine()
+    runner = AgentRunner(
+      engine,
+      _FakeChat(),
+      lambda t, e: _SleepyEnv(t, durations),
+      EpisodeLimits(100, 10),
+      env_threads=3,
+      reproducible=reproducible,
+    )
+    trajs = runner.run(
+      [(t, i) for i, t in enumerate(tasks)], SamplingParams(0.0), jax.random.key(0)
+    )
+    assert [t.reward for t in trajs] == [1.0] * 4
+    return engine.calls
+
+  runs = [calls(seed) for seed in range(4)]
+  if reproducible:
+    assert all(r == runs[0] for r in runs)
+  else:
+    assert any(r != runs[0] for r in runs)
 
 
 class _IdChat:
