@@ -15,13 +15,21 @@ over the global device mesh). Sources, first match wins:
    Slurm job with more than one task: JAX's own cluster detection (Cloud TPU metadata, Slurm,
    Open MPI) with `jax.distributed.initialize()` and no arguments.
 
-Anything else is a single-process run and nothing is initialised. Placing parameters and batches
+Anything else is a single-process run and nothing is initialised.
+
+Failure: `COEVOLVE_HEARTBEAT_TIMEOUT_S` (default 100, JAX's own) bounds how long the others wait
+for a process that died: JAX's coordination service then aborts every process with "heartbeat
+timeout" (exit status 134) instead of leaving it in a collective forever; rerunning the same
+command on every host resumes from the last checkpoint. An exception inside `on_primary` (an
+explorer, judge or file error on the primary) reaches every process at once as
+`PrimaryFailed`, with the primary's message. Placing parameters and batches
 on the global mesh is the trainer's job (`PolicyTrainer(..., mesh=...)`): host values that are
 identical on every process go onto the mesh with `jax.device_put`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -32,6 +40,10 @@ import jax
 import numpy as np
 
 
+DEFAULT_HEARTBEAT_TIMEOUT_S = 100  # jax.distributed.initialize's own default
+HEARTBEAT_ENV = "COEVOLVE_HEARTBEAT_TIMEOUT_S"
+
+
 @dataclasses.dataclass(frozen=True)
 class ProcessSpec:
   """How to initialise this process. None fields are left to JAX's cluster detection."""
@@ -40,15 +52,19 @@ class ProcessSpec:
   coordinator_address: str | None = None
   num_processes: int | None = None
   process_id: int | None = None
+  heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S
 
 
-def _int(env: Mapping[str, str], name: str) -> int:
+class PrimaryFailed(RuntimeError):
+  """Raised on every process other than the primary when the primary's `on_primary` function
+  raised: the job stops on all processes with the primary's error, not in a hung collective."""
+
+
+def _int(env: Mapping[str, str], name: str, when: str = " with JAX_COORDINATOR_ADDRESS") -> int:
   try:
     return int(env[name])
   except (KeyError, ValueError):
-    raise ValueError(
-      f"{name} must be set to an integer with JAX_COORDINATOR_ADDRESS, got {env.get(name)!r}"
-    ) from None
+    raise ValueError(f"{name} must be set to an integer{when}, got {env.get(name)!r}") from None
 
 
 def _from_vertex(text: str) -> ProcessSpec | None:
@@ -77,9 +93,20 @@ def detect(env: Mapping[str, str] | None = None) -> ProcessSpec | None:
 
   Raises:
     ValueError: an explicit coordinator without integer JAX_NUM_PROCESSES / JAX_PROCESS_ID, a
-      process id outside [0, num_processes), or a malformed CLUSTER_SPEC.
+      process id outside [0, num_processes), a malformed CLUSTER_SPEC, or a
+      COEVOLVE_HEARTBEAT_TIMEOUT_S that is not an integer >= 1.
   """
   env = os.environ if env is None else env
+  spec = _detect(env)
+  if spec is None or HEARTBEAT_ENV not in env:
+    return spec
+  beat = _int(env, HEARTBEAT_ENV, "")
+  if beat < 1:
+    raise ValueError(f"{HEARTBEAT_ENV} must be a number of seconds >= 1, got {beat}")
+  return dataclasses.replace(spec, heartbeat_timeout_s=beat)
+
+
+def _detect(env: Mapping[str, str]) -> ProcessSpec | None:
   mode = env.get("COEVOLVE_DISTRIBUTED", "").strip().lower()
   if mode in ("0", "off", "false"):
     return None
@@ -116,6 +143,7 @@ def initialize_from_env(env: Mapping[str, str] | None = None) -> ProcessSpec | N
     coordinator_address=spec.coordinator_address,
     num_processes=spec.num_processes,
     process_id=spec.process_id,
+    heartbeat_timeout_seconds=spec.heartbeat_timeout_s,
   )
   return spec
 
@@ -152,8 +180,67 @@ def broadcast_json(value: Any) -> Any:
 def on_primary(fn: Callable[[], Any]) -> Any:
   """`fn()` run by the primary process only, its JSON-serialisable result given to every
   process (`broadcast_json`): how host-side work with effects outside the job (LLM calls,
-  environment writes) happens once however many processes run. A collective."""
-  return broadcast_json(fn() if is_primary() else None)
+  environment writes) happens once however many processes run. A collective.
+
+  Raises:
+    whatever `fn` raised, on the primary; `PrimaryFailed` with its message on the others (the
+    failure is broadcast too, so no process waits for a result that will not come).
+  """
+  if jax.process_count() == 1:
+    return fn()
+  failure = None
+  if is_primary():
+    try:
+      outcome = {"result": fn()}
+    except BaseException as e:  # every process must leave the collective, then all stop
+      failure, outcome = e, {"error": f"{type(e).__name__}: {e}"}
+  else:
+    outcome = None
+  outcome = broadcast_json(outcome)
+  if failure is not None:
+    raise failure
+  if "error" in outcome:
+    raise PrimaryFailed(f"process 0 failed: {outcome['error']}")
+  return outcome["result"]
+
+
+def check_shared_dir(path: str) -> None:
+  """Checks that every process sees the same directory at `path` (the workdir): the primary
+  writes a file with a fresh token there and every process reads it back. Orbax writes each
+  process's shards of a checkpoint under one path and a restarted job reads the primary's logs,
+  so with several processes the workdir must be storage all hosts share (a mounted bucket or
+  NFS), not each host's own disk. A collective; nothing to check with one process.
+
+  Raises:
+    RuntimeError: on every process, naming the processes that did not see the primary's file.
+  """
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+
+  marker = os.path.join(path, ".shared-workdir-check")
+  token = broadcast_json(os.urandom(8).hex() if is_primary() else None)
+  if is_primary():
+    with open(marker, "w") as f:
+      f.write(token)
+  multihost_utils.sync_global_devices("check_shared_dir: written")
+  try:
+    with open(marker) as f:
+      seen = f.read() == token
+  except OSError:
+    seen = False
+  flags = np.asarray(multihost_utils.process_allgather(np.int32(seen)))
+  if is_primary():
+    with contextlib.suppress(OSError):
+      os.remove(marker)
+  missing = [i for i, ok in enumerate(flags.reshape(-1)) if not ok]
+  if missing:
+    raise RuntimeError(
+      f"--workdir={path} is not shared between the processes: process(es) {missing} do not see "
+      "what process 0 wrote there. Checkpoints are written by every process and the logs by "
+      "process 0, so the workdir must be storage every host mounts (a Cloud Storage bucket "
+      "mounted with Cloud Storage FUSE, as Vertex AI does under /gcs/BUCKET, or NFS)"
+    )
 
 
 def fetch(x: Any) -> np.ndarray:

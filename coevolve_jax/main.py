@@ -72,14 +72,15 @@ def main(argv: list[str]) -> int:
 
   try:  # several hosts (TPU pod slice, Vertex AI replicas, GPU cluster): before any computation
     distributed.initialize_from_env()
-  except ValueError as e:
+    distributed.check_shared_dir(workdir)
+  except (ValueError, RuntimeError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   from coevolve_jax.loop import CoEvolveRun, RunError  # noqa: PLC0415 (imports JAX; keep --help fast)
 
   try:
     summary = CoEvolveRun(cfg, workdir).fit()
-  except RunError as e:
+  except (RunError, distributed.PrimaryFailed) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -296,22 +297,53 @@ def _figures(summary: dict, prefix: str = "") -> dict:
   return out
 
 
+def _kill_after_checkpoint(procs: list[subprocess.Popen], workdir, step: int, timeout: float):
+  """SIGKILLs every process of a run once checkpoint `step` is committed in `workdir` (orbax
+  renames the step's folder into place when it is complete), as a preemption would."""
+  done = workdir / "checkpoints" / str(step)
+  deadline = time.monotonic() + timeout
+  while not done.is_dir():
+    if any(p.poll() is not None for p in procs):  # finished or died before the kill: no test
+      outs = [p.communicate()[0][-2000:] for p in procs]
+      raise AssertionError(f"the run ended before checkpoint {step}: {outs}")
+    if time.monotonic() > deadline:
+      for p in procs:
+        p.kill()
+      raise TimeoutError(f"no checkpoint {step} in {workdir} after {timeout} s")
+    time.sleep(0.5)
+  for p in procs:
+    p.kill()
+    p.communicate()
+
+
 @pytest.mark.slow
-def test_the_job_on_two_processes_equals_one_process(tmp_path):
-  """Issue 16: the shrunk CPU preset, with a feedback round after every step, on 2 loopback
-  processes x 4 host devices gives the summary.json figures of 1 process x 8 devices; files are
-  written once (slow: two runs of the job, about 10 minutes on 2 cores)."""
-  one, two = tmp_path / "one", tmp_path / "two"
-  job = [sys.executable, "-m", "coevolve_jax.main", *JOB_ARGS]
+def test_the_job_on_two_processes_equals_one_process_also_after_kill_and_resume(tmp_path):
+  """Issue 16 items 3-4: the shrunk CPU preset (a feedback round after every step, a checkpoint
+  every step) gives the same summary.json figures
+  - on 2 loopback processes x 4 host devices, killed once checkpoint 1 is committed and
+    restarted on 2 processes,
+  - on 1 process x 8 devices killed the same way and restarted on 2 processes (a checkpoint
+    written by one process restores in two),
+  as 1 process x 8 devices uninterrupted; files are written once, not once per process (slow:
+  five runs of the job, about 15 minutes on 2 cores)."""
+  job = [sys.executable, "-m", "coevolve_jax.main", *JOB_ARGS, "--config.checkpoint.every=1"]
+  one, two, one_two = tmp_path / "one", tmp_path / "two", tmp_path / "one_two"
   _wait_all([_launch([*job, f"--workdir={one}"], 8)], timeout=1200)
-  _wait_all(_launch_pair(lambda i: [*job, f"--workdir={two}"], devices=4), timeout=1800)
+  pair = lambda d: _launch_pair(lambda i: [*job, f"--workdir={d}"], devices=4)  # noqa: E731
+  _kill_after_checkpoint(pair(two), two, 1, timeout=1200)
+  _kill_after_checkpoint([_launch([*job, f"--workdir={one_two}"], 8)], one_two, 1, timeout=1200)
+  for workdir in (two, one_two):
+    assert not (workdir / "summary.json").exists()
+    _wait_all(pair(workdir), timeout=1800)
   want = json.loads((one / "summary.json").read_text())
-  got = json.loads((two / "summary.json").read_text())
-  assert _figures(got) == _figures(want)
   assert want["feedback_rounds"] >= 1  # a round ran (and its tasks were committed once)
-  for name in ("pool.jsonl", "metrics.jsonl", "feedback.jsonl"):  # written once, not twice
-    lines = lambda d, n=name: (d / n).read_text().splitlines()  # noqa: E731
-    assert len(lines(two)) == len(lines(one)), name
+  for workdir in (two, one_two):
+    got = json.loads((workdir / "summary.json").read_text())
+    assert got["resumed_from_step"] == 1
+    assert _figures(got) == _figures(want), workdir.name
+    for name in ("pool.jsonl", "metrics.jsonl", "feedback.jsonl"):  # written once, not twice
+      lines = lambda d, n=name: (d / n).read_text().splitlines()  # noqa: E731
+      assert len(lines(workdir)) == len(lines(one)), (workdir.name, name)
 
 
 HELPERS_WORKER = textwrap.dedent("""
@@ -334,15 +366,33 @@ HELPERS_WORKER = textwrap.dedent("""
         lambda idx: np.arange(24, dtype=np.float32).reshape(8, 3)[idx])
     whole = distributed.fetch(rows)
     metrics.append_lines(os.path.join(os.path.dirname(out), "shared.jsonl"), [json.dumps(me)])
+    def fail():
+      raise ValueError("explorer down")
+    try:
+      distributed.on_primary(fail)
+      failed = None
+    except Exception as e:
+      failed = f"{type(e).__name__}: {e}"
+    workdir = os.path.dirname(out)
+    distributed.check_shared_dir(workdir)  # the same directory on both: passes
+    own = os.path.join(workdir, f"own{me}")  # each process its own directory: refused on both
+    os.makedirs(own, exist_ok=True)
+    try:
+      distributed.check_shared_dir(own)
+      unshared = None
+    except RuntimeError as e:
+      unshared = str(e)
     with open(out, "w") as f:
-      json.dump({"got": got, "calls": calls, "whole": whole.tolist(),
-                 "primary": distributed.is_primary()}, f)
+      json.dump({"got": got, "calls": calls, "whole": whole.tolist(), "failed": failed,
+                 "unshared": unshared, "primary": distributed.is_primary()}, f)
 """)
 
 
 def test_primary_decides_and_broadcasts_and_arrays_are_gathered(tmp_path):
   """distributed.on_primary runs its function on process 0 only and gives its result to both
-  processes; fetch gathers a row-sharded array whole on each; append_lines writes once."""
+  processes, or its failure (the original error on the primary, PrimaryFailed on the other);
+  fetch gathers a row-sharded array whole on each; append_lines writes once; check_shared_dir
+  passes on one directory and refuses, on both processes, a directory each has its own of."""
   script = tmp_path / "helpers_worker.py"
   script.write_text(HELPERS_WORKER)
   pair = _launch_pair(lambda i: [sys.executable, str(script), str(tmp_path / f"p{i}.json")], 2)
@@ -353,4 +403,53 @@ def test_primary_decides_and_broadcasts_and_arrays_are_gathered(tmp_path):
     assert got["calls"] == ([0] if i == 0 else [])  # the function ran on the primary only
     assert got["primary"] == (i == 0)
     assert got["whole"] == np.arange(24, dtype=np.float32).reshape(8, 3).tolist()
+    want = "ValueError: explorer down"
+    assert got["failed"] == (want if i == 0 else f"PrimaryFailed: process 0 failed: {want}")
+    assert "is not shared between the processes: process(es) [1]" in got["unshared"]
   assert (tmp_path / "shared.jsonl").read_text().splitlines() == ["0"]
+  assert not (tmp_path / ".shared-workdir-check").exists()  # the primary removed its marker
+
+
+DYING_WORKER = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    from coevolve_jax import distributed
+    distributed.initialize_from_env()
+    import jax
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("both up")
+    if jax.process_index() == 1:
+      os._exit(9)  # dies without a word, as a preempted or OOM-killed host does
+    print("waiting", flush=True)
+    multihost_utils.process_allgather(np.int32(1))  # a collective the dead process never joins
+    print("unreachable", flush=True)
+""")
+
+
+def test_a_dead_worker_stops_the_others_within_the_heartbeat_timeout(tmp_path):
+  """Issue 16 item 6: process 1 dies after start-up; process 0, inside a collective, is stopped
+  by JAX's coordination service within COEVOLVE_HEARTBEAT_TIMEOUT_S (plus the detection's
+  slack), with an error that says a task died, instead of waiting forever."""
+  script = tmp_path / "dying.py"
+  script.write_text(DYING_WORKER)
+  port = _free_port()
+  env = {
+    "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+    "JAX_NUM_PROCESSES": "2",
+    distributed.HEARTBEAT_ENV: "5",
+  }
+  procs = [
+    _launch([sys.executable, str(script)], 1, **env, JAX_PROCESS_ID=str(i)) for i in range(2)
+  ]
+  out1, _ = procs[1].communicate(timeout=120)
+  assert procs[1].returncode == 9, out1[-2000:]
+  died = time.monotonic()
+  try:
+    out0, _ = procs[0].communicate(timeout=90)
+  except subprocess.TimeoutExpired:
+    procs[0].kill()
+    raise
+  waited = time.monotonic() - died
+  assert procs[0].returncode != 0 and "unreachable" not in out0
+  assert "waiting" in out0 and "heartbeat" in out0.lower(), out0[-3000:]
+  assert waited < 5 * 6, waited  # the default (100 s) would take several times longer
