@@ -49,12 +49,15 @@ def test_tpu_up_dry_run_prints_every_step_in_order():
     "--accelerator-type=v5p-16",
     "--version=v2-alpha-tpuv5",
     "--spot",
+    "--heartbeat-timeout-s=30",
     "--dry-run",
     "--",
     *JOB,
   )
   assert out.returncode == 0, out.stderr
-  lines = [shlex.split(line) for line in out.stdout.strip().splitlines()]
+  stdout = out.stdout.strip().splitlines()
+  comments = [line for line in stdout if line.startswith("# ")]
+  lines = [shlex.split(line) for line in stdout if not line.startswith("#")]
   tpu_vm = ["gcloud", "compute", "tpus", "tpu-vm"]
   assert [cmd[:5] if cmd[0] == "gcloud" else cmd[:2] for cmd in lines] == [
     tpu_vm + ["create"],
@@ -78,9 +81,66 @@ def test_tpu_up_dry_run_prints_every_step_in_order():
   assert "pip install -q -e '.[tpu]'" in install[-1]
   # The remote command, split as the worker's shell will, gives back the job's arguments intact.
   remote = shlex.split(run[-1].removeprefix("--command="))
-  assert "COEVOLVE_DISTRIBUTED=auto" in remote
+  assert "COEVOLVE_DISTRIBUTED=auto" in remote and "COEVOLVE_HEARTBEAT_TIMEOUT_S=30" in remote
   start = remote.index("coevolve_jax.main") + 1
   assert remote[start : start + len(JOB)] == JOB
+  # Issue 16 item 5: each worker's environment and role (v5p-16: 16 cores = 8 chips = 2 hosts).
+  env = "COEVOLVE_DISTRIBUTED=auto COEVOLVE_HEARTBEAT_TIMEOUT_S=30"
+  assert (
+    comments[0].startswith(f"# worker 0 of 2: {env}; JAX process 0 of 2")
+    and "primary" in (comments[0])
+  )
+  assert comments[1].startswith(f"# worker 1 of 2: {env}; JAX process 1 of 2")
+  assert "primary:" not in comments[1] and "--workdir must be storage all workers" in comments[2]
+
+
+@pytest.mark.parametrize(
+  "accelerator_type,hosts",
+  [
+    ("v5p-8", 1),
+    ("v5p-64", 8),
+    ("v4-32", 4),
+    ("v5litepod-8", 1),
+    ("v5litepod-16", 4),
+    ("v6e-256", 64),
+    ("v7x-8", None),
+  ],
+)
+def test_tpu_vm_hosts_from_the_accelerator_type(accelerator_type, hosts):
+  from coevolve_jax.cli import workers  # noqa: PLC0415
+
+  assert workers.tpu_vm_hosts(accelerator_type) == hosts
+
+
+def test_launchers_refuse_a_gs_workdir_and_name_the_mount():
+  job = ["--config=configs/bfcl.py", "--workdir=gs://bucket/run"]
+  out = _run("launch.py", "run", "--name=cv", "--zone=z", "--dry-run", "--", *job)
+  assert out.returncode == 2 and "Cloud Storage FUSE" in out.stderr
+  with pytest.raises(ValueError, match="/gcs/BUCKET/run"):
+    vertex.build_job(chip="h100", image_uri="img:1", job_args=job)
+
+
+def test_vertex_dry_run_lists_each_replica_as_the_job_will_see_it():
+  """The GPU replicas' CLUSTER_SPEC, as Vertex AI sets it, read by coevolve_jax.distributed."""
+  out = _run(
+    "vertex.py",
+    "--chip=h200",
+    "--hosts=3",
+    "--image=img:1",
+    "--heartbeat-timeout-s=45",
+    "--dry-run",
+    "--",
+    *JOB,
+  )
+  assert out.returncode == 0, out.stderr
+  job = json.loads(out.stdout)
+  for pool in job["jobSpec"]["workerPoolSpecs"]:
+    assert pool["containerSpec"]["env"] == [{"name": "COEVOLVE_HEARTBEAT_TIMEOUT_S", "value": "45"}]
+  lines = out.stderr.strip().splitlines()
+  for i in range(3):
+    assert f"worker {i} of 3:" in lines[i] and f"JAX process {i} of 3" in lines[i]
+    assert "coordinator workerpool0-0:2222" in lines[i] and ("primary:" in lines[i]) == (i == 0)
+  assert "--workdir must be storage all workers mount" in lines[3]
 
 
 def test_tpu_run_without_job_arguments_is_an_error():

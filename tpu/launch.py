@@ -8,7 +8,9 @@ Subcommands: `create`, `setup` (copy this checkout as a `git archive` of HEAD to
 install it in a Python 3.11 venv with the `tpu` extra), `run` (start the main job in the
 background on all workers at once; JAX's distributed runtime finds the other workers from the
 TPU metadata), `logs` (follow worker 0's log), `delete`, and `up` (create, setup, run, logs).
-Every subcommand takes `--dry-run`, which prints the exact commands instead of running them.
+Every subcommand takes `--dry-run`, which prints the exact commands instead of running them;
+for `run` and `up` it also lists, as shell comments, the environment each worker gets, its JAX
+process and what it writes.
 Everything runs through the `gcloud` CLI (`gcloud compute tpus tpu-vm ...`).
 """
 
@@ -19,6 +21,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+
+from coevolve_jax.cli import workers
 
 BFCL_EVAL = "bfcl-eval==2026.3.23"  # same pin as setup.py; installed with --no-deps
 ARCHIVE = "coevolve_jax.tar.gz"
@@ -101,11 +105,36 @@ def setup_commands(args: argparse.Namespace) -> list[list[str]]:
   ]
 
 
+def worker_env(args: argparse.Namespace) -> dict[str, str]:
+  """The environment `run` gives every worker (the same on all: JAX numbers the processes from
+  the TPU metadata)."""
+  env = {"COEVOLVE_DISTRIBUTED": "auto"}
+  if args.heartbeat_timeout_s:
+    env["COEVOLVE_HEARTBEAT_TIMEOUT_S"] = str(args.heartbeat_timeout_s)
+  return env
+
+
 def run_commands(args: argparse.Namespace) -> list[list[str]]:
   """Starts the main job on all workers (in the background, surviving the ssh session)."""
   job = shlex.join([".venv/bin/python", "-m", "coevolve_jax.main", *args.job_args])
-  command = f"cd {REMOTE_DIR} && COEVOLVE_DISTRIBUTED=auto nohup {job} > {LOG} 2>&1 < /dev/null &"
+  env = " ".join(f"{k}={shlex.quote(v)}" for k, v in worker_env(args).items())
+  command = f"cd {REMOTE_DIR} && {env} nohup {job} > {LOG} 2>&1 < /dev/null &"
   return [_ssh(args, command)]
+
+
+def describe_workers(args: argparse.Namespace) -> list[str]:
+  """`--dry-run`'s account of each worker: its environment, its JAX process and its duties
+  (`coevolve_jax.cli.workers`); one line for all when the slice's host count is unknown."""
+  hosts = workers.tpu_vm_hosts(getattr(args, "accelerator_type", "") or "")
+  env = worker_env(args)
+  if hosts is None:
+    return [
+      f"every worker: {' '.join(f'{k}={v}' for k, v in env.items())}; JAX process = the TPU "
+      "worker number (TPU metadata); worker 0 is the primary (pass --accelerator-type to list "
+      "the workers)"
+    ]
+  process = [f"JAX process {i} of {hosts} (TPU metadata: worker {i})" for i in range(hosts)]
+  return workers.worker_lines([env] * hosts, process)
 
 
 def logs_commands(args: argparse.Namespace) -> list[list[str]]:
@@ -155,7 +184,20 @@ def parser() -> argparse.ArgumentParser:
       s.add_argument("--spot", action="store_true", help="Spot (preemptible) capacity.")
     if name in ("logs", "up"):
       s.add_argument("--worker", type=int, default=0, help="Worker whose log to follow.")
+    if name == "run":
+      s.add_argument(
+        "--accelerator-type",
+        default="",
+        help="The slice's type (e.g. v5p-16): only lists each worker in --dry-run.",
+      )
     if name in ("run", "up"):
+      s.add_argument(
+        "--heartbeat-timeout-s",
+        type=int,
+        default=0,
+        help="COEVOLVE_HEARTBEAT_TIMEOUT_S on every worker: seconds before the others stop "
+        "when one dies (default: JAX's 100).",
+      )
       s.add_argument(
         "job_args",
         nargs="*",
@@ -167,8 +209,15 @@ def parser() -> argparse.ArgumentParser:
 def build(argv: list[str]) -> tuple[argparse.Namespace, list[list[str]]]:
   """Parses `argv` and returns (args, the commands to run in order)."""
   args = parser().parse_args(argv)
-  if args.action in ("run", "up") and not any(a.startswith("--config") for a in args.job_args):
-    parser().error("run/up need the job's arguments after `--`, at least --config and --workdir")
+  if args.action in ("run", "up"):
+    if not any(a.startswith("--config") for a in args.job_args):
+      parser().error("run/up need the job's arguments after `--`, at least --config and --workdir")
+    if error := workers.check_workdir(args.job_args):
+      parser().error(error)
+    if args.heartbeat_timeout_s < 0:
+      parser().error(
+        f"--heartbeat-timeout-s must be >= 0 (0: JAX's default), got {args.heartbeat_timeout_s}"
+      )
   return args, COMMANDS[args.action](args)
 
 
@@ -177,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
   if args.dry_run:
     for cmd in commands:
       print(shlex.join(cmd))
+    if args.action in ("run", "up"):  # shell comments: the output stays a runnable script
+      for line in describe_workers(args):
+        print(f"# {line}")
     return 0
   if shutil.which("gcloud") is None:
     print(

@@ -21,12 +21,16 @@ from the installed package (`pip install -e '.[cloud]'`). The container is the i
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 
 from google.cloud.aiplatform_v1 import types
 
-from coevolve_jax.cli import prices
+from coevolve_jax.cli import prices, workers
+
+HEARTBEAT_ENV = "COEVOLVE_HEARTBEAT_TIMEOUT_S"  # read by coevolve_jax.distributed
+CHIP_OF_MACHINE = {facts["vertex"]["machine_type"]: name for name, facts in prices.CHIPS.items()}
 
 
 def _accelerator(name: str) -> types.AcceleratorType:
@@ -49,6 +53,7 @@ def build_job(
   topology: str = "",
   hosts: int = 1,
   output_uri: str = "",
+  heartbeat_timeout_s: int = 0,
 ) -> types.CustomJob:
   """The Vertex AI CustomJob for `chip` running `python -m coevolve_jax.main JOB_ARGS`.
 
@@ -59,18 +64,26 @@ def build_job(
     topology: TPU slice shape, e.g. "2x2" (4 chips) or "4x4"; TPU only.
     hosts: GPU machines (each with the machine type's GPUs); GPU only.
     output_uri: optional gs:// prefix for Vertex AI's base output directory.
+    heartbeat_timeout_s: COEVOLVE_HEARTBEAT_TIMEOUT_S on every replica (0: JAX's default).
   Raises:
     ValueError: unknown chip, a missing or malformed topology for a TPU, a topology for a GPU,
-      hosts < 1, or an accelerator type this library version does not know.
+      hosts < 1, an accelerator type this library version does not know, a `gs://` workdir
+      (use the /gcs/BUCKET mount), or a negative heartbeat timeout.
   """
   chips = prices.CHIPS
   if chip not in chips:
     raise ValueError(f"unknown chip {chip!r}; known: {sorted(chips)}")
   if not image_uri:
     raise ValueError("an image URI is required (build tpu/Dockerfile and push it)")
+  if error := workers.check_workdir(job_args):
+    raise ValueError(error)
+  if heartbeat_timeout_s < 0:
+    raise ValueError(f"the heartbeat timeout must be >= 0 seconds, got {heartbeat_timeout_s}")
   facts = chips[chip]
   vertex = facts["vertex"]
   command = ["python", "-m", "coevolve_jax.main"]
+  beat = [types.EnvVar(name=HEARTBEAT_ENV, value=str(heartbeat_timeout_s))]
+  beat = beat if heartbeat_timeout_s else []
   if facts["kind"] == "tpu":
     try:
       dims = [int(d) for d in topology.split("x")]
@@ -80,7 +93,7 @@ def build_job(
       raise ValueError(f"--topology must look like 2x2 or 4x4 for a TPU, got {topology!r}")
     if hosts != 1:
       raise ValueError("--hosts is for GPUs; a TPU slice's hosts follow from --topology")
-    env = [types.EnvVar(name="COEVOLVE_DISTRIBUTED", value="auto")]
+    env = [types.EnvVar(name="COEVOLVE_DISTRIBUTED", value="auto"), *beat]
     machine = types.MachineSpec(machine_type=vertex["machine_type"], tpu_topology=topology)
     pools = [
       types.WorkerPoolSpec(
@@ -103,7 +116,7 @@ def build_job(
       accelerator_type=_accelerator(vertex["accelerator_type"]),
       accelerator_count=vertex["chips_per_host"],
     )
-    container = types.ContainerSpec(image_uri=image_uri, command=command, args=job_args)
+    container = types.ContainerSpec(image_uri=image_uri, command=command, args=job_args, env=beat)
     pools = [types.WorkerPoolSpec(machine_spec=machine, replica_count=1, container_spec=container)]
     if hosts > 1:
       pools.append(
@@ -118,6 +131,43 @@ def build_job(
   return types.CustomJob(display_name=display_name, job_spec=spec)
 
 
+def replica_lines(job: types.CustomJob) -> list[str]:
+  """`--dry-run`'s account of each replica: the environment it gets (the job's variables, and
+  for GPU pools the `CLUSTER_SPEC` Vertex AI sets, read by `coevolve_jax.distributed` exactly as
+  the job will), its JAX process and its duties."""
+  from coevolve_jax import distributed  # noqa: PLC0415 (imports JAX: only for --dry-run)
+
+  pools = list(job.job_spec.worker_pool_specs)
+  envs, processes = [], []
+  if pools[0].machine_spec.tpu_topology:  # one TPU pool: JAX numbers the slice's hosts itself
+    dims = [int(d) for d in pools[0].machine_spec.tpu_topology.split("x")]
+    per_host = prices.CHIPS[CHIP_OF_MACHINE[pools[0].machine_spec.machine_type]]["vertex"]
+    hosts = max(1, math.ceil(math.prod(dims) / per_host["chips_per_host"]))
+    env = {e.name: e.value for e in pools[0].container_spec.env}
+    for i in range(hosts):
+      envs.append(env)
+      processes.append(f"JAX process {i} of {hosts} (TPU metadata)")
+    return workers.worker_lines(envs, processes)
+  cluster = {
+    f"workerpool{p}": [f"workerpool{p}-{r}:2222" for r in range(pool.replica_count)]
+    for p, pool in enumerate(pools)
+  }
+  for p, pool in enumerate(pools):
+    for r in range(pool.replica_count):
+      spec = json.dumps({"cluster": cluster, "task": {"type": f"workerpool{p}", "index": r}})
+      env = {e.name: e.value for e in pool.container_spec.env}
+      found = distributed.detect({**env, "CLUSTER_SPEC": spec})
+      envs.append({**env, "CLUSTER_SPEC": f"<task workerpool{p}[{r}]>"})
+      if found is None:
+        processes.append("a single process (no jax.distributed)")
+      else:
+        processes.append(
+          f"JAX process {found.process_id} of {found.num_processes}, coordinator "
+          f"{found.coordinator_address}"
+        )
+  return workers.worker_lines(envs, processes)
+
+
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--chip", required=True, help="v4, v5e, v5p, v6e, h100, h200 or a100.")
@@ -129,7 +179,19 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--project", default="", help="Project (default: from the environment).")
   p.add_argument("--region", default="", help="Vertex AI region.")
   p.add_argument("--staging-bucket", default="", help="gs:// staging bucket.")
-  p.add_argument("--dry-run", action="store_true", help="Print the job as JSON; submit nothing.")
+  p.add_argument(
+    "--heartbeat-timeout-s",
+    type=int,
+    default=0,
+    help="COEVOLVE_HEARTBEAT_TIMEOUT_S on every replica: seconds before the others stop when "
+    "one dies (default: JAX's 100).",
+  )
+  p.add_argument(
+    "--dry-run",
+    action="store_true",
+    help="Print the job as JSON, and each replica's environment and role on stderr; submit "
+    "nothing.",
+  )
   p.add_argument("job_args", nargs="*", help="Arguments of coevolve_jax.main after `--`.")
   return p
 
@@ -150,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
       topology=args.topology,
       hosts=args.hosts,
       output_uri=args.output_uri,
+      heartbeat_timeout_s=args.heartbeat_timeout_s,
     )
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
@@ -160,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         job, use_integers_for_enums=False, always_print_fields_with_no_presence=False
       )
     )
+    for line in replica_lines(job):  # stderr: stdout stays the job's JSON
+      print(line, file=sys.stderr)
     return 0
   from google.auth import exceptions as auth_exceptions  # noqa: PLC0415
   from google.cloud import aiplatform  # noqa: PLC0415 (slow import; not needed for --dry-run)
