@@ -1,7 +1,7 @@
 """Scanned decoder layers: train-step compile time against depth, step time, and the activation
 memory XLA assigns to a Qwen3-4B training step.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/scan_bench.py [--what=compile,step,memory]
+    PYTHONPATH=. .venv/bin/python benchmarks/scan_bench.py [--what=compile,step,memory,decode]
 
 compile: seconds of `jax.jit(step).lower(...).compile()` for the loss and gradient of
   `trainer.token_logprobs` (the trainer's forward) at 2 and 36 layers of a tiny Qwen3 (hidden 64,
@@ -19,6 +19,11 @@ memory: `compiled.memory_analysis()` of the same loss and gradient for Qwen3-4B 
   matrix products, this holds float32 copies of the bfloat16 weights, 16 GiB, and of the
   [V, D] embedding and its gradient), temp minus that (the activation memory of one 4,096-token
   sequence), and the temp bytes one more sequence adds (batch 2 minus batch 1).
+
+decode: the rollout engine's decode step and one prefill chunk, unrolled (the default) against
+  scanned (`Engine(scan_layers=True)`): compile seconds of each at 2 and 36 layers of the tiny
+  model (16 slots, 1,024-token cache, a 64-token chunk), and milliseconds per decode step (median
+  of `--steps`) at 2 and 8 layers of the hidden-256 model with 64 slots at a 512-token key bucket.
 
 The same script runs against a tree without scanned layers (`Qwen` without a `remat` argument:
 the layers are then a Python loop and "remat" is reported as "-").
@@ -122,6 +127,62 @@ def memory_4b(remat: str, batch: int = 1, seq: int = 4096) -> tuple[dict, float]
   return {f: getattr(m, f) for f in fields}, seconds
 
 
+def _engine_calls(cfg: QwenConfig, scan: bool, slots: int, cache_len: int):
+  """(decode-step lowering, prefill-chunk lowering, run one decode step) of an engine."""
+  from coevolve_jax.rollout import engine as eng  # noqa: PLC0415
+  from coevolve_jax.rollout.sampling import SamplingParams  # noqa: PLC0415
+
+  model = Qwen(cfg, rngs=nnx.Rngs(0))
+  engine = eng.Engine(model, slots, cache_len, scan_layers=scan)
+  params, sampling = engine.current_params(), SamplingParams(temperature=1.0)
+  active = jnp.ones((slots,), bool)
+  keys = jax.random.split(jax.random.key(0), slots)
+  kv = min(cache_len, 512)
+
+  def lower_decode():
+    return eng._generate.lower(
+      engine.graphdef, params, engine.state, active, keys, sampling, kv, None
+    )
+
+  def lower_prefill():
+    rows = jnp.arange(4, dtype=jnp.int32)
+    chunk = jnp.zeros((4, 64), jnp.int32)
+    return eng._prefill_rows.lower(
+      engine.graphdef, params, engine.state, rows, chunk, rows + 1, keys[:4], sampling, 128
+    )
+
+  def step():
+    engine.state, tok, _, _ = eng._generate(
+      engine.graphdef, params, engine.state, active, keys, sampling, kv, None
+    )
+    return tok
+
+  return lower_decode, lower_prefill, step
+
+
+def decode_compile_seconds(layers: int, scan: bool, repeats: int) -> tuple[float, float]:
+  best = [float("inf")] * 2
+  for _ in range(repeats):
+    jax.clear_caches()
+    lowerings = _engine_calls(tiny(layers), scan, 16, 1024)[:2]
+    for i, lower in enumerate(lowerings):
+      t0 = time.perf_counter()
+      lower().compile()
+      best[i] = min(best[i], time.perf_counter() - t0)
+  return best[0], best[1]
+
+
+def decode_step_ms(layers: int, scan: bool, steps: int) -> float:
+  *_, step = _engine_calls(tiny(layers, hidden=256, vocab=4096), scan, 64, 1024)
+  jax.block_until_ready(step())
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(step())
+    times.append(time.perf_counter() - t0)
+  return 1000 * statistics.median(times)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--what", default="compile,step,memory")
@@ -162,6 +223,22 @@ def main():
     head = ["remat", "temp", "arguments", "outputs", "temp at 128 tokens", "temp - temp(128)"]
     head += ["temp(2 seqs) - temp", "compile s"]
     print(markdown_table([head, *rows]) + "\n")
+  if "decode" in what:
+    rows, steps = [], []
+    for scan in (False, True):
+      name = "scanned" if scan else "unrolled"
+      (d2, p2), (d36, p36) = (decode_compile_seconds(n, scan, args.repeats) for n in (2, 36))
+      rows.append([name, f"{d2:.2f}", f"{d36:.2f}", f"{d36 / d2:.2f}"])
+      rows.append([f"{name} prefill", f"{p2:.2f}", f"{p36:.2f}", f"{p36 / p2:.2f}"])
+      steps.append([name] + [f"{decode_step_ms(n, scan, args.steps):.1f}" for n in (2, 8)])
+    print(
+      "engine compile seconds (hidden 64, 16 slots, decode at a 512-key bucket, prefill 4 x 64)"
+    )
+    print(markdown_table([["engine", "2 layers", "36 layers", "ratio"], *rows]) + "\n")
+    ratio = [f"{float(b) / float(a):.2f}" for a, b in zip(steps[0][1:], steps[1][1:])]
+    steps.append(["scanned / unrolled", *ratio])
+    print("decode-step milliseconds (hidden 256, vocabulary 4096, 64 slots, 512-key bucket)")
+    print(markdown_table([["engine", "2 layers", "8 layers"], *steps]) + "\n")
   print(machine())
 
 

@@ -293,7 +293,12 @@ def _train(cfg: Mapping[str, Any]) -> None:
   number(cfg, "train.kl_beta", lo=0.0)
   number(cfg, "train.loss_norm_tokens", lo=0.0, lo_open=True)
   number(cfg, "train.adv_eps", lo=0.0)
-  for field in ("train.scale_by_std", "train.replay_routing", "rollout.reproducible"):
+  for field in (
+    "train.scale_by_std",
+    "train.replay_routing",
+    "rollout.reproducible",
+    "rollout.scan_layers",
+  ):
     if not isinstance(get(cfg, field), bool):
       fail(field, "must be a bool", get(cfg, field))
   drop, droppable = get(cfg, "train.drop_from_loss"), tuple(f for f in FINISHES if f != "done")

@@ -279,6 +279,7 @@ class CoEvolveRun:
       micro_batches=micro_batches,
       compute_dtype=cfg.model.dtype,
       inference_layout=cfg.rollout.weights_layout,
+      inference_stacked=cfg.rollout.scan_layers,
     )
     self._setup_feedback()
     self.engine = Engine(
@@ -291,6 +292,7 @@ class CoEvolveRun:
       mesh=self.mesh,
       # Asked at every call: the engine always decodes the trainer's current weights.
       weights=self.trainer.inference_params,
+      scan_layers=cfg.rollout.scan_layers,
     )
     self.runner = AgentRunner(
       self.engine,
@@ -535,11 +537,12 @@ class CoEvolveRun:
     """Waits for the round in flight, adds its tasks to the pool and logs the round."""
     pending, self.state.pending = self.state.pending, None
     start = time.perf_counter()
-    result = pending.future.result()
-    if jax.process_count() > 1:  # the primary's round, on every process
+    if jax.process_count() > 1:  # the primary's round (or its failure) on every process
       result = rounds.RoundResult.from_json(
-        distributed.broadcast_json(result.to_json() if result is not None else None)
+        distributed.on_primary(lambda: pending.future.result().to_json())
       )
+    else:
+      result = pending.future.result()
     wait_s = time.perf_counter() - start
     self.journal.save(result, rounds.events_digest(pending.events))  # before the pool sees it
     report = rounds.commit_round(result, self.pool, self.eval_split)

@@ -352,8 +352,9 @@ class PolicyTrainer:
 
   Weight sync: `inference_params()` is what the rollout engine decodes with: the current
   parameters cast to the compute dtype, unrolled (`qwen.unstack`: the engine decodes layer by
-  layer while training scans stacked layers) and laid out for decoding, made once per parameter
-  version (every update, restore or assignment of `params` is a new version).
+  layer while training scans stacked layers; stacked with `inference_stacked`) and laid out for
+  decoding, made once per parameter version (every update, restore or assignment of `params` is
+  a new version).
   """
 
   def __init__(
@@ -366,6 +367,7 @@ class PolicyTrainer:
     micro_batches: int = 1,
     compute_dtype=None,
     inference_layout: str = "gathered",
+    inference_stacked: bool = False,
   ):
     """Args:
       model: the policy (its parameters are taken over; the trainer donates them at each step).
@@ -381,6 +383,8 @@ class PolicyTrainer:
       inference_layout: the layout of `inference_params()` on a mesh: "gathered" (the fsdp
         dimension replicated, `inference_rules`) or "train" (the training layout; no extra copy
         when the model is unrolled and no cast is needed either).
+      inference_stacked: `inference_params()` keeps a stacked model's layers stacked, for an
+        engine that decodes them under a scan (`Engine(scan_layers=True)`); default: unrolled.
     Raises:
       ValueError: micro_batches < 1, an unknown inference_layout, or a compute_dtype that is not
         a float dtype.
@@ -397,8 +401,13 @@ class PolicyTrainer:
     self.last_sync_s = 0.0  # seconds the last `inference_params()` copy took
     self.graphdef, params = nnx.split(model)
     self.model_config = model.config
-    # The engine decodes the unrolled layout (`qwen.unstack`): the weight sync also unstacks.
-    self.inference_graphdef, infer_template = unrolled_template(model)
+    # The engine decodes the unrolled layout (`qwen.unstack`; the weight sync also unstacks) or,
+    # with inference_stacked, the stacked one (its scan over layers).
+    keep_stacked = inference_stacked and model.stacked
+    if keep_stacked:
+      self.inference_graphdef, infer_template = nnx.split(model)
+    else:
+      self.inference_graphdef, infer_template = unrolled_template(model)
     self.tx, self.cfg = tx, cfg
     self.sampling = (
       sampling if isinstance(sampling, SamplingParams) else SamplingParams(temperature=sampling)
@@ -424,10 +433,15 @@ class PolicyTrainer:
         and any(x.dtype != self.compute_dtype for x in jax.tree.leaves(params) if _is_float(x))
       )
       or (mesh is not None and inference_layout == "gathered")
-      or model.stacked
+      or (model.stacked and not keep_stacked)
     )
+
+    def to_compute(p):
+      p = cast_floating(p, self.compute_dtype)
+      return p if keep_stacked else unstack_state(p, model.config, infer_template)
+
     self._to_compute = self._jit(
-      lambda p: unstack_state(cast_floating(p, self.compute_dtype), model.config, infer_template),
+      to_compute,
       (self._param_sh,),
       self._infer_sh,
     )
@@ -537,8 +551,8 @@ class PolicyTrainer:
 
   def inference_params(self):
     """The weights the rollout engine decodes with: the current parameters in the compute dtype
-    and the inference layout (`inference_layout`), unrolled: an nnx.State for
-    `inference_graphdef` (`qwen.unstack`).
+    and the inference layout (`inference_layout`), unrolled (`qwen.unstack`) or, with
+    `inference_stacked`, stacked: an nnx.State for `inference_graphdef`.
 
     Made once per parameter version (the previous copy is released first, so two copies never
     coexist) and timed into `last_sync_s`; for an unrolled model without a cast or a layout

@@ -210,6 +210,7 @@ def _build(cfg, prompt_len: int, gen_len: int):
     mesh=mesh,
     compute_dtype=cfg.model.dtype,
     inference_layout=cfg.rollout.weights_layout,
+    inference_stacked=cfg.rollout.scan_layers,
   )
   trainer.freeze_reference()
   engine = Engine(
@@ -220,6 +221,7 @@ def _build(cfg, prompt_len: int, gen_len: int):
     record_routing=cfg.train.replay_routing,  # as the run's engine: MoE records routing
     mesh=mesh,
     weights=trainer.inference_params,
+    scan_layers=cfg.rollout.scan_layers,
   )
   return mesh, model, trainer, engine
 

@@ -169,6 +169,7 @@ def run(
       jnp.dtype(cfg.model.dtype),
       cfg.rollout.max_prefill_tokens,
       record_routing=False,  # nothing is trained on evaluation episodes
+      scan_layers=cfg.rollout.scan_layers and model.stacked,  # as the run decodes
     )
   report: dict[str, Any] = {
     "checkpoint": checkpoint,

@@ -319,8 +319,10 @@ def rollout_weights_bytes(
   preset: Model, mesh: Mapping[str, int], dtype: str, param_dtype: str, layout: str = "gathered"
 ) -> int:
   """Bytes per device of the engine's weight copy (`PolicyTrainer.inference_params`): the
-  parameters in `dtype` and the `layout`'s rules. The job always makes it, as the engine decodes
-  the unrolled layout of the trainer's stacked layers (`qwen.unstack`).
+  parameters in `dtype` and the `layout`'s rules. The job makes it whenever the compute dtype
+  is not the master's, the layout is "gathered" on a mesh, or the engine decodes an unrolled copy
+  (`rollout.scan_layers=False`): in every full-scale configuration. Counted always (a float32
+  single-device run with the scanned engine decodes the master weights themselves).
 
   Raises:
     ValueError: unknown preset or layout.
@@ -337,7 +339,8 @@ def kv_cache_bytes(
   preset: Model, mesh: Mapping[str, int], num_slots: int, cache_len: int, dtype: str = "bfloat16"
 ) -> int:
   """Bytes per device of the rollout engine's KV cache (`KVCache.zeros` shapes, k and v for every
-  layer), slots over the batch mesh axes and kv heads over the tensor axis.
+  layer), slots over the batch mesh axes and kv heads over the tensor axis; the same in the
+  stacked layout (`scan_layers`), whose leading layer axis is not sharded.
 
   Raises:
     ValueError: unknown preset.

@@ -246,31 +246,52 @@ class KVCache(NamedTuple):
   reads the cache as laid out (with [B, S, K, H], XLA:CPU transposed every layer's whole cache
   each step). Keys are stored transposed, position minor: the scores product q [G, H] x k [H, S]
   then runs in the standard layout (see `_attend`; docs/benchmarks/rollout.md). Values stay
-  [S, H], the layout probs [G, S] x v [S, H] wants. One array per layer (not stacked), so a
-  decode step writes and reads each layer's cache in place (`Qwen.decode_routed`).
+  [S, H], the layout probs [G, S] x v [S, H] wants.
+
+  Two layouts, as the model's layers have (`Qwen`):
+  - unrolled (default): one array per layer, so a decode step of the unrolled model writes and
+    reads each layer's cache in place;
+  - stacked (`stacked=True`): one array per block of stacked layers (`QwenConfig.layer_blocks`),
+    [L_g, B, K, H, S] and [L_g, B, K, S, H], which a stacked model's decode carries through its
+    scan over the block (`Qwen.decode_routed`).
   """
 
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
 
-  # Logical axes (models/sharding.py) of each key and value array.
+  # Logical axes (models/sharding.py) of each key and value array; a stacked array has "layers"
+  # first (`axes`).
   KEY_AXES = ("batch", "act_kv_heads", None, "cache_length")
   VALUE_AXES = ("batch", "act_kv_heads", "cache_length", None)
 
   @classmethod
-  def zeros(cls, cfg: QwenConfig, batch: int, length: int, dtype=jnp.float32) -> "KVCache":
+  def zeros(
+    cls, cfg: QwenConfig, batch: int, length: int, dtype=jnp.float32, stacked: bool = False
+  ) -> "KVCache":
     b, k, h = batch, cfg.num_key_value_heads, cfg.head_dim
-    n = cfg.num_hidden_layers
+    counts = [n for _, n in cfg.layer_blocks] if stacked else [None] * cfg.num_hidden_layers
+    lead = lambda n: () if n is None else (n,)  # noqa: E731
     # Distinct buffers per layer: engines donate the cache, and a buffer donated twice is an error.
     return cls(
-      k=tuple(jnp.zeros((b, k, h, length), dtype) for _ in range(n)),
-      v=tuple(jnp.zeros((b, k, length, h), dtype) for _ in range(n)),
+      k=tuple(jnp.zeros((*lead(n), b, k, h, length), dtype) for n in counts),
+      v=tuple(jnp.zeros((*lead(n), b, k, length, h), dtype) for n in counts),
     )
 
   @property
   def length(self) -> int:
     """S, entries per slot."""
-    return self.v[0].shape[2]
+    return self.v[0].shape[-2]
+
+  @property
+  def stacked(self) -> bool:
+    """Whether the arrays are per block of stacked layers ([L_g, B, ...]) rather than per layer."""
+    return self.k[0].ndim == 5
+
+  @classmethod
+  def axes(cls, stacked: bool) -> tuple[tuple, tuple]:
+    """Logical axes of (each key array, each value array) in the given layout."""
+    lead = ("layers",) if stacked else ()
+    return (*lead, *cls.KEY_AXES), (*lead, *cls.VALUE_AXES)
 
 
 REMAT_POLICIES = ("none", "full", "save_dots")
@@ -479,6 +500,7 @@ class Attention(nnx.Module):
     key_pos_bs,
     key_valid_bs,
     query_index_bp=None,
+    layer_index=None,
   ):
     """Attention over [cache ++ new keys].
 
@@ -491,6 +513,9 @@ class Attention(nnx.Module):
       key_pos_bs: [B, S] absolute position of each key; key_valid_bs: [B, S] bool.
       query_index_bp: optional [B, P] int indices into T (cache-free mode only): queries, and so
         outputs, only at these inputs; keys and values still come from all T.
+      layer_index: with a stacked cache ([L_g, B, K, H, S] and [L_g, B, K, S, H], a block's
+        layers, `KVCache(stacked=True)`), the (traced) index of this layer's entry: the new keys
+        are written there, in place, and this layer's keys are read from there.
     Returns:
       ([B, T, D] outputs, or [B, P, D] with query_index_bp; new k cache, new v cache).
     """
@@ -512,7 +537,26 @@ class Attention(nnx.Module):
       q = constrain(q, ("batch", "length", "act_heads", None))
       # Keys [B, K, H, S] and values [B, K, S, H], the cache's layout, in both modes (`_attend`).
       keys, values = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
-      if k_cache_bkhs is not None:
+      if k_cache_bkhs is not None and layer_index is not None:
+        # A block's stacked cache (a decode scan's carry): write this layer's entry in place at
+        # [layer, b, ..., write_b[b]], read its first s entries.
+        # One scatter into the stack, indexed in place: a vmap over the slot axis (axis 1 here)
+        # would move it first and copy the whole stack twice per layer.
+        li, t = layer_index, x_btd.shape[1]
+        rows = jnp.arange(keys.shape[0])[:, None]  # [B, 1]
+        cols = write_b[:, None] + jnp.arange(t, dtype=write_b.dtype)[None]  # [B, T]
+        hints = dict(indices_are_sorted=True, unique_indices=True)
+        k_cache_bkhs = k_cache_bkhs.at[li, rows, :, :, cols].set(
+          k.astype(k_cache_bkhs.dtype), **hints
+        )  # updates [B, T, K, H]: the advanced indices' dims first
+        v_cache_bksh = v_cache_bksh.at[li, rows, :, cols, :].set(
+          v.astype(v_cache_bksh.dtype), **hints
+        )
+        s = key_pos_bs.shape[1]  # one dynamic slice of this layer's first s entries
+        _, b, kh, hd, _ = k_cache_bkhs.shape
+        keys = jax.lax.dynamic_slice(k_cache_bkhs, (li, 0, 0, 0, 0), (1, b, kh, hd, s))[0]
+        values = jax.lax.dynamic_slice(v_cache_bksh, (li, 0, 0, 0, 0), (1, b, kh, s, hd))[0]
+      elif k_cache_bkhs is not None:
         write_k = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (0, 0, i)))
         write_v = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (0, i, 0)))
         k_cache_bkhs = write_k(k_cache_bkhs, keys.astype(k_cache_bkhs.dtype), write_b)
@@ -881,9 +925,21 @@ class DecoderLayer(nnx.Module):
       self.mlp = MLP(cfg, rngs=rngs, dtype=dtype)
 
   def __call__(
-    self, x, positions, kc, vc, write, key_pos, key_valid, query_index=None, experts=None
+    self,
+    x,
+    positions,
+    kc,
+    vc,
+    write,
+    key_pos,
+    key_valid,
+    query_index=None,
+    experts=None,
+    layer_index=None,
   ):
     """One pre-norm block; with `query_index` [B, P] the output is [B, P, D], only there.
+
+    `layer_index`: the layer's entry in stacked caches (`Attention`).
 
     `experts` ([B, T, k] int, sparse layers only) replays recorded routing (`SparseMoE.forward`).
     Returns (x, k cache, v cache, [B, T, k] (or [B, P, k]) int32 experts used, or None for a
@@ -891,7 +947,15 @@ class DecoderLayer(nnx.Module):
     """
     # The blocks name their own scopes ("attention", "mlp" or "moe") for profiles.
     a, kc, vc = self.self_attn(
-      self.input_layernorm(x), positions, kc, vc, write, key_pos, key_valid, query_index
+      self.input_layernorm(x),
+      positions,
+      kc,
+      vc,
+      write,
+      key_pos,
+      key_valid,
+      query_index,
+      layer_index,
     )
     if query_index is not None:
       x = jnp.take_along_axis(x, query_index[..., None], axis=1)
@@ -939,13 +1003,14 @@ class Qwen(nnx.Module):
     holds layers `block_spans[g]` = (first, count), parameters stacked [count, ...], logical
     axis "layers"); `hidden_states` runs each block under `jax.lax.scan`, so the train step's
     compile time does not grow with the depth.
-  - unrolled (`stacked=False`, what the rollout engine decodes with; `unstack` converts): one
-    `DecoderLayer` per layer in `layers`, run in a Python loop. A decode step then reads and
-    writes each layer's KV cache in place; under a scan the loop carry copied the whole cache
-    every step (2.5-4x slower decode on CPU, docs/benchmarks/scan.md), the reason MaxText also
-    serves unscanned weights.
-  `decode` works in both (stacked: each layer's parameters are sliced off the stack inside the
-  step, a copy per step; use `unstack` for serving). `remat` (one of REMAT_POLICIES, default
+  - unrolled (`stacked=False`; `unstack` converts): one `DecoderLayer` per layer in `layers`,
+    run in a Python loop, each layer's KV cache read and written in place.
+  `decode` works in both. A stacked model over a stacked cache (`KVCache(stacked=True)`, what
+  the rollout engine uses with `scan_layers`, the job's default) scans each block with the
+  block's cache in the loop's carry, written in place by one scatter per layer; its programs
+  compile in about the same time at any depth and decode at the unrolled model's speed on CPU
+  (docs/benchmarks/scan.md). Over an unrolled cache a stacked model slices each layer's
+  parameters off its stack inside the step (a copy per step). `remat` (one of REMAT_POLICIES, default
   "full") is the rematerialisation of each layer in the backward pass of `hidden_states`
   (`remat_layer`); it is a training setting, not architecture, and is not written to config.json.
 
@@ -1159,18 +1224,28 @@ class Qwen(nnx.Module):
   ) -> tuple[jax.Array, KVCache, jax.Array | None]:
     """`decode`, also returning the experts every new token was routed to.
 
-    Arguments as `decode`. Layer by layer in a Python loop, each layer's cache read and written
-    in place (a stacked model slices each layer's parameters off its stack first: `unstack` the
-    model once to serve it).
+    Arguments as `decode`. Two ways, by the cache's layout (`KVCache`):
+    - unrolled cache: layer by layer in a Python loop, each layer's cache read and written in
+      place (a stacked model slices each layer's parameters off its stack first, a copy per
+      call: `unstack` the model once to serve it that way);
+    - stacked cache (a stacked model only): each block of layers under `jax.lax.scan`, its
+      cache in the loop's carry, written in place at the layer's entry; the program no longer
+      grows with the depth (compile time), at the price of reading each layer's keys and values
+      out of the carry (docs/benchmarks/scan.md).
     Returns:
       ([B, T, D] hidden states, updated cache, [B, T, L_moe, k] int32 expert indices of each
       token in each MoE layer (`config.moe_layers` order; what `hidden_states` replays), or None
       for a dense model).
+    Raises:
+      ValueError: a stacked cache with an unrolled model, or one whose blocks are not the
+        model's.
     """
     s = cache.length if kv_len is None else kv_len
     key_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (input_ids_bt.shape[0], s))
     key_valid = jnp.ones_like(key_pos, jnp.bool_)
     x = self._embed(input_ids_bt)
+    if cache.stacked:
+      return self._decode_scanned(x, positions_bt, cache, write_b, key_pos, key_valid)
     layers = self.layers if not self.stacked else map(self.layer, range(len(cache.k)))
     ks, vs, routing = [], [], []
     for layer, kc, vc in zip(layers, cache.k, cache.v):
@@ -1180,6 +1255,34 @@ class Qwen(nnx.Module):
       if used is not None:
         routing.append(used)
     routing_btlk = jnp.stack(routing, axis=2) if routing else None
+    return self.norm(x), KVCache(tuple(ks), tuple(vs)), routing_btlk
+
+  def _decode_scanned(self, x, positions_bt, cache: KVCache, write_b, key_pos, key_valid):
+    """`decode_routed` over a stacked cache: one `jax.lax.scan` per block of layers."""
+    counts = tuple(k.shape[0] for k in cache.k)
+    if not self.stacked or counts != tuple(n for _, n in self.block_spans):
+      raise ValueError(
+        f"a stacked KV cache of blocks {counts} needs a stacked model with those blocks, got "
+        + (f"{tuple(n for _, n in self.block_spans)}" if self.stacked else "an unrolled model")
+      )
+    ks, vs, routing = [], [], []
+    for block, kc, vc in zip(self.blocks, cache.k, cache.v):
+      graphdef, params = nnx.split(block)
+
+      def body(carry, xs, graphdef=graphdef):
+        x, kc, vc = carry
+        params, i = xs
+        layer = nnx.merge(graphdef, params)
+        x, kc, vc, used = layer(x, positions_bt, kc, vc, write_b, key_pos, key_valid, layer_index=i)
+        return (x, kc, vc), used
+
+      index = jnp.arange(kc.shape[0], dtype=jnp.int32)
+      (x, kc, vc), used = jax.lax.scan(body, (x, kc, vc), (params, index))
+      ks.append(kc)
+      vs.append(vc)
+      if used is not None:  # [L_g, B, T, k]: the block's MoE layers, in order
+        routing.append(jnp.moveaxis(used, 0, 2))
+    routing_btlk = jnp.concatenate(routing, axis=2) if routing else None
     return self.norm(x), KVCache(tuple(ks), tuple(vs)), routing_btlk
 
   def logits(self, hidden: jax.Array) -> jax.Array:

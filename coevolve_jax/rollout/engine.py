@@ -1,6 +1,7 @@
 """KV-cached inference engine over decode slots (the shape of JetStream's `Engine` contract).
 
-A decode state holds `B` slots sharing one KV cache per layer (`KVCache`: B slots of S entries).
+A decode state holds `B` slots sharing one KV cache per layer, or per block of stacked layers with
+`scan_layers` (`KVCache`: B slots of S entries).
 `prefill` runs a request's prompt (or the continuation of a multi-turn conversation) into one slot
 and samples its first token; `generate` advances every slot by one token. Both are jitted once per
 shape: prompts are cut into power-of-two chunks so that few shapes exist.
@@ -35,7 +36,7 @@ from coevolve_jax.rollout.sampling import SamplingParams, sample
 
 
 class DecodeState(NamedTuple):
-  cache: KVCache  # per layer: keys [B, K, H, S], values [B, K, S, H]
+  cache: KVCache  # per layer: keys [B, K, H, S], values [B, K, S, H]; or per block [L_g, B, ...]
   next_pos: jax.Array  # [B] int32: cache index for the next token
   tokens: jax.Array  # [B] int32: last sampled token per slot
 
@@ -85,13 +86,14 @@ def _prefill_rows(
   model = nnx.merge(graphdef, params)
   starts = state.next_pos[slots_r]
   t = chunk_rt.shape[1]
-  take = lambda c: c[slots_r]  # noqa: E731
+  axis = 1 if state.cache.stacked else 0  # the slot axis: [L_g, B, ...] or [B, ...]
+  take = lambda c: jnp.take(c, slots_r, axis=axis)  # noqa: E731
   cache = KVCache(tuple(map(take, state.cache.k)), tuple(map(take, state.cache.v)))
   positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
   hidden, cache, routing = model.decode_routed(chunk_rt, positions, cache, starts, kv_len)
   last = jnp.take_along_axis(hidden, (true_len_r - 1)[:, None, None], axis=1)[:, 0]
   tok, logp = sample(model.logits(last), keys_r, sampling)
-  put = lambda full, part: full.at[slots_r].set(part)  # noqa: E731
+  put = lambda full, part: full.at[(slice(None),) * axis + (slots_r,)].set(part)  # noqa: E731
   new_cache = KVCache(
     tuple(map(put, state.cache.k, cache.k)), tuple(map(put, state.cache.v, cache.v))
   )
@@ -250,8 +252,9 @@ class Engine:
 
   Args:
     model: a Qwen model (graph, and the weights unless `weights` is given), in either layout:
-      the engine decodes the unrolled one (`qwen.unstack`; a stacked model's weights are copied
-      into it once, or with `weights` only its graph is derived, allocating nothing).
+      without `scan_layers` the engine decodes the unrolled one (`qwen.unstack`; a stacked
+      model's weights are copied into it once, or with `weights` only its graph is derived,
+      allocating nothing).
     num_slots: max concurrent decodes B.
     cache_len: S, tokens per slot (prompt + all turns).
     dtype: KV cache dtype.
@@ -263,11 +266,18 @@ class Engine:
       (for routing replay in training); no effect on a dense model.
     mesh: a `models.sharding.make_mesh` mesh to shard the KV cache over, or None (one device).
     weights: optional callable returning the nnx.State of parameters to decode with, in the
-      unrolled layout (`PolicyTrainer.inference_params` is), called at every prefill and decode
-      call.
+      engine's layout (unrolled, or stacked with `scan_layers`; `PolicyTrainer.inference_params`
+      gives the one its `inference_stacked` names), called at every prefill and decode call.
+    scan_layers: decode the stacked model (`Qwen(stacked=True)`, as training holds it) with
+      each block of layers under `jax.lax.scan` and the KV cache stacked per block
+      (`KVCache(stacked=True)`): prefill and decode programs no longer grow with the depth, so
+      they compile in about the same time at 36 layers as at 2; each layer's keys are then read
+      out of the scan's carry (slower per token on CPU, docs/benchmarks/scan.md). Default off:
+      the unrolled model, one cache buffer per layer.
   Raises:
-    ValueError: num_slots, cache_len or max_prefill_tokens below 1, or num_slots that does not
-      divide by the mesh's data * fsdp size (the cache would otherwise be replicated).
+    ValueError: num_slots, cache_len or max_prefill_tokens below 1, num_slots that does not
+      divide by the mesh's data * fsdp size (the cache would otherwise be replicated), or
+      `scan_layers` with an unrolled model.
   """
 
   def __init__(
@@ -280,7 +290,12 @@ class Engine:
     record_routing: bool = True,
     mesh: Mesh | None = None,
     weights: Callable[[], nnx.State] | None = None,
+    scan_layers: bool = False,
   ):
+    if scan_layers and not model.stacked:
+      raise ValueError(
+        "scan_layers decodes a stacked model (Qwen(stacked=True)); got an unrolled one"
+      )
     if min(num_slots, cache_len, max_prefill_tokens) < 1:
       raise ValueError(
         f"num_slots ({num_slots}), cache_len ({cache_len}) and "
@@ -294,10 +309,12 @@ class Engine:
       )
     self.mesh = mesh
     self._weights = weights
+    self.scan_layers = scan_layers
     if weights is not None:  # holds no buffer it does not use
-      self.graphdef, self.params = unrolled_template(model)[0], None
+      graphdef = nnx.graphdef(model) if scan_layers else unrolled_template(model)[0]
+      self.graphdef, self.params = graphdef, None
     else:
-      self.graphdef, self.params = nnx.split(unstack(model))
+      self.graphdef, self.params = nnx.split(self._layout(model))
     self.config = model.config
     self.num_slots = num_slots
     self.cache_len = cache_len
@@ -315,10 +332,17 @@ class Engine:
   def max_concurrent_decodes(self) -> int:
     return self.num_slots
 
+  def _layout(self, model: Qwen) -> Qwen:
+    """`model` in the layout the engine decodes (see `scan_layers`)."""
+    if self.scan_layers and not model.stacked:
+      raise ValueError("an engine with scan_layers decodes stacked models; got an unrolled one")
+    return model if self.scan_layers else unstack(model)
+
   def load_params(self, model: Qwen) -> None:
     """Points the engine at `model`'s weights (after a training step) and stops asking the
-    `weights` callable, if one was given. A stacked model is unrolled (a copy, `qwen.unstack`)."""
-    self.graphdef, self.params = nnx.split(unstack(model))
+    `weights` callable, if one was given. Without `scan_layers` a stacked model is unrolled (a
+    copy, `qwen.unstack`)."""
+    self.graphdef, self.params = nnx.split(self._layout(model))
     self._weights = None
 
   def current_params(self) -> nnx.State:
@@ -343,25 +367,29 @@ class Engine:
     """NamedShardings of the decode state on the mesh (None without one); see the class doc."""
     if self.mesh is None:
       return None
-    cfg, b, s = self.config, self.num_slots, self.cache_len
-    kv, h = cfg.num_key_value_heads, cfg.head_dim
-    key = sharding.param_sharding(self.mesh, KVCache.KEY_AXES, (b, kv, h, s))
-    value = sharding.param_sharding(self.mesh, KVCache.VALUE_AXES, (b, kv, s, h))
-    n = cfg.num_hidden_layers
+    cache = jax.eval_shape(self._zeros)
+    key_axes, value_axes = KVCache.axes(self.scan_layers)
+    shard = lambda axes: lambda x: sharding.param_sharding(self.mesh, axes, x.shape)  # noqa: E731
     replicated = NamedSharding(self.mesh, PartitionSpec())
-    return DecodeState(KVCache((key,) * n, (value,) * n), replicated, replicated)
+    cache = KVCache(tuple(map(shard(key_axes), cache.k)), tuple(map(shard(value_axes), cache.v)))
+    return DecodeState(cache, replicated, replicated)
+
+  def _zeros(self) -> KVCache:
+    return KVCache.zeros(
+      self.config, self.num_slots, self.cache_len, self.dtype, stacked=self.scan_layers
+    )
 
   def init_decode_state(self) -> DecodeState:
     """A fresh decode state (zero cache, counters at 0), placed by `shardings` on a mesh."""
     if self.shardings is None:
-      cache = KVCache.zeros(self.config, self.num_slots, self.cache_len, self.dtype)
+      cache = self._zeros()
       # Two distinct buffers: the state is donated, and one buffer donated twice is an error.
       return DecodeState(
         cache, jnp.zeros((self.num_slots,), jnp.int32), jnp.zeros((self.num_slots,), jnp.int32)
       )
 
     def fresh():
-      cache = KVCache.zeros(self.config, self.num_slots, self.cache_len, self.dtype)
+      cache = self._zeros()
       zeros = jnp.zeros((self.num_slots,), jnp.int32)
       return DecodeState(cache, zeros, zeros + 0)
 
