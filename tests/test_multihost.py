@@ -317,6 +317,7 @@ def _kill_after_checkpoint(procs: list[subprocess.Popen], workdir, step: int, ti
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # five runs of the job
 def test_the_job_on_two_processes_equals_one_process_also_after_kill_and_resume(tmp_path):
   """Issue 16 items 3-4: the shrunk CPU preset (a feedback round after every step, a checkpoint
   every step) gives the same summary.json figures

@@ -1010,9 +1010,10 @@ class Qwen(nnx.Module):
   block's cache in the loop's carry, written in place by one scatter per layer; its programs
   compile in about the same time at any depth and decode at the unrolled model's speed on CPU
   (docs/benchmarks/scan.md). Over an unrolled cache a stacked model slices each layer's
-  parameters off its stack inside the step (a copy per step). `remat` (one of REMAT_POLICIES, default
-  "full") is the rematerialisation of each layer in the backward pass of `hidden_states`
-  (`remat_layer`); it is a training setting, not architecture, and is not written to config.json.
+  parameters off its stack inside the step (a copy per step). `remat` (one of REMAT_POLICIES,
+  default "full") is the rematerialisation of each layer in the backward pass of
+  `hidden_states` (`remat_layer`); it is a training setting, not architecture, and is not written
+  to config.json.
 
   Raises (constructor):
     ValueError: an unknown remat policy.
