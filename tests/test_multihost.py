@@ -282,7 +282,15 @@ JOB_ARGS = [
   "--config.feedback.lag=0",
 ]
 # summary.json fields that measure time or the process layout, not the run's figures.
-_NOT_FIGURES = {"timings", "wall_s", "resumed_from_step", "compile", "feedback_share", "memory"}
+_NOT_FIGURES = {
+  "timings",
+  "phase_s",
+  "wall_s",
+  "resumed_from_step",
+  "compile",
+  "feedback_share",
+  "memory",
+}
 
 
 def _figures(summary: dict, prefix: str = "") -> dict:
