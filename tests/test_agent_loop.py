@@ -290,6 +290,16 @@ def _step_result(messages, done=False, reward=0.0):
   return StepResult(messages=messages, done=done, reward=reward)
 
 
+def _reply_step(left: dict, active, num_slots: int):
+  """A fake engine's decode step: each active slot spends one of its `left` tokens and samples
+  "x", or the stop id 0 with its last one; every log-prob is -0.1."""
+  toks = np.zeros(num_slots, np.int32)
+  for s in np.flatnonzero(active):
+    left[s] -= 1
+    toks[s] = ord("x") if left[s] > 0 else 0
+  return toks, np.full(num_slots, -0.1, np.float32)
+
+
 class _CountingEngine:
   """Replies "x" then the stop id; "fast" episodes take 6 tokens. Releases the slow env once it
   has decoded 3 steps of another slot while the slow episode was out of the batch."""
@@ -324,11 +334,7 @@ class _CountingEngine:
       self.steps_without_slow += 1
       if self.steps_without_slow >= 3:
         self.release.set()
-    toks = np.zeros(self.num_slots, np.int32)
-    for s in np.flatnonzero(active):
-      self.left[s] -= 1
-      toks[s] = ord("x") if self.left[s] > 0 else 0
-    return toks, np.full(self.num_slots, -0.1, np.float32)
+    return _reply_step(self.left, active, self.num_slots)
 
   def routing(self, slot):
     return None
@@ -408,11 +414,7 @@ class _LoggingEngine:
 
   def generate(self, active, rng, sampling):
     self.calls.append(("generate", tuple(np.flatnonzero(active))))
-    toks = np.zeros(self.num_slots, np.int32)
-    for s in np.flatnonzero(active):
-      self.left[s] -= 1
-      toks[s] = ord("x") if self.left[s] > 0 else 0
-    return toks, np.full(self.num_slots, -0.1, np.float32)
+    return _reply_step(self.left, active, self.num_slots)
 
   def routing(self, slot):
     return None
