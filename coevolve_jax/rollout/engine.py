@@ -271,9 +271,9 @@ class Engine:
     scan_layers: decode the stacked model (`Qwen(stacked=True)`, as training holds it) with
       each block of layers under `jax.lax.scan` and the KV cache stacked per block
       (`KVCache(stacked=True)`): prefill and decode programs no longer grow with the depth, so
-      they compile in about the same time at 36 layers as at 2; each layer's keys are then read
-      out of the scan's carry (slower per token on CPU, docs/benchmarks/scan.md). Default off:
-      the unrolled model, one cache buffer per layer.
+      they compile in about the same time at 36 layers as at 2, and a step runs at the unrolled
+      step's speed on CPU (docs/benchmarks/scan.md). Default off here (the job's
+      `rollout.scan_layers` turns it on): the unrolled model, one cache buffer per layer.
   Raises:
     ValueError: num_slots, cache_len or max_prefill_tokens below 1, num_slots that does not
       divide by the mesh's data * fsdp size (the cache would otherwise be replicated), or
