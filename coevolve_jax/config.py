@@ -69,6 +69,9 @@ def validate(cfg: Mapping[str, Any]) -> None:
   for field in ("eval.max_new_tokens", "eval.max_steps_per_turn"):
     int_at_least(cfg, field, 1)
   int_at_least(cfg, "eval.max_tasks", 0)
+  int_at_least(cfg, "eval.generated_tasks", 0)
+  if not isinstance(get(cfg, "eval.pool_after"), bool):
+    fail("eval.pool_after", "must be a bool", get(cfg, "eval.pool_after"))
   int_at_least(cfg, "checkpoint.every", 1)
   int_at_least(cfg, "checkpoint.keep", 1)  # RunCheckpointer's rule
   envs.validate_config(cfg)  # the suite's own fields (BFCL: data.tool_style, backends; appworld)

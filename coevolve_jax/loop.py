@@ -1,6 +1,7 @@
 """The CoEvolve main loop (paper Sec. 3, Algorithm 1): GRPO on a task pool that grows by feedback.
 
     D0 <- unguided exploration (suite)            pool <- D0
+    [a generated held-out set, frozen before D0 (eval.generated_tasks)]
     warm-start on D0's solutions; freeze the reference policy; evaluate (before)
     for step = 1 .. T:
       tasks <- sample(pool); G rollouts each (engine + agent loop); rewards (suite's evaluator)
@@ -9,7 +10,7 @@
       every F steps: select contexts from events; synthesize in a worker thread (suite:
         explore -> abstract -> validate, Sec. 3.2-3.3); commit to the pool after `lag` steps
       checkpoint every `checkpoint.every` steps (train state + RunState)
-    evaluate (after); summary.json
+    evaluate (after) [and every pool task: eval.pool_after]; summary.json
 
 The loop only orchestrates and times phases; the benchmark is behind `envs.base.Suite`, the
 update behind `PolicyTrainer`, the signals behind `SignalTracker`, and a round's bookkeeping in
@@ -41,7 +42,7 @@ from coevolve_jax.cli import plan_device_memory
 from coevolve_jax.errors import CorruptFileError, RunError
 from coevolve_jax.feedback import factory, rounds
 from coevolve_jax.feedback.llm import LLMError
-from coevolve_jax.feedback.pool import TaskPool
+from coevolve_jax.feedback.pool import SYNTH_SOURCES, TaskPool
 from coevolve_jax.feedback.signals import SignalTracker
 from coevolve_jax.models import sharding
 from coevolve_jax.metrics import (
@@ -62,6 +63,9 @@ from envs import make_suite
 
 log = logging.getLogger(__name__)
 PHASES = ("explore", "warmstart", "rollout", "reward", "train", "feedback", "eval", "checkpoint")
+# Entropy that, with the run's seed, seeds the generated held-out set's exploration: another
+# stream than D0's (`RunState.np_rng`, seeded by the seed alone) and the rounds' ([seed, r, i]).
+GENERATED_EVAL_STREAM = 0x6576616C
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -123,6 +127,8 @@ class CoEvolveRun:
     self._setup()
     restored = self._restore()  # the newest readable checkpoint's step, or None: a fresh start
     self._open_logs(restored)
+    if restored is not None:
+      self.eval_generated = self._generated_eval_set(resumed=True)  # as frozen at the start
     if restored is None:
       self._bootstrap()  # D0 -> warm-start -> eval before -> checkpoint 0
     elif self.state.pending is not None:
@@ -143,8 +149,9 @@ class CoEvolveRun:
   def _bootstrap(self) -> None:
     """Step 0: D0 by unguided exploration, supervised warm-start, eval before, checkpoint."""
     with self.timer("explore"):  # the pool is empty here: a fresh start rolls it back to 0
+      self.eval_generated = self._generated_eval_set(resumed=False)  # frozen before D0
       d0, counts = self._initial_tasks()
-      report = self.pool.add(d0, eval_tasks=self.eval_split)
+      report = self.pool.add(d0, eval_tasks=self._held_out())
       self.state.d0 = {**counts, "added": report.added, "dropped": len(report.dropped)}
       print(f"D0: {self.state.d0}")
       if not len(self.pool):
@@ -158,7 +165,10 @@ class CoEvolveRun:
     self.trainer.freeze_reference()
     with self.timer("eval"):
       self.state.eval_before = self.evaluate("before")
+      self.state.eval_generated_before = self.evaluate_generated("before")
     print(f"eval before training: {self.state.eval_before:.3f}")
+    if self.state.eval_generated_before is not None:
+      print(f"generated held-out set before training: {self.state.eval_generated_before}")
     self._save(0)
 
   def _initial_tasks(self) -> tuple[list[Task], dict[str, int]]:
@@ -175,6 +185,51 @@ class CoEvolveRun:
     out = distributed.on_primary(make)
     rng.bit_generator.state = out["rng"]
     return [Task.from_dict(t) for t in out["tasks"]], out["counts"]
+
+  def _generated_eval_set(self, *, resumed: bool) -> list[Task]:
+    """The generated held-out set (`eval.generated_tasks`; [] when 0), frozen in
+    eval_generated.jsonl: made by the primary process on a fresh start (the suite's
+    `generated_eval_tasks`, seeded by (seed, `GENERATED_EVAL_STREAM`), so D0's random stream is
+    untouched) and written there; read back from there on a resume. A resume that finds the file
+    gone makes it again, the same tasks for the same seed, and says so.
+
+    Raises:
+      RunError: the exploration found no valid task (nothing to evaluate on).
+      CorruptFileError: the file is not JSON lines of tasks.
+    """
+    n = self.cfg.eval.generated_tasks
+    if n <= 0:
+      return []
+    path = os.path.join(self.workdir, "eval_generated.jsonl")
+    if resumed and os.path.exists(path):
+      try:
+        with open(path, encoding="utf-8") as f:
+          return [Task.from_json(line) for line in f if line.strip()]
+      except (ValueError, TypeError) as e:
+        raise CorruptFileError(
+          f"{path} is damaged ({e}): the generated held-out set of this run cannot be read; "
+          f"delete it to have it made again (the same tasks for the same seed)"
+        ) from e
+    if resumed:
+      print(f"warning: {path} is missing; making the generated held-out set again")
+
+    def make() -> list[dict[str, Any]]:
+      rng = np.random.default_rng([self.cfg.seed, GENERATED_EVAL_STREAM])
+      return [json.loads(t.to_json()) for t in self.suite.generated_eval_tasks(n, rng, self.d0_llm)]
+
+    tasks = [Task.from_dict(t) for t in distributed.on_primary(make)]
+    if not tasks:
+      raise RunError(
+        f"eval.generated_tasks={n}: exploring the held-out entries' states gave no valid task; "
+        f"set eval.generated_tasks=0 or check the explorer (its errors are logged above)"
+      )
+    write_atomic(path, "".join(t.to_json() + "\n" for t in tasks))
+    print(f"generated held-out set: {len(tasks)} tasks frozen in {path}")
+    return tasks
+
+  def _held_out(self) -> list[Task]:
+    """What the pool's leak filter keeps out: the held-out split and the generated set."""
+    return [*self.eval_split, *self.eval_generated]
 
   def _step(self, step: int) -> dict[str, Any]:
     """One GRPO step, then the feedback round's bookkeeping, metrics and (maybe) a checkpoint."""
@@ -195,7 +250,9 @@ class CoEvolveRun:
     )
     with self.timer("train"):
       info = self.trainer.grpo_epoch(trajs, adv, cfg.train.mini_batches, keep=keep)
-    self.state.events.extend(self.tracker.observe(trajs, tasks))
+    events = self.tracker.observe(trajs, tasks)
+    self.state.events.extend(events)
+    self._log_groups(step, tasks, trajs, events)
     info.update(self._rollout_metrics(trajs, rewards, groups, keep))
     self.state.step = step
     if cfg.feedback.enabled:
@@ -218,8 +275,13 @@ class CoEvolveRun:
     self._executor.shutdown()
     with self.timer("eval"):
       eval_after = self.evaluate("after")
+      extra = {}
+      if (generated := self.evaluate_generated("after")) is not None:
+        extra["eval_generated_after"] = generated
+      if self.cfg.eval.pool_after:
+        extra["eval_pool_after"] = self.evaluate_pool()
     self.ckpt.wait()
-    summary = self._summary(eval_after, resumed_from, self._wall_s())
+    summary = {**self._summary(eval_after, resumed_from, self._wall_s()), **extra}
     write_atomic(self.summary_path, json.dumps(summary, indent=1, sort_keys=True))
     self.metrics.close()
     self.ckpt.close()
@@ -250,6 +312,7 @@ class CoEvolveRun:
       )
     self.suite = make_suite(cfg, self.workdir)  # the benchmark (envs/<name>/suite.py)
     self.eval_split = list(self.suite.eval_tasks)
+    self.eval_generated: list[Task] = []  # `_generated_eval_set`, once the run state is known
     self.eval_tasks = self.eval_split[: cfg.eval.max_tasks]
     self.pool = TaskPool(
       os.path.join(self.workdir, "pool.jsonl"), threshold=cfg.pool.near_dup_threshold
@@ -410,12 +473,23 @@ class CoEvolveRun:
 
   # ------------------------------------------------------------------ rollouts and evaluation
 
-  def _rollout(self, jobs: list[tuple[Task, int]], *, eval: bool = False) -> list[Trajectory]:
-    """Episodes of (task, group id) jobs under the trainer's current weights (greedy for eval);
-    the evaluator's seconds are moved from the "rollout" phase to "reward"."""
+  def _rollout(
+    self, jobs: list[tuple[Task, int]], *, eval: bool = False, greedy: bool = False
+  ) -> list[Trajectory]:
+    """Episodes of (task, group id) jobs under the trainer's current weights; the evaluator's
+    seconds are moved from the "rollout" phase to "reward".
+
+    `eval`: the held-out split's episodes (the suite's evaluation loop and limits), greedy.
+    `greedy`: training episodes decoded greedily (the generated held-out set and the pool
+    evaluation); they draw no key from the run's stream, so switching them on leaves the
+    training rollouts' samples as they were.
+    """
     runner = self.eval_runner if eval else self.runner
-    sampling = SamplingParams(temperature=0.0) if eval else self.sampling
-    self.state.key, sub = jax.random.split(self.state.key)
+    sampling = SamplingParams(temperature=0.0) if eval or greedy else self.sampling
+    if greedy and not eval:
+      sub = jax.random.key(0)  # unused by greedy decoding
+    else:
+      self.state.key, sub = jax.random.split(self.state.key)
     before = runner.timings.get("reward", 0.0)
     with self.timer("rollout"):
       trajs = runner.run(jobs, sampling, sub)
@@ -462,6 +536,80 @@ class CoEvolveRun:
     if suite_metrics:
       self.state.suite_eval[tag] = suite_metrics
     return float(np.mean([t.reward for t in trajs])) if trajs else 0.0
+
+  def evaluate_generated(self, tag: str) -> dict[str, float] | None:
+    """Greedy figures on the generated held-out set (None when there is none): "success" (share
+    of tasks with reward >= signals.success_threshold), "reward" (mean) and "tasks"; per-task
+    results in eval_generated_<tag>.jsonl. Training episodes and limits, as the pool's tasks get
+    (an in-distribution proxy, not a benchmark score)."""
+    if not self.eval_generated:
+      return None
+    trajs = self._rollout([(t, i) for i, t in enumerate(self.eval_generated)], greedy=True)
+    write_atomic(
+      os.path.join(self.workdir, f"eval_generated_{tag}.jsonl"),
+      "".join(json.dumps(self._eval_row(t)) + "\n" for t in trajs),
+    )
+    return self._success_figures([t.reward for t in trajs])
+
+  def evaluate_pool(self) -> dict[str, dict[str, float]]:
+    """Greedy figures on every pool task after training, grouped by where the task came from:
+    "d0" and "synth:<signal>" (the signal whose context the task was synthesized from;
+    "synth:unguided" for random re-exploration); per-task results in eval_pool_after.jsonl."""
+    tasks = self.pool.tasks
+    trajs = self._rollout([(t, i) for i, t in enumerate(tasks)], greedy=True)
+    rows = []
+    for task, traj in zip(tasks, trajs, strict=True):
+      rows.append({**self._eval_row(traj), "origin": _origin(task)})
+    write_atomic(
+      os.path.join(self.workdir, "eval_pool_after.jsonl"),
+      "".join(json.dumps(r) + "\n" for r in rows),
+    )
+    out = {}
+    for origin in sorted({r["origin"] for r in rows}):
+      out[origin] = self._success_figures([r["reward"] for r in rows if r["origin"] == origin])
+    return out
+
+  def _success_figures(self, rewards: list[float]) -> dict[str, float]:
+    thr = self.cfg.signals.success_threshold
+    return {
+      "success": float(np.mean([r >= thr for r in rewards])) if rewards else 0.0,
+      "reward": float(np.mean(rewards)) if rewards else 0.0,
+      "tasks": len(rewards),
+    }
+
+  @staticmethod
+  def _eval_row(t: Trajectory) -> dict[str, Any]:
+    return {
+      "task_id": t.task_id,
+      "reward": t.reward,
+      "finish": t.finish,
+      "model_steps": t.model_steps,
+      "parse_errors": t.parse_errors,
+      "calls": t.calls,
+    }
+
+  def _log_groups(self, step: int, tasks: list[Task], trajs: list[Trajectory], events) -> None:
+    """One groups.jsonl row per GRPO group of the step: the task, its origin (`_origin`), the
+    group's rewards and the signals it fired, for the per-signal accounting of
+    scripts/ablations.py (did a boundary task's group turn from mixed to solved? did a
+    forgotten task recover?)."""
+    fired: dict[str, set[str]] = {}
+    for e in events:
+      fired.setdefault(e.task.task_id, set()).add(e.signal)
+    rows = []
+    for g, task in enumerate(tasks):
+      rows.append(
+        json.dumps(
+          {
+            "step": step,
+            "task_id": task.task_id,
+            "origin": _origin(task),
+            "rewards": [t.reward for t in trajs if t.group_id == g],
+            "fired": sorted(fired.get(task.task_id, ())),
+          }
+        )
+      )
+    append_lines(os.path.join(self.workdir, "groups.jsonl"), rows)
 
   # ------------------------------------------------------------------ feedback rounds
 
@@ -545,7 +693,7 @@ class CoEvolveRun:
       result = pending.future.result()
     wait_s = time.perf_counter() - start
     self.journal.save(result, rounds.events_digest(pending.events))  # before the pool sees it
-    report = rounds.commit_round(result, self.pool, self.eval_split)
+    report = rounds.commit_round(result, self.pool, self._held_out())
     s = self.state
     s.tasks_synthesized += report.synthesized
     s.tasks_accepted += report.accepted
@@ -643,6 +791,7 @@ class CoEvolveRun:
       self.journal.clear()  # a fresh start: no round of an earlier run may be reused
     truncate_jsonl(os.path.join(self.workdir, "feedback.jsonl"), step)
     truncate_jsonl(os.path.join(self.workdir, "exploration.jsonl"), step)
+    truncate_jsonl(os.path.join(self.workdir, "groups.jsonl"), step)
     self.metrics = MetricsWriter(self.workdir, step)
 
   def _check_config(self, fresh: bool) -> None:
@@ -698,6 +847,11 @@ class CoEvolveRun:
       "eval_before": s.eval_before,
       "eval_after": eval_after,
       "eval_tasks": len(self.eval_tasks),
+      **(
+        {"eval_generated_before": s.eval_generated_before}
+        if s.eval_generated_before is not None
+        else {}
+      ),
       "signals": dict(self.tracker.counts),
       "tasks_synthesized": s.tasks_synthesized,
       "tasks_accepted": s.tasks_accepted,
@@ -714,3 +868,11 @@ class CoEvolveRun:
       "feedback_rounds": s.round,
       **({"suite_eval": s.suite_eval} if s.suite_eval else {}),
     }
+
+
+def _origin(task: Task) -> str:
+  """Where a pool task came from: "d0" (unguided exploration before training) or
+  "synth:<signal>" (a feedback round; "synth:unguided" for random re-exploration)."""
+  if task.source not in SYNTH_SOURCES:
+    return "d0"
+  return f"synth:{task.provenance.get('signal') or rounds.UNGUIDED}"

@@ -83,6 +83,8 @@ class RunState:
     phase_s: wall seconds per phase of the loop, over the whole run (all sessions).
     wall_s: wall seconds of the whole run as of the last checkpoint (all sessions).
     eval_before: greedy success rate on the held-out split before GRPO.
+    eval_generated_before: greedy figures on the generated held-out set before GRPO
+      (`CoEvolveRun.evaluate_generated`), None without one.
     d0: how D0 was made (the suite's counts plus pool added / dropped).
     pool_size: tasks in the pool at the last checkpoint (a resume rolls the pool back to it).
     suite_eval: per evaluation tag ("before", "after"), the suite's own figures (e.g. TGC/SGC).
@@ -103,6 +105,7 @@ class RunState:
   phase_s: dict[str, float] = dataclasses.field(default_factory=dict)
   wall_s: float = 0.0
   eval_before: float | None = None
+  eval_generated_before: dict[str, float] | None = None
   d0: dict[str, int] = dataclasses.field(default_factory=dict)
   pool_size: int = 0
   suite_eval: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)

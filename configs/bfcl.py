@@ -211,6 +211,17 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.eval.max_tasks = 50  # held-out tasks evaluated greedily before and after training
   c.eval.max_new_tokens = 4096
   c.eval.max_steps_per_turn = 20  # executed steps per user turn in BFCL's own loop (BFCL: 20)
+  # A second, generated held-out set (0 = off): this many tasks made by D0's unguided exploration
+  # from the held-out entries' environment states with another seed, validated, frozen in the
+  # workdir (eval_generated.jsonl) before training and kept out of the pool by the leak filter.
+  # Evaluated greedily in training episodes before and after GRPO (summary
+  # eval_generated_before/after: success rate and mean reward). An in-distribution proxy that a
+  # small model can move, not a BFCL score (docs/ablations.md).
+  c.eval.generated_tasks = 0
+  # After training, evaluate every pool task greedily (eval_pool_after.jsonl, summary
+  # eval_pool_after): how the policy does on D0 and on each signal's synthesized tasks, and on
+  # the tasks that fired each signal during training (per-signal accounting, docs/ablations.md).
+  c.eval.pool_after = False
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 10
@@ -289,6 +300,8 @@ def _cpu(c: ml_collections.ConfigDict) -> None:
   c.eval.max_tasks = 8
   c.eval.max_new_tokens = 64
   c.eval.max_steps_per_turn = 3
+  c.eval.generated_tasks = 8
+  c.eval.pool_after = True
   c.checkpoint.every = 2
   c.explore.local.cache_len = 4096
   c.explore.local.max_new_tokens = 64

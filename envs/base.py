@@ -88,6 +88,15 @@ class Suite(Protocol):
     (attempted, accepted, rejected, ...). `llm` is the D0 explorer's LLM, None for programmatic."""
     ...
 
+  def generated_eval_tasks(
+    self, n: int, rng: np.random.Generator, llm: TextLLM | None
+  ) -> list[Task]:
+    """Up to `n` validated tasks made like D0 (same explorer and settings) but from the held-out
+    entries' environment states, with ids "eval-gen-00000", ...: the run's generated held-out
+    set (`eval.generated_tasks`). Suites without one refuse `eval.generated_tasks > 0` in their
+    `validate_config`."""
+    ...
+
   def demonstration(self, task: Task, chat: ChatFormat, episode_id: str) -> Trajectory:
     """A teacher-forced trajectory of `task`'s ground truth, really executed (warm-start)."""
     ...

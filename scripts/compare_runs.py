@@ -3,7 +3,9 @@
     python scripts/compare_runs.py RUN_A RUN_B [--rtol 0] [--atol 0]
 
 Reads from both workdirs: summary.json, metrics.jsonl, pool.jsonl, feedback.jsonl,
-exploration.jsonl, eval_before.jsonl and eval_after.jsonl. Every value must be equal, except
+exploration.jsonl, groups.jsonl, eval_before.jsonl and eval_after.jsonl, and where the run has
+them, the generated held-out set (eval_generated.jsonl, eval_generated_before/after.jsonl) and
+eval_pool_after.jsonl. Every value must be equal, except
 timings (keys `wall_s`, `phase_s`, `feedback_share`, `feedback_synth_s`, `synth_s`, `wait_s`, the
 metrics ending in `/synth_s` or `/wait_s`, and `timing/*` metrics), which differ between any two
 runs. Numbers compare with
@@ -27,8 +29,13 @@ FILES = (
   "pool.jsonl",
   "feedback.jsonl",
   "exploration.jsonl",
+  "groups.jsonl",
   "eval_before.jsonl",
   "eval_after.jsonl",
+  "eval_generated.jsonl",
+  "eval_generated_before.jsonl",
+  "eval_generated_after.jsonl",
+  "eval_pool_after.jsonl",
 )
 TIMING_KEYS = {"wall_s", "phase_s", "feedback_share", "feedback_synth_s", "synth_s", "wait_s"}
 
@@ -93,14 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     a = _load(os.path.join(args.run_a, name))
     b = _load(os.path.join(args.run_b, name))
     if a is None and b is None:
-      print(f"{name:20s} absent in both")
+      print(f"{name:28s} absent in both")
       continue
     if a is None or b is None:
-      print(f"{name:20s} MISSING in {'A' if a is None else 'B'}")
+      print(f"{name:28s} MISSING in {'A' if a is None else 'B'}")
       failed = True
       continue
     found = diff(_strip(a), _strip(b), args.rtol, args.atol, name)
-    print(f"{name:20s} {len(a):5d} rows  {'same' if not found else f'{len(found)} differences'}")
+    print(f"{name:28s} {len(a):5d} rows  {'same' if not found else f'{len(found)} differences'}")
     for line in found[: args.max_lines]:
       print(f"    {line}")
     failed |= bool(found)

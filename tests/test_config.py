@@ -183,6 +183,7 @@ BAD = [  # (field, value); the bfcl cpu config (16 rollouts a step in 2 mini-bat
   ("feedback.lag", 3),
   ("feedback.lag", -1),
   ("eval.max_tasks", -1),
+  ("eval.generated_tasks", -1),
   ("eval.max_new_tokens", 0),
   ("eval.max_steps_per_turn", 0),
   ("checkpoint.every", 0),
@@ -242,6 +243,7 @@ APPWORLD_BAD = [  # the appworld cpu config: generated worlds, 10 scenarios
   ("appworld.build.tasks_per_scenario", 0),
   ("appworld.build.eval_scenarios", 10),
   ("appworld.build.templates", ("no_such_template",)),
+  ("eval.generated_tasks", 4),  # the generated held-out set is BFCL's only
 ]
 
 

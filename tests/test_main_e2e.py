@@ -67,6 +67,7 @@ def small_config():
   cfg.train.mini_batches = 2
   cfg.feedback.every = 2
   cfg.checkpoint.every = 1
+  cfg.eval.generated_tasks = 2
   return cfg
 
 
@@ -89,6 +90,16 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
   with open(os.path.join(workdir, "summary.json")) as f:
     assert json.load(f) == first  # not replaced by the failed session
 
+  # The generated held-out set was frozen at the start; a resume reads it back from the file
+  # (cut here to its first task, so the evaluation after training shows which set it used).
+  gen_path = os.path.join(workdir, "eval_generated.jsonl")
+  with open(gen_path) as f:
+    generated = [json.loads(line) for line in f]
+  assert 1 <= len(generated) <= 2 and first["eval_generated_before"]["tasks"] == len(generated)
+  assert all(t["task_id"].startswith("eval-gen-") for t in generated)
+  with open(gen_path, "w") as f:
+    f.write(json.dumps(generated[0]) + "\n")
+
   cfg = small_config()  # space again: resumes from the step-1 checkpoint
   summary = CoEvolveRun(cfg, workdir).fit()
   assert SUMMARY_KEYS <= set(summary)
@@ -99,6 +110,24 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
   assert summary["phase_s"]["rollout"] > 0 and summary["phase_s"]["train"] > 0
   assert summary["pool_size"] >= summary["d0"]["added"] > 0
   assert summary["pool_size"] == summary["d0"]["added"] + summary["tasks_accepted"]
+  assert summary["eval_generated_before"] == first["eval_generated_before"]  # from the checkpoint
+  assert summary["eval_generated_after"]["tasks"] == 1  # the file's set, not a new one
+  for figures in (summary["eval_generated_before"], summary["eval_generated_after"]):
+    assert 0.0 <= figures["success"] <= 1.0 and 0.0 <= figures["reward"] <= 1.0
+  with open(os.path.join(workdir, "pool.jsonl")) as f:
+    pool = [json.loads(line) for line in f]
+  assert not {t["task_id"] for t in pool} & {t["task_id"] for t in generated}
+  # eval.pool_after: every pool task evaluated once, grouped by where it came from.
+  with open(os.path.join(workdir, "eval_pool_after.jsonl")) as f:
+    pool_eval = [json.loads(line) for line in f]
+  assert [r["task_id"] for r in pool_eval] == [t["task_id"] for t in pool]
+  assert sum(v["tasks"] for v in summary["eval_pool_after"].values()) == len(pool)
+  assert summary["eval_pool_after"]["d0"]["tasks"] == summary["d0"]["added"]
+  # groups.jsonl: one row per GRPO group and step, also across the resume (2 steps x 2 tasks).
+  with open(os.path.join(workdir, "groups.jsonl")) as f:
+    groups = [json.loads(line) for line in f]
+  assert [g["step"] for g in groups] == [1, 1, 2, 2]
+  assert all(len(g["rewards"]) == 2 and set(g["fired"]) <= set(KINDS) for g in groups)
 
   with open(os.path.join(workdir, "feedback.jsonl")) as f:
     rounds = [json.loads(line) for line in f]
@@ -135,6 +164,31 @@ def test_an_empty_d0_pool_stops_with_a_clear_error(tmp_path, monkeypatch):
   monkeypatch.setattr(BfclSuite, "initial_tasks", lambda self, n, rng, llm: ([], {"accepted": 0}))
   with pytest.raises(RunError, match="task pool empty"):
     CoEvolveRun(small_config(), str(tmp_path / "run")).fit()
+
+
+@pytest.mark.timeout(120)
+def test_the_generated_held_out_set_is_frozen_first_and_kept_out_of_the_pool(tmp_path, monkeypatch):
+  """The generated held-out set is made and written before D0, and the pool's leak filter
+  compares D0 with it: a generated set equal to D0 (ids aside) drops every D0 task, so the run
+  stops before warm-start with the empty-pool error."""
+  workdir = str(tmp_path / "run")
+  real_d0 = BfclSuite.initial_tasks
+  made = {}
+
+  def generated_equal_to_d0(self, n, rng, llm):
+    assert not os.path.exists(os.path.join(workdir, "pool.jsonl"))  # before D0
+    tasks, _ = real_d0(self, 6, np.random.default_rng(0), llm)  # D0's draw: seed 0
+    for i, t in enumerate(tasks):
+      t.task_id = f"eval-gen-{i:05d}"
+    made["tasks"] = tasks
+    return tasks
+
+  monkeypatch.setattr(BfclSuite, "generated_eval_tasks", generated_equal_to_d0)
+  with pytest.raises(RunError, match="task pool empty"):
+    CoEvolveRun(small_config(), workdir).fit()
+  with open(os.path.join(workdir, "eval_generated.jsonl")) as f:
+    frozen = [Task.from_json(line) for line in f]
+  assert frozen == made["tasks"] and frozen
 
 
 def _unrepeatable_round(self, events, rng, round_idx, llm):

@@ -113,6 +113,12 @@ def check_setup(cfg: Any) -> None:
 def validate_config(cfg: Any) -> None:
   """The `appworld` group (source, splits, servers, limits, world building); ValueError names
   the first bad field."""
+  if config.get(cfg, "eval.generated_tasks"):
+    config.fail(
+      "eval.generated_tasks",
+      "must be 0 for AppWorld (a generated held-out set is built for BFCL only so far)",
+      config.get(cfg, "eval.generated_tasks"),
+    )
   reward = config.get(cfg, "appworld.reward")
   if reward not in REWARD_MODES:
     config.fail("appworld.reward", f"must be one of {REWARD_MODES}", reward)

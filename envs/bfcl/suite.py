@@ -144,6 +144,20 @@ class BfclSuite:
     )
     return tasks, counts
 
+  def generated_eval_tasks(
+    self, n: int, rng: np.random.Generator, llm: TextLLM | None
+  ) -> list[Task]:
+    """D0's exploration (`initial_tasks`' explorer and settings, `only_classes` included) over
+    the held-out entries' states: up to `n` validated tasks, ids "eval-gen-00000", ..., source
+    "explore_eval". Only the entries' initial states are read, never their questions or answers.
+    """
+    tasks = synthesis.build_initial_tasks(
+      list(self.eval_tasks), n, synthesis.make_explorer(llm), rng, llm=llm, **self._d0_args
+    )
+    for i, task in enumerate(tasks):
+      task.task_id, task.source = f"eval-gen-{i:05d}", "explore_eval"
+    return tasks
+
   def demonstration(self, task: Task, chat: ChatFormat, episode_id: str) -> Trajectory:
     """The ground-truth calls, one per reply, executed in a training episode."""
     return warmstart.demonstration(task, chat, self.make_env, parse_call_string, episode_id)
