@@ -1,19 +1,38 @@
-"""CoEvolve ablation grid at CPU scale: runs each variant, writes a markdown table and plots.
+"""CoEvolve ablation grid: paired runs over seeds, a table with confidence intervals, per-signal
+accounting and plots.
 
-    .venv/bin/python scripts/ablations.py --out docs/ablations --seeds 0
+    .venv/bin/python scripts/ablations.py --seeds 0,1,2                  # the CPU grid (~3 h)
+    .venv/bin/python scripts/ablations.py --config configs/bfcl.py --preset qwen3_4b \
+        --steps 120 --set model.checkpoint='"/ckpt/Qwen3-4B"'            # accelerator scale
 
-Variants (paper Sec. 4 ablations; docs/design.md §1.1-1.3): the full loop, no forgetting / no
-boundary / no rare signal, random re-exploration (no signals), no validation, and GRPO only (no
-feedback rounds; the reference every other row is compared with, in the same invocation). Each
-variant is the CPU preset (`configs/bfcl.py:cpu`) with one switch changed, run in this process one
-after another (they share JAX's compilation cache), each in its own workdir under `--workdir`.
+Variants (paper Sec. 4 ablations; docs/design.md §1.1-1.3): the full loop, GRPO only (no feedback
+rounds: the reference), random re-exploration (no signals), and the single-signal drops and no
+validation when asked for (`--variants`). Every variant is `--config` (default the CPU preset,
+`configs/bfcl.py:cpu`) with one switch changed, run for every seed in `--seeds`. Runs of one seed
+share the seed, so the same D0, warm-start and evaluation sets; the script checks that they did
+(D0 counts, warm-start losses and the figures before training equal) and says so in the record.
 
-Outputs: the record of the run (date, machine, exact command, table, links to the plots) written
-into the ablations document (`--doc`, default `--out` plus `.md`: `docs/ablations.md`) between its
-`ablations:record` markers, replacing the previous record and keeping the rest of the document
-(`write_record`); and PNG plots under `--out` (`docs/ablations/`): reward curves, eval success,
-signal shares per round, validation pass rate per round, similarity of synthesized tasks to the
-evaluation split. matplotlib is needed for the plots (`pip install -e '.[plots]'`).
+Each run has its own workdir under `--workdir` (`<variant>-s<seed>`). A rerun of the same command
+resumes the grid: finished runs are read back, a killed run resumes from its last checkpoint.
+`--report` only rebuilds the record and plots from the workdirs.
+
+Figures per run (`FIGURES`): the held-out BFCL success before and after, the generated held-out
+set's success and mean reward before and after (`eval.generated_tasks`: an in-distribution proxy a
+small model can move), mean rollout reward, and greedy success after training on the D0 tasks.
+For every variant against the reference (and the full loop against every other variant) the
+record gives, per figure, the per-seed differences' mean and a 95% t confidence interval; a
+variant is called better (worse) only when the interval lies above (below) zero.
+
+Per-signal accounting (paper Sec. 5 analysis): per round, which signals the accepted tasks came
+from (feedback.jsonl); after training (`eval.pool_after`), greedy success on each signal's
+synthesized tasks, and on the pool tasks that fired each signal during training (did boundary
+tasks move from mixed to solved? did forgotten tasks recover?), from groups.jsonl and
+eval_pool_after.jsonl.
+
+Outputs: the record (date, machine, exact command, tables, plot links) written into the ablations
+document (`--doc`, default `--out` plus `.md`: docs/ablations.md) between its `ablations:record`
+markers, keeping the rest of the document (`write_record`); PNG plots under `--out`. matplotlib
+is needed for the plots (`pip install -e '.[plots]'`).
 """
 
 from __future__ import annotations
@@ -22,11 +41,13 @@ import argparse
 import datetime
 import importlib.util
 import json
+import math
 import os
 import platform
 import shlex
 import statistics
 import sys
+from collections.abc import Callable
 from typing import Any
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
@@ -42,21 +63,31 @@ VARIANTS: dict[str, dict[str, Any]] = {
   "grpo_only": {"feedback.enabled": False},
 }
 REFERENCE = "grpo_only"
+DEFAULT_VARIANTS = ("coevolve", "grpo_only", "random_reexplore")
+DEFAULT_CONFIG = "configs/bfcl.py:cpu"
+SIGNALS = ("forgetting", "boundary", "rare")
 
 
-def load_config(variant: str, seed: int, overrides: dict[str, Any]):
-  spec = importlib.util.spec_from_file_location(
-    "bfcl_config", os.path.join(ROOT, "configs", "bfcl.py")
-  )
+def load_config(variant: str, seed: int, overrides: dict[str, Any], config: str = DEFAULT_CONFIG):
+  """`config` ("path/to/config.py[:variant]", relative to the repository) with `variant`'s switch,
+  `seed` and `overrides` (dotted keys) applied.
+
+  Raises:
+    KeyError: an override names a field the config does not have.
+  """
+  path, _, name = config.partition(":")
+  spec = importlib.util.spec_from_file_location("run_config", os.path.join(ROOT, path))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  cfg = module.get_config("cpu")
+  cfg = module.get_config(name)
   cfg.seed = seed
   for key, value in {**VARIANTS[variant], **overrides}.items():
     node = cfg
-    *path, leaf = key.split(".")
-    for part in path:
+    *parents, leaf = key.split(".")
+    for part in parents:
       node = node[part]
+    if leaf not in node:
+      raise KeyError(f"--set {key}: the config has no field {leaf!r} there")
     node[leaf] = value
   return cfg
 
@@ -68,18 +99,29 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in f if line.strip()]
 
 
+def is_complete(workdir: str) -> bool:
+  """Whether the run in `workdir` wrote its final summary (a rerun of the grid only reads it)."""
+  path = os.path.join(workdir, "summary.json")
+  if not os.path.exists(path):
+    return False
+  with open(path, encoding="utf-8") as f:
+    return bool(json.load(f).get("complete"))
+
+
 def collect(workdir: str) -> dict[str, Any]:
-  """What the table and plots need from one finished run's workdir."""
+  """What the tables and plots need from one finished run's workdir."""
   with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
     summary = json.load(f)
-  metrics = [r for r in read_jsonl(os.path.join(workdir, "metrics.jsonl")) if "reward/mean" in r]
+  rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
   rounds = read_jsonl(os.path.join(workdir, "feedback.jsonl"))
-  sims = [v for r in rounds for v in (r.get("eval_similarity") or {}).values()]
   return {
     "summary": summary,
-    "rewards": [(r["step"], r["reward/mean"]) for r in metrics],
+    "rewards": [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r],
+    "warmstart": [r["warmstart/loss"] for r in rows if "warmstart/loss" in r],
     "rounds": rounds,
-    "similarity": sims,
+    "groups": read_jsonl(os.path.join(workdir, "groups.jsonl")),
+    "pool_eval": read_jsonl(os.path.join(workdir, "eval_pool_after.jsonl")),
+    "similarity": [v for r in rounds for v in (r.get("eval_similarity") or {}).values()],
   }
 
 
@@ -93,51 +135,226 @@ def fmt(x: Any, digits: int = 3) -> str:
   return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
-def table(results: dict[str, list[dict[str, Any]]]) -> list[str]:
-  ref = mean([mean([r for _, r in run["rewards"]]) or 0.0 for run in results.get(REFERENCE, [])])
-  head = (
-    "| variant | runs | eval before | eval after | mean rollout reward | vs grpo_only | "
-    "tasks accepted | validation pass rate | signals F/B/R | max sim. to eval (mean) | "
-    "feedback_share | wall s |"
-  )
+def _generated(run: dict[str, Any], tag: str, key: str) -> float | None:
+  figures = run["summary"].get(f"eval_generated_{tag}")
+  return None if figures is None else float(figures[key])
+
+
+def _mean_reward(run: dict[str, Any]) -> float | None:
+  return mean([r for _, r in run["rewards"]])
+
+
+def _pool_success(run: dict[str, Any], origin: str) -> float | None:
+  figures = (run["summary"].get("eval_pool_after") or {}).get(origin)
+  return None if figures is None else float(figures["success"])
+
+
+# (name, what it is, from one run's `collect`); None where the run does not have it.
+FIGURES: list[tuple[str, str, Callable[[dict[str, Any]], float | None]]] = [
+  ("eval_before", "held-out BFCL success before", lambda r: r["summary"]["eval_before"]),
+  ("eval_after", "held-out BFCL success after", lambda r: r["summary"]["eval_after"]),
+  ("gen_before", "generated held-out success before", lambda r: _generated(r, "before", "success")),
+  ("gen_after", "generated held-out success after", lambda r: _generated(r, "after", "success")),
+  (
+    "gen_gain",
+    "generated held-out success, after - before",
+    lambda r: (
+      None
+      if _generated(r, "after", "success") is None
+      else _generated(r, "after", "success") - _generated(r, "before", "success")
+    ),
+  ),
+  (
+    "gen_reward_after",
+    "generated held-out mean reward after",
+    lambda r: _generated(r, "after", "reward"),
+  ),
+  ("rollout_reward", "mean rollout reward over the GRPO steps", _mean_reward),
+  ("d0_after", "greedy success on the D0 tasks after", lambda r: _pool_success(r, "d0")),
+]
+
+
+def t_interval(diffs: list[float], level: float = 0.95) -> tuple[float, float] | None:
+  """The `level` Student-t confidence interval of the mean of `diffs` (paired differences, one
+  per seed); None with fewer than two. Identical differences give a zero-width interval."""
+  if len(diffs) < 2:
+    return None
+  from scipy import stats  # pylint: disable=g-import-not-at-top (installed with jax)
+
+  m, sd = statistics.fmean(diffs), statistics.stdev(diffs)
+  half = stats.t.ppf(0.5 + level / 2, len(diffs) - 1) * sd / math.sqrt(len(diffs))
+  return m - half, m + half
+
+
+def verdict(ci: tuple[float, float] | None) -> str:
+  if ci is None:
+    return "- (one seed)"
+  if ci[0] > 0:
+    return "**better**"
+  if ci[1] < 0:
+    return "**worse**"
+  return "no difference shown"
+
+
+def by_seed(runs: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+  return {int(run["seed"]): run for run in runs}
+
+
+def pairs(variants: list[str]) -> list[tuple[str, str]]:
+  """(variant, baseline) comparisons: every variant against the reference, and the full loop
+  against every other variant."""
+  out = [(v, REFERENCE) for v in variants if v != REFERENCE and REFERENCE in variants]
+  if "coevolve" in variants:
+    out += [("coevolve", v) for v in variants if v not in ("coevolve", REFERENCE)]
+  return out
+
+
+def summary_table(results: dict[str, list[dict[str, Any]]]) -> list[str]:
+  """Mean ± sample standard deviation over seeds of every figure, per variant."""
+  head = "| variant | seeds | " + " | ".join(name for name, _, _ in FIGURES) + " | tasks accepted |"
   lines = [head, "|" + " --- |" * (head.count("|") - 1)]
-  for name, runs in results.items():
-    s = [run["summary"] for run in runs]
-    reward = mean([mean([r for _, r in run["rewards"]]) or 0.0 for run in runs])
-    passes = [p for x in s for p in x.get("validation_pass_rate", []) if p is not None]
-    sig = [x["signals"] for x in s]
-    sims = [v for run in runs for v in run["similarity"]]
-    lines.append(
-      "| "
-      + " | ".join(
-        [
-          name,
-          str(len(runs)),
-          fmt(mean([x["eval_before"] for x in s])),
-          fmt(mean([x["eval_after"] for x in s])),
-          fmt(reward),
-          fmt(reward / ref, 2) + "x" if ref else "-",
-          fmt(mean([float(x["tasks_accepted"]) for x in s]), 1),
-          fmt(mean(passes), 2),
-          "/".join(
-            fmt(mean([float(g[k]) for g in sig]), 1) for k in ("forgetting", "boundary", "rare")
-          ),
-          fmt(mean(sims), 2),
-          fmt(mean([float(x.get("feedback_share", 0.0)) for x in s]), 4),
-          fmt(mean([float(x["wall_s"]) for x in s]), 0),
-        ]
+  for variant, runs in results.items():
+    cells = [variant, ",".join(str(r["seed"]) for r in runs)]
+    for _, _, get in [*FIGURES, ("", "", lambda r: float(r["summary"]["tasks_accepted"]))]:
+      xs = [x for x in (get(r) for r in runs) if x is not None]
+      if not xs:
+        cells.append("-")
+      elif len(xs) == 1:
+        cells.append(fmt(float(xs[0])))
+      else:
+        cells.append(f"{statistics.fmean(xs):.3f} ± {statistics.stdev(xs):.3f}")
+    lines.append("| " + " | ".join(cells) + " |")
+  return lines
+
+
+def paired(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+  """Per (variant, baseline) pair and figure: the per-seed differences, their mean and CI."""
+  out = []
+  for variant, base in pairs(list(results)):
+    a, b = by_seed(results[variant]), by_seed(results[base])
+    seeds = sorted(set(a) & set(b))
+    for name, what, get in FIGURES:
+      diffs = [
+        get(a[s]) - get(b[s]) for s in seeds if get(a[s]) is not None and get(b[s]) is not None
+      ]
+      if not diffs:
+        continue
+      ci = t_interval(diffs)
+      out.append(
+        {
+          "variant": variant,
+          "baseline": base,
+          "figure": name,
+          "what": what,
+          "diffs": diffs,
+          "mean": statistics.fmean(diffs),
+          "ci": ci,
+          "verdict": verdict(ci),
+        }
       )
-      + " |"
+  return out
+
+
+def paired_table(rows: list[dict[str, Any]]) -> list[str]:
+  head = "| variant - baseline | figure | per-seed differences | mean | 95% CI | verdict |"
+  lines = [head, "|" + " --- |" * 6]
+  for r in rows:
+    ci = "-" if r["ci"] is None else f"[{r['ci'][0]:+.3f}, {r['ci'][1]:+.3f}]"
+    lines.append(
+      f"| {r['variant']} - {r['baseline']} | {r['figure']} | "
+      + ", ".join(f"{d:+.3f}" for d in r["diffs"])
+      + f" | {r['mean']:+.3f} | {ci} | {r['verdict']} |"
     )
   return lines
 
 
-def plots(results: dict[str, list[dict[str, Any]]], out: str) -> list[str]:
+def signal_accounting(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
+  """Per signal kind, for one run:
+
+  - fired: tasks on which the signal fired during training (groups.jsonl), and of those, the share
+    solved greedily after training (eval_pool_after.jsonl) as `fired_solved_after`;
+  - revisited_solved: of the fired tasks sampled again after firing, the share whose later group
+    solved the task in every rollout (boundary: mixed -> solved; forgetting: recovered);
+  - accepted: tasks accepted from the signal's contexts over all rounds (feedback.jsonl), and
+    `synth_solved_after`, greedy success after training on them.
+  """
+  thr = 0.5
+  solved_after = {r["task_id"]: r["reward"] >= thr for r in run["pool_eval"]}
+  out = {}
+  for kind in SIGNALS:
+    first_fired: dict[str, int] = {}
+    for g in run["groups"]:
+      if kind in g["fired"]:
+        first_fired.setdefault(g["task_id"], g["step"])
+    later = {}
+    for g in run["groups"]:
+      if g["task_id"] in first_fired and g["step"] > first_fired[g["task_id"]]:
+        later[g["task_id"]] = all(x >= thr for x in g["rewards"])  # the last revisit counts
+    fired_after = [solved_after[t] for t in first_fired if t in solved_after]
+    synth = [r["reward"] >= thr for r in run["pool_eval"] if r.get("origin") == f"synth:{kind}"]
+    out[kind] = {
+      "fired": len(first_fired),
+      "fired_solved_after": mean([float(x) for x in fired_after]),
+      "revisited": len(later),
+      "revisited_solved": mean([float(x) for x in later.values()]),
+      "accepted": sum(
+        int((r.get("per_signal") or {}).get(kind, {}).get("accepted", 0)) for r in run["rounds"]
+      ),
+      "synth_solved_after": mean([float(x) for x in synth]),
+    }
+  return out
+
+
+def signal_table(results: dict[str, list[dict[str, Any]]]) -> list[str]:
+  """Per variant and signal, means over seeds of `signal_accounting`."""
+  head = (
+    "| variant | signal | tasks fired on | fired: solved after | fired, revisited | "
+    "revisited: solved | tasks accepted | synthesized: solved after |"
+  )
+  lines = [head, "|" + " --- |" * 8]
+  for variant, runs in results.items():
+    acc = [signal_accounting(r) for r in runs]
+    for kind in SIGNALS:
+      cell = []
+      for key, digits in (
+        ("fired", 1),
+        ("fired_solved_after", 2),
+        ("revisited", 1),
+        ("revisited_solved", 2),
+        ("accepted", 1),
+        ("synth_solved_after", 2),
+      ):
+        xs = [float(a[kind][key]) for a in acc if a[kind][key] is not None]
+        cell.append(fmt(mean(xs), digits))
+      lines.append(f"| {variant} | {kind} | " + " | ".join(cell) + " |")
+  return lines
+
+
+def same_start(results: dict[str, list[dict[str, Any]]]) -> list[str]:
+  """Seeds whose variants did not start alike: D0 counts, warm-start losses, figures before."""
+
+  def start(run):
+    s = run["summary"]
+    return (s.get("d0"), run["warmstart"], s["eval_before"], s.get("eval_generated_before"))
+
+  seeds: dict[int, list[tuple[str, Any]]] = {}
+  for variant, runs in results.items():
+    for run in runs:
+      seeds.setdefault(int(run["seed"]), []).append((variant, start(run)))
+  return [
+    f"seed {seed}: {', '.join(v for v, _ in starts)} differ"
+    for seed, starts in sorted(seeds.items())
+    if any(x != starts[0][1] for _, x in starts)
+  ]
+
+
+def plots(results: dict[str, list[dict[str, Any]]], rows: list[dict[str, Any]], out: str):
   """Writes the PNGs; returns their file names."""
   import matplotlib  # pylint: disable=g-import-not-at-top
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
 
   names = []
 
@@ -149,61 +366,101 @@ def plots(results: dict[str, list[dict[str, Any]]], out: str) -> list[str]:
 
   fig, ax = plt.subplots(figsize=(7, 4))
   for variant, runs in results.items():
-    for i, run in enumerate(runs):
-      steps, rewards = zip(*run["rewards"]) if run["rewards"] else ((), ())
-      ax.plot(steps, rewards, marker="o", label=variant if i == 0 else None)
-  ax.set(xlabel="GRPO step", ylabel="mean rollout reward", title="Reward curves")
+    steps = sorted({s for run in runs for s, _ in run["rewards"]})
+    per = [[dict(run["rewards"]).get(s) for run in runs] for s in steps]
+    m = [mean([x for x in xs if x is not None]) for xs in per]
+    sd = [statistics.pstdev([x for x in xs if x is not None]) for xs in per]
+    ax.plot(steps, m, marker="o", label=f"{variant} (n={len(runs)})")
+    ax.fill_between(steps, np.subtract(m, sd), np.add(m, sd), alpha=0.15)
+  ax.set(xlabel="GRPO step", ylabel="mean rollout reward (± sd over seeds)", title="Reward curves")
   ax.legend(fontsize=7)
   save(fig, "reward_curves.png")
 
-  fig, ax = plt.subplots(figsize=(7, 4))
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
   labels = list(results)
-  before = [mean([r["summary"]["eval_before"] for r in results[v]]) for v in labels]
-  after = [mean([r["summary"]["eval_after"] for r in results[v]]) for v in labels]
-  xs = range(len(labels))
-  ax.bar([x - 0.2 for x in xs], before, 0.4, label="before")
-  ax.bar([x + 0.2 for x in xs], after, 0.4, label="after")
-  ax.set_xticks(list(xs), labels, rotation=30, fontsize=7)
-  ax.set(ylabel="held-out success rate", title="Evaluation success")
-  ax.legend()
+  xs = np.arange(len(labels))
+  for ax, (title, before, after) in zip(
+    axes,
+    (
+      (
+        "Held-out BFCL entries",
+        lambda r: r["summary"]["eval_before"],
+        lambda r: r["summary"]["eval_after"],
+      ),
+      (
+        "Generated held-out set (proxy)",
+        lambda r: _generated(r, "before", "success"),
+        lambda r: _generated(r, "after", "success"),
+      ),
+    ),
+    strict=True,
+  ):
+    for shift, tag, get in ((-0.2, "before", before), (0.2, "after", after)):
+      vals = [[x for x in (get(r) for r in results[v]) if x is not None] for v in labels]
+      ax.bar(
+        xs + shift,
+        [mean(v) or 0.0 for v in vals],
+        0.4,
+        yerr=[statistics.pstdev(v) if v else 0.0 for v in vals],
+        label=tag,
+        capsize=3,
+      )
+    ax.set_xticks(xs, labels, rotation=30, fontsize=7)
+    ax.set(ylabel="greedy success rate (± sd)", title=title)
+    ax.legend()
   save(fig, "eval_success.png")
 
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-  for variant, runs in results.items():
-    rounds = runs[0]["rounds"]
-    if not rounds:
-      continue
-    shares = []
-    for r in rounds:
-      ev = {k: v["events"] for k, v in r["per_signal"].items()}
-      total = sum(ev.values()) or 1
-      shares.append(ev.get("boundary", 0) / total)
-    axes[0].plot([r["round"] for r in rounds], shares, marker="o", label=variant)
-    axes[1].plot(
-      [r["round"] for r in rounds], [r["pass_rate"] for r in rounds], marker="o", label=variant
+  if rows:
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(rows) + 1.5))
+    for i, r in enumerate(rows):
+      lo, hi = r["ci"] if r["ci"] is not None else (r["mean"], r["mean"])
+      ax.plot([lo, hi], [i, i], color="tab:blue")
+      ax.plot([r["mean"]], [i], "o", color="tab:blue")
+    ax.axvline(0.0, color="grey", lw=0.8)
+    ax.set_yticks(
+      range(len(rows)), [f"{r['variant']}-{r['baseline']}: {r['figure']}" for r in rows], fontsize=7
     )
+    ax.invert_yaxis()
+    ax.set(xlabel="paired difference (mean, 95% CI over seeds)", title="Paired differences")
+    save(fig, "paired_differences.png")
+
+  fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+  for variant, runs in results.items():
+    if not any(r["rounds"] for r in runs):
+      continue
+    n_rounds = max(len(r["rounds"]) for r in runs)
+    bottom = np.zeros(n_rounds)
+    if variant != "coevolve":
+      continue
+    for kind in (*SIGNALS, "unguided"):
+      acc = np.zeros(n_rounds)
+      for run in runs:
+        for i, rnd in enumerate(run["rounds"]):
+          acc[i] += (rnd.get("per_signal") or {}).get(kind, {}).get("accepted", 0) / len(runs)
+      if acc.any():
+        axes[0].bar(np.arange(1, n_rounds + 1), acc, bottom=bottom, label=kind)
+        bottom += acc
   axes[0].set(
     xlabel="feedback round",
-    ylabel="boundary share of explored contexts",
-    title="Signal shares per round",
+    ylabel="accepted tasks (mean over seeds)",
+    title="coevolve: accepted tasks by signal",
   )
-  axes[1].set(
-    xlabel="feedback round", ylabel="validation pass rate", title="Validation pass rate per round"
-  )
-  axes[0].legend(fontsize=7)
-  save(fig, "signals_and_validation.png")
-
-  fig, ax = plt.subplots(figsize=(7, 4))
-  data = [(v, [x for r in runs for x in r["similarity"]]) for v, runs in results.items()]
-  data = [(v, d) for v, d in data if d]
-  if data:
-    ax.boxplot([d for _, d in data], tick_labels=[v for v, _ in data])
-    ax.tick_params(axis="x", rotation=30, labelsize=7)
-  ax.set(
-    ylabel="max MinHash Jaccard to any eval task",
-    title="Similarity of synthesized tasks to evaluation tasks",
-  )
-  save(fig, "eval_similarity.png")
+  if axes[0].get_legend_handles_labels()[0]:
+    axes[0].legend(fontsize=7)
+  width = 0.8 / max(1, len(results))
+  for j, (variant, runs) in enumerate(results.items()):
+    acc = [signal_accounting(r) for r in runs]
+    for ax, key in ((axes[1], "fired_solved_after"), (axes[2], "synth_solved_after")):
+      vals = [mean([a[k][key] for a in acc if a[k][key] is not None]) for k in SIGNALS]
+      ax.bar(np.arange(len(SIGNALS)) + j * width, [v or 0.0 for v in vals], width, label=variant)
+  for ax, title in (
+    (axes[1], "Tasks that fired the signal: solved after"),
+    (axes[2], "Tasks synthesized from the signal: solved after"),
+  ):
+    ax.set_xticks(np.arange(len(SIGNALS)) + width * (len(results) - 1) / 2, SIGNALS)
+    ax.set(ylabel="greedy success after training", title=title)
+    ax.legend(fontsize=7)
+  save(fig, "per_signal.png")
   return names
 
 
@@ -253,18 +510,22 @@ def machine() -> str:
 
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--config", default=DEFAULT_CONFIG, help="config file[:variant] of every run")
+  p.add_argument("--preset", default="", help="model.preset of every run ('' = the config's)")
+  p.add_argument("--steps", type=int, default=0, help="train.steps of every run (0 = the config's)")
   p.add_argument("--out", default=os.path.join(ROOT, "docs", "ablations"), help="plots folder")
   p.add_argument("--doc", default="", help="ablations document (default: --out plus .md)")
   p.add_argument("--workdir", default=os.path.join(ROOT, "runs", "ablations"))
-  p.add_argument("--seeds", default="0", help="comma-separated seeds")
-  p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+  p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+  p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated subset")
   p.add_argument(
     "--set",
     action="append",
     default=[],
     metavar="KEY=JSON",
-    help="extra config override for every variant, e.g. train.steps=9",
+    help="extra config override for every run, e.g. feedback.every=3",
   )
+  p.add_argument("--report", action="store_true", help="only rebuild the record from the workdirs")
   args = p.parse_args(argv)
   variants = args.variants.split(",")
   if unknown := set(variants) - set(VARIANTS):
@@ -273,19 +534,32 @@ def main(argv: list[str] | None = None) -> int:
   for item in args.set:
     key, _, value = item.partition("=")
     overrides[key] = json.loads(value)
-  from coevolve_jax.loop import CoEvolveRun  # pylint: disable=g-import-not-at-top
+  if args.preset:
+    overrides["model.preset"] = args.preset
+  if args.steps:
+    overrides["train.steps"] = args.steps
+  seeds = [int(s) for s in args.seeds.split(",")]
 
   os.makedirs(args.out, exist_ok=True)
   results: dict[str, list[dict[str, Any]]] = {}
-  for variant in variants:
-    for seed in (int(s) for s in args.seeds.split(",")):
+  for seed in seeds:  # seed-major: a partly finished grid already holds whole pairs
+    for variant in variants:
       workdir = os.path.join(args.workdir, f"{variant}-s{seed}")
-      print(f"=== {variant} seed {seed} -> {workdir}", flush=True)
-      CoEvolveRun(load_config(variant, seed, overrides), workdir).fit()
-      results.setdefault(variant, []).append(collect(workdir))
-  lines = table(results)
+      if not is_complete(workdir):
+        if args.report:
+          print(f"--- {variant} seed {seed}: not finished in {workdir}; left out")
+          continue
+        from coevolve_jax.loop import CoEvolveRun  # pylint: disable=g-import-not-at-top
+
+        print(f"=== {variant} seed {seed} -> {workdir}", flush=True)
+        CoEvolveRun(load_config(variant, seed, overrides, args.config), workdir).fit()
+      results.setdefault(variant, []).append({**collect(workdir), "seed": seed})
+  results = {v: results[v] for v in variants if v in results}
+  lines = summary_table(results)
+  rows = paired(results)
+  differ = same_start(results)
   try:
-    pngs = plots(results, args.out)
+    pngs = plots(results, rows, args.out)
   except ImportError:
     pngs = []
     print("matplotlib is not installed: no plots (pip install -e '.[plots]')")
@@ -306,15 +580,30 @@ def main(argv: list[str] | None = None) -> int:
     "",
     f"Machine: {machine()}",
     "",
-    "Each row is `configs/bfcl.py:cpu` with one switch changed; `vs grpo_only` is the ratio "
-    "of mean rollout rewards to the GRPO-only run of this same invocation.",
+    f"Each run is `{args.config}` with its variant's switch"
+    + (f" and {', '.join(f'{k}={v!r}' for k, v in overrides.items())}" if overrides else "")
+    + ". Same start per seed (D0 counts, warm-start losses, figures before training): "
+    + ("yes, in every seed." if not differ else "**no**: " + "; ".join(differ)),
+    "",
+    "Figures, mean ± standard deviation over seeds:",
     "",
     *lines,
+    "",
+    "Paired differences (same seed), 95% Student-t interval over seeds; better or worse only "
+    "when the interval excludes zero:",
+    "",
+    *paired_table(rows),
+    "",
+    "Per-signal accounting, means over seeds (solved = greedy reward >= 0.5 after training; "
+    "revisited = sampled again after the signal fired, solved in every rollout of the last "
+    "visit):",
+    "",
+    *signal_table(results),
     "",
     *[f"![{n}]({os.path.join(plots_dir, n)})" for n in pngs],
   ]
   write_record(doc, record)
-  print("\n".join(lines))
+  print("\n".join(record[6:]))
   print(f"wrote the record into {doc} and {len(pngs)} plots into {args.out}")
   return 0
 

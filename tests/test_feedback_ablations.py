@@ -1,9 +1,11 @@
-"""scripts/ablations.py: each variant flips exactly its switch; the table and plots are built from
-run outputs (hand-written workdirs here; the grid itself is too long for a test)."""
+"""scripts/ablations.py: each variant flips exactly its switch; the tables (paired differences with
+their intervals, per-signal accounting) and plots are built from run outputs (hand-written
+workdirs here; the grid itself is too long for a test); a rerun resumes a partly finished grid."""
 
 import importlib.util
 import json
 import os
+import shutil
 
 import pytest
 
@@ -38,52 +40,166 @@ def test_each_variant_changes_only_its_switch(ablations):
   assert cfg.seed == 3 and cfg.train.steps == 9
 
 
-def _fake_run(path, reward, accepted, signals, rounds, share):
+def _fake_run(path, seed, *, reward, gen, accepted=0, rounds=(), groups=(), pool_eval=(), d0=None):
+  """A finished run's workdir as the loop writes it (only the fields the script reads)."""
   os.makedirs(path)
   summary = {
+    "complete": True,
+    "d0": d0 or {"added": 2},
     "eval_before": 0.0,
-    "eval_after": 0.25,
+    "eval_after": 0.0,
+    "eval_generated_before": {"success": gen[0], "reward": gen[0], "tasks": 4},
+    "eval_generated_after": {"success": gen[1], "reward": gen[1], "tasks": 4},
+    "eval_pool_after": {"d0": {"success": 0.5, "reward": 0.5, "tasks": 2}},
     "tasks_accepted": accepted,
-    "validation_pass_rate": [r["pass_rate"] for r in rounds],
-    "signals": signals,
-    "feedback_share": share,
+    "signals": {"forgetting": 0, "boundary": 0, "rare": 0},
     "wall_s": 100.0,
   }
-  with open(os.path.join(path, "summary.json"), "w") as f:
-    json.dump(summary, f)
-  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
-    for step, r in enumerate(reward, 1):
-      f.write(json.dumps({"step": step, "reward/mean": r}) + "\n")
-  with open(os.path.join(path, "feedback.jsonl"), "w") as f:
-    for r in rounds:
-      f.write(json.dumps(r) + "\n")
+  files = {
+    "summary.json": [summary],
+    "metrics.jsonl": [{"step": 0, "warmstart/loss": 2.0 + seed}]
+    + [{"step": i, "reward/mean": r} for i, r in enumerate(reward, 1)],
+    "feedback.jsonl": list(rounds),
+    "groups.jsonl": list(groups),
+    "eval_pool_after.jsonl": list(pool_eval),
+  }
+  for name, rows in files.items():
+    with open(os.path.join(path, name), "w") as f:
+      if name.endswith(".json"):
+        json.dump(rows[0], f)
+      else:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def test_table_and_plots_from_run_outputs(ablations, tmp_path):
-  rnd = {
-    "round": 1,
-    "step": 3,
-    "pass_rate": 0.5,
-    "eval_similarity": {"a": 0.2, "b": 0.4},
-    "per_signal": {"boundary": {"events": 3}, "rare": {"events": 1}},
-  }
-  sig = {"forgetting": 1, "boundary": 3, "rare": 1}
-  _fake_run(tmp_path / "co", [0.4, 0.8], 2, sig, [rnd], 0.01)
-  _fake_run(tmp_path / "ref", [0.2, 0.4], 0, {"forgetting": 0, "boundary": 0, "rare": 0}, [], 0.0)
-  results = {
-    "coevolve": [ablations.collect(str(tmp_path / "co"))],
-    "grpo_only": [ablations.collect(str(tmp_path / "ref"))],
-  }
-  lines = ablations.table(results)
-  assert len(lines) == 4 and lines[1].count("---") == lines[0].count("|") - 1
-  co = [c.strip() for c in lines[2].strip("|").split("|")]
-  assert co[:6] == ["coevolve", "1", "0.000", "0.250", "0.600", "2.00x"]  # 0.6 / 0.3
-  assert co[7] == "0.50" and co[8] == "1.0/3.0/1.0" and co[9] == "0.30" and co[10] == "0.0100"
-  ref = [c.strip() for c in lines[3].strip("|").split("|")]
-  assert ref[5] == "1.00x" and ref[7] == "-" and ref[9] == "-"
+def test_paired_differences_get_a_t_interval_and_a_verdict_only_when_it_excludes_zero(
+  ablations, tmp_path
+):
+  """Three seeds: the generated set's gain over GRPO-only is +0.2, +0.25, +0.3 (mean 0.25, sd
+  0.05: the 95% interval 0.25 -/+ 4.302653 * 0.05 / sqrt(3) = [0.1258, 0.3742], better); the
+  rollout reward differs by +0.1, -0.1, +0.3 (sd 0.2: [-0.3968, +0.5968], no difference shown)."""
+  ref_gen, co_gen = (0.25, 0.25), None
+  results = {"coevolve": [], "grpo_only": []}
+  for seed, (d_gen, d_rew) in enumerate(((0.2, 0.1), (0.25, -0.1), (0.3, 0.3))):
+    co_gen = (0.25, 0.25 + d_gen)
+    _fake_run(tmp_path / f"co{seed}", seed, reward=[0.5 + d_rew], gen=co_gen)
+    _fake_run(tmp_path / f"ref{seed}", seed, reward=[0.5], gen=ref_gen)
+    for v, name in (("coevolve", "co"), ("grpo_only", "ref")):
+      results[v].append({**ablations.collect(str(tmp_path / f"{name}{seed}")), "seed": seed})
+  rows = {r["figure"]: r for r in ablations.paired(results)}
+  gain = rows["gen_after"]
+  assert gain["diffs"] == pytest.approx([0.2, 0.25, 0.3])
+  assert gain["ci"] == pytest.approx((0.12579, 0.37421), abs=1e-5)
+  assert gain["verdict"] == "**better**"
+  reward = rows["rollout_reward"]
+  assert reward["ci"] == pytest.approx((-0.39683, 0.59683), abs=1e-5)
+  assert reward["verdict"] == "no difference shown"
+  assert rows["eval_after"]["ci"] == (0.0, 0.0) and "no difference" in rows["eval_after"]["verdict"]
+  # The worse side, and one seed (no interval).
+  assert ablations.verdict((-0.3, -0.1)) == "**worse**"
+  assert ablations.t_interval([0.4]) is None
+  table = ablations.summary_table(results)
+  co = [c.strip() for c in table[2].strip("|").split("|")]
+  header = [c.strip() for c in table[0].strip("|").split("|")]
+  assert co[header.index("gen_after")] == "0.500 ± 0.050"
+  assert ablations.same_start(results) == []  # same warm-start losses and figures per seed
+  results["grpo_only"][1]["warmstart"] = [9.0]
+  assert ablations.same_start(results) == ["seed 1: coevolve, grpo_only differ"]
   pytest.importorskip("matplotlib")
-  names = ablations.plots(results, str(tmp_path))
+  names = ablations.plots(results, ablations.paired(results), str(tmp_path))
   assert len(names) == 4 and all((tmp_path / n).stat().st_size > 1000 for n in names)
+
+
+def test_per_signal_accounting_follows_fired_and_synthesized_tasks(ablations, tmp_path):
+  groups = [
+    {"step": 1, "task_id": "d0-a", "rewards": [1.0, 0.0], "fired": ["boundary"]},
+    {"step": 1, "task_id": "d0-b", "rewards": [0.0, 0.0], "fired": ["forgetting", "rare"]},
+    {"step": 2, "task_id": "d0-a", "rewards": [1.0, 1.0], "fired": []},  # mixed -> solved
+    {"step": 3, "task_id": "d0-b", "rewards": [0.0, 1.0], "fired": ["boundary"]},  # not solved
+  ]
+  pool_eval = [
+    {"task_id": "d0-a", "reward": 1.0, "origin": "d0"},
+    {"task_id": "d0-b", "reward": 0.0, "origin": "d0"},
+    {"task_id": "s1", "reward": 1.0, "origin": "synth:boundary"},
+    {"task_id": "s2", "reward": 0.0, "origin": "synth:boundary"},
+    {"task_id": "s3", "reward": 0.0, "origin": "synth:forgetting"},
+  ]
+  rounds = [
+    {"round": 1, "per_signal": {"boundary": {"accepted": 2}, "forgetting": {"accepted": 0}}},
+    {"round": 2, "per_signal": {"forgetting": {"accepted": 1}}},
+  ]
+  _fake_run(
+    tmp_path / "run",
+    0,
+    reward=[0.5],
+    gen=(0.0, 0.0),
+    rounds=rounds,
+    groups=groups,
+    pool_eval=pool_eval,
+  )
+  acc = ablations.signal_accounting(ablations.collect(str(tmp_path / "run")))
+  # boundary fired on a (step 1) and b (step 3); a was revisited at step 2 and solved there.
+  assert acc["boundary"] == {
+    "fired": 2,
+    "fired_solved_after": 0.5,
+    "revisited": 1,
+    "revisited_solved": 1.0,
+    "accepted": 2,
+    "synth_solved_after": 0.5,
+  }
+  # forgetting fired on b at step 1; its revisit at step 3 was not solved in every rollout.
+  assert acc["forgetting"] == {
+    "fired": 1,
+    "fired_solved_after": 0.0,
+    "revisited": 1,
+    "revisited_solved": 0.0,
+    "accepted": 1,
+    "synth_solved_after": 0.0,
+  }
+  assert acc["rare"]["fired"] == 1 and acc["rare"]["synth_solved_after"] is None
+
+
+def test_a_rerun_resumes_the_grid_and_runs_only_what_is_unfinished(
+  ablations, tmp_path, monkeypatch
+):
+  """Finished runs (summary.json complete) are read back, the rest are run (a killed run resumes
+  from its own checkpoint inside `CoEvolveRun`); `--report` runs nothing."""
+  grid = tmp_path / "grid"
+  _fake_run(grid / "coevolve-s0", 0, reward=[0.5], gen=(0.0, 0.5))
+  _fake_run(grid / "grpo_only-s0", 0, reward=[0.5], gen=(0.0, 0.25))
+  os.makedirs(grid / "coevolve-s1")  # killed before it finished: no summary
+  ran = []
+
+  class FakeRun:
+    def __init__(self, cfg, workdir):
+      self.cfg, self.workdir = cfg, workdir
+
+    def fit(self):
+      ran.append((os.path.basename(self.workdir), self.cfg.seed, self.cfg.train.steps))
+      seed = self.cfg.seed
+      shutil.rmtree(self.workdir, ignore_errors=True)
+      _fake_run(self.workdir, seed, reward=[0.5], gen=(0.0, 0.5))
+
+  import coevolve_jax.loop  # noqa: PLC0415
+
+  monkeypatch.setattr(coevolve_jax.loop, "CoEvolveRun", FakeRun)
+  args = [
+    "--workdir",
+    str(grid),
+    "--out",
+    str(tmp_path / "plots"),
+    "--variants",
+    "coevolve,grpo_only",
+  ]
+  ablations.main([*args, "--seeds", "0,1", "--report"])
+  assert ran == []
+  text = (tmp_path / "plots.md").read_text()
+  assert "| coevolve | 0 |" in text and "one seed" in text
+  ablations.main([*args, "--seeds", "0,1", "--steps", "7"])
+  assert ran == [("coevolve-s1", 1, 7), ("grpo_only-s1", 1, 7)]
+  text = (tmp_path / "plots.md").read_text()
+  assert "| coevolve | 0,1 |" in text and "Same start per seed" in text
+  with pytest.raises(KeyError, match="no field"):
+    ablations.load_config("coevolve", 0, {"train.stepz": 3})
 
 
 def test_record_replaces_its_block_and_keeps_the_document(ablations, tmp_path):
@@ -101,7 +217,7 @@ def test_record_replaces_its_block_and_keeps_the_document(ablations, tmp_path):
   ablations.write_record(str(doc), ["## Recorded run (new)", "", "| a |"])
   new = doc.read_text(encoding="utf-8")
   assert new.startswith(text[:begin]) and new.endswith(text[end + len(ablations.RECORD_END) :])
-  assert "(new)" in new and "Recorded run (2026-11-30)" not in new
+  assert "(new)" in new and record[0] not in new
   fresh = tmp_path / "sub" / "fresh.md"  # no document yet: created with the block alone
   ablations.write_record(str(fresh), ["x"])
   assert fresh.read_text() == f"{ablations.RECORD_BEGIN}\nx\n{ablations.RECORD_END}\n"
