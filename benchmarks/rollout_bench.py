@@ -235,7 +235,9 @@ def run_ours(args, model, prompts: np.ndarray) -> dict:
     for rep in range(args.repeats + 1):  # the first round warms up (compiles)
       for mode, sampling in modes.items():
         start = time.perf_counter()
-        res = generate(engine, batch, sampling, max_new_tokens=args.new_tokens)
+        res = generate(
+          engine, batch, sampling, max_new_tokens=args.new_tokens, decode_steps=args.decode_steps
+        )
         if rep:
           times[mode].append(time.perf_counter() - start)
           n = sum(len(c.token_ids) for c in res)
@@ -430,6 +432,9 @@ def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--batches", default="1,8,32,64")
   p.add_argument("--new_tokens", type=int, default=32)
+  p.add_argument(
+    "--decode_steps", type=int, default=1, help="our generate(): decode steps per device call"
+  )
   p.add_argument("--prompt_len", type=int, default=128)
   p.add_argument("--layers", type=int, default=8)
   p.add_argument("--hidden", type=int, default=512)

@@ -103,9 +103,13 @@ class AgentRunner:
       `chat.im_end_id`. The id that ended a reply is the reply's last sampled token (loss mask
       1); when it is not `im_end_id`, an `<|im_end|>` (mask 0) closes the turn before the next
       messages, as the template writes every assistant turn.
+    decode_steps: K, decode steps per device call (`Engine.generate_steps`: the engine stops at
+      the step in which a reply ends, so the episodes, every token and log-prob included, are
+      the same for every K); 1 = one `generate` call per token (any `SlotEngine`).
 
   Raises:
-    ValueError: env_threads < 1, or a stop id that is not a non-negative int.
+    ValueError: env_threads or decode_steps < 1, decode_steps > 1 with an engine without
+      `generate_steps`, or a stop id that is not a non-negative int.
   """
 
   def __init__(
@@ -117,9 +121,14 @@ class AgentRunner:
     env_threads: int = 4,
     stop_ids: Iterable[int] = (),
     reproducible: bool = True,
+    decode_steps: int = 1,
   ):
     if env_threads < 1:
       raise ValueError(f"env_threads must be >= 1, got {env_threads}")
+    if decode_steps < 1:
+      raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+    if decode_steps > 1 and not hasattr(engine, "generate_steps"):
+      raise ValueError(f"decode_steps={decode_steps} needs an engine with generate_steps")
     stop_ids = list(stop_ids)
     if not all(
       isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in stop_ids
@@ -131,6 +140,7 @@ class AgentRunner:
     self._episode_counter = 0
     self.timings: dict[str, float] = collections.defaultdict(float)  # seconds in env steps
     self._lockstep = reproducible or jax.process_count() > 1  # see `_collect_steps`
+    self.decode_steps = decode_steps
 
   def run(
     self,
@@ -159,15 +169,36 @@ class AgentRunner:
         self._flush_prefills()
         if not self._active:
           continue
-        mask = np.zeros((self.engine.num_slots,), bool)
-        counts = np.zeros((self.engine.num_slots,), np.int32)
-        for slot, ep in self._active.items():
-          mask[slot], counts[slot] = True, ep.sampled
-        keys = per_row_keys(self._slot_keys, jnp.asarray(counts))
-        tokens, logprobs = self.engine.generate(mask, keys, sampling)
-        for slot in list(self._active):
-          self._on_token(self._active[slot], int(tokens[slot]), float(logprobs[slot]))
+        self._decode(sampling)
     return self._results  # type: ignore[return-value]
+
+  def _decode(self, sampling: SamplingParams) -> None:
+    """One decode step of every active episode, or up to `decode_steps` in one engine call; the
+    tokens are handled step by step, as single steps would have been. While environment steps
+    are in flight one step is taken, as single steps would be: the loop goes back to them (and
+    to prefilling their episodes) after every step."""
+    b = self.engine.num_slots
+    mask, counts, limits = np.zeros((b,), bool), np.zeros((b,), np.int32), np.zeros((b,), np.int32)
+    room = {slot: self.engine.room(slot) for slot in self._active}  # before the call
+    for slot, ep in self._active.items():
+      mask[slot], counts[slot] = True, ep.sampled
+      # `_on_token`'s length rules as a count: the reply's token limit, or room <= 1.
+      limits[slot] = min(self.limits.max_new_tokens - len(ep.turn_ids), room[slot] - 1)
+    if self.decode_steps == 1 or self._stepping:
+      keys = per_row_keys(self._slot_keys, jnp.asarray(counts))
+      tokens, logprobs = self.engine.generate(mask, keys, sampling)
+      tokens, logprobs = tokens[None], logprobs[None]
+    else:
+      tokens, logprobs = self.engine.generate_steps(
+        mask, self._slot_keys, counts, limits, self.stop_ids, sampling, self.decode_steps
+      )
+    slots = list(self._active)
+    for j in range(len(tokens)):  # replies end at the engine call's last step, if at all
+      for slot in slots:
+        if slot not in self._active:
+          raise RuntimeError(f"slot {slot}'s reply ended before the engine's last step")
+        tok, logp = int(tokens[j, slot]), float(logprobs[j, slot])
+        self._on_token(self._active[slot], tok, logp, room[slot] - j - 1)
 
   def _collect_steps(self, block: bool) -> None:
     """Handles finished environment steps; waits for one when nothing else can run.
@@ -250,12 +281,15 @@ class AgentRunner:
     for (ep, _), (tok, logp) in zip(batch, firsts):
       self._on_token(ep, tok, logp)
 
-  def _on_token(self, ep: _Episode, tok: int, logp: float) -> None:
+  def _on_token(self, ep: _Episode, tok: int, logp: float, room: int | None = None) -> None:
+    """Records a sampled token; ends the reply on a stop id, the token limit or a cache with
+    room for no more (`room`: the slot's room after this token's step; default the engine's)."""
     ep.sampled += 1
     ep.turn_ids.append(tok)
     ep.turn_logprobs.append(logp)
     stopped = tok in self.stop_ids
-    if stopped or len(ep.turn_ids) >= self.limits.max_new_tokens or self.engine.room(ep.slot) <= 1:
+    room = self.engine.room(ep.slot) if room is None else room
+    if stopped or len(ep.turn_ids) >= self.limits.max_new_tokens or room <= 1:
       self._end_reply(ep, stopped)
 
   def _end_reply(self, ep: _Episode, stopped: bool) -> None:

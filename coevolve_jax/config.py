@@ -69,6 +69,7 @@ def validate(cfg: Mapping[str, Any]) -> None:
   for field in ("eval.max_new_tokens", "eval.max_steps_per_turn"):
     int_at_least(cfg, field, 1)
   int_at_least(cfg, "eval.max_tasks", 0)
+  int_at_least(cfg, "rollout.decode_steps", 1)
   int_at_least(cfg, "eval.generated_tasks", 0)
   if not isinstance(get(cfg, "eval.pool_after"), bool):
     fail("eval.pool_after", "must be a bool", get(cfg, "eval.pool_after"))

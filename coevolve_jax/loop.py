@@ -366,6 +366,7 @@ class CoEvolveRun:
       ),
       stop_ids=model.config.eos_token_ids,
       reproducible=cfg.rollout.reproducible,
+      decode_steps=cfg.rollout.decode_steps,
     )
     self.eval_runner = AgentRunner(
       self.engine,
@@ -376,6 +377,7 @@ class CoEvolveRun:
       ),
       stop_ids=model.config.eos_token_ids,
       reproducible=cfg.rollout.reproducible,
+      decode_steps=cfg.rollout.decode_steps,
     )
     self.ckpt = RunCheckpointer(os.path.join(self.workdir, "checkpoints"), cfg.checkpoint.keep)
 

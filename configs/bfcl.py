@@ -162,6 +162,11 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   # same rollouts run after run (AgentRunner(reproducible=...)); False decodes the other slots
   # while slow steps run (faster with AppWorld servers, not reproducible). On with >1 process.
   c.rollout.reproducible = True
+  # Decode steps per device call (Engine.generate_steps): stop ids, token limits and cache room
+  # are checked on the device and the tokens come to the host once per call, not once per token.
+  # The rollouts are the same for every value, bit for bit (tests/test_engine.py); 1 = one
+  # device call and host round trip per token.
+  c.rollout.decode_steps = 8
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 120

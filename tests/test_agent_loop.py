@@ -581,6 +581,57 @@ def test_real_engine_episodes_do_not_depend_on_batching(entries):
   _assert_batching_invariant(model, make_runner, [(t, i) for i, t in enumerate(entries[:3])], 0.9)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_decode_steps_per_call_give_the_single_step_episodes(temperature):
+  """`AgentRunner(decode_steps=K)` decodes up to K tokens per engine call and gets the episodes
+  of one call per token: every token, mask and log-prob (bitwise), finish and step count. Six
+  episodes over four slots (slots reused), replies ended by the stop id, by the token limit and
+  by the cache (a 48-token cache that the longest prompt nearly fills)."""
+  from flax import nnx  # noqa: PLC0415
+
+  from coevolve_jax.models import Qwen, QwenConfig  # noqa: PLC0415
+  from coevolve_jax.rollout.engine import Engine  # noqa: PLC0415
+
+  tiny = QwenConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+  )
+  model = Qwen(tiny, rngs=nnx.Rngs(3))
+  rng = np.random.default_rng(1)
+  tasks = [
+    Task(task_id=f"t{i}", env="fake", turns=[rng.integers(7, 64, n).tolist()], ground_truth=[[]])
+    for i, n in enumerate((5, 9, 12, 3, 30, 7))
+  ]
+  jobs = [(t, i) for i, t in enumerate(tasks)]
+
+  def run(k):
+    runner = AgentRunner(
+      Engine(model, 4, 48),
+      _IdChat(),
+      lambda task, _: _StepEnv(task, steps=3),
+      EpisodeLimits(max_new_tokens=6, max_model_steps=3),
+      decode_steps=k,
+    )
+    return runner.run(jobs, SamplingParams(temperature=temperature), rng=jax.random.key(2))
+
+  want = run(1)
+  assert {t.finish for t in want} >= {"context"} or any(t.model_steps < 3 for t in want)
+  for k in (3, 8):
+    for w, g in zip(want, run(k), strict=True):
+      assert (g.token_ids, g.loss_mask, g.finish, g.model_steps) == (
+        w.token_ids,
+        w.loss_mask,
+        w.finish,
+        w.model_steps,
+      ), k
+      assert np.array_equal(np.float32(g.logprobs), np.float32(w.logprobs)), k
+
+
 def _signature_mismatches(cls, protocol) -> list[str]:
   """The methods of `protocol` that `cls` lacks or defines with other parameters (names, kinds,
   which have defaults)."""

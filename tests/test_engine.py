@@ -657,3 +657,98 @@ def test_donated_weights_are_a_clear_error_and_a_trainer_fed_engine_follows_upda
   assert reference.prefill(0, ids, key, SamplingParams(temperature=1.0)) == after
   stale.load_params(trainer.model())  # re-pointed by hand, it works again
   assert stale.prefill(1, ids, key, SamplingParams(temperature=1.0)) == after
+
+
+def _generate_all(engine, prompts, sampling, decode_steps, **kw):
+  return generate(
+    engine, prompts, sampling, rng=jax.random.key(11), decode_steps=decode_steps, **kw
+  )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_decode_steps_equal_single_steps_bit_for_bit(model, temperature):
+  """K decode steps per device call (`Engine.generate_steps`) give the single-step completions
+  exactly: tokens, log-probs (bitwise) and finish reasons. Seven requests over three slots (slots
+  are reused while others decode), a stop id that ends some requests early, token limits, and a
+  request that ends at the end of its cache (room) with K larger than what is left."""
+  sampling = SamplingParams(temperature=temperature)
+  prompts = [_prompt(80 + i, n) for i, n in enumerate((5, 9, 3, 14, 7, CACHE - 6, 11))]
+  want = _generate_all(Engine(model, SLOTS, CACHE), prompts, sampling, 1, max_new_tokens=12)
+  stop = want[0].token_ids[3]  # ends request 0 at its 4th token (and others that sample it)
+  want = _generate_all(
+    Engine(model, SLOTS, CACHE), prompts, sampling, 1, max_new_tokens=12, stop_ids=[stop]
+  )
+  assert {c.finish_reason for c in want} == {"stop", "length"}
+  assert len(want[5].token_ids) == 7  # 58 prompt tokens + 6 writes fill the cache
+  for k in (2, 5, 16):
+    got = _generate_all(
+      Engine(model, SLOTS, CACHE), prompts, sampling, k, max_new_tokens=12, stop_ids=[stop]
+    )
+    for w, g in zip(want, got, strict=True):
+      assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason, k
+      assert np.array_equal(np.float32(g.logprobs), np.float32(w.logprobs)), k
+
+
+def test_decode_steps_stop_at_the_key_length_bucket_and_match_single_steps(model):
+  """Calls never pass the key-length bucket of their first step (the next call takes the next
+  bucket, as single steps would): a request decoding across 256 cached tokens gives the
+  single-step tokens and log-probs bit for bit."""
+  prompts = [_prompt(90, 250), _prompt(91, 40)]
+  want = _generate_all(Engine(model, 2, 512), prompts, GREEDY, 1, max_new_tokens=20)
+  engine = Engine(model, 2, 512)
+  calls = []
+  real = engine.generate_steps
+
+  def logged(active, *args):
+    calls.append(int(engine._pos[active].max()))
+    return real(active, *args)
+
+  engine.generate_steps = logged
+  got = _generate_all(engine, prompts, GREEDY, 8, max_new_tokens=20)
+  for w, g in zip(want, got, strict=True):
+    assert g.token_ids == w.token_ids
+    assert np.array_equal(np.float32(g.logprobs), np.float32(w.logprobs))
+  # Prompt 0 sits at 250: 6 steps reach index 255, then the next call starts in the 512 bucket.
+  assert calls == [250, 256, 264], calls
+
+
+def test_decode_steps_copy_to_the_host_once_per_call_at_batch_64(model, monkeypatch):
+  """64 requests, 33 tokens each (the first from the prefill), K = 8: four device calls of up to
+  eight steps (no single-step call) and four copies of their outputs to the host. (On CPU the
+  device is host memory, so JAX's transfer guard cannot count; the engine fetches its outputs
+  with one `jax.device_get` per call, counted here.)"""
+  import coevolve_jax.rollout.engine as engine_lib  # noqa: PLC0415
+
+  counts = {"steps": 0, "single": 0, "device_get": 0}
+
+  def counting(name, fn):
+    def wrapped(*args, **kwargs):
+      counts[name] += 1
+      return fn(*args, **kwargs)
+
+    return wrapped
+
+  monkeypatch.setattr(engine_lib, "_generate_steps", counting("steps", engine_lib._generate_steps))
+  monkeypatch.setattr(engine_lib, "_generate", counting("single", engine_lib._generate))
+  monkeypatch.setattr(jax, "device_get", counting("device_get", jax.device_get))
+  prompts = [_prompt(100 + i, 4 + i % 9) for i in range(64)]
+  got = generate(Engine(model, 64, CACHE), prompts, GREEDY, max_new_tokens=33, decode_steps=8)
+  assert all(len(c.token_ids) == 33 and c.finish_reason == "length" for c in got)
+  assert counts == {"steps": 4, "single": 0, "device_get": 4}
+
+
+def test_decode_steps_reject_bad_calls(model):
+  engine = Engine(model, SLOTS, CACHE)
+  engine.prefill(0, [1, 2, 3], KEY, GREEDY)
+  active, keys = np.array([True, False, False]), jax.random.split(KEY, SLOTS)
+  zeros = np.zeros(SLOTS, np.int32)
+  with pytest.raises(ValueError, match="limits >= 1"):
+    engine.generate_steps(active, keys, zeros, zeros, (), GREEDY, 4)
+  with pytest.raises(ValueError, match="max_steps >= 1"):
+    engine.generate_steps(active, keys, zeros, zeros + 1, (), GREEDY, 0)
+  with pytest.raises(ValueError, match="an active slot"):
+    engine.generate_steps(~np.ones(SLOTS, bool), keys, zeros, zeros + 1, (), GREEDY, 4)
+  with pytest.raises(ValueError, match="must have shape"):
+    engine.generate_steps(active[:2], keys, zeros, zeros + 1, (), GREEDY, 4)
+  with pytest.raises(ValueError, match="decode_steps must be >= 1"):
+    generate(engine, [[1, 2]], GREEDY, decode_steps=0)

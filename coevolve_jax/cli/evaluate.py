@@ -83,6 +83,7 @@ def evaluate_category(
       tasks, max_new_tokens or cfg.eval.max_new_tokens, cfg.eval.max_steps_per_turn
     ),
     stop_ids=stop_ids,
+    decode_steps=cfg.rollout.decode_steps,
   )
   trajs = runner.run(
     [(t, i) for i, t in enumerate(tasks)],

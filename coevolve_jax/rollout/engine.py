@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from coevolve_jax.models import sharding
 from coevolve_jax.models.qwen import KVCache, Qwen, routing_dtype, unrolled_template, unstack
-from coevolve_jax.rollout.sampling import SamplingParams, sample
+from coevolve_jax.rollout.sampling import SamplingParams, per_row_keys, sample
 
 
 class DecodeState(NamedTuple):
@@ -128,6 +128,78 @@ def _generate(
   routing = None if routing is None else routing[:, 0]
   out = (tok, logp, _small(routing, model))
   return _pin(DecodeState(cache, next_pos, tok), shardings), *(_to_host(x, shardings) for x in out)
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=("graphdef", "sampling", "kv_len", "max_steps", "shardings"),
+  donate_argnames=("state",),
+)
+def _generate_steps(
+  graphdef,
+  params,
+  state: DecodeState,
+  active_b,
+  keys_b,
+  counts_b,
+  limits_b,
+  n_steps,
+  stop_ids,
+  sampling,
+  kv_len,
+  max_steps,
+  shardings=None,
+):
+  """Up to `max_steps` decode steps in one dispatch (`Engine.generate_steps`).
+
+  Step j is `_generate`'s step with the keys per_row_keys(keys_b, counts_b + j). The loop
+  (`lax.while_loop`) runs while j < n_steps and no active slot has just finished: sampled one of
+  `stop_ids` [n] int32, or reached its token limit (`limits_b` [B] int32, tokens it may still
+  sample). Returns (state, packed [2 * max_steps + 1, B] int32: tokens of steps 0..max_steps-1,
+  their float32 log-probs bitcast to int32, and the number of steps run in the last row (one
+  array: one copy to the host per call), routing [max_steps, B, L_moe, k] or None).
+  """
+  model = nnx.merge(graphdef, params)
+  b, s = active_b.shape[0], state.cache.length
+
+  def step(carry):
+    state, j, _, toks, logps, routs = carry
+    write = jnp.minimum(state.next_pos, s - 1)  # inactive slots may sit at S; never write past it
+    hidden, cache, routing = model.decode_routed(
+      state.tokens[:, None], write[:, None], state.cache, write, kv_len
+    )
+    keys = per_row_keys(keys_b, counts_b + j)
+    tok, logp = sample(model.logits(hidden[:, 0]), keys, sampling)
+    tok = jnp.where(active_b, tok, state.tokens)
+    next_pos = jnp.where(active_b, state.next_pos + 1, state.next_pos)
+    finished = jnp.any(active_b & (jnp.isin(tok, stop_ids) | (j + 1 >= limits_b)))
+    toks, logps = toks.at[j].set(tok), logps.at[j].set(logp)
+    if routs is not None:
+      routs = routs.at[j].set(_small(routing[:, 0], model))
+    state = _pin(DecodeState(cache, next_pos, tok), shardings)
+    return state, j + 1, finished, toks, logps, routs
+
+  def cond(carry):
+    _, j, finished, *_ = carry
+    return (j < n_steps) & ~finished
+
+  routs = None
+  if model.config.moe_layers:
+    moe, k = len(model.config.moe_layers), model.config.num_experts_per_tok
+    routs = jnp.zeros((max_steps, b, moe, k), routing_dtype(model.config.num_experts))
+  init = (
+    state,
+    jnp.int32(0),
+    jnp.bool_(False),
+    jnp.zeros((max_steps, b), jnp.int32),
+    jnp.zeros((max_steps, b), jnp.float32),
+    routs,
+  )
+  state, j, _, toks, logps, routs = jax.lax.while_loop(cond, step, init)
+  packed = jnp.concatenate(
+    [toks, jax.lax.bitcast_convert_type(logps, jnp.int32), jnp.broadcast_to(j, (1, b))]
+  )
+  return state, _to_host(packed, shardings), _to_host(routs, shardings)
 
 
 def _small(routing, model: Qwen):
@@ -618,3 +690,83 @@ class Engine:
         self._routing[slot].append(routing[slot : slot + 1].copy())
     self._pos[active] += 1
     return np.asarray(tok), np.asarray(logp)
+
+  def generate_steps(
+    self,
+    active: np.ndarray,
+    keys: jax.Array,
+    counts: np.ndarray,
+    limits: np.ndarray,
+    stop_ids: Sequence[int],
+    sampling: SamplingParams,
+    max_steps: int,
+  ) -> tuple[np.ndarray, np.ndarray]:
+    """Up to `max_steps` decode steps in one device call and one copy to the host.
+
+    Step j is what `generate(active, per_row_keys(keys, counts + j), sampling)` would do, with
+    the key-length bucket `generate` would choose, so the tokens and log-probs equal those of
+    `max_steps` single steps bit for bit (tests/test_engine.py). The device stops early, after
+    the step in which an active slot finishes: samples one of `stop_ids` or reaches its limit
+    (`limits[b]` more tokens); and before the step whose keys would pass the bucket of the
+    call's start (the next call takes the next bucket). So every step of a call has the same
+    active slots, and a caller that handles the tokens step by step sees what it would have
+    seen from single steps.
+
+    Args:
+      active: [B] bool, the slots that advance.
+      keys: [B] PRNG keys; slot b's step-j token samples with fold_in(keys[b], counts[b] + j).
+      counts: [B] int, tokens each slot's request has sampled so far (its key's counter).
+      limits: [B] int >= 1 for active slots: tokens the slot may sample before its request
+        ends by length (the caller's token limit or the end of its cache room).
+      stop_ids: ids that end a slot's request when sampled.
+      sampling: static sampling parameters.
+      max_steps: K, the most steps of this call (static: one program per K and bucket).
+    Returns:
+      (tokens [n, B] int32, log-probs [n, B] float32) as numpy, n in [1, max_steps] the steps
+      run; inactive slots repeat their last token. Routing (MoE, when recording) is appended per
+      step as by `generate`; that is a second copy to the host.
+    Raises:
+      ValueError: a wrong shape, max_steps < 1, no active slot, an active slot with no room left
+        or a limit < 1.
+    """
+    active = np.asarray(active, bool)
+    counts, limits = np.asarray(counts), np.asarray(limits)
+    if {active.shape, counts.shape, limits.shape} != {(self.num_slots,)}:
+      raise ValueError(f"active, counts and limits must have shape ({self.num_slots},)")
+    if max_steps < 1 or not active.any():
+      raise ValueError(f"generate_steps needs max_steps >= 1 ({max_steps}) and an active slot")
+    full = np.flatnonzero(active & (self._pos >= self.cache_len))
+    if full.size:
+      raise ValueError(f"slots {full.tolist()} are full (cache {self.cache_len}); end them first")
+    if (limits[active] < 1).any():
+      raise ValueError(f"active slots need limits >= 1, got {limits[active].tolist()}")
+    top = int(self._pos[active].max())
+    kv_len = _kv_bucket(top + 1, self.cache_len)  # `generate`'s bucket for the first step
+    n_steps = min(max_steps, kv_len - top)  # steps whose writes stay inside that bucket
+    stops = np.asarray(sorted(set(stop_ids)) or [-1], np.int32)
+    params = self.current_params()
+    with self._ctx():
+      self.state, packed, routing = _generate_steps(
+        self.graphdef,
+        params,
+        self.state,
+        jnp.asarray(active),
+        keys,
+        jnp.asarray(counts, jnp.int32),
+        jnp.asarray(np.where(active, limits, 1 << 30), jnp.int32),
+        jnp.int32(n_steps),
+        jnp.asarray(stops),
+        sampling,
+        kv_len,
+        max_steps,
+        self.shardings,
+      )
+    packed = jax.device_get(packed)  # the one copy to the host
+    n = int(packed[-1, 0])
+    tokens, logps = packed[:n], packed[max_steps : max_steps + n].view(np.float32)
+    if self.record_routing:
+      routing = np.asarray(routing)
+      for slot in np.flatnonzero(active):
+        self._routing[slot].extend(routing[j, slot : slot + 1].copy() for j in range(n))
+    self._pos[active] += n
+    return tokens, logps

@@ -54,6 +54,7 @@ def generate(
   rng: jax.Array | None = None,
   num_slots: int = 8,
   cache_len: int | None = None,
+  decode_steps: int = 1,
 ) -> list[Completion]:
   """Samples a completion for each prompt; returns them in prompt order.
 
@@ -69,16 +70,22 @@ def generate(
     num_slots: concurrent requests when an engine is built here.
     cache_len: KV cache length per slot when built here (default: longest prompt +
       max_new_tokens, rounded up to a multiple of 128).
+    decode_steps: K, decode steps per device call (`Engine.generate_steps`: stop ids, token
+      limits and cache room checked on the device, one copy to the host per call). The
+      completions are the same for every K, bit for bit; K > 1 only removes K - 1 host round
+      trips per K tokens. 1 = one `Engine.generate` call per token.
   Returns:
     One `Completion` per prompt. A request whose cache fills up ends with "length"; nothing is
     written past the end of the cache.
   Raises:
     ValueError: an empty prompt, a token id that is not an integer in [0, vocab_size),
-      max_new_tokens < 1, or a prompt that leaves no room in the cache for a single sampled
-      token (checked for all prompts before any work is done).
+      max_new_tokens or decode_steps < 1, or a prompt that leaves no room in the cache for a
+      single sampled token (checked for all prompts before any work is done).
   """
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  if decode_steps < 1:
+    raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
   vocab = model.config.vocab_size
   prompts = [check_token_ids(p, vocab, f"prompt {i}").tolist() for i, p in enumerate(prompts)]
   for i, p in enumerate(prompts):
@@ -97,7 +104,7 @@ def generate(
         f"prompt {i} has {len(p)} tokens; the cache holds {engine.cache_len} and "
         f"needs room for at least one more"
       )
-  return _Batcher(engine, sampling, max_new_tokens, frozenset(stop_ids)).run(
+  return _Batcher(engine, sampling, max_new_tokens, frozenset(stop_ids), decode_steps).run(
     prompts, jax.random.key(0) if rng is None else rng
   )
 
@@ -106,10 +113,16 @@ class _Batcher:
   """Continuous batching of independent requests over an engine's slots."""
 
   def __init__(
-    self, engine: Engine, sampling: SamplingParams, max_new_tokens: int, stop_ids: frozenset[int]
+    self,
+    engine: Engine,
+    sampling: SamplingParams,
+    max_new_tokens: int,
+    stop_ids: frozenset[int],
+    decode_steps: int = 1,
   ):
     self.engine, self.sampling = engine, sampling
     self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
+    self.decode_steps = decode_steps
 
   def run(self, prompts: list[list[int]], rng: jax.Array) -> list[Completion]:
     out: list[Completion | None] = [None] * len(prompts)
@@ -137,22 +150,40 @@ class _Batcher:
         continue
       active = np.zeros((self.engine.num_slots,), bool)
       counts = np.zeros((self.engine.num_slots,), np.int32)
+      limits = np.zeros((self.engine.num_slots,), np.int32)
+      room = {slot: self.engine.room(slot) for slot in busy}  # before the call
       for slot, (_, comp) in busy.items():
         active[slot], counts[slot] = True, len(comp.token_ids)
-      step_keys = per_row_keys(keys, jnp.asarray(counts))
-      tokens, logprobs = self.engine.generate(active, step_keys, self.sampling)
-      for slot in list(busy):
-        self._append(busy, free, out, slot, int(tokens[slot]), float(logprobs[slot]))
+        # `_append`'s length rules as a count: the token limit, or the pending token's write at
+        # the cache's last index.
+        limits[slot] = min(self.max_new_tokens - counts[slot], room[slot])
+      if self.decode_steps == 1 or (pending and free):  # a freed slot takes a request next step
+        step_keys = per_row_keys(keys, jnp.asarray(counts))
+        tokens, logprobs = self.engine.generate(active, step_keys, self.sampling)
+        tokens, logprobs = tokens[None], logprobs[None]
+      else:
+        tokens, logprobs = self.engine.generate_steps(
+          active, keys, counts, limits, self.stop_ids, self.sampling, self.decode_steps
+        )
+      slots = list(busy)
+      for j in range(len(tokens)):  # every slot finishes at the last step, if at all
+        for slot in slots:
+          if slot not in busy:
+            raise RuntimeError(f"slot {slot} finished before the engine's last step")
+          tok, logp = int(tokens[j, slot]), float(logprobs[j, slot])
+          self._append(busy, free, out, slot, tok, logp, room[slot] - j - 1)
     return out  # type: ignore[return-value]
 
-  def _append(self, busy, free, out, slot: int, tok: int, logp: float) -> None:
-    """Records a sampled token; ends the request on a stop id, the token limit or a full cache."""
+  def _append(self, busy, free, out, slot: int, tok: int, logp: float, room=None) -> None:
+    """Records a sampled token; ends the request on a stop id, the token limit or a full cache
+    (`room`: the slot's room after this token's step; default the engine's now)."""
     index, comp = busy[slot]
     comp.token_ids.append(tok)
     comp.logprobs.append(logp)
+    room = self.engine.room(slot) if room is None else room
     if tok in self.stop_ids:
       comp.finish_reason = FINISH_STOP
-    elif len(comp.token_ids) >= self.max_new_tokens or self.engine.room(slot) <= 0:
+    elif len(comp.token_ids) >= self.max_new_tokens or room <= 0:
       # room 0: the pending token would be written at index cache_len, which does not exist.
       comp.finish_reason = FINISH_LENGTH
     else:
