@@ -176,6 +176,12 @@ def test_generate_returns_each_requests_routing():
   comps = generate(engine, prompts, SamplingParams(1.0), max_new_tokens=4)
   for prompt, comp in zip(prompts, comps):
     assert comp.routing.shape == (len(prompt) + len(comp.token_ids) - 1, 2, 2)
+  # Several decode steps per device call record the same routing as one call per token.
+  engine = Engine(Qwen(MOE, rngs=nnx.Rngs(6)), num_slots=2, cache_len=64)
+  steps = generate(engine, prompts, SamplingParams(1.0), max_new_tokens=4, decode_steps=3)
+  for one, several in zip(comps, steps):
+    assert several.token_ids == one.token_ids
+    np.testing.assert_array_equal(several.routing, one.routing)
 
 
 # ---------------------------------------------------------------------------------------------
