@@ -10,6 +10,9 @@ and sampled (T = 0.9, full vocabulary), the ratio of ours to the faster peer, wh
 tokens equal transformers', how one decode step's time grows with batch size and with cache length,
 and the matmul bound: the most tokens/s an implementation could reach here if every product ran at
 the rate XLA (or the faster of XLA and torch) reaches on it in this run (`matmul_bound`).
+Our engine runs at each `--decode_steps` K (decode steps per device call, default 1,8); the last
+K is the one compared with the peers, and a last table gives each K's tokens/s against the first
+K's in this run and whether their tokens are identical (they must be).
 
 google-tunix conflicts with our pins, so it runs in its own environment (`--tunix_python`,
 default .venv-tunix/bin/python) as a subprocess of this script (`--worker=tunix`), on the same
@@ -215,7 +218,7 @@ def run_transformers(args, prompts: np.ndarray) -> dict:
 # ---------------------------------------------------------------------------------------- ours
 
 
-def run_ours(args, model, prompts: np.ndarray) -> dict:
+def run_ours(args, model, prompts: np.ndarray, decode_steps: int) -> dict:
   """Per batch size, greedy and sampled calls alternate (one engine, warmed up in both modes), so
   the sampled / greedy ratio compares neighbouring runs rather than runs minutes apart."""
   import jax.numpy as jnp  # noqa: PLC0415
@@ -236,14 +239,18 @@ def run_ours(args, model, prompts: np.ndarray) -> dict:
       for mode, sampling in modes.items():
         start = time.perf_counter()
         res = generate(
-          engine, batch, sampling, max_new_tokens=args.new_tokens, decode_steps=args.decode_steps
+          engine, batch, sampling, max_new_tokens=args.new_tokens, decode_steps=decode_steps
         )
         if rep:
           times[mode].append(time.perf_counter() - start)
           n = sum(len(c.token_ids) for c in res)
           out[mode][str(b)] = [n / float(np.median(times[mode])), [c.token_ids for c in res[:8]]]
     for mode in modes:
-      print(f"ours {mode} b={b}: {out[mode][str(b)][0]:.1f} tok/s", file=sys.stderr, flush=True)
+      print(
+        f"ours K={decode_steps} {mode} b={b}: {out[mode][str(b)][0]:.1f} tok/s",
+        file=sys.stderr,
+        flush=True,
+      )
   return out
 
 
@@ -433,7 +440,10 @@ def main() -> None:
   p.add_argument("--batches", default="1,8,32,64")
   p.add_argument("--new_tokens", type=int, default=32)
   p.add_argument(
-    "--decode_steps", type=int, default=1, help="our generate(): decode steps per device call"
+    "--decode_steps",
+    default="1,8",
+    help="our generate()'s decode steps per device call, each measured; the last is compared "
+    "with the peers, and each with the first in its own table",
   )
   p.add_argument("--prompt_len", type=int, default=128)
   p.add_argument("--layers", type=int, default=8)
@@ -460,6 +470,7 @@ def main() -> None:
   args = p.parse_args()
   args.batches = [int(x) for x in args.batches.split(",")]
   args.kv_lengths = [int(x) for x in args.kv_lengths.split(",")]
+  args.decode_steps = [int(x) for x in args.decode_steps.split(",")]
   if args.worker == "tunix":
     tunix_worker(args)
     return
@@ -480,12 +491,33 @@ def main() -> None:
   with tempfile.TemporaryDirectory() as folder:
     args.folder = folder
     save_pretrained(model, folder)
-    ours = run_ours(args, model, prompts)
+    by_k = {k: run_ours(args, model, prompts, k) for k in args.decode_steps}
+    ours = by_k[args.decode_steps[-1]]
     hf = run_transformers(args, prompts) if "transformers" in peers else None
     tunix = run_tunix(args) if "tunix" in peers else None
   steps = step_times(args, model)
   bound = matmul_bound(args, model) if args.bound else None
   report(args, ours, hf, tunix, steps, bound)
+  report_decode_steps(args, by_k)
+
+
+def report_decode_steps(args, by_k: dict) -> None:
+  """Each K (decode steps per device call) against the first, same engine shapes and prompts:
+  tokens/s ratio, and whether the first 8 rows' tokens are identical (they must be)."""
+  if len(by_k) < 2:
+    return
+  base = args.decode_steps[0]
+  rows = [["mode", "batch", "K", "tok/s", f"vs K={base}", "first 8 rows identical"]]
+  for mode in ("greedy", "sampled"):
+    for b in map(str, args.batches):
+      ref = by_k[base][mode][b]
+      for k in args.decode_steps:
+        got = by_k[k][mode][b]
+        rows.append(
+          [mode, b, str(k), f"{got[0]:.1f}", f"{got[0] / ref[0]:.2f}x", str(got[1] == ref[1])]
+        )
+  print(f"\nours: decode steps per device call (K), against K={base} in this run\n")
+  print(markdown_table(rows))
 
 
 if __name__ == "__main__":
