@@ -83,7 +83,9 @@ def evaluate_category(
       tasks, max_new_tokens or cfg.eval.max_new_tokens, cfg.eval.max_steps_per_turn
     ),
     stop_ids=stop_ids,
-    decode_steps=cfg.rollout.decode_steps,
+    # The model's engine decodes rollout.decode_steps tokens per call; a scripted engine
+    # (`ReplayEngine`, --replay) replies one token per call.
+    decode_steps=cfg.rollout.decode_steps if hasattr(engine, "generate_steps") else 1,
   )
   trajs = runner.run(
     [(t, i) for i, t in enumerate(tasks)],
