@@ -50,6 +50,7 @@ from coevolve_jax.metrics import (
   MetricsWriter,
   PhaseTimer,
   append_lines,
+  call_recall,
   truncate_jsonl,
   write_atomic,
 )
@@ -541,9 +542,11 @@ class CoEvolveRun:
 
   def evaluate_generated(self, tag: str) -> dict[str, float] | None:
     """Greedy figures on the generated held-out set (None when there is none): "success" (share
-    of tasks with reward >= signals.success_threshold), "reward" (mean) and "tasks"; per-task
-    results in eval_generated_<tag>.jsonl. Training episodes and limits, as the pool's tasks get
-    (an in-distribution proxy, not a benchmark score)."""
+    of tasks with reward >= signals.success_threshold), "reward" (mean), "call_recall" and
+    "name_recall" (mean shares of each task's ground-truth calls made, exactly and by function
+    name: `metrics.call_recall`, graded where the checker's reward is all or nothing) and
+    "tasks"; per-task results in eval_generated_<tag>.jsonl. Training episodes and limits, as
+    the pool's tasks get (an in-distribution proxy, not a benchmark score)."""
     if not self.eval_generated:
       return None
     trajs = self._rollout([(t, i) for i, t in enumerate(self.eval_generated)], greedy=True)
@@ -551,7 +554,12 @@ class CoEvolveRun:
       os.path.join(self.workdir, f"eval_generated_{tag}.jsonl"),
       "".join(json.dumps(self._eval_row(t)) + "\n" for t in trajs),
     )
-    return self._success_figures([t.reward for t in trajs])
+    recall = [call_recall(t.ground_truth, r.calls) for t, r in zip(self.eval_generated, trajs)]
+    return {
+      **self._success_figures([t.reward for t in trajs]),
+      "call_recall": float(np.mean([e for e, _ in recall])),
+      "name_recall": float(np.mean([n for _, n in recall])),
+    }
 
   def evaluate_pool(self) -> dict[str, dict[str, float]]:
     """Greedy figures on every pool task after training, grouped by where the task came from:

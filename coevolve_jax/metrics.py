@@ -210,3 +210,29 @@ class CompileCounter:
   def close(self) -> None:
     with contextlib.suppress(AssertionError, ValueError):  # already unregistered
       jax.monitoring.unregister_event_duration_listener(self._on_event)
+
+
+def call_recall(ground_truth: list[list[str]], calls: list[list[str]]) -> tuple[float, float]:
+  """How much of a task's ground truth an episode called, as a graded figure beside the
+  checker's all-or-nothing reward (the generated held-out set's `call_recall` and
+  `name_recall`).
+
+  Args:
+    ground_truth: per user turn, the task's ground-truth call strings, e.g.
+      [["cd(folder='document')", "ls()"]].
+    calls: per user turn, the call strings the episode executed (`Trajectory.calls`).
+  Returns:
+    (exact, by_name): the share of ground-truth calls the episode made with the same string
+    (matched as multisets over the whole episode: a call counts once per time it was made), and
+    the same share matching function names only. 1.0 for an empty ground truth.
+  """
+  want = [c for turn in ground_truth for c in turn]
+  if not want:
+    return 1.0, 1.0
+  got = [c for turn in calls for c in turn]
+
+  def share(key) -> float:
+    need, have = collections.Counter(map(key, want)), collections.Counter(map(key, got))
+    return sum(min(n, have[k]) for k, n in need.items()) / len(want)
+
+  return share(lambda c: c), share(lambda c: c.split("(", 1)[0].strip())

@@ -116,6 +116,7 @@ def collect(workdir: str) -> dict[str, Any]:
   rounds = read_jsonl(os.path.join(workdir, "feedback.jsonl"))
   return {
     "summary": summary,
+    "gen_recall": _generated_recall(workdir),
     "rewards": [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r],
     "warmstart": [r["warmstart/loss"] for r in rows if "warmstart/loss" in r],
     "rounds": rounds,
@@ -123,6 +124,24 @@ def collect(workdir: str) -> dict[str, Any]:
     "pool_eval": read_jsonl(os.path.join(workdir, "eval_pool_after.jsonl")),
     "similarity": [v for r in rounds for v in (r.get("eval_similarity") or {}).values()],
   }
+
+
+def _generated_recall(workdir: str) -> dict[str, float]:
+  """ "before" / "after": mean exact-call recall on the generated held-out set
+  (`metrics.call_recall`), computed from the run's files, so runs whose summary does not carry
+  it get it too; {} without the set."""
+  from coevolve_jax.metrics import call_recall  # pylint: disable=g-import-not-at-top
+
+  truth = {
+    t["task_id"]: t["ground_truth"]
+    for t in read_jsonl(os.path.join(workdir, "eval_generated.jsonl"))
+  }
+  out = {}
+  for tag in ("before", "after"):
+    rows = read_jsonl(os.path.join(workdir, f"eval_generated_{tag}.jsonl"))
+    if rows and truth:
+      out[tag] = statistics.fmean(call_recall(truth[r["task_id"]], r["calls"])[0] for r in rows)
+  return out
 
 
 def mean(xs: list[float]) -> float | None:
@@ -165,9 +184,14 @@ FIGURES: list[tuple[str, str, Callable[[dict[str, Any]], float | None]]] = [
     ),
   ),
   (
-    "gen_reward_after",
-    "generated held-out mean reward after",
-    lambda r: _generated(r, "after", "reward"),
+    "gen_recall_before",
+    "generated held-out: share of ground-truth calls made (metrics.call_recall), before",
+    lambda r: r["gen_recall"].get("before"),
+  ),
+  (
+    "gen_recall_after",
+    "generated held-out: share of ground-truth calls made, after",
+    lambda r: r["gen_recall"].get("after"),
   ),
   ("rollout_reward", "mean rollout reward over the GRPO steps", _mean_reward),
   ("d0_after", "greedy success on the D0 tasks after", lambda r: _pool_success(r, "d0")),

@@ -158,6 +158,27 @@ def test_per_signal_accounting_follows_fired_and_synthesized_tasks(ablations, tm
   assert acc["rare"]["fired"] == 1 and acc["rare"]["synth_solved_after"] is None
 
 
+def test_generated_recall_is_computed_from_the_runs_files(ablations, tmp_path):
+  """gen_recall_before/after: the mean share of ground-truth calls each greedy episode made,
+  from eval_generated.jsonl and eval_generated_<tag>.jsonl (also for runs whose summary lacks
+  it)."""
+  run = tmp_path / "run"
+  _fake_run(run, 0, reward=[0.5], gen=(0.0, 0.0))
+  truth = [
+    {"task_id": "g0", "ground_truth": [["a()", "b()"]]},
+    {"task_id": "g1", "ground_truth": [["c(x=1)"]]},
+  ]
+  (run / "eval_generated.jsonl").write_text("".join(json.dumps(t) + "\n" for t in truth))
+  rows = {"before": [[["a()"]], [[]]], "after": [[["a()", "b()"]], [["c(x=1)"]]]}
+  for tag, calls in rows.items():
+    lines = [json.dumps({"task_id": t["task_id"], "calls": c}) for t, c in zip(truth, calls)]
+    (run / f"eval_generated_{tag}.jsonl").write_text("\n".join(lines) + "\n")
+  got = ablations.collect(str(run))
+  assert got["gen_recall"] == {"before": 0.25, "after": 1.0}  # (1/2 + 0) / 2, then all
+  figures = {name: get({**got, "seed": 0}) for name, _, get in ablations.FIGURES}
+  assert figures["gen_recall_before"] == 0.25 and figures["gen_recall_after"] == 1.0
+
+
 def test_a_rerun_resumes_the_grid_and_runs_only_what_is_unfinished(
   ablations, tmp_path, monkeypatch
 ):

@@ -114,6 +114,7 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
   assert summary["eval_generated_after"]["tasks"] == 1  # the file's set, not a new one
   for figures in (summary["eval_generated_before"], summary["eval_generated_after"]):
     assert 0.0 <= figures["success"] <= 1.0 and 0.0 <= figures["reward"] <= 1.0
+    assert 0.0 <= figures["name_recall"] <= 1.0 and figures["call_recall"] <= figures["name_recall"]
   with open(os.path.join(workdir, "pool.jsonl")) as f:
     pool = [json.loads(line) for line in f]
   assert not {t["task_id"] for t in pool} & {t["task_id"] for t in generated}

@@ -108,3 +108,16 @@ def test_compile_counter_counts_each_new_program_once():
   f(np.ones(29)).block_until_ready()
   assert counter.total == 3
   counter.close()  # twice: no error
+
+
+def test_call_recall_counts_ground_truth_calls_made_exactly_and_by_name():
+  from coevolve_jax.metrics import call_recall  # noqa: PLC0415
+
+  truth = [["ls()", "cd(folder='a')"], ["ls()", "cat(file_name='x')"]]
+  # Turn boundaries do not matter; "ls()" made once of the two asked for; cd with another argument
+  # matches by name only; an extra call costs nothing.
+  calls = [["cd(folder='b')"], ["ls()", "cat(file_name='x')", "pwd()"]]
+  assert call_recall(truth, calls) == (0.5, 0.75)
+  assert call_recall(truth, []) == (0.0, 0.0)
+  assert call_recall(truth, truth) == (1.0, 1.0)
+  assert call_recall([[]], [["ls()"]]) == (1.0, 1.0)
