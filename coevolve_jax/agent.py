@@ -19,11 +19,11 @@ from concurrent import futures
 from collections.abc import Callable, Iterable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from coevolve_jax.chat import ChatFormat
-from coevolve_jax.rollout.sampling import SamplingParams, per_row_keys
+from coevolve_jax.rollout.generate import decode_tokens
+from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.rollout.slots import SlotEngine
 from coevolve_jax.types import Action, StepResult, Task, Trajectory
 from envs.base import Env
@@ -184,14 +184,10 @@ class AgentRunner:
       mask[slot], counts[slot] = True, ep.sampled
       # `_on_token`'s length rules as a count: the reply's token limit, or room <= 1.
       limits[slot] = min(self.limits.max_new_tokens - len(ep.turn_ids), room[slot] - 1)
-    if self.decode_steps == 1 or self._stepping:
-      keys = per_row_keys(self._slot_keys, jnp.asarray(counts))
-      tokens, logprobs = self.engine.generate(mask, keys, sampling)
-      tokens, logprobs = tokens[None], logprobs[None]
-    else:
-      tokens, logprobs = self.engine.generate_steps(
-        mask, self._slot_keys, counts, limits, self.stop_ids, sampling, self.decode_steps
-      )
+    k = 1 if self._stepping else self.decode_steps
+    tokens, logprobs = decode_tokens(
+      self.engine, mask, self._slot_keys, counts, limits, self.stop_ids, sampling, k
+    )
     slots = list(self._active)
     for j in range(len(tokens)):  # replies end at the engine call's last step, if at all
       for slot in slots:

@@ -520,20 +520,9 @@ class CoEvolveRun:
   def evaluate(self, tag: str) -> float:
     """Greedy success rate on the held-out split; per-task results in eval_<tag>.jsonl."""
     trajs = self._rollout([(t, i) for i, t in enumerate(self.eval_tasks)], eval=True)
-    rows = (
-      {
-        "task_id": t.task_id,
-        "reward": t.reward,
-        "finish": t.finish,
-        "model_steps": t.model_steps,
-        "parse_errors": t.parse_errors,
-        "calls": t.calls,
-      }
-      for t in trajs
-    )
     write_atomic(
       os.path.join(self.workdir, f"eval_{tag}.jsonl"),
-      "".join(json.dumps(row) + "\n" for row in rows),
+      "".join(json.dumps(self._eval_row(t)) + "\n" for t in trajs),
     )
     suite_metrics = self.suite.metrics(trajs)  # the suite's own figures (e.g. TGC / SGC)
     if suite_metrics:

@@ -114,8 +114,14 @@ def collect(workdir: str) -> dict[str, Any]:
     summary = json.load(f)
   rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
   rounds = read_jsonl(os.path.join(workdir, "feedback.jsonl"))
+  config_path = os.path.join(workdir, "config.json")
+  threshold = 0.5  # configs/bfcl.py's signals.success_threshold, for workdirs without config.json
+  if os.path.exists(config_path):
+    with open(config_path, encoding="utf-8") as f:
+      threshold = float(json.load(f)["signals"]["success_threshold"])
   return {
     "summary": summary,
+    "threshold": threshold,
     "gen_recall": _generated_recall(workdir),
     "rewards": [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r],
     "warmstart": [r["warmstart/loss"] for r in rows if "warmstart/loss" in r],
@@ -302,7 +308,7 @@ def signal_accounting(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
   - accepted: tasks accepted from the signal's contexts over all rounds (feedback.jsonl), and
     `synth_solved_after`, greedy success after training on them.
   """
-  thr = 0.5
+  thr = run["threshold"]  # the run's signals.success_threshold, as its summary's success
   solved_after = {r["task_id"]: r["reward"] >= thr for r in run["pool_eval"]}
   out = {}
   for kind in SIGNALS:
@@ -449,13 +455,10 @@ def plots(results: dict[str, list[dict[str, Any]]], rows: list[dict[str, Any]], 
     save(fig, "paired_differences.png")
 
   fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-  for variant, runs in results.items():
-    if not any(r["rounds"] for r in runs):
-      continue
+  runs = results.get("coevolve", [])
+  if any(r["rounds"] for r in runs):
     n_rounds = max(len(r["rounds"]) for r in runs)
     bottom = np.zeros(n_rounds)
-    if variant != "coevolve":
-      continue
     for kind in (*SIGNALS, "unguided"):
       acc = np.zeros(n_rounds)
       for run in runs:
@@ -618,7 +621,8 @@ def main(argv: list[str] | None = None) -> int:
     "",
     *paired_table(rows),
     "",
-    "Per-signal accounting, means over seeds (solved = greedy reward >= 0.5 after training; "
+    "Per-signal accounting, means over seeds (solved = greedy reward >= signals.success_threshold, "
+    "0.5 by default, after training; "
     "revisited = sampled again after the signal fired, solved in every rollout of the last "
     "visit):",
     "",

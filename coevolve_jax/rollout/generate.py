@@ -109,6 +109,24 @@ def generate(
   )
 
 
+def decode_tokens(
+  engine, active, keys, counts, limits, stop_ids, sampling: SamplingParams, max_steps: int
+) -> tuple[np.ndarray, np.ndarray]:
+  """The next tokens of the active slots, as the batcher and the agent loop decode them.
+
+  `max_steps` == 1: one `engine.generate` step (any `SlotEngine`) with the keys
+  per_row_keys(keys, counts); else `Engine.generate_steps` (up to `max_steps` steps, stopping at
+  a stop id or a limit), which gives the same tokens bit for bit.
+
+  Returns:
+    (tokens [n, B] int32, log-probs [n, B] float32), n >= 1 the steps taken.
+  """
+  if max_steps == 1:
+    tokens, logprobs = engine.generate(active, per_row_keys(keys, jnp.asarray(counts)), sampling)
+    return tokens[None], logprobs[None]
+  return engine.generate_steps(active, keys, counts, limits, stop_ids, sampling, max_steps)
+
+
 class _Batcher:
   """Continuous batching of independent requests over an engine's slots."""
 
@@ -157,14 +175,10 @@ class _Batcher:
         # `_append`'s length rules as a count: the token limit, or the pending token's write at
         # the cache's last index.
         limits[slot] = min(self.max_new_tokens - counts[slot], room[slot])
-      if self.decode_steps == 1 or (pending and free):  # a freed slot takes a request next step
-        step_keys = per_row_keys(keys, jnp.asarray(counts))
-        tokens, logprobs = self.engine.generate(active, step_keys, self.sampling)
-        tokens, logprobs = tokens[None], logprobs[None]
-      else:
-        tokens, logprobs = self.engine.generate_steps(
-          active, keys, counts, limits, self.stop_ids, self.sampling, self.decode_steps
-        )
+      k = 1 if pending and free else self.decode_steps  # a freed slot takes a request next step
+      tokens, logprobs = decode_tokens(
+        self.engine, active, keys, counts, limits, self.stop_ids, self.sampling, k
+      )
       slots = list(busy)
       for j in range(len(tokens)):  # every slot finishes at the last step, if at all
         for slot in slots:
