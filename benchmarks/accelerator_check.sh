@@ -83,7 +83,9 @@ for line in open('$run_dir/metrics.jsonl'):
   if 'compile/count' in row:
     keep = ('step', 'compile/count', 'compile/seconds', 'timing/rollout', 'timing/train',
             'reward/mean')
-    print({k: row.get(k) for k in keep})
+    programs = {k[len('compile/program/'):]: v for k, v in row.items()
+                if k.startswith('compile/program/')}
+    print({k: row.get(k) for k in keep}, programs)
 EOF"
 
 stage tests "${TESTS_S:-100}" "$PY" -m pytest -q -x -p no:cacheprovider tests/test_qwen_parity.py

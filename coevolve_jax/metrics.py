@@ -183,7 +183,10 @@ class CompileCounter:
   compilation-cache hits are not compilations and are not counted.
 
   `pop()` gives {"compile/count": int, "compile/seconds": float} since the previous pop (the
-  run logs them per step in metrics.jsonl); `total` counts since construction. `close()`
+  run logs them per step in metrics.jsonl), and per compiled program one
+  "compile/program/<name>": int, the name JAX passes with the event (`jit(_prefill_rows)` gives
+  `_prefill_rows`; "unknown" on a JAX that passes none): which shapes still compile, the engine's
+  prefill and decode buckets or the train step's. `total` counts since construction. `close()`
   unregisters the listener.
   """
 
@@ -191,20 +194,26 @@ class CompileCounter:
     self._lock = threading.Lock()
     self.total = 0
     self._count, self._seconds = 0, 0.0
+    self._programs: collections.Counter[str] = collections.Counter()
     jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
   def _on_event(self, event: str, duration_secs: float, **kwargs) -> None:
-    del kwargs
     if event == BACKEND_COMPILE_EVENT:
+      name = str(kwargs.get("fun_name") or "unknown")
+      if name.startswith("jit(") and name.endswith(")"):
+        name = name[4:-1]
       with self._lock:
         self.total += 1
         self._count += 1
         self._seconds += float(duration_secs)
+        self._programs[name] += 1
 
   def pop(self) -> dict[str, float]:
     with self._lock:
       out = {"compile/count": self._count, "compile/seconds": self._seconds}
+      out.update({f"compile/program/{k}": n for k, n in sorted(self._programs.items())})
       self._count, self._seconds = 0, 0.0
+      self._programs.clear()
     return out
 
   def close(self) -> None:

@@ -82,25 +82,36 @@ def test_a_replacement_on_a_full_disk_raises_disk_full_error_and_keeps_the_old_f
 
 def test_compile_counter_counts_each_new_program_once():
   """A new jit shape is one XLA compilation (JAX's backend-compile event, whose name this checks
-  on the installed JAX); calling it again, or with a shape already compiled, is none; `pop`
-  resets the step's figures; after `close` nothing is counted."""
+  on the installed JAX), counted under the jitted function's name; calling it again, or with a
+  shape already compiled, is none; `pop` resets the step's figures; after `close` nothing is
+  counted."""
   import jax
   import jax.numpy as jnp
   import numpy as np
 
   from coevolve_jax.metrics import CompileCounter
 
+  def sin_scaled(x):
+    return jnp.sin(x) * 3.0 + 1.0
+
+  def cos_scaled(x):
+    return jnp.cos(x) * 3.0
+
   counter = CompileCounter()
   try:
-    f = jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.0)
+    f, g = jax.jit(sin_scaled), jax.jit(cos_scaled)
     f(np.ones(17)).block_until_ready()
     f(np.ones(17)).block_until_ready()
     first = counter.pop()
     assert first["compile/count"] == 1 and first["compile/seconds"] > 0
+    assert first["compile/program/sin_scaled"] == 1
     f(np.ones(17)).block_until_ready()
     f(np.ones(19)).block_until_ready()  # a new shape
-    f(np.ones(23)).block_until_ready()
-    assert counter.pop()["compile/count"] == 2
+    g(np.ones(23)).block_until_ready()
+    second = counter.pop()
+    assert second["compile/count"] == 2
+    assert second["compile/program/sin_scaled"] == 1
+    assert second["compile/program/cos_scaled"] == 1
     assert counter.pop() == {"compile/count": 0, "compile/seconds": 0.0}
     assert counter.total == 3
   finally:
