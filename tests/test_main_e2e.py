@@ -148,6 +148,9 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
     if "reward/mean" in r:
       assert sum(r[f"rollout/finished_{f}"] for f in FINISHES) == 4
       assert r["rollout/dropped_from_loss"] == 0
+      # XLA compilations of the step, with one count per compiled program that adds up to them.
+      programs = {k: v for k, v in r.items() if k.startswith("compile/program/")}
+      assert sum(programs.values()) == r["compile/count"] >= 0
   assert os.listdir(os.path.join(workdir, "tensorboard"))
   with open(os.path.join(workdir, "summary.json")) as f:
     assert json.load(f) == summary
