@@ -704,7 +704,9 @@ class PolicyTrainer:
       float32 (the trainer / sampler mismatch, 0 in exact arithmetic). With top-k or top-p also
       `train/sampler_set_misses`: generated tokens whose old log-prob is -inf (the trainer's kept
       set, rounded differently at its edge, leaves out a token the sampler drew; 0 in exact
-      arithmetic; `grpo.grpo_loss` gives them ratio 1 and no gradient).
+      arithmetic; `grpo.grpo_loss` gives them ratio 1 and no gradient). `train/padded_len` and
+      `train/padded_targets`: the batch's padded token and target lengths (`make_batch`'s
+      buckets), the shape the step's programs are compiled for.
     Raises:
       ValueError: mini_batches outside [1, N], advantages or keep not of shape [N].
     """
@@ -738,6 +740,9 @@ class PolicyTrainer:
       )
     if self.sampling.truncates:
       metrics["train/sampler_set_misses"] = int(sum(m.sum() for m in misses))
+    # The padded shape the step ran at (`make_batch`'s buckets): a new one compiles the step.
+    metrics["train/padded_len"] = batch.tokens.shape[1]
+    metrics["train/padded_targets"] = batch.target_pos.shape[1]
     return metrics
 
   def _sft_step_fn(self, params, opt_state, arrays):

@@ -473,6 +473,11 @@ def test_trainer_scores_under_the_engines_truncated_distribution(sampling):
   assert metrics["train/sampler_logp_gap"] <= 1e-5 and metrics["train/sampler_set_misses"] == 0
   np.testing.assert_allclose(metrics["train/ratio_mean"], 1.0, atol=1e-5)
   assert metrics["train/kl"] <= 1e-6
+  padded = make_batch(trajs)  # the epoch's own buckets: the shape its programs compiled for
+  assert (
+    metrics["train/padded_len"] == padded.tokens.shape[1] >= max(len(t.token_ids) for t in trajs)
+  )
+  assert metrics["train/padded_targets"] == padded.target_pos.shape[1]
 
 
 def test_the_kept_set_is_stop_gradient():
