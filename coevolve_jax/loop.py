@@ -135,6 +135,8 @@ class CoEvolveRun:
     elif self.state.pending is not None:
       self._submit(self.state.pending)  # the round in flight at the checkpoint, redone exactly
     before = self.compiles.pop()  # set-up, D0, warm-start, eval before: not step 1's
+    if restored is None:  # step 0's row: what compiled, and the phases, before GRPO step 1
+      self.metrics.write(0, {**before, **self.timer.pop_last()})
     print(
       f"compiled {before['compile/count']} programs before GRPO ({before['compile/seconds']:.1f} s)"
     )

@@ -137,6 +137,8 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
     rows = [json.loads(line) for line in f]
   grpo_steps = [r["step"] for r in rows if "reward/mean" in r]
   assert grpo_steps == [1, 2]  # one row per step, also across the resume
+  # What compiled before GRPO (D0, warm-start, eval before): one step-0 row, from the fresh start.
+  assert [r["step"] for r in rows if "compile/count" in r and "reward/mean" not in r] == [0]
   # The round's signal shares are those of the events its steps fired (paper Fig. 4); the
   # metrics count cumulatively, and round 1 covers steps 1 and 2.
   last = [r for r in rows if "reward/mean" in r][-1]

@@ -132,3 +132,49 @@ def test_call_recall_counts_ground_truth_calls_made_exactly_and_by_name():
   assert call_recall(truth, []) == (0.0, 0.0)
   assert call_recall(truth, truth) == (1.0, 1.0)
   assert call_recall([[]], [["ls()"]]) == (1.0, 1.0)
+
+
+def test_compile_census_reads_the_per_program_counts_of_a_run():
+  """benchmarks/compile_census.py: per row, the named programs and the rest ("other", also the
+  whole count for rows logged before per-program counts), the row's phase seconds as the
+  reference, and the compilations after GRPO step 2 summed."""
+  import importlib.util
+  import pathlib
+
+  path = pathlib.Path(__file__).parent.parent / "benchmarks" / "compile_census.py"
+  spec = importlib.util.spec_from_file_location("compile_census", path)
+  census_lib = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(census_lib)
+  rows = [
+    {"step": 0, "warmstart/loss": 2.0},  # no compile counts: not a census row
+    {
+      "step": 0,
+      "compile/count": 3,
+      "compile/seconds": 6.0,
+      "timing/warmstart": 20.0,
+      "compile/program/_sft_step_fn": 1,
+      "compile/program/stage": 2,
+    },
+    {
+      "step": 3,
+      "compile/count": 2,
+      "compile/seconds": 4.0,
+      "timing/rollout": 5.0,
+      "timing/train": 3.0,
+      "timing/weight_sync_s": 9.0,
+      "compile/program/_prefill_rows": 2,
+      "train/padded_len": 1024,
+      "train/padded_targets": 128,
+    },
+    {"step": 4, "compile/count": 1, "compile/seconds": 1.5, "timing/train": 3.0},  # older log
+  ]
+  got = census_lib.census(rows)
+  assert [e["step"] for e in got] == [0, 3, 4]
+  assert got[0]["programs"]["_sft_step_fn"] == 1 and got[0]["programs"]["other"] == 2
+  assert got[1]["programs"]["_prefill_rows"] == 2 and got[1]["programs"]["other"] == 0
+  assert got[1]["step_seconds"] == 8.0  # the phases; weight sync is inside them, not added
+  assert got[1]["padded"] == (1024, 128)
+  assert got[2]["programs"]["other"] == 1
+  text = census_lib.table(got)
+  assert "| 3 | 2 | 4.0 | 8.0 | 0.50 | 2 |" in text
+  assert "compilations after GRPO step 2: 3 (5.5 s" in text
