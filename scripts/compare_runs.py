@@ -7,7 +7,9 @@ exploration.jsonl, groups.jsonl, eval_before.jsonl and eval_after.jsonl, and whe
 them, the generated held-out set (eval_generated.jsonl, eval_generated_before/after.jsonl) and
 eval_pool_after.jsonl. Every value must be equal, except
 timings (keys `wall_s`, `phase_s`, `feedback_share`, `feedback_synth_s`, `synth_s`, `wait_s`, the
-metrics ending in `/synth_s` or `/wait_s`, and `timing/*` metrics), which differ between any two
+metrics ending in `/synth_s` or `/wait_s`, and `timing/*` metrics) and XLA compilations
+(`compile/*` metrics: their seconds differ between any two runs, their counts with what an earlier
+run in the same process or the compilation cache already compiled), which differ between any two
 runs. Numbers compare with
 `|a - b| <= atol + rtol * |b|` (default: exactly), so the same command on two meshes or two
 commits can be checked at float tolerance. Prints one line per file and every difference found;
@@ -55,7 +57,8 @@ def _strip(value: Any) -> Any:
     return {
       k: _strip(v)
       for k, v in value.items()
-      if str(k).rsplit("/", 1)[-1] not in TIMING_KEYS and not str(k).startswith("timing/")
+      if str(k).rsplit("/", 1)[-1] not in TIMING_KEYS
+      and not str(k).startswith(("timing/", "compile/"))
     }
   if isinstance(value, list):
     return [_strip(v) for v in value]
