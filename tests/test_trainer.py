@@ -336,10 +336,15 @@ def test_grpo_epoch_equals_the_per_mini_batch_calls(one_layer_model):
       float(np.max(np.abs((np.asarray(o) - mb.sampler_logp) * mb.target_mask)))
       for mb, o in zip(minis, old)
     )
+    want["train/padded_len"] = batch.tokens.shape[1]  # the shape the epoch's step compiled for
+    want["train/padded_targets"] = batch.target_pos.shape[1]
     assert got == want
     assert set(want) == {
       f"train/{k}"
-      for k in ("loss", "pg_loss", "clip_frac", "ratio_mean", "kl", "grad_norm", "sampler_logp_gap")
+      for k in (
+        *("loss", "pg_loss", "clip_frac", "ratio_mean", "kl", "grad_norm", "sampler_logp_gap"),
+        *("padded_len", "padded_targets"),
+      )
     }
     assert got["train/sampler_logp_gap"] > 0.0  # the trajectories' log-probs are made up
     for x, y in zip(jax.tree.leaves(epoch.params), jax.tree.leaves(hand.params)):
