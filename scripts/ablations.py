@@ -360,12 +360,17 @@ def signal_table(results: dict[str, list[dict[str, Any]]]) -> list[str]:
   return lines
 
 
+GEN_START = ("success", "reward", "tasks")
+
+
 def same_start(results: dict[str, list[dict[str, Any]]]) -> list[str]:
   """Seeds whose variants did not start alike: D0 counts, warm-start losses, figures before."""
 
   def start(run):
     s = run["summary"]
-    return (s.get("d0"), run["warmstart"], s["eval_before"], s.get("eval_generated_before"))
+    # The figures every version of the job reports (later ones add recall keys to the dict).
+    gen = {k: v for k, v in (s.get("eval_generated_before") or {}).items() if k in GEN_START}
+    return (s.get("d0"), run["warmstart"], s["eval_before"], gen)
 
   seeds: dict[int, list[tuple[str, Any]]] = {}
   for variant, runs in results.items():

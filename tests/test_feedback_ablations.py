@@ -102,6 +102,12 @@ def test_paired_differences_get_a_t_interval_and_a_verdict_only_when_it_excludes
   header = [c.strip() for c in table[0].strip("|").split("|")]
   assert co[header.index("gen_after")] == "0.500 ± 0.050"
   assert ablations.same_start(results) == []  # same warm-start losses and figures per seed
+  # A figure a later version of the job adds to the summary is not a different start ...
+  results["grpo_only"][1]["summary"]["eval_generated_before"]["call_recall"] = 0.25
+  assert ablations.same_start(results) == []
+  results["grpo_only"][1]["summary"]["eval_generated_before"]["success"] += 0.125  # ... this is
+  assert ablations.same_start(results) == ["seed 1: coevolve, grpo_only differ"]
+  results["grpo_only"][1]["summary"]["eval_generated_before"]["success"] -= 0.125
   results["grpo_only"][1]["warmstart"] = [9.0]
   assert ablations.same_start(results) == ["seed 1: coevolve, grpo_only differ"]
   pytest.importorskip("matplotlib")
