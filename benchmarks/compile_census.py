@@ -112,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run(cmd, check=True)
   from common import machine  # noqa: PLC0415
 
-  with open(os.path.join(args.workdir, "metrics.jsonl")) as f:
+  path = os.path.join(args.workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    print(f"error: {path} does not exist: not a run's workdir (or pass --run)", file=sys.stderr)
+    return 2
+  with open(path) as f:
     rows = [json.loads(line) for line in f if line.strip()]
   print(f"compile census of {args.workdir}; machine: {machine()}")
   print(table(census(rows)))
