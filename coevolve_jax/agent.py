@@ -139,7 +139,7 @@ class AgentRunner:
     self.stop_ids = frozenset({chat.im_end_id, *(int(i) for i in stop_ids)})
     self._episode_counter = 0
     self.timings: dict[str, float] = collections.defaultdict(float)  # seconds in env steps
-    self._lockstep = reproducible or jax.process_count() > 1  # see `_collect_steps`
+    self.lockstep = reproducible or jax.process_count() > 1  # see `_collect_steps`
     self.decode_steps = decode_steps
 
   def run(
@@ -207,12 +207,12 @@ class AgentRunner:
     """
     if not self._stepping:
       return
-    if self._lockstep:
+    if self.lockstep:
       futures.wait(list(self._stepping))
     elif block:
       futures.wait(list(self._stepping), return_when=futures.FIRST_COMPLETED)
     done = [f for f in self._stepping if f.done()]  # in submission order
-    if self._lockstep:
+    if self.lockstep:
       done.sort(key=lambda f: self._stepping[f].index)
     for fut in done:
       ep = self._stepping.pop(fut)

@@ -66,6 +66,7 @@ def validate(cfg: Mapping[str, Any]) -> None:
   _rollout(cfg)
   _train(cfg)
   _feedback(cfg)
+  _compile(cfg)
   for field in ("eval.max_new_tokens", "eval.max_steps_per_turn"):
     int_at_least(cfg, field, 1)
   int_at_least(cfg, "eval.max_tasks", 0)
@@ -322,3 +323,38 @@ def _feedback(cfg: Mapping[str, Any]) -> None:
   lag = get(cfg, "feedback.lag")
   if not is_int(lag) or not 0 <= lag < every:
     fail("feedback.lag", f"must be an int in [0, feedback.every = {every})", lag)
+
+
+def _compile(cfg: Mapping[str, Any]) -> None:
+  """Shape buckets (the engine's and `make_batch`'s rules) and compile.ahead's needs."""
+  rows = get(cfg, "rollout.prefill_rows")
+  if rows not in ("fit", "full"):
+    fail("rollout.prefill_rows", "must be 'fit' or 'full'", rows)
+  for field, top in (("rollout.prefill_min_chunk", 512), ("rollout.prefill_min_kv", None)):
+    value = int_at_least(cfg, field, 1)
+    if value & (value - 1) or (top is not None and value > top):
+      fail(field, "must be a power of two" + (f" <= {top}" if top else ""), value)
+  bounds = {
+    "train.len_buckets": get(cfg, "rollout.cache_len"),
+    "train.target_buckets": min(
+      get(cfg, "rollout.cache_len") - 1,
+      get(cfg, "rollout.max_model_steps") * get(cfg, "rollout.max_new_tokens"),
+    ),
+  }
+  ahead = get(cfg, "compile.ahead")
+  if not isinstance(ahead, bool):
+    fail("compile.ahead", "must be a bool", ahead)
+  int_at_least(cfg, "compile.threads", 0)
+  for field, bound in bounds.items():
+    buckets = get(cfg, field)
+    if not isinstance(buckets, (tuple, list)) or not all(is_int(b) and b >= 1 for b in buckets):
+      fail(field, "must be a tuple of ints >= 1", buckets)
+    if ahead and not buckets:
+      fail(field, "must list the buckets for compile.ahead (empty = an unbounded rule)", buckets)
+    if buckets and max(buckets) < bound:  # a longer batch would stop the run
+      what = "trajectory" if field == "train.len_buckets" else "trajectory's reply total"
+      fail(
+        field,
+        f"must hold every batch: a largest bucket >= {bound}, the longest a {what} can be",
+        buckets,
+      )

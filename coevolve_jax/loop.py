@@ -63,7 +63,17 @@ from coevolve_jax.warmstart import describe, sft_batches
 from envs import make_suite
 
 log = logging.getLogger(__name__)
-PHASES = ("explore", "warmstart", "rollout", "reward", "train", "feedback", "eval", "checkpoint")
+PHASES = (
+  "explore",
+  "warmstart",
+  "compile",
+  "rollout",
+  "reward",
+  "train",
+  "feedback",
+  "eval",
+  "checkpoint",
+)
 # Entropy that, with the run's seed, seeds the generated held-out set's exploration: another
 # stream than D0's (`RunState.np_rng`, seeded by the seed alone) and the rounds' ([seed, r, i]).
 GENERATED_EVAL_STREAM = 0x6576616C
@@ -134,6 +144,8 @@ class CoEvolveRun:
       self._bootstrap()  # D0 -> warm-start -> eval before -> checkpoint 0
     elif self.state.pending is not None:
       self._submit(self.state.pending)  # the round in flight at the checkpoint, redone exactly
+    if self.cfg.compile.ahead:
+      self._compile_ahead()
     before = self.compiles.pop()  # set-up, D0, warm-start, eval before: not step 1's
     if restored is None:  # step 0's row: what compiled, and the phases, before GRPO step 1
       self.metrics.write(0, {**before, **self.timer.pop_last()})
@@ -148,6 +160,28 @@ class CoEvolveRun:
         bar.set_postfix(reward=f"{info['reward/mean']:.2f}", pool=len(self.pool))
         bar.update(1)
     return self._finish(restored or 0)
+
+  def _compile_ahead(self) -> None:
+    """compile.ahead: every program a GRPO step can run, compiled before step 1 (after the
+    reference is frozen, so its log-prob forward is compiled in its own dtype): the engine's
+    prefill and decode shapes for the rollouts' sampling and the evaluations' greedy one, and the
+    train step and log-prob forward at every (T, P) bucket. Every process compiles the same set
+    (SPMD). docs/benchmarks/compiles.md lists the sets."""
+    cfg = self.cfg
+    greedy = SamplingParams(temperature=0.0)  # evaluations and greedy training episodes
+    # Single decode steps run only while environment steps are in flight (`AgentRunner`).
+    steps = {cfg.rollout.decode_steps} | (set() if self.runner.lockstep else {1})
+    with self.timer("compile"):
+      engine = self.engine.compile_ahead(
+        [self.sampling, greedy],
+        stop_ids=self.runner.stop_ids,
+        decode_steps=sorted(steps),
+        threads=cfg.compile.threads,
+      )
+      rollouts = cfg.rollout.tasks_per_step * cfg.rollout.group_size
+      routing = self.engine.record_routing
+      train = self.trainer.compile_ahead(rollouts, cfg.train.mini_batches, routing=routing)
+    print(f"compiled ahead: {engine} engine programs, {train} train batch shapes")
 
   def _bootstrap(self) -> None:
     """Step 0: D0 by unguided exploration, supervised warm-start, eval before, checkpoint."""
@@ -346,6 +380,8 @@ class CoEvolveRun:
       compute_dtype=cfg.model.dtype,
       inference_layout=cfg.rollout.weights_layout,
       inference_stacked=cfg.rollout.scan_layers,
+      len_buckets=cfg.train.len_buckets,
+      target_buckets=cfg.train.target_buckets,
     )
     self._setup_feedback()
     self.engine = Engine(
@@ -359,6 +395,9 @@ class CoEvolveRun:
       # Asked at every call: the engine always decodes the trainer's current weights.
       weights=self.trainer.inference_params,
       scan_layers=cfg.rollout.scan_layers,
+      prefill_rows=cfg.rollout.prefill_rows,
+      prefill_min_chunk=cfg.rollout.prefill_min_chunk,
+      prefill_min_kv=cfg.rollout.prefill_min_kv,
     )
     self.runner = AgentRunner(
       self.engine,

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from coevolve_jax import distributed, grpo
 from coevolve_jax.models import sharding
-from coevolve_jax.models.qwen import Qwen, unrolled_template, unstack_state
+from coevolve_jax.models.qwen import Qwen, routing_dtype, unrolled_template, unstack_state
 from coevolve_jax.rollout.sampling import SamplingParams, filtered_logits, gathered_logprobs
 from coevolve_jax.types import Trajectory
 
@@ -67,25 +67,51 @@ def _take(x: np.ndarray | None, idx: np.ndarray) -> np.ndarray | None:
   return None if x is None else x[idx]
 
 
+def _listed_bucket(n: int, buckets: Sequence[int], what: str) -> int:
+  """The smallest of the ascending `buckets` that holds n."""
+  for b in buckets:
+    if b >= n:
+      return b
+  raise ValueError(f"{what} of {n} exceed the largest bucket of {list(buckets)}")
+
+
 def make_batch(
   trajs: Sequence[Trajectory],
   advantages: np.ndarray | None = None,
   min_len: int = 128,
   min_targets: int = 32,
+  len_buckets: Sequence[int] = (),
+  target_buckets: Sequence[int] = (),
 ) -> Batch:
-  """Pads trajectories into bucketed shapes (powers of two) so the step compiles rarely.
+  """Pads trajectories into bucketed shapes so the step compiles rarely.
+
+  T (tokens per row) is the smallest of `len_buckets` that holds the longest trajectory, and P
+  (targets per row) the smallest of `target_buckets` that holds the most generated tokens of a
+  row: a fixed set of shapes (`train.len_buckets`, `train.target_buckets`) that can be compiled
+  ahead (`PolicyTrainer.compile_ahead`). Empty lists: powers of two from `min_len` /
+  `min_targets` up to 512, then multiples of 512 (few shapes, little padding, but not a bounded
+  set).
 
   Routing records (`Trajectory.routing`, [len(token_ids), L_moe, k]) are padded with -1 into
   `Batch.routing` when any trajectory has one; rows without one are all -1 (the router chooses).
 
   Raises:
-    ValueError: routing records of different [L_moe, k] shapes, or one whose length is not its
+    ValueError: a trajectory longer, or with more generated tokens, than the largest listed
+      bucket; routing records of different [L_moe, k] shapes, or one whose length is not its
       trajectory's token count.
   """
   n = len(trajs)
-  t = _bucket(max(len(tr.token_ids) for tr in trajs), min_len)
+  longest = max(len(tr.token_ids) for tr in trajs)
+  if len_buckets:
+    t = _listed_bucket(longest, sorted(len_buckets), "trajectory tokens")
+  else:
+    t = _bucket(longest, min_len)
   pos_lists = [[i for i, m in enumerate(tr.loss_mask) if m and i > 0] for tr in trajs]
-  p = _bucket(max(1, max(len(x) for x in pos_lists)), min_targets)
+  most = max(1, max(len(x) for x in pos_lists))
+  if target_buckets:
+    p = _listed_bucket(most, sorted(target_buckets), "generated tokens")
+  else:
+    p = _bucket(most, min_targets)
   tokens = np.zeros((n, t), np.int32)
   target_pos = np.ones((n, p), np.int32)
   target_mask = np.zeros((n, p), np.float32)
@@ -368,6 +394,8 @@ class PolicyTrainer:
     compute_dtype=None,
     inference_layout: str = "gathered",
     inference_stacked: bool = False,
+    len_buckets: Sequence[int] = (),
+    target_buckets: Sequence[int] = (),
   ):
     """Args:
       model: the policy (its parameters are taken over; the trainer donates them at each step).
@@ -385,6 +413,8 @@ class PolicyTrainer:
         when the model is unrolled and no cast is needed either).
       inference_stacked: `inference_params()` keeps a stacked model's layers stacked, for an
         engine that decodes them under a scan (`Engine(scan_layers=True)`); default: unrolled.
+      len_buckets, target_buckets: the padded lengths T and P of `grpo_epoch`'s batches
+        (`make_batch`); empty: its default rule. With both, `compile_ahead` compiles them all.
     Raises:
       ValueError: micro_batches < 1, an unknown inference_layout, or a compute_dtype that is not
         a float dtype.
@@ -413,6 +443,10 @@ class PolicyTrainer:
       sampling if isinstance(sampling, SamplingParams) else SamplingParams(temperature=sampling)
     )
     self.mesh, self.micro_batches = mesh, micro_batches
+    self.len_buckets, self.target_buckets = (
+      tuple(sorted(len_buckets)),
+      tuple(sorted(target_buckets)),
+    )
     if mesh is None:
       self._param_sh = self._opt_sh = self._rows_sh = self._infer_sh = None
       self.params = params
@@ -658,16 +692,62 @@ class PolicyTrainer:
     Raises:
       ValueError: a routing record that does not fit the model.
     """
+    args = self._update_args(batch, old_logp, ref_logp)
+    with self._ctx():
+      self.params, self.opt_state, metrics = self._grpo_step(*args)
+    return {k: float(v) for k, v in metrics.items()}
+
+  def _update_args(self, batch: Batch, old_logp, ref_logp) -> tuple:
+    """`_grpo_step`'s arguments, made alike for an update and for `compile_ahead`."""
     self._check_batch(batch)
     batch, old_logp, ref_logp = self._padded(batch, old_logp, ref_logp)
     arrays = {k: getattr(batch, k) for k in ("tokens", "target_pos", "target_mask", "advantages")}
     arrays.update(_routing_kwarg(vars(batch)))
     arrays, old_logp, ref_logp = self._rows((arrays, old_logp, ref_logp))
-    with self._ctx():
-      self.params, self.opt_state, metrics = self._grpo_step(
-        self.params, self.opt_state, arrays, old_logp, ref_logp
-      )
-    return {k: float(v) for k, v in metrics.items()}
+    return self.params, self.opt_state, arrays, old_logp, ref_logp
+
+  def compile_ahead(self, rollouts: int, mini_batches: int, routing: bool = False) -> int:
+    """Compiles `grpo_epoch`'s programs for every batch shape it can meet, before the first
+    step: the update and the log-prob forward (under the current parameters and, when they
+    differ in dtype or layout, the frozen reference's) at each (T, P) pair of `len_buckets` x
+    `target_buckets` a batch can have (P below T), for each mini-batch row count that
+    `rollouts` split into `mini_batches` gives. The log-prob forwards run (on padding: a forward
+    per shape) to give the update its inputs as a step would; the update is only lowered and
+    compiled (the parameters are untouched).
+
+    Args:
+      rollouts: N, the trajectories of a GRPO step (`rollout.tasks_per_step x group_size`).
+      mini_batches: `train.mini_batches`.
+      routing: the batches carry routing records (a MoE policy with routing replay).
+    Returns:
+      The number of (rows, T, P) shapes compiled.
+    Raises:
+      ValueError: no `len_buckets` or `target_buckets` (the default rule is not a bounded set).
+    """
+    if not (self.len_buckets and self.target_buckets):
+      raise ValueError("compile_ahead needs len_buckets and target_buckets (train.*_buckets)")
+    sizes = sorted({len(s) for s in np.array_split(np.arange(rollouts), mini_batches)})
+    pairs = [
+      (t, p)
+      for t in self.len_buckets
+      for i, p in enumerate(self.target_buckets)
+      if (self.target_buckets[i - 1] if i else 0) < t - 1  # some target count <= T - 1 lands here
+    ]
+    cfg = self.model_config
+    for rows in sizes:
+      for t, p in pairs:
+        route = None
+        if routing and cfg.moe_layers:
+          shape = (rows, t, len(cfg.moe_layers), cfg.num_experts_per_tok)
+          route = np.full(shape, -1, routing_dtype(cfg.num_experts))
+        z = np.zeros((rows, p), np.float32)
+        tokens, pos = np.zeros((rows, t), np.int32), np.ones((rows, p), np.int32)
+        batch = Batch(tokens, pos, z, z, np.zeros((rows,), np.float32), route)
+        old = self.logprobs(batch)
+        ref = self.logprobs(batch, self.ref_params)
+        with self._ctx():
+          self._grpo_step.lower(*self._update_args(batch, old, ref)).compile()
+    return len(sizes) * len(pairs)
 
   def grpo_epoch(
     self,
@@ -717,7 +797,12 @@ class PolicyTrainer:
       raise ValueError(f"advantages of shape {np.shape(advantages)}, want [{n}]")
     if keep is not None and np.shape(keep) != (n,):
       raise ValueError(f"keep of shape {np.shape(keep)}, want [{n}]")
-    batch = make_batch(trajectories, advantages)
+    batch = make_batch(
+      trajectories,
+      advantages,
+      len_buckets=self.len_buckets,
+      target_buckets=self.target_buckets,
+    )
     splits = np.array_split(np.arange(n), mini_batches)
     generated = [batch.target_mask[idx] > 0 for idx in splits]  # dropped trajectories included
     if keep is not None:

@@ -122,6 +122,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     c.rollout.num_slots = 8
     c.rollout.max_new_tokens = 256
     c.rollout.max_model_steps = 2
+    c.train.target_buckets = (256, 512)  # two replies of up to 256 tokens (compile.ahead's bound)
     c.eval.max_tasks = 4
     c.eval.max_new_tokens = 256
     c.eval.max_steps_per_turn = 2  # AppWorld: code replies per evaluation episode

@@ -167,6 +167,13 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   # The rollouts are the same for every value, bit for bit (tests/test_engine.py); 1 = one
   # device call and host round trip per token.
   c.rollout.decode_steps = 8
+  # Prefill shapes (Engine): a forward's rows padded to the rows at hand ("fit": least compute,
+  # a program per power-of-two row count) or to the most its chunk length takes ("full": one
+  # program per chunk length and key bucket); the shortest chunk and the smallest key bucket of a
+  # prefill, in tokens (powers of two). docs/benchmarks/compiles.md lists what each allows.
+  c.rollout.prefill_rows = "fit"
+  c.rollout.prefill_min_chunk = 16
+  c.rollout.prefill_min_kv = 16
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 120
@@ -199,6 +206,21 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   # Costs 2 * L_moe * k bytes of host memory per token (768 for Qwen3-30B-A3B). No effect on
   # dense models.
   c.train.replay_routing = True
+  # Padded tokens (T) and generated tokens (P) per training row: the smallest listed length that
+  # holds the step's longest trajectory. Empty: powers of two up to 512, then multiples of 512
+  # (little padding, but up to cache_len / 512 x ... shapes, each a compile of the train step).
+  # With compile.ahead both are needed, the largest at least cache_len and the longest possible
+  # reply total (rollout.max_model_steps x max_new_tokens) respectively.
+  c.train.len_buckets = ()
+  c.train.target_buckets = ()
+
+  # Compile ahead: before GRPO step 1, every program the steps can run (the engine's prefill and
+  # decode shapes for the rollout's and the evaluations' sampling, the train step and log-prob
+  # forward at every (T, P) bucket), so no step after it waits for XLA. Needs a bounded shape
+  # set: train.len_buckets / target_buckets, and rollout.prefill_rows = "full" to keep it small.
+  c.compile = ml_collections.ConfigDict()
+  c.compile.ahead = False
+  c.compile.threads = 0  # compiles at once (0 = the host's CPU count)
 
   c.feedback = ml_collections.ConfigDict()
   c.feedback.every = 10  # F: a feedback round every F steps
@@ -295,6 +317,15 @@ def _cpu(c: ml_collections.ConfigDict) -> None:
   c.rollout.num_slots = 16
   c.rollout.cache_len = 4096
   c.rollout.max_prefill_tokens = 1024  # fastest on 2 CPU cores (docs/benchmarks/rollout.md)
+  # A bounded set of programs, compiled before GRPO step 1 (docs/benchmarks/compiles.md): 25
+  # prefill and 5 decode shapes per sampling; train T of 2,048 (the preset's episodes: ~1.5k
+  # tokens) or the cache, P of 256 or the 6 x 64-token bound.
+  c.rollout.prefill_rows = "full"
+  c.rollout.prefill_min_chunk = 64
+  c.rollout.prefill_min_kv = 256
+  c.train.len_buckets = (2048, 4096)
+  c.train.target_buckets = (256, 384)
+  c.compile.ahead = True
   c.rollout.max_new_tokens = 64
   c.rollout.max_steps_per_turn = 5
   c.rollout.max_model_steps = 6

@@ -188,6 +188,15 @@ BAD = [  # (field, value); the bfcl cpu config (16 rollouts a step in 2 mini-bat
   ("eval.max_steps_per_turn", 0),
   ("checkpoint.every", 0),
   ("checkpoint.keep", 0),
+  ("rollout.prefill_rows", "all"),
+  ("rollout.prefill_min_chunk", 48),  # not a power of two
+  ("rollout.prefill_min_chunk", 1024),  # longer than the longest chunk (512)
+  ("rollout.prefill_min_kv", 0),
+  ("train.len_buckets", (2048,)),  # a 4,096-token trajectory would not fit
+  ("train.len_buckets", ()),  # compile.ahead (on in the preset) needs a bounded set
+  ("train.len_buckets", (2048, "4096")),
+  ("train.target_buckets", (256,)),  # 6 replies x 64 tokens = 384 would not fit
+  ("compile.threads", -1),
 ]
 
 

@@ -752,3 +752,66 @@ def test_decode_steps_reject_bad_calls(model):
     engine.generate_steps(active[:2], keys, zeros, zeros + 1, (), GREEDY, 4)
   with pytest.raises(ValueError, match="decode_steps must be >= 1"):
     generate(engine, [[1, 2]], GREEDY, decode_steps=0)
+
+
+@pytest.mark.parametrize("rows_mode", ["fit", "full"])
+def test_prefill_shapes_hold_every_forward_the_engine_runs(model, monkeypatch, rows_mode):
+  """`prefill_shapes` is a superset of the (rows, chunk, key bucket) shapes `prefill_many` runs:
+  random requests from random positions, near the end of the cache too."""
+  import coevolve_jax.rollout.engine as engine_lib  # noqa: PLC0415
+
+  engine = Engine(model, 4, 256, max_prefill_tokens=64, prefill_rows=rows_mode, prefill_min_chunk=8)
+  allowed, seen = set(engine.prefill_shapes()), set()
+  real = engine_lib._prefill_rows
+
+  def logged(graphdef, params, state, slots_r, chunk_rt, true_len_r, keys_r, sampling, kv_len, sh):
+    seen.add((chunk_rt.shape[0], chunk_rt.shape[1], kv_len))
+    return real(
+      graphdef, params, state, slots_r, chunk_rt, true_len_r, keys_r, sampling, kv_len, sh
+    )
+
+  monkeypatch.setattr(engine_lib, "_prefill_rows", logged)
+  rng = np.random.default_rng(0)
+  for _ in range(12):
+    slots = sorted(rng.choice(4, int(rng.integers(1, 5)), replace=False).tolist())
+    requests = []
+    for slot in slots:
+      if engine.room(slot) < 2 or rng.random() < 0.2:
+        engine.reset_slot(slot)
+      n = int(rng.integers(1, min(engine.room(slot), 120) + 1))
+      requests.append((slot, _prompt(int(rng.integers(1 << 20)), n), KEY))
+    engine.prefill_many(requests, GREEDY)
+  assert seen and seen <= allowed, seen - allowed
+  if rows_mode == "full":  # one row count per chunk length
+    assert len({(t, r) for r, t, _ in allowed}) == len({t for _, t, _ in allowed})
+  assert any(t < 8 for _, t, _ in seen)  # a chunk near the end of a cache was run
+
+
+def test_compile_ahead_leaves_nothing_to_compile(model):
+  """After `Engine.compile_ahead`, prefills and decodes of every kind (batched prompts,
+  continuations, K-step and single-step decode) compile none of the engine's
+  programs: the ahead compiles fill the cache the calls use. The first pass may compile the
+  batcher's own small eager ops (key updates, once per shape); a second pass compiles nothing.
+  A fresh engine of another size, so nothing was compiled for it before."""
+  from coevolve_jax.metrics import CompileCounter  # noqa: PLC0415
+
+  sampled = SamplingParams(temperature=0.7)
+  engine = Engine(model, 2, 128, max_prefill_tokens=64, prefill_rows="full", prefill_min_kv=32)
+  programs = ("_prefill_rows", "_generate", "_generate_steps")
+  counter = CompileCounter()
+  try:
+    n = engine.compile_ahead([sampled], stop_ids=[3], decode_steps=(1, 4), threads=2)
+    assert n == len(engine.prefill_shapes()) + 2 * len(engine.decode_buckets())
+    ahead = counter.pop()
+    assert sum(ahead.get(f"compile/program/{p}", 0) for p in programs) == n
+    for rounds in range(2):
+      for k in (1, 4):
+        engine.reset_slot(0), engine.reset_slot(1)
+        prompts = [_prompt(7, 40), _prompt(8, 5)]
+        generate(engine, prompts, sampled, max_new_tokens=6, stop_ids=[3], rng=KEY, decode_steps=k)
+        engine.prefill_many([(0, _prompt(9, 30), KEY), (1, _prompt(10, 3), KEY)], sampled)
+      left = counter.pop()
+      assert not any(left.get(f"compile/program/{p}") for p in programs), left
+      assert rounds == 0 or left["compile/count"] == 0, left
+  finally:
+    counter.close()

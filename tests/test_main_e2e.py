@@ -68,6 +68,13 @@ def small_config():
   cfg.feedback.every = 2
   cfg.checkpoint.every = 1
   cfg.eval.generated_tasks = 2
+  # compile.ahead as in the preset, on a set this small: a 2,048-token cache (episodes here are
+  # ~1.1k tokens), prefill chunks of 512 only (shorter ones at the end of a cache), one train
+  # bucket (T 2,048, P 24 = 2 replies x 12 tokens).
+  cfg.rollout.cache_len = 2048
+  cfg.rollout.prefill_min_chunk = 512
+  cfg.train.len_buckets = (2048,)
+  cfg.train.target_buckets = (24,)
   return cfg
 
 
@@ -153,6 +160,9 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
       # XLA compilations of the step, with one count per compiled program that adds up to them.
       programs = {k: v for k, v in r.items() if k.startswith("compile/program/")}
       assert sum(programs.values()) == r["compile/count"] >= 0
+      # compile.ahead compiled the engine's and the train step's programs before step 1.
+      ahead = ("_prefill_rows", "_generate_steps", "_generate", "_grpo_step_fn", "_logp_fn")
+      assert not any(f"compile/program/{p}" in r for p in ahead), programs
   assert os.listdir(os.path.join(workdir, "tensorboard"))
   with open(os.path.join(workdir, "summary.json")) as f:
     assert json.load(f) == summary

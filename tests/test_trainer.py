@@ -121,6 +121,65 @@ def test_make_batch_bucketing():
   np.testing.assert_array_equal(bc.advantages, [0.0])
 
 
+def test_make_batch_listed_buckets():
+  """Listed buckets (train.len_buckets / target_buckets): the smallest that holds the batch,
+  whatever the default rule would pick; more than the largest is a clear error."""
+  trajs = [_traj(2, [(100, False), (20, True)]), _traj(3, [(300, False), (45, True)])]
+  b = make_batch(trajs, len_buckets=(1024, 384), target_buckets=(48, 16))
+  assert b.tokens.shape == (2, 384) and b.target_pos.shape == (2, 48)  # 345 tokens, 45 targets
+  assert make_batch(trajs[:1], len_buckets=(384, 1024), target_buckets=(16, 48)).tokens.shape == (
+    1,
+    384,
+  )
+  with pytest.raises(ValueError, match=r"trajectory tokens of 345 exceed .*\[128, 256\]"):
+    make_batch(trajs, len_buckets=(128, 256), target_buckets=(64,))
+  with pytest.raises(ValueError, match="generated tokens of 45"):
+    make_batch(trajs, len_buckets=(512,), target_buckets=(16, 32))
+
+
+def test_compile_ahead_covers_every_batch_of_the_buckets(base_model):
+  """`PolicyTrainer.compile_ahead` compiles the update and log-prob programs of every (rows,
+  T, P) a step can meet: GRPO epochs afterwards on batches of any length within the buckets
+  (rows that split unevenly, dropped trajectories) compile neither program."""
+  from coevolve_jax.metrics import CompileCounter  # noqa: PLC0415
+
+  trainer = PolicyTrainer(
+    _fresh(base_model),
+    make_optimizer(1e-3, 0.0, 1.0),
+    grpo.GRPOConfig(),
+    0.9,
+    micro_batches=2,
+    len_buckets=(32, 64),
+    target_buckets=(24,),
+  )
+  trainer.freeze_reference()
+  counter = CompileCounter()
+  try:
+    # 5 rollouts in 2 mini-batches: rows 3 and 2 (each padded to a multiple of 2 micro-batches).
+    # (T, P) pairs: (32, 24), (64, 24).
+    assert trainer.compile_ahead(rollouts=5, mini_batches=2) == 2 * 2
+    programs = ("_grpo_step_fn", "_logp_fn")
+    ahead = counter.pop()
+    assert all(ahead.get(f"compile/program/{p}") for p in programs)
+    rng = np.random.default_rng(0)
+    for prompt, most in ((10, 5), (20, 20), (40, 7), (30, 24), (3, 1)):
+      trajs = [
+        _traj(int(rng.integers(1 << 20)), [(prompt, False), (int(rng.integers(1, most + 1)), True)])
+        for _ in range(5)
+      ]
+      keep = np.array([True, True, False, True, True])
+      info = trainer.grpo_epoch(trajs, rng.normal(size=5).astype(np.float32), 2, keep=keep)
+      assert np.isfinite(info["train/loss"])
+      left = counter.pop()
+      assert not any(left.get(f"compile/program/{p}") for p in programs), left
+  finally:
+    counter.close()
+  with pytest.raises(ValueError, match="needs len_buckets and target_buckets"):
+    PolicyTrainer(
+      _fresh(base_model), make_optimizer(1e-3, 0.0, 1.0), grpo.GRPOConfig(), 0.9
+    ).compile_ahead(4, 2)
+
+
 # ---------------------------------------------------------------------------------------------
 # Updates.
 # ---------------------------------------------------------------------------------------------

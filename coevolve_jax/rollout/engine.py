@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+from concurrent import futures
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -208,10 +210,15 @@ def _small(routing, model: Qwen):
 
 
 MAX_PREFILL_CHUNK = 512  # longest prefill chunk (tokens); longer inputs take several
+PREFILL_MIN_CHUNK = 16  # shortest prefill chunk (tokens) away from the end of a cache
 
 
 def _chunks(
-  n: int, start: int, cache_len: int, min_chunk: int = 16, max_chunk: int = MAX_PREFILL_CHUNK
+  n: int,
+  start: int,
+  cache_len: int,
+  min_chunk: int = PREFILL_MIN_CHUNK,
+  max_chunk: int = MAX_PREFILL_CHUNK,
 ) -> list[int]:
   """Power-of-two chunk sizes covering n tokens from `start` without passing `cache_len`.
 
@@ -244,8 +251,31 @@ def _kv_bucket(n: int, cache_len: int, minimum: int = DECODE_MIN_KV) -> int:
   return min(cache_len, max(minimum, 1 << max(0, (n - 1).bit_length())))
 
 
+def _kv_buckets(cache_len: int, minimum: int, at_least: int = 1) -> list[int]:
+  """Every value `_kv_bucket(n, cache_len, minimum)` takes for n >= at_least, ascending."""
+  out, b = [], _kv_bucket(at_least, cache_len, minimum)
+  while b < cache_len:
+    out.append(b)
+    b *= 2
+  return [*out, cache_len]
+
+
+def rows_per_forward(t: int, max_prefill_tokens: int) -> int:
+  """Rows one prefill forward of chunk length t takes at most: the largest power of two within
+  `max_prefill_tokens` / t (the forward pads its row count to a power of two), at least one."""
+  return 1 << (max(1, max_prefill_tokens // t).bit_length() - 1)
+
+
+def _pow2_at_least(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
 def prefill_schedule(
-  lengths: list[int], starts: list[int], cache_len: int, max_prefill_tokens: int
+  lengths: list[int],
+  starts: list[int],
+  cache_len: int,
+  max_prefill_tokens: int,
+  min_chunk: int = PREFILL_MIN_CHUNK,
 ) -> list[tuple[list[int], int]]:
   """The forwards that prefill requests of `lengths` tokens into slots at cache positions `starts`.
 
@@ -261,6 +291,7 @@ def prefill_schedule(
     starts: the cache position of each request's slot before the call.
     cache_len: cache entries per slot.
     max_prefill_tokens: most tokens (rows x t) one forward takes.
+    min_chunk: the shortest chunk (a power of two); a chunk near the end of a cache may be shorter.
   Returns:
     (request indices of the forward's rows, chunk length t) per forward, in execution order.
   """
@@ -275,16 +306,14 @@ def prefill_schedule(
       pos[i] += step
 
   while live := [i for i in range(len(lengths)) if offsets[i] < lengths[i]]:
-    t = max(_chunks(lengths[i] - offsets[i], 0, cache_len)[0] for i in live)
+    t = max(_chunks(lengths[i] - offsets[i], 0, cache_len, min_chunk)[0] for i in live)
     group = [i for i in live if pos[i] + t <= cache_len]
-    # Rows per forward: the largest power of two within max_prefill_tokens (the forward pads the
-    # row count to a power of two), at least one.
-    per_forward = 1 << (max(1, max_prefill_tokens // t).bit_length() - 1)
+    per_forward = rows_per_forward(t, max_prefill_tokens)
     for first in range(0, len(group), per_forward):
       take(group[first : first + per_forward], t)
     for i in live:
       if i not in group:  # near the end of its cache: alone, with a chunk that fits
-        take([i], _chunks(lengths[i] - offsets[i], pos[i], cache_len)[0])
+        take([i], _chunks(lengths[i] - offsets[i], pos[i], cache_len, min_chunk)[0])
   return forwards
 
 
@@ -346,10 +375,19 @@ class Engine:
       they compile in about the same time at 36 layers as at 2, and a step runs at the unrolled
       step's speed on CPU (docs/benchmarks/scan.md). Default off here (the job's
       `rollout.scan_layers` turns it on): the unrolled model, one cache buffer per layer.
+    prefill_rows: how a prefill forward's row count is padded: "fit" (to the next power of two
+      of the rows at hand: least compute, a program per row count) or "full" (always to the most
+      a forward of its chunk length takes, `rows_per_forward` capped at the slots: one program
+      per chunk length and key bucket, so `prefill_shapes` is small enough to `compile_ahead`).
+    prefill_min_chunk: shortest prefill chunk in tokens (a power of two up to
+      MAX_PREFILL_CHUNK); shorter inputs are padded to it. Larger: fewer programs, more padding.
+    prefill_min_kv: smallest key-length bucket of a prefill forward (a power of two); a fresh
+      short prompt attends to this many keys. Larger: fewer programs, more attention work.
   Raises:
     ValueError: num_slots, cache_len or max_prefill_tokens below 1, num_slots that does not
-      divide by the mesh's data * fsdp size (the cache would otherwise be replicated), or
-      `scan_layers` with an unrolled model.
+      divide by the mesh's data * fsdp size (the cache would otherwise be replicated),
+      `scan_layers` with an unrolled model, an unknown prefill_rows, or a prefill_min_chunk /
+      prefill_min_kv that is not a power of two (the chunk at most MAX_PREFILL_CHUNK).
   """
 
   def __init__(
@@ -363,7 +401,19 @@ class Engine:
     mesh: Mesh | None = None,
     weights: Callable[[], nnx.State] | None = None,
     scan_layers: bool = False,
+    prefill_rows: str = "fit",
+    prefill_min_chunk: int = PREFILL_MIN_CHUNK,
+    prefill_min_kv: int = PREFILL_MIN_KV,
   ):
+    if prefill_rows not in ("fit", "full"):
+      raise ValueError(f"prefill_rows must be 'fit' or 'full', got {prefill_rows!r}")
+    for name, value, top in (
+      ("prefill_min_chunk", prefill_min_chunk, MAX_PREFILL_CHUNK),
+      ("prefill_min_kv", prefill_min_kv, None),
+    ):
+      if value < 1 or value & (value - 1) or (top is not None and value > top):
+        bound = f" of at most {top}" if top else ""
+        raise ValueError(f"{name} must be a power of two{bound}, got {value}")
     if scan_layers and not model.stacked:
       raise ValueError(
         "scan_layers decodes a stacked model (Qwen(stacked=True)); got an unrolled one"
@@ -391,6 +441,8 @@ class Engine:
     self.num_slots = num_slots
     self.cache_len = cache_len
     self.max_prefill_tokens = max_prefill_tokens
+    self.prefill_rows, self.prefill_min_chunk = prefill_rows, prefill_min_chunk
+    self.prefill_min_kv = prefill_min_kv
     self.dtype = dtype
     self.shardings = self._state_shardings()
     self.state = self.init_decode_state()
@@ -548,10 +600,14 @@ class Engine:
     # One key-length bucket for the whole call where the padding allows: a long prompt compiles
     # one (chunk, bucket) shape rather than one per bucket it passes through.
     kv_call = _kv_bucket(
-      max(p + len(x) for p, x in zip(starts, ids_list)), self.cache_len, PREFILL_MIN_KV
+      max(p + len(x) for p, x in zip(starts, ids_list)), self.cache_len, self.prefill_min_kv
     )
     schedule = prefill_schedule(
-      [len(x) for x in ids_list], starts, self.cache_len, self.max_prefill_tokens
+      [len(x) for x in ids_list],
+      starts,
+      self.cache_len,
+      self.max_prefill_tokens,
+      self.prefill_min_chunk,
     )
     offsets = [0] * len(requests)
     out: list[tuple[int, float] | None] = [None] * len(requests)
@@ -605,9 +661,9 @@ class Engine:
     """One batched forward: row r appends `pieces_r[r]` (1 to t int32 ids) to slot `slots_r[r]`
     and samples that slot's next token with `keys_r[r]`.
 
-    Rows are padded to a power-of-two count with copies of row 0 (identical writes) and every
-    piece to length t, so few shapes compile. The forward attends to a key-length bucket of at
-    least `min_kv_len` entries, more if a row's new position needs it. Advances the slots' host
+    Rows are padded (`padded_rows`) with copies of row 0 (identical writes) and every piece to
+    length t, so few shapes compile. The forward attends to a key-length bucket of at least
+    `min_kv_len` entries, more if a row's new position needs it. Advances the slots' host
     positions by their pieces' lengths.
 
     Returns:
@@ -616,7 +672,7 @@ class Engine:
       slot's record when recording.
     """
     rows = len(slots_r)
-    pad = (1 << (rows - 1).bit_length()) - rows
+    pad = self.padded_rows(rows, t) - rows
     slots_p, pieces_p = slots_r + slots_r[:1] * pad, pieces_r + pieces_r[:1] * pad
     keys_p = keys_r + keys_r[:1] * pad
     chunk = np.zeros((len(slots_p), t), np.int32)
@@ -625,22 +681,12 @@ class Engine:
       chunk[r, : len(piece)], true_len[r] = piece, len(piece)
     slot_rows = np.array(slots_p, np.int32)
     kv_len = max(
-      min_kv_len, _kv_bucket(int(self._pos[slot_rows].max()) + t, self.cache_len, PREFILL_MIN_KV)
+      min_kv_len,
+      _kv_bucket(int(self._pos[slot_rows].max()) + t, self.cache_len, self.prefill_min_kv),
     )
-    params = self.current_params()
+    args = self._prefill_args(slot_rows, chunk, true_len, keys_p, sampling, kv_len)
     with self._ctx():
-      self.state, tok, logp, routing = _prefill_rows(
-        self.graphdef,
-        params,
-        self.state,
-        jnp.asarray(slot_rows),
-        jnp.asarray(chunk),
-        jnp.asarray(true_len),
-        jnp.stack(keys_p),
-        sampling,
-        kv_len,
-        self.shardings,
-      )
+      self.state, tok, logp, routing = _prefill_rows(*args)
     if self.record_routing:
       routing = np.asarray(routing)
       for r in range(rows):
@@ -648,6 +694,55 @@ class Engine:
     for r in range(rows):
       self._pos[slots_r[r]] += true_len[r]
     return np.asarray(tok)[:rows], np.asarray(logp)[:rows]
+
+  def padded_rows(self, rows: int, t: int) -> int:
+    """The row count a prefill forward of `rows` requests and chunk length t runs at
+    (`prefill_rows`): the next power of two ("fit"), or the most such a forward takes ("full":
+    `rows_per_forward`, at most the slots' next power of two)."""
+    if self.prefill_rows == "fit":
+      return _pow2_at_least(rows)
+    return min(rows_per_forward(t, self.max_prefill_tokens), _pow2_at_least(self.num_slots))
+
+  def _prefill_args(self, slot_rows, chunk, true_len, keys_p, sampling, kv_len) -> tuple:
+    """`_prefill_rows`'s arguments, made alike for a call and for `compile_ahead` (one program
+    per shape and static argument, whichever made them)."""
+    return (
+      self.graphdef,
+      self.current_params(),
+      self.state,
+      jnp.asarray(slot_rows),
+      jnp.asarray(chunk),
+      jnp.asarray(true_len),
+      jnp.stack(keys_p),
+      sampling,
+      kv_len,
+      self.shardings,
+    )
+
+  def prefill_shapes(self) -> list[tuple[int, int, int]]:
+    """Every (rows, chunk length t, key-length bucket) a prefill forward of this engine can run
+    at, for one `SamplingParams` (each sampling is its own program): chunk lengths are powers of
+    two from `prefill_min_chunk` to MAX_PREFILL_CHUNK (shorter ones only within
+    `prefill_min_chunk` of the end of a cache, with the top key buckets), rows `padded_rows` of
+    up to `rows_per_forward` requests (and the slots), keys the `prefill_min_kv` buckets from t
+    up. A superset of what `prefill_many` runs (tests/test_engine.py); sorted."""
+    shapes = set()
+    t = 1
+    while t <= min(MAX_PREFILL_CHUNK, self.cache_len):
+      # A chunk below prefill_min_chunk is halved from one that passed the end of the cache.
+      near_end = max(1, self.cache_len - self.prefill_min_chunk + 1)
+      kvs = _kv_buckets(
+        self.cache_len, self.prefill_min_kv, t if t >= self.prefill_min_chunk else near_end
+      )
+      most = min(rows_per_forward(t, self.max_prefill_tokens), self.num_slots)
+      rows = {self.padded_rows(r, t) for r in range(1, most + 1)}
+      shapes.update((r, t, kv) for r in rows for kv in kvs)
+      t *= 2
+    return sorted(shapes)
+
+  def decode_buckets(self) -> list[int]:
+    """Every key-length bucket of a decode step (`generate`, `generate_steps`), ascending."""
+    return _kv_buckets(self.cache_len, DECODE_MIN_KV)
 
   def generate(
     self, active: np.ndarray, rng: jax.Array, sampling: SamplingParams
@@ -672,18 +767,9 @@ class Engine:
     if full.size:
       raise ValueError(f"slots {full.tolist()} are full (cache {self.cache_len}); end them first")
     kv_len = _kv_bucket(int(self._pos[active].max(initial=0)) + 1, self.cache_len)
-    params = self.current_params()
+    args = self._generate_args(active, rng, sampling, kv_len)
     with self._ctx():
-      self.state, tok, logp, routing = _generate(
-        self.graphdef,
-        params,
-        self.state,
-        jnp.asarray(active),
-        rng,
-        sampling,
-        kv_len,
-        self.shardings,
-      )
+      self.state, tok, logp, routing = _generate(*args)
     if self.record_routing:
       routing = np.asarray(routing)
       for slot in np.flatnonzero(active):
@@ -743,24 +829,11 @@ class Engine:
     top = int(self._pos[active].max())
     kv_len = _kv_bucket(top + 1, self.cache_len)  # `generate`'s bucket for the first step
     n_steps = min(max_steps, kv_len - top)  # steps whose writes stay inside that bucket
-    stops = np.asarray(sorted(set(stop_ids)) or [-1], np.int32)
-    params = self.current_params()
+    args = self._generate_steps_args(
+      active, keys, counts, limits, n_steps, stop_ids, sampling, kv_len, max_steps
+    )
     with self._ctx():
-      self.state, packed, routing = _generate_steps(
-        self.graphdef,
-        params,
-        self.state,
-        jnp.asarray(active),
-        keys,
-        jnp.asarray(counts, jnp.int32),
-        jnp.asarray(np.where(active, limits, 1 << 30), jnp.int32),
-        jnp.int32(n_steps),
-        jnp.asarray(stops),
-        sampling,
-        kv_len,
-        max_steps,
-        self.shardings,
-      )
+      self.state, packed, routing = _generate_steps(*args)
     packed = jax.device_get(packed)  # the one copy to the host
     n = int(packed[-1, 0])
     tokens, logps = packed[:n], packed[max_steps : max_steps + n].view(np.float32)
@@ -770,3 +843,93 @@ class Engine:
         self._routing[slot].extend(routing[j, slot : slot + 1].copy() for j in range(n))
     self._pos[active] += n
     return tokens, logps
+
+  def _generate_args(self, active, rng, sampling, kv_len) -> tuple:
+    """`_generate`'s arguments (see `_prefill_args`)."""
+    return (
+      self.graphdef,
+      self.current_params(),
+      self.state,
+      jnp.asarray(active),
+      rng,
+      sampling,
+      kv_len,
+      self.shardings,
+    )
+
+  def _generate_steps_args(
+    self, active, keys, counts, limits, n_steps, stop_ids, sampling, kv_len, max_steps
+  ) -> tuple:
+    """`_generate_steps`'s arguments (see `_prefill_args`)."""
+    stops = np.asarray(sorted(set(stop_ids)) or [-1], np.int32)
+    return (
+      self.graphdef,
+      self.current_params(),
+      self.state,
+      jnp.asarray(active),
+      keys,
+      jnp.asarray(counts, jnp.int32),
+      jnp.asarray(np.where(active, limits, 1 << 30), jnp.int32),
+      jnp.int32(n_steps),
+      jnp.asarray(stops),
+      sampling,
+      kv_len,
+      max_steps,
+      self.shardings,
+    )
+
+  def compile_ahead(
+    self,
+    samplings: Sequence[SamplingParams],
+    stop_ids: Sequence[int],
+    decode_steps: Sequence[int] = (1,),
+    threads: int = 0,
+  ) -> int:
+    """Compiles every program the engine can run, before it runs them: `_prefill_rows` at each of
+    `prefill_shapes()` and the decode step at each of `decode_buckets()` (`_generate` for K = 1,
+    `_generate_steps` for each other K of `decode_steps`), for each sampling. Lowered with the
+    arguments a call makes (`_prefill_args`, ...), so the calls find them in JAX's cache and
+    compile nothing (tests/test_engine.py counts it); nothing runs and the decode state is
+    untouched.
+
+    Args:
+      samplings: the `SamplingParams` the engine will decode with (each is its own program).
+      stop_ids: the stop ids `generate_steps` will get (their count is part of its shape).
+      decode_steps: the K values decode calls will use (1 = `generate`).
+      threads: compiles at once (0 = the host's CPU count); XLA compiles outside the GIL.
+    Returns:
+      The number of programs lowered and compiled (those already compiled are cache hits).
+    """
+    jobs: list[tuple[Callable, tuple]] = []  # arguments made here: `weights()` is not re-entrant
+    b = self.num_slots
+    keys = jax.random.split(jax.random.key(0), b)
+    active, zeros = np.ones((b,), bool), np.zeros((b,), np.int32)
+    for sampling in samplings:
+      for rows, t, kv in self.prefill_shapes():
+        args = self._prefill_args(
+          np.zeros((rows,), np.int32),
+          np.zeros((rows, t), np.int32),
+          np.ones((rows,), np.int32),
+          [keys[0]] * rows,
+          sampling,
+          kv,
+        )
+        jobs.append((_prefill_rows, args))
+      for kv in self.decode_buckets():
+        for k in sorted(set(decode_steps)):
+          if k == 1:
+            rng = per_row_keys(keys, jnp.asarray(zeros))
+            jobs.append((_generate, self._generate_args(active, rng, sampling, kv)))
+          else:
+            args = self._generate_steps_args(
+              active, keys, zeros, zeros + 1, k, stop_ids, sampling, kv, k
+            )
+            jobs.append((_generate_steps, args))
+    with futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
+      for f in [pool.submit(self._compile, fn, args) for fn, args in jobs]:
+        f.result()
+    return len(jobs)
+
+  def _compile(self, fn, args: tuple) -> None:
+    with self._ctx():  # per thread: the mesh context is thread-local
+      fn.lower(*args).compile()
