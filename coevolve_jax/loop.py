@@ -171,16 +171,19 @@ class CoEvolveRun:
     greedy = SamplingParams(temperature=0.0)  # evaluations and greedy training episodes
     # Single decode steps run only while environment steps are in flight (`AgentRunner`).
     steps = {cfg.rollout.decode_steps} | (set() if self.runner.lockstep else {1})
+    threads = cfg.compile.threads or min(8, os.cpu_count() or 1)
     with self.timer("compile"):
       engine = self.engine.compile_ahead(
         [self.sampling, greedy],
         stop_ids=self.runner.stop_ids,
         decode_steps=sorted(steps),
-        threads=cfg.compile.threads,
+        threads=threads,
       )
       rollouts = cfg.rollout.tasks_per_step * cfg.rollout.group_size
       routing = self.engine.record_routing
-      train = self.trainer.compile_ahead(rollouts, cfg.train.mini_batches, routing=routing)
+      train = self.trainer.compile_ahead(
+        rollouts, cfg.train.mini_batches, routing=routing, threads=threads
+      )
     print(f"compiled ahead: {engine} engine programs, {train} train batch shapes")
 
   def _bootstrap(self) -> None:

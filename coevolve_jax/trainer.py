@@ -11,6 +11,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from typing import Any
 
 import jax
@@ -706,7 +707,9 @@ class PolicyTrainer:
     arrays, old_logp, ref_logp = self._rows((arrays, old_logp, ref_logp))
     return self.params, self.opt_state, arrays, old_logp, ref_logp
 
-  def compile_ahead(self, rollouts: int, mini_batches: int, routing: bool = False) -> int:
+  def compile_ahead(
+    self, rollouts: int, mini_batches: int, routing: bool = False, threads: int = 1
+  ) -> int:
     """Compiles `grpo_epoch`'s programs for every batch shape it can meet, before the first
     step: the update and the log-prob forward (under the current parameters and, when they
     differ in dtype or layout, the frozen reference's) at each (T, P) pair of `len_buckets` x
@@ -719,6 +722,7 @@ class PolicyTrainer:
       rollouts: N, the trajectories of a GRPO step (`rollout.tasks_per_step x group_size`).
       mini_batches: `train.mini_batches`.
       routing: the batches carry routing records (a MoE policy with routing replay).
+      threads: shapes compiled at once (XLA compiles outside the GIL).
     Returns:
       The number of (rows, T, P) shapes compiled.
     Raises:
@@ -734,20 +738,25 @@ class PolicyTrainer:
       if (self.target_buckets[i - 1] if i else 0) < t - 1  # some target count <= T - 1 lands here
     ]
     cfg = self.model_config
-    for rows in sizes:
-      for t, p in pairs:
-        route = None
-        if routing and cfg.moe_layers:
-          shape = (rows, t, len(cfg.moe_layers), cfg.num_experts_per_tok)
-          route = np.full(shape, -1, routing_dtype(cfg.num_experts))
-        z = np.zeros((rows, p), np.float32)
-        tokens, pos = np.zeros((rows, t), np.int32), np.ones((rows, p), np.int32)
-        batch = Batch(tokens, pos, z, z, np.zeros((rows,), np.float32), route)
-        old = self.logprobs(batch)
-        ref = self.logprobs(batch, self.ref_params)
-        with self._ctx():
-          self._grpo_step.lower(*self._update_args(batch, old, ref)).compile()
-    return len(sizes) * len(pairs)
+
+    def compile_shape(rows: int, t: int, p: int) -> None:
+      route = None
+      if routing and cfg.moe_layers:
+        shape = (rows, t, len(cfg.moe_layers), cfg.num_experts_per_tok)
+        route = np.full(shape, -1, routing_dtype(cfg.num_experts))
+      z = np.zeros((rows, p), np.float32)
+      tokens, pos = np.zeros((rows, t), np.int32), np.ones((rows, p), np.int32)
+      batch = Batch(tokens, pos, z, z, np.zeros((rows,), np.float32), route)
+      old = self.logprobs(batch)
+      ref = self.logprobs(batch, self.ref_params)
+      with self._ctx():  # per thread: the mesh context is thread-local
+        self._grpo_step.lower(*self._update_args(batch, old, ref)).compile()
+
+    shapes = [(rows, t, p) for rows in sizes for t, p in pairs]
+    with futures.ThreadPoolExecutor(max(1, threads)) as pool:
+      for f in [pool.submit(compile_shape, *shape) for shape in shapes]:
+        f.result()
+    return len(shapes)
 
   def grpo_epoch(
     self,

@@ -220,7 +220,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   # set: train.len_buckets / target_buckets, and rollout.prefill_rows = "full" to keep it small.
   c.compile = ml_collections.ConfigDict()
   c.compile.ahead = False
-  c.compile.threads = 0  # compiles at once (0 = the host's CPU count)
+  c.compile.threads = 0  # compiles at once (0 = the host's CPU count, at most 8)
 
   c.feedback = ml_collections.ConfigDict()
   c.feedback.every = 10  # F: a feedback round every F steps

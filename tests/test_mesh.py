@@ -4,7 +4,8 @@ logical-axis table says, through set-up, rollout, a GRPO step and a restore onto
 The job's objects are built as `loop.CoEvolveRun._setup` builds them (`models.build` on the
 mesh, `PolicyTrainer(mesh=..., compute_dtype=...)`, `Engine(mesh=..., weights=trainer.
 inference_params)`, `RunCheckpointer`), on a small model so that the check stays fast; the whole
-job on two meshes and on one device is `test_mesh_run.py` (slow).
+job on two meshes and on one device is `test_mesh_run.py` (slow). Also: the engine's and the
+trainer's `compile_ahead` on the mesh leave nothing to compile.
 """
 
 import math
@@ -28,19 +29,10 @@ def _nbytes_per_device(x: jax.Array) -> int:
   return shard.data.nbytes
 
 
-def _layout_child(tmp: str) -> None:
-  from coevolve_jax import grpo
-  from coevolve_jax.checkpoint import RunCheckpointer
-  from coevolve_jax.models import builder, sharding
+def _tiny_config():
   from coevolve_jax.models.qwen import QwenConfig
-  from coevolve_jax.rollout.engine import Engine
-  from coevolve_jax.rollout.sampling import SamplingParams
-  from coevolve_jax.trainer import PolicyTrainer, inference_rules, make_optimizer
-  from coevolve_jax.types import Trajectory
 
-  assert jax.device_count() == 8, jax.devices()
-  P = jax.sharding.PartitionSpec  # noqa: N806
-  cfg = QwenConfig(
+  return QwenConfig(
     vocab_size=512,
     hidden_size=64,
     intermediate_size=128,
@@ -50,6 +42,20 @@ def _layout_child(tmp: str) -> None:
     head_dim=16,
     tie_word_embeddings=True,
   )
+
+
+def _layout_child(tmp: str) -> None:
+  from coevolve_jax import grpo
+  from coevolve_jax.checkpoint import RunCheckpointer
+  from coevolve_jax.models import builder, sharding
+  from coevolve_jax.rollout.engine import Engine
+  from coevolve_jax.rollout.sampling import SamplingParams
+  from coevolve_jax.trainer import PolicyTrainer, inference_rules, make_optimizer
+  from coevolve_jax.types import Trajectory
+
+  assert jax.device_count() == 8, jax.devices()
+  P = jax.sharding.PartitionSpec  # noqa: N806
+  cfg = _tiny_config()
 
   def build(mesh):
     # As the loop does: float32 master weights initialised onto the mesh, bfloat16 compute.
@@ -266,8 +272,89 @@ def _planner_agrees(*meshes) -> None:
         assert job == figure, (preset, sizes, job, figure)
 
 
+def test_compile_ahead_on_a_mesh_leaves_nothing_to_compile():
+  """`compile_ahead` with sharded parameters, a sharded KV cache and sharded batch rows (data 2
+  x fsdp 4, bfloat16 compute, scanned layers): the calls compile none of the engine's or the
+  train step's programs (single-device checks: tests/test_engine.py, tests/test_trainer.py)."""
+  run_child(__file__, "compile_ahead", timeout=600)
+
+
+def _compile_ahead_child() -> None:
+  from coevolve_jax import grpo
+  from coevolve_jax.metrics import CompileCounter
+  from coevolve_jax.models import builder, sharding
+  from coevolve_jax.rollout import generate
+  from coevolve_jax.rollout.engine import Engine
+  from coevolve_jax.rollout.sampling import SamplingParams
+  from coevolve_jax.trainer import PolicyTrainer, make_optimizer
+  from coevolve_jax.types import Trajectory
+
+  assert jax.device_count() == 8, jax.devices()
+  cfg = _tiny_config()
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
+  model = builder.init(cfg, seed=0, dtype=jnp.float32, mesh=mesh)
+  sampling = SamplingParams(temperature=0.8)
+  trainer = PolicyTrainer(
+    model,
+    make_optimizer(1e-3, 0.01, 1.0),
+    grpo.GRPOConfig(kl_beta=0.05),
+    sampling,
+    mesh=mesh,
+    compute_dtype=jnp.bfloat16,
+    inference_stacked=True,
+    len_buckets=(64, 128),
+    target_buckets=(32,),
+  )
+  trainer.freeze_reference()
+  engine = Engine(
+    model,
+    num_slots=8,
+    cache_len=128,
+    dtype=jnp.bfloat16,
+    max_prefill_tokens=256,
+    mesh=mesh,
+    weights=trainer.inference_params,
+    scan_layers=True,
+    prefill_rows="full",
+    prefill_min_chunk=32,
+    prefill_min_kv=64,
+  )
+  programs = ("_prefill_rows", "_generate_steps", "_grpo_step_fn", "_logp_fn")
+  counter = CompileCounter()
+  engine.compile_ahead([sampling], stop_ids=[3], decode_steps=(4,), threads=2)
+  assert trainer.compile_ahead(rollouts=8, mini_batches=2) == 2  # rows 4; (64, 32), (128, 32)
+  ahead = counter.pop()
+  assert all(ahead.get(f"compile/program/{p}") for p in programs), ahead
+  rng = np.random.default_rng(0)
+  for step in range(2):
+    prompts = [[int(x) for x in rng.integers(4, 512, int(rng.integers(5, 60)))] for _ in range(8)]
+    done = generate(
+      engine,
+      prompts,
+      sampling,
+      max_new_tokens=16,
+      stop_ids=[3],
+      rng=jax.random.key(step),
+      decode_steps=4,
+    )
+    trajs = []
+    for p, c in zip(prompts, done):
+      tr = Trajectory(task_id="t", group_id=0)
+      tr.extend(p, sampled=False)
+      tr.extend(c.token_ids, sampled=True, logprobs=c.logprobs)
+      trajs.append(tr)
+    info = trainer.grpo_epoch(trajs, rng.normal(size=8).astype(np.float32), 2)
+    assert np.isfinite(info["train/loss"])
+    left = counter.pop()
+    assert not any(left.get(f"compile/program/{p}") for p in programs), (step, left)
+  counter.close()
+  print("compile_ahead OK")
+
+
 if __name__ == "__main__":
   if sys.argv[1:2] == ["layout"]:
     _layout_child(sys.argv[2])
+  elif sys.argv[1:2] == ["compile_ahead"]:
+    _compile_ahead_child()
   else:
     raise SystemExit(f"unknown mode {sys.argv[1:]}")

@@ -157,7 +157,7 @@ def test_compile_ahead_covers_every_batch_of_the_buckets(base_model):
   try:
     # 5 rollouts in 2 mini-batches: rows 3 and 2 (each padded to a multiple of 2 micro-batches).
     # (T, P) pairs: (32, 24), (64, 24).
-    assert trainer.compile_ahead(rollouts=5, mini_batches=2) == 2 * 2
+    assert trainer.compile_ahead(rollouts=5, mini_batches=2, threads=2) == 2 * 2
     programs = ("_grpo_step_fn", "_logp_fn")
     ahead = counter.pop()
     assert all(ahead.get(f"compile/program/{p}") for p in programs)

@@ -198,6 +198,9 @@ def _generate_steps(
     routs,
   )
   state, j, _, toks, logps, routs = jax.lax.while_loop(cond, step, init)
+  # The loop's result as the state's layout too (the partitioner sharded the replicated slot
+  # counters of the carry over the slots: every program then compiled again for that layout).
+  state = _pin(state, shardings)
   packed = jnp.concatenate(
     [toks, jax.lax.bitcast_convert_type(logps, jnp.int32), jnp.broadcast_to(j, (1, b))]
   )
@@ -493,7 +496,20 @@ class Engine:
       return None
     cache = jax.eval_shape(self._zeros)
     key_axes, value_axes = KVCache.axes(self.scan_layers)
-    shard = lambda axes: lambda x: sharding.param_sharding(self.mesh, axes, x.shape)  # noqa: E731
+
+    def shard(axes):
+      # Without trailing Nones: the spec the programs' outputs carry, so the fresh state and
+      # every later one are the same arguments to JAX's cache (an equal spec written
+      # differently is another cache entry: a compile of each program again after the first
+      # call, which `compile_ahead` cannot foresee; tests/test_mesh.py).
+      def one(x):
+        spec = tuple(sharding.param_sharding(self.mesh, axes, x.shape).spec)
+        while spec and spec[-1] is None:
+          spec = spec[:-1]
+        return NamedSharding(self.mesh, PartitionSpec(*spec))
+
+      return one
+
     replicated = NamedSharding(self.mesh, PartitionSpec())
     cache = KVCache(tuple(map(shard(key_axes), cache.k)), tuple(map(shard(value_axes), cache.v)))
     return DecodeState(cache, replicated, replicated)
@@ -896,7 +912,8 @@ class Engine:
       samplings: the `SamplingParams` the engine will decode with (each is its own program).
       stop_ids: the stop ids `generate_steps` will get (their count is part of its shape).
       decode_steps: the K values decode calls will use (1 = `generate`).
-      threads: compiles at once (0 = the host's CPU count); XLA compiles outside the GIL.
+      threads: compiles at once (0 = the host's CPU count, at most 8: each compile of a large
+        model holds its own working memory); XLA compiles outside the GIL.
     Returns:
       The number of programs lowered and compiled (those already compiled are cache hits).
     """
@@ -925,7 +942,7 @@ class Engine:
               active, keys, zeros, zeros + 1, k, stop_ids, sampling, kv, k
             )
             jobs.append((_generate_steps, args))
-    with futures.ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
+    with futures.ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1)) as pool:
       for f in [pool.submit(self._compile, fn, args) for fn, args in jobs]:
         f.result()
     return len(jobs)
