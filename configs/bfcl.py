@@ -208,7 +208,8 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.train.replay_routing = True
   # Padded tokens (T) and generated tokens (P) per training row: the smallest listed length that
   # holds the step's longest trajectory. Empty: powers of two up to 512, then multiples of 512
-  # (little padding, but up to cache_len / 512 x ... shapes, each a compile of the train step).
+  # (little padding, but about cache_len / 512 values of each, and every (T, P) pair met is a
+  # compile of the train step).
   # With compile.ahead both are needed, the largest at least cache_len and the longest possible
   # reply total (rollout.max_model_steps x max_new_tokens) respectively.
   c.train.len_buckets = ()
