@@ -251,7 +251,7 @@ PREFILL_MIN_KV = 16
 
 def _kv_bucket(n: int, cache_len: int, minimum: int = DECODE_MIN_KV) -> int:
   """Smallest power of two >= n (at least `minimum`), capped at the cache length."""
-  return min(cache_len, max(minimum, 1 << max(0, (n - 1).bit_length())))
+  return min(cache_len, max(minimum, _pow2_at_least(n)))
 
 
 def _kv_buckets(cache_len: int, minimum: int, at_least: int = 1) -> list[int]:
@@ -743,10 +743,10 @@ class Engine:
     up to `rows_per_forward` requests (and the slots), keys the `prefill_min_kv` buckets from t
     up. A superset of what `prefill_many` runs (tests/test_engine.py); sorted."""
     shapes = set()
+    # A chunk below prefill_min_chunk is halved from one that passed the end of the cache.
+    near_end = max(1, self.cache_len - self.prefill_min_chunk + 1)
     t = 1
     while t <= min(MAX_PREFILL_CHUNK, self.cache_len):
-      # A chunk below prefill_min_chunk is halved from one that passed the end of the cache.
-      near_end = max(1, self.cache_len - self.prefill_min_chunk + 1)
       kvs = _kv_buckets(
         self.cache_len, self.prefill_min_kv, t if t >= self.prefill_min_chunk else near_end
       )
