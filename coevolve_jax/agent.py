@@ -105,7 +105,8 @@ class AgentRunner:
       messages, as the template writes every assistant turn.
     decode_steps: K, decode steps per device call (`Engine.generate_steps`: the engine stops at
       the step in which a reply ends, so the episodes, every token and log-prob included, are
-      the same for every K); 1 = one `generate` call per token (any `SlotEngine`).
+      the same for every K, bit for bit: `decode_tokens`); 1 = one device call per token (any
+      `SlotEngine`).
 
   Raises:
     ValueError: env_threads or decode_steps < 1, decode_steps > 1 with an engine without

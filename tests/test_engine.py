@@ -689,6 +689,31 @@ def test_decode_steps_equal_single_steps_bit_for_bit(model, temperature):
       assert np.array_equal(np.float32(g.logprobs), np.float32(w.logprobs)), k
 
 
+def test_decode_steps_equal_single_steps_bit_for_bit_at_batch_16_hidden_256():
+  """The same at batch 16, hidden 256 and a 4,096-token vocabulary, where XLA:CPU fuses the
+  single-step program (`_generate`) so that its log-probs differ from the K-step loop's in the
+  last bit (every row did while K = 1 decoded through it; at the rollout benchmark's shape such
+  differences flipped sampled tokens): every K runs the one compiled step of `generate_steps`."""
+  cfg = QwenConfig(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+  )
+  model = Qwen(cfg, rngs=nnx.Rngs(1))
+  prompts = [[int(x) for x in np.random.default_rng(i).integers(1, 4096, 32)] for i in range(16)]
+  sampling = SamplingParams(temperature=0.9)
+  want, got = (
+    _generate_all(Engine(model, 16, 128), prompts, sampling, k, max_new_tokens=16) for k in (1, 8)
+  )
+  for w, g in zip(want, got, strict=True):
+    assert g.token_ids == w.token_ids
+    assert np.array_equal(np.float32(g.logprobs), np.float32(w.logprobs))
+
+
 def test_decode_steps_stop_at_the_key_length_bucket_and_match_single_steps(model):
   """Calls never pass the key-length bucket of their first step (the next call takes the next
   bucket, as single steps would): a request decoding across 256 cached tokens gives the
@@ -801,7 +826,7 @@ def test_compile_ahead_leaves_nothing_to_compile(model):
   counter = CompileCounter()
   try:
     n = engine.compile_ahead([sampled], stop_ids=[3], decode_steps=(1, 4), threads=2)
-    assert n == len(engine.prefill_shapes()) + 2 * len(engine.decode_buckets())
+    assert n == len(engine.prefill_shapes()) + 2 * len(engine.decode_buckets())  # K 1 and 4
     ahead = counter.pop()
     assert sum(ahead.get(f"compile/program/{p}", 0) for p in programs) == n
     for rounds in range(2):

@@ -111,17 +111,13 @@ def _rollout(engine, model, cfg, prompt_len: int, gen_len: int, repeats: int) ->
     for s in range(slots):
       engine.prefill(s, prompts[s], key, sampling)
     mid = time.perf_counter()
-    k = cfg.rollout.decode_steps
-    if k == 1:
-      for _ in range(gen_len):
-        engine.generate(active, key, sampling)
-    else:  # rollout.decode_steps per device call, as the job's agent loop decodes
-      keys, done = jax.random.split(key, slots), 0
-      while done < gen_len:
-        counts = np.full((slots,), done, np.int32)
-        limits = np.full((slots,), gen_len - done, np.int32)
-        toks, _ = engine.generate_steps(active, keys, counts, limits, (), sampling, k)
-        done += len(toks)
+    # rollout.decode_steps per device call, as the job's agent loop decodes (`decode_tokens`)
+    k, keys, done = cfg.rollout.decode_steps, jax.random.split(key, slots), 0
+    while done < gen_len:
+      counts = np.full((slots,), done, np.int32)
+      limits = np.full((slots,), gen_len - done, np.int32)
+      toks, _ = engine.generate_steps(active, keys, counts, limits, (), sampling, k)
+      done += len(toks)
     end = time.perf_counter()
     if rep:
       times["prefill"].append(mid - start)

@@ -806,8 +806,10 @@ class Engine:
     """Up to `max_steps` decode steps in one device call and one copy to the host.
 
     Step j is what `generate(active, per_row_keys(keys, counts + j), sampling)` would do, with
-    the key-length bucket `generate` would choose, so the tokens and log-probs equal those of
-    `max_steps` single steps bit for bit (tests/test_engine.py). The device stops early, after
+    the key-length bucket `generate` would choose, in one compiled step for every K: a call with
+    K = 1 gives the tokens and log-probs of the K-step call's first step bit for bit, so K only
+    changes how many steps a call takes (tests/test_engine.py). (`generate` itself is another
+    program, whose logits XLA may round differently in the last bit.) The device stops early, after
     the step in which an active slot finishes: samples one of `stop_ids` or reaches its limit
     (`limits[b]` more tokens); and before the step whose keys would pass the bucket of the
     call's start (the next call takes the next bucket). So every step of a call has the same
@@ -901,17 +903,18 @@ class Engine:
     decode_steps: Sequence[int] = (1,),
     threads: int = 0,
   ) -> int:
-    """Compiles every program the engine can run, before it runs them: `_prefill_rows` at each of
-    `prefill_shapes()` and the decode step at each of `decode_buckets()` (`_generate` for K = 1,
-    `_generate_steps` for each other K of `decode_steps`), for each sampling. Lowered with the
-    arguments a call makes (`_prefill_args`, ...), so the calls find them in JAX's cache and
-    compile nothing (tests/test_engine.py counts it); nothing runs and the decode state is
-    untouched.
+    """Compiles every program the batcher and the agent loop can run, before they run them:
+    `_prefill_rows` at each of `prefill_shapes()` and `_generate_steps` at each of
+    `decode_buckets()` and each K of `decode_steps` (they decode through `generate_steps`, K = 1
+    included: `decode_tokens`), for each sampling. Lowered with the arguments a call makes
+    (`_prefill_args`, ...), so the calls find them in JAX's cache and compile nothing
+    (tests/test_engine.py counts it); nothing runs and the decode state is untouched. The
+    single-step `generate` (the JetStream contract's step) is not compiled here.
 
     Args:
       samplings: the `SamplingParams` the engine will decode with (each is its own program).
       stop_ids: the stop ids `generate_steps` will get (their count is part of its shape).
-      decode_steps: the K values decode calls will use (1 = `generate`).
+      decode_steps: the K values decode calls will use.
       threads: compiles at once (0 = the host's CPU count, at most 8: each compile of a large
         model holds its own working memory); XLA compiles outside the GIL.
     Returns:
@@ -934,14 +937,10 @@ class Engine:
         jobs.append((_prefill_rows, args))
       for kv in self.decode_buckets():
         for k in sorted(set(decode_steps)):
-          if k == 1:
-            rng = per_row_keys(keys, jnp.asarray(zeros))
-            jobs.append((_generate, self._generate_args(active, rng, sampling, kv)))
-          else:
-            args = self._generate_steps_args(
-              active, keys, zeros, zeros + 1, k, stop_ids, sampling, kv, k
-            )
-            jobs.append((_generate_steps, args))
+          args = self._generate_steps_args(
+            active, keys, zeros, zeros + 1, k, stop_ids, sampling, kv, k
+          )
+          jobs.append((_generate_steps, args))
     with futures.ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1)) as pool:
       for f in [pool.submit(self._compile, fn, args) for fn, args in jobs]:
         f.result()

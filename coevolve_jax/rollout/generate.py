@@ -73,7 +73,7 @@ def generate(
     decode_steps: K, decode steps per device call (`Engine.generate_steps`: stop ids, token
       limits and cache room checked on the device, one copy to the host per call). The
       completions are the same for every K, bit for bit; K > 1 only removes K - 1 host round
-      trips per K tokens. 1 = one `Engine.generate` call per token.
+      trips per K tokens. 1 = one device call per token (of the same compiled step).
   Returns:
     One `Completion` per prompt. A request whose cache fills up ends with "length"; nothing is
     written past the end of the cache.
@@ -114,17 +114,24 @@ def decode_tokens(
 ) -> tuple[np.ndarray, np.ndarray]:
   """The next tokens of the active slots, as the batcher and the agent loop decode them.
 
-  `max_steps` == 1: one `engine.generate` step (any `SlotEngine`) with the keys
-  per_row_keys(keys, counts); else `Engine.generate_steps` (up to `max_steps` steps, stopping at
-  a stop id or a limit), which gives the same tokens bit for bit.
+  An engine with `generate_steps` (`Engine`) decodes every call through it, K = 1 included, so
+  one compiled step serves every K: the tokens and log-probs are the same bit for bit whatever K
+  a run uses (the single-step `Engine.generate` is another XLA program, whose fusions can round
+  the logits differently in the last bit, enough to flip a sampled token at a boundary of the
+  inverse CDF). Any other `SlotEngine` (`ReplayEngine`) takes one `generate` step with the keys
+  per_row_keys(keys, counts); `max_steps` must then be 1.
 
   Returns:
     (tokens [n, B] int32, log-probs [n, B] float32), n >= 1 the steps taken.
+  Raises:
+    ValueError: `max_steps` > 1 for an engine without `generate_steps`.
   """
-  if max_steps == 1:
-    tokens, logprobs = engine.generate(active, per_row_keys(keys, jnp.asarray(counts)), sampling)
-    return tokens[None], logprobs[None]
-  return engine.generate_steps(active, keys, counts, limits, stop_ids, sampling, max_steps)
+  if hasattr(engine, "generate_steps"):
+    return engine.generate_steps(active, keys, counts, limits, stop_ids, sampling, max_steps)
+  if max_steps != 1:
+    raise ValueError(f"max_steps={max_steps} needs an engine with generate_steps")
+  tokens, logprobs = engine.generate(active, per_row_keys(keys, jnp.asarray(counts)), sampling)
+  return tokens[None], logprobs[None]
 
 
 class _Batcher:
