@@ -171,7 +171,7 @@ class CoEvolveRun:
     greedy = SamplingParams(temperature=0.0)  # evaluations and greedy training episodes
     # Single decode steps run only while environment steps are in flight (`AgentRunner`).
     steps = {cfg.rollout.decode_steps} | (set() if self.runner.lockstep else {1})
-    threads = cfg.compile.threads or min(8, os.cpu_count() or 1)
+    threads = cfg.compile.threads  # 0: `compiling.compile_threads`' default
     with self.timer("compile"):
       engine = self.engine.compile_ahead(
         [self.sampling, greedy],

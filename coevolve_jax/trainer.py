@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
-from concurrent import futures
 from typing import Any
 
 import jax
@@ -21,7 +21,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from coevolve_jax import distributed, grpo
+from coevolve_jax import compiling, distributed, grpo
 from coevolve_jax.models import sharding
 from coevolve_jax.models.qwen import Qwen, routing_dtype, unrolled_template, unstack_state
 from coevolve_jax.rollout.sampling import SamplingParams, filtered_logits, gathered_logprobs
@@ -708,7 +708,7 @@ class PolicyTrainer:
     return self.params, self.opt_state, arrays, old_logp, ref_logp
 
   def compile_ahead(
-    self, rollouts: int, mini_batches: int, routing: bool = False, threads: int = 1
+    self, rollouts: int, mini_batches: int, routing: bool = False, threads: int = 0
   ) -> int:
     """Compiles `grpo_epoch`'s programs for every batch shape it can meet, before the first
     step: the update and the log-prob forward (under the current parameters and, when they
@@ -722,7 +722,8 @@ class PolicyTrainer:
       rollouts: N, the trajectories of a GRPO step (`rollout.tasks_per_step x group_size`).
       mini_batches: `train.mini_batches`.
       routing: the batches carry routing records (a MoE policy with routing replay).
-      threads: shapes compiled at once (XLA compiles outside the GIL).
+      threads: shapes compiled at once (`compiling.compile_threads`: 0 = the host's CPU
+        count, at most 8).
     Returns:
       The number of (rows, T, P) shapes compiled.
     Raises:
@@ -753,9 +754,7 @@ class PolicyTrainer:
         self._grpo_step.lower(*self._update_args(batch, old, ref)).compile()
 
     shapes = [(rows, t, p) for rows in sizes for t, p in pairs]
-    with futures.ThreadPoolExecutor(max(1, threads)) as pool:
-      for f in [pool.submit(compile_shape, *shape) for shape in shapes]:
-        f.result()
+    compiling.run_all([functools.partial(compile_shape, *shape) for shape in shapes], threads)
     return len(shapes)
 
   def grpo_epoch(

@@ -100,6 +100,10 @@ class _EndOfTextEngine(Engine):
     tok = self.script.pop(0) if self.script else self.filler
     return np.array([tok], np.int32), np.array([-0.5], np.float32)
 
+  def generate_steps(self, active, keys, counts, limits, stop_ids, sampling, max_steps):
+    tokens, logprobs = self.generate(active, None, sampling)  # one step per call (n = 1)
+    return tokens[None], logprobs[None]
+
   def routing(self, slot):
     return None  # scripted: no experts
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-from concurrent import futures
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -32,6 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from coevolve_jax import compiling
 from coevolve_jax.models import sharding
 from coevolve_jax.models.qwen import KVCache, Qwen, routing_dtype, unrolled_template, unstack
 from coevolve_jax.rollout.sampling import SamplingParams, per_row_keys, sample
@@ -915,8 +914,8 @@ class Engine:
       samplings: the `SamplingParams` the engine will decode with (each is its own program).
       stop_ids: the stop ids `generate_steps` will get (their count is part of its shape).
       decode_steps: the K values decode calls will use.
-      threads: compiles at once (0 = the host's CPU count, at most 8: each compile of a large
-        model holds its own working memory); XLA compiles outside the GIL.
+      threads: compiles at once (`compiling.compile_threads`: 0 = the host's CPU count, at
+        most 8).
     Returns:
       The number of programs lowered and compiled (those already compiled are cache hits).
     """
@@ -941,9 +940,7 @@ class Engine:
             active, keys, zeros, zeros + 1, k, stop_ids, sampling, kv, k
           )
           jobs.append((_generate_steps, args))
-    with futures.ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1)) as pool:
-      for f in [pool.submit(self._compile, fn, args) for fn, args in jobs]:
-        f.result()
+    compiling.run_all([functools.partial(self._compile, fn, args) for fn, args in jobs], threads)
     return len(jobs)
 
   def _compile(self, fn, args: tuple) -> None:
