@@ -28,3 +28,31 @@ def run_all(calls: Sequence[Callable[[], None]], threads: int = 0) -> None:
   with futures.ThreadPoolExecutor(compile_threads(threads)) as pool:
     for f in [pool.submit(call) for call in calls]:
       f.result()
+
+
+def use_persistent_cache(cache_dir: str) -> bool:
+  """Points JAX's persistent compilation cache at `cache_dir` (`compile.cache_dir`), so a
+  process that meets a program an earlier process compiled on the same backend, JAX version and
+  flags (a resumed run, a rerun, the next job of a sweep) loads the executable instead of
+  compiling it again. JAX stores only programs that took at least
+  `jax_persistent_cache_min_compile_time_secs` (1 s by default) to compile.
+
+  "" leaves JAX's own setting as it is (off unless JAX_COMPILATION_CACHE_DIR is set). The
+  directory may be on a shared or GCS path (etils epath); in a multi-process job only process 0
+  writes entries (JAX's rule), every process reads them. The cache is trusted: an entry is
+  executed as it is, so it must not be writable by others. Loads count as compilations in
+  `metrics.CompileCounter` (JAX times them as one) and are counted apart as cache hits.
+
+  Returns:
+    True when a directory was set. A process that compiled before this call with no cache
+    starts using it from the next compilation.
+  """
+  import jax  # noqa: PLC0415 (this module's thread rule needs no JAX)
+  from jax.experimental.compilation_cache import compilation_cache  # noqa: PLC0415
+
+  if not cache_dir:
+    return False
+  if jax.config.jax_compilation_cache_dir != cache_dir:
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    compilation_cache.reset_cache()  # JAX decides once per process whether the cache is used
+  return True

@@ -35,7 +35,7 @@ import optax
 import tqdm
 from flax import nnx
 
-from coevolve_jax import config, distributed, errors, grpo, models
+from coevolve_jax import compiling, config, distributed, errors, grpo, models
 from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
 from coevolve_jax.checkpoint import RunCheckpointer
 from coevolve_jax.cli import plan_device_memory
@@ -149,9 +149,8 @@ class CoEvolveRun:
     before = self.compiles.pop()  # set-up, D0, warm-start, eval before: not step 1's
     if restored is None:  # step 0's row: what compiled, and the phases, before GRPO step 1
       self.metrics.write(0, {**before, **self.timer.pop_last()})
-    print(
-      f"compiled {before['compile/count']} programs before GRPO ({before['compile/seconds']:.1f} s)"
-    )
+    count, seconds, hits = (before[f"compile/{k}"] for k in ("count", "seconds", "cache_hits"))
+    print(f"compiled {count} programs before GRPO ({seconds:.1f} s; {hits} from the cache)")
     with tqdm.tqdm(
       total=self.cfg.train.steps, initial=self.state.step, desc="grpo", unit="step"
     ) as bar:
@@ -362,6 +361,8 @@ class CoEvolveRun:
     # the train step and the decode step (models/sharding.py holds the logical-axis table).
     self.mesh = sharding.make_mesh(dict(cfg.mesh))
     models.apply_matmul_precision(cfg.model)
+    if compiling.use_persistent_cache(cfg.compile.cache_dir):  # before the run's first compile
+      print(f"compilation cache: {cfg.compile.cache_dir}")
     micro_batches = self._check_memory()
     model = models.build(cfg.model, seed=cfg.seed, mesh=self.mesh, dtype=cfg.model.param_dtype)
     self.gcfg = grpo.GRPOConfig.from_config(cfg.train)

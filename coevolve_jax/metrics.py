@@ -174,16 +174,21 @@ class PhaseTimer:
 # The event JAX records around every XLA backend compilation (jax/_src/dispatch.py,
 # BACKEND_COMPILE_EVENT); tests/test_metrics.py checks that a new jit shape still fires it.
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+# The event JAX records when an executable is loaded from the persistent compilation cache
+# (jax/_src/compiler.py, `compile_or_get_cached`; `compile.cache_dir`).
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
 class CompileCounter:
   """Counts this process's XLA compilations and their seconds, from JAX's own monitoring event
   (`jax.monitoring`, BACKEND_COMPILE_EVENT), whichever thread compiles (the GRPO step, the
-  engine's prefill and decode buckets, the feedback thread's explorer model). Persistent
-  compilation-cache hits are not compilations and are not counted.
+  engine's prefill and decode buckets, the feedback thread's explorer model). A program loaded
+  from the persistent compilation cache (`compile.cache_dir`) counts too (JAX times the load as
+  the compilation: `compile/seconds` is then the load's), and is also counted in
+  `compile/cache_hits`.
 
-  `pop()` gives {"compile/count": int, "compile/seconds": float} since the previous pop (the
-  run logs them per step in metrics.jsonl), and per compiled program one
+  `pop()` gives {"compile/count": int, "compile/seconds": float, "compile/cache_hits": int}
+  since the previous pop (the run logs them per step in metrics.jsonl), and per compiled program one
   "compile/program/<name>": int, the name JAX passes with the event (`jit(_prefill_rows)` gives
   `_prefill_rows`; "unknown" on a JAX that passes none): which shapes still compile, the engine's
   prefill and decode buckets or the train step's. `total` counts since construction. `close()`
@@ -193,9 +198,15 @@ class CompileCounter:
   def __init__(self):
     self._lock = threading.Lock()
     self.total = 0
-    self._count, self._seconds = 0, 0.0
+    self._count, self._seconds, self._hits = 0, 0.0, 0
     self._programs: collections.Counter[str] = collections.Counter()
     jax.monitoring.register_event_duration_secs_listener(self._on_event)
+    jax.monitoring.register_event_listener(self._on_hit)
+
+  def _on_hit(self, event: str, **kwargs) -> None:
+    if event == CACHE_HIT_EVENT:
+      with self._lock:
+        self._hits += 1
 
   def _on_event(self, event: str, duration_secs: float, **kwargs) -> None:
     if event == BACKEND_COMPILE_EVENT:
@@ -210,15 +221,21 @@ class CompileCounter:
 
   def pop(self) -> dict[str, float]:
     with self._lock:
-      out = {"compile/count": self._count, "compile/seconds": self._seconds}
+      out = {
+        "compile/count": self._count,
+        "compile/seconds": self._seconds,
+        "compile/cache_hits": self._hits,
+      }
       out.update({f"compile/program/{k}": n for k, n in sorted(self._programs.items())})
-      self._count, self._seconds = 0, 0.0
+      self._count, self._seconds, self._hits = 0, 0.0, 0
       self._programs.clear()
     return out
 
   def close(self) -> None:
     with contextlib.suppress(AssertionError, ValueError):  # already unregistered
       jax.monitoring.unregister_event_duration_listener(self._on_event)
+    with contextlib.suppress(AssertionError, ValueError):
+      jax.monitoring.unregister_event_listener(self._on_hit)
 
 
 def call_recall(ground_truth: list[list[str]], calls: list[list[str]]) -> tuple[float, float]:

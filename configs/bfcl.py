@@ -222,6 +222,11 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.compile = ml_collections.ConfigDict()
   c.compile.ahead = False
   c.compile.threads = 0  # compiles at once (0 = the host's CPU count, at most 8)
+  # JAX's persistent compilation cache: a folder (local, shared or gs://) where compiled programs
+  # are kept, so a resumed run or a rerun with the same shapes loads them instead of compiling
+  # again (metrics.jsonl: compile/cache_hits). "" = JAX's own setting (JAX_COMPILATION_CACHE_DIR,
+  # off by default). Trusted content: keep it writable by this job only.
+  c.compile.cache_dir = ""
 
   c.feedback = ml_collections.ConfigDict()
   c.feedback.every = 10  # F: a feedback round every F steps

@@ -1,6 +1,9 @@
 """The ahead-compile thread rule (`coevolve_jax.compiling`)."""
 
+import json
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -29,3 +32,52 @@ def test_run_all_runs_every_call_then_raises_the_first_error():
   with pytest.raises(RuntimeError, match="lowering failed"):
     compiling.run_all([*calls[:2], bad, *calls[2:]], threads=2)
   assert sorted(ran) == list(range(5))
+
+
+_CACHED_PROGRAM = """
+import json, sys, jax, jax.numpy as jnp, numpy as np
+from coevolve_jax import compiling
+from coevolve_jax.metrics import CompileCounter
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # store even this small one
+assert compiling.use_persistent_cache(sys.argv[1])
+counter = CompileCounter()
+def mixed(x):
+  return jnp.tanh(x @ x.T).sum(axis=0) * 2.0
+out = jax.jit(mixed)(np.arange(12.0, dtype=np.float32).reshape(3, 4))
+print(json.dumps({"values": np.asarray(out).tolist(), "figures": counter.pop()}))
+"""
+
+
+def _run_fresh_process(cache_dir):
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+  proc = subprocess.run(
+    [sys.executable, "-c", _CACHED_PROGRAM, cache_dir],
+    env=dict(env, JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  return out["values"], out["figures"]
+
+
+def test_a_second_process_loads_the_program_from_the_persistent_cache(tmp_path):
+  """`compile.cache_dir`: the first process compiles and stores the program, a second one loads
+  it (one cache hit, still one program in `compile/count`) and computes the same values."""
+  cache_dir = str(tmp_path / "xla")
+  first_values, first = _run_fresh_process(cache_dir)
+  assert first["compile/count"] == 1 and first["compile/cache_hits"] == 0, first
+  assert os.listdir(cache_dir)
+  second_values, second = _run_fresh_process(cache_dir)
+  assert second["compile/count"] == 1 and second["compile/cache_hits"] == 1, second
+  assert second["compile/program/mixed"] == 1
+  assert second_values == first_values
+
+
+def test_an_empty_cache_dir_leaves_jax_setting_alone():
+  import jax  # noqa: PLC0415
+
+  before = jax.config.jax_compilation_cache_dir
+  assert compiling.use_persistent_cache("") is False
+  assert jax.config.jax_compilation_cache_dir == before

@@ -197,6 +197,7 @@ BAD = [  # (field, value); the bfcl cpu config (16 rollouts a step in 2 mini-bat
   ("train.len_buckets", (2048, "4096")),
   ("train.target_buckets", (256,)),  # 6 replies x 64 tokens = 384 would not fit
   ("compile.threads", -1),
+  ("compile.cache_dir", None),
 ]
 
 

@@ -78,13 +78,36 @@ def small_config():
   return cfg
 
 
+@pytest.fixture
+def restore_compile_cache():
+  """A run's `compile.cache_dir` points this process's JAX at its folder: put back the session's
+  (tests/conftest.py) afterwards."""
+  import jax  # noqa: PLC0415
+  from jax.experimental.compilation_cache import compilation_cache  # noqa: PLC0415
+
+  before = jax.config.jax_compilation_cache_dir
+  yield
+  jax.config.update("jax_compilation_cache_dir", before)
+  compilation_cache.reset_cache()
+
+
+def _from_cache(out: str) -> int:
+  """Programs the session loaded from the compilation cache before GRPO, from its print."""
+  (line,) = [x for x in out.splitlines() if "programs before GRPO" in x]
+  return int(line.rsplit("; ", 1)[1].split()[0])
+
+
 @pytest.mark.timeout(400)
+@pytest.mark.usefixtures("restore_compile_cache")
 def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys, monkeypatch):
   workdir = str(tmp_path / "run")
+  cache_dir = str(tmp_path / "compile_cache")  # kept by every session of this run
   cfg = small_config()
+  cfg.compile.cache_dir = cache_dir
   cfg.train.steps = 1  # first invocation stops after step 1 (as if killed after its checkpoint)
   first = CoEvolveRun(cfg, workdir).fit()
   assert first["steps"] == 1 and first["resumed_from_step"] == 0
+  assert _from_cache(capsys.readouterr().out) == 0 and os.listdir(cache_dir)  # stored, not loaded
 
   # Same run, 2 steps, but the disk is full when step 2's checkpoint is written in the background
   # (after the feedback round joined the pool and the logs): one DiskFullError naming the step.
@@ -108,7 +131,10 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
     f.write(json.dumps(generated[0]) + "\n")
 
   cfg = small_config()  # space again: resumes from the step-1 checkpoint
+  cfg.compile.cache_dir = cache_dir
+  capsys.readouterr()
   summary = CoEvolveRun(cfg, workdir).fit()
+  assert _from_cache(capsys.readouterr().out) > 0  # compile.ahead loaded the first session's
   assert SUMMARY_KEYS <= set(summary)
   assert summary["steps"] == 2 and summary["resumed_from_step"] == 1
   assert 0.0 <= summary["eval_before"] <= 1.0 and 0.0 <= summary["eval_after"] <= 1.0
