@@ -80,8 +80,8 @@ def small_config():
 
 @pytest.fixture
 def restore_compile_cache():
-  """A run's `compile.cache_dir` points this process's JAX at its folder: put back the session's
-  (tests/conftest.py) afterwards."""
+  """A run's `compile.cache_dir` points this process's JAX at its folder: put back the process's
+  setting afterwards, so later tests in this worker do not store into this test's folder."""
   import jax  # noqa: PLC0415
   from jax.experimental.compilation_cache import compilation_cache  # noqa: PLC0415
 
