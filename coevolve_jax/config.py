@@ -345,12 +345,9 @@ def _compile(cfg: Mapping[str, Any]) -> None:
   if not isinstance(ahead, bool):
     fail("compile.ahead", "must be a bool", ahead)
   int_at_least(cfg, "compile.threads", 0)
-  if not isinstance(get(cfg, "compile.cache_dir"), str):
-    fail(
-      "compile.cache_dir",
-      'must be a path string ("" = JAX\'s own setting)',
-      get(cfg, "compile.cache_dir"),
-    )
+  cache_dir = get(cfg, "compile.cache_dir")
+  if not isinstance(cache_dir, str):
+    fail("compile.cache_dir", 'must be a path string ("" = JAX\'s own setting)', cache_dir)
   for field, bound in bounds.items():
     buckets = get(cfg, field)
     if not isinstance(buckets, (tuple, list)) or not all(is_int(b) and b >= 1 for b in buckets):
