@@ -204,39 +204,34 @@ def _layout_child(tmp: str) -> None:
     np.testing.assert_array_equal(x, y)
   emb_b = trainer_b.params["embed_tokens"].get_value()
   assert emb_b.sharding.spec == P("tensor", "fsdp"), emb_b.sharding
-  _planner_agrees(mesh_a, mesh_b)
+  _planner_agrees(cfg, [(mesh_a, trainer, engine), (mesh_b, trainer_b, engine_b)])
   print("layout OK")
 
 
-def _planner_agrees(*meshes) -> None:
+def _planner_agrees(cfg, jobs) -> None:
   """The memory planner's per-device figures equal the bytes device 0 holds of the arrays the
-  job allocates (tiny_cpu: parameters, optimizer, reference, rollout weights, KV cache), and,
-  for every preset, its parameter figures equal the job's shardings' shard shapes (abstract)."""
-  from coevolve_jax import grpo
+  job allocates (parameters, optimizer, reference, rollout weights, KV cache) for each
+  `(mesh, trainer, engine)` of `jobs` (built as the loop builds them, from `cfg`), and, for every
+  preset, its parameter figures equal the job's shardings' shard shapes (abstract)."""
   from coevolve_jax.cli import plan_device_memory
-  from coevolve_jax.models import PRESETS, builder, sharding
+  from coevolve_jax.models import PRESETS, sharding
   from coevolve_jax.models.qwen import Qwen, QwenConfig
-  from coevolve_jax.rollout.engine import Engine
-  from coevolve_jax.trainer import PolicyTrainer, inference_rules, make_optimizer
+  from coevolve_jax.trainer import inference_rules
 
   def held(tree) -> int:
     return sum(_nbytes_per_device(x) for x in jax.tree.leaves(tree))
 
-  for mesh in meshes:
-    sizes = dict(mesh.shape)
-    model = builder.init(QwenConfig.preset("tiny_cpu"), seed=0, dtype=jnp.float32, mesh=mesh)
-    trainer = PolicyTrainer(
-      model,
-      make_optimizer(1e-6, 0.01, 1.0),
-      grpo.GRPOConfig(),
-      1.0,
-      mesh=mesh,
-      compute_dtype=jnp.bfloat16,
+  abstract = {  # shapes only, once for every mesh
+    preset: nnx.state(
+      nnx.eval_shape(lambda p=preset: Qwen(QwenConfig.preset(p), rngs=nnx.Rngs(0))), nnx.Param
     )
-    trainer.freeze_reference()
-    engine = Engine(model, 16, 256, dtype=jnp.bfloat16, mesh=mesh, weights=trainer.inference_params)
+    for preset in PRESETS
+  }
+  for mesh, trainer, engine in jobs:
+    sizes = dict(mesh.shape)
+    # The engines' construction arguments (`build` above): 8 slots of 64 tokens.
     plan = plan_device_memory.plan(
-      "tiny_cpu", sizes, batch=8, seq_len=64, num_slots=16, cache_len=256, dtype="bfloat16"
+      cfg, sizes, batch=8, seq_len=64, num_slots=8, cache_len=64, dtype="bfloat16"
     )
     got = {
       "params": held(trainer.params),
@@ -247,11 +242,8 @@ def _planner_agrees(*meshes) -> None:
     }
     want = {k: getattr(plan, k) for k in got}
     assert got == want, (sizes, got, want)
-    del trainer, engine, model
 
-    for preset in PRESETS:  # shapes only: the job's shardings against the planner's arithmetic
-      abstract = nnx.eval_shape(lambda p=preset: Qwen(QwenConfig.preset(p), rngs=nnx.Rngs(0)))
-      state = nnx.state(abstract, nnx.Param)
+    for preset, state in abstract.items():  # the job's shardings against the planner's sums
       for rules, dtype, figure in (
         (
           sharding.LOGICAL_RULES,

@@ -149,6 +149,30 @@ def test_build_random_init_is_the_preset_under_the_seed(tiny_preset):
     models.build(_model_cfg(dtype="no_such_dtype"), seed=0)
 
 
+def test_random_init_draws_the_keys_of_flax_s_own_stream(monkeypatch):
+  """`next_params_key` (which skips the indexed count update that makes traced construction
+  quadratic) gives the parameters and the final count that `rngs.params()` gives, eagerly and
+  traced under `nnx.jit` as `builder.init` builds on a mesh."""
+  from coevolve_jax.models import qwen
+
+  def build(traced):
+    rngs = nnx.Rngs(5)
+    if traced:
+      model = nnx.jit(lambda r: Qwen(TINY, rngs=r))(rngs)
+    else:
+      model = Qwen(TINY, rngs=rngs)
+    return model, int(rngs.params.count.get_value())
+
+  ours = {traced: build(traced) for traced in (False, True)}
+  monkeypatch.setattr(qwen, "next_params_key", lambda rngs: rngs.params())
+  for traced in (False, True):
+    flax_model, flax_count = build(traced)
+    model, count = ours[traced]
+    _assert_same(model, flax_model)
+    drawn = [p for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param)) if "norm" not in str(p)]
+    assert count == flax_count == len(drawn)  # one key per randomly initialised parameter
+
+
 def test_build_loads_a_checkpoint_in_the_config_dtype_and_ignores_the_preset(tmp_path):
   saved = Qwen(TINY, rngs=nnx.Rngs(9))
   save_pretrained(saved, tmp_path / "hf")

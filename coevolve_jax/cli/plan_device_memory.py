@@ -295,7 +295,9 @@ def compiled_activation_bytes(
   return max(0, full - short)
 
 
-@functools.lru_cache(maxsize=8)
+# Keyed by (model, dtype): every preset in both dtypes fits (a smaller cache that a caller cycles
+# through, as tests/test_mesh.py does, misses on every call: each miss traces the model).
+@functools.lru_cache(maxsize=32)
 def _abstract_params(preset: Model, dtype: str):
   graphdef, state = abstract_model(model_config(preset), jnp.dtype(dtype))
   params_state = nnx.state(nnx.merge(graphdef, state), nnx.Param)
