@@ -111,10 +111,12 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
 
   # Same run, 2 steps, but the disk is full when step 2's checkpoint is written in the background
   # (after the feedback round joined the pool and the logs): one DiskFullError naming the step.
+  cfg = small_config()
+  cfg.compile.cache_dir = cache_dir
   with monkeypatch.context() as m:
     orbax_write_fails(m, "write_text", "meta.orbax-checkpoint-tmp/metadata")
     with pytest.raises(DiskFullError) as e:
-      CoEvolveRun(small_config(), workdir).fit()
+      CoEvolveRun(cfg, workdir).fit()
   assert_disk_full(e.value, os.path.join(workdir, "checkpoints", "2"))
   assert not os.path.exists(os.path.join(workdir, "summary.json.tmp"))
   with open(os.path.join(workdir, "summary.json")) as f:
