@@ -6,6 +6,7 @@ The preset checks use `nnx.eval_shape`: nothing is allocated, so the 30B preset 
 """
 
 import functools
+import os
 import sys
 from decimal import Decimal
 
@@ -237,3 +238,24 @@ def test_matmul_precision_setting_reaches_the_compiled_products():
       models.apply_matmul_precision({"matmul_precision": "tf32"})
   finally:
     models.apply_matmul_precision({"matmul_precision": "default"})
+
+
+def test_init_trace_benchmark_prints_both_draws_and_their_ratio():
+  """benchmarks/init_trace.py on the small preset: one row with both timings and the ratio."""
+  import subprocess  # noqa: PLC0415
+
+  script = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "init_trace.py")
+  out = subprocess.run(
+    [sys.executable, script, "--presets=tiny_cpu", "--repeats=1"],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=True,
+  ).stdout
+  (row,) = [line for line in out.splitlines() if line.startswith("| tiny_cpu")]
+  _, _, params, flax_s, ours_s, ratio, _ = [c.strip() for c in row.split("|")]
+  f, o, r = float(flax_s), float(ours_s), float(ratio.removesuffix("x"))
+  assert float(params.removesuffix("e9")) > 0 and f > 0 and o > 0
+  # The ratio is of the unrounded times: within what the printed rounding (0.005 s) allows.
+  assert (f - 0.005) / (o + 0.005) - 0.05 <= r <= (f + 0.005) / max(o - 0.005, 1e-9) + 0.05
+  assert out.startswith("machine: ")
