@@ -134,6 +134,41 @@ class CoEvolveRun:
     finally:
       self.compiles.close()
 
+  def bootstrap(self) -> int:
+    """Runs step 0 only (D0, warm-start, the evaluations before training, checkpoint 0) and stops
+    there; `fit()` in the same workdir, or in a copy of it, goes on from that checkpoint.
+
+    scripts/ablations.py runs it once per seed and copies the workdir to every variant of the
+    seed, so the variants share one D0 and warm-start (they differ in `feedback.*` only, which
+    step 0 does not read). A workdir that already holds a checkpoint is left as it is.
+
+    Returns:
+      The step of the newest checkpoint after it (0 after a fresh start).
+
+    Raises:
+      The errors of `fit`.
+    """
+    self._session_start = time.perf_counter()
+    self.compiles = CompileCounter()
+    try:
+      self._setup()
+      restored = self._restore()
+      self._open_logs(restored)
+      if restored is None:
+        self._bootstrap()
+        self.metrics.write(0, {**self.compiles.pop(), **self.timer.pop_last()})
+      self.ckpt.wait()
+      self.metrics.close()
+      self.ckpt.close()
+      self._executor.shutdown()
+      self.suite.close()
+      return self.state.step
+    except Exception:
+      self._close_after_error()
+      raise
+    finally:
+      self.compiles.close()
+
   def _run(self) -> dict[str, Any]:
     self._setup()
     restored = self._restore()  # the newest readable checkpoint's step, or None: a fresh start

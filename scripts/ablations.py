@@ -9,11 +9,16 @@ Variants (paper Sec. 4 ablations; docs/design.md §1.1-1.3): the full loop, GRPO
 rounds: the reference), random re-exploration (no signals), and the single-signal drops and no
 validation when asked for (`--variants`). Every variant is `--config` (default the CPU preset,
 `configs/bfcl.py:cpu`) with one switch changed, run for every seed in `--seeds`. Runs of one seed
-share the seed, so the same D0, warm-start and evaluation sets; the script checks that they did
-(D0 counts, warm-start losses and the figures before training equal) and says so in the record.
+share one start: step 0 (D0, the warm-start, the evaluation sets and the figures before training)
+runs once per seed in `start-s<seed>` (`CoEvolveRun.bootstrap`, with the full loop's config: step 0
+reads no `feedback.*` field) and every variant of the seed resumes from a copy of it, so a seed
+pays for one warm-start (`--no-shared-start`: every run makes its own, as the same seed makes the
+same one). The script checks that they started alike (D0 counts, warm-start losses and the figures
+before training equal) and says so in the record.
 
 Each run has its own workdir under `--workdir` (`<variant>-s<seed>`). A rerun of the same command
-resumes the grid: finished runs are read back, a killed run resumes from its last checkpoint.
+resumes the grid: finished runs are read back, a killed run resumes from its last checkpoint (a
+killed start from scratch).
 `--report` only rebuilds the record and plots from the workdirs.
 
 Figures per run (`FIGURES`): the held-out BFCL success before and after, the generated held-out
@@ -90,6 +95,34 @@ def load_config(variant: str, seed: int, overrides: dict[str, Any], config: str 
       raise KeyError(f"--set {key}: the config has no field {leaf!r} there")
     node[leaf] = value
   return cfg
+
+
+# The workdir (`<START>-s<seed>`) where a seed's step 0 runs once (`CoEvolveRun.bootstrap`: D0,
+# warm-start, the evaluations before training, checkpoint 0), with the full loop's config: step 0
+# reads no `feedback.*` field, the only fields the variants change.
+START = "start"
+START_VARIANT = "coevolve"
+# What a variant's copy of the start leaves out: it writes its own config (a resumed run warns
+# about every field that differs from config.json) and summary.
+START_OWN_FILES = ("config.json", "summary.json")
+
+
+def copy_start(start: str, workdir: str) -> None:
+  """Makes `workdir` a copy of the seed's step-0 workdir `start` (checkpoint 0, D0 pool, frozen
+  generated held-out set, step 0's logs), so `CoEvolveRun(...).fit()` there resumes from
+  checkpoint 0. Copied under a temporary name and renamed, so a killed copy leaves no workdir.
+
+  Raises:
+    FileExistsError: `workdir` exists (a run of its own is there).
+  """
+  import shutil  # pylint: disable=g-import-not-at-top
+
+  if os.path.exists(workdir):
+    raise FileExistsError(f"{workdir} exists: not replacing a run with a copy of {start}")
+  partial = workdir + ".copying"
+  shutil.rmtree(partial, ignore_errors=True)
+  shutil.copytree(start, partial, ignore=lambda d, names: START_OWN_FILES if d == start else ())
+  os.rename(partial, workdir)
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
@@ -558,6 +591,13 @@ def main(argv: list[str] | None = None) -> int:
     help="extra config override for every run, e.g. feedback.every=3",
   )
   p.add_argument("--report", action="store_true", help="only rebuild the record from the workdirs")
+  p.add_argument(
+    "--no-shared-start",
+    dest="shared_start",
+    action="store_false",
+    help="every run makes its own D0 and warm-start (by default the variants of a seed resume "
+    "from one copy of step 0)",
+  )
   args = p.parse_args(argv)
   variants = args.variants.split(",")
   if unknown := set(variants) - set(VARIANTS):
@@ -583,6 +623,11 @@ def main(argv: list[str] | None = None) -> int:
           continue
         from coevolve_jax.loop import CoEvolveRun  # pylint: disable=g-import-not-at-top
 
+        if args.shared_start and not os.path.exists(workdir):
+          start = os.path.join(args.workdir, f"{START}-s{seed}")
+          print(f"=== start of seed {seed} (D0, warm-start, eval before) -> {start}", flush=True)
+          CoEvolveRun(load_config(START_VARIANT, seed, overrides, args.config), start).bootstrap()
+          copy_start(start, workdir)
         print(f"=== {variant} seed {seed} -> {workdir}", flush=True)
         CoEvolveRun(load_config(variant, seed, overrides, args.config), workdir).fit()
       results.setdefault(variant, []).append({**collect(workdir), "seed": seed})

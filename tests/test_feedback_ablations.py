@@ -200,8 +200,19 @@ def test_a_rerun_resumes_the_grid_and_runs_only_what_is_unfinished(
     def __init__(self, cfg, workdir):
       self.cfg, self.workdir = cfg, workdir
 
+    def bootstrap(self):
+      ran.append((os.path.basename(self.workdir), self.cfg.seed, "step 0"))
+      os.makedirs(os.path.join(self.workdir, "checkpoints"), exist_ok=True)
+      for name in ("config.json", "pool.jsonl"):
+        with open(os.path.join(self.workdir, name), "w") as f:
+          f.write(f"{name} of the start\n")
+      return 0
+
     def fit(self):
       ran.append((os.path.basename(self.workdir), self.cfg.seed, self.cfg.train.steps))
+      if self.workdir.endswith("grpo_only-s1"):  # a copy of seed 1's start, but its own config
+        assert sorted(os.listdir(self.workdir)) == ["checkpoints", "pool.jsonl"]
+        assert not self.cfg.feedback.enabled
       seed = self.cfg.seed
       shutil.rmtree(self.workdir, ignore_errors=True)
       _fake_run(self.workdir, seed, reward=[0.5], gen=(0.0, 0.5))
@@ -222,9 +233,19 @@ def test_a_rerun_resumes_the_grid_and_runs_only_what_is_unfinished(
   text = (tmp_path / "plots.md").read_text()
   assert "| coevolve | 0 |" in text and "one seed" in text
   ablations.main([*args, "--seeds", "0,1", "--steps", "7"])
-  assert ran == [("coevolve-s1", 1, 7), ("grpo_only-s1", 1, 7)]
+  # coevolve-s1 resumes its own workdir; grpo_only-s1 starts from a copy of seed 1's step 0,
+  # made once with the full loop's config.
+  assert ran == [
+    ("coevolve-s1", 1, 7),
+    ("start-s1", 1, "step 0"),
+    ("grpo_only-s1", 1, 7),
+  ]
+  assert not os.path.exists(grid / "grpo_only-s1.copying")
   text = (tmp_path / "plots.md").read_text()
   assert "| coevolve | 0,1 |" in text and "Same start per seed" in text
+  ran.clear()
+  ablations.main([*args, "--seeds", "2", "--steps", "3", "--no-shared-start"])  # own step 0 each
+  assert ran == [("coevolve-s2", 2, 3), ("grpo_only-s2", 2, 3)]
   with pytest.raises(KeyError, match="no field"):
     ablations.load_config("coevolve", 0, {"train.stepz": 3})
 

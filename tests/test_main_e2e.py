@@ -108,6 +108,7 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
   first = CoEvolveRun(cfg, workdir).fit()
   assert first["steps"] == 1 and first["resumed_from_step"] == 0
   assert _from_cache(capsys.readouterr().out) == 0 and os.listdir(cache_dir)  # stored, not loaded
+  _shared_start_gives_the_same_run(tmp_path, workdir, cache_dir, monkeypatch)
 
   # Same run, 2 steps, but the disk is full when step 2's checkpoint is written in the background
   # (after the feedback round joined the pool and the logs): one DiskFullError naming the step.
@@ -330,3 +331,64 @@ def test_a_damaged_summary_is_one_clear_error_before_any_work(tmp_path):
   (workdir / "summary.json").write_text('{"complete": tru')
   with pytest.raises(CorruptFileError, match="summary.json is damaged .*move it aside"):
     CoEvolveRun(small_config(), str(workdir)).fit()
+
+
+def _run_files(workdir: str) -> dict[str, list[dict]]:
+  """The run's JSON-lines outputs without their timing and compile figures (which differ between
+  processes and sessions): what a run computed."""
+  out = {}
+  for name in sorted(os.listdir(workdir)):
+    if name.endswith(".jsonl"):
+      with open(os.path.join(workdir, name)) as f:
+        rows = [json.loads(line) for line in f]
+      out[name] = [
+        {k: v for k, v in r.items() if not k.startswith(("timing/", "compile/", "memory/"))}
+        for r in rows
+      ]
+  return out
+
+
+def _shared_start_gives_the_same_run(tmp_path, workdir: str, cache_dir: str, monkeypatch) -> None:
+  """scripts/ablations.py's shared start: `bootstrap()` runs step 0 (D0, one warm-start, the
+  evaluations before, checkpoint 0) and stops; a copy of that workdir resumed with a variant's
+  switch (GRPO only: step 1 runs no feedback round either way) computes what `workdir`'s run did
+  from scratch, row for row, without a warm-start of its own."""
+  spec = importlib.util.spec_from_file_location(
+    "ablations", os.path.join(os.path.dirname(_CONFIG), os.pardir, "scripts", "ablations.py")
+  )
+  ablations = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(ablations)
+  warmstarts = []
+  real_warmstart = CoEvolveRun._warmstart
+
+  def counted(self):
+    warmstarts.append(os.path.basename(self.workdir))
+    real_warmstart(self)
+
+  def config(feedback: bool):
+    cfg = small_config()
+    cfg.compile.cache_dir = cache_dir
+    cfg.train.steps, cfg.feedback.enabled = 1, feedback
+    cfg.compile.ahead = False  # only the programs step 1 runs, from the run's cache
+    return cfg
+
+  start, copy = str(tmp_path / "start"), str(tmp_path / "copy")
+  with monkeypatch.context() as m:
+    m.setattr(CoEvolveRun, "_warmstart", counted)
+    assert CoEvolveRun(config(True), start).bootstrap() == 0
+    assert CoEvolveRun(config(True), start).bootstrap() == 0  # done already: nothing runs again
+    assert not os.path.exists(os.path.join(start, "summary.json"))
+    ablations.copy_start(start, copy)
+    with pytest.raises(FileExistsError):
+      ablations.copy_start(start, copy)
+    copied = CoEvolveRun(config(False), copy).fit()
+  assert warmstarts == ["start"]
+  with open(os.path.join(workdir, "summary.json")) as f:
+    alone = json.load(f)
+  assert copied["resumed_from_step"] == 0 and copied["steps"] == 1
+  for key in ("wall_s", "phase_s", "feedback_share"):
+    alone.pop(key), copied.pop(key)
+  assert copied == alone
+  assert _run_files(copy) == _run_files(workdir)
+  with open(os.path.join(copy, "config.json")) as f:
+    assert json.load(f)["feedback"]["enabled"] is False  # the variant's own, not the start's
