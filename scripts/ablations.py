@@ -659,6 +659,12 @@ def main(argv: list[str] | None = None) -> int:
     "",
     f"Each run is `{args.config}` with its variant's switch"
     + (f" and {', '.join(f'{k}={v!r}' for k, v in overrides.items())}" if overrides else "")
+    + (
+      ". Step 0 (D0, warm-start, figures before training) ran once per seed in "
+      f"`{START}-s<seed>` and every variant of the seed resumed from a copy of it"
+      if args.shared_start
+      else ". Every run made its own step 0 (`--no-shared-start`)"
+    )
     + ". Same start per seed (D0 counts, warm-start losses, figures before training): "
     + ("yes, in every seed." if not differ else "**no**: " + "; ".join(differ)),
     "",

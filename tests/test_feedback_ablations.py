@@ -243,9 +243,11 @@ def test_a_rerun_resumes_the_grid_and_runs_only_what_is_unfinished(
   assert not os.path.exists(grid / "grpo_only-s1.copying")
   text = (tmp_path / "plots.md").read_text()
   assert "| coevolve | 0,1 |" in text and "Same start per seed" in text
+  assert "resumed from a copy of it" in text
   ran.clear()
   ablations.main([*args, "--seeds", "2", "--steps", "3", "--no-shared-start"])  # own step 0 each
   assert ran == [("coevolve-s2", 2, 3), ("grpo_only-s2", 2, 3)]
+  assert "made its own step 0" in (tmp_path / "plots.md").read_text()
   with pytest.raises(KeyError, match="no field"):
     ablations.load_config("coevolve", 0, {"train.stepz": 3})
 
