@@ -138,9 +138,10 @@ class CoEvolveRun:
     """Runs step 0 only (D0, warm-start, the evaluations before training, checkpoint 0) and stops
     there; `fit()` in the same workdir, or in a copy of it, goes on from that checkpoint.
 
-    scripts/ablations.py runs it once per seed and copies the workdir to every variant of the
-    seed, so the variants share one D0 and warm-start (they differ in `feedback.*` only, which
-    step 0 does not read). A workdir that already holds a checkpoint is left as it is.
+    scripts/ablations.py runs it once per seed and copies the workdir to the variants of the seed
+    whose switch step 0 does not read (`feedback.enabled`, `.mode`, `.kinds`), so they share one
+    D0 and warm-start. A workdir that already holds a checkpoint gets no new step 0 (only its
+    logs are reopened and closed).
 
     Returns:
       The step of the newest checkpoint after it (0 after a fresh start).

@@ -10,10 +10,11 @@ rounds: the reference), random re-exploration (no signals), and the single-signa
 validation when asked for (`--variants`). Every variant is `--config` (default the CPU preset,
 `configs/bfcl.py:cpu`) with one switch changed, run for every seed in `--seeds`. Runs of one seed
 share one start: step 0 (D0, the warm-start, the evaluation sets and the figures before training)
-runs once per seed in `start-s<seed>` (`CoEvolveRun.bootstrap`, with the full loop's config: step 0
-reads no `feedback.*` field) and every variant of the seed resumes from a copy of it, so a seed
-pays for one warm-start (`--no-shared-start`: every run makes its own, as the same seed makes the
-same one). The script checks that they started alike (D0 counts, warm-start losses and the figures
+runs once per seed in `start-s<seed>` (`CoEvolveRun.bootstrap`, with the full loop's config) and
+every variant of the seed whose switch step 0 does not read (`STEP0_UNREAD`: all but
+`no_validation`, which makes its own) resumes from a copy of it, so a seed pays for one
+warm-start (`--no-shared-start`: every run makes its own, as the same seed makes the same one).
+The script checks that they started alike (D0 counts, warm-start losses and the figures
 before training equal) and says so in the record.
 
 Each run has its own workdir under `--workdir` (`<variant>-s<seed>`). A rerun of the same command
@@ -98,19 +99,50 @@ def load_config(variant: str, seed: int, overrides: dict[str, Any], config: str 
 
 
 # The workdir (`<START>-s<seed>`) where a seed's step 0 runs once (`CoEvolveRun.bootstrap`: D0,
-# warm-start, the evaluations before training, checkpoint 0), with the full loop's config: step 0
-# reads no `feedback.*` field, the only fields the variants change.
+# warm-start, the evaluations before training, checkpoint 0), with the full loop's config.
 START = "start"
 START_VARIANT = "coevolve"
-# What a variant's copy of the start leaves out: it writes its own config (a resumed run warns
-# about every field that differs from config.json) and summary.
-START_OWN_FILES = ("config.json", "summary.json")
+# The fields step 0 does not read (the loop reads them in GRPO steps and feedback rounds only).
+# A variant whose switch is among them resumes from a copy of the seed's start; any other makes its
+# own step 0: `no_validation`, since AppWorld's D0 validation follows `feedback.validate`.
+STEP0_UNREAD = frozenset({"feedback.enabled", "feedback.mode", "feedback.kinds"})
+# Written into the start once its step 0 is done, and into each copy (what the record reports).
+START_DONE, COPIED_FROM = "start_done.json", "copied_from_start.json"
+# What a copy of the start leaves out: the variant writes its own config (a resumed run warns about
+# every field that differs from config.json) and summary.
+START_OWN_FILES = ("config.json", "summary.json", START_DONE)
+
+
+def shares_start(variant: str) -> bool:
+  """Whether `variant` can resume from the seed's shared step 0 (its switch is not read there)."""
+  return set(VARIANTS[variant]) <= STEP0_UNREAD
+
+
+def ensure_start(start: str, cfg) -> None:
+  """Runs step 0 in `start` unless it is done (`START_DONE` there, written after it).
+
+  Raises:
+    RuntimeError: `start` holds a run past step 0 (a variant would resume from that step).
+  """
+  if os.path.exists(os.path.join(start, START_DONE)):
+    return
+  from coevolve_jax.loop import CoEvolveRun  # pylint: disable=g-import-not-at-top
+
+  print(f"=== start of seed {cfg.seed} (D0, warm-start, eval before) -> {start}", flush=True)
+  step = CoEvolveRun(cfg, start).bootstrap()
+  if step != 0:
+    raise RuntimeError(
+      f"{start} holds a checkpoint at step {step}, not a step-0 start: move it aside"
+    )
+  with open(os.path.join(start, START_DONE), "w", encoding="utf-8") as f:
+    json.dump({"step": 0, "seed": cfg.seed}, f)
 
 
 def copy_start(start: str, workdir: str) -> None:
   """Makes `workdir` a copy of the seed's step-0 workdir `start` (checkpoint 0, D0 pool, frozen
-  generated held-out set, step 0's logs), so `CoEvolveRun(...).fit()` there resumes from
-  checkpoint 0. Copied under a temporary name and renamed, so a killed copy leaves no workdir.
+  generated held-out set, step 0's logs; symbolic links copied as links), so
+  `CoEvolveRun(...).fit()` there resumes from checkpoint 0, and marks it (`COPIED_FROM`). Copied
+  under a temporary name and renamed, so a killed copy leaves no workdir.
 
   Raises:
     FileExistsError: `workdir` exists (a run of its own is there).
@@ -121,7 +153,14 @@ def copy_start(start: str, workdir: str) -> None:
     raise FileExistsError(f"{workdir} exists: not replacing a run with a copy of {start}")
   partial = workdir + ".copying"
   shutil.rmtree(partial, ignore_errors=True)
-  shutil.copytree(start, partial, ignore=lambda d, names: START_OWN_FILES if d == start else ())
+  shutil.copytree(
+    start,
+    partial,
+    symlinks=True,
+    ignore=lambda d, names: START_OWN_FILES if d == start else (),
+  )
+  with open(os.path.join(partial, COPIED_FROM), "w", encoding="utf-8") as f:
+    json.dump({"start": os.path.abspath(start)}, f)
   os.rename(partial, workdir)
 
 
@@ -162,6 +201,7 @@ def collect(workdir: str) -> dict[str, Any]:
     "groups": read_jsonl(os.path.join(workdir, "groups.jsonl")),
     "pool_eval": read_jsonl(os.path.join(workdir, "eval_pool_after.jsonl")),
     "similarity": [v for r in rounds for v in (r.get("eval_similarity") or {}).values()],
+    "shared_start": os.path.exists(os.path.join(workdir, COPIED_FROM)),
   }
 
 
@@ -416,6 +456,23 @@ def same_start(results: dict[str, list[dict[str, Any]]]) -> list[str]:
   ]
 
 
+def start_sentence(results: dict[str, list[dict[str, Any]]]) -> str:
+  """Which runs resumed from their seed's shared step 0 (a copy of `start-s<seed>`)."""
+  runs = [(v, r["seed"]) for v, rs in results.items() for r in rs]
+  own = [f"{v}-s{r['seed']}" for v, rs in results.items() for r in rs if not r["shared_start"]]
+  if not own:
+    return (
+      f"Step 0 (D0, warm-start, figures before training) ran once per seed in "
+      f"`{START}-s<seed>`; every run resumed from a copy of it."
+    )
+  if len(own) == len(runs):
+    return "Every run made its own step 0."
+  return (
+    f"Step 0 ran once per seed in `{START}-s<seed>` and {len(runs) - len(own)} of {len(runs)} "
+    f"runs resumed from a copy of it; these made their own: {', '.join(own)}."
+  )
+
+
 def plots(results: dict[str, list[dict[str, Any]]], rows: list[dict[str, Any]], out: str):
   """Writes the PNGs; returns their file names."""
   import matplotlib  # pylint: disable=g-import-not-at-top
@@ -623,10 +680,9 @@ def main(argv: list[str] | None = None) -> int:
           continue
         from coevolve_jax.loop import CoEvolveRun  # pylint: disable=g-import-not-at-top
 
-        if args.shared_start and not os.path.exists(workdir):
+        if args.shared_start and shares_start(variant) and not os.path.exists(workdir):
           start = os.path.join(args.workdir, f"{START}-s{seed}")
-          print(f"=== start of seed {seed} (D0, warm-start, eval before) -> {start}", flush=True)
-          CoEvolveRun(load_config(START_VARIANT, seed, overrides, args.config), start).bootstrap()
+          ensure_start(start, load_config(START_VARIANT, seed, overrides, args.config))
           copy_start(start, workdir)
         print(f"=== {variant} seed {seed} -> {workdir}", flush=True)
         CoEvolveRun(load_config(variant, seed, overrides, args.config), workdir).fit()
@@ -659,13 +715,9 @@ def main(argv: list[str] | None = None) -> int:
     "",
     f"Each run is `{args.config}` with its variant's switch"
     + (f" and {', '.join(f'{k}={v!r}' for k, v in overrides.items())}" if overrides else "")
-    + (
-      ". Step 0 (D0, warm-start, figures before training) ran once per seed in "
-      f"`{START}-s<seed>` and every variant of the seed resumed from a copy of it"
-      if args.shared_start
-      else ". Every run made its own step 0 (`--no-shared-start`)"
-    )
-    + ". Same start per seed (D0 counts, warm-start losses, figures before training): "
+    + ". "
+    + start_sentence(results)
+    + " Same start per seed (D0 counts, warm-start losses, figures before training): "
     + ("yes, in every seed." if not differ else "**no**: " + "; ".join(differ)),
     "",
     "Figures, mean ± standard deviation over seeds:",

@@ -202,6 +202,8 @@ def test_a_rerun_resumes_the_grid_and_runs_only_what_is_unfinished(
 
     def bootstrap(self):
       ran.append((os.path.basename(self.workdir), self.cfg.seed, "step 0"))
+      # The full loop's config, whichever variant asked for the start.
+      assert self.cfg.feedback.enabled and self.cfg.feedback.mode == "signals"
       os.makedirs(os.path.join(self.workdir, "checkpoints"), exist_ok=True)
       for name in ("config.json", "pool.jsonl"):
         with open(os.path.join(self.workdir, name), "w") as f:
@@ -210,12 +212,17 @@ def test_a_rerun_resumes_the_grid_and_runs_only_what_is_unfinished(
 
     def fit(self):
       ran.append((os.path.basename(self.workdir), self.cfg.seed, self.cfg.train.steps))
-      if self.workdir.endswith("grpo_only-s1"):  # a copy of seed 1's start, but its own config
-        assert sorted(os.listdir(self.workdir)) == ["checkpoints", "pool.jsonl"]
-        assert not self.cfg.feedback.enabled
-      seed = self.cfg.seed
+      copied = os.path.join(self.workdir, ablations.COPIED_FROM)
+      was_copied = os.path.exists(copied)
+      if was_copied:  # a copy of the seed's start, without its config
+        want = [ablations.COPIED_FROM, "checkpoints", "pool.jsonl"]
+        assert sorted(os.listdir(self.workdir)) == sorted(want)
+        variant = os.path.basename(self.workdir).rsplit("-s", 1)[0]
+        assert self.cfg.feedback.enabled == (variant != "grpo_only")  # its own switch
       shutil.rmtree(self.workdir, ignore_errors=True)
-      _fake_run(self.workdir, seed, reward=[0.5], gen=(0.0, 0.5))
+      _fake_run(self.workdir, self.cfg.seed, reward=[0.5], gen=(0.0, 0.5))
+      if was_copied:
+        open(copied, "w").close()  # the mark survives the run (the loop leaves it alone)
 
   import coevolve_jax.loop  # noqa: PLC0415
 
@@ -232,22 +239,37 @@ def test_a_rerun_resumes_the_grid_and_runs_only_what_is_unfinished(
   assert ran == []
   text = (tmp_path / "plots.md").read_text()
   assert "| coevolve | 0 |" in text and "one seed" in text
+  assert "Every run made its own step 0." in text  # hand-written runs, no copy mark
   ablations.main([*args, "--seeds", "0,1", "--steps", "7"])
   # coevolve-s1 resumes its own workdir; grpo_only-s1 starts from a copy of seed 1's step 0,
-  # made once with the full loop's config.
-  assert ran == [
-    ("coevolve-s1", 1, 7),
-    ("start-s1", 1, "step 0"),
-    ("grpo_only-s1", 1, 7),
-  ]
+  # made with the full loop's config.
+  assert ran == [("coevolve-s1", 1, 7), ("start-s1", 1, "step 0"), ("grpo_only-s1", 1, 7)]
   assert not os.path.exists(grid / "grpo_only-s1.copying")
   text = (tmp_path / "plots.md").read_text()
   assert "| coevolve | 0,1 |" in text and "Same start per seed" in text
-  assert "resumed from a copy of it" in text
+  assert "1 of 4 runs resumed from a copy of it" in text
+  assert "made their own: coevolve-s0, coevolve-s1, grpo_only-s0." in text
+  # A new seed: one step 0 for both variants; a rerun finds it done.
+  ran.clear()
+  ablations.main([*args, "--seeds", "3", "--steps", "3"])
+  assert ran == [("start-s3", 3, "step 0"), ("coevolve-s3", 3, 3), ("grpo_only-s3", 3, 3)]
+  assert "every run resumed from a copy of it" in (tmp_path / "plots.md").read_text()
+  shutil.rmtree(grid / "grpo_only-s3")
+  ran.clear()
+  ablations.main([*args, "--seeds", "3", "--steps", "3"])
+  assert ran == [("grpo_only-s3", 3, 3)]
+  # A start that went past step 0 is not copied.
+  ran.clear()
+  FakeRun.bootstrap = lambda self: ran.append("step 0") or 2
+  with pytest.raises(RuntimeError, match="step 2, not a step-0 start"):
+    ablations.main([*args, "--seeds", "4", "--steps", "3"])
+  assert not os.path.exists(grid / "coevolve-s4")
   ran.clear()
   ablations.main([*args, "--seeds", "2", "--steps", "3", "--no-shared-start"])  # own step 0 each
   assert ran == [("coevolve-s2", 2, 3), ("grpo_only-s2", 2, 3)]
-  assert "made its own step 0" in (tmp_path / "plots.md").read_text()
+  assert "Every run made its own step 0." in (tmp_path / "plots.md").read_text()
+  # Only no_validation's switch is read in step 0 (AppWorld validates D0 by feedback.validate).
+  assert [v for v in ablations.VARIANTS if not ablations.shares_start(v)] == ["no_validation"]
   with pytest.raises(KeyError, match="no field"):
     ablations.load_config("coevolve", 0, {"train.stepz": 3})
 
