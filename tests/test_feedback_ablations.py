@@ -205,9 +205,10 @@ def test_a_rerun_resumes_the_grid_and_runs_only_what_is_unfinished(
       # The full loop's config, whichever variant asked for the start.
       assert self.cfg.feedback.enabled and self.cfg.feedback.mode == "signals"
       os.makedirs(os.path.join(self.workdir, "checkpoints"), exist_ok=True)
-      for name in ("config.json", "pool.jsonl"):
-        with open(os.path.join(self.workdir, name), "w") as f:
-          f.write(f"{name} of the start\n")
+      with open(os.path.join(self.workdir, "config.json"), "w") as f:
+        f.write(self.cfg.to_json_best_effort())
+      with open(os.path.join(self.workdir, "pool.jsonl"), "w") as f:
+        f.write("D0\n")
       return 0
 
     def fit(self):
@@ -256,8 +257,12 @@ def test_a_rerun_resumes_the_grid_and_runs_only_what_is_unfinished(
   assert "every run resumed from a copy of it" in (tmp_path / "plots.md").read_text()
   shutil.rmtree(grid / "grpo_only-s3")
   ran.clear()
-  ablations.main([*args, "--seeds", "3", "--steps", "3"])
-  assert ran == [("grpo_only-s3", 3, 3)]
+  ablations.main([*args, "--seeds", "3", "--steps", "5"])  # more GRPO steps: the same start
+  assert ran == [("grpo_only-s3", 3, 5)]
+  shutil.rmtree(grid / "grpo_only-s3")
+  with pytest.raises(RuntimeError, match=r"other settings \(warmstart.steps\)"):
+    ablations.main([*args, "--seeds", "3", "--set", "warmstart.steps=7"])
+  assert not os.path.exists(grid / "grpo_only-s3")
   # A start that went past step 0 is not copied.
   ran.clear()
   FakeRun.bootstrap = lambda self: ran.append("step 0") or 2
