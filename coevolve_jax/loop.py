@@ -59,7 +59,7 @@ from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.run_state import RoundInFlight, RunState
 from coevolve_jax.trainer import PolicyTrainer, make_batch, make_optimizer
 from coevolve_jax.types import FINISHES, Task, Trajectory
-from coevolve_jax.warmstart import describe, sft_batches
+from coevolve_jax.warmstart import describe, sft_batches, target_buckets
 from envs import make_suite
 
 log = logging.getLogger(__name__)
@@ -545,11 +545,11 @@ class CoEvolveRun:
       mesh=self.mesh,
       compute_dtype=self.cfg.model.dtype,
     )
-    t_max = max(len(d.token_ids) for d in demos)  # one shape for every warm-start batch
-    p_max = max(d.num_generated for d in demos)
+    t_max = max(len(d.token_ids) for d in demos)  # T: t_max, or a batch's bucket above it
+    p_buckets = target_buckets(demos)  # P: a few multiples of 32
     batches = sft_batches(demos, cfg.batch_size, self.state.np_rng, cfg.steps)
     for i, batch in enumerate(tqdm.tqdm(batches, total=cfg.steps, desc="warm-start")):
-      loss = sft.sft_update(make_batch(batch, min_len=t_max, min_targets=p_max))
+      loss = sft.sft_update(make_batch(batch, min_len=t_max, target_buckets=p_buckets))
       if i % 10 == 0 or i == cfg.steps - 1:
         self.metrics.write(0, {"warmstart/loss": loss, "warmstart/step": i})
     self.trainer.params = sft.params

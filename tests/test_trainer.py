@@ -679,3 +679,54 @@ def test_a_float32_master_learns_under_bfloat16_compute_as_float32_does(one_laye
     np.testing.assert_array_equal(np.asarray(x), np.asarray(master.astype(jnp.bfloat16)))
   mixed.freeze_reference()
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(mixed.ref_params))
+
+
+def test_warm_start_target_buckets_pad_little_and_leave_the_sft_step_unchanged(one_layer_model):
+  """`warmstart.target_buckets`: multiples of 32 up to the longest reply; a batch is padded to the
+  smallest that holds its rows. The padding positions add nothing: the SFT loss and the updated
+  weights are those of the same batch padded to a larger P."""
+  from coevolve_jax.warmstart import target_buckets  # noqa: PLC0415
+
+  demos = [_traj(i, [(5, False), (n, True), (3, False)]) for i, n in enumerate((20, 40, 83))]
+  assert target_buckets(demos) == (32, 64, 96)
+  assert target_buckets(demos[:1]) == (32,) and target_buckets(demos, granule=64) == (64, 128)
+  with pytest.raises(ValueError, match="granule"):
+    target_buckets(demos, granule=0)
+  small = make_batch(demos[:2], min_len=128, target_buckets=target_buckets(demos))
+  assert small.target_pos.shape == (2, 64)  # the batch's own bucket, not the longest demo's
+  large = make_batch(demos[:2], min_len=128, min_targets=128)
+  assert large.target_pos.shape == (2, 128)
+  out = []
+  for batch in (small, large):
+    trainer = PolicyTrainer(_fresh(one_layer_model), optax.adam(1e-2), grpo.GRPOConfig(), 1.0)
+    loss = trainer.sft_update(batch)
+    out.append((loss, jax.tree.map(np.asarray, trainer.params)))
+  np.testing.assert_allclose(out[0][0], out[1][0], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(out[0][1]), jax.tree.leaves(out[1][1]), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_warmstart_benchmark_prints_both_paddings_and_their_ratio(tmp_path):
+  """benchmarks/warmstart_bench.py on a small D0: both rows, P bucketed as documented, and the
+  speed-up consistent with the printed seconds."""
+  import os  # noqa: PLC0415
+  import re  # noqa: PLC0415
+  import subprocess  # noqa: PLC0415
+
+  script = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "warmstart_bench.py")
+  out = subprocess.run(
+    [sys.executable, script, "--initial_tasks=8", "--steps=2", "--repeats=1"]
+    + [f"--workdir={tmp_path}"],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=True,
+  ).stdout
+  rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines()]
+  before, now = [r for r in rows if r and r[0].startswith(("longest", "target_buckets"))]
+  b, n = float(before[1]), float(now[1])
+  assert before[4] == "1.00x" and float(now[2]) <= float(before[2])
+  shapes = re.findall(r"\((\d+), (\d+)\)", now[3])  # (T, P) pairs
+  assert shapes and all(int(p) % 32 == 0 for _, p in shapes)
+  assert abs(float(now[4].removesuffix("x")) - b / n) <= 0.01 + 0.001 * (b + n) / n**2
