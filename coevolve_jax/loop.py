@@ -79,11 +79,12 @@ PHASES = (
 GENERATED_EVAL_STREAM = 0x6576616C
 
 
-def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+def flat_config(d: dict, prefix: str = "") -> dict[str, Any]:
+  """A config's JSON dict as {"dotted.key": value} (nested dicts flattened)."""
   out = {}
   for k, v in d.items():
     if isinstance(v, dict):
-      out.update(_flat(v, f"{prefix}{k}."))
+      out.update(flat_config(v, f"{prefix}{k}."))
     else:
       out[f"{prefix}{k}"] = v
   return out
@@ -882,14 +883,12 @@ class CoEvolveRun:
       write_atomic(path, json.dumps(now, indent=1, sort_keys=True))
       return
     with open(path, encoding="utf-8") as f:
-      before = json.load(f)
-    changed = sorted(
-      k for k in set(_flat(now)) | set(_flat(before)) if _flat(now).get(k) != _flat(before).get(k)
-    )
-    for key in changed:
+      before = flat_config(json.load(f))
+    now = flat_config(now)
+    for key in sorted(k for k in set(now) | set(before) if now.get(k) != before.get(k)):
       print(
         f"warning: config {key} changed since this run started: "
-        f"{_flat(before).get(key)!r} -> {_flat(now).get(key)!r}"
+        f"{before.get(key)!r} -> {now.get(key)!r}"
       )
 
   # ------------------------------------------------------------------ summary

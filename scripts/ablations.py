@@ -117,16 +117,6 @@ START_OWN_FILES = ("config.json", "summary.json", START_DONE)
 START_MAY_DIFFER = STEP0_UNREAD | {"train.steps"}
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, dict):
-      out.update(_flat(v, f"{prefix}{k}."))
-    else:
-      out[f"{prefix}{k}"] = v
-  return out
-
-
 def shares_start(variant: str) -> bool:
   """Whether `variant` can resume from the seed's shared step 0 (its switch is not read there)."""
   return set(VARIANTS[variant]) <= STEP0_UNREAD
@@ -139,10 +129,12 @@ def ensure_start(start: str, cfg) -> None:
     RuntimeError: `start` holds a run past step 0 (a variant would resume from that step), or a
       finished start was made with other settings than `cfg`'s (but `START_MAY_DIFFER`).
   """
+  from coevolve_jax.loop import CoEvolveRun, flat_config  # pylint: disable=g-import-not-at-top
+
   if os.path.exists(os.path.join(start, START_DONE)):
     with open(os.path.join(start, "config.json"), encoding="utf-8") as f:
-      made = _flat(json.load(f))
-    now = _flat(json.loads(cfg.to_json_best_effort()))
+      made = flat_config(json.load(f))
+    now = flat_config(json.loads(cfg.to_json_best_effort()))
     changed = sorted(
       k for k in set(made) | set(now) if made.get(k) != now.get(k) and k not in START_MAY_DIFFER
     )
@@ -152,8 +144,6 @@ def ensure_start(start: str, cfg) -> None:
         f"run the config asked for: use another --workdir, or move {start} aside"
       )
     return
-  from coevolve_jax.loop import CoEvolveRun  # pylint: disable=g-import-not-at-top
-
   print(f"=== start of seed {cfg.seed} (D0, warm-start, eval before) -> {start}", flush=True)
   step = CoEvolveRun(cfg, start).bootstrap()
   if step != 0:
