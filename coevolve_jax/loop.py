@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -124,11 +125,16 @@ class CoEvolveRun:
     """
     if (done := self._completed_summary()) is not None:
       return done
+    return self._session(self._run)
+
+  def _session(self, body: Callable[[], Any]) -> Any:
+    """`body()` with this session's clock and compile counter; on an error, the checkpointer and
+    logs are closed before it propagates."""
     self._session_start = time.perf_counter()
     # XLA compilations of this process, logged per step (`compile/count`, `compile/seconds`).
     self.compiles = CompileCounter()
     try:
-      return self._run()
+      return body()
     except Exception:
       self._close_after_error()
       raise
@@ -150,26 +156,21 @@ class CoEvolveRun:
     Raises:
       The errors of `fit`.
     """
-    self._session_start = time.perf_counter()
-    self.compiles = CompileCounter()
-    try:
-      self._setup()
-      restored = self._restore()
-      self._open_logs(restored)
-      if restored is None:
-        self._bootstrap()
-        self.metrics.write(0, {**self.compiles.pop(), **self.timer.pop_last()})
-      self.ckpt.wait()
-      self.metrics.close()
-      self.ckpt.close()
-      self._executor.shutdown()
-      self.suite.close()
-      return self.state.step
-    except Exception:
-      self._close_after_error()
-      raise
-    finally:
-      self.compiles.close()
+    return self._session(self._step0)
+
+  def _step0(self) -> int:
+    self._setup()
+    restored = self._restore()
+    self._open_logs(restored)
+    if restored is None:
+      self._bootstrap()
+      self.metrics.write(0, {**self.compiles.pop(), **self.timer.pop_last()})
+    self.ckpt.wait()
+    self.metrics.close()
+    self.ckpt.close()
+    self._executor.shutdown()
+    self.suite.close()
+    return self.state.step
 
   def _run(self) -> dict[str, Any]:
     self._setup()
