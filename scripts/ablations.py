@@ -17,9 +17,10 @@ warm-start (`--no-shared-start`: every run makes its own, as the same seed makes
 The script checks that they started alike (D0 counts, warm-start losses and the figures
 before training equal) and says so in the record.
 
-Each run has its own workdir under `--workdir` (`<variant>-s<seed>`). A rerun of the same command
-resumes the grid: finished runs are read back, a killed run resumes from its last checkpoint (a
-killed start from scratch).
+Each run has its own workdir under `--workdir` (`<variant>-s<seed>`); all share one persistent
+compilation cache there (`GRID_CACHE`, unless `--set compile.cache_dir=...`). A rerun of the
+same command resumes the grid: finished runs are read back, a killed run resumes from its last
+checkpoint (a killed start from scratch).
 `--report` only rebuilds the record and plots from the workdirs.
 
 Figures per run (`FIGURES`): the held-out BFCL success before and after, the generated held-out
@@ -113,8 +114,14 @@ START_DONE, COPIED_FROM = "start_done.json", "copied_from_start.json"
 START_OWN_FILES = ("config.json", "summary.json", START_DONE)
 
 
-# Fields a finished start may have been made with other values of: GRPO steps only.
-START_MAY_DIFFER = STEP0_UNREAD | {"train.steps"}
+# Fields a finished start may have been made with other values of: GRPO steps, and how programs
+# are compiled (not what they compute).
+COMPILE_ONLY = frozenset({"compile.ahead", "compile.threads", "compile.cache_dir"})
+START_MAY_DIFFER = STEP0_UNREAD | COMPILE_ONLY | {"train.steps"}
+# JAX's persistent compilation cache shared by every run of the grid (`compile.cache_dir`, unless
+# --set gives one): its runs compile the same programs (the switches change no shape), so each
+# run after the first loads them instead of compiling again.
+GRID_CACHE = "xla_cache"
 
 
 def shares_start(variant: str) -> bool:
@@ -684,6 +691,8 @@ def main(argv: list[str] | None = None) -> int:
   if args.steps:
     overrides["train.steps"] = args.steps
   seeds = [int(s) for s in args.seeds.split(",")]
+  cache = {"compile.cache_dir": os.path.join(os.path.abspath(args.workdir), GRID_CACHE)}
+  run_overrides = {**cache, **overrides}  # the record lists what the command set
 
   os.makedirs(args.out, exist_ok=True)
   results: dict[str, list[dict[str, Any]]] = {}
@@ -698,10 +707,10 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.shared_start and shares_start(variant) and not os.path.exists(workdir):
           start = os.path.join(args.workdir, f"{START}-s{seed}")
-          ensure_start(start, load_config(START_VARIANT, seed, overrides, args.config))
+          ensure_start(start, load_config(START_VARIANT, seed, run_overrides, args.config))
           copy_start(start, workdir)
         print(f"=== {variant} seed {seed} -> {workdir}", flush=True)
-        CoEvolveRun(load_config(variant, seed, overrides, args.config), workdir).fit()
+        CoEvolveRun(load_config(variant, seed, run_overrides, args.config), workdir).fit()
       results.setdefault(variant, []).append({**collect(workdir), "seed": seed})
   results = {v: results[v] for v in variants if v in results}
   lines = summary_table(results)

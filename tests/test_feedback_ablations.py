@@ -195,6 +195,7 @@ def test_a_rerun_resumes_the_grid_and_runs_only_what_is_unfinished(
   _fake_run(grid / "grpo_only-s0", 0, reward=[0.5], gen=(0.0, 0.25))
   os.makedirs(grid / "coevolve-s1")  # killed before it finished: no summary
   ran = []
+  caches = [str(grid / ablations.GRID_CACHE)]
 
   class FakeRun:
     def __init__(self, cfg, workdir):
@@ -202,6 +203,7 @@ def test_a_rerun_resumes_the_grid_and_runs_only_what_is_unfinished(
 
     def bootstrap(self):
       ran.append((os.path.basename(self.workdir), self.cfg.seed, "step 0"))
+      assert self.cfg.compile.cache_dir == caches[-1]  # one cache for the grid
       # The full loop's config, whichever variant asked for the start.
       assert self.cfg.feedback.enabled and self.cfg.feedback.mode == "signals"
       os.makedirs(os.path.join(self.workdir, "checkpoints"), exist_ok=True)
@@ -213,6 +215,7 @@ def test_a_rerun_resumes_the_grid_and_runs_only_what_is_unfinished(
 
     def fit(self):
       ran.append((os.path.basename(self.workdir), self.cfg.seed, self.cfg.train.steps))
+      assert self.cfg.compile.cache_dir == caches[-1]
       copied = os.path.join(self.workdir, ablations.COPIED_FROM)
       was_copied = os.path.exists(copied)
       if was_copied:  # a copy of the seed's start, without its config
@@ -259,6 +262,14 @@ def test_a_rerun_resumes_the_grid_and_runs_only_what_is_unfinished(
   ran.clear()
   ablations.main([*args, "--seeds", "3", "--steps", "5"])  # more GRPO steps: the same start
   assert ran == [("grpo_only-s3", 3, 5)]
+  shutil.rmtree(grid / "grpo_only-s3")
+  ran.clear()  # another compilation cache (--set): the same start, and the record omits it
+  caches.append(str(tmp_path / "own_cache"))
+  own = f"compile.cache_dir={json.dumps(caches[-1])}"
+  ablations.main([*args, "--seeds", "3", "--steps", "5", "--set", own])
+  assert ran == [("grpo_only-s3", 3, 5)]
+  assert "own_cache" in (tmp_path / "plots.md").read_text()  # the command
+  caches.pop()
   shutil.rmtree(grid / "grpo_only-s3")
   with pytest.raises(RuntimeError, match=r"other settings \(warmstart.steps\)"):
     ablations.main([*args, "--seeds", "3", "--set", "warmstart.steps=7"])
