@@ -10,7 +10,7 @@ from coevolve_jax.models import Qwen, QwenConfig
 from coevolve_jax.models.qwen import rope
 from coevolve_jax.rollout import Completion, generate
 from coevolve_jax.rollout.engine import MAX_PREFILL_CHUNK, Engine, _chunks, prefill_schedule
-from coevolve_jax.rollout.sampling import SamplingParams, processed_logprobs, sample
+from coevolve_jax.rollout.sampling import SamplingParams, argmax_last, processed_logprobs, sample
 from coevolve_jax.trainer import token_logprobs
 
 CACHE = 64  # every engine below uses this cache length and 3 slots, so compilations are shared
@@ -385,6 +385,28 @@ def test_top_k_one_equals_greedy():
       np.testing.assert_array_equal(np.asarray(tok), np.asarray(greedy_tok))
       # The distribution sampled from holds one token: log-prob 0.
       np.testing.assert_array_equal(np.asarray(lp), np.zeros(64, np.float32))
+
+
+@pytest.mark.parametrize("v", [100, 4 * 1024 + 37, 5 * 1187])
+def test_two_level_argmax_is_argmax(v):
+  """`argmax_last` (the greedy sampler's) gives `argmax`'s index in every row: one vocabulary
+  block, padded blocks (4133) and exact ones (5 x 1187); ties take the first index, also across
+  blocks; rows of -inf give 0; a NaN is taken as the max (its first index), as numpy does."""
+  x = np.array(jax.random.normal(jax.random.key(v), (12, v)), np.float32)
+  x[1, [3, v - 1]] = 9.0  # a tie in the first and last blocks
+  x[2, [v // 2, v // 2 + 1]] = 9.0  # a tie inside one block (or across two)
+  x[3, -1] = 9.0  # the last entry (past the padding edge)
+  x[4] = -np.inf
+  x[5, [7, v - 2]] = np.nan
+  x[6] = 1.0  # all equal
+  x[7, :] = -np.inf
+  x[7, v - 3] = -1.0
+  want = np.argmax(x, axis=-1)
+  assert want[1] == 3 and want[4] == 0 and want[5] == 7 and want[6] == 0
+  for fn in (argmax_last, jax.jit(argmax_last)):
+    got = np.asarray(fn(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
 
 
 def test_tiny_temperatures_keep_exact_logprobs():
