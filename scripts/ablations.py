@@ -18,7 +18,8 @@ The script checks that they started alike (D0 counts, warm-start losses and the 
 before training equal) and says so in the record.
 
 Each run has its own workdir under `--workdir` (`<variant>-s<seed>`); all share one persistent
-compilation cache there (`GRID_CACHE`, unless `--set compile.cache_dir=...`). A rerun of the
+compilation cache there (`GRID_CACHE`, unless the config, `--set compile.cache_dir=...` or
+JAX_COMPILATION_CACHE_DIR names one). A rerun of the
 same command resumes the grid: finished runs are read back, a killed run resumes from its last
 checkpoint (a killed start from scratch).
 `--report` only rebuilds the record and plots from the workdirs.
@@ -115,12 +116,12 @@ START_OWN_FILES = ("config.json", "summary.json", START_DONE)
 
 
 # Fields a finished start may have been made with other values of: GRPO steps, and how programs
-# are compiled (not what they compute).
+# are compiled (ahead or lazily, threads, the cache they are kept in).
 COMPILE_ONLY = frozenset({"compile.ahead", "compile.threads", "compile.cache_dir"})
 START_MAY_DIFFER = STEP0_UNREAD | COMPILE_ONLY | {"train.steps"}
 # JAX's persistent compilation cache shared by every run of the grid (`compile.cache_dir`, unless
-# --set gives one): its runs compile the same programs (the switches change no shape), so each
-# run after the first loads them instead of compiling again.
+# the config, --set or JAX_COMPILATION_CACHE_DIR gives one): its runs compile the same programs
+# (the switches change no shape), so each run after the first loads them instead of compiling.
 GRID_CACHE = "xla_cache"
 
 
@@ -691,7 +692,11 @@ def main(argv: list[str] | None = None) -> int:
   if args.steps:
     overrides["train.steps"] = args.steps
   seeds = [int(s) for s in args.seeds.split(",")]
-  cache = {"compile.cache_dir": os.path.join(os.path.abspath(args.workdir), GRID_CACHE)}
+  own_cache = load_config(START_VARIANT, seeds[0], overrides, args.config).compile.cache_dir
+  own_cache = own_cache or os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
+  grid_cache = os.path.join(os.path.abspath(args.workdir), GRID_CACHE)
+  cache = {} if own_cache else {"compile.cache_dir": grid_cache}
+  print(f"compilation cache of every run: {own_cache or cache['compile.cache_dir']}")
   run_overrides = {**cache, **overrides}  # the record lists what the command set
 
   os.makedirs(args.out, exist_ok=True)

@@ -389,24 +389,33 @@ def test_top_k_one_equals_greedy():
 
 @pytest.mark.parametrize("v", [100, 4 * 1024 + 37, 5 * 1187])
 def test_two_level_argmax_is_argmax(v):
-  """`argmax_last` (the greedy sampler's) gives `argmax`'s index in every row: one vocabulary
-  block, padded blocks (4133) and exact ones (5 x 1187); ties take the first index, also across
-  blocks; rows of -inf give 0; a NaN is taken as the max (its first index), as numpy does."""
-  x = np.array(jax.random.normal(jax.random.key(v), (12, v)), np.float32)
+  """`argmax_last` (the greedy sampler's on CPU) gives `argmax`'s index in every row: one
+  vocabulary block, padded blocks (4133) and exact ones (5 x 1187); ties take the first index,
+  in one block and across blocks; +inf; rows of -inf give 0; a NaN is taken as the max (its
+  first index, also when a larger value or +inf comes earlier), as numpy does; bfloat16 too."""
+  x = np.array(jax.random.normal(jax.random.key(v), (14, v)), np.float32)
   x[1, [3, v - 1]] = 9.0  # a tie in the first and last blocks
-  x[2, [v // 2, v // 2 + 1]] = 9.0  # a tie inside one block (or across two)
+  x[2, [v // 2, v // 2 + 1]] = 9.0  # a tie at neighbouring entries
   x[3, -1] = 9.0  # the last entry (past the padding edge)
   x[4] = -np.inf
   x[5, [7, v - 2]] = np.nan
   x[6] = 1.0  # all equal
   x[7, :] = -np.inf
   x[7, v - 3] = -1.0
+  x[8, [v - 5, v - 4]] = np.inf  # +inf, twice
+  x[9, 2] = np.inf  # +inf first, a NaN in a later block: the NaN
+  x[9, v - 6] = np.nan
+  x[10, 0] = 50.0  # a larger value first, a NaN later
+  x[10, v - 7] = np.nan
   want = np.argmax(x, axis=-1)
   assert want[1] == 3 and want[4] == 0 and want[5] == 7 and want[6] == 0
+  assert want[8] == v - 5 and want[9] == v - 6 and want[10] == v - 7
   for fn in (argmax_last, jax.jit(argmax_last)):
     got = np.asarray(fn(jnp.asarray(x)))
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, want)
+  half = jnp.asarray(x, jnp.bfloat16)  # rounding makes new ties: compare with jnp's argmax
+  np.testing.assert_array_equal(np.asarray(argmax_last(half)), np.asarray(jnp.argmax(half, -1)))
 
 
 def test_tiny_temperatures_keep_exact_logprobs():

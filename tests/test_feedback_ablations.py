@@ -271,6 +271,14 @@ def test_a_rerun_resumes_the_grid_and_runs_only_what_is_unfinished(
   assert "own_cache" in (tmp_path / "plots.md").read_text()  # the command
   caches.pop()
   shutil.rmtree(grid / "grpo_only-s3")
+  ran.clear()  # JAX's own cache setting is left to JAX (the config's "" reaches the run)
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env_cache"))
+  caches.append("")
+  ablations.main([*args, "--seeds", "3", "--steps", "5"])
+  assert ran == [("grpo_only-s3", 3, 5)]
+  caches.pop()
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+  shutil.rmtree(grid / "grpo_only-s3")
   with pytest.raises(RuntimeError, match=r"other settings \(warmstart.steps\)"):
     ablations.main([*args, "--seeds", "3", "--set", "warmstart.steps=7"])
   assert not os.path.exists(grid / "grpo_only-s3")

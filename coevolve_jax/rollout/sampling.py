@@ -139,9 +139,10 @@ SAMPLE_BLOCK = 1024  # about the vocabulary entries per block of the two-level i
 
 
 def _sample_block(v: int) -> int:
-  """Block length for `sample`: a divisor of V near SAMPLE_BLOCK (151,936 = 128 x 1187), so the
-  [B, V] probabilities reshape into blocks without a padded copy, which on CPU cost more than
-  the rest of the sampler; V itself when V is small; SAMPLE_BLOCK (with padding) otherwise."""
+  """Block length for `sample` and `argmax_last`: a divisor of V near SAMPLE_BLOCK (151,936 =
+  128 x 1187), so the [B, V] probabilities or logits reshape into blocks without a padded copy,
+  which on CPU cost more than the rest of the sampler; V itself when V is small; SAMPLE_BLOCK
+  (with padding) otherwise."""
   if v <= 2 * SAMPLE_BLOCK:
     return v
   near_first = sorted(
@@ -155,14 +156,17 @@ def _sample_block(v: int) -> int:
 
 def argmax_last(x_bv: jax.Array) -> jax.Array:
   """`jnp.argmax(x_bv, axis=-1)` in two levels: the max of each block of `_sample_block(V)`
-  entries (one reduction over [B, V]), the first block holding the row's max, then the first
-  index of the max inside it. The same index as `jnp.argmax`, ties (the first index), -inf and
-  NaN (the first NaN) included, at about the cost of `jnp.max`: XLA:CPU lowers an argmax over
-  [B, V] to a scalar loop (43 ms at [64, 151,936] on the 2-core CPU, against a few ms for this;
-  measured 2026-12-03, docs/benchmarks/rollout.md).
+  entries, the first block holding the row's max, then the first index of the max inside it.
+  The same index as `jnp.argmax`: ties (the first index), +-inf and NaN (the first NaN, found by
+  a separate pass over the blocks, since XLA:CPU's max reduction does not always carry a NaN
+  through). XLA:CPU lowers `jnp.argmax` over [B, V] to a scalar loop: at [64, 151,936] float32 on
+  the 2-core CPU 43 ms, against 6.6 ms for this (1.1 ms for `jnp.max`; most of the rest is the
+  NaN pass), measured 2026-12-03 (docs/benchmarks/rollout.md). `sample` uses it on CPU only:
+  on GPU and TPU `jnp.argmax` is one native reduction, and on a vocabulary-sharded mesh this
+  adds collectives.
 
   Args:
-    x_bv: [B, V] float array.
+    x_bv: [B, V] float array (B >= 1).
   Returns:
     [B] int32 indices.
   """
@@ -172,7 +176,7 @@ def argmax_last(x_bv: jax.Array) -> jax.Array:
   if pad:  # -inf padding: never above a real entry, and a row of -inf still gives index 0
     x_bv = jnp.pad(x_bv, ((0, 0), (0, pad)), constant_values=-jnp.inf)
   blocks = x_bv.reshape(b, -1, block)
-  # XLA:CPU's max reduction does not always carry a NaN through, so NaN blocks are found apart.
+  # XLA:CPU's max reduction does not always carry a NaN through: NaN blocks are found apart.
   nan_blocks = jnp.any(jnp.isnan(blocks), axis=-1)  # [B, NB]
   has_nan = jnp.any(nan_blocks, axis=-1)
   blk = jnp.where(
@@ -206,7 +210,8 @@ def sample(
   """
   filtered = filtered_logits(logits_bv, params)
   if params.greedy:
-    tokens = argmax_last(filtered)
+    cpu = jax.default_backend() == "cpu"  # see argmax_last
+    tokens = argmax_last(filtered) if cpu else jnp.argmax(filtered, axis=-1).astype(jnp.int32)
     # The argmax's logit is the row's max: log p = -log(sum(exp(z - max))), one pass over [B, V]
     # after the argmax's instead of logsumexp's two.
     top = jnp.take_along_axis(filtered, tokens[:, None], axis=-1)
