@@ -19,9 +19,8 @@ before training equal) and says so in the record.
 
 Each run has its own workdir under `--workdir` (`<variant>-s<seed>`); all share one persistent
 compilation cache there (`GRID_CACHE`, unless the config, `--set compile.cache_dir=...` or
-JAX_COMPILATION_CACHE_DIR names one). A rerun of the
-same command resumes the grid: finished runs are read back, a killed run resumes from its last
-checkpoint (a killed start from scratch).
+JAX_COMPILATION_CACHE_DIR names one). A rerun of the same command resumes the grid: finished
+runs are read back, a killed run resumes from its last checkpoint (a killed start from scratch).
 `--report` only rebuilds the record and plots from the workdirs.
 
 Figures per run (`FIGURES`): the held-out BFCL success before and after, the generated held-out

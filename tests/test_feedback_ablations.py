@@ -263,7 +263,7 @@ def test_a_rerun_resumes_the_grid_and_runs_only_what_is_unfinished(
   ablations.main([*args, "--seeds", "3", "--steps", "5"])  # more GRPO steps: the same start
   assert ran == [("grpo_only-s3", 3, 5)]
   shutil.rmtree(grid / "grpo_only-s3")
-  ran.clear()  # another compilation cache (--set): the same start, and the record omits it
+  ran.clear()  # another compilation cache (--set): the same start; the record's command names it
   caches.append(str(tmp_path / "own_cache"))
   own = f"compile.cache_dir={json.dumps(caches[-1])}"
   ablations.main([*args, "--seeds", "3", "--steps", "5", "--set", own])

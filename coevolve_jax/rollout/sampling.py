@@ -154,6 +154,16 @@ def _sample_block(v: int) -> int:
   return SAMPLE_BLOCK
 
 
+def _in_blocks(x_bv: jax.Array, fill: float) -> tuple[jax.Array, int]:
+  """([B, NB, block] view of `x_bv` [B, V] padded with `fill` to whole blocks, block), with
+  block = `_sample_block(V)`."""
+  b, v = x_bv.shape
+  block = _sample_block(v)
+  if v % block:
+    x_bv = jnp.pad(x_bv, ((0, 0), (0, -v % block)), constant_values=fill)
+  return x_bv.reshape(b, -1, block), block
+
+
 def argmax_last(x_bv: jax.Array) -> jax.Array:
   """`jnp.argmax(x_bv, axis=-1)` in two levels: the max of each block of `_sample_block(V)`
   entries, the first block holding the row's max, then the first index of the max inside it.
@@ -170,12 +180,8 @@ def argmax_last(x_bv: jax.Array) -> jax.Array:
   Returns:
     [B] int32 indices.
   """
-  b, v = x_bv.shape
-  block = _sample_block(v)
-  pad = -v % block
-  if pad:  # -inf padding: never above a real entry, and a row of -inf still gives index 0
-    x_bv = jnp.pad(x_bv, ((0, 0), (0, pad)), constant_values=-jnp.inf)
-  blocks = x_bv.reshape(b, -1, block)
+  # -inf padding: never above a real entry, and a row of -inf still gives index 0.
+  blocks, block = _in_blocks(x_bv, -jnp.inf)
   # XLA:CPU's max reduction does not always carry a NaN through: NaN blocks are found apart.
   nan_blocks = jnp.any(jnp.isnan(blocks), axis=-1)  # [B, NB]
   has_nan = jnp.any(nan_blocks, axis=-1)
@@ -216,11 +222,10 @@ def sample(
     # after the argmax's instead of logsumexp's two.
     top = jnp.take_along_axis(filtered, tokens[:, None], axis=-1)
     return tokens, -jnp.log(jnp.sum(jnp.exp(filtered - top), axis=-1))
-  b, v = filtered.shape
+  b = filtered.shape[0]
   top = jnp.max(filtered, axis=-1, keepdims=True)  # finite: the top token is always kept
   unnorm = jnp.exp(filtered - top)  # [B, V], 0 outside the kept set
-  block = _sample_block(v)
-  blocks = jnp.pad(unnorm, ((0, 0), (0, -v % block))).reshape(b, -1, block)
+  blocks, block = _in_blocks(unnorm, 0.0)
   block_mass = jnp.sum(blocks, axis=-1)  # [B, NB]
   block_cdf = jnp.cumsum(block_mass, axis=-1)
   total = block_cdf[:, -1:]
