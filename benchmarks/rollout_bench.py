@@ -9,10 +9,14 @@ call, prefill included, median of --repeats calls after a warm-up call of the sa
 and sampled (T = 0.9, full vocabulary), the ratio of ours to the faster peer, whether our greedy
 tokens equal transformers', how one decode step's time grows with batch size and with cache length,
 and the matmul bound: the most tokens/s an implementation could reach here if every product ran at
-the rate XLA (or the faster of XLA and torch) reaches on it in this run (`matmul_bound`).
+the rate XLA (or the faster of XLA and torch) reaches on it in this run (`matmul_bound`), and the
+product bound, the same with every product the engine runs at its own shape's rate
+(`product_bound`).
 Our engine runs at each `--decode_steps` K (decode steps per device call, default 1,8); the last
 K is the one compared with the peers, and a last table gives each K's tokens/s against the first
-K's in this run and whether their tokens are identical (they must be).
+K's in this run and whether their tokens are identical (they must be). `--profile=DIR` then
+traces one greedy call at the largest batch and prints where its device time went, by operation
+(benchmarks/op_profile.py).
 
 google-tunix conflicts with our pins, so it runs in its own environment (`--tunix_python`,
 default .venv-tunix/bin/python) as a subprocess of this script (`--worker=tunix`), on the same
@@ -23,6 +27,7 @@ results.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import subprocess
@@ -346,10 +351,136 @@ def matmul_bound(args, model) -> dict:
   return out
 
 
+def call_products(cfg, batch: int, prompt_len: int, new_tokens: int, engine) -> dict:
+  """The matrix products of one `generate` call of `batch` prompts of `prompt_len` tokens and
+  `new_tokens` new tokens, as the engine runs them, counted by shape.
+
+  Prefill: the forwards of `prefill_schedule` at the engine's padded row count R and chunk length
+  t: per layer the q, k, v, o, gate, up and down projections of [R * t, .] rows, then the head on
+  R rows. Decode: new_tokens - 1 steps of the same products on [batch, .] rows. Attention's own
+  products (scores and values, which grow with the cache) are left out, as in `matmul_bound`.
+  Returns {(m, k, n): count}; `engine` gives `max_prefill_tokens`, `prefill_min_chunk`,
+  `cache_len` and `padded_rows`.
+  """
+  from coevolve_jax.rollout.engine import prefill_schedule  # noqa: PLC0415
+
+  d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+  q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+  out: dict[tuple[int, int, int], int] = {}
+
+  def add(m: int, times: int) -> None:
+    layer = [(m, d, q), (m, d, kv), (m, d, kv), (m, q, d), (m, d, f), (m, d, f), (m, f, d)]
+    for shape in layer:
+      out[shape] = out.get(shape, 0) + times * cfg.num_hidden_layers
+
+  def head(m: int, times: int) -> None:
+    out[(m, d, v)] = out.get((m, d, v), 0) + times
+
+  forwards = prefill_schedule(
+    [prompt_len] * batch,
+    [0] * batch,
+    engine.cache_len,
+    engine.max_prefill_tokens,
+    engine.prefill_min_chunk,
+  )
+  for rows, t in forwards:
+    r = engine.padded_rows(len(rows), t)
+    add(r * t, 1)
+    head(r, 1)
+  add(batch, new_tokens - 1)
+  head(batch, new_tokens - 1)
+  return out
+
+
+def product_bound(args, model) -> dict:
+  """Per batch size, the fastest generate call the products of `call_products` allow, each at
+  the rate XLA (or the faster of XLA and torch) reaches here on its own shape: the reference
+  that holds our engine to the products it runs rather than to the best-shaped one
+  (`matmul_bound` runs every decode FLOP at the head's rate and every prefill FLOP at the MLP's).
+  """
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from coevolve_jax.rollout import Engine  # noqa: PLC0415
+
+  cache = -(-(args.prompt_len + args.new_tokens) // 128) * 128
+  rates: dict[tuple[int, int, int], tuple[float, float]] = {}
+  out = {}
+  for b in args.batches:
+    engine = Engine(model, b, cache, dtype=jnp.dtype(args.dtype))
+    products = call_products(model.config, b, args.prompt_len, args.new_tokens, engine)
+    seconds = {"xla": 0.0, "any": 0.0}
+    for shape, count in products.items():
+      if shape not in rates:
+        # Small products take well under a millisecond: repeat them enough for a stable median.
+        rates[shape] = _rates(*shape, repeats=int(max(5, min(101, 5e9 // (2 * np.prod(shape))))))
+      flops = 2 * float(np.prod(shape)) * count
+      seconds["xla"] += flops / rates[shape][0]
+      seconds["any"] += flops / max(rates[shape])
+    out[b] = {
+      "products": sum(products.values()),
+      "xla": b * args.new_tokens / seconds["xla"],
+      "any": b * args.new_tokens / seconds["any"],
+    }
+  return out
+
+
+def profile_call(args, model, prompts: np.ndarray) -> None:
+  """Traces one greedy generate call at the largest batch (after a warm-up call) into
+  `args.profile`/trace and prints `op_profile`'s table of it. A profiler that cannot start (no
+  CUPTI on a GPU image, say) is reported, not raised: the tables above are the run's results."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from op_profile import op_table, render  # noqa: PLC0415
+
+  from coevolve_jax.rollout import Engine, SamplingParams, generate  # noqa: PLC0415
+
+  b = max(args.batches)
+  cache = -(-(args.prompt_len + args.new_tokens) // 128) * 128
+  engine = Engine(model, b, cache, dtype=jnp.dtype(args.dtype))
+  k = args.decode_steps[-1]
+
+  def call():
+    return generate(
+      engine,
+      prompts[:b].tolist(),
+      SamplingParams(temperature=0.0),
+      max_new_tokens=args.new_tokens,
+      decode_steps=k,
+    )
+
+  def dumped() -> set[str]:
+    return set(glob.glob(os.path.join(args.profile, "hlo", "*after_optimizations.txt")))
+
+  before = dumped()
+  programs = [os.path.basename(path).split(".")[1] for path in before]
+  if len(programs) > len(set(programs)):
+    # One program compiled for several batches, K or samplings: compiled again here, so that
+    # the dump holds the traced programs apart (their operation numbers differ between shapes).
+    jax.clear_caches()
+  else:
+    before = set()
+  call()
+  trace = os.path.join(args.profile, "trace")
+  try:
+    with jax.profiler.trace(trace, create_perfetto_trace=True):
+      start = time.perf_counter()
+      call()
+      wall = time.perf_counter() - start
+    rows, span = op_table(trace, sorted(dumped() - before) or os.path.join(args.profile, "hlo"))
+  except Exception as e:  # noqa: BLE001  (a diagnostic: report and keep the results above)
+    print(f"\nprofile: failed ({type(e).__name__}: {e})")
+    return
+  print(
+    f"\nwhere one greedy call's device time goes (batch {b}, K = {k}, {wall:.2f} s traced; "
+    f"last column: ms per decode step, for the decode program's rows)\n"
+  )
+  print(render(rows, span, top=25, per=args.new_tokens - 1))
+
+
 # ---------------------------------------------------------------------------------------- main
 
 
-def report(args, ours, hf, tunix, steps, bound) -> None:
+def report(args, ours, hf, tunix, steps, bound, by_product=None) -> None:
   print(f"\nmachine: {machine(torch_version=True)}")
   print(
     f"model: Qwen3, {args.layers} layers, hidden {args.hidden}, vocab {VOCAB}, {args.dtype}; "
@@ -433,6 +564,21 @@ def report(args, ours, hf, tunix, steps, bound) -> None:
       ]
     )
   print(markdown_table(brows))
+  if not by_product:
+    return
+  print(
+    "\nproduct bound: the same, with each product the engine runs (projections and head, "
+    "prefill forwards as scheduled, decode steps) at the rate measured for its own shape\n"
+  )
+  prows = [
+    ["batch", "products per call", "XLA bound tok/s", "best bound tok/s", "ours / XLA bound"]
+  ]
+  for b in args.batches:
+    x, mine = by_product[b], ours["greedy"][str(b)][0]
+    prows.append(
+      [str(b), str(x["products"]), f"{x['xla']:.1f}", f"{x['any']:.1f}", f"{mine / x['xla']:.0%}"]
+    )
+  print(markdown_table(prows))
 
 
 def main() -> None:
@@ -465,6 +611,13 @@ def main() -> None:
   )
   p.add_argument("--tunix_python", default=".venv-tunix/bin/python")
   p.add_argument("--bound", type=int, default=1, help="print the matmul bound (0: skip)")
+  p.add_argument(
+    "--profile",
+    default="",
+    help="a folder: trace one greedy generate call at the largest batch (jax.profiler, with the "
+    "HLO of its programs) after the tables, and print where its device time goes "
+    "(benchmarks/op_profile.py)",
+  )
   p.add_argument("--folder", default="", help="(worker) the Hugging Face folder")
   p.add_argument("--worker", default="", help="(internal) run a peer in its own environment")
   args = p.parse_args()
@@ -475,6 +628,15 @@ def main() -> None:
     tunix_worker(args)
     return
   sys.path.insert(0, ROOT)
+  if args.profile:  # before JAX starts: the dump names each traced operation's source and shape
+    os.environ["XLA_FLAGS"] = " ".join(
+      [
+        os.environ.get("XLA_FLAGS", ""),
+        f"--xla_dump_to={os.path.join(args.profile, 'hlo')}",
+        "--xla_dump_hlo_as_text",
+        "--xla_dump_hlo_module_re=_generate|_prefill",
+      ]
+    ).strip()
   from flax import nnx  # noqa: PLC0415
 
   from coevolve_jax.models import Qwen, QwenConfig, save_pretrained  # noqa: PLC0415
@@ -497,8 +659,11 @@ def main() -> None:
     tunix = run_tunix(args) if "tunix" in peers else None
   steps = step_times(args, model)
   bound = matmul_bound(args, model) if args.bound else None
-  report(args, ours, hf, tunix, steps, bound)
+  by_product = product_bound(args, model) if args.bound else None
+  report(args, ours, hf, tunix, steps, bound, by_product)
   report_decode_steps(args, by_k)
+  if args.profile:
+    profile_call(args, model, prompts)
 
 
 def report_decode_steps(args, by_k: dict) -> None:

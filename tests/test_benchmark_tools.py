@@ -1,0 +1,105 @@
+"""Benchmark tools: rollout_bench.py's product bound counts the products the engine runs, and
+op_profile.py names where a traced call's time went."""
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from coevolve_jax.models import Qwen, QwenConfig
+from coevolve_jax.rollout import Engine
+
+BENCH = pathlib.Path(__file__).parent.parent / "benchmarks"
+
+
+def _load(name: str):
+  sys.path.insert(0, str(BENCH))  # the scripts import their sibling `common`
+  try:
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+  finally:
+    sys.path.remove(str(BENCH))
+  return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+  return _load("rollout_bench")
+
+
+@pytest.mark.parametrize(
+  "rows_mode, prefill",
+  [
+    # 3 prompts of 128 tokens, at most 256 tokens per forward: rows {0, 1}, then row 2 alone.
+    ("fit", {256: 1, 128: 1}),  # padded to the next power of two: 2 rows, 1 row
+    ("full", {256: 2}),  # padded to the most a forward takes: 2 rows both times
+  ],
+)
+def test_call_products_are_the_engines(bench, rows_mode, prefill):
+  cfg = QwenConfig(
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,  # q width 32, k and v 16: every product's shape differs from the others'
+  )
+  model = Qwen(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
+  engine = Engine(model, 3, 256, max_prefill_tokens=256, prefill_rows=rows_mode)
+  got = bench.call_products(cfg, 3, 128, 5, engine)
+
+  def layer(m, times):  # q, k, v, o, gate, up, down of one layer, in every layer
+    return {
+      (m, 64, 32): 2 * times,
+      (m, 64, 16): 2 * 2 * times,
+      (m, 32, 64): 2 * times,
+      (m, 64, 96): 2 * 2 * times,
+      (m, 96, 64): 2 * times,
+    }
+
+  want: dict = {}
+  for part in [layer(m, n) for m, n in prefill.items()] + [layer(3, 4)]:
+    for shape, count in part.items():
+      want[shape] = want.get(shape, 0) + count
+  for m, n in prefill.items():  # the head on each forward's padded rows
+    want[(m // 128, 64, 1000)] = want.get((m // 128, 64, 1000), 0) + n
+  want[(3, 64, 1000)] = 4  # the head at each of the 4 decode steps
+  assert got == want
+
+
+def test_op_profile_names_the_product_of_a_traced_program(tmp_path):
+  """A program of one [256, 512] x [512, 384] product and a tanh, traced three times with its HLO
+  dumped (a fresh process: the dump flag must be set before JAX starts): the product's row names
+  its source and shape and counts three runs, and its time is within the traced span."""
+  script = textwrap.dedent(
+    f"""
+    import jax, jax.numpy as jnp
+    f = jax.jit(lambda x, w: jnp.tanh(x @ w) * 2.0)
+    x, w = jnp.ones((256, 512)), jnp.ones((512, 384))
+    f(x, w).block_until_ready()
+    with jax.profiler.trace({str(tmp_path / "trace")!r}, create_perfetto_trace=True):
+      for _ in range(3):
+        f(x, w).block_until_ready()
+    """
+  )
+  env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path / 'hlo'} --xla_dump_hlo_as_text")
+  subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=300)
+  profile = _load("op_profile")
+  rows, span = profile.op_table(str(tmp_path / "trace"), str(tmp_path / "hlo"))
+  products = [r for r in rows if "dot_general" in r["op"]]
+  assert len(products) == 1, rows
+  (row,) = products
+  assert row["shape"] == "f32[256,384]" and row["count"] == 3
+  assert row["program"].startswith("jit_") and 0 < row["ms"] <= span
+  table = profile.render(rows, span, per=3)
+  assert "dot_general" in table and "ms per 1/3" in table
+  with pytest.raises(FileNotFoundError, match="no \\*.trace.json.gz"):
+    profile.op_table(str(tmp_path / "hlo"))
