@@ -387,12 +387,8 @@ def test_top_k_one_equals_greedy():
       np.testing.assert_array_equal(np.asarray(lp), np.zeros(64, np.float32))
 
 
-@pytest.mark.parametrize("v", [100, 4 * 1024 + 37, 5 * 1187])
-def test_two_level_argmax_is_argmax(v):
-  """`argmax_last` (the greedy sampler's on CPU) gives `argmax`'s index in every row: one
-  vocabulary block, padded blocks (4133) and exact ones (5 x 1187); ties take the first index,
-  in one block and across blocks; +inf; rows of -inf give 0; a NaN is taken as the max (its
-  first index, also when a larger value or +inf comes earlier), as numpy does; bfloat16 too."""
+def _argmax_cases(v: int) -> np.ndarray:
+  """[14, v] float32 rows for the greedy argmax: normal rows, ties, -inf, NaN and +inf rows."""
   x = np.array(jax.random.normal(jax.random.key(v), (14, v)), np.float32)
   x[1, [3, v - 1]] = 9.0  # a tie in the first and last blocks
   x[2, [v // 2, v // 2 + 1]] = 9.0  # a tie at neighbouring entries
@@ -407,6 +403,16 @@ def test_two_level_argmax_is_argmax(v):
   x[9, v - 6] = np.nan
   x[10, 0] = 50.0  # a larger value first, a NaN later
   x[10, v - 7] = np.nan
+  return x
+
+
+@pytest.mark.parametrize("v", [100, 4 * 1024 + 37, 5 * 1187])
+def test_two_level_argmax_is_argmax(v):
+  """`argmax_last` (the greedy sampler's on CPU) gives `argmax`'s index in every row: one
+  vocabulary block, padded blocks (4133) and exact ones (5 x 1187); ties take the first index,
+  in one block and across blocks; +inf; rows of -inf give 0; a NaN is taken as the max (its
+  first index, also when a larger value or +inf comes earlier), as numpy does; bfloat16 too."""
+  x = _argmax_cases(v)
   want = np.argmax(x, axis=-1)
   assert want[1] == 3 and want[4] == 0 and want[5] == 7 and want[6] == 0
   assert want[8] == v - 5 and want[9] == v - 6 and want[10] == v - 7
@@ -416,6 +422,24 @@ def test_two_level_argmax_is_argmax(v):
     np.testing.assert_array_equal(got, want)
   half = jnp.asarray(x, jnp.bfloat16)  # rounding makes new ties: compare with jnp's argmax
   np.testing.assert_array_equal(np.asarray(argmax_last(half)), np.asarray(jnp.argmax(half, -1)))
+
+
+@pytest.mark.parametrize("v", [1000, 4133, 5 * 1187])
+def test_greedy_draw_is_argmax_and_its_logprob(v):
+  """`sample` at T = 0 gives `argmax`'s token and -log(sum(exp(z - z[token]))) in every row: a
+  batch of finite rows (on CPU the draw without the NaN pass) and one with NaN, +inf and -inf
+  rows (the draw taken again with it), with NaN log-probs where the formula gives NaN."""
+  x = _argmax_cases(v)
+  greedy = jax.jit(lambda z: sample(z, jax.random.key(0), SamplingParams(temperature=0.0)))
+  for rows in ([0, 1, 2, 3, 6, 7], list(range(len(x)))):  # finite maxima only; every case
+    z = x[rows]
+    want_tok = np.argmax(z, axis=-1)
+    with np.errstate(invalid="ignore"):
+      top = np.take_along_axis(z, want_tok[:, None], axis=-1)
+      want_lp = -np.log(np.sum(np.exp((z - top).astype(np.float64)), axis=-1))
+    tok, lp = greedy(jnp.asarray(z))
+    np.testing.assert_array_equal(np.asarray(tok), want_tok)
+    np.testing.assert_allclose(np.asarray(lp), want_lp, rtol=1e-5, atol=1e-6)  # NaN == NaN
 
 
 def test_tiny_temperatures_keep_exact_logprobs():
