@@ -80,6 +80,8 @@ def _prefill_rows(
   shardings=None,
 ):
   """One chunk into R slots at once. Rows may repeat a slot only as exact copies (padding).
+  The caller keeps every row's start + t <= kv_len (static): the cache entries [0, kv_len) of
+  the rows' slots are all the forward reads and writes.
 
   Returns (state, tokens [R], log-probs [R], routing [R, t, L_moe, k] of the chunk's tokens in
   `routing_dtype`, or None for a dense model).
@@ -87,16 +89,24 @@ def _prefill_rows(
   model = nnx.merge(graphdef, params)
   starts = state.next_pos[slots_r]
   t = chunk_rt.shape[1]
-  axis = 1 if state.cache.stacked else 0  # the slot axis: [L_g, B, ...] or [B, ...]
-  take = lambda c: jnp.take(c, slots_r, axis=axis)  # noqa: E731
-  cache = KVCache(tuple(map(take, state.cache.k)), tuple(map(take, state.cache.v)))
+  lead = (slice(None),) * (1 if state.cache.stacked else 0)  # [L_g, B, ...] or [B, ...]
+  # Only the chunk's rows and their first kv_len cache entries (all it attends to and writes:
+  # the caller keeps starts + t <= kv_len) are copied out and back, not every entry of the slot.
+  window = KVCache(
+    tuple(lead + (slots_r, Ellipsis, slice(0, kv_len)) for _ in state.cache.k),  # [.., H, S]
+    tuple(lead + (slots_r, Ellipsis, slice(0, kv_len), slice(None)) for _ in state.cache.v),
+  )
+  cache = KVCache(
+    tuple(c[i] for c, i in zip(state.cache.k, window.k)),
+    tuple(c[i] for c, i in zip(state.cache.v, window.v)),
+  )
   positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
   hidden, cache, routing = model.decode_routed(chunk_rt, positions, cache, starts, kv_len)
   last = jnp.take_along_axis(hidden, (true_len_r - 1)[:, None, None], axis=1)[:, 0]
   tok, logp = sample(model.logits(last), keys_r, sampling)
-  put = lambda full, part: full.at[(slice(None),) * axis + (slots_r,)].set(part)  # noqa: E731
   new_cache = KVCache(
-    tuple(map(put, state.cache.k, cache.k)), tuple(map(put, state.cache.v, cache.v))
+    tuple(full.at[i].set(part) for full, i, part in zip(state.cache.k, window.k, cache.k)),
+    tuple(full.at[i].set(part) for full, i, part in zip(state.cache.v, window.v, cache.v)),
   )
   state = DecodeState(
     new_cache,
