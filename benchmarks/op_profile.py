@@ -7,7 +7,9 @@ sums the durations of the events that name an HLO operation (`args.hlo_op`), gro
 and operation. With `--hlo`, the folder `--xla_dump_to=HLO_DIR --xla_dump_hlo_as_text` filled
 while the traced programs compiled, each operation is named by its source (the JAX op path of
 its metadata, e.g. `mlp/BTD,DF->BTF/dot_general`) and output shape, and operations of one source
-and shape are summed together (the same product in every layer is one row). `rollout_bench.py
+and shape are summed together (the same product in every layer is one row). Point `--hlo` at a
+dump that holds only the traced compilations: a program compiled for several shapes reads
+"(varies)" (rollout_bench.py compiles its traced call again for that). `rollout_bench.py
 --profile=DIR` writes both for one generate call and prints this table.
 
 Durations of operations that ran at the same time on different threads (XLA:CPU runs
@@ -27,7 +29,7 @@ import re
 
 # `%name = f32[32,512]{1,0} opcode(...), ... metadata={op_name="jit(f)/while/body/mlp/..."`
 _INSTRUCTION = re.compile(
-  r"^\s*(?:ROOT\s+)?%(\S+) = (\S+?)(?:\{[^}]*\})? ([\w-]+)\([^\n]*?op_name=\"([^\"]*)\""
+  r"^\s*(?:ROOT\s+)?%(\S+) = (\S+?)(?:\{[^}]*\})? ([\w-]+)\((?:[^\n]*?op_name=\"([^\"]*)\")?"
 )
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(\S+) \(")
 _CALLS = re.compile(r"calls=%([\w.-]+)")
@@ -55,7 +57,7 @@ def hlo_sources(hlo: str | list[str]) -> dict[tuple[str, str], tuple[str, str]]:
         m = _INSTRUCTION.match(line)
         if not m:
           continue
-        source = _source(m.group(4))
+        source = _source(m.group(4)) if m.group(4) else m.group(1)  # no metadata: its HLO name
         if m.group(3) == "dot":
           dots.setdefault(computation, source)
         called = _CALLS.search(line)
