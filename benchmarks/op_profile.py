@@ -2,15 +2,16 @@
 
     .venv/bin/python benchmarks/op_profile.py TRACE_DIR [--hlo=HLO_DIR] [--top=25] [--per=31]
 
-Reads the Perfetto trace `jax.profiler.trace(TRACE_DIR, create_perfetto_trace=True)` wrote and
-sums the durations of the events that name an HLO operation (`args.hlo_op`), grouped by program
-and operation. With `--hlo`, the folder `--xla_dump_to=HLO_DIR --xla_dump_hlo_as_text` filled
-while the traced programs compiled, each operation is named by its source (the JAX op path of
-its metadata, e.g. `mlp/BTD,DF->BTF/dot_general`) and output shape, and operations of one source
-and shape are summed together (the same product in every layer is one row). Point `--hlo` at a
-dump that holds only the traced compilations: a program compiled for several shapes reads
-"(varies)" (rollout_bench.py compiles its traced call again for that). `rollout_bench.py
---profile=DIR` writes both for one generate call and prints this table.
+Reads the trace events `jax.profiler.trace(TRACE_DIR)` wrote (the newest `*.trace.json.gz`
+under TRACE_DIR) and sums the durations of the events that name an HLO operation
+(`args.hlo_op`), grouped by program and operation. With `--hlo`, the folder that
+`--xla_dump_to=HLO_DIR --xla_dump_hlo_as_text` filled while the traced programs compiled, each
+operation is named by its source (the JAX op path of its metadata, e.g.
+`mlp/BTD,DF->BTF/dot_general`) and output shape, and operations of one source and shape are
+summed together (the same product in every layer is one row). Point `--hlo` at a dump that
+holds only the traced compilations: a program compiled for several shapes reads "(varies)"
+(rollout_bench.py compiles its traced call again for that). `rollout_bench.py --profile=DIR`
+writes both for one generate call and prints this table.
 
 Durations of operations that ran at the same time on different threads (XLA:CPU runs
 independent thunks concurrently) add up past the wall time; the table prints both sums so the
@@ -82,10 +83,10 @@ def _source(op_name: str) -> str:
 
 
 def _events(trace_dir: str) -> list[dict]:
-  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))
+  paths = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
   if not paths:
     raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir} (a jax.profiler trace?)")
-  with gzip.open(paths[-1], "rt", encoding="utf-8") as f:
+  with gzip.open(max(paths, key=os.path.getmtime), "rt", encoding="utf-8") as f:
     trace = json.load(f)
   return trace["traceEvents"] if isinstance(trace, dict) else trace
 

@@ -61,6 +61,11 @@ def _prompts(batch: int, length: int, seed: int = 0) -> np.ndarray:
   return np.random.default_rng(seed).integers(1, VOCAB, (batch, length)).astype(np.int64)
 
 
+def _cache_len(args) -> int:
+  """Cache entries per slot of our engines: prompt and new tokens, rounded up to 128."""
+  return -(-(args.prompt_len + args.new_tokens) // 128) * 128
+
+
 def _timed(call, repeats: int):
   """(median wall seconds over `repeats` calls, the last call's result)."""
   times, result = [], None
@@ -173,7 +178,9 @@ def run_tunix(args) -> dict | None:
     f"--hidden={args.hidden}",
     f"--repeats={args.repeats}",
   ]
-  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  env = dict(os.environ)  # without our --profile dump flags: the worker's programs are not ours
+  env["XLA_FLAGS"] = getattr(args, "xla_flags_before", env.get("XLA_FLAGS", ""))
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
   sys.stderr.write(proc.stderr[-3000:] if proc.returncode else "")
   if proc.returncode:
     print(f"tunix worker failed (exit {proc.returncode}); skipped", file=sys.stderr)
@@ -230,7 +237,7 @@ def run_ours(args, model, prompts: np.ndarray, decode_steps: int) -> dict:
 
   from coevolve_jax.rollout import Engine, SamplingParams, generate  # noqa: PLC0415
 
-  cache = -(-(args.prompt_len + args.new_tokens) // 128) * 128
+  cache = _cache_len(args)
   modes = {
     "greedy": SamplingParams(temperature=0.0),
     "sampled": SamplingParams(temperature=T_SAMPLED),
@@ -402,7 +409,7 @@ def product_bound(args, model) -> dict:
 
   from coevolve_jax.rollout import Engine  # noqa: PLC0415
 
-  cache = -(-(args.prompt_len + args.new_tokens) // 128) * 128
+  cache = _cache_len(args)
   rates: dict[tuple[int, int, int], tuple[float, float]] = {}
   out = {}
   for b in args.batches:
@@ -435,7 +442,7 @@ def profile_call(args, model, prompts: np.ndarray) -> None:
   from coevolve_jax.rollout import Engine, SamplingParams, generate  # noqa: PLC0415
 
   b = max(args.batches)
-  cache = -(-(args.prompt_len + args.new_tokens) // 128) * 128
+  cache = _cache_len(args)
   engine = Engine(model, b, cache, dtype=jnp.dtype(args.dtype))
   k = args.decode_steps[-1]
 
@@ -462,7 +469,7 @@ def profile_call(args, model, prompts: np.ndarray) -> None:
   call()
   trace = os.path.join(args.profile, "trace")
   try:
-    with jax.profiler.trace(trace, create_perfetto_trace=True):
+    with jax.profiler.trace(trace):
       start = time.perf_counter()
       call()
       wall = time.perf_counter() - start
@@ -628,10 +635,14 @@ def main() -> None:
     tunix_worker(args)
     return
   sys.path.insert(0, ROOT)
+  args.xla_flags_before = os.environ.get("XLA_FLAGS", "")
   if args.profile:  # before JAX starts: the dump names each traced operation's source and shape
+    hlo = os.path.join(args.profile, "hlo")
+    if os.path.isdir(hlo) and os.listdir(hlo):
+      p.error(f"--profile: {hlo} already holds a dump; give an empty or new folder")
     os.environ["XLA_FLAGS"] = " ".join(
       [
-        os.environ.get("XLA_FLAGS", ""),
+        args.xla_flags_before,
         f"--xla_dump_to={os.path.join(args.profile, 'hlo')}",
         "--xla_dump_hlo_as_text",
         "--xla_dump_hlo_module_re=_generate|_prefill",

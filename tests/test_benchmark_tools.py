@@ -42,7 +42,7 @@ def bench():
     ("full", {256: 2}),  # padded to the most a forward takes: 2 rows both times
   ],
 )
-def test_call_products_are_the_engines(bench, rows_mode, prefill):
+def test_call_products_are_the_engines(bench, rows_mode, prefill, monkeypatch):
   cfg = QwenConfig(
     vocab_size=1000,
     hidden_size=64,
@@ -74,6 +74,22 @@ def test_call_products_are_the_engines(bench, rows_mode, prefill):
   want[(3, 64, 1000)] = 4  # the head at each of the 4 decode steps
   assert got == want
 
+  # The prefill forwards assumed above are the ones the engine runs in a generate call.
+  import coevolve_jax.rollout.engine as engine_lib
+  from coevolve_jax.rollout import SamplingParams, generate
+
+  ran, real = [], engine_lib._prefill_rows
+
+  def logged(*args):
+    ran.append(args[4].shape[0] * args[4].shape[1])  # chunk_rt [R, t]: R * t rows
+    return real(*args)
+
+  monkeypatch.setattr(engine_lib, "_prefill_rows", logged)
+  prompts = [[1 + (i * 7 + j) % 900 for j in range(128)] for i in range(3)]
+  out = generate(engine, prompts, SamplingParams(temperature=0.0), max_new_tokens=5)
+  assert [len(c.token_ids) for c in out] == [5, 5, 5]
+  assert {m: ran.count(m) for m in ran} == prefill
+
 
 def test_op_profile_names_the_product_of_a_traced_program(tmp_path):
   """A program of one [256, 512] x [512, 384] product and a tanh, traced three times with its HLO
@@ -85,7 +101,7 @@ def test_op_profile_names_the_product_of_a_traced_program(tmp_path):
     f = jax.jit(lambda x, w: jnp.tanh(x @ w) * 2.0)
     x, w = jnp.ones((256, 512)), jnp.ones((512, 384))
     f(x, w).block_until_ready()
-    with jax.profiler.trace({str(tmp_path / "trace")!r}, create_perfetto_trace=True):
+    with jax.profiler.trace({str(tmp_path / "trace")!r}):
       for _ in range(3):
         f(x, w).block_until_ready()
     """
@@ -98,6 +114,7 @@ def test_op_profile_names_the_product_of_a_traced_program(tmp_path):
   assert len(products) == 1, rows
   (row,) = products
   assert row["shape"] == "f32[256,384]" and row["count"] == 3
+  assert not row["op"].startswith("jit("), row  # the program's prefix is stripped
   assert row["program"].startswith("jit_") and 0 < row["ms"] <= span
   table = profile.render(rows, span, per=3)
   assert "dot_general" in table and "ms per 1/3" in table

@@ -10,7 +10,13 @@ from coevolve_jax.models import Qwen, QwenConfig
 from coevolve_jax.models.qwen import rope
 from coevolve_jax.rollout import Completion, generate
 from coevolve_jax.rollout.engine import MAX_PREFILL_CHUNK, Engine, _chunks, prefill_schedule
-from coevolve_jax.rollout.sampling import SamplingParams, argmax_last, processed_logprobs, sample
+from coevolve_jax.rollout.sampling import (
+  SamplingParams,
+  _two_level_argmax,
+  argmax_last,
+  processed_logprobs,
+  sample,
+)
 from coevolve_jax.trainer import token_logprobs
 
 CACHE = 64  # every engine below uses this cache length and 3 slots, so compilations are shared
@@ -439,6 +445,9 @@ def test_greedy_draw_is_argmax_and_its_logprob(v):
       want_lp = -np.log(np.sum(np.exp((z - top).astype(np.float64)), axis=-1))
     tok, lp = greedy(jnp.asarray(z))
     np.testing.assert_array_equal(np.asarray(tok), want_tok)
+    if len(rows) < len(x):  # finite rows: the draw without the NaN pass is already exact
+      fast = _two_level_argmax(jnp.asarray(z), nan_pass=False)
+      np.testing.assert_array_equal(np.asarray(fast), want_tok)
     np.testing.assert_allclose(np.asarray(lp), want_lp, rtol=1e-5, atol=1e-6)  # NaN == NaN
 
 
@@ -836,8 +845,9 @@ def test_decode_steps_reject_bad_calls(model):
 
 @pytest.mark.parametrize("rows_mode", ["fit", "full"])
 def test_prefill_shapes_hold_every_forward_the_engine_runs(model, monkeypatch, rows_mode):
-  """`prefill_shapes` is a superset of the (rows, chunk, key bucket) shapes `prefill_many` runs:
-  random requests from random positions, near the end of the cache too."""
+  """`prefill_shapes` is a superset of the (rows, chunk, key bucket) shapes `prefill_many` runs,
+  and every forward's chunk fits in its key bucket (the window `_prefill_rows` copies): random
+  requests from random positions, near the end of the cache too."""
   import coevolve_jax.rollout.engine as engine_lib  # noqa: PLC0415
 
   engine = Engine(model, 4, 256, max_prefill_tokens=64, prefill_rows=rows_mode, prefill_min_chunk=8)
@@ -846,6 +856,10 @@ def test_prefill_shapes_hold_every_forward_the_engine_runs(model, monkeypatch, r
 
   def logged(graphdef, params, state, slots_r, chunk_rt, true_len_r, keys_r, sampling, kv_len, sh):
     seen.add((chunk_rt.shape[0], chunk_rt.shape[1], kv_len))
+    # _prefill_rows copies only each row's cache entries [0, kv_len): the chunk must fit in them.
+    assert (
+      int(np.max(np.asarray(state.next_pos)[np.asarray(slots_r)])) + chunk_rt.shape[1] <= kv_len
+    )
     return real(
       graphdef, params, state, slots_r, chunk_rt, true_len_r, keys_r, sampling, kv_len, sh
     )

@@ -705,10 +705,10 @@ class Engine:
     for r, piece in enumerate(pieces_p):
       chunk[r, : len(piece)], true_len[r] = piece, len(piece)
     slot_rows = np.array(slots_p, np.int32)
-    kv_len = max(
-      min_kv_len,
-      _kv_bucket(int(self._pos[slot_rows].max()) + t, self.cache_len, self.prefill_min_kv),
-    )
+    end = int(self._pos[slot_rows].max()) + t
+    kv_len = max(min_kv_len, _kv_bucket(end, self.cache_len, self.prefill_min_kv))
+    if end > kv_len:  # _prefill_rows reads and writes the window [0, kv_len) only
+      raise RuntimeError(f"prefill forward reaches entry {end} past its key bucket {kv_len}")
     args = self._prefill_args(slot_rows, chunk, true_len, keys_p, sampling, kv_len)
     with self._ctx():
       self.state, tok, logp, routing = _prefill_rows(*args)

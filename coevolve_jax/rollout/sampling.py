@@ -171,9 +171,10 @@ def argmax_last(x_bv: jax.Array) -> jax.Array:
   a separate pass over the blocks, since XLA:CPU's max reduction does not always carry a NaN
   through). XLA:CPU lowers `jnp.argmax` over [B, V] to a scalar loop: at [64, 151,936] float32 on
   the 2-core CPU 43 ms, against 6.6 ms for this (1.1 ms for `jnp.max`; most of the rest is the
-  NaN pass), measured 2026-12-03 (docs/benchmarks/rollout.md). `sample` uses it on CPU only:
-  on GPU and TPU `jnp.argmax` is one native reduction, and on a vocabulary-sharded mesh this
-  adds collectives.
+  NaN pass), measured 2026-12-03 (docs/benchmarks/rollout.md). The greedy draw (`_greedy`) runs
+  it without the NaN pass and calls it whole only for rows whose log-prob shows a NaN or an
+  infinite max; on CPU only: on GPU and TPU `jnp.argmax` is one native reduction, and on a
+  vocabulary-sharded mesh this adds collectives.
 
   Args:
     x_bv: [B, V] float array (B >= 1).
