@@ -9,18 +9,22 @@ import os
 import platform
 
 
+def cpu_name() -> str:
+  """The CPU's model name (Linux /proc/cpuinfo), else what `platform` knows (often only the
+  architecture: `platform.processor()` is empty on many Linux VMs)."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+  except (OSError, StopIteration):
+    return platform.processor() or platform.machine()
+
+
 def machine(torch_version: bool = False) -> str:
   """One line naming the machine, the time, the load and the JAX backend (and torch's version)."""
   import jax  # noqa: PLC0415  (lazy: the table helpers need no JAX)
 
-  cpu = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-  except (OSError, StopIteration):
-    pass
   line = (
-    f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {cpu}; "
+    f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; {cpu_name()}; "
     f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}; "
     f"jax {jax.__version__} on {jax.devices()[0].platform}"
   )

@@ -645,9 +645,14 @@ def write_record(doc: str, record: list[str]) -> None:
 def machine() -> str:
   import jax  # pylint: disable=g-import-not-at-top
 
+  spec = importlib.util.spec_from_file_location(
+    "bench_common", os.path.join(ROOT, "benchmarks", "common.py")
+  )
+  common = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(common)
   load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",)
   return (
-    f"{platform.node()}: {platform.processor() or platform.machine()}, "
+    f"{platform.node()}: {common.cpu_name()}, "
     f"{os.cpu_count()} CPU cores, Python {platform.python_version()}, JAX {jax.__version__} "
     f"on {jax.default_backend()}, load average at the end {load[0]:.1f}"
   )
