@@ -92,21 +92,18 @@ def _prefill_rows(
   lead = (slice(None),) * (1 if state.cache.stacked else 0)  # [L_g, B, ...] or [B, ...]
   # Only the chunk's rows and their first kv_len cache entries (all it attends to and writes:
   # the caller keeps starts + t <= kv_len) are copied out and back, not every entry of the slot.
-  window = KVCache(
-    tuple(lead + (slots_r, Ellipsis, slice(0, kv_len)) for _ in state.cache.k),  # [.., H, S]
-    tuple(lead + (slots_r, Ellipsis, slice(0, kv_len), slice(None)) for _ in state.cache.v),
-  )
+  key_window = (*lead, slots_r, Ellipsis, slice(0, kv_len))  # keys [.., K, H, S]
+  value_window = (*lead, slots_r, Ellipsis, slice(0, kv_len), slice(None))  # values [.., S, H]
   cache = KVCache(
-    tuple(c[i] for c, i in zip(state.cache.k, window.k)),
-    tuple(c[i] for c, i in zip(state.cache.v, window.v)),
+    tuple(c[key_window] for c in state.cache.k), tuple(c[value_window] for c in state.cache.v)
   )
   positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
   hidden, cache, routing = model.decode_routed(chunk_rt, positions, cache, starts, kv_len)
   last = jnp.take_along_axis(hidden, (true_len_r - 1)[:, None, None], axis=1)[:, 0]
   tok, logp = sample(model.logits(last), keys_r, sampling)
   new_cache = KVCache(
-    tuple(full.at[i].set(part) for full, i, part in zip(state.cache.k, window.k, cache.k)),
-    tuple(full.at[i].set(part) for full, i, part in zip(state.cache.v, window.v, cache.v)),
+    tuple(full.at[key_window].set(part) for full, part in zip(state.cache.k, cache.k)),
+    tuple(full.at[value_window].set(part) for full, part in zip(state.cache.v, cache.v)),
   )
   state = DecodeState(
     new_cache,
