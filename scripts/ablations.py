@@ -75,6 +75,14 @@ DEFAULT_CONFIG = "configs/bfcl.py:cpu"
 SIGNALS = ("forgetting", "boundary", "rare")
 
 
+def _load_module(name: str, path: str):
+  """The Python file at `path` (relative to the repository root) loaded as module `name`."""
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, path))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 def load_config(variant: str, seed: int, overrides: dict[str, Any], config: str = DEFAULT_CONFIG):
   """`config` ("path/to/config.py[:variant]", relative to the repository) with `variant`'s switch,
   `seed` and `overrides` (dotted keys) applied.
@@ -83,10 +91,7 @@ def load_config(variant: str, seed: int, overrides: dict[str, Any], config: str 
     KeyError: an override names a field the config does not have.
   """
   path, _, name = config.partition(":")
-  spec = importlib.util.spec_from_file_location("run_config", os.path.join(ROOT, path))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  cfg = module.get_config(name)
+  cfg = _load_module("run_config", path).get_config(name)
   cfg.seed = seed
   for key, value in {**VARIANTS[variant], **overrides}.items():
     node = cfg
@@ -645,11 +650,7 @@ def write_record(doc: str, record: list[str]) -> None:
 def machine() -> str:
   import jax  # pylint: disable=g-import-not-at-top
 
-  spec = importlib.util.spec_from_file_location(
-    "bench_common", os.path.join(ROOT, "benchmarks", "common.py")
-  )
-  common = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(common)
+  common = _load_module("bench_common", os.path.join("benchmarks", "common.py"))
   load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",)
   return (
     f"{platform.node()}: {common.cpu_name()}, "
