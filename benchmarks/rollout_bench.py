@@ -403,7 +403,8 @@ def product_bound(args, model) -> dict:
   """Per batch size, the fastest generate call the products of `call_products` allow, each at
   the rate XLA (or the faster of XLA and torch) reaches here on its own shape: the reference
   that holds our engine to the products it runs rather than to the best-shaped one
-  (`matmul_bound` runs every decode FLOP at the head's rate and every prefill FLOP at the MLP's).
+  (`matmul_bound` runs every decode FLOP at the faster of the head's and the MLP's rates, and
+  every prefill FLOP at the faster MLP product's).
   """
   import jax.numpy as jnp  # noqa: PLC0415
 
