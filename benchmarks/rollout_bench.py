@@ -230,9 +230,11 @@ def run_transformers(args, prompts: np.ndarray) -> dict:
 # ---------------------------------------------------------------------------------------- ours
 
 
-def run_ours(args, model, prompts: np.ndarray, decode_steps: int) -> dict:
+def run_ours(args, model, prompts: np.ndarray, decode_steps: int, paired: bool = False) -> dict:
   """Per batch size, greedy and sampled calls alternate (one engine, warmed up in both modes), so
-  the sampled / greedy ratio compares neighbouring runs rather than runs minutes apart."""
+  the sampled / greedy ratio compares neighbouring runs rather than runs minutes apart. With
+  `paired`, a `PairedBound` sample follows each timed greedy call, and out["paired"][b] lists
+  each call's tokens/s over its neighbouring bound's."""
   import jax.numpy as jnp  # noqa: PLC0415
 
   from coevolve_jax.rollout import Engine, SamplingParams, generate  # noqa: PLC0415
@@ -243,8 +245,12 @@ def run_ours(args, model, prompts: np.ndarray, decode_steps: int) -> dict:
     "sampled": SamplingParams(temperature=T_SAMPLED),
   }
   out = {mode: {} for mode in modes}
+  out["paired"], arrays = {}, {}
   for b in args.batches:
     engine = Engine(model, b, cache, dtype=jnp.dtype(args.dtype))
+    bound = (
+      PairedBound(model.config, b, args.prompt_len, args.new_tokens, arrays) if paired else None
+    )
     batch = prompts[:b].tolist()
     times = {mode: [] for mode in modes}
     for rep in range(args.repeats + 1):  # the first round warms up (compiles)
@@ -257,6 +263,9 @@ def run_ours(args, model, prompts: np.ndarray, decode_steps: int) -> dict:
           times[mode].append(time.perf_counter() - start)
           n = sum(len(c.token_ids) for c in res)
           out[mode][str(b)] = [n / float(np.median(times[mode])), [c.token_ids for c in res[:8]]]
+          if bound and mode == "greedy":
+            ratio = n / times[mode][-1] / bound.sample()
+            out["paired"].setdefault(str(b), []).append(ratio)
     for mode in modes:
       print(
         f"ours K={decode_steps} {mode} b={b}: {out[mode][str(b)][0]:.1f} tok/s",
@@ -326,29 +335,43 @@ def _rates(m: int, k: int, n: int, repeats: int = 5) -> tuple[float, float]:
   )
 
 
+def _call_flops(cfg, batch: int, prompt_len: int, new_tokens: int) -> tuple[float, float]:
+  """(prefill, decode) FLOPs of one generate call as `matmul_bound` counts them: the prompts
+  through every layer plus the head at each prompt's last position, then new_tokens - 1 decode
+  steps through layers and head (attention, norms and sampling left out)."""
+  from coevolve_jax.models.qwen import count_params  # noqa: PLC0415
+
+  layers = count_params(cfg)["non_embedding"]
+  head = cfg.hidden_size * cfg.vocab_size
+  return (
+    2.0 * batch * prompt_len * layers + 2.0 * batch * head,
+    2.0 * batch * (new_tokens - 1) * (layers + head),
+  )
+
+
+def _bound_shapes(cfg, batch: int, prompt_len: int) -> tuple[list, list]:
+  """The products whose rates set `matmul_bound`: the prefill MLP's ([B * P, D] x [D, F],
+  [B * P, F] x [F, D]) and a decode step's ([B, D] x [D, V] head, [B, D] x [D, F] MLP)."""
+  d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+  m = batch * prompt_len
+  return [(m, d, f), (m, f, d)], [(batch, d, v), (batch, d, f)]
+
+
 def matmul_bound(args, model) -> dict:
   """Fastest generate call the matmul rate of this machine allows, per batch size.
 
-  FLOPs of one call (attention, norms and sampling left out, so the bound is generous): the
-  prompts through every layer plus the head at each prompt's last position, then new_tokens - 1
-  decode steps through layers and head. Prefill FLOPs run at the best rate measured for the
-  prefill's MLP products ([B * P, D] x [D, F], [B * P, F] x [F, D]), decode FLOPs at the best
-  for a step's ([B, D] x [D, V] head, [B, D] x [D, F] MLP). Two bounds: with XLA's products
-  (what a JAX engine on XLA:CPU can reach) and with the faster library per product (what any
-  implementation using XLA or torch can reach).
+  FLOPs of one call: `_call_flops` (attention, norms and sampling left out, so the bound is
+  generous). Prefill FLOPs run at the best rate measured for the prefill's MLP products, decode
+  FLOPs at the best for a step's head and MLP product (`_bound_shapes`). Two bounds: with XLA's
+  products (what a JAX engine on XLA:CPU can reach) and with the faster library per product
+  (what any implementation using XLA or torch can reach).
   """
-  from coevolve_jax.models.qwen import count_params  # noqa: PLC0415
-
   cfg = model.config
-  layers = count_params(cfg, model)["non_embedding"]
-  head = cfg.hidden_size * cfg.vocab_size
-  d, f, p, v = cfg.hidden_size, cfg.intermediate_size, args.prompt_len, cfg.vocab_size
   out = {}
   for b in args.batches:
-    prefill_flops = 2 * b * p * layers + 2 * b * head
-    decode_flops = 2 * b * (args.new_tokens - 1) * (layers + head)
-    prefill = [_rates(b * p, d, f), _rates(b * p, f, d)]
-    decode = [_rates(b, d, v), _rates(b, d, f)]
+    prefill_flops, decode_flops = _call_flops(cfg, b, args.prompt_len, args.new_tokens)
+    shapes = _bound_shapes(cfg, b, args.prompt_len)
+    prefill, decode = ([_rates(*s) for s in group] for group in shapes)
     row = {"gflop": (prefill_flops + decode_flops) / 1e9}
     for name, pick in (("xla", lambda r: r[0]), ("any", max)):
       pre, dec = max(map(pick, prefill)), max(map(pick, decode))
@@ -356,6 +379,45 @@ def matmul_bound(args, model) -> dict:
       row[f"{name}_rates"] = f"{pre / 1e9:.0f} / {dec / 1e9:.0f}"
     out[b] = row
   return out
+
+
+class PairedBound:
+  """`matmul_bound`'s XLA bound for one batch size, measured again beside each of our timed
+  calls: `sample()` times its four products (XLA, float32; the best of three runs each) and
+  returns the bound in tokens/s. This machine's speed drifts by 10% and more over the minutes
+  between our calls and a bound measured after them (the same code gave 66% and 79% of it in
+  two runs); a ratio of neighbouring measurements does not carry that drift."""
+
+  def __init__(self, cfg, batch: int, prompt_len: int, new_tokens: int, arrays: dict):
+    """`arrays`: a dict shared between the batch sizes' instances (operands by shape)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    self.flops = _call_flops(cfg, batch, prompt_len, new_tokens)
+    self.tokens = batch * new_tokens
+    self.groups = _bound_shapes(cfg, batch, prompt_len)
+    rng = np.random.default_rng(0)
+    for m, k, n in (s for group in self.groups for s in group):
+      for shape in ((m, k), (k, n)):
+        if shape not in arrays:
+          arrays[shape] = jnp.asarray(rng.standard_normal(shape, np.float32))
+    self.arrays = arrays
+    self.product = jax.jit(jnp.matmul)
+    self.sample()  # compiles
+
+  def _rate(self, m: int, k: int, n: int, runs: int = 3) -> float:
+    """The best of `runs` (one run alone swings by 30% and more on this VM)."""
+    a, b = self.arrays[(m, k)], self.arrays[(k, n)]
+    best = float("inf")
+    for _ in range(runs):
+      start = time.perf_counter()
+      self.product(a, b).block_until_ready()
+      best = min(best, time.perf_counter() - start)
+    return 2.0 * m * k * n / best
+
+  def sample(self) -> float:
+    pre, dec = (max(self._rate(*s) for s in group) for group in self.groups)
+    return self.tokens / (self.flops[0] / pre + self.flops[1] / dec)
 
 
 def call_products(cfg, batch: int, prompt_len: int, new_tokens: int, engine) -> dict:
@@ -551,6 +613,7 @@ def report(args, ours, hf, tunix, steps, bound, by_product=None) -> None:
       "1.5x faster greedy peer",
       "ours greedy",
       "ours / XLA bound",
+      "paired: median (range)",
     ]
   ]
   for b in args.batches:
@@ -558,6 +621,7 @@ def report(args, ours, hf, tunix, steps, bound, by_product=None) -> None:
     peers = [peer["greedy"][str(b)][0] for peer in (hf, tunix) if peer]
     target = f"{1.5 * max(peers):.1f}" if peers else "-"
     mine = ours["greedy"][str(b)][0]
+    paired = ours.get("paired", {}).get(str(b))
     brows.append(
       [
         str(b),
@@ -569,9 +633,15 @@ def report(args, ours, hf, tunix, steps, bound, by_product=None) -> None:
         target,
         f"{mine:.1f}",
         f"{mine / x['xla']:.0%}",
+        f"{np.median(paired):.0%} ({min(paired):.0%}-{max(paired):.0%})" if paired else "-",
       ]
     )
   print(markdown_table(brows))
+  print(
+    "\n(paired: each timed greedy call over the XLA bound measured right after it, "
+    "`PairedBound`: the machine's drift between our calls and the bound's own measurement "
+    "cancels)"
+  )
   if not by_product:
     return
   print(
@@ -665,7 +735,11 @@ def main() -> None:
   with tempfile.TemporaryDirectory() as folder:
     args.folder = folder
     save_pretrained(model, folder)
-    by_k = {k: run_ours(args, model, prompts, k) for k in args.decode_steps}
+    last = args.decode_steps[-1]
+    by_k = {
+      k: run_ours(args, model, prompts, k, paired=bool(args.bound) and k == last)
+      for k in args.decode_steps
+    }
     ours = by_k[args.decode_steps[-1]]
     hf = run_transformers(args, prompts) if "transformers" in peers else None
     tunix = run_tunix(args) if "tunix" in peers else None

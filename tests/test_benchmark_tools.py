@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import jax.numpy as jnp
 import pytest
@@ -89,6 +90,37 @@ def test_call_products_are_the_engines(bench, rows_mode, prefill, monkeypatch):
   out = generate(engine, prompts, SamplingParams(temperature=0.0), max_new_tokens=5)
   assert [len(c.token_ids) for c in out] == [5, 5, 5]
   assert {m: ran.count(m) for m in ran} == prefill
+
+
+def test_paired_bound_is_the_matmul_bound_measured_again(bench, monkeypatch):
+  """`PairedBound.sample()` is `matmul_bound`'s XLA bound for the rates of its own timing: with
+  both given the same rate per product shape, both equal the bound computed here by hand."""
+  cfg = QwenConfig(
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+  )
+  b, p, n = 2, 16, 5
+  real = bench.PairedBound(cfg, b, p, n, {}).sample()  # timed for real: a finite rate
+  assert 0 < real < float("inf")
+
+  rate = {(b * p, 64, 96): 3e9, (b * p, 96, 64): 5e9, (b, 64, 1000): 2e9, (b, 64, 96): 1e9}
+  monkeypatch.setattr(bench, "_rates", lambda m, k, n_, repeats=5: (rate[(m, k, n_)],) * 2)
+  monkeypatch.setattr(bench.PairedBound, "_rate", lambda self, m, k, n_, runs=3: rate[(m, k, n_)])
+  from coevolve_jax.models.qwen import count_params
+
+  layers = count_params(cfg)["non_embedding"]
+  prefill = 2 * b * p * layers + 2 * b * 64 * 1000  # prompts through the layers, head at the end
+  decode = 2 * b * (n - 1) * (layers + 64 * 1000)  # n - 1 steps through layers and head
+  want = b * n / (prefill / 5e9 + decode / 2e9)  # the faster product of each phase
+  args = SimpleNamespace(batches=[b], prompt_len=p, new_tokens=n)
+  model = Qwen(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
+  assert bench.matmul_bound(args, model)[b]["xla"] == pytest.approx(want, rel=1e-12)
+  assert bench.PairedBound(cfg, b, p, n, {}).sample() == pytest.approx(want, rel=1e-12)
 
 
 def test_op_profile_names_the_product_of_a_traced_program(tmp_path):
