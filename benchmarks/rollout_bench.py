@@ -318,21 +318,22 @@ def _rates(m: int, k: int, n: int, repeats: int = 5) -> tuple[float, float]:
   b = rng.standard_normal((k, n), np.float32)
   xa, xb, ta, tb = jnp.asarray(a), jnp.asarray(b), torch.from_numpy(a), torch.from_numpy(b)
   product = jax.jit(jnp.matmul)
-
-  def median(run) -> float:
-    run()
-    times = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      run()
-      times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
   flops = 2 * m * k * n
   return (
-    flops / median(lambda: product(xa, xb).block_until_ready()),
-    flops / median(lambda: ta @ tb),
+    flops / _median_seconds(lambda: product(xa, xb).block_until_ready(), repeats),
+    flops / _median_seconds(lambda: ta @ tb, repeats),
   )
+
+
+def _median_seconds(run, repeats: int) -> float:
+  """One untimed call of `run`, then the median wall time of `repeats` calls."""
+  run()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    run()
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
 
 
 def _call_flops(cfg, batch: int, prompt_len: int, new_tokens: int) -> tuple[float, float]:
@@ -383,9 +384,9 @@ def matmul_bound(args, model) -> dict:
 
 class PairedBound:
   """`matmul_bound`'s XLA bound for one batch size, measured again beside each of our timed
-  calls: `sample()` times its four products (XLA, float32; the best of three runs each) and
-  returns the bound in tokens/s. This machine's speed drifts by 10% and more over the minutes
-  between our calls and a bound measured after them (the same code gave 66% and 79% of it in
+  calls: `sample()` times its four products as `_rates` does (XLA, float32) and returns the
+  bound in tokens/s. This machine's speed drifts by 10% and more within minutes, between our
+  calls and a bound measured after them (the same code gave 62% and 92% of it at batch 64 in
   two runs); a ratio of neighbouring measurements does not carry that drift."""
 
   def __init__(self, cfg, batch: int, prompt_len: int, new_tokens: int, arrays: dict):
@@ -405,15 +406,12 @@ class PairedBound:
     self.product = jax.jit(jnp.matmul)
     self.sample()  # compiles
 
-  def _rate(self, m: int, k: int, n: int, runs: int = 3) -> float:
-    """The best of `runs` (one run alone swings by 30% and more on this VM)."""
+  def _rate(self, m: int, k: int, n: int, repeats: int = 5) -> float:
+    """XLA's FLOP/s for [m, k] x [k, n], measured as `_rates` does."""
     a, b = self.arrays[(m, k)], self.arrays[(k, n)]
-    best = float("inf")
-    for _ in range(runs):
-      start = time.perf_counter()
-      self.product(a, b).block_until_ready()
-      best = min(best, time.perf_counter() - start)
-    return 2.0 * m * k * n / best
+    return (
+      2.0 * m * k * n / _median_seconds(lambda: self.product(a, b).block_until_ready(), repeats)
+    )
 
   def sample(self) -> float:
     pre, dec = (max(self._rate(*s) for s in group) for group in self.groups)

@@ -110,7 +110,7 @@ def test_paired_bound_is_the_matmul_bound_measured_again(bench, monkeypatch):
 
   rate = {(b * p, 64, 96): 3e9, (b * p, 96, 64): 5e9, (b, 64, 1000): 2e9, (b, 64, 96): 1e9}
   monkeypatch.setattr(bench, "_rates", lambda m, k, n_, repeats=5: (rate[(m, k, n_)],) * 2)
-  monkeypatch.setattr(bench.PairedBound, "_rate", lambda self, m, k, n_, runs=3: rate[(m, k, n_)])
+  monkeypatch.setattr(bench.PairedBound, "_rate", lambda self, *shape, repeats=5: rate[shape])
   from coevolve_jax.models.qwen import count_params
 
   layers = count_params(cfg)["non_embedding"]
