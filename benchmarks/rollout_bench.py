@@ -386,7 +386,7 @@ class PairedBound:
   """`matmul_bound`'s XLA bound for one batch size, measured again beside each of our timed
   calls: `sample()` times its four products as `_rates` does (XLA, float32) and returns the
   bound in tokens/s. This machine's speed drifts by 10% and more within minutes, between our
-  calls and a bound measured after them (the same code gave 62% and 92% of it at batch 64 in
+  calls and a bound measured after them (the same code gave 76% and 92% of it at batch 64 in
   two runs); a ratio of neighbouring measurements does not carry that drift."""
 
   def __init__(self, cfg, batch: int, prompt_len: int, new_tokens: int, arrays: dict):
