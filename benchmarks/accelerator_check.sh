@@ -9,7 +9,8 @@
 #   env.log      Python, JAX and device report (memory limit per device), GPU name
 #   bench.log    `coevolve_jax.cli.bench` at the Qwen3-0.6B shape (random weights), and
 #   bench.json   its record (compare it with `python -m coevolve_jax.cli.bench compare`)
-#   decode.log   benchmarks/rollout_bench.py: our engine against transformers `generate`
+#   decode.log   benchmarks/rollout_bench.py: our engine against transformers `generate`, and
+#                a decode step at 640 filled entries against its memory bound (issue 17's 40%)
 #   main.log     the CPU preset's main job, shrunk, with per-step compile counts and step times
 #   tests.log    float32 parity with transformers (under model.matmul_precision "highest")
 #
@@ -70,7 +71,7 @@ stage bench "${BENCH_S:-140}" "$PY" -m coevolve_jax.cli.bench --config=configs/b
 
 stage decode "${DECODE_S:-90}" "$PY" benchmarks/rollout_bench.py --peers=transformers \
   --dtype=bfloat16 --bound=0 --batches=64 --prompt_len=512 --new_tokens=128 --layers=28 \
-  --hidden=1024 --kv_lengths=4096 --repeats=2 --decode_steps=1,8
+  --hidden=1024 --kv_lengths=640 --repeats=2 --decode_steps=1,8
 
 run_dir=$(mktemp -d)/run
 stage main "${MAIN_S:-120}" bash -c "

@@ -7,11 +7,13 @@ once as a Hugging Face folder that every contender loads) and one set of random 
 For each batch size it prints generated tokens/s (new tokens over the wall time of a whole generate
 call, prefill included, median of --repeats calls after a warm-up call of the same shapes) greedy
 and sampled (T = 0.9, full vocabulary), the ratio of ours to the faster peer, whether our greedy
-tokens equal transformers', how one decode step's time grows with batch size and with cache length,
-and the matmul bound: the most tokens/s an implementation could reach here if every product ran at
-the rate XLA (or the faster of XLA and torch) reaches on it in this run (`matmul_bound`), and the
-product bound, the same with every product the engine runs at its own shape's rate
-(`product_bound`).
+tokens equal transformers', how one decode step's time grows with batch size and with cache length
+and how far it is from the memory bound (every weight and the filled cache read once at the rate
+a jitted sum reads memory here: `step_bytes`, `read_bandwidth`), and the matmul bound: the most
+tokens/s an implementation could reach here if every product ran at the rate XLA (or the faster
+of XLA and torch) reaches on it in this run (`matmul_bound`; also re-measured after each of our
+greedy calls, `PairedBound`), and the product bound, the same with every product the engine runs
+at its own shape's rate (`product_bound`).
 Our engine runs at each `--decode_steps` K (decode steps per device call, default 1,8); the last
 K is the one compared with the peers, and a last table gives each K's tokens/s against the first
 K's in this run and whether their tokens are identical (they must be). `--profile=DIR` then
@@ -303,6 +305,30 @@ def step_times(args, model) -> dict:
   return out
 
 
+def step_bytes(cfg, batch: int, kv_used: int, itemsize: int) -> int:
+  """Bytes one decode step of `batch` rows must read at least: every weight once (the layers'
+  and the output head's [D, V], which is the embedding table when tied; the B embedding rows
+  looked up are left out) and the `kv_used` filled cache entries of each row (keys and values of
+  every layer). All weights count, experts included (a batch of 64 reaches most of them)."""
+  from coevolve_jax.models.qwen import count_params  # noqa: PLC0415
+
+  weights = count_params(cfg)["non_embedding"] + cfg.hidden_size * cfg.vocab_size
+  kv = batch * kv_used * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
+  return (weights + kv) * itemsize
+
+
+def read_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
+  """Bytes/s at which the default device reads its memory here: a jitted sum over an `nbytes`
+  float32 array (one untimed run, median of `repeats`). The reference of the memory bound: a
+  measured rate, like the matmul bound's, not a datasheet's."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  x = jnp.ones((nbytes // 4,), jnp.float32)
+  total = jax.jit(jnp.sum)
+  return nbytes / _median_seconds(lambda: total(x).block_until_ready(), repeats)
+
+
 # ------------------------------------------------------------------------------ matmul bound
 
 
@@ -548,7 +574,7 @@ def profile_call(args, model, prompts: np.ndarray) -> None:
 # ---------------------------------------------------------------------------------------- main
 
 
-def report(args, ours, hf, tunix, steps, bound, by_product=None) -> None:
+def report(args, ours, hf, tunix, steps, bound, by_product=None, bandwidth=None) -> None:
   print(f"\nmachine: {machine(torch_version=True)}")
   print(
     f"model: Qwen3, {args.layers} layers, hidden {args.hidden}, vocab {VOCAB}, {args.dtype}; "
@@ -593,6 +619,8 @@ def report(args, ours, hf, tunix, steps, bound, by_product=None) -> None:
     f"\nours: one decode step (median of {args.step_repeats}), by batch size and cache length\n"
   )
   print(markdown_table(srows))
+  if bandwidth:
+    report_memory_bound(args, steps, bandwidth)
   if not bound:
     return
   print(
@@ -742,12 +770,41 @@ def main() -> None:
     hf = run_transformers(args, prompts) if "transformers" in peers else None
     tunix = run_tunix(args) if "tunix" in peers else None
   steps = step_times(args, model)
+  bandwidth = read_bandwidth()
   bound = matmul_bound(args, model) if args.bound else None
   by_product = product_bound(args, model) if args.bound else None
-  report(args, ours, hf, tunix, steps, bound, by_product)
+  report(args, ours, hf, tunix, steps, bound, by_product, bandwidth)
   report_decode_steps(args, by_k)
   if args.profile:
     profile_call(args, model, prompts)
+
+
+def report_memory_bound(args, steps: dict, bandwidth: float) -> None:
+  """The decode step table against the memory bound: `step_bytes` at `read_bandwidth`."""
+  from coevolve_jax.models import QwenConfig  # noqa: PLC0415
+
+  cfg = QwenConfig(**_config_kwargs(args.layers, args.hidden))
+  itemsize = 2 if args.dtype == "bfloat16" else 4
+  print(
+    f"\nmemory bound of a decode step: every weight and each row's filled cache entries read "
+    f"once ({args.dtype}), at the {bandwidth / 1e9:.0f} GB/s a jitted sum over 512 MiB reads "
+    "here; the step as above (kv - 1 entries filled)\n"
+  )
+  rows = [["batch", "kv", "step ms", "MB read", "bound ms", "bound / step"]]
+  for b in args.batches:
+    for kv in args.kv_lengths:
+      need = step_bytes(cfg, b, kv, itemsize)
+      rows.append(
+        [
+          str(b),
+          str(kv),
+          f"{steps[(b, kv)] * 1e3:.2f}",
+          f"{need / 1e6:.0f}",
+          f"{need / bandwidth * 1e3:.2f}",
+          f"{need / bandwidth / steps[(b, kv)]:.1%}",
+        ]
+      )
+  print(markdown_table(rows))
 
 
 def report_decode_steps(args, by_k: dict) -> None:

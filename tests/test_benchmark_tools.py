@@ -123,6 +123,33 @@ def test_paired_bound_is_the_matmul_bound_measured_again(bench, monkeypatch):
   assert bench.PairedBound(cfg, b, p, n, {}).sample() == pytest.approx(want, rel=1e-12)
 
 
+def test_step_bytes_counts_every_weight_and_the_filled_cache(bench):
+  """A decode step's bytes: the layers' weights and the head once, and batch x entries x layers x
+  (keys and values) x KV heads x head width of cache; a tied head is the embedding, counted
+  once."""
+  from coevolve_jax.models.qwen import count_params
+
+  for tied in (False, True):
+    cfg = QwenConfig(
+      vocab_size=1000,
+      hidden_size=64,
+      intermediate_size=96,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      head_dim=8,
+      tie_word_embeddings=tied,
+    )
+    counts = count_params(cfg)
+    # Untied: the embedding count holds the input table and the head, each 64 x 1000.
+    assert counts["embedding"] == (1 if tied else 2) * 64 * 1000
+    weights = counts["non_embedding"] + 64 * 1000
+    cache = 3 * 40 * 2 * 2 * 2 * 8  # 3 rows, 40 entries, 2 layers, k and v, 2 KV heads, width 8
+    assert bench.step_bytes(cfg, 3, 40, 2) == 2 * (weights + cache)
+    assert bench.step_bytes(cfg, 3, 41, 4) - bench.step_bytes(cfg, 3, 40, 4) == 4 * cache // 40
+  assert bench.read_bandwidth(1 << 20, repeats=3) > 0
+
+
 def test_op_profile_names_the_product_of_a_traced_program(tmp_path):
   """A program of one [256, 512] x [512, 384] product and a tanh, traced three times with its HLO
   dumped (a fresh process: the dump flag must be set before JAX starts): the product's row names
