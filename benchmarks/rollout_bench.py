@@ -277,35 +277,48 @@ def run_ours(args, model, prompts: np.ndarray, decode_steps: int, paired: bool =
   return out
 
 
-def step_times(args, model) -> dict:
-  """Seconds per greedy decode step by batch size and by cache positions filled."""
+def step_times(args, model) -> tuple[dict, dict]:
+  """Seconds per greedy decode step by batch size and by cache entries filled kv: ({(b, kv): one
+  `generate` step from kv - 1 entries (a device call and a copy to the host per step)},
+  {(b, kv): a `generate_steps` call of K = the last --decode_steps steps from kv - K entries,
+  over K (the batcher's and agent loop's path: one call and one copy per K tokens)}). Medians
+  of --step_repeats calls after a compiling one; the cache holds max(--kv_lengths) entries."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
 
   from coevolve_jax.rollout import Engine, SamplingParams  # noqa: PLC0415
 
-  greedy = SamplingParams(temperature=0.0)
-  out = {}
+  greedy, k = SamplingParams(temperature=0.0), args.decode_steps[-1]
+  single, per_k = {}, {}
   for b in args.batches:
     engine = Engine(model, b, max(args.kv_lengths), dtype=jnp.dtype(args.dtype))
+    active, keys = np.ones((b,), bool), jax.random.split(jax.random.key(0), b)
+
+    def one(i, engine=engine, active=active):
+      engine.generate(active, jax.random.key(i), greedy)
+
+    def several(i, engine=engine, active=active, keys=keys, b=b):
+      limits = np.full((b,), k)
+      engine.generate_steps(active, keys, np.full((b,), i), limits, [], greedy, max_steps=k)
+
     for kv in args.kv_lengths:
-      # Timing only: every slot pretends kv - 1 entries are filled (contents do not matter).
-      engine._pos[:] = kv - 1  # pylint: disable=protected-access
-      engine.state = engine.state._replace(next_pos=jnp.full((b,), kv - 1, jnp.int32))
-      active = np.ones((b,), bool)
-      engine.generate(active, jax.random.key(0), greedy)  # compile
-      times = []
-      for i in range(args.step_repeats):
-        engine._pos[:] = kv - 1  # pylint: disable=protected-access
-        engine.state = engine.state._replace(next_pos=jnp.full((b,), kv - 1, jnp.int32))
-        start = time.perf_counter()
-        engine.generate(active, jax.random.key(i), greedy)
-        times.append(time.perf_counter() - start)
-      out[(b, kv)] = float(np.median(times))
-  return out
+      for out, steps, call in ((single, 1, one), (per_k, k, several)):
+        if steps > kv:
+          continue
+        times = []
+        for i in range(args.step_repeats + 1):  # the first compiles
+          # Timing only: every slot pretends kv - steps entries are filled (contents do not
+          # matter), so the call's last step fills entry kv - 1.
+          engine._pos[:] = kv - steps  # pylint: disable=protected-access
+          engine.state = engine.state._replace(next_pos=jnp.full((b,), kv - steps, jnp.int32))
+          start = time.perf_counter()
+          call(i)
+          times.append(time.perf_counter() - start)
+        out[(b, kv)] = float(np.median(times[1:])) / steps
+  return single, per_k
 
 
-def step_bytes(cfg, batch: int, kv_used: int, itemsize: int) -> int:
+def step_bytes(cfg, batch: int, kv_used: float, itemsize: int) -> float:
   """Bytes one decode step of `batch` rows must read at least: every weight once (the layers'
   and the output head's [D, V], which is the embedding table when tied; the B embedding rows
   looked up are left out) and the `kv_used` filled cache entries of each row (keys and values of
@@ -614,7 +627,7 @@ def report(args, ours, hf, tunix, steps, bound, by_product=None, bandwidth=None)
   kvs = args.kv_lengths
   srows = [["batch"] + [f"step ms @ kv {k}" for k in kvs]]
   for b in args.batches:
-    srows.append([str(b)] + [f"{steps[(b, k)] * 1e3:.1f}" for k in kvs])
+    srows.append([str(b)] + [f"{steps[0][(b, k)] * 1e3:.1f}" for k in kvs])
   print(
     f"\nours: one decode step (median of {args.step_repeats}), by batch size and cache length\n"
   )
@@ -779,31 +792,39 @@ def main() -> None:
     profile_call(args, model, prompts)
 
 
-def report_memory_bound(args, steps: dict, bandwidth: float) -> None:
-  """The decode step table against the memory bound: `step_bytes` at `read_bandwidth`."""
+def report_memory_bound(args, steps: tuple[dict, dict], bandwidth: float) -> None:
+  """Decode steps (`step_times`: one per call, and per step of a K-step call) against the
+  memory bound: `step_bytes` at `read_bandwidth`, at the entries filled on average over the
+  call's steps."""
   from coevolve_jax.models import QwenConfig  # noqa: PLC0415
 
   cfg = QwenConfig(**_config_kwargs(args.layers, args.hidden))
   itemsize = 2 if args.dtype == "bfloat16" else 4
+  k = args.decode_steps[-1]
   print(
     f"\nmemory bound of a decode step: every weight and each row's filled cache entries read "
     f"once ({args.dtype}), at the {bandwidth / 1e9:.0f} GB/s a jitted sum over 512 MiB reads "
-    "here; the step as above (kv - 1 entries filled)\n"
+    f"here; steps of one-step calls (from kv - 1 entries) and of K = {k}-step calls (from kv - "
+    f"{k}: the batcher's path)\n"
   )
-  rows = [["batch", "kv", "step ms", "MB read", "bound ms", "bound / step"]]
+  rows = [["batch", "kv", "K", "ms per step", "MB read", "bound ms", "bound / step"]]
   for b in args.batches:
     for kv in args.kv_lengths:
-      need = step_bytes(cfg, b, kv, itemsize)
-      rows.append(
-        [
-          str(b),
-          str(kv),
-          f"{steps[(b, kv)] * 1e3:.2f}",
-          f"{need / 1e6:.0f}",
-          f"{need / bandwidth * 1e3:.2f}",
-          f"{need / bandwidth / steps[(b, kv)]:.1%}",
-        ]
-      )
+      for n, times in ((1, steps[0]), (k, steps[1])):
+        if (b, kv) not in times:
+          continue
+        need = step_bytes(cfg, b, kv - (n - 1) / 2, itemsize)  # the steps' mean entries
+        rows.append(
+          [
+            str(b),
+            str(kv),
+            str(n),
+            f"{times[(b, kv)] * 1e3:.2f}",
+            f"{need / 1e6:.0f}",
+            f"{need / bandwidth * 1e3:.2f}",
+            f"{need / bandwidth / times[(b, kv)]:.1%}",
+          ]
+        )
   print(markdown_table(rows))
 
 
