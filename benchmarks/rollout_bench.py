@@ -301,8 +301,9 @@ def step_times(args, model) -> tuple[dict, dict]:
       limits = np.full((b,), k)
       engine.generate_steps(active, keys, np.full((b,), i), limits, [], greedy, max_steps=k)
 
+    kinds = [(single, 1, one)] + ([(per_k, k, several)] if k > 1 else [])
     for kv in args.kv_lengths:
-      for out, steps, call in ((single, 1, one), (per_k, k, several)):
+      for out, steps, call in kinds:
         if steps > kv:
           continue
         times = []
