@@ -30,6 +30,21 @@ def _load(name: str):
   return module
 
 
+def _tiny(**overrides) -> QwenConfig:
+  """A 2-layer Qwen3 of width 64 and vocabulary 1,000: q width 32, k and v 16, MLP 96, so every
+  product's shape differs from the others'."""
+  kwargs = dict(
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+  )
+  return QwenConfig(**{**kwargs, **overrides})
+
+
 @pytest.fixture(scope="module")
 def bench():
   return _load("rollout_bench")
@@ -44,15 +59,7 @@ def bench():
   ],
 )
 def test_call_products_are_the_engines(bench, rows_mode, prefill, monkeypatch):
-  cfg = QwenConfig(
-    vocab_size=1000,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,  # q width 32, k and v 16: every product's shape differs from the others'
-  )
+  cfg = _tiny()
   model = Qwen(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)
   engine = Engine(model, 3, 256, max_prefill_tokens=256, prefill_rows=rows_mode)
   got = bench.call_products(cfg, 3, 128, 5, engine)
@@ -95,15 +102,7 @@ def test_call_products_are_the_engines(bench, rows_mode, prefill, monkeypatch):
 def test_paired_bound_is_the_matmul_bound_measured_again(bench, monkeypatch):
   """`PairedBound.sample()` is `matmul_bound`'s XLA bound for the rates of its own timing: with
   both given the same rate per product shape, both equal the bound computed here by hand."""
-  cfg = QwenConfig(
-    vocab_size=1000,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-  )
+  cfg = _tiny()
   b, p, n = 2, 16, 5
   real = bench.PairedBound(cfg, b, p, n, {}).sample()  # timed for real: a finite rate
   assert 0 < real < float("inf")
@@ -130,16 +129,7 @@ def test_step_bytes_counts_every_weight_and_the_filled_cache(bench):
   from coevolve_jax.models.qwen import count_params
 
   for tied in (False, True):
-    cfg = QwenConfig(
-      vocab_size=1000,
-      hidden_size=64,
-      intermediate_size=96,
-      num_hidden_layers=2,
-      num_attention_heads=4,
-      num_key_value_heads=2,
-      head_dim=8,
-      tie_word_embeddings=tied,
-    )
+    cfg = _tiny(tie_word_embeddings=tied)
     counts = count_params(cfg)
     # Untied: the embedding count holds the input table and the head, each 64 x 1000.
     assert counts["embedding"] == (1 if tied else 2) * 64 * 1000
