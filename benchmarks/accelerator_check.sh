@@ -71,7 +71,7 @@ stage bench "${BENCH_S:-140}" "$PY" -m coevolve_jax.cli.bench --config=configs/b
 
 stage decode "${DECODE_S:-90}" "$PY" benchmarks/rollout_bench.py --peers=transformers \
   --dtype=bfloat16 --bound=0 --batches=64 --prompt_len=512 --new_tokens=128 --layers=28 \
-  --hidden=1024 --kv_lengths=640 --repeats=2 --decode_steps=1,8
+  --hidden=1024 --head_dim=128 --tied=1 --kv_lengths=640 --repeats=2 --decode_steps=1,8
 
 run_dir=$(mktemp -d)/run
 stage main "${MAIN_S:-120}" bash -c "

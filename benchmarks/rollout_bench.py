@@ -46,16 +46,20 @@ VOCAB = 151936
 T_SAMPLED = 0.9
 
 
-def _config_kwargs(layers: int, hidden: int) -> dict:
-  heads = hidden // 64
+def _config_kwargs(args) -> dict:
+  """The benchmark model's QwenConfig fields: `--layers` of width `--hidden`, hidden / 64 query
+  heads and half as many KV heads of `--head_dim` (64; Qwen3-0.6B's is 128), MLP 3 x hidden,
+  the head tied to the embedding with `--tied=1` (as in Qwen3-0.6B)."""
+  heads = args.hidden // 64
   return dict(
     vocab_size=VOCAB,
-    hidden_size=hidden,
-    intermediate_size=3 * hidden,
-    num_hidden_layers=layers,
+    hidden_size=args.hidden,
+    intermediate_size=3 * args.hidden,
+    num_hidden_layers=args.layers,
     num_attention_heads=heads,
     num_key_value_heads=max(1, heads // 2),
-    head_dim=64,
+    head_dim=args.head_dim,
+    tie_word_embeddings=bool(args.tied),
   )
 
 
@@ -89,7 +93,7 @@ def tunix_worker(args) -> None:
   from tunix.models.qwen3 import model as qwen3_model  # noqa: PLC0415
   from tunix.models.qwen3 import params as qwen3_params  # noqa: PLC0415
 
-  kw = _config_kwargs(args.layers, args.hidden)
+  kw = _config_kwargs(args)
   cfg = qwen3_model.ModelConfig(
     num_layers=kw["num_hidden_layers"],
     vocab_size=VOCAB,
@@ -100,7 +104,7 @@ def tunix_worker(args) -> None:
     num_kv_heads=kw["num_key_value_heads"],
     rope_theta=1_000_000,
     norm_eps=1e-6,
-    use_tied_embedding=False,
+    use_tied_embedding=kw["tie_word_embeddings"],
   )
   mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   with mesh:
@@ -178,6 +182,8 @@ def run_tunix(args) -> dict | None:
     f"--prompt_len={args.prompt_len}",
     f"--layers={args.layers}",
     f"--hidden={args.hidden}",
+    f"--head_dim={args.head_dim}",
+    f"--tied={args.tied}",
     f"--repeats={args.repeats}",
   ]
   env = dict(os.environ)  # without our --profile dump flags: the worker's programs are not ours
@@ -294,27 +300,38 @@ def step_times(args, model) -> tuple[dict, dict]:
     engine = Engine(model, b, max(args.kv_lengths), dtype=jnp.dtype(args.dtype))
     active, keys = np.ones((b,), bool), jax.random.split(jax.random.key(0), b)
 
-    def one(i, engine=engine, active=active):
+    def one(i, engine=engine, active=active) -> int:
       engine.generate(active, jax.random.key(i), greedy)
+      return 1
 
-    def several(i, engine=engine, active=active, keys=keys, b=b):
+    def several(i, engine=engine, active=active, keys=keys, b=b) -> int:
       limits = np.full((b,), k)
-      engine.generate_steps(active, keys, np.full((b,), i), limits, [], greedy, max_steps=k)
+      tokens, _ = engine.generate_steps(
+        active, keys, np.full((b,), i), limits, [], greedy, max_steps=k
+      )
+      return len(tokens)  # fewer than K where the steps would pass a key bucket's end
 
     kinds = [(single, 1, one)] + ([(per_k, k, several)] if k > 1 else [])
     for kv in args.kv_lengths:
       for out, steps, call in kinds:
         if steps > kv:
           continue
-        times = []
+        times, ran = [], set()
         for i in range(args.step_repeats + 1):  # the first compiles
           # Timing only: every slot pretends kv - steps entries are filled (contents do not
           # matter), so the call's last step fills entry kv - 1.
           engine._pos[:] = kv - steps  # pylint: disable=protected-access
           engine.state = engine.state._replace(next_pos=jnp.full((b,), kv - steps, jnp.int32))
           start = time.perf_counter()
-          call(i)
+          ran.add(call(i))
           times.append(time.perf_counter() - start)
+        if ran != {steps}:
+          print(
+            f"step_times: at kv {kv} a {steps}-step call ran {sorted(ran)} steps (a key bucket "
+            "ends inside it); not reported",
+            file=sys.stderr,
+          )
+          continue
         out[(b, kv)] = float(np.median(times[1:])) / steps
   return single, per_k
 
@@ -331,13 +348,17 @@ def step_bytes(cfg, batch: int, kv_used: float, itemsize: int) -> float:
   return (weights + kv) * itemsize
 
 
-def read_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
+def read_bandwidth(nbytes: int | None = None, repeats: int = 5) -> float:
   """Bytes/s at which the default device reads its memory here: a jitted sum over an `nbytes`
   float32 array (one untimed run, median of `repeats`). The reference of the memory bound: a
-  measured rate, like the matmul bound's, not a datasheet's."""
+  measured rate, like the matmul bound's, not a datasheet's. Default size 512 MiB on a CPU and
+  4 GiB on an accelerator, where 512 MiB read in about 0.1 ms and the call's own overhead would
+  show in the rate."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
 
+  if nbytes is None:
+    nbytes = 1 << (29 if jax.default_backend() == "cpu" else 32)
   x = jnp.ones((nbytes // 4,), jnp.float32)
   total = jax.jit(jnp.sum)
   return nbytes / _median_seconds(lambda: total(x).block_until_ready(), repeats)
@@ -591,7 +612,8 @@ def profile_call(args, model, prompts: np.ndarray) -> None:
 def report(args, ours, hf, tunix, steps, bound, by_product=None, bandwidth=None) -> None:
   print(f"\nmachine: {machine(torch_version=True)}")
   print(
-    f"model: Qwen3, {args.layers} layers, hidden {args.hidden}, vocab {VOCAB}, {args.dtype}; "
+    f"model: Qwen3, {args.layers} layers, hidden {args.hidden}, head_dim {args.head_dim}, "
+    f"{'tied' if args.tied else 'untied'} head, vocab {VOCAB}, {args.dtype}; "
     f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens per row\n"
   )
   rows = [
@@ -712,6 +734,8 @@ def main() -> None:
   p.add_argument("--prompt_len", type=int, default=128)
   p.add_argument("--layers", type=int, default=8)
   p.add_argument("--hidden", type=int, default=512)
+  p.add_argument("--head_dim", type=int, default=64)
+  p.add_argument("--tied", type=int, default=0, help="1: the output head is the embedding")
   p.add_argument("--kv_lengths", default="256,1024,4096")
   p.add_argument("--step_repeats", type=int, default=5)
   p.add_argument(
@@ -766,7 +790,7 @@ def main() -> None:
   import jax.numpy as jnp  # noqa: PLC0415
 
   model = Qwen(
-    QwenConfig(**_config_kwargs(args.layers, args.hidden)),
+    QwenConfig(**_config_kwargs(args)),
     rngs=nnx.Rngs(0),
     dtype=jnp.dtype(args.dtype),
   )
@@ -797,16 +821,18 @@ def report_memory_bound(args, steps: tuple[dict, dict], bandwidth: float) -> Non
   """Decode steps (`step_times`: one per call, and per step of a K-step call) against the
   memory bound: `step_bytes` at `read_bandwidth`, at the entries filled on average over the
   call's steps."""
+  import jax.numpy as jnp  # noqa: PLC0415
+
   from coevolve_jax.models import QwenConfig  # noqa: PLC0415
 
-  cfg = QwenConfig(**_config_kwargs(args.layers, args.hidden))
-  itemsize = 2 if args.dtype == "bfloat16" else 4
+  cfg = QwenConfig(**_config_kwargs(args))
+  itemsize = jnp.dtype(args.dtype).itemsize
   k = args.decode_steps[-1]
   print(
     f"\nmemory bound of a decode step: every weight and each row's filled cache entries read "
-    f"once ({args.dtype}), at the {bandwidth / 1e9:.0f} GB/s a jitted sum over 512 MiB reads "
-    f"here; steps of one-step calls (from kv - 1 entries) and of K = {k}-step calls (from kv - "
-    f"{k}: the batcher's path)\n"
+    f"once ({args.dtype}), at the {bandwidth / 1e9:.0f} GB/s a jitted sum over a large array "
+    f"reads here (`read_bandwidth`); steps of one-step calls (from kv - 1 entries) and of "
+    f"K = {k}-step calls (from kv - {k}: the batcher's path)\n"
   )
   rows = [["batch", "kv", "K", "ms per step", "MB read", "bound ms", "bound / step"]]
   for b in args.batches:

@@ -137,7 +137,20 @@ def test_step_bytes_counts_every_weight_and_the_filled_cache(bench):
     cache = 3 * 40 * 2 * 2 * 2 * 8  # 3 rows, 40 entries, 2 layers, k and v, 2 KV heads, width 8
     assert bench.step_bytes(cfg, 3, 40, 2) == 2 * (weights + cache)
     assert bench.step_bytes(cfg, 3, 41, 4) - bench.step_bytes(cfg, 3, 40, 4) == 4 * cache // 40
-  assert bench.read_bandwidth(1 << 20, repeats=3) > 0
+
+
+def test_step_times_reports_only_calls_that_ran_k_steps(bench, capsys):
+  """A K-step call is timed per step only where it runs all K steps: from 252 entries (kv 260)
+  the 256-key bucket ends after 4 steps, so kv 260 has a one-step time and no K-step time; from
+  504 (kv 512, the cache's end) all 8 steps run."""
+  model = Qwen(_tiny(), rngs=nnx.Rngs(0), dtype=jnp.float32)
+  args = SimpleNamespace(
+    batches=[2], kv_lengths=[260, 512], decode_steps=[1, 8], dtype="float32", step_repeats=1
+  )
+  single, per_k = bench.step_times(args, model)
+  assert set(single) == {(2, 260), (2, 512)} and set(per_k) == {(2, 512)}
+  assert all(t > 0 for t in [*single.values(), *per_k.values()])
+  assert "at kv 260 a 8-step call ran [4] steps" in capsys.readouterr().err
 
 
 def test_op_profile_names_the_product_of_a_traced_program(tmp_path):
