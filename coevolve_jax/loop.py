@@ -39,7 +39,7 @@ from flax import nnx
 from coevolve_jax import compiling, config, distributed, errors, grpo, models
 from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
 from coevolve_jax.checkpoint import RunCheckpointer
-from coevolve_jax.cli import plan_device_memory
+from coevolve_jax import memory_plan
 from coevolve_jax.errors import CorruptFileError, RunError
 from coevolve_jax.feedback import factory, rounds
 from coevolve_jax.feedback.llm import LLMError
@@ -468,7 +468,7 @@ class CoEvolveRun:
   def _check_memory(self) -> int:
     """Chooses `train.micro_batches` (0 = auto: the fewest slices that fit) and stops at
     start-up, with the memory planner's table, when the run cannot fit its devices
-    (`plan_device_memory.fit_run`). GPUs and TPUs report their memory; host (CPU) devices get an
+    (`memory_plan.fit_run`). GPUs and TPUs report their memory; host (CPU) devices get an
     equal share of the machine's memory and the residual estimate only (a Qwen3-4B config on a
     laptop stops here instead of being killed for memory minutes later). A checkpoint run is
     planned from its config.json.
@@ -487,7 +487,7 @@ class CoEvolveRun:
     if limit is None and device.platform == "cpu" and (host := _host_memory_bytes()):
       limit, where = host // jax.local_device_count(), "host-memory share per CPU device"
     try:
-      micro, plan = plan_device_memory.fit_run(
+      micro, plan = memory_plan.fit_run(
         self.cfg, mesh, limit, confirm_compiled=device.platform != "cpu"
       )
     except MemoryError as e:

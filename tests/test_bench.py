@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from coevolve_jax.cli import bench, prices
-from coevolve_jax.cli import plan_device_memory
+from coevolve_jax import memory_plan as plan_device_memory
 from coevolve_jax.models.qwen import QwenConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from coevolve_jax.cli import plan_device_memory
+from coevolve_jax import memory_plan
 from coevolve_jax.models.qwen import Qwen, QwenConfig
 from coevolve_jax.trainer import token_logprobs
 
@@ -27,17 +27,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   ],
 )
 def test_parameter_count_matches_published(preset, published):
-  count, nbytes = plan_device_memory.parameter_bytes(preset, {})
+  count, nbytes = memory_plan.parameter_bytes(preset, {})
   assert abs(count - published) / published < 0.005
   assert nbytes == count * 2  # bfloat16, one device
 
 
 def test_optimizer_is_two_moments_and_a_count():
-  p = plan_device_memory.plan(
+  p = memory_plan.plan(
     "tiny_cpu", {}, batch=1, seq_len=8, num_slots=1, cache_len=8, dtype="float32"
   )
   assert p.optimizer == 2 * p.params + 4  # AdamW mu and nu in the parameter dtype + int32 count
-  sharded = plan_device_memory.plan(
+  sharded = memory_plan.plan(
     "tiny_cpu", {"fsdp": 4}, batch=1, seq_len=8, num_slots=1, cache_len=8, dtype="float32"
   )
   assert sharded.optimizer == 2 * sharded.params + 4
@@ -45,7 +45,7 @@ def test_optimizer_is_two_moments_and_a_count():
 
 def test_kv_cache_matches_hand_formula():
   cfg = QwenConfig.preset("qwen3_0_6b")
-  got = plan_device_memory.kv_cache_bytes(
+  got = memory_plan.kv_cache_bytes(
     "qwen3_0_6b", {"fsdp": 4, "tensor": 2}, num_slots=64, cache_len=32768
   )
   # k and v, per layer: slots over data*fsdp, kv heads over tensor, bf16.
@@ -63,27 +63,25 @@ def test_kv_cache_matches_hand_formula():
 
 def test_non_dividing_mesh_axes_leave_the_dimension_replicated_as_the_job_does():
   # 10 rows do not split over 4 devices: the job keeps them whole (sharding.param_spec).
-  assert (
-    plan_device_memory.shard_bytes((10, 3), jnp.float32, ("embed", None), {"fsdp": 4}) == 10 * 3 * 4
-  )
-  assert plan_device_memory.shard_bytes((12, 3), jnp.float32, ("embed", None), {"fsdp": 4}) == 36
+  assert memory_plan.shard_bytes((10, 3), jnp.float32, ("embed", None), {"fsdp": 4}) == 10 * 3 * 4
+  assert memory_plan.shard_bytes((12, 3), jnp.float32, ("embed", None), {"fsdp": 4}) == 36
   with pytest.raises(KeyError, match="no sharding rule"):
-    plan_device_memory.shard_bytes((4,), jnp.float32, ("nonexistent",), {})
+    memory_plan.shard_bytes((4,), jnp.float32, ("nonexistent",), {})
   with pytest.raises(ValueError, match="logical axes"):
-    plan_device_memory.shard_bytes((4, 4), jnp.float32, ("embed",), {})
+    memory_plan.shard_bytes((4, 4), jnp.float32, ("embed",), {})
 
 
 def test_activations_scale_with_sequences_per_device():
   kw = dict(seq_len=256, num_slots=1, cache_len=8, dtype="float32")
-  one = plan_device_memory.plan("tiny_cpu", {}, batch=4, **kw)
-  split = plan_device_memory.plan("tiny_cpu", {"data": 2, "fsdp": 2}, batch=4, **kw)
+  one = memory_plan.plan("tiny_cpu", {}, batch=4, **kw)
+  split = memory_plan.plan("tiny_cpu", {"data": 2, "fsdp": 2}, batch=4, **kw)
   assert one.activations == 4 * split.activations
-  micro = plan_device_memory.plan("tiny_cpu", {}, batch=4, micro_batches=4, **kw)
+  micro = memory_plan.plan("tiny_cpu", {}, batch=4, micro_batches=4, **kw)
   assert micro.activations == split.activations
   # Without remat some kept activations (MLP, heads, vocabulary) are tensor-sharded; full remat
   # keeps only each layer's [B, T, D] input, which is not.
-  kept = plan_device_memory.plan("tiny_cpu", {}, batch=4, remat="none", **kw)
-  tensor = plan_device_memory.plan("tiny_cpu", {"tensor": 2}, batch=4, remat="none", **kw)
+  kept = memory_plan.plan("tiny_cpu", {}, batch=4, remat="none", **kw)
+  tensor = memory_plan.plan("tiny_cpu", {"tensor": 2}, batch=4, remat="none", **kw)
   assert kept.activations / 2 < tensor.activations < kept.activations
   assert one.activations < kept.activations
 
@@ -104,13 +102,13 @@ def test_activations_are_a_lower_bound_of_compiled_temporaries():
     .compile()
   )
   temp = compiled.memory_analysis().temp_size_in_bytes
-  p = plan_device_memory.plan(
+  p = memory_plan.plan(
     "tiny_cpu", {}, batch=b, seq_len=t, num_slots=1, cache_len=8, dtype="float32"
   )
   assert 0 < p.activations <= temp
   # The compiled figure is that step's own temporaries less those of a 16-token step: more than
   # the residuals (it holds the recomputed layer and the logit chunks too), less than all.
-  c = plan_device_memory.plan(
+  c = memory_plan.plan(
     "tiny_cpu",
     {},
     batch=b,
@@ -124,13 +122,11 @@ def test_activations_are_a_lower_bound_of_compiled_temporaries():
   assert p.activations < c.activations < temp
   assert c.static == p.static
   with pytest.raises(ValueError, match="activations must be one of"):
-    plan_device_memory.plan(
-      "tiny_cpu", {}, batch=1, seq_len=8, num_slots=1, cache_len=8, activations="x"
-    )
+    memory_plan.plan("tiny_cpu", {}, batch=1, seq_len=8, num_slots=1, cache_len=8, activations="x")
 
 
 def test_parse_mesh():
-  assert plan_device_memory.parse_mesh("fsdp=8,tensor=2") == {
+  assert memory_plan.parse_mesh("fsdp=8,tensor=2") == {
     "data": 1,
     "fsdp": 8,
     "tensor": 2,
@@ -138,12 +134,12 @@ def test_parse_mesh():
   }
   for bad in ("fsdp", "model=2", "fsdp=x", "fsdp=0"):
     with pytest.raises(ValueError, match="bad mesh"):
-      plan_device_memory.parse_mesh(bad)
+      memory_plan.parse_mesh(bad)
 
 
 def test_unknown_preset():
   with pytest.raises(ValueError, match="unknown model preset"):
-    plan_device_memory.plan("qwen9_1t", {}, batch=1, seq_len=8, num_slots=1, cache_len=8)
+    memory_plan.plan("qwen9_1t", {}, batch=1, seq_len=8, num_slots=1, cache_len=8)
 
 
 def test_per_device_params_equal_real_shards_on_8_cpu_devices():
@@ -151,7 +147,7 @@ def test_per_device_params_equal_real_shards_on_8_cpu_devices():
   script = textwrap.dedent("""
       import jax
       from flax import nnx
-      from coevolve_jax.cli import plan_device_memory
+      from coevolve_jax import memory_plan
       from coevolve_jax.models import sharding
       from coevolve_jax.models.qwen import Qwen, QwenConfig
       mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
@@ -164,7 +160,7 @@ def test_per_device_params_equal_real_shards_on_8_cpu_devices():
         arr = jax.device_put(var, jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(spec)))
         dev0 = mesh.devices.flat[0]
         real += sum(s.data.nbytes for s in arr.addressable_shards if s.device == dev0)
-      planned = plan_device_memory.parameter_bytes("tiny_cpu", {"fsdp": 4, "tensor": 2}, "float32")
+      planned = memory_plan.parameter_bytes("tiny_cpu", {"fsdp": 4, "tensor": 2}, "float32")
       print(real, planned[1])
   """)
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
@@ -233,30 +229,30 @@ def test_a_run_that_cannot_fit_stops_with_the_planners_table():
   cfg.train.micro_batches = 0
   cfg.rollout.cache_len = 512  # the worst-case sequence: shorter compiles, the same logic
   rows = cfg.rollout.tasks_per_step * cfg.rollout.group_size // cfg.train.mini_batches
-  choices = plan_device_memory.micro_batch_choices(cfg, mesh)
+  choices = memory_plan.micro_batch_choices(cfg, mesh)
   assert choices == [k for k in range(1, rows + 1) if rows % k == 0]
-  assert plan_device_memory.micro_batch_choices(cfg, {"fsdp": rows}) == [1]
-  one = plan_device_memory.plan_for_run(cfg, mesh, 1, activations="compiled")
-  two = plan_device_memory.plan_for_run(cfg, mesh, 2, activations="compiled")
+  assert memory_plan.micro_batch_choices(cfg, {"fsdp": rows}) == [1]
+  one = memory_plan.plan_for_run(cfg, mesh, 1, activations="compiled")
+  two = memory_plan.plan_for_run(cfg, mesh, 2, activations="compiled")
   assert one.seq_len == cfg.rollout.cache_len and one.param_dtype == "float32"
   assert one.batch == rows and two.activations < one.activations and two.static == one.static
-  assert plan_device_memory.fit_run(cfg, mesh, None) == (1, None)
-  k, plan = plan_device_memory.fit_run(cfg, mesh, one.total)
+  assert memory_plan.fit_run(cfg, mesh, None) == (1, None)
+  k, plan = memory_plan.fit_run(cfg, mesh, one.total)
   assert k == 1 and plan.activation_source == "compiled" and plan.total == one.total
   # Room for two slices' activations but not one's: auto picks 2.
-  k, plan = plan_device_memory.fit_run(cfg, mesh, two.total)
+  k, plan = memory_plan.fit_run(cfg, mesh, two.total)
   assert k == 2 and plan.micro_batches == 2
   # Without the compiled confirmation (the job on CPU) the residual estimate decides.
-  residual_one = plan_device_memory.plan_for_run(cfg, mesh, 1)
-  k, plan = plan_device_memory.fit_run(cfg, mesh, residual_one.total, confirm_compiled=False)
+  residual_one = memory_plan.plan_for_run(cfg, mesh, 1)
+  k, plan = memory_plan.fit_run(cfg, mesh, residual_one.total, confirm_compiled=False)
   assert k == 1 and plan.activation_source == "residuals" and plan.total == residual_one.total
   # The same device with the count fixed at 1: stop, and say how.
   cfg.train.micro_batches = 1
   with pytest.raises(MemoryError, match="train.micro_batches = 0") as e:
-    plan_device_memory.fit_run(cfg, mesh, two.total)
+    memory_plan.fit_run(cfg, mesh, two.total)
   assert "| tiny_cpu | 1,1,1,1 |" in str(e.value)
   with pytest.raises(MemoryError, match="before any activation") as e:
-    plan_device_memory.fit_run(cfg, mesh, one.static - 1)
+    memory_plan.fit_run(cfg, mesh, one.static - 1)
   assert "| tiny_cpu | 1,1,1,1 |" in str(e.value) and "mesh.fsdp" in str(e.value)
 
 
@@ -270,12 +266,12 @@ def test_a_checkpoint_run_is_planned_from_its_config_json(tmp_path):
   save_pretrained(init(QwenConfig.preset("tiny_cpu"), seed=0), str(tmp_path / "ckpt"))
   cfg = _cpu_preset_config()
   mesh = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
-  want = plan_device_memory.plan_for_run(cfg, mesh)
+  want = memory_plan.plan_for_run(cfg, mesh)
   cfg.model.checkpoint = str(tmp_path / "ckpt")
   cfg.model.preset = "qwen3_4b"  # not read with a checkpoint
-  got = plan_device_memory.plan_for_run(cfg, mesh)
+  got = memory_plan.plan_for_run(cfg, mesh)
   assert got.preset == "qwen3-2x128" and want.preset == "tiny_cpu"
   assert dataclasses.replace(got, preset="tiny_cpu") == want
   cfg.model.checkpoint = str(tmp_path / "missing")
   with pytest.raises(FileNotFoundError, match="config.json not found"):
-    plan_device_memory.plan_for_run(cfg, mesh)
+    memory_plan.plan_for_run(cfg, mesh)

@@ -213,7 +213,7 @@ def _planner_agrees(cfg, jobs) -> None:
   job allocates (parameters, optimizer, reference, rollout weights, KV cache) for each
   `(mesh, trainer, engine)` of `jobs` (built as the loop builds them, from `cfg`), and, for every
   preset, its parameter figures equal the job's shardings' shard shapes (abstract)."""
-  from coevolve_jax.cli import plan_device_memory
+  from coevolve_jax import memory_plan as plan_device_memory
   from coevolve_jax.models import PRESETS, sharding
   from coevolve_jax.models.qwen import Qwen, QwenConfig
   from coevolve_jax.trainer import inference_rules

@@ -260,13 +260,7 @@ def run_bench(
   dtype = jnp.dtype(cfg.model.dtype)
   matmul = _matmul_rate(matmul_n, dtype, repeats)
   mesh, model, trainer, engine = _build(cfg, prompt_len, gen_len)
-  memory = {
-    "params": _device0_bytes(trainer.params),
-    "optimizer": _device0_bytes(trainer.opt_state),
-    "reference": _device0_bytes(trainer.ref_params),
-    "rollout_weights": _device0_bytes(trainer.inference_params()),
-    "kv_cache": _device0_bytes(engine.state.cache),
-  }
+  memory = _allocated_bytes(trainer, engine)
   rollout = _rollout(engine, model, cfg, prompt_len, gen_len, repeats)
   train = _training(trainer, model, cfg, rows, seq, repeats)
   stats = dev.memory_stats() or {}
@@ -274,28 +268,11 @@ def run_bench(
   n = jax.device_count()
   train["devices"] = mesh.size
   for part in (rollout, train):
-    used = part["devices"]
-    part["tokens_per_s_per_chip"] = part["tokens_per_s"] / used
-    part["mfu"] = (
-      part["model_flops_per_s"] / (used * facts["peak_tflops_bf16"] * 1e12) if facts else None
-    )
-    # the reference matmul runs on one device
-    part["of_matmul"] = part["model_flops_per_s"] / (used * matmul)
+    _add_utilisation(part, facts, matmul)
   return {
     "schema": SCHEMA,
     "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    "machine": {
-      "backend": jax.default_backend(),
-      "device_kind": dev.device_kind,
-      "device_count": n,
-      "process_count": jax.process_count(),
-      "chip": chip or None,
-      "platform": platform.platform(),
-      "cpu_count": os.cpu_count(),
-      "load_avg_1m": os.getloadavg()[0],
-      "python": platform.python_version(),
-      "jax": jax.__version__,
-    },
+    "machine": _machine(dev, n, chip),
     "config": {
       "preset": cfg.model.preset,
       "dtype": str(dtype),
@@ -311,14 +288,61 @@ def run_bench(
     },
     "rollout": rollout,
     "train": train,
-    "step_breakdown_s": {
-      "prefill": rollout["prefill_s"],
-      "decode": rollout["decode_s"],
-      "old_logprobs": train["old_logprobs_s"],
-      "ref_logprobs": train["ref_logprobs_s"],
-      "update": train["update_s"],
-      "weight_sync": train["weight_sync_s"],
-    },
+    "step_breakdown_s": _step_breakdown(rollout, train),
+  }
+
+
+def _allocated_bytes(trainer, engine) -> dict:
+  """Bytes device 0 holds of each array the job allocates: master parameters, AdamW state,
+  reference, rollout weights (made by `inference_params`, as after each update) and KV cache."""
+  return {
+    "params": _device0_bytes(trainer.params),
+    "optimizer": _device0_bytes(trainer.opt_state),
+    "reference": _device0_bytes(trainer.ref_params),
+    "rollout_weights": _device0_bytes(trainer.inference_params()),
+    "kv_cache": _device0_bytes(engine.state.cache),
+  }
+
+
+def _add_utilisation(part: dict, facts: dict | None, matmul: float) -> None:
+  """Adds to a rollout or training record its tokens/s per chip, its MFU against the chip's
+  vendor peak (`facts`, None: unknown) and its share of the measured `matmul` rate."""
+  used = part["devices"]
+  part["tokens_per_s_per_chip"] = part["tokens_per_s"] / used
+  part["mfu"] = (
+    part["model_flops_per_s"] / (used * facts["peak_tflops_bf16"] * 1e12) if facts else None
+  )
+  # the reference matmul runs on one device
+  part["of_matmul"] = part["model_flops_per_s"] / (used * matmul)
+
+
+def _machine(dev, device_count: int, chip: str) -> dict:
+  """The record's machine facts: backend, first device's kind, device and process counts, chip
+  name, host platform, CPUs and load, Python and JAX versions."""
+  return {
+    "backend": jax.default_backend(),
+    "device_kind": dev.device_kind,
+    "device_count": device_count,
+    "process_count": jax.process_count(),
+    "chip": chip or None,
+    "platform": platform.platform(),
+    "cpu_count": os.cpu_count(),
+    "load_avg_1m": os.getloadavg()[0],
+    "python": platform.python_version(),
+    "jax": jax.__version__,
+  }
+
+
+def _step_breakdown(rollout: dict, train: dict) -> dict:
+  """Seconds of each part of one step (prefill, decode, old and reference log-probs, update,
+  weight sync), from the rollout and training records."""
+  return {
+    "prefill": rollout["prefill_s"],
+    "decode": rollout["decode_s"],
+    "old_logprobs": train["old_logprobs_s"],
+    "ref_logprobs": train["ref_logprobs_s"],
+    "update": train["update_s"],
+    "weight_sync": train["weight_sync_s"],
   }
 
 

@@ -132,6 +132,22 @@ def _parse_pattern(pattern: str) -> int | None:
   raise ValueError(f"pattern must be 'tool_sequence' or 'ngram:N' with N >= 1, got {pattern!r}")
 
 
+def _check_records(records: Sequence[RolloutRecord]) -> None:
+  """Checks a step's records before anything is changed.
+
+  Raises:
+    ValueError: a score outside [0, 1] or NaN; a repeated trajectory_index.
+  """
+  seen: set[int] = set()
+  for r in records:
+    s = float(r.score)
+    if math.isnan(s) or not 0.0 <= s <= 1.0:
+      raise ValueError(f"score must be in [0, 1], got {r.score!r} (task {r.task_id})")
+    if r.trajectory_index in seen:
+      raise ValueError(f"trajectory_index {r.trajectory_index} appears twice")
+    seen.add(r.trajectory_index)
+
+
 class SignalTracker:
   """Keeps per-task score histories and pattern counts; turns each step's rollouts into signals.
 
@@ -241,21 +257,29 @@ class SignalTracker:
         when this raises.
     """
     records = list(records)
-    seen: set[int] = set()
-    for r in records:
-      s = float(r.score)
-      if math.isnan(s) or not 0.0 <= s <= 1.0:
-        raise ValueError(f"score must be in [0, 1], got {r.score!r} (task {r.task_id})")
-      if r.trajectory_index in seen:
-        raise ValueError(f"trajectory_index {r.trajectory_index} appears twice")
-      seen.add(r.trajectory_index)
-
-    t = self.success_threshold
+    _check_records(records)
     by_task: dict[str, list[RolloutRecord]] = {}
     for r in records:
       by_task.setdefault(r.task_id, []).append(r)
+    forgetting = self._forgetting(records, by_task)
+    boundary = self._boundary(records, by_task)
+    # Rare: judge against the earlier steps' counts, then count this step's patterns.
+    keys = [self.patterns(r.tool_names) for r in records]
+    rare = self._rare(records, keys)
+    self._count_patterns(records, keys)
 
-    # Forgetting: judge against the earlier visits of the last W steps, then record this visit.
+    signals = forgetting + boundary + rare
+    for s in signals:
+      self.counts[s.kind] += 1
+    self.steps += 1
+    return signals
+
+  def _forgetting(
+    self, records: list[RolloutRecord], by_task: dict[str, list[RolloutRecord]]
+  ) -> list[Signal]:
+    """Forgetting signals of a step's records, judged against the earlier visits of the last W
+    steps; then records this step's visit of each task in `history`."""
+    t = self.success_threshold
     step, oldest = self.steps, self.steps - self.window
     self.history = {
       k: kept for k, h in self.history.items() if (kept := [(s, v) for s, v in h if s >= oldest])
@@ -271,37 +295,46 @@ class SignalTracker:
       scores = [float(r.score) for r in rs]
       visit = max(scores) if self.forgetting == "rollout" else sum(scores) / len(scores)
       self.history[task_id].append((step, visit))
+    return forgetting
 
-    # Boundary: a mixed group marks all of its rollouts.
+  def _boundary(
+    self, records: list[RolloutRecord], by_task: dict[str, list[RolloutRecord]]
+  ) -> list[Signal]:
+    """Boundary signals of a step's records: a mixed group marks all of its rollouts."""
+    t = self.success_threshold
     mixed = {
       task_id
       for task_id, rs in by_task.items()
       if any(r.score > t for r in rs) and any(r.score < t for r in rs)
     }
-    boundary = [
-      Signal(BOUNDARY, r.task_id, r.trajectory_index) for r in records if r.task_id in mixed
+    return [Signal(BOUNDARY, r.task_id, r.trajectory_index) for r in records if r.task_id in mixed]
+
+  def _rare(self, records: list[RolloutRecord], keys: list[list[str]]) -> list[Signal]:
+    """Rare signals of a step's records (`keys`: each record's pattern keys), judged against the
+    counts of the earlier steps; changes nothing."""
+    if self.total < max(self.rare_min_total, 1):
+      return []
+    by_tasks = self.rare_count == "tasks"
+    limit = self.rare_theta_percent / 100.0
+
+    def is_rare(k: str, task_id: str) -> bool:
+      c = self.pattern_counts.get(k, 0)
+      if by_tasks:
+        recurs = len(self.pattern_tasks.get(k, set()) | {task_id})
+      else:
+        recurs = c + 1
+      return 0 < c and c / self.total < limit and recurs >= self.rare_min_count
+
+    return [
+      Signal(RARE, r.task_id, r.trajectory_index)
+      for r, ks in zip(records, keys, strict=True)
+      if any(is_rare(k, r.task_id) for k in ks)
     ]
 
-    # Rare: judge against the earlier steps' counts, then count this step's patterns.
-    keys = [self.patterns(r.tool_names) for r in records]
-    rare = []
+  def _count_patterns(self, records: list[RolloutRecord], keys: list[list[str]]) -> None:
+    """Adds a step's pattern keys (`keys`: each record's) to the counts c_p and N: with
+    `rare_count="tasks"` each pattern once per task, else once per trajectory."""
     by_tasks = self.rare_count == "tasks"
-    if self.total >= max(self.rare_min_total, 1):
-      limit = self.rare_theta_percent / 100.0
-
-      def is_rare(k: str, task_id: str) -> bool:
-        c = self.pattern_counts.get(k, 0)
-        if by_tasks:
-          recurs = len(self.pattern_tasks.get(k, set()) | {task_id})
-        else:
-          recurs = c + 1
-        return 0 < c and c / self.total < limit and recurs >= self.rare_min_count
-
-      rare = [
-        Signal(RARE, r.task_id, r.trajectory_index)
-        for r, ks in zip(records, keys, strict=True)
-        if any(is_rare(k, r.task_id) for k in ks)
-      ]
     for r, ks in zip(records, keys, strict=True):
       if by_tasks:
         ks = [k for k in ks if r.task_id not in self.pattern_tasks.setdefault(k, set())]
@@ -309,12 +342,6 @@ class SignalTracker:
           self.pattern_tasks[k].add(r.task_id)
       self.pattern_counts.update(ks)
       self.total += len(ks)
-
-    signals = forgetting + boundary + rare
-    for s in signals:
-      self.counts[s.kind] += 1
-    self.steps += 1
-    return signals
 
   def observe(self, trajectories: Sequence[Trajectory], tasks: Sequence[Task]) -> list[SignalEvent]:
     """One training step's trajectories -> the signal events they fire (`update`'s order).

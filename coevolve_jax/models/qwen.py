@@ -488,6 +488,139 @@ def _attend_online(
   return out.transpose(1, 0, 4, 2, 3, 5).reshape(b, t, n, h)
 
 
+def _write_kv_cache(keys_bkht, values_bkth, k_cache_bkhs, v_cache_bksh, write_b, s: int):
+  """Writes T new keys and values into a per-layer KV cache at each row's write index.
+
+  Args:
+    keys_bkht: [B, K, H, T] new keys; values_bkth: [B, K, T, H] new values.
+    k_cache_bkhs, v_cache_bksh: [B, K, H, S_max] key and [B, K, S_max, H] value caches.
+    write_b: [B] int cache index of the first new entry per row.
+    s: keys to attend to: only the first s cache entries (a static bucket).
+  Returns:
+    ([B, K, H, s] keys, [B, K, s, H] values to attend to, new k cache, new v cache).
+  """
+  write_k = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (0, 0, i)))
+  write_v = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (0, i, 0)))
+  k_cache_bkhs = write_k(k_cache_bkhs, keys_bkht.astype(k_cache_bkhs.dtype), write_b)
+  v_cache_bksh = write_v(v_cache_bksh, values_bkth.astype(v_cache_bksh.dtype), write_b)
+  keys, values = k_cache_bkhs[..., :s], v_cache_bksh[:, :, :s]
+  return keys, values, k_cache_bkhs, v_cache_bksh
+
+
+def _write_stacked_kv_cache(k_btkh, v_btkh, k_cache_lbkhs, v_cache_lbksh, write_b, layer, s: int):
+  """Writes T new keys and values into one layer's entry of a block's stacked KV cache (a decode
+  scan's carry), in place at [layer, b, ..., write_b[b]], and reads that entry's first s keys.
+
+  One scatter into the stack, indexed in place: a vmap over the slot axis (axis 1 here) would
+  move it first and copy the whole stack twice per layer.
+
+  Args:
+    k_btkh, v_btkh: [B, T, K, H] new keys and values.
+    k_cache_lbkhs, v_cache_lbksh: [L_g, B, K, H, S_max] key and [L_g, B, K, S_max, H] value
+      caches of the block's layers (`KVCache(stacked=True)`).
+    write_b: [B] int cache index of the first new entry per row.
+    layer: the (traced) index of this layer's entry.
+    s: keys to attend to: the entry's first s cache entries.
+  Returns:
+    ([B, K, H, s] keys, [B, K, s, H] values of this layer, new k cache, new v cache).
+  """
+  li, t = layer, k_btkh.shape[1]
+  rows = jnp.arange(k_btkh.shape[0])[:, None]  # [B, 1]
+  cols = write_b[:, None] + jnp.arange(t, dtype=write_b.dtype)[None]  # [B, T]
+  hints = dict(indices_are_sorted=True, unique_indices=True)
+  k_cache_lbkhs = k_cache_lbkhs.at[li, rows, :, :, cols].set(
+    k_btkh.astype(k_cache_lbkhs.dtype), **hints
+  )  # updates [B, T, K, H]: the advanced indices' dims first
+  v_cache_lbksh = v_cache_lbksh.at[li, rows, :, cols, :].set(
+    v_btkh.astype(v_cache_lbksh.dtype), **hints
+  )
+  _, b, kh, hd, _ = k_cache_lbkhs.shape  # one dynamic slice of this layer's first s entries
+  keys = jax.lax.dynamic_slice(k_cache_lbkhs, (li, 0, 0, 0, 0), (1, b, kh, hd, s))[0]
+  values = jax.lax.dynamic_slice(v_cache_lbksh, (li, 0, 0, 0, 0), (1, b, kh, s, hd))[0]
+  return keys, values, k_cache_lbkhs, v_cache_lbksh
+
+
+def _attend_causal_blocks(
+  q_btnh, keys_bkhs, values_bksh, q_pos_bt, k_pos_bs, k_valid_bs, block: int
+) -> jax.Array:
+  """`_attend` of a cache-free causal pass with block skipping: query block i only needs keys
+  [0, (i+1)*block) (positions grow with the index for every real token), and each block is
+  rematerialised in the backward pass instead of storing its [.., block, keys] scores.
+
+  Same arguments and result as `_attend` ([B, T, N, H]); T must divide by `block` and the keys
+  be the T inputs themselves (S = T).
+  """
+  t = q_btnh.shape[1]
+  outs = []
+  for i in range(t // block):
+    lo, hi = i * block, (i + 1) * block
+    outs.append(
+      jax.checkpoint(_attend)(
+        q_btnh[:, lo:hi],
+        keys_bkhs[..., :hi],
+        values_bksh[:, :, :hi],
+        q_pos_bt[:, lo:hi],
+        k_pos_bs[:, :hi],
+        k_valid_bs[:, :hi],
+      )
+    )
+  return jnp.concatenate(outs, axis=1)
+
+
+def _attend_query_blocks(
+  q_bpnh, keys_bkhs, values_bksh, q_pos_bp, k_pos_bs, k_valid_bs, block: int
+) -> jax.Array:
+  """`_attend` of queries at P chosen positions (the last layer of a scoring pass) in blocks of
+  `block` queries: any query may see every key, so no block skipping, but each block of queries
+  is rematerialised, so the backward pass keeps no [.., P, T] scores (at P = 2048 of T = 4096 in
+  Qwen3-4B, 1 GiB of float32 per copy).
+
+  Same arguments and result as `_attend` ([B, P, N, H]); P must divide by `block`.
+  """
+  p = q_bpnh.shape[1]
+  outs = [
+    jax.checkpoint(_attend)(
+      q_bpnh[:, lo : lo + block],
+      keys_bkhs,
+      values_bksh,
+      q_pos_bp[:, lo : lo + block],
+      k_pos_bs,
+      k_valid_bs,
+    )
+    for lo in range(0, p, block)
+  ]
+  return jnp.concatenate(outs, axis=1)
+
+
+def _attend_by_pass(
+  q_btnh, keys_bkhs, values_bksh, q_pos_bt, k_pos_bs, k_valid_bs, *, cached: bool, gathered: bool
+) -> jax.Array:
+  """`_attend` by the kind of pass: with a KV cache (`cached`: prefill or decode) one plain pass;
+  without one, long passes key-blocked (`_attend_online`), others query-blocked where the lengths
+  allow (`_attend_causal_blocks`, or `_attend_query_blocks` for queries at chosen positions,
+  `gathered`), the rest one plain pass.
+
+  Same arguments and result as `_attend`: [B, T, N, H] queries ([B, P, N, H] when `gathered`),
+  [B, K, H, S] keys, [B, K, S, H] values, [B, T] query and [B, S] key positions, [B, S] key
+  validity; returns [B, T, N, H].
+  """
+  t = q_btnh.shape[1]
+  block = attention_block(t) if not cached and not gathered else None
+  online = online_attention_blocks(t, keys_bkhs.shape[-1]) if not cached else None
+  if online:
+    # Long cache-free passes (training at cache_len 32,768): key-blocked online softmax.
+    return _attend_online(q_btnh, keys_bkhs, values_bksh, q_pos_bt, k_pos_bs, k_valid_bs, *online)
+  if block:
+    return _attend_causal_blocks(
+      q_btnh, keys_bkhs, values_bksh, q_pos_bt, k_pos_bs, k_valid_bs, block
+    )
+  if not cached and gathered and attention_block(t):
+    return _attend_query_blocks(
+      q_btnh, keys_bkhs, values_bksh, q_pos_bt, k_pos_bs, k_valid_bs, attention_block(t)
+    )
+  return _attend(q_btnh, keys_bkhs, values_bksh, q_pos_bt, k_pos_bs, k_valid_bs)
+
+
 class Attention(nnx.Module):
   """Grouped-query self-attention with optional q/k/v bias and q/k RMSNorm."""
 
@@ -542,98 +675,59 @@ class Attention(nnx.Module):
       ([B, T, D] outputs, or [B, P, D] with query_index_bp; new k cache, new v cache).
     """
     with jax.named_scope("attention"):
-      cfg = self.cfg
-      x_q, q_pos = x_btd, positions_bt
-      if query_index_bp is not None:
-        x_q = jnp.take_along_axis(x_btd, query_index_bp[..., None], axis=1)
-        q_pos = jnp.take_along_axis(positions_bt, query_index_bp, axis=1)
-      q = jnp.einsum("BTD,DNH->BTNH", x_q, self.q_proj[...])
-      k = jnp.einsum("BTD,DKH->BTKH", x_btd, self.k_proj[...])
-      v = jnp.einsum("BTD,DKH->BTKH", x_btd, self.v_proj[...])
-      if cfg.attention_bias:
-        q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-      if cfg.qk_norm:
-        q, k = self.q_norm(q), self.k_norm(k)
-      q = rope(q, q_pos, cfg.rope_theta)
-      k = rope(k, positions_bt, cfg.rope_theta)
-      q = constrain(q, ("batch", "length", "act_heads", None))
+      q, k, v, q_pos = self._project_qkv(x_btd, positions_bt, query_index_bp)
       # Keys [B, K, H, S] and values [B, K, S, H], the cache's layout, in both modes (`_attend`).
       keys, values = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
       if k_cache_bkhs is not None and layer_index is not None:
-        # A block's stacked cache (a decode scan's carry): write this layer's entry in place at
-        # [layer, b, ..., write_b[b]], read its first s entries.
-        # One scatter into the stack, indexed in place: a vmap over the slot axis (axis 1 here)
-        # would move it first and copy the whole stack twice per layer.
-        li, t = layer_index, x_btd.shape[1]
-        rows = jnp.arange(keys.shape[0])[:, None]  # [B, 1]
-        cols = write_b[:, None] + jnp.arange(t, dtype=write_b.dtype)[None]  # [B, T]
-        hints = dict(indices_are_sorted=True, unique_indices=True)
-        k_cache_bkhs = k_cache_bkhs.at[li, rows, :, :, cols].set(
-          k.astype(k_cache_bkhs.dtype), **hints
-        )  # updates [B, T, K, H]: the advanced indices' dims first
-        v_cache_bksh = v_cache_bksh.at[li, rows, :, cols, :].set(
-          v.astype(v_cache_bksh.dtype), **hints
+        keys, values, k_cache_bkhs, v_cache_bksh = _write_stacked_kv_cache(
+          k, v, k_cache_bkhs, v_cache_bksh, write_b, layer_index, key_pos_bs.shape[1]
         )
-        s = key_pos_bs.shape[1]  # one dynamic slice of this layer's first s entries
-        _, b, kh, hd, _ = k_cache_bkhs.shape
-        keys = jax.lax.dynamic_slice(k_cache_bkhs, (li, 0, 0, 0, 0), (1, b, kh, hd, s))[0]
-        values = jax.lax.dynamic_slice(v_cache_bksh, (li, 0, 0, 0, 0), (1, b, kh, s, hd))[0]
       elif k_cache_bkhs is not None:
-        write_k = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (0, 0, i)))
-        write_v = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (0, i, 0)))
-        k_cache_bkhs = write_k(k_cache_bkhs, keys.astype(k_cache_bkhs.dtype), write_b)
-        v_cache_bksh = write_v(v_cache_bksh, values.astype(v_cache_bksh.dtype), write_b)
-        s = key_pos_bs.shape[1]  # attend only to the first s cache entries (a static bucket)
-        keys, values = k_cache_bkhs[..., :s], v_cache_bksh[:, :, :s]
-      b, t, n, h = q.shape
-      block = attention_block(t) if k_cache_bkhs is None and query_index_bp is None else None
-      online = online_attention_blocks(t, keys.shape[-1]) if k_cache_bkhs is None else None
-      if online:
-        # Long cache-free passes (training at cache_len 32,768): key-blocked online softmax.
-        out = _attend_online(q, keys, values, q_pos, key_pos_bs, key_valid_bs, *online)
-      elif block:
-        # Causal block skipping without a cache: query block i only needs keys [0, (i+1)*block)
-        # (positions grow with the index for every real token), and each block is rematerialised
-        # in the backward pass instead of storing its [.., block, keys] scores.
-        outs = []
-        for i in range(t // block):
-          lo, hi = i * block, (i + 1) * block
-          outs.append(
-            jax.checkpoint(_attend)(
-              q[:, lo:hi],
-              keys[..., :hi],
-              values[:, :, :hi],
-              positions_bt[:, lo:hi],
-              key_pos_bs[:, :hi],
-              key_valid_bs[:, :hi],
-            )
-          )
-        out = jnp.concatenate(outs, axis=1)
-      elif k_cache_bkhs is None and query_index_bp is not None and attention_block(t):
-        # Queries at P chosen positions (the last layer of a scoring pass): any query may see
-        # every key, so no block skipping, but each block of queries is rematerialised, so the
-        # backward pass keeps no [.., P, T] scores (at P = 2048 of T = 4096 in Qwen3-4B, 1 GiB
-        # of float32 per copy).
-        block = attention_block(t)
-        outs = [
-          jax.checkpoint(_attend)(
-            q[:, lo : lo + block],
-            keys,
-            values,
-            q_pos[:, lo : lo + block],
-            key_pos_bs,
-            key_valid_bs,
-          )
-          for lo in range(0, t, block)
-        ]
-        out = jnp.concatenate(outs, axis=1)
-      else:
-        out = _attend(q, keys, values, q_pos, key_pos_bs, key_valid_bs)
+        keys, values, k_cache_bkhs, v_cache_bksh = _write_kv_cache(
+          keys, values, k_cache_bkhs, v_cache_bksh, write_b, key_pos_bs.shape[1]
+        )
+      out = _attend_by_pass(
+        q,
+        keys,
+        values,
+        q_pos,
+        key_pos_bs,
+        key_valid_bs,
+        cached=k_cache_bkhs is not None,
+        gathered=query_index_bp is not None,
+      )
       # "BTNH,NHD->BTD" with the contracted (N, H) in storage order: jnp.einsum lists them as
       # (H, N), and XLA:CPU then copied o_proj into [H, N, D] (and the activations into
       # [B, T, H, N]) on every call: 8 weight copies in each decode step of an 8-layer model.
       out = jax.lax.dot_general(out, self.o_proj[...], (((2, 3), (0, 1)), ((), ())))
       return out, k_cache_bkhs, v_cache_bksh
+
+  def _project_qkv(self, x_btd, positions_bt, query_index_bp):
+    """Query, key and value projections (bias, q/k norm, RoPE) of the inputs.
+
+    Args:
+      x_btd: [B, T, D] inputs. positions_bt: [B, T] their absolute positions.
+      query_index_bp: None, or [B, P] indices into T: queries only at these inputs.
+    Returns:
+      ([B, T, N, H] queries ([B, P, N, H] with query_index_bp), sharded over heads; [B, T, K, H]
+      keys; [B, T, K, H] values; [B, T] (or [B, P]) query positions).
+    """
+    cfg = self.cfg
+    x_q, q_pos = x_btd, positions_bt
+    if query_index_bp is not None:
+      x_q = jnp.take_along_axis(x_btd, query_index_bp[..., None], axis=1)
+      q_pos = jnp.take_along_axis(positions_bt, query_index_bp, axis=1)
+    q = jnp.einsum("BTD,DNH->BTNH", x_q, self.q_proj[...])
+    k = jnp.einsum("BTD,DKH->BTKH", x_btd, self.k_proj[...])
+    v = jnp.einsum("BTD,DKH->BTKH", x_btd, self.v_proj[...])
+    if cfg.attention_bias:
+      q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = rope(q, q_pos, cfg.rope_theta)
+    k = rope(k, positions_bt, cfg.rope_theta)
+    q = constrain(q, ("batch", "length", "act_heads", None))
+    return q, k, v, q_pos
 
 
 class MLP(nnx.Module):
@@ -866,44 +960,6 @@ class SparseMoE(nnx.Module):
       As `forward`: [B, T, D] outputs in x's dtype, sharded as `plan.tokens`, and [B, T, k] int32
       experts, sharded as `plan.routes`.
     """
-    k = self.cfg.num_experts_per_tok
-
-    def per_device(x_btd, gate_de, gate_gdf, up_gdf, down_gfd, forced_btk=None):
-      b, t, d = x_btd.shape
-      weights_mk, experts_mk = self._route(x_btd.reshape(b * t, d), gate_de, forced_btk)
-      used_btk = experts_mk.reshape(b, t, k)
-      experts_btk, weights_btk = used_btk, weights_mk.reshape(b, t, k)
-      if plan.gather_axes:
-        gather = functools.partial(jax.lax.all_gather, axis_name=plan.gather_axes, tiled=True)
-        x_btd, experts_btk, weights_btk = gather(x_btd), gather(experts_btk), gather(weights_btk)
-      if plan.sum_axes:
-        # Typed as differing over the summed axes from here on, so that the backward sums the
-        # inputs' gradients over them once, on [M, D] and [M, k], not on the [A, D] copies.
-        x_btd, weights_btk = _pcast_varying((x_btd, weights_btk), plan.sum_axes)
-      b, t, d = x_btd.shape
-      g = gate_gdf.shape[0]  # this device's experts: [first, first + g)
-      first = jax.lax.axis_index(plan.expert_axes) * g
-      local_a = experts_btk.reshape(-1) - first
-      mine_a = (local_a >= 0) & (local_a < g)
-      key_a = jnp.where(mine_a, local_a, g)  # other devices' copies sort last, past the groups
-      # Not jnp.argsort: in JAX 0.10 its result inside shard_map is typed as the same on every
-      # device of the expert axis although it differs, and the backward then sums the gradients
-      # of differently ordered rows over that axis (wrong dx; tests/test_moe_expert_parallel.py).
-      iota_a = jnp.arange(key_a.shape[0], dtype=jnp.int32)
-      _, order = jax.lax.sort((key_a, iota_a), num_keys=1, is_stable=True)
-      token_a = order // k
-      group_sizes = jnp.bincount(key_a, length=g + 1)[:g].astype(jnp.int32)
-      x_md = x_btd.reshape(b * t, d)
-      y_ad = Experts.apply(x_md[token_a], group_sizes, gate_gdf, up_gdf, down_gfd)
-      w_a = jnp.where(mine_a, weights_btk.reshape(-1), 0)[order]
-      y_ad = jnp.where(mine_a[order][:, None], y_ad * w_a[:, None], 0)
-      out_btd = jnp.zeros_like(x_md).at[token_a].add(y_ad).reshape(b, t, d)
-      if plan.sum_axes:
-        out_btd = jax.lax.psum(out_btd, plan.sum_axes)
-      if plan.gather_axes:
-        out_btd = jax.lax.psum_scatter(out_btd, plan.gather_axes, scatter_dimension=0, tiled=True)
-      return out_btd, used_btk
-
     args = [x_btd, self.gate[...]]
     args += [v[...] for v in (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj)]
     specs = [plan.tokens, P(), *plan.kernels]  # the router whole: every device scores every expert
@@ -912,11 +968,114 @@ class SparseMoE(nnx.Module):
       specs.append(plan.routes)
     with jax.named_scope("expert_parallel"):
       return jax.shard_map(
-        per_device,
+        functools.partial(self._expert_parallel_shard, plan),
         mesh=plan.mesh,
         in_specs=tuple(specs),
         out_specs=(plan.tokens, plan.routes),
       )(*args)
+
+  def _expert_parallel_shard(
+    self, plan: _EPPlan, x_btd, gate_de, gate_gdf, up_gdf, down_gfd, forced_btk=None
+  ) -> tuple[jax.Array, jax.Array]:
+    """One device's part of `_forward_expert_parallel` (the body of its `jax.shard_map`).
+
+    Args:
+      plan: `_expert_parallel_plan`'s specs.
+      x_btd: [B, T, D] this device's token rows. gate_de: [D, E] the whole router kernel.
+      gate_gdf, up_gdf: [G, D, F] and down_gfd: [G, F, D] this device's G = E / n_ep experts'
+        kernels (F its tensor shard of the hidden size).
+      forced_btk: None, or [B, T, k] replayed experts of these rows (`forward`).
+    Returns:
+      ([B, T, D] these rows' outputs, summed over the devices' experts; [B, T, k] int32 experts
+      these rows used).
+    """
+    k = self.cfg.num_experts_per_tok
+    b, t, d = x_btd.shape
+    weights_mk, experts_mk = self._route(x_btd.reshape(b * t, d), gate_de, forced_btk)
+    used_btk = experts_mk.reshape(b, t, k)
+    x_btd, experts_btk, weights_btk = _ep_gather_rows(
+      plan, x_btd, used_btk, weights_mk.reshape(b, t, k)
+    )
+    out_btd = _ep_local_experts(
+      plan, x_btd, experts_btk, weights_btk, gate_gdf, up_gdf, down_gfd, k
+    )
+    return _ep_reduce(plan, out_btd), used_btk
+
+
+def _ep_gather_rows(plan: _EPPlan, x_btd, experts_btk, weights_btk):
+  """Inside the expert-parallel shard_map: the rows of the batch axes that also split the kernels
+  (`plan.gather_axes`) gathered, and the rows typed as varying over `plan.sum_axes`.
+
+  Args:
+    x_btd: [B, T, D] tokens; experts_btk: [B, T, k] int experts; weights_btk: [B, T, k] weights.
+  Returns:
+    The three, [B', T, ...] with B' the rows of the device's whole expert group.
+  """
+  if plan.gather_axes:
+    gather = functools.partial(jax.lax.all_gather, axis_name=plan.gather_axes, tiled=True)
+    x_btd, experts_btk, weights_btk = gather(x_btd), gather(experts_btk), gather(weights_btk)
+  if plan.sum_axes:
+    # Typed as differing over the summed axes from here on, so that the backward sums the
+    # inputs' gradients over them once, on [M, D] and [M, k], not on the [A, D] copies.
+    x_btd, weights_btk = _pcast_varying((x_btd, weights_btk), plan.sum_axes)
+  return x_btd, experts_btk, weights_btk
+
+
+def _ep_local_order(experts_btk, expert_axes: tuple[str, ...], g: int, k: int):
+  """Inside the expert-parallel shard_map: the order that groups the A = B T k token copies by
+  this device's G = g experts, other devices' copies last.
+
+  Args:
+    experts_btk: [B, T, k] int experts of every row. expert_axes: the mesh axes splitting E.
+  Returns:
+    ([A] bool copies routed to this device's experts, [A] int32 sort order, [A] token index of
+    each sorted copy, [g] int32 group sizes).
+  """
+  first = jax.lax.axis_index(expert_axes) * g  # this device's experts: [first, first + g)
+  local_a = experts_btk.reshape(-1) - first
+  mine_a = (local_a >= 0) & (local_a < g)
+  key_a = jnp.where(mine_a, local_a, g)  # other devices' copies sort last, past the groups
+  # Not jnp.argsort: in JAX 0.10 its result inside shard_map is typed as the same on every
+  # device of the expert axis although it differs, and the backward then sums the gradients
+  # of differently ordered rows over that axis (wrong dx; tests/test_moe_expert_parallel.py).
+  iota_a = jnp.arange(key_a.shape[0], dtype=jnp.int32)
+  _, order = jax.lax.sort((key_a, iota_a), num_keys=1, is_stable=True)
+  token_a = order // k
+  group_sizes = jnp.bincount(key_a, length=g + 1)[:g].astype(jnp.int32)
+  return mine_a, order, token_a, group_sizes
+
+
+def _ep_local_experts(
+  plan: _EPPlan, x_btd, experts_btk, weights_btk, gate_gdf, up_gdf, down_gfd, k: int
+) -> jax.Array:
+  """Inside the expert-parallel shard_map: this device's experts applied to the copies routed to
+  them, weighted and scatter-added into a partial output (other copies contribute zero).
+
+  Args:
+    x_btd: [B, T, D] tokens; experts_btk, weights_btk: [B, T, k] their experts and weights.
+    gate_gdf, up_gdf: [G, D, F], down_gfd: [G, F, D] this device's experts' kernels.
+  Returns:
+    [B, T, D] this device's partial output.
+  """
+  b, t, d = x_btd.shape
+  g = gate_gdf.shape[0]
+  mine_a, order, token_a, group_sizes = _ep_local_order(experts_btk, plan.expert_axes, g, k)
+  x_md = x_btd.reshape(b * t, d)
+  y_ad = Experts.apply(x_md[token_a], group_sizes, gate_gdf, up_gdf, down_gfd)
+  w_a = jnp.where(mine_a, weights_btk.reshape(-1), 0)[order]
+  y_ad = jnp.where(mine_a[order][:, None], y_ad * w_a[:, None], 0)
+  return jnp.zeros_like(x_md).at[token_a].add(y_ad).reshape(b, t, d)
+
+
+def _ep_reduce(plan: _EPPlan, out_btd: jax.Array) -> jax.Array:
+  """Inside the expert-parallel shard_map: the [B', T, D] partial outputs summed over the devices
+  of the expert group (`psum`), and scattered back to each device's own [B, T, D] rows where the
+  rows were gathered (`psum_scatter`)."""
+  if plan.sum_axes:
+    out_btd = jax.lax.psum(out_btd, plan.sum_axes)
+  if plan.gather_axes:
+    out_btd = jax.lax.psum_scatter(out_btd, plan.gather_axes, scatter_dimension=0, tiled=True)
+  return out_btd
 
 
 def _pcast_varying(xs, axes: tuple[str, ...]):

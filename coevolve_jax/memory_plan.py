@@ -1,0 +1,648 @@
+"""Per-device memory plan for a model preset on a mesh, from shapes only (nothing is allocated).
+
+`plan` gives parameter, gradient, optimizer-state (AdamW m and v), reference-policy,
+rollout-weights, activation and KV-cache memory per device (a `MemoryPlan`), `format_table` a
+markdown table of plans and whether each fits a chip's HBM, and `fit_run` the training job's
+start-up check (`loop.CoEvolveRun`: gradient-accumulation slices that fit one device). The
+command line is `coevolve_jax.cli.plan_device_memory`.
+
+How each figure is obtained (the job's own rules, so the figures are what it allocates):
+- Parameters: `nnx.eval_shape` of the real `Qwen` module in the master dtype (`param_dtype`,
+  the run's `model.param_dtype`); each parameter carries its logical axes (`out_sharding`),
+  mapped to mesh axes by `sharding.param_spec`, the function the job shards with: a mesh axis
+  that does not divide a dimension leaves that dimension replicated over it.
+- Optimizer state: `jax.eval_shape` of the trainer's own optax transformation (`make_optimizer`)
+  on the abstract master parameters; each moment leaf is sharded like its parameter.
+- Gradients: one master-dtype parameter copy. Reference policy: one copy in the compute dtype
+  (`dtype`, the run's `model.dtype`), sharded like the parameters.
+- Rollout weights (`PolicyTrainer.inference_params`): one compute-dtype copy in the engine's
+  layout (`weights_layout`: "gathered" = `trainer.inference_rules`, the fsdp dimension
+  replicated; "train" = the parameters' layout); none when neither a cast nor a layout change is
+  needed (the engine then decodes the parameters themselves).
+- Activations (`activations="compiled"`, the command line's default): XLA's own
+  `memory_analysis()` of the trainer's loss and gradient compiled for one device's share of a
+  micro-batch, minus the same step at 16 tokens (`compiled_activation_bytes`). This counts the
+  layer being recomputed and every transient; it costs two compiles (seconds for Qwen3-4B on an
+  idle CPU). With tensor > 1 it is scaled by the share of the residuals (below) that the tensor
+  axis splits.
+- Activations (`activations="residuals"`): the residuals that `jax.vjp` of the trainer's
+  `token_logprobs` keeps for the backward pass, read with `jax.eval_shape` at batch 1 and 2.
+  Residual leaves whose shape changes with the batch are activations (the rest are parameters,
+  counted above); per device they scale with the sequences per device (batch / (data * fsdp))
+  and are divided by the tensor axis when a dimension is a tensor-sharded one (heads, kv heads,
+  MLP, vocab; the `act_*`/`mlp` rules). With `remat="full"` (the default, as in the full-scale
+  configs) the decoder keeps only each layer's input; the layer being recomputed in the
+  backward pass, like any transient buffer inside one op, is not counted: a lower bound.
+- KV cache: `KVCache.zeros` shapes ([slots, K, H, cache_len] keys and [slots, K, cache_len, H]
+  values per layer) in the compute dtype, slots over (data, fsdp), kv heads over tensor where
+  they divide, as the rollout engine allocates it (`sharding.param_spec` of its logical axes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from coevolve_jax.models import sharding
+from coevolve_jax.models.hf import read_config
+from coevolve_jax.models.qwen import KVCache, Qwen, QwenConfig
+from coevolve_jax.trainer import inference_rules, make_optimizer, token_logprobs
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+  """Bytes per device of each component (integers), for one preset, mesh and workload."""
+
+  preset: str
+  mesh: dict[str, int]
+  dtype: str
+  param_dtype: str
+  batch: int
+  seq_len: int
+  num_slots: int
+  cache_len: int
+  num_params: int
+  params: int
+  gradients: int
+  optimizer: int
+  reference: int
+  rollout_weights: int
+  activations: int
+  kv_cache: int
+  micro_batches: int = 1
+  activation_source: str = "residuals"
+
+  @property
+  def static(self) -> int:
+    """Everything but activations: what the job holds from start-up on, whatever it trains on."""
+    return (
+      self.params
+      + self.gradients
+      + self.optimizer
+      + self.reference
+      + self.rollout_weights
+      + self.kv_cache
+    )
+
+  @property
+  def total(self) -> int:
+    return self.static + self.activations
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+  """Parses "fsdp=8,tensor=2" into {"data": 1, "fsdp": 8, "tensor": 2, "expert": 1}.
+
+  Raises:
+    ValueError: an unknown axis name, a malformed entry, or a size that is not a positive integer.
+  """
+  mesh = {a: 1 for a in sharding.MESH_AXES}
+  for part in filter(None, (p.strip() for p in text.split(","))):
+    name, sep, value = part.partition("=")
+    if not sep or name not in mesh:
+      raise ValueError(f"bad mesh entry {part!r}: want AXIS=SIZE with AXIS in {sharding.MESH_AXES}")
+    try:
+      mesh[name] = int(value)
+    except ValueError:
+      raise ValueError(f"bad mesh size in {part!r}: not an integer") from None
+    if mesh[name] < 1:
+      raise ValueError(f"bad mesh size in {part!r}: must be >= 1")
+  return mesh
+
+
+def _axis_size(mesh: Mapping[str, int], logical: str | None) -> int:
+  """Devices a logical activation axis is split over (the activation estimate's rule)."""
+  if logical is None:
+    return 1
+  if logical not in sharding.LOGICAL_RULES:
+    raise KeyError(
+      f"logical axis {logical!r} has no sharding rule; known: {sorted(sharding.LOGICAL_RULES)}"
+    )
+  target = sharding.LOGICAL_RULES[logical]
+  if target is None:
+    return 1
+  names = target if isinstance(target, tuple) else (target,)
+  return math.prod(mesh.get(n, 1) for n in names)
+
+
+def shard_bytes(
+  shape: Sequence[int],
+  dtype,
+  axes: Sequence[str | None],
+  mesh: Mapping[str, int],
+  rules: Mapping[str, str | tuple[str, ...] | None] = sharding.LOGICAL_RULES,
+) -> int:
+  """Bytes one device holds of an array of `shape` sharded by logical `axes` over `mesh`, by the
+  job's rule (`sharding.param_spec`: non-dividing mesh axes leave the dimension replicated).
+
+  Raises:
+    KeyError: a logical axis with no rule in `rules`.
+    ValueError: `axes` and `shape` of different lengths.
+  """
+  spec = sharding.param_spec(mesh, axes, shape, rules)
+  return math.prod(sharding.shard_shape(mesh, spec, shape)) * jnp.dtype(dtype).itemsize
+
+
+Model = str | QwenConfig  # a preset name, or the config of a checkpoint (`hf.read_config`)
+
+
+def model_config(model: Model) -> QwenConfig:
+  """The QwenConfig of a preset name, or `model` itself.
+
+  Raises:
+    ValueError: unknown preset.
+  """
+  return model if isinstance(model, QwenConfig) else QwenConfig.preset(model)
+
+
+def model_label(model: Model) -> str:
+  """A preset's name; for a checkpoint's config, its family, depth and width."""
+  if isinstance(model, str):
+    return model
+  return f"{model.model_type}-{model.num_hidden_layers}x{model.hidden_size}"
+
+
+def abstract_model(cfg: QwenConfig, dtype, remat: str = "full") -> tuple[nnx.GraphDef, nnx.State]:
+  """The model's graph and abstract parameter state (ShapeDtypeStructs with their metadata)."""
+  model = nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0), dtype=dtype, remat=remat))
+  return nnx.split(model)
+
+
+def _param_axes(state: nnx.State) -> dict[tuple, tuple]:
+  """Path (of the value leaf) -> logical axes, for every parameter."""
+  out = {}
+  flat = jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  for path, var in flat:
+    axes = var.get_metadata().get("out_sharding")
+    shape = var.get_value().shape
+    if axes is None or len(axes) != len(shape):
+      raise ValueError(f"parameter {jax.tree_util.keystr(path)} has no logical axes for {shape}")
+    out[tuple(str(k) for k in path)] = (shape, var.get_value().dtype, tuple(axes))
+  return out
+
+
+def _sharded_tree_bytes(tree, param_axes: dict[tuple, tuple], mesh) -> int:
+  """Bytes per device of a tree whose array leaves mirror parameters (optimizer moments)."""
+  total = 0
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    keys = tuple(str(k) for k in path if not str(k).endswith(".value"))
+    match = next(
+      (v for p, v in param_axes.items() if keys[-len(p) :] == p and v[0] == leaf.shape), None
+    )
+    if match is None:  # scalars such as the step count: replicated
+      total += leaf.size * leaf.dtype.itemsize
+    else:
+      total += shard_bytes(leaf.shape, leaf.dtype, match[2], mesh)
+  return total
+
+
+@functools.lru_cache(maxsize=8)
+def _activation_leaves(preset: Model, dtype: str, seq_len: int, targets: int, remat: str):
+  """Residual shapes of the training forward that depend on the batch, at batch 1, with the
+  decoder layers rematerialised by `remat` (`qwen.REMAT_POLICIES`)."""
+  graphdef, state = abstract_model(model_config(preset), jnp.dtype(dtype), remat)
+
+  def residuals(batch):
+    tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+    pos = jax.ShapeDtypeStruct((batch, targets), jnp.int32)
+
+    def loss(p, t, q):
+      return jnp.sum(token_logprobs(nnx.merge(graphdef, p), t, q))
+
+    vjp = jax.eval_shape(lambda p, t, q: jax.vjp(lambda x: loss(x, t, q), p)[1], state, tokens, pos)
+    return jax.tree.leaves(vjp)
+
+  one, two = residuals(1), residuals(2)
+  if len(one) != len(two):
+    raise RuntimeError(
+      "residual structure changed with the batch size; cannot separate activations from parameters"
+    )
+  return [a for a, b in zip(one, two) if a.shape != b.shape]
+
+
+def _activation_bytes(leaves, cfg: QwenConfig, mesh: Mapping[str, int], seqs_per_device: int):
+  tensor_dims = {
+    cfg.num_attention_heads: "act_heads",
+    cfg.num_key_value_heads: "act_kv_heads",
+    cfg.intermediate_size: "mlp",
+    cfg.vocab_size: "act_vocab",
+  }
+  total = 0
+  for leaf in leaves:
+    size = leaf.size * leaf.dtype.itemsize * seqs_per_device
+    # The first dimension is the batch or, for the residuals a layer scan stacks, the layer axis
+    # (either way the size is already scaled); divide by one tensor-sharded dimension.
+    logical = next((tensor_dims[d] for d in leaf.shape[1:] if d in tensor_dims), None)
+    total += -(-size // _axis_size(mesh, logical)) if logical else size
+  return total
+
+
+ACTIVATION_SOURCES = ("compiled", "residuals")
+FLOOR_TOKENS = 16  # the compiled figure's floor: a sequence this short needs next to nothing
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_temp_bytes(
+  preset: Model, dtype: str, seqs: int, seq_len: int, targets: int, remat: str
+) -> int | None:
+  """`temp_size_in_bytes` of the compiled loss and gradient of the trainer's forward
+  (`token_logprobs`) over `seqs` sequences of `seq_len` tokens with `targets` scored positions,
+  compiled for the default backend from abstract inputs (nothing is allocated); None where the
+  backend gives no memory analysis."""
+  graphdef, state = abstract_model(model_config(preset), jnp.dtype(dtype), remat)
+
+  def loss(p, tokens, pos):
+    return jnp.sum(token_logprobs(nnx.merge(graphdef, p), tokens, pos))
+
+  tokens = jax.ShapeDtypeStruct((seqs, seq_len), jnp.int32)
+  pos = jax.ShapeDtypeStruct((seqs, targets), jnp.int32)
+  analysis = jax.jit(jax.value_and_grad(loss)).lower(state, tokens, pos).compile()
+  analysis = analysis.memory_analysis()
+  return None if analysis is None else int(analysis.temp_size_in_bytes)
+
+
+def compiled_activation_bytes(
+  preset: Model, dtype: str, seq_len: int, targets: int, remat: str, seqs: int
+) -> int | None:
+  """Activation memory of `seqs` sequences from XLA's own buffer assignment: the temporaries of
+  the compiled training step (loss and gradient of `token_logprobs`, `remat` as the job runs it)
+  at `seq_len` tokens minus those at FLOOR_TOKENS tokens. The difference removes what does not
+  grow with the sequence (on XLA:CPU, float32 copies of every bfloat16 weight, as that backend
+  has no bfloat16 products), and keeps what does: the residuals kept for the backward pass, the
+  layer being recomputed, attention and logit blocks, gradient buffers of activations. XLA:CPU
+  computes bfloat16 activations in float32, so there the figure is up to 2x an accelerator's.
+
+  Returns None where the backend reports no memory analysis.
+  """
+  floor = min(seq_len, FLOOR_TOKENS)
+  full = _compiled_temp_bytes(preset, dtype, seqs, seq_len, targets, remat)
+  short = _compiled_temp_bytes(
+    preset, dtype, seqs, floor, max(1, targets * floor // seq_len), remat
+  )
+  if full is None or short is None:
+    return None
+  return max(0, full - short)
+
+
+# Keyed by (model, dtype): every preset in both dtypes fits (a smaller cache that a caller cycles
+# through, as tests/test_mesh.py does, misses on every call: each miss traces the model).
+@functools.lru_cache(maxsize=32)
+def _abstract_params(preset: Model, dtype: str):
+  graphdef, state = abstract_model(model_config(preset), jnp.dtype(dtype))
+  params_state = nnx.state(nnx.merge(graphdef, state), nnx.Param)
+  return params_state, _param_axes(params_state)
+
+
+def parameter_bytes(
+  preset: Model, mesh: Mapping[str, int], dtype: str = "bfloat16"
+) -> tuple[int, int]:
+  """(parameter count, parameter bytes per device) of `preset` on `mesh`, from shapes only.
+
+  Raises:
+    ValueError: unknown preset.
+  """
+  _, axes = _abstract_params(preset, str(jnp.dtype(dtype)))
+  count = sum(math.prod(s) for s, _, _ in axes.values())
+  return count, sum(shard_bytes(s, d, a, mesh) for s, d, a in axes.values())
+
+
+def rollout_weights_bytes(
+  preset: Model, mesh: Mapping[str, int], dtype: str, param_dtype: str, layout: str = "gathered"
+) -> int:
+  """Bytes per device of the engine's weight copy (`PolicyTrainer.inference_params`): the
+  parameters in `dtype` and the `layout`'s rules. The job makes it whenever the compute dtype
+  is not the master's, the layout is "gathered" on a mesh, or the engine decodes an unrolled copy
+  (`rollout.scan_layers=False`): in every full-scale configuration. Counted always (a float32
+  single-device run with the scanned engine decodes the master weights themselves).
+
+  Raises:
+    ValueError: unknown preset or layout.
+  """
+  del param_dtype  # the copy's size depends on the compute dtype only
+  if layout not in ("gathered", "train"):
+    raise ValueError(f"layout must be 'gathered' or 'train', got {layout!r}")
+  rules = inference_rules() if layout == "gathered" else sharding.LOGICAL_RULES
+  _, axes = _abstract_params(preset, str(jnp.dtype(dtype)))
+  return sum(shard_bytes(s, dtype, a, mesh, rules) for s, _, a in axes.values())
+
+
+def kv_cache_bytes(
+  preset: Model, mesh: Mapping[str, int], num_slots: int, cache_len: int, dtype: str = "bfloat16"
+) -> int:
+  """Bytes per device of the rollout engine's KV cache (`KVCache.zeros` shapes, k and v for every
+  layer), slots over the batch mesh axes and kv heads over the tensor axis; the same in the
+  stacked layout (`scan_layers`), whose leading layer axis is not sharded.
+
+  Raises:
+    ValueError: unknown preset.
+  """
+  cfg = model_config(preset)
+  cache = jax.eval_shape(lambda: KVCache.zeros(cfg, num_slots, cache_len, jnp.dtype(dtype)))
+  return sum(
+    shard_bytes(x.shape, x.dtype, axes, mesh)
+    for arrays, axes in ((cache.k, KVCache.KEY_AXES), (cache.v, KVCache.VALUE_AXES))
+    for x in arrays
+  )
+
+
+def _check_workload(
+  batch: int, seq_len: int, num_slots: int, cache_len: int, micro_batches: int, activations: str
+) -> None:
+  """Checks `plan`'s workload sizes and activation source.
+
+  Raises:
+    ValueError: a size below 1, or an unknown activation source.
+  """
+  if min(batch, seq_len, num_slots, cache_len, micro_batches) < 1:
+    raise ValueError("batch, seq_len, num_slots, cache_len and micro_batches must be >= 1")
+  if activations not in ACTIVATION_SOURCES:
+    raise ValueError(f"activations must be one of {ACTIVATION_SOURCES}, got {activations!r}")
+
+
+def _training_state_bytes(
+  preset: Model, mesh: Mapping[str, int], dtype: str, param_dtype: str
+) -> tuple[int, int, int, int]:
+  """(parameter count, parameter bytes, reference bytes, optimizer bytes) per device: the master
+  parameters in `param_dtype` (the gradients are one more such copy), the reference policy in
+  `dtype`, and the AdamW moments of the trainer's `make_optimizer`, each moment leaf sharded like
+  its parameter (`_sharded_tree_bytes`)."""
+  params_state, axes = _abstract_params(preset, str(jnp.dtype(param_dtype)))
+  num_params, param_bytes = parameter_bytes(preset, mesh, param_dtype)
+  _, reference = parameter_bytes(preset, mesh, dtype)
+  tx = make_optimizer(1e-6, 0.01, 1.0)
+  opt_state = jax.eval_shape(tx.init, params_state)
+  return num_params, param_bytes, reference, _sharded_tree_bytes(opt_state, axes, mesh)
+
+
+def _sequences_per_device(mesh: Mapping[str, int], batch: int, micro_batches: int) -> int:
+  """Sequences one device trains on at a time: its share of the batch axes (data, fsdp) of one
+  of `micro_batches` slices of `batch` sequences, rounded up."""
+  batch_shards = _axis_size(mesh, "batch")
+  return -(-batch // (batch_shards * micro_batches))
+
+
+def _activation_figure(
+  preset: Model,
+  cfg: QwenConfig,
+  mesh: Mapping[str, int],
+  dtype: str,
+  seq_len: int,
+  targets: int,
+  remat: str,
+  seqs: int,
+  activations: str,
+) -> tuple[int, str]:
+  """(activation bytes per device, their source) of `seqs` sequences of `seq_len` tokens
+  ([seqs, seq_len] token ids, [seqs, targets] scored positions) under `remat`: the residual
+  estimate, or with `activations="compiled"` the compiled step's figure scaled by the share of
+  the residuals the tensor axis splits; "residuals" where the backend gives no memory analysis."""
+  leaves = _activation_leaves(preset, dtype, seq_len, targets, remat)
+  act = _activation_bytes(leaves, cfg, mesh, seqs)
+  source = "residuals"
+  if activations == "compiled":
+    compiled = compiled_activation_bytes(preset, dtype, seq_len, targets, remat, seqs)
+    if compiled is not None:
+      unsplit = _activation_bytes(leaves, cfg, {**mesh, "tensor": 1}, seqs)
+      act, source = (compiled * act) // max(1, unsplit), "compiled"
+  return act, source
+
+
+def plan(
+  preset: Model,
+  mesh: Mapping[str, int],
+  *,
+  batch: int,
+  seq_len: int,
+  num_slots: int,
+  cache_len: int,
+  dtype: str = "bfloat16",
+  param_dtype: str = "float32",
+  weights_layout: str = "gathered",
+  targets: int | None = None,
+  micro_batches: int = 1,
+  remat: str = "full",
+  activations: str = "residuals",
+) -> MemoryPlan:
+  """Memory per device for training and rollout of `preset` on a mesh of `mesh` axis sizes.
+
+  Args:
+    preset: a `QwenConfig` preset name, or a checkpoint's `QwenConfig` (`hf.read_config`).
+    mesh: sizes of (data, fsdp, tensor, expert); missing axes are 1.
+    batch: sequences per optimizer step (one mini-batch), global.
+    seq_len: tokens per training sequence.
+    num_slots: concurrent rollout episodes (KV-cache rows), global.
+    cache_len: KV-cache tokens per slot.
+    dtype: the compute dtype (`model.dtype`): activations, reference, rollout weights, cache.
+    param_dtype: the master parameters' dtype (`model.param_dtype`): parameters, gradients and
+      optimizer moments.
+    weights_layout: the engine's weight layout (`rollout.weights_layout`).
+    targets: sampled (trained) positions per sequence; default seq_len // 2.
+    micro_batches: gradient-accumulation slices per step (the trainer's `micro_batches`): only
+      one slice's activations are alive at a time.
+    remat: the decoder layers' rematerialisation (`model.remat`; "full" keeps only each layer's
+      input for the backward pass, "none" everything).
+    activations: "residuals" (fast, shapes only: what the backward pass keeps, without the
+      transients of the layer being recomputed) or "compiled" (`compiled_activation_bytes`: the
+      compiled step's own temporaries for one device's sequences; with tensor > 1 scaled by the
+      share of the residuals the tensor axis splits). "compiled" falls back to "residuals"
+      where the backend gives no memory analysis (`MemoryPlan.activation_source` says which).
+  Returns:
+    A `MemoryPlan` in bytes per device.
+  Raises:
+    ValueError: unknown preset, remat policy or activation source, or non-positive sizes.
+  """
+  _check_workload(batch, seq_len, num_slots, cache_len, micro_batches, activations)
+  mesh = {a: int(mesh.get(a, 1)) for a in sharding.MESH_AXES}
+  cfg = model_config(preset)
+  dt, pdt = jnp.dtype(dtype), jnp.dtype(param_dtype)
+  num_params, param_bytes, reference, opt_bytes = _training_state_bytes(
+    preset, mesh, dtype, param_dtype
+  )
+  targets = targets or max(1, seq_len // 2)
+  seqs = _sequences_per_device(mesh, batch, micro_batches)
+  act, source = _activation_figure(
+    preset, cfg, mesh, str(dt), seq_len, targets, remat, seqs, activations
+  )
+  kv = kv_cache_bytes(preset, mesh, num_slots, cache_len, dtype)
+  return MemoryPlan(
+    preset=model_label(preset),
+    mesh=mesh,
+    dtype=str(dt),
+    param_dtype=str(pdt),
+    batch=batch,
+    seq_len=seq_len,
+    num_slots=num_slots,
+    cache_len=cache_len,
+    num_params=num_params,
+    params=param_bytes,
+    gradients=param_bytes,
+    optimizer=opt_bytes,
+    reference=reference,
+    rollout_weights=rollout_weights_bytes(preset, mesh, dtype, param_dtype, weights_layout),
+    activations=act,
+    kv_cache=kv,
+    micro_batches=micro_batches,
+    activation_source=source,
+  )
+
+
+def format_table(
+  plans: Sequence[MemoryPlan], hbm_gib: float | None = None, headroom: float = 0.9
+) -> str:
+  """Markdown table of plans in GiB per device; `fits` compares the total with headroom * HBM."""
+  cols = [
+    "preset",
+    "mesh (data,fsdp,tensor,expert)",
+    "params",
+    "grads",
+    "optimizer",
+    "reference",
+    "rollout weights",
+    "activations",
+    "kv cache",
+    "total",
+  ]
+  if hbm_gib:
+    cols.append(f"fits {headroom:.0%} of {hbm_gib:g} GiB")
+  lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+  for p in plans:
+    m = p.mesh
+    row = [p.preset, f"{m['data']},{m['fsdp']},{m['tensor']},{m['expert']}"]
+    row += [
+      f"{b / GIB:.2f}"
+      for b in (
+        p.params,
+        p.gradients,
+        p.optimizer,
+        p.reference,
+        p.rollout_weights,
+        p.activations,
+        p.kv_cache,
+        p.total,
+      )
+    ]
+    if hbm_gib:
+      row.append("yes" if p.total <= headroom * hbm_gib * GIB else "no")
+    lines.append("| " + " | ".join(row) + " |")
+  return "\n".join(lines)
+
+
+def _mini_batch_rows(cfg: Mapping[str, Any]) -> list[int]:
+  """Row counts of a step's mini-batches (`PolicyTrainer.grpo_epoch` splits the step's
+  tasks_per_step x group_size rollouts with `np.array_split`)."""
+  rows = cfg["rollout"]["tasks_per_step"] * cfg["rollout"]["group_size"]
+  mini = cfg["train"]["mini_batches"]
+  return sorted({rows // mini + (i < rows % mini) for i in range(mini)}, reverse=True)
+
+
+def micro_batch_choices(cfg: Mapping[str, Any], mesh: Mapping[str, int]) -> list[int]:
+  """`train.micro_batches` when it is set (> 0); for 0 ("auto") every k that divides every
+  mini-batch's rows and still gives each data-parallel device a row per slice, ascending."""
+  if cfg["train"]["micro_batches"] > 0:
+    return [int(cfg["train"]["micro_batches"])]
+  sizes = _mini_batch_rows(cfg)
+  shards = _axis_size({a: int(mesh.get(a, 1)) for a in sharding.MESH_AXES}, "batch")
+  return [1] + [
+    k for k in range(2, sizes[-1] + 1) if all(n % k == 0 for n in sizes) and sizes[0] // k >= shards
+  ]
+
+
+def plan_for_run(
+  cfg: Mapping[str, Any],
+  mesh: Mapping[str, int],
+  micro_batches: int | None = None,
+  activations: str = "residuals",
+) -> MemoryPlan:
+  """The plan of a run's config (configs/bfcl.py groups) on `mesh` (axis sizes, -1 resolved).
+
+  The training sequence is taken at its longest, `rollout.cache_len` tokens (a trajectory never
+  holds more), and a mini-batch holds tasks_per_step * group_size / mini_batches rows (rounded
+  up), in `micro_batches` slices (default: `train.micro_batches`, or 1 where that is 0 = auto).
+  With `model.checkpoint` set, the model is the checkpoint's config.json (`hf.read_config`).
+
+  Raises:
+    FileNotFoundError, CheckpointFormatError: `model.checkpoint` has no usable config.json.
+  """
+  rollout, train = cfg["rollout"], cfg["train"]
+  checkpoint = cfg["model"].get("checkpoint", "")
+  return plan(
+    read_config(checkpoint) if checkpoint else cfg["model"]["preset"],
+    mesh,
+    batch=_mini_batch_rows(cfg)[0],
+    seq_len=rollout["cache_len"],
+    num_slots=rollout["num_slots"],
+    cache_len=rollout["cache_len"],
+    dtype=cfg["model"]["dtype"],
+    param_dtype=cfg["model"]["param_dtype"],
+    weights_layout=rollout["weights_layout"],
+    micro_batches=micro_batches or train["micro_batches"] or 1,
+    remat=cfg["model"]["remat"],
+    activations=activations,
+  )
+
+
+def fit_run(
+  cfg: Mapping[str, Any],
+  mesh: Mapping[str, int],
+  device_bytes: int | None,
+  confirm_compiled: bool = True,
+) -> tuple[int, MemoryPlan | None]:
+  """Chooses the run's gradient-accumulation slices and checks that the run fits one device,
+  before anything is allocated.
+
+  The worst case is checked: every row of a mini-batch `rollout.cache_len` tokens long. For each
+  candidate of `micro_batch_choices` (the configured value, or with `train.micro_batches = 0`
+  every valid one, fewest first) the fast residual estimate is tried first, and the first that
+  fits is confirmed with the compiled step's figure (`plan(activations="compiled")`).
+
+  Args:
+    cfg: the run's config. mesh: axis sizes of the run's mesh.
+    device_bytes: memory of one device (`jax.Device.memory_stats()["bytes_limit"]`, or a host
+      device's share of the machine's memory), or None: nothing is checked.
+    confirm_compiled: confirm the choice with the compiled step's figure; False keeps the
+      residual estimate (a lower bound), as the job does on CPU, where the compile would cost
+      seconds per run and XLA:CPU's float32 figure would overstate a bfloat16 run.
+  Returns:
+    (micro_batches to run with, the plan that fits, or None when nothing was checked).
+  Raises:
+    MemoryError: parameters, gradients, optimizer, reference, rollout weights and KV cache alone
+      exceed the device, or the activations of a worst-case batch do not fit with any allowed
+      `train.micro_batches`; the message holds the planner's table and what to change.
+  """
+  choices = micro_batch_choices(cfg, mesh)
+  if not device_bytes:
+    return choices[0], None
+  gib = device_bytes / GIB
+  p = plan_for_run(cfg, mesh, choices[0])
+  if p.static > device_bytes:
+    raise MemoryError(
+      f"the run does not fit its devices: {p.static / GIB:.1f} GiB per device before any "
+      f"activation, {gib:.1f} GiB available (memory planner, GiB per device):\n"
+      f"{format_table([p], gib, headroom=1.0)}\nUse more devices (mesh.fsdp = -1 spreads "
+      f"parameters and optimizer over all), fewer rollout.num_slots or a shorter "
+      f"rollout.cache_len, or rollout.weights_layout=train."
+    )
+  for k in choices:
+    p = plan_for_run(cfg, mesh, k)
+    if p.total > device_bytes:
+      continue
+    if confirm_compiled:
+      p = plan_for_run(cfg, mesh, k, activations="compiled")
+    if p.total <= device_bytes:
+      return k, p
+  raise MemoryError(
+    f"the run does not fit its devices: a mini-batch of {p.batch} rows of rollout.cache_len = "
+    f"{p.seq_len} tokens needs {p.total / GIB:.1f} GiB per device with "
+    f"train.micro_batches = {p.micro_batches} ({p.activation_source} activations), "
+    f"{gib:.1f} GiB available (tried train.micro_batches in {choices}):\n"
+    f"{format_table([p], gib, headroom=1.0)}\nSet train.micro_batches = 0 (the fewest slices "
+    f"that fit), use more devices, or a shorter rollout.cache_len."
+  )
