@@ -17,6 +17,7 @@ import dataclasses
 import time
 from concurrent import futures
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -25,8 +26,8 @@ from coevolve_jax.chat import ChatFormat
 from coevolve_jax.rollout.generate import decode_tokens
 from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.rollout.slots import SlotEngine
-from coevolve_jax.types import Action, StepResult, Task, Trajectory
-from envs.base import Env
+from coevolve_jax.suite import Env
+from coevolve_jax.types import Action, Reply, StepResult, Task, Trajectory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +88,8 @@ class AgentRunner:
   Args:
     engine: decode slots and KV cache (`rollout.slots.SlotEngine`: `num_slots`, `reset_slot`,
       `room`, `prefill_many` for the episodes that start or resume together, `generate`,
-      `routing`: a MoE engine's routing record goes into `Trajectory.routing`).
+      `generate_steps`, `routing`: a MoE engine's routing record goes into
+      `Trajectory.routing`).
     chat: the chat format (`ChatFormat`: `prompt_ids`, `continuation_ids`, `parse_tool_calls`,
       `decode`, `im_end_id`).
     make_env: `(task, episode_id) -> Env`.
@@ -105,12 +107,10 @@ class AgentRunner:
       messages, as the template writes every assistant turn.
     decode_steps: K, decode steps per device call (`Engine.generate_steps`: the engine stops at
       the step in which a reply ends, so the episodes, every token and log-prob included, are
-      the same for every K, bit for bit: `decode_tokens`); 1 = one device call per token (any
-      `SlotEngine`).
+      the same for every K, bit for bit: `decode_tokens`); 1 = one device call per token.
 
   Raises:
-    ValueError: env_threads or decode_steps < 1, decode_steps > 1 with an engine without
-      `generate_steps`, or a stop id that is not a non-negative int.
+    ValueError: env_threads or decode_steps < 1, or a stop id that is not a non-negative int.
   """
 
   def __init__(
@@ -128,8 +128,6 @@ class AgentRunner:
       raise ValueError(f"env_threads must be >= 1, got {env_threads}")
     if decode_steps < 1:
       raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
-    if decode_steps > 1 and not hasattr(engine, "generate_steps"):
-      raise ValueError(f"decode_steps={decode_steps} needs an engine with generate_steps")
     stop_ids = list(stop_ids)
     if not all(
       isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in stop_ids
@@ -233,7 +231,7 @@ class AgentRunner:
       ep.traj.set_routing(self.engine.routing(ep.slot))
     if not ep.traj.calls:  # episodes cut short still report what they called, per user turn
       ep.traj.calls = [[c for step in turn for c in step] for turn in ep.env.calls]
-      ep.traj.observations = [list(t) for t in getattr(ep.env, "observations", ())]
+      ep.traj.observations = [list(t) for t in ep.env.observations]
     ep.env.close()
     self._results[ep.index] = ep.traj
     self._active.pop(ep.slot, None)
@@ -294,7 +292,9 @@ class AgentRunner:
     traj = ep.traj
     body = ep.turn_ids[:-1] if stopped else ep.turn_ids
     text = self.chat.decode(body)
+    start = len(traj.token_ids)
     traj.extend(ep.turn_ids, sampled=True, logprobs=ep.turn_logprobs)
+    traj.replies.append(Reply(start, len(traj.token_ids)))
     ep.last_tok = ep.turn_ids[-1]
     ep.turn_ids, ep.turn_logprobs = [], []
     traj.model_steps += 1
@@ -306,6 +306,8 @@ class AgentRunner:
 
   def _after_step(self, ep: _Episode, result: StepResult) -> None:
     traj = ep.traj
+    if not result.done:  # the observation that answers the reply just taken
+      traj.replies[-1].observation = "\n\n".join(m.get("content") or "" for m in result.messages)
     if result.done:
       traj.calls = result.info.get("per_turn_calls", traj.calls)
       traj.observations = result.info.get("per_turn_observations", traj.observations)
@@ -330,7 +332,7 @@ class QwenChat:
     enable_thinking: as in `chat.render` (False: the generation prompt closes an empty think
       block).
     max_call_chars: the longest JSON text of one tool call, in characters, that
-      `parse_tool_calls` accepts (a run passes `data.max_call_chars`); longer calls become parse
+      `parse_tool_calls` accepts (a run passes `episode.max_call_chars`); longer calls become parse
       errors. Default `chat.DEFAULT_MAX_CALL_CHARS`.
 
   Raises:
@@ -372,3 +374,9 @@ class QwenChat:
 
   def decode(self, ids: list[int]) -> str:
     return self._tok.decode(ids)
+
+
+if TYPE_CHECKING:  # mypy checks QwenChat against the ChatFormat protocol
+
+  def _conforms(chat: QwenChat) -> ChatFormat:
+    return chat

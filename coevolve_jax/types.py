@@ -88,6 +88,25 @@ class Task:
     return cls.from_dict(json.loads(s))
 
 
+@dataclasses.dataclass
+class Reply:
+  """One model reply of a trajectory.
+
+  Attributes:
+    start / end: the reply's sampled token ids are `token_ids[start:end]` (loss mask 1; the
+      id that ended the reply included).
+    observation: the text the environment answered the reply with (its messages' contents,
+      joined by blank lines); "" when the episode ended on this reply or no step followed.
+  """
+
+  start: int
+  end: int
+  observation: str = ""
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
 # How an episode ends (`Trajectory.finish`, set by `agent.AgentRunner`): "done" (the environment
 # ended it and scored it), "context" (its KV cache ran out), "max_model_steps" (the limit on model
 # replies), "error" (the environment failed to start or to step). Only "done" carries the
@@ -105,7 +124,9 @@ class Trajectory:
   sampler's log-prob of token i where loss_mask is 1 (0 elsewhere).
 
   `reward` is the outcome reward in [0, 1]; `step_rewards` (per model step) is reserved for process
-  rewards and empty unless an environment or critic provides them.
+  rewards and empty unless an environment or critic provides them. `replies` holds every model
+  reply's token span and the observation that answered it, in order (`Reply`), so that a
+  per-reply quantity (a process reward, a step advantage) can be spread over its tokens.
 
   `routing` (MoE policies; None otherwise) is [len(token_ids), L_moe, k] integer expert indices
   (int16): row i holds the top-k experts token i was routed to in each MoE layer when the rollout
@@ -133,6 +154,7 @@ class Trajectory:
   parse_errors: int = 0
   info: dict[str, Any] = dataclasses.field(default_factory=dict)
   routing: np.ndarray | None = None
+  replies: list[Reply] = dataclasses.field(default_factory=list)
 
   def set_routing(self, consumed: np.ndarray | None) -> None:
     """Sets `routing` from the routing record of the first n tokens ([n, L_moe, k], the tokens a

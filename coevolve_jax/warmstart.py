@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
+import optax
+import tqdm
 
 from coevolve_jax.chat import ChatFormat
 from coevolve_jax.types import Trajectory
+from coevolve_jax.suite import Env
+from coevolve_jax.trainer import PolicyTrainer, make_batch, make_optimizer
 from coevolve_jax.types import Action, Task, ToolCall
-from envs.base import Env
 
 CLOSING_REPLY = "Done."
 
@@ -91,7 +95,7 @@ def sft_batches(
   """`steps` batches drawn by epochs of shuffled demonstrations."""
   order: list[int] = []
   for _ in range(steps):
-    batch = []
+    batch: list[Trajectory] = []
     while len(batch) < batch_size:
       if not order:
         order = list(rng.permutation(len(demos)))
@@ -109,3 +113,50 @@ def describe(demos: Sequence[Trajectory]) -> str:
       "reward_mean": float(np.mean([d.reward for d in demos])),
     }
   )
+
+
+def warm_start(
+  trainer: PolicyTrainer,
+  demos: Sequence[Trajectory],
+  *,
+  steps: int,
+  batch_size: int,
+  lr: float,
+  grad_clip: float,
+  rng: np.random.Generator,
+  mesh: Any,
+  compute_dtype: Any,
+  log: Callable[[int, float], None],
+) -> None:
+  """Supervised steps on `demos` (token-mean cross-entropy on their sampled tokens), then hands
+  the weights to `trainer` with a fresh optimizer state.
+
+  The learning rate warms up over min(10, steps / 5) steps to `lr`, then decays by a cosine to
+  5% of it; batches are drawn by epochs of shuffled demonstrations (`sft_batches`, from `rng`);
+  a batch is padded to the longest demonstration's tokens (T) and to `target_buckets`' P.
+
+  Args:
+    trainer: the run's policy trainer (its objective, mesh and compute dtype are reused).
+    demos: teacher-forced trajectories (`Suite.demonstration`), at least one.
+    log: called with (step, loss) every 10 steps and at the last.
+  """
+  print(f"warm-start on {describe(demos)}")
+  warmup = min(10, max(1, steps // 5))
+  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr * 0.05)
+  sft = PolicyTrainer(
+    trainer.model(),
+    make_optimizer(schedule, 0.0, grad_clip),
+    trainer.cfg,
+    1.0,
+    mesh=mesh,
+    compute_dtype=compute_dtype,
+  )
+  t_max = max(len(d.token_ids) for d in demos)  # T: t_max, or a batch's bucket above it
+  p_buckets = target_buckets(demos)  # P: a few multiples of 32
+  batches = sft_batches(demos, batch_size, rng, steps)
+  for i, batch in enumerate(tqdm.tqdm(batches, total=steps, desc="warm-start")):
+    loss = sft.sft_update(make_batch(batch, min_len=t_max, target_buckets=p_buckets))
+    if i % 10 == 0 or i == steps - 1:
+      log(i, loss)
+  trainer.params = sft.params
+  trainer.reset_optimizer()

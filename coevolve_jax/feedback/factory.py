@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coevolve_jax.feedback.llm import GeminiLLM, GeminiSettings, TextLLM
 from coevolve_jax.feedback.openai_llm import OpenAILLM, OpenAISettings
+
+if TYPE_CHECKING:  # annotations only (the model module imports JAX)
+  from coevolve_jax.models.qwen import Qwen
 
 EXPLORERS = ("programmatic", "gemini", "openai", "local")
 
@@ -27,7 +30,7 @@ def openai_settings(section: Any) -> OpenAISettings:
 
 
 def make_llm(
-  kind: str, explore_cfg: Any, policy: Callable[[], Any] | None = None
+  kind: str, explore_cfg: Any, policy: Callable[[], Qwen] | None = None
 ) -> TextLLM | None:
   """The LLM behind explorer `kind` ("programmatic" -> None).
 
@@ -53,17 +56,18 @@ def make_llm(
 
   local = explore_cfg.local
   name = "local:policy"
+  model: Qwen | Callable[[], Qwen] | None = policy
   if local.get("checkpoint"):  # another model: a Hugging Face folder, loaded once
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
     from coevolve_jax.models.hf import from_pretrained  # pylint: disable=g-import-not-at-top
 
-    policy = from_pretrained(local.checkpoint, dtype=jnp.dtype(local.dtype))
+    model = from_pretrained(local.checkpoint, dtype=jnp.dtype(local.dtype))
     name = f"local:{os.path.basename(os.path.normpath(local.checkpoint))}"
-  elif policy is None:
+  elif model is None:
     raise ValueError("the local explorer needs the policy model or explore.local.checkpoint")
   return LocalLLM(
-    policy,
+    model,
     cache_len=local.cache_len,
     max_new_tokens=local.max_new_tokens,
     temperature=local.temperature,

@@ -2,9 +2,9 @@
 selection, a round's result and its commit to the task pool.
 
 A round is split so that it can overlap training: `select_events` (main thread) picks the
-contexts, a suite's `synthesize_round` (any thread; reads only its arguments) explores, abstracts
-and validates, and `commit_round` (main thread; the only step that touches the pool) adds the
-accepted tasks. Nothing here knows a benchmark: suites under `envs/` implement the synthesis.
+contexts, `feedback.synthesis.synthesize_round` over the suite's hooks (any thread; reads only its
+arguments) explores, abstracts and validates, and `commit_round` (main thread; the only step
+that touches the pool) adds the accepted tasks. Nothing here knows a benchmark.
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from coevolve_jax import errors
-from coevolve_jax.feedback.pool import TaskPool
+from coevolve_jax.feedback.pool import UNGUIDED, TaskPool
 from coevolve_jax.metrics import write_atomic
 from coevolve_jax.feedback.signals import KINDS, SignalEvent
 from coevolve_jax.types import Task
 
 log = logging.getLogger(__name__)
-UNGUIDED = "unguided"  # per-signal key of contexts without a signal (random re-exploration)
 
 
 @dataclasses.dataclass
@@ -74,7 +74,7 @@ def select_events(
   *,
   kinds: tuple[str, ...] = KINDS,
   mode: str = "signals",
-  pool_tasks: list[Task] = (),
+  pool_tasks: Sequence[Task] = (),
 ) -> list[SignalEvent]:
   """The contexts of one round (paper Sec. 3.2): the candidate contexts (`candidate_contexts`:
   one per (task, kind)), all of them when `max_contexts` is 0 (the paper's reading), otherwise at
@@ -118,7 +118,7 @@ def select_events(
 def signal_shares(events: list[SignalEvent]) -> dict[str, dict[str, float]]:
   """Per signal kind: the round's events (trajectories that fired it) and their share of all
   events, the figure of the paper's Fig. 4 (`feedback.jsonl`, TensorBoard `signals/share_*`)."""
-  counts = {k: sum(e.signal == k for e in events) for k in KINDS}
+  counts: dict[str, float] = {k: sum(e.signal == k for e in events) for k in KINDS}  # ints
   total = sum(counts.values())
   return {
     "events": counts,

@@ -170,8 +170,9 @@ def feedback_responder(system: str, prompt: str) -> str:
   return json.dumps({"name": usable[(step - 1) % len(usable)], "arguments": {}})
 
 
-def _call_args(call: str) -> dict[str, Any]:
-  """Keyword arguments of a call string like "f(a='x', b=2)" (literals only, via ast)."""
+def _call_args(call: str) -> dict[str | None, Any]:
+  """Keyword arguments of a call string like "f(a='x', b=2)" (literals only, via ast); a `**{...}`
+  argument would come back under the key None."""
   import ast  # pylint: disable=g-import-not-at-top
 
   node = ast.parse(call, mode="eval").body

@@ -1,7 +1,7 @@
 """A policy in the engine's slot interface (`rollout.slots.SlotEngine`) that replays each task's
 ground-truth calls.
 
-Used by `python -m coevolve_jax.cli.evaluate --policy=ground_truth` (a check of the evaluation
+Used by `python -m envs.bfcl.evaluate --policy=ground_truth` (a check of the evaluation
 harness itself: template, parsing, execution, checker) and by the tests. No model runs: the
 agent loop is driven unchanged with scripted token ids.
 """
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from coevolve_jax.rollout.slots import StepsByGenerate
 from coevolve_jax.types import Task, ToolCall
 
 if TYPE_CHECKING:  # annotations only: the evaluation CLI imports this before JAX
@@ -23,7 +24,7 @@ if TYPE_CHECKING:  # annotations only: the evaluation CLI imports this before JA
   from coevolve_jax.rollout.sampling import SamplingParams
 
 
-class ReplayEngine:
+class ReplayEngine(StepsByGenerate):
   """A `SlotEngine` whose policy replies with each task's ground-truth calls.
 
   Per user turn it emits one reply per ground-truth call (`<tool_call>` JSON via the chat
@@ -101,7 +102,7 @@ class ReplayEngine:
     return self.cache_len - self._pos[slot]
 
   def prefill_many(
-    self, requests: list[tuple[int, list[int], jax.Array]], sampling: SamplingParams
+    self, requests: Sequence[tuple[int, Sequence[int], jax.Array]], sampling: SamplingParams
   ) -> list[tuple[int, float]]:
     """`prefill` of each request in order; keys and sampling are not used.
 
@@ -112,7 +113,7 @@ class ReplayEngine:
     """
     return [self.prefill(slot, ids, rng, sampling) for slot, ids, rng in requests]
 
-  def prefill(self, slot: int, ids: list[int], rng, sampling) -> tuple[int, float]:
+  def prefill(self, slot: int, ids: Sequence[int], rng, sampling) -> tuple[int, float]:
     """Consumes `ids` into `slot` and starts its next reply (the closing reply once the script
     is used up); a slot at position 0 takes the script of the task whose first prompt is `ids`.
     """
@@ -143,3 +144,10 @@ class ReplayEngine:
   def load_params(self, model) -> None:
     """No weights: replaying ignores the model (kept so it can stand in where weights reload)."""
     del model
+
+
+if TYPE_CHECKING:  # mypy checks ReplayEngine against the SlotEngine protocol
+  from coevolve_jax.rollout.slots import SlotEngine
+
+  def _conforms(engine: ReplayEngine) -> SlotEngine:
+    return engine

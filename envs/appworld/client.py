@@ -27,13 +27,13 @@ from __future__ import annotations
 import concurrent.futures
 import ipaddress
 import json
-import os
 import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any
 
-from envs import SuiteUnavailable
+from coevolve_jax.suite import SuiteUnavailable
+from envs.appworld.splits import data_errors, split_names
 
 __all__ = ["AppWorldUnavailable", "HEALTH_TIMEOUT_S", "SETUP_INSTRUCTIONS", "check_available"]
 
@@ -117,44 +117,6 @@ def _server_error(url: str, timeout_s: float) -> str | None:
   return None
 
 
-def _first_task_id(split_file: str) -> str | None:
-  with open(split_file, encoding="utf-8") as f:
-    for line in f:
-      if line.strip():
-        return line.strip().split(":")[0]  # appworld.task.remove_tag
-  return None
-
-
-def _data_errors(data_root: str, splits: list[str]) -> list[str]:
-  """Problems with the official AppWorld data under `data_root` (empty when it looks usable)."""
-  step = "run step 4 (appworld download data)"
-  if not data_root:
-    return [f"no AppWorld data root: set APPWORLD_ROOT or --config.appworld.data_root, and {step}"]
-  data = os.path.join(data_root, "data")
-  if not os.path.isdir(data):
-    return [f"no AppWorld data folder at {data}: {step}"]
-  tasks = os.path.join(data, "tasks")
-  if not os.path.isdir(tasks):
-    return [f"no task folder at {tasks}: {step}"]
-  errors = []
-  for split in dict.fromkeys(splits):
-    split_file = os.path.join(data, "datasets", f"{split}.txt")
-    if not os.path.isfile(split_file):
-      errors.append(
-        f"no split file {split_file} (known splits: train, dev, test_normal, "
-        f"test_challenge): {step}"
-      )
-      continue
-    task_id = _first_task_id(split_file)
-    if task_id is None:
-      errors.append(f"split file {split_file} lists no task ids: {step}")
-      continue
-    specs = os.path.join(tasks, task_id, "specs.json")
-    if not os.path.isfile(specs):
-      errors.append(f"task {task_id} of split {split!r} has no {specs}: {step}")
-  return errors
-
-
 def check_available(cfg: Any) -> None:
   """Raises AppWorldUnavailable unless every server answers and the official data is present.
 
@@ -189,9 +151,7 @@ def check_available(cfg: Any) -> None:
             else ("; run step 5 (appworld serve environment) for this port")
           )
           errors.append(f"server {url}: {error}{hint}")
-  from envs.appworld.suite import split_names  # noqa: PLC0415
-
-  errors += _data_errors(str(aw.data_root or ""), [str(aw.split), *split_names(aw.eval_split)])
+  errors += data_errors(str(aw.data_root or ""), [str(aw.split), *split_names(aw.eval_split)])
   if errors:
     problems = "\n".join(f"  - {e}" for e in errors)
     raise AppWorldUnavailable(f"AppWorld is not available:\n{problems}\n{SETUP_INSTRUCTIONS}")

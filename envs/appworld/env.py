@@ -18,7 +18,7 @@ the agent loop ends that episode as an error and `close()` hands the server back
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envs.appworld.server import AppWorldServer, ServerError, ServerPool
 from coevolve_jax.types import Action, StepResult, Task
@@ -40,6 +40,11 @@ are in `apis.supervisor.show_account_passwords()`. When the task is done, call \
 _THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
 _CODE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 _API_CALL = re.compile(r"apis\.(\w+)\.(\w+)")
+
+
+def code_reply(code: str) -> str:
+  """The assistant reply that runs `code`: one fenced python block."""
+  return f"```python\n{code.rstrip()}\n```"
 
 
 def extract_code(text: str) -> str | None:
@@ -80,7 +85,7 @@ def rows_to_tasks(rows: list[dict[str, Any]], split: str) -> list[Task]:
 
 
 class AppWorldEnv:
-  """One episode of one AppWorld task (implements envs.base.Env).
+  """One episode of one AppWorld task (implements `coevolve_jax.suite.Env`).
 
   Args:
     task: a Task from `task_from_row` (its initial_config names the AppWorld task id).
@@ -124,6 +129,9 @@ class AppWorldEnv:
     self.steps = 0
     self.code: list[str] = []
     self.calls: list[list[list[str]]] = [[]]  # per user turn, per step: the APIs the code names
+    # Per user turn, the outputs shown per call (the `Env` protocol's record): none are kept for
+    # AppWorld yet, so its signal events carry none (the stage-2 summary sees the calls only).
+    self.observations: list[list[str]] = []
 
   def _call(self, method: str, **payload: Any) -> Any:
     assert self.server is not None
@@ -205,3 +213,10 @@ class AppWorldEnv:
       except ServerError:
         self.failed = True
     self.pool.release(server, failed=self.failed)
+
+
+if TYPE_CHECKING:  # mypy checks AppWorldEnv against the Env protocol
+  from coevolve_jax.suite import Env
+
+  def _conforms(env: AppWorldEnv) -> Env:
+    return env

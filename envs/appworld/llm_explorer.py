@@ -15,8 +15,8 @@
   AppWorld's own evaluator grades it.
 * `attempt_and_judge`: validation: an LLM agent attempts the derived task with the reference
   solution as hints in a fresh episode; accepted on a positive environment reward, else when the
-  LLM judge, shown the task, its completion criterion, the attempt and its final observation,
-  says success.
+  LLM judge (`coevolve_jax.feedback.llm_jobs.judge`), shown the task, its completion criterion,
+  the attempt and its final observation, says success.
 
 Model-written code only ever runs inside an AppWorld server process, never in ours.
 """
@@ -26,17 +26,16 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from coevolve_jax.feedback import llm_jobs
+from coevolve_jax.feedback.exploration import ExplorationContext, Triplet
 from coevolve_jax.feedback.llm import EndpointUnreachable, LLMError, RoundStopped, TextLLM
-from coevolve_jax.feedback.llm import parse_json_reply
+from coevolve_jax.feedback.llm_jobs import AbstractionChoice, abstract_with_llm
 from coevolve_jax.types import Action, Task
-from envs.appworld.env import SYSTEM_PROMPT, AppWorldEnv, extract_code
-from envs.appworld.synthesis import code_reply
-from envs.bfcl.explorer import ExplorationContext, Triplet
-from envs.bfcl.llm_explorer import JUDGE_SYSTEM, AbstractionChoice, abstract_with_llm
+from envs.appworld.env import SYSTEM_PROMPT, AppWorldEnv, code_reply, extract_code
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +107,7 @@ def derive_spec(choice: AbstractionChoice, task_id: str, base_task_id: str) -> d
 
 
 class AppWorldLLMExplorer:
-  """Explorer (envs.bfcl.explorer.Explorer protocol) over AppWorld worlds, driven by a TextLLM.
+  """An explorer (`feedback.exploration.Explorer`) over AppWorld worlds, driven by a TextLLM.
 
   Each of `context.rounds` runs is a fresh episode of the base task
   (`context.initial_config["appworld_task_id"]`) on a server of the suite's pool; each of its
@@ -192,6 +191,7 @@ class AppWorldLLMExplorer:
         )
         history.append((action, observation))
         if ok:
+          assert code is not None  # only code that ran is ok
           out.append(Triplet(code, observation, run_id))
     finally:
       env.close()
@@ -227,8 +227,8 @@ def abstract_tasks(
   max_calls: int,
   max_tasks: int = 8,
 ) -> list[AbstractionChoice]:
-  """`envs.bfcl.llm_explorer.abstract_with_llm` with AppWorld's instruction: one-request tasks
-  of code steps chosen by index, each with the answer its steps printed (or None).
+  """`feedback.llm_jobs.abstract_with_llm` with AppWorld's instruction: one-request tasks of code
+  steps chosen by index, each with the answer its steps printed (or None).
 
   Raises:
     RoundStopped: the round's token budget is spent or its endpoint unreachable.
@@ -298,7 +298,8 @@ def attempt_and_judge(
   info: dict[str, Any] = {"reward": reward, "judge": None, "attempt": attempt}
   if reward > 0:
     return True, info
-  prompt = json.dumps(
+  success, info["judge"] = llm_jobs.judge(
+    llm,
     {
       "query": task.turns,
       "completion": task.provenance.get("completion", ""),
@@ -306,18 +307,12 @@ def attempt_and_judge(
       "attempt_code": attempt,
       "final_observation": final_observation[:OBS_CHARS],
     },
-    ensure_ascii=False,
   )
-  try:
-    verdict = parse_json_reply(llm.complete(JUDGE_SYSTEM, prompt, json_output=True))
-  except RoundStopped:
-    raise
-  except LLMError as e:
-    info["judge"] = {"success": False, "reason": f"judge failed: {e}"}
-    return False, info
-  success = isinstance(verdict, dict) and verdict.get("success") is True
-  info["judge"] = {
-    "success": success,
-    "reason": str(verdict.get("reason", "")) if isinstance(verdict, dict) else "",
-  }
   return success, info
+
+
+if TYPE_CHECKING:  # mypy checks AppWorldLLMExplorer against the Explorer protocol
+  from coevolve_jax.feedback.exploration import Explorer
+
+  def _conforms(explorer: AppWorldLLMExplorer) -> Explorer:
+    return explorer

@@ -153,7 +153,7 @@ class AppWorldServer:
         start_new_session=True,
       )
     finally:
-      if out is not subprocess.DEVNULL:
+      if not isinstance(out, int):  # an opened log file, not subprocess.DEVNULL (an int)
         out.close()
     deadline = time.monotonic() + self.startup_timeout_s
     while time.monotonic() < deadline:

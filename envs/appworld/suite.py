@@ -7,14 +7,15 @@ Task source (`cfg.appworld.source`):
   "official": `appworld download data` under `cfg.appworld.data_root`: `cfg.appworld.split` and
     `cfg.appworld.eval_split` (train/dev/test_normal/test_challenge), served from an overlay of
     the data under the workdir (`overlay_root`), so the data folder is never written to.
-Servers: a ServerPool of `cfg.rollout.num_slots` + 1 AppWorld servers (one per concurrent
+Servers: a ServerPool of `cfg.engine.num_slots` + 1 AppWorld servers (one per concurrent
 episode, one for the feedback round).
 
-Feedback (paper Sec. 3.1-3.3), with an LLM explorer (`llm` given; official or generated worlds):
-D0 by unguided exploration of the training worlds, rounds by signal-guided exploration of the
-marked tasks' worlds, abstraction into tasks derived from those worlds (world.py `derive_task`:
-graded by the answer and database changes of their reference code), validation by execution and
-an LLM agent's attempt plus the judge (envs/appworld/llm_explorer.py). Without an LLM (generated
+Stages 2-3 (paper Sec. 3.2-3.3) run the core's skeleton (`coevolve_jax.feedback.synthesis`)
+over this suite's hooks (`envs/appworld/synthesis.py`). With an LLM explorer (official or
+generated worlds): D0 by unguided exploration of the training worlds, rounds by signal-guided
+exploration of the marked tasks' worlds, abstraction into tasks derived from those worlds
+(world.py `derive_task`: graded by the answer and database changes of their reference code),
+validation by execution and an LLM agent's attempt plus the judge. Without an LLM (generated
 worlds only) the programmatic explorer discovers the apps' APIs through `apis.api_docs`, and
 each marked trajectory yields a new world of its task's family (fresh seed), validated by
 execution (the family's solution scores 1.0, completing at once scores 0.0). Accepted tasks go
@@ -23,43 +24,26 @@ back to the loop, which commits them to the pool.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-import time
 from collections.abc import Sequence
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from coevolve_jax import config
+from coevolve_jax.chat import ChatFormat
+from coevolve_jax.feedback.llm import TextLLM
+from coevolve_jax.feedback.synthesis import Synthesizer
+from coevolve_jax.types import Action, Task, Trajectory
 from envs.appworld import synthesis
-from envs.appworld.world import SPLITS as WORLD_SPLITS
-from envs.appworld.world import TEMPLATES
 from envs.appworld.client import AppWorldUnavailable
 from envs.appworld.data import OFFICIAL_SPLITS, goal_completion, load_split
-from envs.appworld.env import REWARD_MODES, AppWorldEnv, rows_to_tasks, task_from_row
-from envs.appworld.synthesis import code_reply
-from envs.appworld.server import (
-  ServerError,
-  ServerPool,
-  add_worlds,
-  build_worlds,
-  derive_worlds,
-  venv_python,
-)
-from envs.appworld import llm_explorer
-from envs.bfcl.explorer import ExplorationContext
-from envs.bfcl.llm_explorer import summarize_with_llm
-from coevolve_jax.feedback.llm import RoundStopped, TextLLM
-from coevolve_jax.feedback.rounds import UNGUIDED
-from coevolve_jax.chat import ChatFormat
-from coevolve_jax.feedback.rounds import RoundResult
-from coevolve_jax.feedback.signals import SignalEvent
-from coevolve_jax.types import Action, Task, Trajectory
+from envs.appworld.env import REWARD_MODES, AppWorldEnv, code_reply, rows_to_tasks
+from envs.appworld.server import ServerError, ServerPool, build_worlds, venv_python
+from envs.appworld.splits import data_errors, split_names
+from envs.appworld.world import SPLITS as WORLD_SPLITS
+from envs.appworld.world import TEMPLATES
 
-__all__ = ["AppWorldSuite", "check_setup", "overlay_root", "validate_config"]
+__all__ = ["AppWorldSuite", "check_setup", "overlay_root", "split_names", "validate_config"]
 log = logging.getLogger(__name__)
 SOURCES = ("official", "generated")  # `cfg.appworld.source`
 # Where D0 comes from (`cfg.appworld.d0`): "explore" (the paper: exploration of the training
@@ -81,12 +65,6 @@ The run starts and stops its own servers (the equivalent of `appworld serve envi
 uvicorn appworld.serve.environment:app on 127.0.0.1), one per concurrent episode."""
 
 
-def split_names(value: str) -> list[str]:
-  """The split names of `appworld.eval_split`: one name, or several separated by commas
-  ("test_normal,test_challenge")."""
-  return [name.strip() for name in str(value).split(",") if name.strip()]
-
-
 def check_setup(cfg: Any) -> None:
   """Raises AppWorldUnavailable (with the set-up steps) unless this run's AppWorld needs are met.
 
@@ -100,9 +78,7 @@ def check_setup(cfg: Any) -> None:
   except FileNotFoundError as e:
     errors.append(str(e))
   if aw.source == "official":
-    from envs.appworld.client import _data_errors  # noqa: PLC0415
-
-    errors += _data_errors(str(aw.data_root or ""), [str(aw.split), *split_names(aw.eval_split)])
+    errors += data_errors(str(aw.data_root or ""), [str(aw.split), *split_names(aw.eval_split)])
   elif aw.source != "generated":
     errors.append(f"appworld.source must be 'generated' or 'official', got {aw.source!r}")
   if errors:
@@ -113,12 +89,6 @@ def check_setup(cfg: Any) -> None:
 def validate_config(cfg: Any) -> None:
   """The `appworld` group (source, splits, servers, limits, world building); ValueError names
   the first bad field."""
-  if config.get(cfg, "eval.generated_tasks"):
-    config.fail(
-      "eval.generated_tasks",
-      "must be 0 for AppWorld (a generated held-out set is built for BFCL only so far)",
-      config.get(cfg, "eval.generated_tasks"),
-    )
   reward = config.get(cfg, "appworld.reward")
   if reward not in REWARD_MODES:
     config.fail("appworld.reward", f"must be one of {REWARD_MODES}", reward)
@@ -137,6 +107,16 @@ def validate_config(cfg: Any) -> None:
       "generated worlds. appworld.d0='official' trains on the split's human-written tasks "
       "instead (a baseline)",
       d0,
+    )
+  if config.get(cfg, "eval.generated_tasks") and (
+    d0 == "official" or d0_explorer == "programmatic"
+  ):
+    config.fail(
+      "eval.generated_tasks",
+      "must be 0 for AppWorld without an LLM explorer for D0, or with appworld.d0='official': "
+      "the generated held-out set is D0's exploration of the held-out worlds, and there D0 takes "
+      "worlds as they are, so the set would be the held-out split itself",
+      config.get(cfg, "eval.generated_tasks"),
     )
   splits = OFFICIAL_SPLITS if source == "official" else WORLD_SPLITS
   for field in ("appworld.split", "appworld.eval_split"):
@@ -205,6 +185,10 @@ class AppWorldSuite:
   """
 
   name = "appworld"
+  # One world root and one set of servers per run: not yet shared across processes.
+  multi_process = False
+  train_tasks: Sequence[Task]  # as the Suite protocol declares them (lists here)
+  eval_tasks: Sequence[Task]
 
   def __init__(self, cfg: Any, workdir: str):
     check_setup(cfg)
@@ -242,7 +226,7 @@ class AppWorldSuite:
     # One server per decode slot, plus one for the feedback round running beside the rollouts.
     self.pool = ServerPool(
       self.root,
-      size=int(cfg.rollout.num_slots) + 1,
+      size=int(cfg.engine.num_slots) + 1,
       python=self.python,
       timeout_s=float(aw.timeout_s),
       startup_timeout_s=float(aw.startup_timeout_s),
@@ -256,7 +240,7 @@ class AppWorldSuite:
       "min_calls": int(ex.min_calls),
       "max_calls": int(ex.max_calls),
     }
-    self.judge, self.validate_tasks = bool(ex.judge), bool(cfg.feedback.validate)
+    self.judge = bool(ex.judge)
     self.seed = int(cfg.seed)
 
   # ------------------------------------------------------------------ episodes
@@ -266,9 +250,10 @@ class AppWorldSuite:
     (`eval.max_steps_per_turn`) reply limit; the episode id is unused (the server port keeps
     episodes apart)."""
     del episode_id
-    return self._env(task, self.eval_max_steps if eval else int(self.aw.max_steps))
+    return self.episode(task, self.eval_max_steps if eval else int(self.aw.max_steps))
 
-  def _env(self, task: Task, max_steps: int) -> AppWorldEnv:
+  def episode(self, task: Task, max_steps: int) -> AppWorldEnv:
+    """A fresh episode of `task` on the suite's servers with a limit of `max_steps` replies."""
     return AppWorldEnv(
       task,
       self.pool,
@@ -283,7 +268,7 @@ class AppWorldSuite:
 
   def run_code(self, task: Task, code: str) -> tuple[float, dict[str, Any]]:
     """Runs `code` as the one reply of an episode of `task`; returns (reward, info)."""
-    env = self._env(task, max_steps=1)
+    env = self.episode(task, max_steps=1)
     try:
       env.reset()
       result = env.step(Action(text=code_reply(code)))
@@ -310,7 +295,7 @@ class AppWorldSuite:
   def demonstration(self, task: Task, chat: ChatFormat, episode_id: str) -> Trajectory:
     """Teacher-forced trajectory: one reply holding the task's solution code, really executed."""
     del episode_id
-    env = self._env(task, max_steps=1)
+    env = self.episode(task, max_steps=1)
     traj = Trajectory(task_id=task.task_id, group_id=-1)
     try:
       first = env.reset()
@@ -327,243 +312,20 @@ class AppWorldSuite:
     finally:
       env.close()
 
-  # ------------------------------------------------------------------ D0 and feedback
+  # ------------------------------------------------------------------ stages 2-3
 
-  def initial_tasks(
-    self, n: int, rng: np.random.Generator, llm: TextLLM | None
-  ) -> tuple[list[Task], dict[str, int]]:
-    """D0: up to `n` training tasks.
-
-    `appworld.d0 = "explore"` (the paper, Sec. 3.1): with an LLM, unguided exploration of the
-    training worlds, abstraction and validation (`explore_initial_tasks`); without one (generated
-    worlds only), the programmatic explorer's tasks: training worlds whose reference solution
-    scores 1.0 and whose immediate completion scores 0.0. `appworld.d0 = "official"`: the split's
-    human-written tasks as they are (a baseline; official tasks carry no solution here, so there
-    is nothing to warm-start on).
-    """
-    if str(self.aw.get("d0", "explore")) == "official":
-      picked = [self.train_tasks[int(i)] for i in rng.permutation(len(self.train_tasks))[:n]]
-      return picked, {"candidates": len(self.train_tasks), "official": len(picked)}
+  def synthesizer(self, llm: TextLLM | None) -> Synthesizer:
+    """The stage 2-3 hooks: with an LLM, exploration of live worlds, abstraction, derivation and
+    validation (`synthesis.LLMWorldSynthesizer`, official or generated worlds); without one, new
+    generated worlds of the marked tasks' families (`synthesis.GeneratedWorldSynthesizer`). With
+    `appworld.d0 = "official"`, D0 is the split's own tasks (`synthesis.OfficialD0`)."""
     if llm is not None:
-      return self.explore_initial_tasks(n, rng, llm)
-    if self.aw.source == "official":  # validate_config refuses this combination
-      raise ValueError("D0 by exploration of official data needs an LLM explorer")
-    candidates = [t for t in self.train_tasks if t.initial_config.get("solution")]
-    order = rng.permutation(len(candidates))
-    accepted, rejected = [], 0
-    for i in order[:n]:
-      task = candidates[int(i)]
-      if self.validate(task) is None:
-        accepted.append(Task.from_dict({**json.loads(task.to_json()), "source": "explore"}))
-      else:
-        rejected += 1
-    return accepted, {
-      "candidates": len(candidates),
-      "validated": len(accepted),
-      "rejected": rejected,
-    }
-
-  # ------------------------------------------------------------------ LLM exploration
-
-  def _context(
-    self, base: Task, signal: str | None = None, summary=None, focus=()
-  ) -> ExplorationContext:
-    """What to explore: the world of `base` (its AppWorld task id), with an optional signal."""
-    return ExplorationContext(
-      task_id=str(base.initial_config.get("appworld_task_id", base.task_id)),
-      initial_config={
-        "appworld_task_id": base.initial_config.get("appworld_task_id", base.task_id)
-      },
-      involved_classes=[],
-      signal=signal,
-      focus_calls=list(focus),
-      summary=dict(summary or {}),
-      rounds=self.explore_args["rounds"],
-      steps_per_round=self.explore_args["steps_per_round"],
-    )
-
-  def _tasks_from_context(
-    self,
-    context: ExplorationContext,
-    llm: TextLLM,
-    rng: np.random.Generator,
-    source: str,
-    round_idx: int | None,
-    trace: list[dict[str, Any]],
-  ) -> list[tuple[str, Task | None, str]]:
-    """Explore -> abstract -> derive -> validate one context (paper Sec. 3.2-3.3).
-
-    Returns (task id, the accepted task or None, why) per abstracted task ([] when abstraction
-    found none). Derived tasks of one context share a scenario id, as AppWorld's tasks of one
-    scenario do.
-
-    Raises:
-      RoundStopped: the LLM's budget is spent or its endpoint unreachable.
-    """
-    explorer = llm_explorer.AppWorldLLMExplorer(llm, self._env)
-    triplets = explorer.explore(context, rng)
-    scenario = hashlib.sha1(
-      f"{self.seed}:{source}:{round_idx}:{context.task_id}:{int(rng.integers(1 << 62))}".encode()
-    ).hexdigest()[:7]
-    trace.extend({"scenario": scenario, "parent": context.task_id, **r} for r in explorer.trace)
-    choices = llm_explorer.abstract_tasks(
-      llm,
-      triplets,
-      context,
-      min_calls=self.explore_args["min_calls"],
-      max_calls=self.explore_args["max_calls"],
-    )
-    if not choices:
-      log.info("abstraction found no task in the exploration of %s", context.task_id)
-      return []
-    usable, out = [], []
-    for j, choice in enumerate(choices):
-      try:
-        usable.append(
-          (choice, llm_explorer.derive_spec(choice, f"{scenario}_{j + 1}", context.task_id))
-        )
-      except ValueError as e:
-        out.append((f"{scenario}_{j + 1}", None, f"abstraction: {e}"))
-    rows = derive_worlds(self.root, [spec for _, spec in usable], self.python)
-    for (choice, _), row in zip(usable, rows, strict=True):
-      if row.get("error"):
-        out.append((row["task_id"], None, f"derivation: {row['error']}"))
-        continue
-      task = task_from_row(row, source=source)
-      task.provenance.update(
-        signal=context.signal,
-        round=round_idx,
-        parent=context.task_id,
-        explorer=explorer.name,
-        abstraction="llm",
-        run_id=choice.run_id,
-        description=choice.description,
-        completion=choice.completion,
-      )
-      accepted, why = self._validate_derived(task, llm)
-      out.append((task.task_id, task if accepted else None, why))
-    return out
-
-  def _validate_derived(self, task: Task, llm: TextLLM) -> tuple[bool, str]:
-    """Validation of a derived task: by execution (its reference solution scores 1.0 through a
-    server, completing at once scores 0.0), then with `explore.judge` an LLM agent's attempt,
-    accepted on a positive reward or the judge's success (paper Sec. 3.3)."""
-    if not self.validate_tasks:
-      task.provenance["validation"] = "skipped"
-      return True, "ok (validation skipped)"
-    why = self.validate(task)
-    if why is not None:
-      return False, why
-    if not self.judge:
-      task.provenance["validation"] = "execution"
-      return True, "ok"
-    accepted, info = llm_explorer.attempt_and_judge(
-      llm, task, self._env, max_steps=int(self.aw.max_steps)
-    )
-    task.provenance["validation"] = {"reward": info["reward"], "judge": info["judge"]}
-    if not accepted:
-      return False, f"judge rejected the attempt: {(info['judge'] or {}).get('reason', '')}"
-    return True, "ok"
-
-  def explore_initial_tasks(
-    self, n: int, rng: np.random.Generator, llm: TextLLM
-  ) -> tuple[list[Task], dict[str, int]]:
-    """D0 by unguided LLM exploration of the training worlds (paper Sec. 3.1: no human-written
-    task is used; the base tasks lend only their worlds). Tries up to 3 * n worlds; a spent
-    budget or an unreachable endpoint ends D0 with what was accepted."""
-    llm.budget.reset()  # D0 gets one round's token budget
-    counts = {"attempted": 0, "abstracted": 0, "accepted": 0, "rejected": 0}
-    out: list[Task] = []
-    trace: list[dict[str, Any]] = []
-    order = rng.permutation(len(self.train_tasks))
-    for attempt in range(3 * n):
-      if len(out) >= n or not len(order):
-        break
-      base = self.train_tasks[int(order[attempt % len(order)])]
-      try:
-        results = self._tasks_from_context(self._context(base), llm, rng, "explore", None, trace)
-      except RoundStopped as e:
-        log.warning("D0: stopped early: %s", e)
-        break
-      counts["attempted"] += 1
-      counts["abstracted"] += len(results)
-      for task_id, task, why in results:
-        if task is None:
-          counts["rejected"] += 1
-          log.info("D0: rejected %s (world of %s): %s", task_id, base.task_id, why)
-        elif len(out) < n:
-          out.append(task)
-    counts["accepted"] = len(out)
-    log.info("D0: %s", counts)
-    return out, counts
-
-  def llm_round(
-    self,
-    events: Sequence[SignalEvent],
-    rng: np.random.Generator,
-    round_idx: int,
-    llm: TextLLM,
-  ) -> RoundResult:
-    """A feedback round with an LLM (paper Sec. 3.2-3.3): per event, the context summary (LLM,
-    with the trajectory's observations), signal-guided exploration in the marked task's world,
-    abstraction, derivation and validation. A spent budget ends the round with what was
-    accepted; an unreachable endpoint likewise."""
-    start = time.perf_counter()
-    llm.budget.reset()
-    per_signal: dict[str, dict[str, int]] = {}
-    tasks, rejected, trace, synthesized = [], [], [], 0
-    for k, event in enumerate(events):
-      focus = list(dict.fromkeys(c for turn in event.calls for c in turn))
-      fallback = {
-        "summary": f"{event.signal} signal on task {event.task.task_id} "
-        f"(reward {event.reward:.2f}); APIs used: {', '.join(focus) or 'none'}",
-        "failure_cause": "unknown (template summary)" if event.reward < 0.5 else "",
-        "instability_pattern": event.signal or "",
-        "focus_pattern": focus,
-        "exploration_objectives": [f"exercise {api} in new ways" for api in focus],
-        "do_not_repeat": [],
-      }
-      try:
-        summary = fallback
-        if event.signal is not None:
-          summary = summarize_with_llm(
-            llm,
-            event.task,
-            event.signal,
-            event.calls,
-            event.reward,
-            fallback,
-            event.observations,
-          )
-        context = self._context(event.task, event.signal, summary, focus)
-        results = self._tasks_from_context(context, llm, rng, "synth", round_idx, trace)
-      except RoundStopped as e:
-        log.warning(
-          "feedback round %d stopped after %d of %d contexts: %s", round_idx, k, len(events), e
-        )
-        break
-      counts = per_signal.setdefault(
-        event.signal or UNGUIDED, {"events": 0, "synthesized": 0, "validated": 0}
-      )
-      counts["events"] += 1
-      for task_id, task, why in results:
-        synthesized += 1
-        counts["synthesized"] += 1
-        if task is None:
-          rejected.append((task_id, why))
-        else:
-          counts["validated"] += 1
-          tasks.append(task)
-    return RoundResult(
-      round_idx=round_idx,
-      tasks=tasks,
-      synthesized=synthesized,
-      per_signal=per_signal,
-      rejected=rejected,
-      trace=trace,
-      llm_usage=llm.budget.reset(),
-      wall_s=time.perf_counter() - start,
-    )
+      inner: Any = synthesis.LLMWorldSynthesizer(self, llm)
+    else:
+      inner = synthesis.GeneratedWorldSynthesizer(self)
+    if str(self.aw.get("d0", "explore")) == "official":
+      return synthesis.OfficialD0(inner)
+    return inner
 
   def discover_apis(self) -> dict[str, list[str]]:
     """App -> API names, read in a live world through apis.api_docs (cached for the run)."""
@@ -589,70 +351,6 @@ class AppWorldSuite:
     """Task families whose every API the explorer discovered."""
     return synthesis.families(self.discover_apis())
 
-  def synthesize(
-    self, events: Sequence[SignalEvent], rng: np.random.Generator, round_idx: int, max_contexts: int
-  ) -> tuple[list[Task], list[tuple[str, str]], dict[str, int]]:
-    """New validated tasks for up to `max_contexts` signal events (`synthesis.plan_worlds`).
-
-    Returns (accepted tasks, [(task_id, reason)] rejected, per-signal counts of accepted tasks).
-    New worlds are built into the generated root only: with official data nothing is synthesized
-    (the official data folder is never written to).
-    """
-    if self.aw.source != "generated":
-      return [], [], {}
-    specs, origin = synthesis.plan_worlds(events, self.families(), rng, round_idx, max_contexts)
-    rows = add_worlds(self.root, specs, self.python, **self.build_args)
-    accepted, rejected, per_signal = [], [], {}
-    for row in rows:
-      signal, parent = origin[row["task_id"]]
-      task = task_from_row(row, source="synth")
-      task.provenance.update(
-        signal=signal, round=round_idx, parent=parent, explorer="appworld-programmatic"
-      )
-      why = self.validate(task)
-      if why is None:
-        accepted.append(task)
-        per_signal[signal] = per_signal.get(signal, 0) + 1
-      else:
-        rejected.append((task.task_id, why))
-    return accepted, rejected, per_signal
-
-  def synthesize_round(
-    self,
-    events: Sequence[SignalEvent],
-    rng: np.random.Generator,
-    round_idx: int,
-    llm: TextLLM | None,
-  ) -> RoundResult:
-    """A feedback round: with an LLM, `llm_round` (exploration, abstraction, derivation,
-    validation; official or generated worlds); without one, the programmatic explorer's new
-    worlds of the marked tasks' families, validated by execution (generated worlds only)."""
-    if llm is not None:
-      return self.llm_round(events, rng, round_idx, llm)
-    start = time.perf_counter()
-    tasks, rejected, accepted = self.synthesize(events, rng, round_idx, len(events))
-    per_signal = {signal: {"validated": n} for signal, n in accepted.items()}
-    trace = [
-      {
-        "task_id": t.task_id,
-        "family": t.provenance.get("template"),
-        "signal": t.provenance.get("signal"),
-        "parent": t.provenance.get("parent"),
-        "instruction": t.turns[0],
-      }
-      for t in tasks
-    ]
-    trace += [{"task_id": tid, "rejected": why} for tid, why in rejected]
-    return RoundResult(
-      round_idx=round_idx,
-      tasks=tasks,
-      synthesized=len(tasks) + len(rejected),
-      per_signal=per_signal,
-      rejected=rejected,
-      trace=trace,
-      wall_s=time.perf_counter() - start,
-    )
-
   # ------------------------------------------------------------------ evaluation
 
   @staticmethod
@@ -665,3 +363,10 @@ class AppWorldSuite:
 
 
 Suite = AppWorldSuite
+
+
+if TYPE_CHECKING:  # mypy checks AppWorldSuite against the Suite protocol
+  from coevolve_jax.suite import Suite as SuiteProtocol
+
+  def _conforms(suite: AppWorldSuite) -> SuiteProtocol:
+    return suite

@@ -34,6 +34,7 @@ import re
 import shutil
 import sys
 import time
+from typing import Any
 
 # Run as a script, this file's folder (envs/appworld/, whose env.py, data.py, server.py could shadow
 # installed modules of those names) is sys.path[0]; drop it so that `import appworld` and its own
@@ -263,12 +264,12 @@ _TODO_TITLES = (
 )
 
 
-def _populate(mc, rng: random.Random, num_people: int, num_notes: int) -> tuple[object, dict]:
+def _populate(mc, rng: random.Random, num_people: int, num_notes: int) -> tuple[Any, dict]:
   """Fills `mc` with people, the supervisor, and their Simple Note and Todoist accounts (notes;
   the supervisor's Todoist projects and tasks); -> (supervisor, world)."""
   from appworld.common.datetime import DateTime  # noqa: PLC0415
 
-  people = []
+  people: list[Any] = []
   while len(people) < num_people:  # faker repeats names now and then; unique_by rejects them
     person = mc.admin.MainUser.factory().build()
     if any(p.email == person.email or p.first_name == person.first_name for p in people):
@@ -335,8 +336,8 @@ def _populate(mc, rng: random.Random, num_people: int, num_notes: int) -> tuple[
     )
     user.save()
     count = num_notes if person is boss else rng.randint(1, 3)
-    titles = rng.sample(range(10, 99), count)
-    for i, number in enumerate(titles):
+    numbers = rng.sample(range(10, 99), count)
+    for i, number in enumerate(numbers):
       created = DateTime.now().subtract(days=rng.randint(1, 300), minutes=i)
       tags = rng.sample(_TAGS, rng.randint(1, 2))
       note = mc.simple_note.Note.factory().build(
@@ -506,6 +507,7 @@ def build(
 
   os.makedirs(os.path.join(path_store.data, "tasks"), exist_ok=True)
   _write_api_docs(path_store.data)
+  splits: dict[str, list[str]]
   rows, splits, api_docs_db = [], {s: [] for s in SPLITS}, ""
   for k in range(num_scenarios):
     template = templates[k % len(templates)]
@@ -686,7 +688,7 @@ def derive_task(spec: dict) -> dict:
         "derived_from": base,
       }
 
-    files = {
+    files: dict[str, Any] = {
       "public_data.json": {},
       "private_data.json": {"record_to": record},
       "test_data.json": [],

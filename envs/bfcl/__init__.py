@@ -13,5 +13,5 @@ llm_explorer.py  the LLM explorer, LLM context summary, abstraction and judge
 abstraction.py   template abstraction of explored runs into tasks
 validation.py    validation by execution (replay, determinism, official checker)
 synthesis.py     D0 and one feedback round: explore -> abstract -> validate
-suite.py         BfclSuite: the `envs.base.Suite` the loop uses
+suite.py         BfclSuite: the `coevolve_jax.suite.Suite` the loop uses
 """

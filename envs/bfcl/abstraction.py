@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from envs.bfcl.explorer import ExplorationContext, Triplet
+from coevolve_jax.feedback.exploration import ExplorationContext, Triplet
 from envs.bfcl.sandbox import Sandbox
 from coevolve_jax.types import Task
 from envs.bfcl.calls import ToolCallError, parse_call_string

@@ -6,7 +6,7 @@ arguments a model may well write (`MathAPI.power(base=10, exponent=10**12)`, `sq
 precision=10**9)`, `logarithm(value=2, base=10, precision=10**9)`). Such a call cannot be
 interrupted inside the process that runs it (it never returns to the interpreter), so every call,
 from episodes (`envs.bfcl.env`), explorer and validation sandboxes (`envs.bfcl.sandbox`) and the
-official checker (`envs.bfcl.execution.score_calls`), runs here:
+official checker (`score_calls`), runs here:
 
 - `BackendPool` keeps `Bounds.workers` long-lived worker processes (`envs/bfcl/worker.py`, started
   with `subprocess`: a fresh interpreter that imports neither JAX nor the run's main module, so
@@ -210,6 +210,7 @@ class _Worker:
     if proc is None:
       return "not running"
     if graceful and proc.poll() is None and self._ready:
+      assert self._tx is not None  # set by _spawn, with the process
       try:
         self._tx.send(("quit", (), 0.0))
         proc.wait(QUIT_TIMEOUT_S)
@@ -267,6 +268,7 @@ class _Worker:
     if not self.alive():
       self._replace()
       raise _WorkerGone()
+    assert self.proc is not None and self._tx is not None and self._rx is not None  # alive
     try:
       self._tx.send((op, args, deadline_s))
     except OSError:
@@ -351,7 +353,7 @@ class BackendPool:
     self, task: Task, calls_per_turn_per_step: list[list[list[str]]], model_name: str
   ) -> tuple[float, dict[str, Any]]:
     """The official checker on `task` and the decoded calls, in a worker
-    (`envs.bfcl.execution.score_calls` documents arguments and result). Its deadline is
+    (`score_calls` documents arguments and result). Its deadline is
     `call_wall_s` times (1 + the calls it executes: the given ones and the ground truth); over it,
     or over the memory bound, the score is 0.0 with error_type "checker:stopped".
 
@@ -581,3 +583,35 @@ def _close_all() -> None:
     pools = list(_POOLS)
   for pool in pools:
     pool.close()
+
+
+def score_calls(
+  task: Task,
+  calls_per_turn_per_step: list[list[list[str]]],
+  model_name: str | None = None,
+  *,
+  pool: BackendPool | None = None,
+) -> tuple[float, dict[str, Any]]:
+  """Scores decoded calls with the official BFCL multi-turn checker, in a worker process under the
+  pool's bounds (`BackendPool.score`); cleans up the checker's instances.
+
+  Args:
+    task: the task (ground_truth per turn, initial_config, involved_classes).
+    calls_per_turn_per_step: [turn][step][call string]; every string must be trusted
+      (call_to_string). Steps without calls should be left out (the official runner drops them).
+    model_name: a unique name; a fresh one if None. Its "_eval"/"_ground_truth_eval" instances are
+      deleted.
+    pool: the `BackendPool` to run in (None = `default_pool()`).
+
+  Returns:
+    (1.0 if the checker says valid else 0.0, info with "checker" ({valid, error_type, error_message}
+    of the checker's result) and "calls"). A checker run that exceeds its bound (the per-call wall
+    time times the number of calls it executes, or the worker's memory) scores 0.0 with error_type
+    "checker:stopped".
+
+  Raises:
+    BackendUnavailable: no worker process could be started, or the pool is
+      closed.
+  """
+  pool = pool or default_pool()
+  return pool.score(task, calls_per_turn_per_step, model_name or new_model_name("score"))

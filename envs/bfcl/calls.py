@@ -156,6 +156,6 @@ def parse_call_string(text: str, involved_classes: list[str]) -> ToolCall:
     if len(call.args) > len(names):
       raise ToolCallError(f"too many positional arguments in {text!r}")
     args.update({n: ast.literal_eval(a) for n, a in zip(names, call.args)})
-  args.update({kw.arg: ast.literal_eval(kw.value) for kw in call.keywords})
+  args.update({kw.arg: ast.literal_eval(kw.value) for kw in call.keywords if kw.arg is not None})
   args = {k: list(v) if isinstance(v, tuple) else v for k, v in args.items()}
   return ToolCall(name=call.func.id, arguments=args)

@@ -131,7 +131,7 @@ def _convert_schema(node: Any, keep_descriptions: bool) -> Any:
     return [_convert_schema(v, keep_descriptions) for v in node]
   if not isinstance(node, dict):
     return node
-  out = {}
+  out: dict[str, Any] = {}
   for key, value in node.items():
     if key == "description" and not keep_descriptions and isinstance(value, str):
       continue

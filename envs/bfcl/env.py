@@ -11,7 +11,7 @@ has no effect and is not among the calls the checker replays, and the episode go
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coevolve_jax.types import Action, StepResult, Task
 from envs.base import truncate_observation
@@ -23,8 +23,15 @@ from envs.bfcl.data import (
   tool_schemas,
   function_docs,
 )
-from envs.bfcl.backends import BackendLost, BackendPool, BackendSession, default_pool
-from envs.bfcl.execution import new_model_name, score_calls
+from envs.bfcl.backends import (
+  BackendLost,
+  BackendPool,
+  BackendSession,
+  CallOutcome,
+  default_pool,
+  score_calls,
+)
+from envs.bfcl.execution import new_model_name
 
 __all__ = [
   "BfclEnv",
@@ -52,7 +59,7 @@ MAX_STEPS_PER_TURN = 20  # BFCL's MAXIMUM_STEP_LIMIT.
 
 
 class BfclEnv:
-  """One isolated episode of a BFCL multi-turn task (implements envs.base.Env).
+  """One isolated episode of a BFCL multi-turn task (implements `coevolve_jax.suite.Env`).
 
   Two loop semantics. Training (default): a reply that cannot be parsed gets an error observation
   and the turn goes on (a penalised step); the episode is force-terminated once a user turn has
@@ -147,7 +154,10 @@ class BfclEnv:
         built.append(None)
         errors[i] = f"Error: invalid tool call: {e}"
     valid = [c for c in built if c is not None]
-    outcomes = self._session.execute(valid) if valid else []
+    outcomes: list[CallOutcome] = []
+    if valid:
+      assert self._session is not None, "calls run between reset() and close()"
+      outcomes = self._session.execute(valid)
     ran = [c for c, o in zip(valid, outcomes) if o.ran]
     if ran:
       self.calls[self._turn].append(ran)
@@ -266,3 +276,10 @@ def make_env(
     official_loop=official_loop,
     backends=backends,
   )
+
+
+if TYPE_CHECKING:  # mypy checks BfclEnv against the Env protocol
+  from coevolve_jax.suite import Env
+
+  def _conforms(env: BfclEnv) -> Env:
+    return env

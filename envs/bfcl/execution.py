@@ -8,8 +8,8 @@ between episodes.
 
 Everything here runs in-process and unbounded: it is what the worker processes of
 `envs.bfcl.backends` run (`envs/bfcl/worker.py`). Episodes, sandboxes and the checker reach the
-backends only through those workers, under a wall-time and memory bound per call; `score_calls` is
-the bounded entry point to the checker.
+backends only through those workers, under a wall-time and memory bound per call;
+`envs.bfcl.backends.score_calls` is the bounded entry point to the checker.
 """
 
 from __future__ import annotations
@@ -132,40 +132,6 @@ def checker_entry(task: Task) -> dict[str, Any]:
     "initial_config": task.initial_config,
     "involved_classes": list(task.involved_classes),
   }
-
-
-def score_calls(
-  task: Task,
-  calls_per_turn_per_step: list[list[list[str]]],
-  model_name: str | None = None,
-  *,
-  pool: Any = None,
-) -> tuple[float, dict[str, Any]]:
-  """Scores decoded calls with the official BFCL multi-turn checker, in a worker process under the
-  pool's bounds (`envs.bfcl.backends.BackendPool.score`); cleans up the checker's instances.
-
-  Args:
-    task: the task (ground_truth per turn, initial_config, involved_classes).
-    calls_per_turn_per_step: [turn][step][call string]; every string must be trusted
-      (call_to_string). Steps without calls should be left out (the official runner drops them).
-    model_name: a unique name; a fresh one if None. Its "_eval"/"_ground_truth_eval" instances are
-      deleted.
-    pool: the `BackendPool` to run in (None = `envs.bfcl.backends.default_pool()`).
-
-  Returns:
-    (1.0 if the checker says valid else 0.0, info with "checker" ({valid, error_type, error_message}
-    of the checker's result) and "calls"). A checker run that exceeds its bound (the per-call wall
-    time times the number of calls it executes, or the worker's memory) scores 0.0 with error_type
-    "checker:stopped".
-
-  Raises:
-    envs.bfcl.backends.BackendUnavailable: no worker process could be started, or the pool is
-      closed.
-  """
-  from envs.bfcl import backends  # noqa: PLC0415 (backends imports this module)
-
-  pool = pool or backends.default_pool()
-  return pool.score(task, calls_per_turn_per_step, model_name or new_model_name("score"))
 
 
 def check_calls(

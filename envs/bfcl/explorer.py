@@ -1,100 +1,23 @@
-"""Stage 2 (docs/design.md §1.2): signal-guided re-exploration of the real environment.
+"""Stage 2 on BFCL (docs/design.md §1.2): the LLM-free explorer of the real backends.
 
-An Explorer acts in fresh backend instances for an ExplorationContext and returns (action,
-observation, run id) triplets. `ProgrammaticExplorer` needs no LLM: it samples valid calls from the
-tool schemas and values seen in the environment state. The LLM explorers (Gemini via google-genai,
-a local model served by our engine) are `llm_explorer.LLMExplorer` over a `llm.TextLLM`; they
-implement the same `Explorer` protocol and put the GUIDANCE texts below in their prompts.
+An explorer (`coevolve_jax.feedback.exploration.Explorer`) acts in fresh backend instances for an
+`ExplorationContext` and returns (action, observation, run id) triplets. `ProgrammaticExplorer`
+needs no LLM: it samples valid calls from the tool schemas and values seen in the environment
+state. The LLM explorer is `llm_explorer.LLMExplorer` over a `TextLLM`; it puts the signals'
+guidance texts (`exploration.GUIDANCE`) in its prompts.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from envs.bfcl.sandbox import Sandbox
-from envs.bfcl.values import ValuePool, sample_arguments, vary_arguments
+from coevolve_jax.feedback.exploration import ExplorationContext, Triplet
 from coevolve_jax.types import ToolCall
 from envs.bfcl.calls import ToolCallError, parse_call_string
-
-SIGNALS = (None, "forgetting", "boundary", "rare")
-GUIDANCE = {
-  "forgetting": (
-    "The agent has forgotten an operation it used to perform correctly. Re-practise the "
-    "forgotten operation exactly first, then variations of it, then connect it to related "
-    "operations, going from simple to complex."
-  ),
-  "rare": (
-    "The agent rarely uses this action pattern. Vary the rare scenario: try other parameter "
-    "combinations and edge cases of the rare calls."
-  ),
-  "boundary": (
-    "The agent sometimes succeeds and sometimes fails here. Make small variations of the "
-    "parameters and find out what distinguishes the successful from the failed attempts."
-  ),
-  None: "Explore the environment freely: try the available tools on the objects you discover.",
-}
-SUMMARY_KEYS = (
-  "summary",
-  "failure_cause",
-  "instability_pattern",
-  "focus_pattern",
-  "exploration_objectives",
-  "do_not_repeat",
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Triplet:
-  """One successful exploration step: the call string, its (untruncated) result, and the run it
-  belongs to."""
-
-  action: str
-  observation: str
-  run_id: int
-
-
-@dataclasses.dataclass
-class ExplorationContext:
-  """What to explore: an environment state, an optional signal with its focus calls, and the budget.
-
-  Attributes:
-    task_id: the base task or environment-state id (provenance only).
-    initial_config / involved_classes: the BFCL environment state.
-    signal: None (unguided), "forgetting", "boundary" or "rare".
-    focus_calls: call strings from the marked trajectory or the task's ground truth.
-    summary: docs/design.md §1.2 context with keys SUMMARY_KEYS (by the LLM when one is
-      configured, else from a template).
-    rounds: independent runs, each in a fresh backend. steps_per_round: call attempts per run.
-  """
-
-  task_id: str
-  initial_config: dict[str, Any]
-  involved_classes: list[str]
-  signal: str | None = None
-  focus_calls: list[str] = dataclasses.field(default_factory=list)
-  summary: dict[str, Any] = dataclasses.field(default_factory=dict)
-  rounds: int = 4
-  steps_per_round: int = 12
-
-  @property
-  def guidance(self) -> str:
-    return GUIDANCE[self.signal]
-
-
-class Explorer(Protocol):
-  """Acts in fresh real environments for `context`; deterministic for a given rng state.
-
-  `trace` holds the last `explore` call's every attempted step (run, action, observation, ok),
-  failed attempts included; empty when the explorer keeps only its triplets.
-  """
-
-  name: str
-  trace: list[dict[str, Any]]
-
-  def explore(self, context: ExplorationContext, rng: np.random.Generator) -> list[Triplet]: ...
+from envs.bfcl.sandbox import Sandbox
+from envs.bfcl.values import ValuePool, sample_arguments, vary_arguments
 
 
 class ProgrammaticExplorer:
@@ -173,3 +96,10 @@ class ProgrammaticExplorer:
     for run_id in range(context.rounds):
       out.extend(self._run(context, run_id, rng))
     return out
+
+
+if TYPE_CHECKING:  # mypy checks ProgrammaticExplorer against the Explorer protocol
+  from coevolve_jax.feedback.exploration import Explorer
+
+  def _conforms(explorer: ProgrammaticExplorer) -> Explorer:
+    return explorer

@@ -17,7 +17,8 @@ from envs.bfcl.sandbox import Sandbox
 from coevolve_jax.types import Task
 from envs.bfcl.calls import ToolCallError, call_to_string, parse_call_string
 from envs.bfcl.data import schemas_by_name, tool_schemas
-from envs.bfcl.execution import is_error_result, score_calls
+from envs.bfcl.backends import score_calls
+from envs.bfcl.execution import is_error_result
 
 
 @dataclasses.dataclass
