@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -237,7 +237,8 @@ def grpo_loss(
     logp_nt: [N, T] float32 log-probs (nats) of the sampled tokens under the current policy.
     old_logp_nt: [N, T] under the policy that sampled them (no gradient flows into it).
     ref_logp_nt: [N, T] under the reference policy (no gradient), or None when kl_beta == 0.
-    advantages_n: [N] trajectory advantages, broadcast to tokens.
+    advantages_n: [N] trajectory advantages, broadcast to tokens, or [N, T] per-token ones (the
+      shape of mask_nt; `advantages` module): A in the formula above is then A[n, t].
     mask_nt: [N, T] 1 on tokens the policy sampled, 0 elsewhere.
     cfg: objective settings.
     loss_denominator: divisor of the loss and pg_loss instead of this batch's own
@@ -248,38 +249,14 @@ def grpo_loss(
     (float32 scalar loss, dict of float32 scalar metrics: pg_loss, clip_frac, ratio_mean, and kl
     when a reference is used).
   Raises:
-    ValueError: unknown cfg.loss_agg or cfg.kl_estimator.
+    ValueError: unknown cfg.loss_agg or cfg.kl_estimator; advantages_n neither [N] nor of
+      mask_nt's shape.
   """
-  adv = advantages_n[:, None].astype(jnp.float32)
-  old_logp_nt = jax.lax.stop_gradient(old_logp_nt)
-  out, old_out = _outside(logp_nt), _outside(old_logp_nt)
-  log_ratio = jnp.clip(
-    jnp.where(
-      out | old_out,
-      jnp.where(old_out, 0.0, -20.0),
-      _finite(logp_nt, out) - _finite(old_logp_nt, old_out),
-    ),
-    -20.0,
-    20.0,
-  )
-  ratio = jnp.exp(log_ratio)
-  pg1 = -adv * ratio
-  pg2 = -adv * jnp.clip(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
-  pg = jnp.maximum(pg1, pg2)
-  if cfg.dual_clip_c > 0:
-    pg = jnp.where(adv < 0, jnp.minimum(pg, -adv * cfg.dual_clip_c), pg)
+  adv = _token_advantages(advantages_n, mask_nt)
+  ratio, pg1, pg2, pg = _clipped_surrogate(logp_nt, old_logp_nt, adv, cfg)
   per_token = pg
   metrics = {}
-  agg = functools.partial(
-    aggregate,
-    mask_nt=mask_nt,
-    mode=cfg.loss_agg,
-    norm_tokens=cfg.loss_norm_tokens,
-    denominator=loss_denominator,
-  )
-  tok_mean = functools.partial(
-    aggregate, mask_nt=mask_nt, mode="token-mean", norm_tokens=1.0, denominator=token_denominator
-  )
+  agg, tok_mean = _loss_aggregators(mask_nt, cfg, loss_denominator, token_denominator)
   if ref_logp_nt is not None and cfg.kl_beta > 0:
     kl = kl_penalty(
       logp_nt, jax.lax.stop_gradient(ref_logp_nt), cfg.kl_estimator, cfg.kl_log_ratio_clamp
@@ -290,3 +267,97 @@ def grpo_loss(
   clipped = (pg2 > pg1).astype(jnp.float32)
   metrics.update(pg_loss=agg(pg), clip_frac=tok_mean(clipped), ratio_mean=tok_mean(ratio))
   return loss, metrics
+
+
+def _token_advantages(advantages_n: jax.Array, mask_nt: jax.Array) -> jax.Array:
+  """The advantages of `grpo_loss` in a shape that broadcasts against its [N, T] terms.
+
+  Args:
+    advantages_n: [N] trajectory advantages, or [N, T] per-token ones (mask_nt's shape).
+    mask_nt: [N, T] target mask (only its shape is used).
+  Returns:
+    float32 [N, 1] (from [N]) or [N, T].
+  Raises:
+    ValueError: advantages_n neither [N] nor of mask_nt's shape.
+  """
+  if jnp.ndim(advantages_n) == 1:  # [N]: the outcome advantage, the program as it always was
+    return advantages_n[:, None].astype(jnp.float32)
+  if jnp.shape(advantages_n) == jnp.shape(mask_nt):
+    return jnp.asarray(advantages_n, jnp.float32)
+  raise ValueError(
+    f"advantages of shape {jnp.shape(advantages_n)}, want [N] or mask_nt's {jnp.shape(mask_nt)}"
+  )
+
+
+def _importance_log_ratio(logp_nt: jax.Array, old_logp_nt: jax.Array) -> jax.Array:
+  """log r = logp - old_logp per token, clamped to [-20, 20]; no gradient into the old log-probs.
+
+  An old log-prob of -inf gives 0 (r = 1), whatever the current one; otherwise a current one of
+  -inf gives -20 (r = exp(-20)): see `grpo_loss`.
+
+  Args:
+    logp_nt, old_logp_nt: [N, T] float32 log-probs (nats, -inf allowed) under the current policy
+      and the policy that sampled the tokens.
+  Returns:
+    [N, T] float32 finite log-ratios.
+  """
+  old_logp_nt = jax.lax.stop_gradient(old_logp_nt)
+  out, old_out = _outside(logp_nt), _outside(old_logp_nt)
+  return jnp.clip(
+    jnp.where(
+      out | old_out,
+      jnp.where(old_out, 0.0, -20.0),
+      _finite(logp_nt, out) - _finite(old_logp_nt, old_out),
+    ),
+    -20.0,
+    20.0,
+  )
+
+
+def _clipped_surrogate(
+  logp_nt: jax.Array, old_logp_nt: jax.Array, adv: jax.Array, cfg: GRPOConfig
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """The per-token clipped policy-gradient terms of `grpo_loss` (clip-higher and dual clip).
+
+  Args:
+    logp_nt, old_logp_nt: [N, T] float32 current and old (sampler-side) log-probs.
+    adv: float32 [N, 1] or [N, T] advantages (`_token_advantages`). cfg: the clip settings.
+  Returns:
+    [N, T] float32 (ratio, pg1 = -A r, pg2 = -A clip(r), pg): pg = max(pg1, pg2), bounded by
+    -A c where A < 0 when cfg.dual_clip_c > 0.
+  """
+  ratio = jnp.exp(_importance_log_ratio(logp_nt, old_logp_nt))
+  pg1 = -adv * ratio
+  pg2 = -adv * jnp.clip(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
+  pg = jnp.maximum(pg1, pg2)
+  if cfg.dual_clip_c > 0:
+    pg = jnp.where(adv < 0, jnp.minimum(pg, -adv * cfg.dual_clip_c), pg)
+  return ratio, pg1, pg2, pg
+
+
+def _loss_aggregators(
+  mask_nt: jax.Array,
+  cfg: GRPOConfig,
+  loss_denominator: jax.Array | None,
+  token_denominator: jax.Array | None,
+) -> tuple[Callable[[jax.Array], jax.Array], Callable[[jax.Array], jax.Array]]:
+  """The two reductions of `grpo_loss`, each [N, T] float32 -> float32 scalar.
+
+  Args:
+    mask_nt: [N, T] 0/1 target mask. cfg: gives the loss's `loss_agg` and `loss_norm_tokens`.
+    loss_denominator, token_denominator: see `grpo_loss` (None: this batch's own).
+  Returns:
+    (agg: `cfg.loss_agg` over loss_denominator, for loss and pg_loss; tok_mean: token-mean over
+    token_denominator, for the kl, clip_frac and ratio_mean metrics).
+  """
+  agg = functools.partial(
+    aggregate,
+    mask_nt=mask_nt,
+    mode=cfg.loss_agg,
+    norm_tokens=cfg.loss_norm_tokens,
+    denominator=loss_denominator,
+  )
+  tok_mean = functools.partial(
+    aggregate, mask_nt=mask_nt, mode="token-mean", norm_tokens=1.0, denominator=token_denominator
+  )
+  return agg, tok_mean

@@ -33,7 +33,8 @@ class RoundInFlight:
     events: the selected contexts (signal events), in order.
     signals: the round's candidate events per kind and their shares (`rounds.signal_shares`,
       counted before selection), for feedback.jsonl.
-    future: the synthesis running in the feedback worker (not saved: a resumed run resubmits).
+    future: the synthesis running in the feedback worker (not saved: a resumed run resubmits);
+      it holds None on the processes other than the primary, which synthesizes the round.
   """
 
   round_idx: int
@@ -41,7 +42,7 @@ class RoundInFlight:
   commit_at: int
   events: list[SignalEvent]
   signals: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
-  future: concurrent.futures.Future[RoundResult] | None = dataclasses.field(
+  future: concurrent.futures.Future[RoundResult | None] | None = dataclasses.field(
     default=None, compare=False, repr=False
   )
 
@@ -84,10 +85,12 @@ class RunState:
     wall_s: wall seconds of the whole run as of the last checkpoint (all sessions).
     eval_before: greedy success rate on the held-out split before GRPO.
     eval_generated_before: greedy figures on the generated held-out set before GRPO
-      (`CoEvolveRun.evaluate_generated`), None without one.
+      (`evaluation.Evaluator.evaluate_generated`), None without one.
     d0: how D0 was made (the suite's counts plus pool added / dropped).
     pool_size: tasks in the pool at the last checkpoint (a resume rolls the pool back to it).
     suite_eval: per evaluation tag ("before", "after"), the suite's own figures (e.g. TGC/SGC).
+    sampler: the task sampler's state (`feedback.sampler.TaskSampler.state_dict`).
+    hooks: per training hook's name, its state (`hooks.TrainingHook.state_dict`).
   """
 
   step: int
@@ -109,6 +112,8 @@ class RunState:
   d0: dict[str, int] = dataclasses.field(default_factory=dict)
   pool_size: int = 0
   suite_eval: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+  sampler: dict[str, Any] = dataclasses.field(default_factory=dict)
+  hooks: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
   @classmethod
   def fresh(cls, seed: int) -> RunState:
@@ -127,6 +132,8 @@ class RunState:
       phase_s=dict(self.phase_s),
       d0=dict(self.d0),
       suite_eval=dict(self.suite_eval),
+      sampler=dict(self.sampler),
+      hooks=dict(self.hooks),
     )
     del out["pending"]
     return out

@@ -12,7 +12,7 @@ import functools
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
@@ -40,10 +40,12 @@ class Batch:
   """Padded training arrays (numpy) for N rows.
 
   tokens [N, T] int32 (right-padded with 0); target_pos [N, P] int32 index of each sampled token
-  (>= 1; padded with 1); target_mask [N, P] float32; sampler_logp [N, P]; advantages [N] float32;
-  routing [N, T, L_moe, k] (`models.qwen.routing_dtype`, int16) expert indices the rollout
-  engine routed each token to (`Trajectory.routing`; -1 where none was recorded: padding, tokens
-  never fed to the engine, trajectories without a record), or None when no trajectory has one.
+  (>= 1; padded with 1); target_mask [N, P] float32; sampler_logp [N, P]; advantages float32,
+  either [N] (one per trajectory, broadcast over its targets: GRPO's outcome advantage) or
+  [N, P] (one per target, aligned with target_pos; 0 past a row's targets); routing
+  [N, T, L_moe, k] (`models.qwen.routing_dtype`, int16) expert indices the rollout engine routed
+  each token to (`Trajectory.routing`; -1 where none was recorded: padding, tokens never fed to
+  the engine, trajectories without a record), or None when no trajectory has one.
   The trainer replays it (`token_logprobs`); 2 * L_moe * k bytes per token (768 for
   Qwen3-30B-A3B, about 25 MB for a row of 32k tokens).
   """
@@ -64,7 +66,12 @@ class Batch:
     return {k: jnp.asarray(getattr(self, k)) for k in fields if getattr(self, k) is not None}
 
 
+@overload
+def _take(x: np.ndarray, idx: np.ndarray) -> np.ndarray: ...
+@overload
+def _take(x: None, idx: np.ndarray) -> None: ...
 def _take(x: np.ndarray | None, idx: np.ndarray) -> np.ndarray | None:
+  """The rows `idx` of a field (None stays None: `routing`)."""
   return None if x is None else x[idx]
 
 
@@ -74,6 +81,13 @@ def _listed_bucket(n: int, buckets: Sequence[int], what: str) -> int:
     if b >= n:
       return b
   raise ValueError(f"{what} of {n} exceed the largest bucket of {list(buckets)}")
+
+
+def target_positions(traj: Trajectory) -> list[int]:
+  """The positions a trajectory is trained on, in order: every i > 0 with loss_mask[i] == 1 (a
+  token at position 0 has nothing before it to be scored from). Row r of `make_batch`'s
+  target_pos / target_mask / per-token advantages holds them, then padding."""
+  return [i for i, m in enumerate(traj.loss_mask) if m and i > 0]
 
 
 def make_batch(
@@ -96,10 +110,18 @@ def make_batch(
   Routing records (`Trajectory.routing`, [len(token_ids), L_moe, k]) are padded with -1 into
   `Batch.routing` when any trajectory has one; rows without one are all -1 (the router chooses).
 
+  `advantages`: None (zeros [N]); [N] (one per trajectory), kept as it is in float32; or [N, P']
+  (one per target, the form of `coevolve_jax.advantages.spread_over_replies`): row r's first k_r
+  entries (k_r = len(target_positions(trajs[r]))) are its targets' advantages, in order, and its
+  entries past them are ignored. It becomes [N, P] float32 with those k_r values and 0 after
+  them (truncated or padded to the batch's P, which holds every k_r), so padding adds nothing
+  even where a caller left NaN there.
+
   Raises:
     ValueError: a trajectory longer, or with more generated tokens, than the largest listed
       bucket; routing records of different [L_moe, k] shapes, or one whose length is not its
-      trajectory's token count.
+      trajectory's token count; advantages neither [N] nor [N, P'], [N, P'] ones whose P' is
+      less than some row's target count k_r, or a non-finite one at a target.
   """
   n = len(trajs)
   longest = max(len(tr.token_ids) for tr in trajs)
@@ -107,7 +129,7 @@ def make_batch(
     t = _listed_bucket(longest, sorted(len_buckets), "trajectory tokens")
   else:
     t = _bucket(longest, min_len)
-  pos_lists = [[i for i, m in enumerate(tr.loss_mask) if m and i > 0] for tr in trajs]
+  pos_lists = [target_positions(tr) for tr in trajs]
   most = max(1, max(len(x) for x in pos_lists))
   if target_buckets:
     p = _listed_bucket(most, sorted(target_buckets), "generated tokens")
@@ -123,7 +145,35 @@ def make_batch(
     target_mask[r, : len(pos)] = 1.0
     sampler_logp[r, : len(pos)] = [tr.logprobs[i] for i in pos]
   adv = np.zeros((n,), np.float32) if advantages is None else np.asarray(advantages, np.float32)
+  if adv.ndim != 1:
+    adv = _per_target_advantages(adv, [len(x) for x in pos_lists], p)
   return Batch(tokens, target_pos, target_mask, sampler_logp, adv, _routing_rows(trajs, t))
+
+
+def _per_target_advantages(adv: np.ndarray, counts: Sequence[int], p: int) -> np.ndarray:
+  """[N, P'] float32 per-target advantages -> [N, p]: row r's first counts[r] entries, then 0.
+
+  Raises:
+    ValueError: not [N, P'] with N = len(counts); P' < some counts[r]; a non-finite value
+      among a row's first counts[r].
+  """
+  n = len(counts)
+  if adv.ndim != 2 or adv.shape[0] != n:
+    raise ValueError(f"advantages of shape {adv.shape}, want [{n}] or [{n}, P]")
+  short = [r for r, k in enumerate(counts) if k > adv.shape[1]]
+  if short:
+    r = short[0]
+    raise ValueError(
+      f"per-target advantages of shape {adv.shape} cover {adv.shape[1]} targets, but row {r} "
+      f"has {counts[r]} (rows {short} are short)"
+    )
+  out = np.zeros((n, p), np.float32)
+  for r, k in enumerate(counts):
+    out[r, :k] = adv[r, :k]
+  bad = sorted({int(r) for r in np.nonzero(~np.isfinite(out))[0]})
+  if bad:
+    raise ValueError(f"non-finite per-target advantages in rows {bad}")
+  return out
 
 
 def _routing_rows(trajs: Sequence[Trajectory], t: int) -> np.ndarray | None:
@@ -319,7 +369,8 @@ def grpo_micro_loss(logp_fn: Callable, cfg: grpo.GRPOConfig, mask_np: jax.Array)
     cfg: the objective. mask_np: [N, P] target mask of the WHOLE batch (its denominators).
   Returns:
     loss_fn(params, micro) -> (loss, metrics) for `accumulate_gradients`; `micro` holds tokens,
-    target_pos, target_mask, advantages, old and optionally ref and routing (each with M rows).
+    target_pos, target_mask, advantages ([M] or [M, P], `grpo.grpo_loss`), old and optionally
+    ref and routing (each with M rows).
   """
   loss_den = grpo.aggregate_denominator(mask_np, cfg.loss_agg)
   token_den = grpo.aggregate_denominator(mask_np, "token-mean")
@@ -336,6 +387,50 @@ def grpo_micro_loss(logp_fn: Callable, cfg: grpo.GRPOConfig, mask_np: jax.Array)
 def _routing_kwarg(arrays: dict) -> dict:
   """{"routing": the batch's routing record} when the batch has one, else {}."""
   return {"routing": arrays["routing"]} if arrays.get("routing") is not None else {}
+
+
+def _check_epoch_args(n: int, advantages: np.ndarray, mini_batches: int, keep) -> None:
+  """`PolicyTrainer.grpo_epoch`'s checks of its arguments for n trajectories.
+
+  Raises:
+    ValueError: mini_batches outside [1, n]; advantages neither [n] nor [n, P]; keep (unless
+      None) not of shape [n].
+  """
+  if not 1 <= mini_batches <= n:
+    raise ValueError(f"mini_batches must be in [1, {n}] for {n} trajectories, got {mini_batches}")
+  if np.ndim(advantages) not in (1, 2) or np.shape(advantages)[0] != n:
+    raise ValueError(f"advantages of shape {np.shape(advantages)}, want [{n}] or [{n}, P]")
+  if keep is not None and np.shape(keep) != (n,):
+    raise ValueError(f"keep of shape {np.shape(keep)}, want [{n}]")
+
+
+def _checked_trainer_options(micro_batches: int, inference_layout: str, compute_dtype):
+  """`PolicyTrainer`'s checks of its options; returns the compute dtype (None: the parameters').
+
+  Raises:
+    ValueError: micro_batches < 1, an unknown inference_layout, or a compute_dtype that is not a
+      float dtype.
+  """
+  if micro_batches < 1:
+    raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+  if inference_layout not in ("gathered", "train"):
+    raise ValueError(f"inference_layout must be 'gathered' or 'train', got {inference_layout!r}")
+  compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
+  if compute_dtype is not None and not jnp.issubdtype(compute_dtype, jnp.floating):
+    raise ValueError(f"compute_dtype must be a float dtype, got {compute_dtype}")
+  return compute_dtype
+
+
+def _inference_template(model: Qwen, keep_stacked: bool):
+  """(graphdef, nnx.State template) of the layout the rollout engine decodes.
+
+  The engine decodes the unrolled layout (`qwen.unstack`; the weight sync also unstacks) or,
+  with keep_stacked (`inference_stacked` on a stacked model), the stacked one (its scan over
+  layers).
+  """
+  if keep_stacked:
+    return nnx.split(model)
+  return unrolled_template(model)
 
 
 @struct.dataclass
@@ -420,25 +515,14 @@ class PolicyTrainer:
       ValueError: micro_batches < 1, an unknown inference_layout, or a compute_dtype that is not
         a float dtype.
     """
-    if micro_batches < 1:
-      raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
-    if inference_layout not in ("gathered", "train"):
-      raise ValueError(f"inference_layout must be 'gathered' or 'train', got {inference_layout!r}")
-    self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
-    if self.compute_dtype is not None and not jnp.issubdtype(self.compute_dtype, jnp.floating):
-      raise ValueError(f"compute_dtype must be a float dtype, got {self.compute_dtype}")
+    self.compute_dtype = _checked_trainer_options(micro_batches, inference_layout, compute_dtype)
     self._version = 0  # bumped by every new `params` (update, restore, assignment)
     self._infer, self._infer_version = None, -1
     self.last_sync_s = 0.0  # seconds the last `inference_params()` copy took
     self.graphdef, params = nnx.split(model)
     self.model_config = model.config
-    # The engine decodes the unrolled layout (`qwen.unstack`; the weight sync also unstacks) or,
-    # with inference_stacked, the stacked one (its scan over layers).
     keep_stacked = inference_stacked and model.stacked
-    if keep_stacked:
-      self.inference_graphdef, infer_template = nnx.split(model)
-    else:
-      self.inference_graphdef, infer_template = unrolled_template(model)
+    self.inference_graphdef, infer_template = _inference_template(model, keep_stacked)
     self.tx, self.cfg = tx, cfg
     self.sampling = (
       sampling if isinstance(sampling, SamplingParams) else SamplingParams(temperature=sampling)
@@ -448,6 +532,30 @@ class PolicyTrainer:
       tuple(sorted(len_buckets)),
       tuple(sorted(target_buckets)),
     )
+    self._place_state(params, infer_template, inference_layout)
+    self.ref_params = None
+    self._needs_copy = self._inference_needs_copy(
+      params, inference_layout, model.stacked and not keep_stacked
+    )
+    self._to_compute, self._to_reference = self._weight_copy_fns(
+      model.config, keep_stacked, infer_template
+    )
+    self._logp, self._grpo_step, self._sft_step = self._jitted_steps()
+
+  def _place_state(self, params, infer_template, inference_layout: str) -> None:
+    """Sets the shardings (None without a mesh), the master parameters and the optimizer state.
+
+    With a mesh: parameters, optimizer state and the inference weights (`infer_template`'s
+    structure) are sharded by their logical axes (`sharding.tree_shardings`; the inference ones
+    under `inference_rules()` for the "gathered" layout), batch rows over the data axes
+    (`batch_sharding`); `params` are put onto the devices and the optimizer state is made there.
+
+    Args:
+      params: the model's nnx.State (arrays of any float dtype, taken over as the master copy).
+      infer_template: the nnx.State structure of `inference_params()`.
+      inference_layout: "gathered" | "train".
+    """
+    mesh, tx = self.mesh, self.tx
     if mesh is None:
       self._param_sh = self._opt_sh = self._rows_sh = self._infer_sh = None
       self.params = params
@@ -460,44 +568,76 @@ class PolicyTrainer:
       self._infer_sh = sharding.tree_shardings(infer_template, mesh, rules)
       self.params = jax.device_put(params, self._param_sh)
       self.opt_state = self._jit(tx.init, (self._param_sh,), self._opt_sh)(self.params)
-    self.ref_params = None
-    # Casting (and, on a mesh, resharding) for the engine and the reference: a new buffer always.
-    self._needs_copy = (
+
+  def _inference_needs_copy(self, params, inference_layout: str, unstacks: bool) -> bool:
+    """Whether `inference_params()` must be a new buffer rather than `params` itself.
+
+    Casting (and, on a mesh, resharding) for the engine and the reference: a new buffer always.
+
+    Args:
+      params: the master nnx.State (only its float dtypes are read).
+      inference_layout: "gathered" | "train". unstacks: the engine's layout unrolls a stacked
+        model (`qwen.unstack`).
+    """
+    return (
       (
         self.compute_dtype is not None
         and any(x.dtype != self.compute_dtype for x in jax.tree.leaves(params) if _is_float(x))
       )
-      or (mesh is not None and inference_layout == "gathered")
-      or (model.stacked and not keep_stacked)
+      or (self.mesh is not None and inference_layout == "gathered")
+      or unstacks
     )
+
+  def _weight_copy_fns(self, model_config, keep_stacked: bool, infer_template):
+    """The jitted copies of the parameters for the rollout engine and for the reference policy.
+
+    Args:
+      model_config: the policy's QwenConfig. keep_stacked: the engine decodes stacked layers.
+      infer_template: the nnx.State structure of `inference_params()`.
+    Returns:
+      (to_compute: params -> the inference weights, in the compute dtype, unrolled unless
+      keep_stacked, with the inference shardings; to_reference: params -> a copy in the compute
+      dtype with the parameters' shardings).
+    """
 
     def to_compute(p):
       p = cast_floating(p, self.compute_dtype)
-      return p if keep_stacked else unstack_state(p, model.config, infer_template)
+      return p if keep_stacked else unstack_state(p, model_config, infer_template)
 
-    self._to_compute = self._jit(
+    to_compute = self._jit(
       to_compute,
       (self._param_sh,),
       self._infer_sh,
     )
-    self._to_reference = self._jit(
+    to_reference = self._jit(
       lambda p: jax.tree.map(jnp.copy, cast_floating(p, self.compute_dtype)),
       (self._param_sh,),
       self._param_sh,
     )
-    self._logp = self._jit(
+    return to_compute, to_reference
+
+  def _jitted_steps(self):
+    """The jitted log-prob forward, GRPO step and SFT step, with the shardings fixed in and out.
+
+    Batch arrays are row-sharded ([N, ...] over the data axes); the steps donate the parameters
+    and optimizer state (arguments 0 and 1) and return their metrics replicated.
+
+    Returns:
+      (logp: `_logp_fn`, [N, P] float32 out; grpo_step: `_grpo_step_fn`; sft_step:
+      `_sft_step_fn`).
+    """
+    logp = self._jit(
       self._logp_fn, (self._param_sh, self._rows_sh, self._rows_sh, self._rows_sh), self._rows_sh
     )
     state_sh = (self._param_sh, self._opt_sh)
-    self._grpo_step = self._jit(
+    grpo_step = self._jit(
       self._grpo_step_fn,
       (*state_sh, self._rows_sh, self._rows_sh, self._rows_sh),
       (*state_sh, None),
       (0, 1),
     )
-    self._sft_step = self._jit(
-      self._sft_step_fn, (*state_sh, self._rows_sh), (*state_sh, None), (0, 1)
-    )
+    sft_step = self._jit(self._sft_step_fn, (*state_sh, self._rows_sh), (*state_sh, None), (0, 1))
+    return logp, grpo_step, sft_step
 
   def _jit(self, fn, in_sh, out_sh, donate=()):
     if self.mesh is None:
@@ -716,7 +856,9 @@ class PolicyTrainer:
     `target_buckets` a batch can have (P below T), for each mini-batch row count that
     `rollouts` split into `mini_batches` gives. The log-prob forwards run (on padding: a forward
     per shape) to give the update its inputs as a step would; the update is only lowered and
-    compiled (the parameters are untouched).
+    compiled (the parameters are untouched). The update is compiled for [N] advantages (one per
+    trajectory, `train.advantage_estimator = "grpo"`); an estimator that gives per-target ones
+    ([N, P]) compiles its own update program at its first step of each shape.
 
     Args:
       rollouts: N, the trajectories of a GRPO step (`rollout.tasks_per_step x group_size`).
@@ -780,7 +922,10 @@ class PolicyTrainer:
       trajectories: the N rollouts of the step (`Trajectory` with token ids, loss mask and the
         sampler's log-probs; for a MoE policy, the engine's routing records, which the old,
         reference and updated forwards all replay).
-      advantages: [N] float advantages, one per trajectory (`grpo.compute_advantages`).
+      advantages: float advantages, [N] (one per trajectory, `grpo.compute_advantages`) or
+        [N, P'] (one per target token, in `target_positions` order, P' >= every row's target
+        count; `advantages.spread_over_replies`); see `make_batch`. The [N] form runs the
+        program `compile_ahead` compiles; the [N, P] form compiles its own, once per shape.
       mini_batches: optimizer steps in the epoch, 1 <= mini_batches <= N.
       keep: [N] bool, False for trajectories dropped from the loss (`train.drop_from_loss`), or
         None to train on all.
@@ -796,15 +941,12 @@ class PolicyTrainer:
       `train/padded_targets`: the batch's padded token and target lengths (`make_batch`'s
       buckets), the shape the step's programs are compiled for.
     Raises:
-      ValueError: mini_batches outside [1, N], advantages or keep not of shape [N].
+      ValueError: mini_batches outside [1, N]; advantages not of shape [N] or [N, P'] (or P'
+        short of a row's target count, or a non-finite per-target value: `make_batch`); keep
+        not of shape [N].
     """
     n = len(trajectories)
-    if not 1 <= mini_batches <= n:
-      raise ValueError(f"mini_batches must be in [1, {n}] for {n} trajectories, got {mini_batches}")
-    if np.shape(advantages) != (n,):
-      raise ValueError(f"advantages of shape {np.shape(advantages)}, want [{n}]")
-    if keep is not None and np.shape(keep) != (n,):
-      raise ValueError(f"keep of shape {np.shape(keep)}, want [{n}]")
+    _check_epoch_args(n, advantages, mini_batches, keep)
     batch = make_batch(
       trajectories,
       advantages,
@@ -818,11 +960,40 @@ class PolicyTrainer:
     minis = [batch.rows(idx) for idx in splits]
     old = [self.logprobs(mb) for mb in minis]  # all before the first update
     ref = [self.logprobs(mb, self.ref_params) for mb in minis]
+    metrics = self._mean_update_metrics(minis, old, ref)
+    metrics.update(self._sampler_mismatch_metrics(minis, old, generated))
+    # The padded shape the step ran at (`make_batch`'s buckets): a new one compiles the step.
+    metrics["train/padded_len"] = batch.tokens.shape[1]
+    metrics["train/padded_targets"] = batch.target_pos.shape[1]
+    return metrics
+
+  def _mean_update_metrics(
+    self, minis: Sequence[Batch], old: Sequence[jax.Array], ref: Sequence[jax.Array | None]
+  ) -> dict[str, float]:
+    """One `grpo_update` per mini-batch, in order; each metric's mean as `train/<name>`.
+
+    Args:
+      minis: the epoch's mini-batches. old, ref: their [N_i, P] float32 old and reference
+        log-probs (`logprobs`; ref entries may be None).
+    """
     out: dict[str, list[float]] = {}
     for mb, o, r in zip(minis, old, ref):
       for k, v in self.grpo_update(mb, o, r).items():
         out.setdefault(f"train/{k}", []).append(v)
-    metrics = {k: float(np.mean(v)) for k, v in out.items()}
+    return {k: float(np.mean(v)) for k, v in out.items()}
+
+  def _sampler_mismatch_metrics(
+    self, minis: Sequence[Batch], old: Sequence[jax.Array], generated: Sequence[np.ndarray]
+  ) -> dict[str, float]:
+    """`train/sampler_logp_gap` and, with top-k or top-p, `train/sampler_set_misses` (see
+    `grpo_epoch`): the trainer's old log-probs against the sampler's.
+
+    Args:
+      minis: the epoch's mini-batches (their sampler_logp [N_i, P] float32). old: their [N_i, P]
+        float32 old log-probs. generated: [N_i, P] bool, the generated targets of each
+        (dropped trajectories included).
+    """
+    metrics = {}
     # On the host, in numpy: eager jnp ops here compiled a program per new batch shape.
     old_np = [distributed.fetch(o) for o in old]
     misses = [gen & (o == -np.inf) for gen, o in zip(generated, old_np)]
@@ -833,9 +1004,6 @@ class PolicyTrainer:
       )
     if self.sampling.truncates:
       metrics["train/sampler_set_misses"] = int(sum(m.sum() for m in misses))
-    # The padded shape the step ran at (`make_batch`'s buckets): a new one compiles the step.
-    metrics["train/padded_len"] = batch.tokens.shape[1]
-    metrics["train/padded_targets"] = batch.target_pos.shape[1]
     return metrics
 
   def _sft_step_fn(self, params, opt_state, arrays):

@@ -1,5 +1,6 @@
 """TaskPool: durable append/reload, torn lines, leak and duplicate filtering, sampling mix."""
 
+import collections
 import dataclasses
 import os
 
@@ -101,6 +102,41 @@ def test_sampling_mix(tmp_path):
   assert len(pool.sample(30, rng)) == 30
   with pytest.raises(ValueError):
     TaskPool(tmp_path / "empty.jsonl").sample(1, rng)
+
+
+def test_sampler_weights_shape_the_draw_and_the_uniform_sampler_changes_nothing(tmp_path):
+  """The pool's draw with a `TaskSampler`'s weights: "uniform" gives no weights, so the draw is
+  the one without the argument (same random calls); weights make each group's draw proportional
+  to them (a chi-square test of 2,000 draws), and a zero weight is never drawn."""
+  from coevolve_jax.feedback.sampler import make_sampler  # noqa: PLC0415
+
+  pool = TaskPool(tmp_path / "pool.jsonl")
+  pool.add([_task(i) for i in range(6)] + [_task(i, "synth") for i in range(6, 9)])
+  weights = make_sampler("uniform").weights(pool.tasks)
+  assert weights is None
+  for fraction in (None, 0.5):
+    plain = pool.sample(5, np.random.default_rng(7), fraction)
+    assert pool.sample(5, np.random.default_rng(7), fraction, weights) == plain
+  w = np.array([4.0, 2.0, 1.0, 1.0, 0.0, 0.0, 1.0, 3.0, 0.0])
+  rng = np.random.default_rng(0)
+  counts = collections.Counter()
+  for _ in range(2000):
+    counts.update(t.task_id for t in pool.sample(1, rng, None, w))
+  observed = [counts[t.task_id] for t in pool.tasks if w[pool.tasks.index(t)] > 0]
+  expected = [2000 * x / w.sum() for x in w if x > 0]
+  chi2 = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+  assert chi2 < 20.52  # the 0.999 quantile of chi-square with 5 degrees of freedom
+  assert not {pool.tasks[i].task_id for i in (4, 5, 8)} & set(counts)
+  mixed = collections.Counter()
+  for _ in range(500):
+    mixed.update(t.source for t in pool.sample(4, rng, 0.5, w))
+  assert mixed == {"explore": 1000, "synth": 1000}  # the fraction holds; weights act within
+  with pytest.raises(ValueError, match="weights must be"):
+    pool.sample(2, rng, None, np.ones(3))
+  with pytest.raises(ValueError, match="sum to 0"):
+    pool.sample(2, rng, 1.0, np.array([1.0] * 6 + [0.0] * 3))
+  with pytest.raises(ValueError, match="unknown task sampler"):
+    make_sampler("aiw")
 
 
 def test_rollback_keeps_the_checkpointed_prefix_and_moves_the_rest_aside(tmp_path):

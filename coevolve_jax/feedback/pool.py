@@ -31,6 +31,15 @@ from coevolve_jax.types import Task
 
 log = logging.getLogger(__name__)
 SYNTH_SOURCES = ("synth",)
+UNGUIDED = "unguided"  # the signal key of contexts without a signal (random re-exploration)
+
+
+def origin(task: Task) -> str:
+  """Where a pool task came from: "d0" (unguided exploration before training) or
+  "synth:<signal>" (a feedback round; "synth:unguided" for random re-exploration)."""
+  if task.source not in SYNTH_SOURCES:
+    return "d0"
+  return f"synth:{task.provenance.get('signal') or UNGUIDED}"
 
 
 def task_text(task: Task) -> str:
@@ -203,6 +212,7 @@ class TaskPool:
     """
     eval_exact, eval_solutions, eval_hashes, eval_lsh = self._eval_index(list(eval_tasks))
     pool_hashes = {f"pool:{k}": m for k, m in self._hashes.items()}
+    dropped: list[tuple[str, str, str | None]]
     added, dropped, similarity = 0, [], {}
     for task in tasks:
       text, m = task_text(task), minhash(task_text(task), self.num_perm)
@@ -237,25 +247,51 @@ class TaskPool:
     return len(self._tasks)
 
   def sample(
-    self, n: int, rng: np.random.Generator, synth_fraction: float | None = None
+    self,
+    n: int,
+    rng: np.random.Generator,
+    synth_fraction: float | None = None,
+    weights: np.ndarray | None = None,
   ) -> list[Task]:
-    """n tasks: uniform over the pool, or with `synth_fraction` of them from synthesized tasks.
+    """n tasks: drawn over the pool, or with `synth_fraction` of them from synthesized tasks.
 
-    Draws without replacement within each group when it is large enough, else with replacement. When
-    one group is empty the other fills all n. Raises ValueError on an empty pool.
+    Draws without replacement within each group when it is large enough, else with replacement.
+    When one group is empty the other fills all n. `weights` ([len(pool)] >= 0, in pool order;
+    a `feedback.sampler.TaskSampler`'s) makes the draw within each group proportional to them;
+    None draws uniformly (the same random calls as without the argument).
+
+    Raises:
+      ValueError: an empty pool; weights of another length, negative, not finite, or summing
+        to 0 within a group that must supply tasks.
     """
     if not self._tasks:
       raise ValueError("cannot sample from an empty task pool")
+    if weights is not None:
+      weights = np.asarray(weights, np.float64)
+      if weights.shape != (len(self._tasks),) or not np.all(np.isfinite(weights) & (weights >= 0)):
+        raise ValueError(f"weights must be [{len(self._tasks)}] finite and >= 0, got {weights!r}")
     if synth_fraction is None:
-      return _draw(self._tasks, n, rng)
-    synth = [t for t in self._tasks if t.source in SYNTH_SOURCES]
-    base = [t for t in self._tasks if t.source not in SYNTH_SOURCES]
+      return _draw(self._tasks, n, rng, weights)
+    is_synth = np.array([t.source in SYNTH_SOURCES for t in self._tasks])
+    synth = [t for t, s in zip(self._tasks, is_synth) if s]
+    base = [t for t, s in zip(self._tasks, is_synth) if not s]
     n_synth = int(round(n * synth_fraction)) if synth and base else (n if synth else 0)
-    return _draw(synth, n_synth, rng) + _draw(base, n - n_synth, rng)
+    w_synth = None if weights is None else weights[is_synth]
+    w_base = None if weights is None else weights[~is_synth]
+    return _draw(synth, n_synth, rng, w_synth) + _draw(base, n - n_synth, rng, w_base)
 
 
-def _draw(tasks: list[Task], n: int, rng: np.random.Generator) -> list[Task]:
+def _draw(
+  tasks: list[Task], n: int, rng: np.random.Generator, weights: np.ndarray | None = None
+) -> list[Task]:
   if n <= 0:
     return []
-  idx = rng.choice(len(tasks), size=n, replace=n > len(tasks))
+  if weights is None:
+    idx = rng.choice(len(tasks), size=n, replace=n > len(tasks))
+  else:
+    total = weights.sum()
+    if total <= 0:
+      raise ValueError(f"task weights sum to {total} over {len(tasks)} tasks: nothing to draw")
+    replace = n > int(np.count_nonzero(weights))
+    idx = rng.choice(len(tasks), size=n, replace=replace, p=weights / total)
   return [tasks[int(i)] for i in idx]
