@@ -42,19 +42,19 @@ def main() -> None:
   import ablations  # noqa: PLC0415
   from common import machine, markdown_table  # noqa: PLC0415
   from coevolve_jax.loop import CoEvolveRun  # noqa: PLC0415
-  from coevolve_jax.run_state import RunState  # noqa: PLC0415
   from coevolve_jax.trainer import PolicyTrainer, make_batch, make_optimizer  # noqa: PLC0415
   from coevolve_jax.warmstart import sft_batches, target_buckets  # noqa: PLC0415
 
   overrides = {"explore.initial_tasks": args.initial_tasks, "eval.generated_tasks": 16}
   cfg = ablations.load_config("coevolve", 0, overrides)
   run = CoEvolveRun(cfg, args.workdir)
-  run._setup()  # pylint: disable=protected-access (the job's own model, suite and chat format)
-  run.state = RunState.fresh(cfg.seed)
-  run.eval_generated = run._generated_eval_set(resumed=False)  # noqa: SLF001
+  run._session_start, run._closing = 0.0, []  # noqa: SLF001 (outside `fit`'s session)
+  run._start()  # noqa: SLF001 (the job's own parts: model, suite and chat format; fresh state)
+  run._generated_eval_set(resumed=False)  # noqa: SLF001
   d0, _ = run._initial_tasks()  # noqa: SLF001
-  run.pool.add(d0, eval_tasks=run._held_out())  # noqa: SLF001
-  demos = [run.suite.demonstration(t, run.chat, f"demo{i}") for i, t in enumerate(run.pool.tasks)]
+  run.pool.add(d0, eval_tasks=run.evaluator.held_out())
+  chat = run.parts.chat
+  demos = [run.suite.demonstration(t, chat, f"demo{i}") for i, t in enumerate(run.pool.tasks)]
   rng = np.random.default_rng(0)
   batches = list(sft_batches(demos, cfg.warmstart.batch_size, rng, args.steps))
   t_max = max(len(d.token_ids) for d in demos)
@@ -72,7 +72,9 @@ def main() -> None:
     tx = make_optimizer(optax.constant_schedule(cfg.warmstart.lr), 0.0, cfg.train.grad_clip)
     graphdef, state = nnx.split(run.trainer.model())  # own buffers: each trainer donates its
     model = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
-    return PolicyTrainer(model, tx, run.gcfg, 1.0, mesh=run.mesh, compute_dtype=cfg.model.dtype)
+    return PolicyTrainer(
+      model, tx, run.trainer.cfg, 1.0, mesh=run.parts.mesh, compute_dtype=cfg.model.dtype
+    )
 
   trainers = {name: trainer() for name in paddings}
   for name, padded in paddings.items():  # one pass compiles every shape

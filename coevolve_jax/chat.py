@@ -149,6 +149,7 @@ def _normalize_call(call: Any) -> Any:
     return call
   if target is call:
     return {**call, "arguments": {}}
+  assert isinstance(inner, dict)  # target is inner, which is a dict
   return {**call, "function": {**inner, "arguments": {}}}
 
 
@@ -343,8 +344,11 @@ def assistant_text(content: str | None, tool_calls: Sequence[Mapping[str, Any]] 
   Raises:
     ValueError: the template does not render the conversation as header, reply, `<|im_end|>`.
   """
-  user = {"role": "user", "content": "."}
-  msgs = [user, {"role": "assistant", "content": content, "tool_calls": list(tool_calls) or None}]
+  user: Message = {"role": "user", "content": "."}
+  msgs: list[Message] = [
+    user,
+    {"role": "assistant", "content": content, "tool_calls": list(tool_calls) or None},
+  ]
   full = render([*msgs, user])
   user_block = render([user])
   head = user_block + tokenizer_lib.IM_START + "assistant\n"
@@ -358,7 +362,7 @@ def assistant_text(content: str | None, tool_calls: Sequence[Mapping[str, Any]] 
 # Tool-call parsing.
 
 # Longest JSON text of one tool call (characters) `parse_tool_calls` accepts by default: about one
-# full reply of 4096 tokens. The run config sets it from `data.max_call_chars`.
+# full reply of 4096 tokens. The run config sets it from `episode.max_call_chars`.
 DEFAULT_MAX_CALL_CHARS = 16384
 
 _JSON_WHITESPACE = re.compile(r"[ \t\n\r]*")
@@ -390,7 +394,9 @@ _DECODER = json.JSONDecoder(object_pairs_hook=unique_object_pairs)
 
 
 def _skip_ws(text: str, pos: int) -> int:
-  return _JSON_WHITESPACE.match(text, pos).end()
+  m = _JSON_WHITESPACE.match(text, pos)
+  assert m is not None  # the pattern matches the empty string, at any pos
+  return m.end()
 
 
 @dataclasses.dataclass
@@ -541,7 +547,7 @@ def parse_tool_calls(
     text: the decoded assistant reply (with or without the trailing `<|im_end|>`).
     truncated: the reply hit the token limit (no end-of-turn token was sampled).
     max_call_chars: the longest JSON text of one call, in characters (>= 1); a longer call is
-      refused (the run sets it from `data.max_call_chars`).
+      refused (the run sets it from `episode.max_call_chars`).
 
   Returns:
     `Action(tool_calls=[...], text=text)` for well-formed calls, in order;

@@ -52,7 +52,8 @@ def use_persistent_cache(cache_dir: str) -> bool:
 
   if not cache_dir:
     return False
-  if jax.config.jax_compilation_cache_dir != cache_dir:
+  # JAX adds its options to Config as attributes at run time; its type declarations lack them.
+  if jax.config.jax_compilation_cache_dir != cache_dir:  # type: ignore[attr-defined]
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     compilation_cache.reset_cache()  # JAX decides once per process whether the cache is used
   return True

@@ -151,7 +151,7 @@ def initialize_from_env(env: Mapping[str, str] | None = None) -> ProcessSpec | N
 def is_primary() -> bool:
   """Whether this process writes the run's files and calls external services.
 
-  One logical controller (README "Several processes"): every process runs the same
+  One logical controller (docs/running.md, "Several processes"): every process runs the same
   deterministic controller over the same inputs and issues the same device calls in the same
   order; only the first process (`jax.process_index() == 0`) writes logs, the task pool, round
   journals and the summary, so each is written once however many processes run. True in a

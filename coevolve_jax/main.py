@@ -47,8 +47,7 @@ def main(argv: list[str]) -> int:
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("absl").addFilter(_AfterDiskFull())  # -v shows those reports too
   cfg = _CONFIG.value
-  import envs  # noqa: PLC0415 (keep --help fast)
-  from coevolve_jax import config  # noqa: PLC0415
+  from coevolve_jax import config, suite  # noqa: PLC0415 (keep --help fast)
 
   try:  # the whole config, then the suite's set-up: at once, before minutes of set-up
     config.validate(cfg)
@@ -56,11 +55,12 @@ def main(argv: list[str]) -> int:
     print(f"error: invalid config: {e}", file=sys.stderr)
     return 2
   try:
-    envs.check_setup(cfg)
-  except envs.SuiteUnavailable as e:
+    suite.check_setup(cfg)
+  except suite.SuiteUnavailable as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   workdir = _WORKDIR.value
+  assert workdir is not None  # a required flag: absl stops before main without it
   try:  # fail before minutes of set-up, not after
     os.makedirs(workdir, exist_ok=True)
     with tempfile.TemporaryFile(dir=workdir):
@@ -94,7 +94,21 @@ def main(argv: list[str]) -> int:
   return 0
 
 
+def _moved_overrides(argv: list[str]) -> list[str]:
+  """One error line per `--config.<field>` override of a field that moved (the config's
+  `MOVED`), before absl's flag parser reports it as an unknown field with a traceback."""
+  fields = [a[len("--config.") :].split("=", 1)[0] for a in argv if a.startswith("--config.")]
+  if not fields:
+    return []
+  from coevolve_jax import config  # noqa: PLC0415 (imports JAX: only with overrides)
+
+  return [f"error: --config.{f}: {err}" for f in fields if (err := config.moved_error(f))]
+
+
 def run() -> None:
+  if errors_ := _moved_overrides(sys.argv[1:]):
+    print("\n".join(errors_), file=sys.stderr)
+    sys.exit(2)
   app.run(main)
 
 

@@ -264,8 +264,8 @@ def _compiled_temp_bytes(
 
   tokens = jax.ShapeDtypeStruct((seqs, seq_len), jnp.int32)
   pos = jax.ShapeDtypeStruct((seqs, targets), jnp.int32)
-  analysis = jax.jit(jax.value_and_grad(loss)).lower(state, tokens, pos).compile()
-  analysis = analysis.memory_analysis()
+  compiled = jax.jit(jax.value_and_grad(loss)).lower(state, tokens, pos).compile()
+  analysis = compiled.memory_analysis()
   return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
@@ -320,7 +320,7 @@ def rollout_weights_bytes(
   """Bytes per device of the engine's weight copy (`PolicyTrainer.inference_params`): the
   parameters in `dtype` and the `layout`'s rules. The job makes it whenever the compute dtype
   is not the master's, the layout is "gathered" on a mesh, or the engine decodes an unrolled copy
-  (`rollout.scan_layers=False`): in every full-scale configuration. Counted always (a float32
+  (`engine.scan_layers=False`): in every full-scale configuration. Counted always (a float32
   single-device run with the scanned engine decodes the master weights themselves).
 
   Raises:
@@ -346,9 +346,10 @@ def kv_cache_bytes(
   """
   cfg = model_config(preset)
   cache = jax.eval_shape(lambda: KVCache.zeros(cfg, num_slots, cache_len, jnp.dtype(dtype)))
+  key_axes, value_axes = KVCache.axes(stacked=False)
   return sum(
     shard_bytes(x.shape, x.dtype, axes, mesh)
-    for arrays, axes in ((cache.k, KVCache.KEY_AXES), (cache.v, KVCache.VALUE_AXES))
+    for arrays, axes in ((cache.k, key_axes), (cache.v, value_axes))
     for x in arrays
   )
 
@@ -443,7 +444,7 @@ def plan(
     dtype: the compute dtype (`model.dtype`): activations, reference, rollout weights, cache.
     param_dtype: the master parameters' dtype (`model.param_dtype`): parameters, gradients and
       optimizer moments.
-    weights_layout: the engine's weight layout (`rollout.weights_layout`).
+    weights_layout: the engine's weight layout (`engine.weights_layout`).
     targets: sampled (trained) positions per sequence; default seq_len // 2.
     micro_batches: gradient-accumulation slices per step (the trainer's `micro_batches`): only
       one slice's activations are alive at a time.
@@ -563,7 +564,7 @@ def plan_for_run(
 ) -> MemoryPlan:
   """The plan of a run's config (configs/bfcl.py groups) on `mesh` (axis sizes, -1 resolved).
 
-  The training sequence is taken at its longest, `rollout.cache_len` tokens (a trajectory never
+  The training sequence is taken at its longest, `engine.cache_len` tokens (a trajectory never
   holds more), and a mini-batch holds tasks_per_step * group_size / mini_batches rows (rounded
   up), in `micro_batches` slices (default: `train.micro_batches`, or 1 where that is 0 = auto).
   With `model.checkpoint` set, the model is the checkpoint's config.json (`hf.read_config`).
@@ -571,18 +572,18 @@ def plan_for_run(
   Raises:
     FileNotFoundError, CheckpointFormatError: `model.checkpoint` has no usable config.json.
   """
-  rollout, train = cfg["rollout"], cfg["train"]
+  engine, train = cfg["engine"], cfg["train"]
   checkpoint = cfg["model"].get("checkpoint", "")
   return plan(
     read_config(checkpoint) if checkpoint else cfg["model"]["preset"],
     mesh,
     batch=_mini_batch_rows(cfg)[0],
-    seq_len=rollout["cache_len"],
-    num_slots=rollout["num_slots"],
-    cache_len=rollout["cache_len"],
+    seq_len=engine["cache_len"],
+    num_slots=engine["num_slots"],
+    cache_len=engine["cache_len"],
     dtype=cfg["model"]["dtype"],
     param_dtype=cfg["model"]["param_dtype"],
-    weights_layout=rollout["weights_layout"],
+    weights_layout=engine["weights_layout"],
     micro_batches=micro_batches or train["micro_batches"] or 1,
     remat=cfg["model"]["remat"],
     activations=activations,
@@ -598,7 +599,7 @@ def fit_run(
   """Chooses the run's gradient-accumulation slices and checks that the run fits one device,
   before anything is allocated.
 
-  The worst case is checked: every row of a mini-batch `rollout.cache_len` tokens long. For each
+  The worst case is checked: every row of a mini-batch `engine.cache_len` tokens long. For each
   candidate of `micro_batch_choices` (the configured value, or with `train.micro_batches = 0`
   every valid one, fewest first) the fast residual estimate is tried first, and the first that
   fits is confirmed with the compiled step's figure (`plan(activations="compiled")`).
@@ -627,8 +628,8 @@ def fit_run(
       f"the run does not fit its devices: {p.static / GIB:.1f} GiB per device before any "
       f"activation, {gib:.1f} GiB available (memory planner, GiB per device):\n"
       f"{format_table([p], gib, headroom=1.0)}\nUse more devices (mesh.fsdp = -1 spreads "
-      f"parameters and optimizer over all), fewer rollout.num_slots or a shorter "
-      f"rollout.cache_len, or rollout.weights_layout=train."
+      f"parameters and optimizer over all), fewer engine.num_slots or a shorter "
+      f"engine.cache_len, or engine.weights_layout=train."
     )
   for k in choices:
     p = plan_for_run(cfg, mesh, k)
@@ -639,10 +640,10 @@ def fit_run(
     if p.total <= device_bytes:
       return k, p
   raise MemoryError(
-    f"the run does not fit its devices: a mini-batch of {p.batch} rows of rollout.cache_len = "
+    f"the run does not fit its devices: a mini-batch of {p.batch} rows of engine.cache_len = "
     f"{p.seq_len} tokens needs {p.total / GIB:.1f} GiB per device with "
     f"train.micro_batches = {p.micro_batches} ({p.activation_source} activations), "
     f"{gib:.1f} GiB available (tried train.micro_batches in {choices}):\n"
     f"{format_table([p], gib, headroom=1.0)}\nSet train.micro_batches = 0 (the fewest slices "
-    f"that fit), use more devices, or a shorter rollout.cache_len."
+    f"that fit), use more devices, or a shorter engine.cache_len."
   )

@@ -141,7 +141,8 @@ def ensure_start(start: str, cfg) -> None:
     RuntimeError: `start` holds a run past step 0 (a variant would resume from that step), or a
       finished start was made with other settings than `cfg`'s (but `START_MAY_DIFFER`).
   """
-  from coevolve_jax.loop import CoEvolveRun, flat_config  # pylint: disable=g-import-not-at-top
+  from coevolve_jax.loop import CoEvolveRun  # pylint: disable=g-import-not-at-top
+  from coevolve_jax.workdir import flat_config  # pylint: disable=g-import-not-at-top
 
   if os.path.exists(os.path.join(start, START_DONE)):
     with open(os.path.join(start, "config.json"), encoding="utf-8") as f:

@@ -22,7 +22,7 @@ import shutil
 import subprocess
 import sys
 
-from coevolve_jax.cli import workers
+from coevolve_jax import launching as workers
 
 BFCL_EVAL = "bfcl-eval==2026.3.23"  # same pin as setup.py; installed with --no-deps
 ARCHIVE = "coevolve_jax.tar.gz"
@@ -124,7 +124,7 @@ def run_commands(args: argparse.Namespace) -> list[list[str]]:
 
 def describe_workers(args: argparse.Namespace) -> list[str]:
   """`--dry-run`'s account of each worker: its environment, its JAX process and its duties
-  (`coevolve_jax.cli.workers`); one line for all when the slice's host count is unknown."""
+  (`coevolve_jax.launching`); one line for all when the slice's host count is unknown."""
   hosts = workers.tpu_vm_hosts(getattr(args, "accelerator_type", "") or "")
   env = worker_env(args)
   if hosts is None:
@@ -178,7 +178,7 @@ def parser() -> argparse.ArgumentParser:
       s.add_argument(
         "--version",
         required=True,
-        help="TPU software version, e.g. v2-alpha-tpuv5 (coevolve_jax/cli/prices.py lists one "
+        help="TPU software version, e.g. v2-alpha-tpuv5 (coevolve_jax/accelerators.py lists one "
         "per chip).",
       )
       s.add_argument("--spot", action="store_true", help="Spot (preemptible) capacity.")

@@ -13,7 +13,7 @@ submits nothing. Without `--dry-run` it is submitted with `google.cloud.aiplatfo
   other hosts of the slice from the TPU metadata.
 - GPU (`--chip=h100|h200|a100`): pool 0 is the primary replica, pool 1 the other `--hosts - 1`
   machines; Vertex AI sets `CLUSTER_SPEC` on each and `coevolve_jax.distributed` reads it.
-Machine types come from `coevolve_jax/cli/prices.py` (the `vertex` entry of each chip), imported
+Machine types come from `coevolve_jax/accelerators.py` (the `vertex` entry of each chip), imported
 from the installed package (`pip install -e '.[cloud]'`). The container is the image built from
 `tpu/Dockerfile`; its entry point is `python -m coevolve_jax.main`.
 """
@@ -27,7 +27,8 @@ import sys
 
 from google.cloud.aiplatform_v1 import types
 
-from coevolve_jax.cli import prices, workers
+from coevolve_jax import accelerators as prices
+from coevolve_jax import launching as workers
 
 HEARTBEAT_ENV = "COEVOLVE_HEARTBEAT_TIMEOUT_S"  # read by coevolve_jax.distributed
 CHIP_OF_MACHINE = {facts["vertex"]["machine_type"]: name for name, facts in prices.CHIPS.items()}
@@ -58,7 +59,8 @@ def build_job(
   """The Vertex AI CustomJob for `chip` running `python -m coevolve_jax.main JOB_ARGS`.
 
   Args:
-    chip: a chip name of coevolve_jax/cli/prices.py (TPU: v4, v5e, v5p, v6e; GPU: h100, h200, a100).
+    chip: a chip name of coevolve_jax/accelerators.py (TPU: v4, v5e, v5p, v6e; GPU: h100, h200,
+      a100).
     image_uri: the container image built from tpu/Dockerfile.
     job_args: arguments of coevolve_jax.main (--config=..., --workdir=...).
     topology: TPU slice shape, e.g. "2x2" (4 chips) or "4x4"; TPU only.

@@ -1,12 +1,15 @@
-"""Command-line tools around the training job, each run as `python -m coevolve_jax.cli.NAME`.
+"""Command lines around the training job, each run as `python -m coevolve_jax.cli.NAME`; they
+hold only argument parsing, printing and `main`, their logic lives in library modules.
 
 - `bench`: rollout and GRPO-step throughput on the local devices; `bench compare` tabulates
-  records per chip and per dollar.
-- `plan_device_memory`: per-device memory of a model preset on a mesh, from shapes only.
-- `evaluate`: greedy BFCL multi-turn evaluation of a checkpoint.
-- `prices` (a table, not a command): chip facts, Vertex AI machine types and on-demand prices,
-  with the date they were recorded.
+  records per chip and per dollar (library: `coevolve_jax.benchmark`).
+- `plan_device_memory`: per-device memory of a model preset on a mesh, from shapes only
+  (library: `coevolve_jax.memory_plan`).
 
-The training job (`coevolve_jax.main`) imports only `plan_device_memory`, for its start-up
-memory check.
+Chip facts and prices are `coevolve_jax.accelerators`; what each worker of a multi-host launch
+gets is `coevolve_jax.launching`. Benchmark-specific tools live with their suite: greedy BFCL
+multi-turn evaluation of a checkpoint is `python -m envs.bfcl.evaluate`.
+
+The training job (`coevolve_jax.main`) imports none of them; its start-up memory check calls
+`coevolve_jax.memory_plan` directly.
 """

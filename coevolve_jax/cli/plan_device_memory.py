@@ -47,7 +47,7 @@ from collections.abc import Sequence
 import jax
 from absl import app, flags
 
-from coevolve_jax.cli import prices
+from coevolve_jax import accelerators
 from coevolve_jax.memory_plan import ACTIVATION_SOURCES, format_table, parse_mesh, plan
 
 
@@ -65,7 +65,9 @@ def _define_flags() -> None:
   flags.DEFINE_string("dtype", "bfloat16", "Compute dtype: activations, reference, weights, cache.")
   flags.DEFINE_string("param_dtype", "float32", "Master parameter / gradient / optimizer dtype.")
   flags.DEFINE_string("weights_layout", "gathered", "Rollout weights layout: gathered or train.")
-  flags.DEFINE_string("chip", "", "Chip name of coevolve_jax/cli/prices.py (for the fits column).")
+  flags.DEFINE_string(
+    "chip", "", "Chip name of coevolve_jax/accelerators.py (for the fits column)."
+  )
   flags.DEFINE_float("headroom", 0.9, "Share of HBM the plan may use.")
   flags.DEFINE_enum(
     "activations",
@@ -84,7 +86,7 @@ def main(argv: Sequence[str]) -> None:
   hbm = None
   try:
     if F.chip:
-      hbm = prices.chip(F.chip)["hbm_gib"]
+      hbm = accelerators.chip(F.chip)["hbm_gib"]
     base = parse_mesh(F.mesh)
   except (ValueError, KeyError) as e:
     raise app.UsageError(str(e)) from None

@@ -18,8 +18,9 @@ each `generate` and in `Prefix.logprob` after a prefill.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +66,7 @@ class _OwnResultTokens:
   samples_per_slot: int = struct.field(pytree_node=False, default=1)
 
   def convert_to_numpy(self) -> "_OwnResultTokens":
-    return self.replace(data=np.asarray(self.data))
+    return dataclasses.replace(self, data=np.asarray(self.data))  # what flax's `replace` does
 
   def get_result_at_slot(self, slot: int) -> SlotResult:
     row = self.data[slot : slot + 1]
@@ -77,7 +78,10 @@ class _OwnResultTokens:
 
 
 ResultTokens = _jetstream_api.ResultTokens if JETSTREAM_AVAILABLE else _OwnResultTokens
-_Base = _jetstream_api.Engine if JETSTREAM_AVAILABLE else abc.ABC
+if TYPE_CHECKING:  # a base class mypy can check (JetStream's Engine is untyped, Any to it)
+  _Base = abc.ABC
+else:
+  _Base = _jetstream_api.Engine if JETSTREAM_AVAILABLE else abc.ABC
 
 
 class Prefix(NamedTuple):

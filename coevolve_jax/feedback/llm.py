@@ -22,7 +22,7 @@ import logging
 import os
 import re
 import threading
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -279,6 +279,7 @@ def parse_json_reply(text: str, *, unique_keys: bool = False) -> Any:
   Raises:
     LLMError: no parseable JSON value, or (with `unique_keys`) a repeated key.
   """
+  duplicate: type[ValueError] | tuple[()]
   hook, duplicate = None, ()  # `except ()` catches nothing
   if unique_keys:
     from coevolve_jax.chat import DuplicateKeyError, unique_object_pairs  # noqa: PLC0415
@@ -305,3 +306,9 @@ def parse_json_reply(text: str, *, unique_keys: bool = False) -> Any:
   except duplicate as e:
     raise LLMError(f"reply repeats a key ({e}): {text[:120]!r}") from None
   raise LLMError(f"reply is not JSON: {text[:120]!r}")
+
+
+if TYPE_CHECKING:  # mypy checks GeminiLLM against the TextLLM protocol
+
+  def _conforms(llm: GeminiLLM) -> TextLLM:
+    return llm

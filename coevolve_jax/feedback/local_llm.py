@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 
@@ -103,3 +104,10 @@ class LocalLLM:
     if not text:
       raise LLMError("empty reply from the local model")
     return text
+
+
+if TYPE_CHECKING:  # mypy checks LocalLLM against the TextLLM protocol
+  from coevolve_jax.feedback.llm import TextLLM
+
+  def _conforms(llm: LocalLLM) -> TextLLM:
+    return llm

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from typing import TYPE_CHECKING, Any
 
 from coevolve_jax.feedback.llm import LLMError, TokenBudget
 
@@ -112,7 +113,7 @@ class OpenAILLM:
     """
     self.budget.check()
     s = self.settings
-    extra = {}
+    extra: dict[str, Any] = {}
     if json_output and s.json_mode:
       extra["response_format"] = {"type": "json_object"}
     errors = self._openai
@@ -149,3 +150,10 @@ class OpenAILLM:
     if not isinstance(text, str) or not text:
       raise LLMError(f"{self.name}: empty response (no message content)")
     return text
+
+
+if TYPE_CHECKING:  # mypy checks OpenAILLM against the TextLLM protocol
+  from coevolve_jax.feedback.llm import TextLLM
+
+  def _conforms(llm: OpenAILLM) -> TextLLM:
+    return llm

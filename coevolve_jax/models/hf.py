@@ -405,14 +405,14 @@ def _sources(tensors: _Tensors, cfg: QwenConfig, variables: dict) -> dict[str, A
         f"{path}: checkpoint shape {hf_shape} does not fit the config's {want}"
       )
     sources[path] = (name, layout)
-  want = {p for t in variables for p, _ in layer_paths(t, cfg)}
+  expected = {p for t in variables for p, _ in layer_paths(t, cfg)}
   done = {
     p
     for p, src in sources.items()
     if not isinstance(src, dict)
     or len(src) == variables[stacked_path(p, cfg)[0]].get_value().shape[1]
   }
-  missing = sorted(want - done)
+  missing = sorted(expected - done)
   if missing:
     raise CheckpointFormatError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")
   return sources

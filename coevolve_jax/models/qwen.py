@@ -238,6 +238,11 @@ def routing_dtype(num_experts: int) -> jnp.dtype:
 
 CPU_LOGITS_ROWS = 256  # full-logits projection on XLA:CPU: rows per product (see Qwen.__call__)
 
+# Logical axes (models/sharding.py) of each key and value array of a `KVCache`; a stacked array
+# has "layers" first (`KVCache.axes`). Module constants: a NamedTuple's class body holds fields.
+KV_KEY_AXES = ("batch", "act_kv_heads", None, "cache_length")
+KV_VALUE_AXES = ("batch", "act_kv_heads", "cache_length", None)
+
 
 class KVCache(NamedTuple):
   """Per-layer key caches [B, K, H, S] and value caches [B, K, S, H]. Cache index == position.
@@ -258,11 +263,6 @@ class KVCache(NamedTuple):
 
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
-
-  # Logical axes (models/sharding.py) of each key and value array; a stacked array has "layers"
-  # first (`axes`).
-  KEY_AXES = ("batch", "act_kv_heads", None, "cache_length")
-  VALUE_AXES = ("batch", "act_kv_heads", "cache_length", None)
 
   @classmethod
   def zeros(
@@ -291,7 +291,7 @@ class KVCache(NamedTuple):
   def axes(cls, stacked: bool) -> tuple[tuple, tuple]:
     """Logical axes of (each key array, each value array) in the given layout."""
     lead = ("layers",) if stacked else ()
-    return (*lead, *cls.KEY_AXES), (*lead, *cls.VALUE_AXES)
+    return (*lead, *KV_KEY_AXES), (*lead, *KV_VALUE_AXES)
 
 
 REMAT_POLICIES = ("none", "full", "save_dots")
@@ -614,9 +614,9 @@ def _attend_by_pass(
     return _attend_causal_blocks(
       q_btnh, keys_bkhs, values_bksh, q_pos_bt, k_pos_bs, k_valid_bs, block
     )
-  if not cached and gathered and attention_block(t):
+  if not cached and gathered and (query_block := attention_block(t)):
     return _attend_query_blocks(
-      q_btnh, keys_bkhs, values_bksh, q_pos_bt, k_pos_bs, k_valid_bs, attention_block(t)
+      q_btnh, keys_bkhs, values_bksh, q_pos_bt, k_pos_bs, k_valid_bs, query_block
     )
   return _attend(q_btnh, keys_bkhs, values_bksh, q_pos_bt, k_pos_bs, k_valid_bs)
 
@@ -908,7 +908,7 @@ class SparseMoE(nnx.Module):
       mesh=mesh,
       tokens=tokens,
       routes=P(tokens[0], tokens[1], None),
-      kernels=tuple(kernels),
+      kernels=(kernels[0], kernels[1], kernels[2]),
       expert_axes=expert_axes,
       gather_axes=tuple(a for a in order if a in batch_axes),
       sum_axes=tuple(a for a in order if a not in batch_axes),
@@ -1083,13 +1083,14 @@ def _pcast_varying(xs, axes: tuple[str, ...]):
   JAX 0.8); its transpose sums the gradient over them."""
   if hasattr(jax.lax, "pcast"):
     return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), xs)
-  return jax.tree.map(lambda x: jax.lax.pvary(x, axes), xs)
+  # pvary is gone from JAX 0.8 on (the installed JAX's types lack it); this line runs before it.
+  return jax.tree.map(lambda x: jax.lax.pvary(x, axes), xs)  # type: ignore[attr-defined]
 
 
 class _EPPlan(NamedTuple):
   """How `SparseMoE` runs expert-parallel on a mesh (`SparseMoE._expert_parallel_plan`)."""
 
-  mesh: object  # the active (abstract) mesh
+  mesh: jax.sharding.AbstractMesh  # the active mesh (`sharding.active_mesh`)
   tokens: P  # spec of x and of the output [B, T, D]
   routes: P  # spec of the experts and weights [B, T, k]
   kernels: tuple[P, P, P]  # specs of gate/up [E, D, F] and down [E, F, D] inside the block
@@ -1103,6 +1104,7 @@ class DecoderLayer(nnx.Module):
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     self.self_attn = Attention(cfg, rngs=rngs, dtype=dtype)
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    self.mlp: SparseMoE | MLP
     if sparse:
       self.mlp = SparseMoE(cfg, rngs=rngs, dtype=dtype)
     else:
@@ -1514,7 +1516,8 @@ def unstack_state(state: nnx.State, cfg: QwenConfig, template: nnx.State) -> nnx
   out = []
   for path, var in nnx.to_flat_state(template):
     if path[0] == "layers":
-      g, j = owner[int(path[1])]
+      # flax types path entries as its Key protocol (hashable, ordered); here an int layer index.
+      g, j = owner[int(path[1])]  # type: ignore[call-overload]
       value = src[("blocks", g, *path[2:])].get_value()[j]
     else:
       value = src[path].get_value()

@@ -50,7 +50,7 @@ def logical_to_spec(
   Raises:
     KeyError: an axis name that the rules table does not know (a typo must not silently replicate).
   """
-  out = []
+  out: list[str | tuple[str, ...] | None] = []
   for name in axes:
     if name is None:
       out.append(None)

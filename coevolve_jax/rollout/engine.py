@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -36,10 +36,14 @@ from coevolve_jax.models.qwen import KVCache, Qwen, routing_dtype, unrolled_temp
 from coevolve_jax.rollout.sampling import SamplingParams, per_row_keys, sample
 
 
-class DecodeState(NamedTuple):
+# A decode state's leaves: jax.Array; NamedSharding in the engine's `shardings` of it.
+_Leaf = TypeVar("_Leaf")
+
+
+class DecodeState(NamedTuple, Generic[_Leaf]):
   cache: KVCache  # per layer: keys [B, K, H, S], values [B, K, S, H]; or per block [L_g, B, ...]
-  next_pos: jax.Array  # [B] int32: cache index for the next token
-  tokens: jax.Array  # [B] int32: last sampled token per slot
+  next_pos: _Leaf  # [B] int32: cache index for the next token
+  tokens: _Leaf  # [B] int32: last sampled token per slot
 
 
 class StaleWeightsError(RuntimeError):
@@ -48,13 +52,15 @@ class StaleWeightsError(RuntimeError):
   `load_params` after every update)."""
 
 
-def _pin(state: DecodeState, shardings: DecodeState | None) -> DecodeState:
+def _pin(
+  state: DecodeState[jax.Array], shardings: DecodeState[NamedSharding] | None
+) -> DecodeState[jax.Array]:
   """`state` constrained to the engine's decode-state shardings (a no-op without a mesh), so the
   KV cache leaves every jitted call as it came in: never replicated by the partitioner."""
   return state if shardings is None else jax.lax.with_sharding_constraint(state, shardings)
 
 
-def _to_host(x, shardings: DecodeState | None):
+def _to_host(x, shardings: DecodeState[NamedSharding] | None):
   """An output the host reads (tokens, log-probs, routing) replicated on every device of the
   mesh, so each process of a multi-host mesh holds all of it (no-op without a mesh)."""
   if shardings is None or x is None:
@@ -353,8 +359,8 @@ class Engine:
   until `load_params` points it at others. Either way, weights whose buffers were donated or
   deleted raise `StaleWeightsError` before any work, never a crash.
 
-  Mesh: with a `mesh`, the KV cache is allocated sharded by its logical axes (`KVCache.KEY_AXES`
-  / `VALUE_AXES` through `models.sharding.LOGICAL_RULES`): slots over (data, fsdp) and KV heads
+  Mesh: with a `mesh`, the KV cache is allocated sharded by its logical axes (`KVCache.axes`
+  through `models.sharding.LOGICAL_RULES`): slots over (data, fsdp) and KV heads
   over tensor (replicated over tensor where the head count does not divide), and every prefill
   and decode step keeps it so (`_pin`); the model's activations follow the same table
   (`jax.set_mesh` while tracing). Per device the cache holds num_slots / (data * fsdp) slots.
@@ -383,7 +389,7 @@ class Engine:
       (`KVCache(stacked=True)`): prefill and decode programs no longer grow with the depth, so
       they compile in about the same time at 36 layers as at 2, and a step runs at the unrolled
       step's speed on CPU (docs/benchmarks/scan.md). Default off here (the job's
-      `rollout.scan_layers` turns it on): the unrolled model, one cache buffer per layer.
+      `engine.scan_layers` turns it on): the unrolled model, one cache buffer per layer.
     prefill_rows: how a prefill forward's row count is padded: "fit" (to the next power of two
       of the rows at hand: least compute, a program per row count) or "full" (always to the most
       a forward of its chunk length takes, `rows_per_forward` capped at the slots: one program
@@ -485,6 +491,7 @@ class Engine:
       StaleWeightsError: a weight buffer was donated (to a training step) or deleted.
     """
     params = self._weights() if self._weights is not None else self.params
+    assert params is not None  # `params` is set whenever `_weights` is None
     if any(x.is_deleted() for x in jax.tree.leaves(params) if isinstance(x, jax.Array)):
       raise StaleWeightsError(
         "the engine's weights were donated to a training step or deleted: build the Engine with "
@@ -496,7 +503,7 @@ class Engine:
     """The mesh for the model's activation sharding constraints while tracing."""
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-  def _state_shardings(self) -> DecodeState | None:
+  def _state_shardings(self) -> DecodeState[NamedSharding] | None:
     """NamedShardings of the decode state on the mesh (None without one); see the class doc."""
     if self.mesh is None:
       return None
@@ -588,7 +595,7 @@ class Engine:
     return self.prefill_many([(slot, token_ids, rng)], sampling)[0]
 
   def prefill_many(
-    self, requests: list[tuple[int, list[int], jax.Array]], sampling: SamplingParams
+    self, requests: Sequence[tuple[int, Sequence[int], jax.Array]], sampling: SamplingParams
   ) -> list[tuple[int, float]]:
     """`prefill` for several slots at once: one batched forward per chunk, not one per slot.
 
@@ -644,7 +651,9 @@ class Engine:
           out[i] = (int(tok[r]), float(logp[r]))
     return out  # type: ignore[return-value]
 
-  def _check_prefill(self, requests: list[tuple[int, list[int], jax.Array]]) -> list[np.ndarray]:
+  def _check_prefill(
+    self, requests: Sequence[tuple[int, Sequence[int], jax.Array]]
+  ) -> list[np.ndarray]:
     """Validates every request of `prefill_many` before any work.
 
     Returns:
@@ -748,7 +757,7 @@ class Engine:
     `prefill_min_chunk` of the end of a cache, with the top key buckets), rows `padded_rows` of
     up to `rows_per_forward` requests (and the slots), keys the `prefill_min_kv` buckets from t
     up. A superset of what `prefill_many` runs (tests/test_engine.py); sorted."""
-    shapes = set()
+    shapes: set[tuple[int, int, int]] = set()
     # A chunk below prefill_min_chunk is halved from one that passed the end of the cache.
     near_end = max(1, self.cache_len - self.prefill_min_chunk + 1)
     t = 1
@@ -805,7 +814,7 @@ class Engine:
     keys: jax.Array,
     counts: np.ndarray,
     limits: np.ndarray,
-    stop_ids: Sequence[int],
+    stop_ids: Collection[int],
     sampling: SamplingParams,
     max_steps: int,
   ) -> tuple[np.ndarray, np.ndarray]:
@@ -905,7 +914,7 @@ class Engine:
   def compile_ahead(
     self,
     samplings: Sequence[SamplingParams],
-    stop_ids: Sequence[int],
+    stop_ids: Collection[int],
     decode_steps: Sequence[int] = (1,),
     threads: int = 0,
   ) -> int:
@@ -953,3 +962,10 @@ class Engine:
   def _compile(self, fn, args: tuple) -> None:
     with self._ctx():  # per thread: the mesh context is thread-local
       fn.lower(*args).compile()
+
+
+if TYPE_CHECKING:  # mypy checks Engine against the SlotEngine protocol
+  from coevolve_jax.rollout.slots import SlotEngine
+
+  def _conforms(engine: Engine) -> SlotEngine:
+    return engine

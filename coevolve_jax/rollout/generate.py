@@ -18,7 +18,8 @@ import numpy as np
 
 from coevolve_jax.models.qwen import Qwen
 from coevolve_jax.rollout.engine import Engine, check_token_ids
-from coevolve_jax.rollout.sampling import SamplingParams, per_row_keys
+from coevolve_jax.rollout.sampling import SamplingParams
+from coevolve_jax.rollout.slots import SlotEngine
 
 FINISH_STOP = "stop"  # a stop token was sampled (it is the last token of the completion)
 FINISH_LENGTH = "length"  # max_new_tokens reached, or the slot's KV cache is full
@@ -110,28 +111,25 @@ def generate(
 
 
 def decode_tokens(
-  engine, active, keys, counts, limits, stop_ids, sampling: SamplingParams, max_steps: int
+  engine: SlotEngine,
+  active,
+  keys,
+  counts,
+  limits,
+  stop_ids,
+  sampling: SamplingParams,
+  max_steps: int,
 ) -> tuple[np.ndarray, np.ndarray]:
-  """The next tokens of the active slots, as the batcher and the agent loop decode them.
-
-  An engine with `generate_steps` (`Engine`) decodes every call through it, K = 1 included, so
-  one compiled step serves every K: the tokens and log-probs are the same bit for bit whatever K
-  a run uses (the single-step `Engine.generate` is another XLA program, whose fusions can round
-  the logits differently in the last bit, enough to flip a sampled token at a boundary of the
-  inverse CDF). Any other `SlotEngine` (`ReplayEngine`) takes one `generate` step with the keys
-  per_row_keys(keys, counts); `max_steps` must then be 1.
+  """The next tokens of the active slots, as the batcher and the agent loop decode them: every
+  call goes through `generate_steps`, K = 1 included, so one compiled step serves every K and the
+  tokens and log-probs are the same bit for bit whatever K a run uses (the single-step
+  `Engine.generate` is another XLA program, whose fusions can round the logits differently in the
+  last bit, enough to flip a sampled token at a boundary of the inverse CDF).
 
   Returns:
     (tokens [n, B] int32, log-probs [n, B] float32), n >= 1 the steps taken.
-  Raises:
-    ValueError: `max_steps` > 1 for an engine without `generate_steps`.
   """
-  if hasattr(engine, "generate_steps"):
-    return engine.generate_steps(active, keys, counts, limits, stop_ids, sampling, max_steps)
-  if max_steps != 1:
-    raise ValueError(f"max_steps={max_steps} needs an engine with generate_steps")
-  tokens, logprobs = engine.generate(active, per_row_keys(keys, jnp.asarray(counts)), sampling)
-  return tokens[None], logprobs[None]
+  return engine.generate_steps(active, keys, counts, limits, stop_ids, sampling, max_steps)
 
 
 class _Batcher:
@@ -149,7 +147,7 @@ class _Batcher:
     self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
     self.decode_steps = decode_steps
 
-  def run(self, prompts: list[list[int]], rng: jax.Array) -> list[Completion]:
+  def run(self, prompts: Sequence[Sequence[int]], rng: jax.Array) -> list[Completion]:
     out: list[Completion | None] = [None] * len(prompts)
     pending = collections.deque(enumerate(prompts))
     free = list(range(self.engine.num_slots))[::-1]

@@ -3,7 +3,8 @@
 An engine offers `num_slots` decode slots, each with its own KV cache of a fixed number of
 entries. A conversation holds one slot for its whole life: `reset_slot` starts it at cache index
 0, `prefill_many` appends token ids to several slots and samples each one's next token, and
-`generate` appends every active slot's pending token and samples the next. The last sampled
+`generate` appends every active slot's pending token and samples the next (`generate_steps`: up to
+K such steps in one call, stopping where a reply ends). The last sampled
 token of a slot is pending: it is not in the slot's cache until the next `generate` (or a
 `prefill_many` whose ids start with it) consumes it. `routing` gives the experts a MoE model
 routed each consumed token to, for routing replay in training.
@@ -16,6 +17,7 @@ implementations do not inherit from it; `isinstance(x, SlotEngine)` checks that 
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # annotations only: importing this module costs no JAX import
@@ -48,7 +50,7 @@ class SlotEngine(Protocol):
     ...
 
   def prefill_many(
-    self, requests: list[tuple[int, list[int], jax.Array]], sampling: SamplingParams
+    self, requests: Sequence[tuple[int, Sequence[int], jax.Array]], sampling: SamplingParams
   ) -> list[tuple[int, float]]:
     """Appends each request's token ids to its slot's cache and samples that slot's next token.
 
@@ -84,6 +86,32 @@ class SlotEngine(Protocol):
     """
     ...
 
+  def generate_steps(
+    self,
+    active: np.ndarray,
+    keys: jax.Array,
+    counts: np.ndarray,
+    limits: np.ndarray,
+    stop_ids: Collection[int],
+    sampling: SamplingParams,
+    max_steps: int,
+  ) -> tuple[np.ndarray, np.ndarray]:
+    """Up to `max_steps` decode steps (`rollout.engine.Engine.generate_steps` states the
+    contract): step j is what `generate(active, per_row_keys(keys, counts + j), sampling)` would
+    do, and the call stops after the step in which an active slot samples one of `stop_ids` or
+    reaches its limit (`limits[b]` more tokens), so a caller that handles the tokens step by step
+    sees what single steps would have given. Engines that decode one token per `generate` get it
+    from `StepsByGenerate`.
+
+    Args:
+      active: [B] bool. keys: [B] PRNG keys. counts: [B] int, tokens each slot sampled so far.
+      limits: [B] int >= 1 for active slots. stop_ids: ids that end a reply.
+      sampling: temperature / top-k / top-p. max_steps: K >= 1.
+    Returns:
+      (tokens [n, B] int32, log-probs [n, B] float32) as numpy, n in [1, max_steps].
+    """
+    ...
+
   def routing(self, slot: int) -> np.ndarray | None:
     """The routing record of the tokens `slot` consumed since its reset, or None.
 
@@ -93,3 +121,42 @@ class SlotEngine(Protocol):
       models, scripted engines). The agent loop stores it in `Trajectory.routing`.
     """
     ...
+
+
+class StepsByGenerate:
+  """`SlotEngine.generate_steps` for engines that decode one token per `generate` call (the
+  scripted engines: `testing.replay_engine.ReplayEngine`, the tests' engines): K calls of
+  `generate`, stopping after the step in which an active slot samples a stop id or reaches its
+  limit, with the keys `per_row_keys(keys, counts + j)` of step j, as `Engine.generate_steps`.
+  Mixed into such an engine's class."""
+
+  def generate_steps(
+    self,
+    active: np.ndarray,
+    keys: jax.Array,
+    counts: np.ndarray,
+    limits: np.ndarray,
+    stop_ids: Collection[int],
+    sampling: SamplingParams,
+    max_steps: int,
+  ) -> tuple[np.ndarray, np.ndarray]:
+    import jax.numpy as jnp  # noqa: PLC0415 (this module imports no JAX)
+    import numpy as np  # noqa: PLC0415
+
+    from coevolve_jax.rollout.sampling import per_row_keys  # noqa: PLC0415
+
+    active = np.asarray(active, bool)
+    counts, limits = np.asarray(counts), np.asarray(limits)
+    if max_steps < 1 or not active.any():
+      raise ValueError(f"generate_steps needs max_steps >= 1 ({max_steps}) and an active slot")
+    stops = np.asarray(sorted(stop_ids), np.int64)
+    tokens, logprobs = [], []
+    for j in range(max_steps):
+      step_keys = per_row_keys(keys, jnp.asarray(counts + j))
+      tok, logp = self.generate(active, step_keys, sampling)  # type: ignore[attr-defined]
+      tokens.append(np.asarray(tok))
+      logprobs.append(np.asarray(logp))
+      ended = active & (np.isin(tokens[-1], stops) | (limits <= j + 1))
+      if ended.any():
+        break
+    return np.stack(tokens), np.stack(logprobs)

@@ -2,8 +2,8 @@
 launchers' `--dry-run` (tpu/launch.py, tpu/vertex.py). No JAX import: the launchers run on a
 workstation.
 
-One logical controller (README "Several processes"): every process runs the same job over the
-global mesh; process 0, the primary, is the only one with effects outside the job.
+One logical controller (docs/running.md, "Several processes"): every process runs the same job
+over the global mesh; process 0, the primary, is the only one with effects outside the job.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Accelerator facts and on-demand prices used by the command-line tools and the launchers.
 
 Read by the device-memory planner (`cli.plan_device_memory`: HBM per chip), the benchmark
-(`cli.bench`: peak FLOP/s for MFU, prices for `compare`, the chip from JAX's device kind) and the
-cloud launchers (`tpu/vertex.py`: Vertex AI machine types; `tpu/launch.py` names the TPU software
-versions). Imported as `from coevolve_jax.cli import prices`: it is package data, so it works in
-any install, not only an editable one.
+(`coevolve_jax.benchmark`: peak FLOP/s for MFU, prices for `compare`, the chip from JAX's device
+kind) and the cloud launchers (`tpu/vertex.py`: Vertex AI machine types; `tpu/launch.py` names
+the TPU software versions). Imported as `from coevolve_jax import accelerators`: it is package
+data, so it works in any install, not only an editable one.
 
 Prices are on-demand list prices in US dollars per chip-hour (per GPU for GPU machine types: the
 machine's hourly price divided by its GPU count), us-central1, as recorded on `PRICES_AS_OF`

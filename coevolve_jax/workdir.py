@@ -1,0 +1,149 @@
+"""A run's folder: the config it started with, its logs brought back to a checkpoint, and its
+summary.
+
+Every write goes through `metrics.write_atomic` / `append_lines`, which write from the primary
+process only, so several processes of one job write each file once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from coevolve_jax.errors import CorruptFileError
+from coevolve_jax.feedback.pool import TaskPool
+from coevolve_jax.feedback.rounds import RoundJournal
+from coevolve_jax.metrics import PhaseTimer, truncate_jsonl, write_atomic
+from coevolve_jax.run_state import RunState
+
+# The loop's phases, as timed in metrics.jsonl (`timing/*`) and summary.json (`phase_s`).
+PHASES = (
+  "explore",
+  "warmstart",
+  "compile",
+  "rollout",
+  "reward",
+  "train",
+  "feedback",
+  "eval",
+  "checkpoint",
+)
+LOGS = ("feedback.jsonl", "exploration.jsonl")  # the loop's own step-keyed logs
+
+
+def flat_config(d: dict, prefix: str = "") -> dict[str, Any]:
+  """A config's JSON dict as {"dotted.key": value} (nested dicts flattened)."""
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(flat_config(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def check_config(workdir: str, config_json: str, fresh: bool) -> None:
+  """Writes config.json on a fresh start; on resume, warns about every changed field.
+
+  Args:
+    config_json: the run's config as JSON (`ConfigDict.to_json_best_effort()`).
+  """
+  path = os.path.join(workdir, "config.json")
+  now = json.loads(config_json)
+  if fresh or not os.path.exists(path):
+    write_atomic(path, json.dumps(now, indent=1, sort_keys=True))
+    return
+  with open(path, encoding="utf-8") as f:
+    before = flat_config(json.load(f))
+  now = flat_config(now)
+  for key in sorted(k for k in set(now) | set(before) if now.get(k) != before.get(k)):
+    print(
+      f"warning: config {key} changed since this run started: "
+      f"{before.get(key)!r} -> {now.get(key)!r}"
+    )
+
+
+def roll_back(
+  workdir: str, restored: int | None, pool: TaskPool, pool_size: int, journal: RoundJournal
+) -> None:
+  """Brings the workdir back to the restored checkpoint (None: a fresh start).
+
+  Pool tasks accepted after that checkpoint move to pool.jsonl.rolled-back (the resumed run
+  synthesizes them again), so the resumed run continues exactly from the checkpoint; rows of
+  feedback.jsonl and exploration.jsonl after its step are dropped; a fresh start clears the
+  round journal, so no round of an earlier run is reused.
+  """
+  step = -1 if restored is None else restored
+  moved = pool.rollback(pool_size, os.path.join(workdir, "pool.jsonl.rolled-back"))
+  if moved:
+    print(f"task pool: {moved} tasks from after the checkpoint moved to pool.jsonl.rolled-back")
+  if restored is None:
+    journal.clear()
+  for name in LOGS:
+    truncate_jsonl(os.path.join(workdir, name), step)
+
+
+def completed_summary(path: str, steps: int) -> dict[str, Any] | None:
+  """The summary at `path` of a run that already finished its `steps` steps, else None.
+
+  Raises:
+    CorruptFileError: the file is not a JSON object (cut mid-write, edited by hand).
+  """
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path, encoding="utf-8") as f:
+      summary = json.load(f)
+    if not isinstance(summary, dict):
+      raise ValueError(f"a JSON {type(summary).__name__}, not an object")
+  except ValueError as e:
+    raise CorruptFileError(
+      f"{path} is damaged ({e}); move it aside and rerun the same command: the "
+      f"run resumes from its last checkpoint and writes the summary again"
+    ) from e
+  if summary.get("complete") and summary.get("steps") == steps:
+    print(f"run in {os.path.dirname(path)} is complete ({summary['steps']} steps); nothing to do")
+    return summary
+  return None
+
+
+def summary(
+  state: RunState,
+  timer: PhaseTimer,
+  *,
+  eval_after: float,
+  eval_tasks: int,
+  signals: dict[str, int],
+  pool_size: int,
+  resumed_from: int,
+  wall_s: float,
+) -> dict[str, Any]:
+  """summary.json's figures (README "Outputs"), without the evaluations after training."""
+  s = state
+  phase = {k: round(float(timer.totals.get(k, 0.0)), 2) for k in PHASES}
+  generated = s.eval_generated_before
+  return {
+    "complete": True,
+    "steps": s.step,
+    "resumed_from_step": resumed_from,
+    "eval_before": s.eval_before,
+    "eval_after": eval_after,
+    "eval_tasks": eval_tasks,
+    **({"eval_generated_before": generated} if generated is not None else {}),
+    "signals": dict(signals),
+    "tasks_synthesized": s.tasks_synthesized,
+    "tasks_accepted": s.tasks_accepted,
+    "tasks_dropped_as_duplicates": s.tasks_dropped,
+    "d0": s.d0,
+    "validation_pass_rate": s.validation,
+    "pool_size": pool_size,
+    "wall_s": round(wall_s, 1),
+    "phase_s": phase,
+    # Share of wall time the training loop spent on feedback work (selecting, waiting for
+    # the round in flight, committing to the pool); synthesis itself overlaps GRPO steps.
+    "feedback_share": round(phase["feedback"] / wall_s, 4) if wall_s > 0 else 0.0,
+    "feedback_synth_s": round(float(s.feedback_synth_s), 2),
+    "feedback_rounds": s.round,
+    **({"suite_eval": s.suite_eval} if s.suite_eval else {}),
+  }
