@@ -7,12 +7,13 @@ uses a field already checks it in a function of its own (signal kinds and feedba
 `SamplingParams`, the preset in `QwenConfig.preset`), that function is called and its message is
 prefixed with the field; accepted values are read from the owners' constants
 (`grpo.KL_ESTIMATORS`, `grpo.LOSS_AGGS`, `feedback.factory.EXPLORERS`, ...). The suite named by
-`cfg.env` checks its own fields (`envs.validate_config`, with the helpers below). It computes
+`cfg.env` checks its own fields (`suite.validate_config`, with the helpers below). It computes
 nothing on a device, so it is safe to call before `jax.distributed.initialize`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -20,10 +21,11 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from coevolve_jax import grpo
-import envs
+from coevolve_jax import advantages, grpo, suite
 from coevolve_jax.feedback import factory, rounds
+from coevolve_jax.feedback.sampler import make_sampler
 from coevolve_jax.feedback.signals import SignalTracker
+from coevolve_jax.hooks import check_hooks
 from coevolve_jax.models import QwenConfig
 from coevolve_jax.models.qwen import REMAT_POLICIES
 from coevolve_jax.models.builder import MATMUL_PRECISIONS
@@ -32,18 +34,68 @@ from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.types import FINISHES
 
 
+def _moved() -> dict[str, str]:
+  out = {f"rollout.{k}": f"sampling.{k}" for k in ("temperature", "top_p", "top_k")}
+  engine: tuple[str, ...] = (
+    "num_slots",
+    "cache_len",
+    "max_prefill_tokens",
+    "weights_layout",
+    "scan_layers",
+  )
+  engine += ("prefill_rows", "prefill_min_chunk", "prefill_min_kv")
+  out.update({f"rollout.{k}": f"engine.{k}" for k in engine})
+  episode = ("max_new_tokens", "max_model_steps", "reproducible", "decode_steps")
+  out.update({f"rollout.{k}": f"episode.{k}" for k in episode})
+  out["rollout.max_steps_per_turn"] = "bfcl.max_steps_per_turn"
+  data = ("category", "eval_size", "tool_style", "max_obs_chars", "max_obs_tokens")
+  out.update({f"data.{k}": f"bfcl.{k}" for k in (*data, "explore_category")})
+  out["data.max_call_chars"] = "episode.max_call_chars"
+  out.update({f"explore.{k}": f"bfcl.{k}" for k in ("only_classes", "max_classes")})
+  out.update(
+    {f"backends.{k}": f"bfcl.backends.{k}" for k in ("call_wall_s", "worker_memory_mib", "workers")}
+  )
+  return out
+
+
+# Fields that moved when the config was grouped by consumer (2026-12-03): old dotted name -> new.
+MOVED = _moved()
+
+
+def moved_error(field: str) -> str | None:
+  """The one-line error for a field that moved (`MOVED`), or None for any other field."""
+  if field in MOVED:
+    return f"config field {field} is now {MOVED[field]} (fields were regrouped by consumer)"
+  return None
+
+
+def check_moved(cfg: Mapping[str, Any]) -> None:
+  """Raises ValueError naming the new field when `cfg` (a config file written for the old
+  layout) still holds a field that moved (`MOVED`)."""
+  for field in MOVED:
+    group, name = field.split(".", 1)
+    try:
+      present = name in cfg[group]
+    except (KeyError, AttributeError, TypeError):  # no such group (any more)
+      continue
+    if present:
+      raise ValueError(moved_error(field))
+
+
 def validate(cfg: Mapping[str, Any]) -> None:
   """Checks a run config (an ml_collections ConfigDict from configs/*.py, possibly overridden).
 
-  Covers: env; seed; data; model (preset unless a checkpoint is set, dtype, remat); mesh (sizes
-  >= 1 or one -1); explore (explorers, D0 and synthesis sizes); pool (near-duplicate threshold,
-  synth_fraction); signals (through `SignalTracker`); warmstart; rollout (sizes, group_size >= 2,
-  sampling through `SamplingParams` with temperature >= 0 and top_p in (0, 1]); train (steps,
+  Covers: fields that moved (`MOVED`: one error naming the new field); env; seed; model (preset
+  unless a checkpoint is set, dtype, remat); mesh (sizes >= 1 or one -1); explore (explorers, D0
+  and synthesis sizes); pool (near-duplicate threshold, synth_fraction, sampler); signals
+  (through `SignalTracker`); warmstart; rollout (group_size >= 2, tasks_per_step); episode
+  (limits); engine (sizes, weights layout); sampling (through `SamplingParams` with temperature
+  >= 0 and top_p in (0, 1]); train (steps, hooks, advantage estimator,
   optimizer, the GRPO objective of `grpo.GRPOConfig.from_config`, mini-/micro-batches that
   divide the step's tasks_per_step * group_size rollouts as `PolicyTrainer.grpo_epoch` splits
   them, drop_from_loss: finishes of `types.FINISHES` other than "done", replay_routing a bool);
   feedback (kinds and mode through `rounds.check_selection`, max_contexts, every >= 1,
-  0 <= lag < every); eval; checkpoint; and the suite's own fields (`envs.validate_config`). File
+  0 <= lag < every); eval; checkpoint; and the suite's own fields (`suite.validate_config`). File
   system and data (checkpoint folders, BFCL categories, AppWorld servers) are checked where they
   are opened, not here.
 
@@ -52,11 +104,11 @@ def validate(cfg: Mapping[str, Any]) -> None:
   Raises:
     ValueError: the first bad or missing field; the message starts with its dotted name.
   """
+  check_moved(cfg)
   env = get(cfg, "env")
-  if env not in envs.SUITES:
-    fail("env", f"must be one of {tuple(envs.SUITES)}", env)
+  if not isinstance(env, str) or (env not in suite.SUITES and "." not in env):
+    fail("env", f"must be one of {tuple(suite.SUITES)} or a suite module path", env)
   int_at_least(cfg, "seed", 0)  # numpy's default_rng refuses negative seeds
-  _data(cfg)
   _model(cfg)
   _mesh(cfg)
   _explore(cfg)
@@ -64,19 +116,21 @@ def validate(cfg: Mapping[str, Any]) -> None:
   _signals(cfg)
   _warmstart(cfg)
   _rollout(cfg)
+  _episode(cfg)
+  _engine(cfg)
+  _sampling(cfg)
   _train(cfg)
   _feedback(cfg)
   _compile(cfg)
   for field in ("eval.max_new_tokens", "eval.max_steps_per_turn"):
     int_at_least(cfg, field, 1)
   int_at_least(cfg, "eval.max_tasks", 0)
-  int_at_least(cfg, "rollout.decode_steps", 1)
   int_at_least(cfg, "eval.generated_tasks", 0)
   if not isinstance(get(cfg, "eval.pool_after"), bool):
     fail("eval.pool_after", "must be a bool", get(cfg, "eval.pool_after"))
   int_at_least(cfg, "checkpoint.every", 1)
   int_at_least(cfg, "checkpoint.keep", 1)  # RunCheckpointer's rule
-  envs.validate_config(cfg)  # the suite's own fields (BFCL: data.tool_style, backends; appworld)
+  suite.validate_config(cfg)  # the suite's own group (`bfcl`, `appworld`)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,11 +213,12 @@ def _float_dtype(cfg: Mapping[str, Any], field: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _data(cfg: Mapping[str, Any]) -> None:
-  int_at_least(cfg, "data.eval_size", 0)  # its upper bound (the entries) is checked at load
-  int_at_least(cfg, "data.max_obs_chars", 1)
-  int_at_least(cfg, "data.max_obs_tokens", 0)
-  int_at_least(cfg, "data.max_call_chars", 1)
+def _episode(cfg: Mapping[str, Any]) -> None:
+  for field in ("episode.max_new_tokens", "episode.max_model_steps", "episode.max_call_chars"):
+    int_at_least(cfg, field, 1)
+  int_at_least(cfg, "episode.decode_steps", 1)
+  if not isinstance(get(cfg, "episode.reproducible"), bool):
+    fail("episode.reproducible", "must be a bool", get(cfg, "episode.reproducible"))
 
 
 def _model(cfg: Mapping[str, Any]) -> None:
@@ -221,12 +276,12 @@ def _explore(cfg: Mapping[str, Any]) -> None:
     fail("explore.max_calls", f"must be an int >= explore.min_calls = {min_calls}", max_calls)
   for field in ("explore.turns_per_task", "explore.rounds", "explore.steps_per_round"):
     int_at_least(cfg, field, 1)
-  int_at_least(cfg, "explore.max_classes", 0)
   _float_dtype(cfg, "explore.local.dtype")
 
 
 def _pool(cfg: Mapping[str, Any]) -> None:
   number(cfg, "pool.near_dup_threshold", lo=0.0, hi=1.0)  # a MinHash LSH threshold
+  owner("pool.sampler", lambda: make_sampler(get(cfg, "pool.sampler"), cfg))
   synth = get(cfg, "pool.synth_fraction")
   if not _is_num(synth) or not (synth < 0 or 0.0 <= synth <= 1.0):
     fail("pool.synth_fraction", "must be in [0, 1], or negative for proportional", synth)
@@ -236,7 +291,7 @@ def _signals(cfg: Mapping[str, Any]) -> None:
   names = ("window", "rare_theta_percent", "rare_min_total", "pattern", "success_threshold")
   for name in (*names, "forgetting", "rare_min_count", "rare_count"):
     value = get(cfg, f"signals.{name}")
-    owner(f"signals.{name}", lambda name=name, value=value: SignalTracker(**{name: value}))
+    owner(f"signals.{name}", functools.partial(SignalTracker, **{name: value}))
 
 
 def _warmstart(cfg: Mapping[str, Any]) -> None:
@@ -248,25 +303,27 @@ def _warmstart(cfg: Mapping[str, Any]) -> None:
 def _rollout(cfg: Mapping[str, Any]) -> None:
   int_at_least(cfg, "rollout.group_size", 2, " (GRPO's advantages compare rollouts of a group)")
   int_at_least(cfg, "rollout.tasks_per_step", 1)
-  for field in (
-    "rollout.num_slots",  # with cache_len and max_prefill_tokens: the Engine's rule
-    "rollout.cache_len",
-    "rollout.max_prefill_tokens",
-    "rollout.max_new_tokens",
-    "rollout.max_steps_per_turn",
-    "rollout.max_model_steps",
-  ):
+
+
+def _engine(cfg: Mapping[str, Any]) -> None:
+  # with cache_len and max_prefill_tokens: the Engine's rule
+  for field in ("engine.num_slots", "engine.cache_len", "engine.max_prefill_tokens"):
     int_at_least(cfg, field, 1)
-  layout = get(cfg, "rollout.weights_layout")
+  layout = get(cfg, "engine.weights_layout")
   if layout not in ("gathered", "train"):
-    fail("rollout.weights_layout", "must be 'gathered' or 'train'", layout)
-  temperature, top_k, top_p = (get(cfg, f"rollout.{k}") for k in ("temperature", "top_k", "top_p"))
-  owner("rollout.temperature", lambda: SamplingParams(temperature=temperature))
-  owner("rollout.top_k", lambda: SamplingParams(top_k=top_k))
-  owner("rollout.top_p", lambda: SamplingParams(top_p=top_p))
+    fail("engine.weights_layout", "must be 'gathered' or 'train'", layout)
+  if not isinstance(get(cfg, "engine.scan_layers"), bool):
+    fail("engine.scan_layers", "must be a bool", get(cfg, "engine.scan_layers"))
+
+
+def _sampling(cfg: Mapping[str, Any]) -> None:
+  temperature, top_k, top_p = (get(cfg, f"sampling.{k}") for k in ("temperature", "top_k", "top_p"))
+  owner("sampling.temperature", lambda: SamplingParams(temperature=temperature))
+  owner("sampling.top_k", lambda: SamplingParams(top_k=top_k))
+  owner("sampling.top_p", lambda: SamplingParams(top_p=top_p))
   # Stricter than sampling: below 0 is greedy too (write 0), top_p = 0 keeps the top token only.
-  number(cfg, "rollout.temperature", lo=0.0)
-  number(cfg, "rollout.top_p", lo=0.0, hi=1.0, lo_open=True)
+  number(cfg, "sampling.temperature", lo=0.0)
+  number(cfg, "sampling.top_p", lo=0.0, hi=1.0, lo_open=True)
 
 
 def _train(cfg: Mapping[str, Any]) -> None:
@@ -298,12 +355,13 @@ def _train(cfg: Mapping[str, Any]) -> None:
   number(cfg, "train.kl_beta", lo=0.0)
   number(cfg, "train.loss_norm_tokens", lo=0.0, lo_open=True)
   number(cfg, "train.adv_eps", lo=0.0)
-  for field in (
-    "train.scale_by_std",
-    "train.replay_routing",
-    "rollout.reproducible",
-    "rollout.scan_layers",
-  ):
+  hooks = get(cfg, "train.hooks")
+  if not isinstance(hooks, (tuple, list)):
+    fail("train.hooks", "must be a tuple of training hook names", hooks)
+  owner("train.hooks", lambda: check_hooks(tuple(hooks)))
+  estimator = get(cfg, "train.advantage_estimator")
+  owner("train.advantage_estimator", lambda: advantages.get(estimator))
+  for field in ("train.scale_by_std", "train.replay_routing"):
     if not isinstance(get(cfg, field), bool):
       fail(field, "must be a bool", get(cfg, field))
   drop, droppable = get(cfg, "train.drop_from_loss"), tuple(f for f in FINISHES if f != "done")
@@ -327,18 +385,18 @@ def _feedback(cfg: Mapping[str, Any]) -> None:
 
 def _compile(cfg: Mapping[str, Any]) -> None:
   """Shape buckets (the engine's and `make_batch`'s rules) and compile.ahead's needs."""
-  rows = get(cfg, "rollout.prefill_rows")
+  rows = get(cfg, "engine.prefill_rows")
   if rows not in ("fit", "full"):
-    fail("rollout.prefill_rows", "must be 'fit' or 'full'", rows)
-  for field, top in (("rollout.prefill_min_chunk", 512), ("rollout.prefill_min_kv", None)):
+    fail("engine.prefill_rows", "must be 'fit' or 'full'", rows)
+  for field, top in (("engine.prefill_min_chunk", 512), ("engine.prefill_min_kv", None)):
     value = int_at_least(cfg, field, 1)
     if value & (value - 1) or (top is not None and value > top):
       fail(field, "must be a power of two" + (f" <= {top}" if top else ""), value)
   bounds = {
-    "train.len_buckets": get(cfg, "rollout.cache_len"),
+    "train.len_buckets": get(cfg, "engine.cache_len"),
     "train.target_buckets": min(
-      get(cfg, "rollout.cache_len") - 1,
-      get(cfg, "rollout.max_model_steps") * get(cfg, "rollout.max_new_tokens"),
+      get(cfg, "engine.cache_len") - 1,
+      get(cfg, "episode.max_model_steps") * get(cfg, "episode.max_new_tokens"),
     ),
   }
   ahead = get(cfg, "compile.ahead")

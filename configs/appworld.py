@@ -1,8 +1,9 @@
-"""CoEvolve on AppWorld: the BFCL config's groups and defaults with `c.env = "appworld"` and the
-AppWorld fields in `c.appworld` (read by envs/appworld/suite.py, the suite the loop builds for it).
+"""CoEvolve on AppWorld: the shared groups and defaults of configs/base.py with `c.env =
+"appworld"` and the AppWorld fields in `c.appworld` (read by envs/appworld/suite.py, the suite the
+loop builds for it).
 
 Variants:
-  `configs/appworld.py` (full scale): the BFCL full-scale groups (Qwen3-4B shape, G = 8, ...) on
+  `configs/appworld.py` (full scale): the shared full-scale groups (Qwen3-4B shape, G = 8, ...) on
     the official AppWorld data (`appworld.source = "official"`: `appworld download data` under
     `appworld.data_root`, default $APPWORLD_ROOT; evaluation on the 168 tasks of
     `appworld.eval_split` = test_normal; 10 code replies per training episode, 30 per evaluation
@@ -15,7 +16,7 @@ Variants:
     (the official data folder is never written to) and validated by execution plus an LLM
     agent's attempt and the judge. The explorer, abstractor and judge: `explore.explorer`
     (gemini by default).
-  `configs/appworld.py:cpu`: the BFCL CPU preset on generated worlds (`appworld.source =
+  `configs/appworld.py:cpu`: the shared CPU preset on generated worlds (`appworld.source =
     "generated"`: worlds built offline from AppWorld's shipped app models and factories, under
     <workdir>/appworld_root, no download), 10 scenarios x 2 worlds with the last 2 scenarios held
     out as test_normal, 2 code replies per episode, shorter observations and replies, up to 12
@@ -29,7 +30,7 @@ Variants:
     episode, over the limit = failure, observations cut at 4,096 tokens, evaluation on
     test_normal and test_challenge); refuses to start without `model.checkpoint`.
 
-Any other variant name is refused (by configs/bfcl.py). Every field is overridable from the
+Any other variant name is refused. Every field is overridable from the
 command line, e.g. `--config.appworld.source=generated` or `--config.appworld.data_root=DIR`.
 
 AppWorld runs in its own virtual environment (`appworld.venv`, default .venv-appworld, made by
@@ -60,19 +61,26 @@ def _server_urls_from_env() -> tuple[str, ...]:
   return urls or (DEFAULT_SERVER_URL,)
 
 
-def _bfcl_module():
-  """configs/bfcl.py, loaded by path: the groups and defaults both environments share."""
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bfcl.py")
-  spec = importlib.util.spec_from_file_location("coevolve_configs_bfcl", path)
+def _base():
+  """configs/base.py, loaded by path: the groups and defaults every benchmark shares."""
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "base.py")
+  spec = importlib.util.spec_from_file_location("coevolve_configs_base", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
 
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
-  """The BFCL config's groups and defaults, with AppWorld's environment fields."""
-  c = _bfcl_module().get_config(variant)
+  """The shared groups and defaults, with AppWorld's environment fields."""
+  if variant not in ("", "cpu", "paper"):
+    raise ValueError(f"unknown variant {variant!r} (known: cpu, paper)")
+  base = _base()
+  c = base.get_config()
   c.env = "appworld"
+  if variant == "cpu":
+    base.cpu(c)
+  elif variant == "paper":
+    base.paper(c)
 
   c.appworld = ml_collections.ConfigDict()
   # One world per server process: scale with several servers on different loopback ports.
@@ -102,14 +110,11 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.appworld.build.num_people = 3  # people per world (each with a Simple Note account)
   c.appworld.build.num_notes = 5  # the supervisor's notes per world
 
-  c.data.category = ""  # unused for AppWorld (BFCL only); see c.appworld.split / eval_split
-  c.data.explore_category = ""  # BFCL only
-  c.explore.only_classes = ()  # BFCL backends: not used for AppWorld
   # D0 (paper Sec. 3.1): "explore" = exploration of the training worlds (by the LLM explorer of
   # explore.explorer / explore.d0_explorer; on generated worlds the programmatic explorer's
   # template tasks), "official" = the split's human-written tasks as they are (a baseline).
   c.appworld.d0 = "explore"
-  # The explorer, abstractor and judge are the BFCL config's: an LLM at full scale (gemini; the
+  # The explorer, abstractor and judge are the shared config's: an LLM at full scale (gemini; the
   # paper variant the OpenAI-compatible endpoint of Qwen3-Max), programmatic in the CPU preset.
   if variant == "cpu":  # generated worlds; one code reply solves a task (~150 tokens)
     c.appworld.build.num_scenarios = 10
@@ -119,26 +124,26 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     c.appworld.max_obs_chars = 600
     c.feedback.max_contexts = 3  # contexts turned into new worlds per round
     c.explore.initial_tasks = 12
-    c.rollout.num_slots = 8
-    c.rollout.max_new_tokens = 256
-    c.rollout.max_model_steps = 2
+    c.engine.num_slots = 8
+    c.episode.max_new_tokens = 256
+    c.episode.max_model_steps = 2
     c.train.target_buckets = (256, 512)  # two replies of up to 256 tokens (compile.ahead's bound)
     c.eval.max_tasks = 4
     c.eval.max_new_tokens = 256
     c.eval.max_steps_per_turn = 2  # AppWorld: code replies per evaluation episode
-    c.eval.generated_tasks = 0  # the generated held-out set is BFCL's only (so far)
+    # The generated held-out set needs an LLM explorer on AppWorld (the programmatic one's D0
+    # tasks are the worlds themselves): off in this preset.
+    c.eval.generated_tasks = 0
     c.eval.pool_after = False
   if variant != "cpu":
     c.feedback.max_contexts = 8  # each context builds and validates a new world
-    c.data.eval_size = 168  # evaluation tasks from c.appworld.eval_split (test_normal has 168)
-    c.eval.max_tasks = 168
+    c.eval.max_tasks = 168  # evaluation tasks of c.appworld.eval_split (test_normal has 168)
     c.eval.max_steps_per_turn = 30  # AppWorld episodes are single-instruction, up to 30 steps
-  if variant == "paper":  # every knob the paper states (README "The paper's settings")
+  if variant == "paper":  # every knob the paper states (docs/design.md §1.6)
     c.appworld.max_steps = 30  # 30 steps per training episode; over the limit = failure
     c.appworld.fail_over_limit = True
     c.appworld.max_obs_tokens = 4096  # observations cut at 4,096 tokens
     c.appworld.eval_split = "test_normal,test_challenge"  # both of the paper's test splits
-    c.data.eval_size = 585  # 168 + 417 tasks
-    c.eval.max_tasks = 585
+    c.eval.max_tasks = 585  # 168 + 417 tasks
     c.feedback.max_contexts = 0  # every candidate context
   return c
