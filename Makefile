@@ -2,7 +2,7 @@
 #
 #   make setup   create .venv (Python 3.11) and install the package with test extras + bfcl-eval
 #   make test    run the test suite without the tests marked slow (what CI runs, in 2 pytest-xdist
-#                workers: 12-33 minutes on 2 cores, see README). TESTS=tests/test_x.py narrows it; extra pytest
+#                workers: 12-33 minutes on 2 cores, see docs/testing.md). TESTS=tests/test_x.py narrows it; extra pytest
 #                flags: PYTEST_ARGS=...
 #                or the PYTEST_ADDOPTS environment variable; MARKERS= (empty) selects every test,
 #                MARKERS=slow only the slow ones. Builds .venv-appworld first (appworld-setup) so
@@ -12,7 +12,8 @@
 #                each with a smaller version in `make test`. TESTS= narrows it too.
 #   make test-all   both: every test (make test MARKERS=).
 #   make run     small offline CPU training run on BFCL
-#   make lint    ruff check and ruff format --check (CI runs it before the tests)
+#   make lint    ruff check and ruff format --check, then mypy over coevolve_jax/ and envs/ (its
+#                settings: pyproject.toml [tool.mypy]; CI runs it before the tests)
 #   make appworld-setup   .venv-appworld with appworld==0.1.3.post1 and its apps unpacked
 #
 # `setup` is stamped: it reruns only when setup.py or this Makefile change (or the stamp is gone).
@@ -76,6 +77,7 @@ LINT_PATHS := coevolve_jax envs tests configs tpu benchmarks scripts
 lint: setup
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy
 
 format: setup
 	$(VENV)/bin/ruff format $(LINT_PATHS)

@@ -8,8 +8,9 @@ every vendor SDK) and its AST checker still fails to import. Its offline parts o
 set listed under "bfcl-eval offline dependencies" below, so `make setup` installs bfcl-eval itself
 with `--no-deps` after this package (docs/design.md §3).
 
-Extras: `test` (pytest, torch CPU and transformers for parity tests, ruff, google-cloud-aiplatform
-for the Vertex AI job tests), `tpu` (jax[tpu]), `gpu` (jax[cuda12]), `cloud` (Vertex AI launcher).
+Extras: `test` (pytest, torch CPU and transformers for parity tests, ruff, mypy,
+google-cloud-aiplatform for the Vertex AI job tests), `tpu` (jax[tpu]), `gpu` (jax[cuda12]), `cloud`
+(Vertex AI launcher).
 """
 
 import setuptools
@@ -50,6 +51,7 @@ EXTRAS_REQUIRE = {
         "torch==2.13.0",  # CPU wheel is enough: parity references in tests only
         "transformers>=5,<6",
         "ruff",
+        "mypy>=2.4",  # make lint type-checks coevolve_jax/ and envs/ ([tool.mypy])
         # tests build Vertex AI job specs with its types, offline; >=2 wants google-genai<3
         "google-cloud-aiplatform>=1.91",
         "matplotlib",  # bench compare plot

@@ -20,27 +20,15 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from coevolve_jax.models import Qwen, QwenConfig, from_pretrained, save_pretrained  # noqa: E402
+from coevolve_jax.models import Qwen, from_pretrained, save_pretrained  # noqa: E402
 from coevolve_jax.models.sharding import make_mesh, named_sharding, param_sharding  # noqa: E402
 
-DENSE = QwenConfig(
+import kit  # noqa: E402
+
+DENSE = kit.tiny_config(vocab_size=320, intermediate_size=96, rope_theta=1e4)
+MOE = kit.tiny_config(
   vocab_size=320,
-  hidden_size=64,
   intermediate_size=96,
-  num_hidden_layers=2,
-  num_attention_heads=4,
-  num_key_value_heads=2,
-  head_dim=16,
-  rope_theta=1e4,
-)
-MOE = QwenConfig(
-  vocab_size=320,
-  hidden_size=64,
-  intermediate_size=96,
-  num_hidden_layers=2,
-  num_attention_heads=4,
-  num_key_value_heads=2,
-  head_dim=16,
   rope_theta=1e4,
   num_experts=4,
   num_experts_per_tok=2,

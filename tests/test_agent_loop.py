@@ -1,9 +1,10 @@
 """The agent loop end to end on real BFCL entries, with a scripted engine replaying ground truth.
 
-The scripted engine implements the engine's slot interface (`SlotEngine`) and emits, per
-episode, the token ids of the ground-truth replies (one call per reply, then a closing reply per
-user turn). Everything else is real: chat template, token accumulation, tool-call parsing, BFCL
-execution, the official checker. This pins down the loop's semantics independently of any model.
+The scripted engine (tests/kit.py) implements the engine's slot interface (`SlotEngine`) and
+emits, per episode, the token ids of the ground-truth replies (one call per reply, then a closing
+reply per user turn). Everything else is real: chat template, token accumulation, tool-call
+parsing, BFCL execution, the official checker. This pins down the loop's semantics independently
+of any model.
 """
 
 import inspect
@@ -17,48 +18,13 @@ import pytest
 from coevolve_jax.agent import AgentRunner, ChatFormat, EpisodeLimits, QwenChat
 from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.rollout.slots import SlotEngine
+from coevolve_jax.rollout.slots import StepsByGenerate
 from coevolve_jax.warmstart import CLOSING_REPLY, demonstration
 from envs.bfcl import env as bfcl
-from coevolve_jax.types import Action, StepResult, Task
+from coevolve_jax.types import Task
 
-
-class ScriptedEngine:
-  """Decode slots that replay a fixed list of replies (token ids) per episode, in order."""
-
-  def __init__(self, scripts_by_prompt_prefix, num_slots=3, cache_len=100_000):
-    self.scripts = scripts_by_prompt_prefix  # first prompt token ids (tuple) -> list of replies
-    self.num_slots, self.cache_len = num_slots, cache_len
-    self.pos = [0] * num_slots
-    self.queue: list[list[int]] = [[] for _ in range(num_slots)]
-    self.replies: list[list[list[int]]] = [[] for _ in range(num_slots)]
-    self.fed: list[list[int]] = [[] for _ in range(num_slots)]
-
-  def reset_slot(self, slot):
-    self.pos[slot], self.fed[slot], self.queue[slot] = 0, [], []
-
-  def room(self, slot):
-    return self.cache_len - self.pos[slot]
-
-  def prefill_many(self, requests, sampling):
-    return [self._prefill(slot, ids) for slot, ids, _ in requests]
-
-  def _prefill(self, slot, ids):
-    if not self.fed[slot]:
-      self.replies[slot] = [list(r) for r in self.scripts[tuple(ids)]]
-    self.fed[slot] += ids
-    self.pos[slot] += len(ids)
-    self.queue[slot] = self.replies[slot].pop(0)
-    return self.queue[slot].pop(0), -0.5
-
-  def generate(self, active, rng, sampling):
-    toks = np.zeros(self.num_slots, np.int32)
-    for s in np.flatnonzero(active):
-      toks[s] = self.queue[s].pop(0)
-      self.pos[s] += 1
-    return toks, np.full(self.num_slots, -0.5, np.float32)
-
-  def routing(self, slot):
-    return None  # no model, no experts
+import kit
+from kit import FakeChat, IdChat, RunOnEngine, ScriptedEngine, StepEnv
 
 
 def _make_env(task, episode_id):
@@ -238,34 +204,11 @@ def test_limits_on_steps_and_observation_length(entries):
   assert observations.count("[truncated ") == 2  # the third observation is never fed
 
 
-class _FakeChat:
-  """Token ids are the text's characters' codes; every reply is one token plus the stop id."""
-
-  im_end_id = 0
-
-  def prompt_ids(self, messages, tools):
-    return [ord(c) for c in messages[-1]["content"]]
-
-  def continuation_ids(self, messages):
-    return [1, 2]
-
-  def assistant_text(self, content, tool_calls=()):
-    return content
-
-  def parse_tool_calls(self, text, truncated=False):
-    return Action(text=text)
-
-  def encode(self, text):
-    return [ord(c) for c in text]
-
-  def decode(self, ids):
-    return "".join(chr(i) for i in ids)
-
-
 class _ThreadEnv:
   """Episode "slow" blocks in step() until released; "fast" episodes end after one step."""
 
   system_prompt, tools = None, []
+  observations: list[list[str]] = []  # no outputs kept (`Env.observations`)
 
   def __init__(self, task, release, log):
     self.task, self.release, self.log = task, release, log
@@ -300,7 +243,7 @@ def _reply_step(left: dict, active, num_slots: int):
   return toks, np.full(num_slots, -0.1, np.float32)
 
 
-class _CountingEngine:
+class _CountingEngine(StepsByGenerate):
   """Replies "x" then the stop id; "fast" episodes take 6 tokens. Releases the slow env once it
   has decoded 3 steps of another slot while the slow episode was out of the batch."""
 
@@ -348,7 +291,7 @@ def test_env_steps_run_on_host_threads_while_other_slots_decode():
   ]
   runner = AgentRunner(
     engine,
-    _FakeChat(),
+    FakeChat(),
     lambda t, e: _ThreadEnv(t, release, log),
     EpisodeLimits(100, 10),
     env_threads=2,
@@ -372,6 +315,7 @@ class _SleepyEnv:
   """Three steps per episode, each sleeping a duration drawn from `durations` (seconds)."""
 
   system_prompt, tools = None, []
+  observations: list[list[str]] = []  # no outputs kept (`Env.observations`)
 
   def __init__(self, task, durations):
     self.task, self.durations, self.calls, self.left = task, durations, [[]], 3
@@ -388,7 +332,7 @@ class _SleepyEnv:
     pass
 
 
-class _LoggingEngine:
+class _LoggingEngine(StepsByGenerate):
   """Every reply is `len(task id)` tokens ("x", then the stop id 0); logs each device call."""
 
   num_slots, cache_len = 3, 1000
@@ -433,7 +377,7 @@ def test_reproducible_runs_make_the_same_device_calls_whatever_the_step_timings(
     engine = _LoggingEngine()
     runner = AgentRunner(
       engine,
-      _FakeChat(),
+      FakeChat(),
       lambda t, e: _SleepyEnv(t, durations),
       EpisodeLimits(100, 10),
       env_threads=3,
@@ -452,70 +396,13 @@ def test_reproducible_runs_make_the_same_device_calls_whatever_the_step_timings(
     assert any(r != runs[0] for r in runs)
 
 
-class _IdChat:
-  """Token ids are the tiny model's vocabulary itself: a prompt is its user turn's id list, a
-  continuation after an environment step is fixed ids, a reply stops at 0 or the token limit."""
-
-  im_end_id = 0
-
-  def prompt_ids(self, messages, tools):
-    return list(messages[-1]["content"])
-
-  def continuation_ids(self, messages):
-    return [1, 2, 3, 4, 5, 6]
-
-  def assistant_text(self, content, tool_calls=()):
-    return content
-
-  def parse_tool_calls(self, text, truncated=False):
-    return Action(text=text)
-
-  def encode(self, text):
-    return [ord(c) % 64 for c in text]
-
-  def decode(self, ids):
-    return " ".join(map(str, ids))
-
-
-class _StepEnv:
-  """Every reply gets a tool observation; the episode ends after `steps` replies."""
-
-  system_prompt, tools = None, []
-
-  def __init__(self, task, steps=2):
-    self.task, self.steps, self.calls = task, steps, [[]]
-
-  def reset(self):
-    return StepResult(messages=[{"role": "user", "content": self.task.turns[0]}])
-
-  def step(self, action):
-    self.steps -= 1
-    return StepResult(messages=[{"role": "tool", "content": "ok"}], done=self.steps == 0)
-
-  def close(self):
-    pass
-
-
 def _tiny_id_model():
-  """A 2-layer, 64-token-vocabulary Qwen for `_IdChat` episodes (ids are its vocabulary)."""
-  from flax import nnx  # noqa: PLC0415
-
-  from coevolve_jax.models import Qwen, QwenConfig  # noqa: PLC0415
-
-  tiny = QwenConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-  )
-  return Qwen(tiny, rngs=nnx.Rngs(3))
+  """A 2-layer, 64-token-vocabulary Qwen for `IdChat` episodes (ids are its vocabulary)."""
+  return kit.tiny_model(3, vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=8)
 
 
 def _id_tasks(seed: int, lengths) -> list[Task]:
-  """One `_StepEnv` task per length: a user turn of that many random ids in [7, 64)."""
+  """One `StepEnv` task per length: a user turn of that many random ids in [7, 64)."""
   rng = np.random.default_rng(seed)
   return [
     Task(task_id=f"t{i}", env="fake", turns=[rng.integers(7, 64, n).tolist()], ground_truth=[[]])
@@ -562,8 +449,8 @@ def test_tiny_real_engine_episodes_do_not_depend_on_batching():
   def make_runner(num_slots):
     return AgentRunner(
       Engine(model, num_slots, 128),
-      _IdChat(),
-      lambda task, _: _StepEnv(task),
+      IdChat(),
+      lambda task, _: StepEnv(task),
       EpisodeLimits(max_new_tokens=4, max_model_steps=3),
     )
 
@@ -607,8 +494,8 @@ def test_decode_steps_per_call_give_the_single_step_episodes(temperature):
   def run(k):
     runner = AgentRunner(
       Engine(model, 4, 48),
-      _IdChat(),
-      lambda task, _: _StepEnv(task, steps=3),
+      IdChat(),
+      lambda task, _: StepEnv(task, steps=3),
       EpisodeLimits(max_new_tokens=6, max_model_steps=3),
       decode_steps=k,
     )
@@ -617,7 +504,7 @@ def test_decode_steps_per_call_give_the_single_step_episodes(temperature):
   want = run(1)
   assert "context" in {t.finish for t in want}  # the 30-token prompt's episode runs out of cache
   sampled = [[x for x, m in zip(t.token_ids, t.loss_mask) if m] for t in want]
-  assert any(0 in ids for ids in sampled)  # a reply ended by the stop id (_IdChat.im_end_id)
+  assert any(0 in ids for ids in sampled)  # a reply ended by the stop id (IdChat.im_end_id)
   for k in (3, 8):
     for w, g in zip(want, run(k), strict=True):
       assert (g.token_ids, g.loss_mask, g.finish, g.model_steps) == (
@@ -654,13 +541,11 @@ def test_engines_and_chats_implement_the_declared_protocols():
   """Every engine the loop runs on implements `SlotEngine` in full, and every chat format
   `ChatFormat`: members present on instances (runtime_checkable) and methods with the protocol's
   parameters."""
-  from flax import nnx  # noqa: PLC0415
-
-  from coevolve_jax.models import Qwen, QwenConfig  # noqa: PLC0415
   from coevolve_jax.rollout.engine import Engine  # noqa: PLC0415
   from coevolve_jax.testing.replay_engine import ReplayEngine  # noqa: PLC0415
 
-  tiny = QwenConfig(
+  tiny = kit.tiny_model(
+    0,
     vocab_size=64,
     hidden_size=16,
     intermediate_size=32,
@@ -670,9 +555,9 @@ def test_engines_and_chats_implement_the_declared_protocols():
     head_dim=8,
   )
   engines = [
-    Engine(Qwen(tiny, rngs=nnx.Rngs(0)), 2, 32),
+    Engine(tiny, 2, 32),
     ReplayEngine(
-      [], _FakeChat(), _make_env, 2, parse_call=bfcl.parse_call_string, max_steps_per_turn=20
+      [], FakeChat(), _make_env, 2, parse_call=bfcl.parse_call_string, max_steps_per_turn=20
     ),
     ScriptedEngine({}),
     _CountingEngine(threading.Event(), []),
@@ -680,7 +565,7 @@ def test_engines_and_chats_implement_the_declared_protocols():
   for engine in engines:
     assert isinstance(engine, SlotEngine), type(engine).__name__
     assert not _signature_mismatches(type(engine), SlotEngine)
-  for chat in (QwenChat(), _FakeChat()):
+  for chat in (QwenChat(), FakeChat()):
     assert isinstance(chat, ChatFormat), type(chat).__name__
     assert not _signature_mismatches(type(chat), ChatFormat)
   # A single-slot-prefill engine (the interface before prefill_many) is not a SlotEngine.
@@ -697,12 +582,11 @@ def _checkpoint_with_generation_config(folder, eos_token_id=(151645, ENDOFTEXT))
   Qwen3 instruct checkpoint; returns the model `models.build` loads from it."""
   import json  # noqa: PLC0415
 
-  from flax import nnx  # noqa: PLC0415
-
   from coevolve_jax import models  # noqa: PLC0415
-  from coevolve_jax.models import Qwen, QwenConfig, save_pretrained  # noqa: PLC0415
+  from coevolve_jax.models import save_pretrained  # noqa: PLC0415
 
-  tiny = QwenConfig(
+  tiny = kit.tiny_model(
+    0,
     vocab_size=151936,
     hidden_size=16,
     intermediate_size=32,
@@ -711,39 +595,10 @@ def _checkpoint_with_generation_config(folder, eos_token_id=(151645, ENDOFTEXT))
     num_key_value_heads=1,
     head_dim=8,
   )
-  save_pretrained(Qwen(tiny, rngs=nnx.Rngs(0)), folder)
+  save_pretrained(tiny, folder)
   generation = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": list(eos_token_id)}
   (folder / "generation_config.json").write_text(json.dumps(generation))
   return models.build({"preset": "tiny_cpu", "checkpoint": str(folder), "dtype": "float32"}, seed=0)
-
-
-class _RunOnEngine:
-  """One slot; per reply, the scripted ids, then filler ("x") for as long as it is asked: a reply
-  the loop does not stop runs on to the token limit."""
-
-  num_slots = 1
-
-  def __init__(self, replies, filler):
-    self.replies, self.filler, self.queue, self.fed = [list(r) for r in replies], filler, [], []
-
-  def reset_slot(self, slot):
-    pass
-
-  def room(self, slot):
-    return 100_000
-
-  def prefill_many(self, requests, sampling):
-    ((_, ids, _),) = requests
-    self.fed.append(list(ids))
-    self.queue = self.replies.pop(0)
-    return [(self.queue.pop(0), -0.25)]
-
-  def generate(self, active, rng, sampling):
-    tok = self.queue.pop(0) if self.queue else self.filler
-    return np.array([tok], np.int32), np.array([-0.25], np.float32)
-
-  def routing(self, slot):
-    return None  # no model, no experts
 
 
 class _CallThenDoneEnv:
@@ -751,6 +606,7 @@ class _CallThenDoneEnv:
   replies parsed to what was scripted."""
 
   system_prompt, tools = None, []
+  observations: list[list[str]] = []  # no outputs kept (`Env.observations`)
 
   def __init__(self):
     self.calls, self.actions = [[]], []
@@ -780,7 +636,7 @@ def test_every_eos_id_of_the_checkpoint_ends_a_reply(tmp_path):
   chat = QwenChat()
   call = chat.assistant_text("", [{"name": "cd", "arguments": {"folder": "x"}}])
   replies = [chat.encode(call) + [ENDOFTEXT], chat.encode("Done.") + [ENDOFTEXT]]
-  engine = _RunOnEngine(replies, filler=chat.encode("x")[0])
+  engine = RunOnEngine(replies, filler=chat.encode("x")[0])
   env = _CallThenDoneEnv()
   task = Task(task_id="t", env="fake", turns=["Go to x."], ground_truth=[[]])
   runner = AgentRunner(
@@ -807,8 +663,8 @@ def test_every_eos_id_of_the_checkpoint_ends_a_reply(tmp_path):
 
 def test_stop_ids_are_checked():
   with pytest.raises(ValueError, match="stop_ids"):
-    AgentRunner(ScriptedEngine({}), _FakeChat(), _make_env, EpisodeLimits(), stop_ids=[-1])
+    AgentRunner(ScriptedEngine({}), FakeChat(), _make_env, EpisodeLimits(), stop_ids=[-1])
   with pytest.raises(ValueError, match="stop_ids"):
-    AgentRunner(ScriptedEngine({}), _FakeChat(), _make_env, EpisodeLimits(), stop_ids=["151643"])
-  runner = AgentRunner(ScriptedEngine({}), _FakeChat(), _make_env, EpisodeLimits(), stop_ids=[7])
+    AgentRunner(ScriptedEngine({}), FakeChat(), _make_env, EpisodeLimits(), stop_ids=["151643"])
+  runner = AgentRunner(ScriptedEngine({}), FakeChat(), _make_env, EpisodeLimits(), stop_ids=[7])
   assert runner.stop_ids == {0, 7}  # the chat's <|im_end|> always stops a reply

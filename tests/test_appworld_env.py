@@ -68,7 +68,7 @@ def _config(seed=3):
   c.appworld.build.update(
     num_scenarios=7, tasks_per_scenario=1, eval_scenarios=1, num_people=2, num_notes=4
   )
-  c.rollout.num_slots = 1  # pool of 2 servers
+  c.engine.num_slots = 1  # pool of 2 servers
   return c
 
 
@@ -255,11 +255,14 @@ def test_suite_d0_warmstart_demo_api_discovery_and_feedback_round(suite):
   import numpy as np  # noqa: PLC0415
 
   from coevolve_jax.agent import QwenChat  # noqa: PLC0415
-  from envs.appworld.synthesis import FAMILY_APIS, code_reply  # noqa: PLC0415
+  from coevolve_jax.feedback import synthesis  # noqa: PLC0415
+  from envs.appworld.env import code_reply  # noqa: PLC0415
+  from envs.appworld.synthesis import FAMILY_APIS  # noqa: PLC0415
 
   rng = np.random.default_rng(0)
-  d0, counts = suite.initial_tasks(10, rng, None)
-  assert counts == {"candidates": 6, "validated": 6, "rejected": 0}
+  d0, counts = synthesis.initial_tasks(suite.synthesizer(None), suite.train_tasks, 10, rng)
+  # the 6 training worlds, each tried once: their family solutions pass, completing at once fails
+  assert counts == {"attempted": 6, "abstracted": 6, "accepted": 6, "rejected": 0}
   assert all(t.source == "explore" and t.env == "appworld" for t in d0)
   assert {t.task_id for t in d0}.isdisjoint(t.task_id for t in suite.eval_tasks)
   chat = QwenChat(enable_thinking=False)
@@ -274,7 +277,7 @@ def test_suite_d0_warmstart_demo_api_discovery_and_feedback_round(suite):
     types.SimpleNamespace(task=d0[0], signal="boundary"),
     types.SimpleNamespace(task=d0[1], signal="forgetting"),
   ]
-  result = suite.synthesize_round(events, rng, 1, None)
+  result = synthesis.synthesize_round(suite.synthesizer(None), events, rng, 1)
   assert result.synthesized == 2 and len(result.tasks) + len(result.rejected) == 2
   assert len(result.tasks) == 2, result.rejected  # each new world's solution passes, no-op fails
   for task, event in zip(
@@ -293,8 +296,11 @@ def test_suite_d0_warmstart_demo_api_discovery_and_feedback_round(suite):
 
 @needs_appworld
 def test_official_source_loads_splits_and_never_writes_into_the_data(suite, tmp_path):
+  import types  # noqa: PLC0415
+
   import numpy as np  # noqa: PLC0415
 
+  from coevolve_jax.feedback import synthesis  # noqa: PLC0415
   from envs.appworld.suite import AppWorldSuite  # noqa: PLC0415
 
   c = _config()
@@ -306,10 +312,19 @@ def test_official_source_loads_splits_and_never_writes_into_the_data(suite, tmp_
     assert [t.task_id for t in official.train_tasks] == [t.task_id for t in suite.train_tasks]
     assert [t.task_id for t in official.eval_tasks] == [t.task_id for t in suite.eval_tasks]
     assert all(not t.initial_config["solution"] for t in official.eval_tasks)
-    d0, counts = official.initial_tasks(3, np.random.default_rng(0), None)
-    assert len(d0) == 3 and counts == {"candidates": 6, "official": 3}
+    synth = official.synthesizer(None)
+    d0, counts = synthesis.initial_tasks(synth, official.train_tasks, 3, np.random.default_rng(0))
+    assert len(d0) == 3 and counts == {
+      "attempted": 3,
+      "abstracted": 3,
+      "accepted": 3,
+      "rejected": 0,
+    }
+    assert {t.task_id for t in d0} <= {t.task_id for t in official.train_tasks}  # as they are
     before = sorted(os.listdir(os.path.join(suite.root, "data", "tasks")))
-    assert official.synthesize([], np.random.default_rng(0), 1, 4) == ([], [], {})
+    event = types.SimpleNamespace(task=d0[0], signal="boundary")
+    result = synthesis.synthesize_round(synth, [event], np.random.default_rng(0), 1)
+    assert result.tasks == [] and result.synthesized == 0  # nothing is built on official data
     assert sorted(os.listdir(os.path.join(suite.root, "data", "tasks"))) == before
     assert not official.pool.idle and not official.pool.busy  # servers start only on demand
   finally:
@@ -411,12 +426,13 @@ def test_derived_task_is_graded_by_its_reference_changes_and_answer(world):
 def test_llm_d0_and_feedback_round_on_generated_worlds(suite, stub_llm, monkeypatch):
   import numpy as np  # noqa: PLC0415
 
+  from coevolve_jax.feedback import synthesis  # noqa: PLC0415
   from coevolve_jax.feedback.signals import SignalEvent  # noqa: PLC0415
 
   llm, server = stub_llm
   monkeypatch.setitem(suite.explore_args, "max_calls", 6)  # the stub's 3-step task fits
   rng = np.random.default_rng(1)
-  d0, counts = suite.initial_tasks(2, rng, llm)
+  d0, counts = synthesis.initial_tasks(suite.synthesizer(llm), suite.train_tasks, 2, rng)
   assert counts == {"attempted": 2, "abstracted": 2, "accepted": 2, "rejected": 0}, counts
   train_ids = {t.task_id for t in suite.train_tasks}
   for task in d0:
@@ -430,7 +446,7 @@ def test_llm_d0_and_feedback_round_on_generated_worlds(suite, stub_llm, monkeypa
   base = next(t for t in suite.train_tasks if t.task_id == d0[0].provenance["parent"])
   assert not any(base.turns[0] in json.dumps(r["body"]) for r in server.requests)
   event = SignalEvent(d0[0], "boundary", [["simple_note.login"]], 0.0, [["ok"]])
-  result = suite.synthesize_round([event], rng, 1, llm)
+  result = synthesis.synthesize_round(suite.synthesizer(llm), [event], rng, 1)
   assert result.synthesized == 1 and len(result.tasks) == 1, result.rejected
   (task,) = result.tasks
   assert task.source == "synth" and task.provenance["signal"] == "boundary"
@@ -440,6 +456,15 @@ def test_llm_d0_and_feedback_round_on_generated_worlds(suite, stub_llm, monkeypa
   assert result.llm_usage["requests"] >= 5
   assert _run(suite, task, task.initial_config["solution"])[0] == 1.0
   assert _run(suite, task, "apis.supervisor.complete_task()")[0] == 0.0
+  # The generated held-out set is D0's skeleton over the held-out worlds: new tasks derived in
+  # those worlds (their own ids, source "explore_eval"), never the worlds' own tasks.
+  held = {t.task_id for t in suite.eval_tasks}
+  generated = synthesis.generated_eval_tasks(
+    suite.synthesizer(llm), suite.eval_tasks, 1, np.random.default_rng(2)
+  )
+  assert len(generated) == 1 and generated[0].source == "explore_eval"
+  assert generated[0].provenance["parent"] in held and generated[0].task_id not in held
+  assert _run(suite, generated[0], generated[0].initial_config["solution"])[0] == 1.0
 
 
 @needs_appworld

@@ -14,7 +14,9 @@ import pytest
 from flax import nnx
 
 from coevolve_jax.models import qwen
-from coevolve_jax.models.qwen import Qwen, QwenConfig, _attend, _attend_online
+from coevolve_jax.models.qwen import Qwen, _attend, _attend_online
+
+import kit
 
 B, N, K, H = 2, 4, 2, 8  # batch, query heads, KV heads (GQA groups of 2), head size
 
@@ -77,15 +79,8 @@ def test_a_query_that_sees_no_key_gets_zeros_not_nan():
   np.testing.assert_allclose(out[0], _attend(q, keys, values, q_pos, k_pos, valid)[0], atol=1e-6)
 
 
-TINY = QwenConfig(
-  vocab_size=256,
-  hidden_size=32,
-  intermediate_size=64,
-  num_hidden_layers=2,
-  num_attention_heads=4,
-  num_key_value_heads=2,
-  head_dim=8,
-  tie_word_embeddings=True,
+TINY = kit.tiny_config(
+  vocab_size=256, hidden_size=32, intermediate_size=64, head_dim=8, tie_word_embeddings=True
 )
 
 

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from coevolve_jax.cli import bench, prices
+from coevolve_jax import accelerators as prices
+from coevolve_jax import benchmark as bench
 from coevolve_jax import memory_plan as plan_device_memory
 from coevolve_jax.models.qwen import QwenConfig
 
@@ -93,7 +94,7 @@ def test_bench_and_compare_command_line(tmp_path):
       "-m",
       "coevolve_jax.cli.bench",
       "--config=configs/bfcl.py:cpu",
-      "--config.rollout.num_slots=2",
+      "--config.engine.num_slots=2",
       "--prompt_len=16",
       "--gen_len=2",
       "--train_rows=2",

@@ -16,6 +16,8 @@ from flax import nnx
 from coevolve_jax.models import Qwen, QwenConfig
 from coevolve_jax.rollout import Engine
 
+import kit
+
 BENCH = pathlib.Path(__file__).parent.parent / "benchmarks"
 
 
@@ -33,16 +35,8 @@ def _load(name: str):
 def _tiny(**overrides) -> QwenConfig:
   """A 2-layer Qwen3 of width 64 and vocabulary 1,000: q width 32, k and v 16, MLP 96, so every
   product's shape differs from the others'."""
-  kwargs = dict(
-    vocab_size=1000,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-  )
-  return QwenConfig(**{**kwargs, **overrides})
+  shape = dict(vocab_size=1000, intermediate_size=96, head_dim=8)  # the rest: kit.tiny_config's
+  return kit.tiny_config(**{**shape, **overrides})
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import pytest
 
 from coevolve_jax.types import Action, Task, ToolCall
 from envs.bfcl import execution
+from envs.bfcl import backends
 from envs.bfcl.backends import BackendPool, BackendUnavailable, Bounds
 from envs.bfcl.env import load_bfcl_tasks, make_env, parse_call_string
 from envs.bfcl.sandbox import Sandbox
@@ -212,9 +213,9 @@ def test_sandbox_and_checker_are_bounded(pool, math_task):
     initial_config={},
     involved_classes=["MathAPI"],
   )
-  assert execution.score_calls(task, [[["add(a=1, b=2)"]]], pool=pool)[0] == 1.0
+  assert backends.score_calls(task, [[["add(a=1, b=2)"]]], pool=pool)[0] == 1.0
   start = time.monotonic()
-  reward, info = execution.score_calls(task, [[["power(base=10, exponent=10**12)"]]], pool=pool)
+  reward, info = backends.score_calls(task, [[["power(base=10, exponent=10**12)"]]], pool=pool)
   assert time.monotonic() - start < 3 * WALL_S + 2.0
   assert reward == 0.0 and info["checker"]["error_type"] == "checker:stopped"
   assert not pool.instance_names()

@@ -21,11 +21,13 @@ from coevolve_jax import errors, grpo
 from coevolve_jax.checkpoint import RunCheckpointer
 from coevolve_jax.errors import DiskFullError
 from coevolve_jax.metrics import truncate_jsonl
-from coevolve_jax.models import Qwen, QwenConfig
+from coevolve_jax.models import Qwen
 from coevolve_jax.trainer import PolicyTrainer, TrainState, make_batch, make_optimizer
 from coevolve_jax.types import Trajectory
 from disk_full import assert_disk_full, orbax_write_fails
 from host_devices import run_child
+
+import kit
 
 
 def _state(scale):
@@ -384,14 +386,13 @@ def test_a_disk_out_of_inodes_says_so(tmp_path, monkeypatch):
 # Resume of a real trainer.
 # ---------------------------------------------------------------------------------------------
 
-TINY = QwenConfig(
+TINY = kit.tiny_config(
   vocab_size=256,
   hidden_size=32,
   intermediate_size=64,
   num_hidden_layers=1,
   num_attention_heads=2,
   num_key_value_heads=1,
-  head_dim=16,
 )
 
 

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from coevolve_jax.models import Qwen, QwenConfig
 from coevolve_jax.models.qwen import rope
 from coevolve_jax.rollout import Completion, generate
 from coevolve_jax.rollout.engine import MAX_PREFILL_CHUNK, Engine, _chunks, prefill_schedule
@@ -19,6 +18,8 @@ from coevolve_jax.rollout.sampling import (
 )
 from coevolve_jax.trainer import token_logprobs
 
+import kit
+
 CACHE = 64  # every engine below uses this cache length and 3 slots, so compilations are shared
 SLOTS = 3
 GREEDY = SamplingParams(temperature=0.0)
@@ -26,17 +27,8 @@ KEY = jax.random.key(0)
 
 
 @pytest.fixture(scope="module")
-def model():
-  cfg = QwenConfig(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-  )
-  return Qwen(cfg, rngs=nnx.Rngs(0))
+def model(tiny_model):
+  return tiny_model  # the kit's default tiny Qwen (conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -758,16 +750,7 @@ def test_decode_steps_equal_single_steps_bit_for_bit_at_batch_16_hidden_256():
   single-step program (`_generate`) so that its log-probs differ from the K-step loop's in the
   last bit (every row did while K = 1 decoded through it; at the rollout benchmark's shape such
   differences flipped sampled tokens): every K runs the one compiled step of `generate_steps`."""
-  cfg = QwenConfig(
-    vocab_size=4096,
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-  )
-  model = Qwen(cfg, rngs=nnx.Rngs(1))
+  model = kit.tiny_model(1, vocab_size=4096, hidden_size=256, intermediate_size=768, head_dim=64)
   prompts = [[int(x) for x in np.random.default_rng(i).integers(1, 4096, 32)] for i in range(16)]
   sampling = SamplingParams(temperature=0.9)
   want, got = (

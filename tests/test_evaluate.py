@@ -9,13 +9,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from coevolve_jax.cli import evaluate
+from envs.bfcl import evaluate
 from coevolve_jax.agent import QwenChat
 from coevolve_jax.models import Qwen, QwenConfig
 from coevolve_jax.testing.replay_engine import ReplayEngine
 from coevolve_jax.types import Action, ToolCall
 from envs.bfcl import env as bfcl
 from envs.bfcl.suite import BfclSuite, make_episode
+
+import kit
 
 
 _spec = importlib.util.spec_from_file_location(
@@ -55,7 +57,7 @@ def _replay(tasks, chat, cfg, num_slots):
 
 def test_ground_truth_replay_scores_100_percent_on_multi_turn_base(cfg, chat, base_tasks):
   # Every 8th entry (25 of 200, all eight backends) keeps this test at a few seconds; the whole
-  # category scores 100% too: `python -m coevolve_jax.cli.evaluate --config=configs/bfcl.py:cpu
+  # category scores 100% too: `python -m envs.bfcl.evaluate --config=configs/bfcl.py:cpu
   # --policy=ground_truth --categories=multi_turn_base --max_new_tokens=4096` (~40 s).
   tasks = base_tasks[::8]
   assert len({c for t in tasks for c in t.involved_classes}) == 8
@@ -125,7 +127,7 @@ def _save_run_checkpoint(path, model):
 
 
 # Full vocabulary (real token ids), everything else minimal: compiles in seconds.
-TINY = QwenConfig(
+TINY = kit.tiny_config(
   vocab_size=151936,
   hidden_size=16,
   intermediate_size=32,
@@ -149,7 +151,7 @@ def test_cli_model_policy_end_to_end(cfg, tmp_path, monkeypatch):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
   small = bfcl_config.get_config("cpu")
-  small.rollout.num_slots, small.eval.max_new_tokens = 2, 4
+  small.engine.num_slots, small.eval.max_new_tokens = 2, 4
   out = tmp_path / "report.json"
   report = evaluate.run(
     small, str(tmp_path), ["multi_turn_miss_param"], max_tasks=2, policy="model", output=str(out)
@@ -178,7 +180,7 @@ def test_missing_checkpoint_is_a_clear_error(cfg, tmp_path):
 def test_the_runs_evaluation_uses_the_same_episodes_as_the_cli(tmp_path):
   """eval_before / eval_after (the suite's eval envs) and the CLI share `make_episode(eval=True)`:
   BFCL's own loop, with the run's eval.max_steps_per_turn; training episodes keep the training
-  semantics and rollout.max_steps_per_turn."""
+  semantics and bfcl.max_steps_per_turn."""
   c = bfcl_config.get_config("cpu")
   suite = BfclSuite(c, str(tmp_path))
   task = suite.eval_tasks[0]
@@ -186,7 +188,7 @@ def test_the_runs_evaluation_uses_the_same_episodes_as_the_cli(tmp_path):
   try:
     assert evaluation.official_loop and evaluation.max_steps_per_turn == c.eval.max_steps_per_turn
     assert not training.official_loop
-    assert training.max_steps_per_turn == c.rollout.max_steps_per_turn
+    assert training.max_steps_per_turn == c.bfcl.max_steps_per_turn
     evaluation.reset()
     result = evaluation.step(Action(error="invalid JSON"))  # ends the user turn, as in BFCL
     assert result.messages == [{"role": "user", "content": task.turns[1]}]
@@ -220,7 +222,7 @@ def test_cli_stops_replies_at_the_checkpoints_generation_eos_ids(cfg, chat, tmp_
   folder = save_pretrained(Qwen(TINY, rngs=nnx.Rngs(0)), tmp_path / "hf")
   (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
   small = bfcl_config.get_config("cpu")
-  small.rollout.num_slots = 2
+  small.engine.num_slots = 2
   tasks = bfcl.load_bfcl_tasks("multi_turn_base")[:2]
   make = lambda t, e: make_episode(small, t, e, eval=True)  # noqa: E731
   monkeypatch.setattr(

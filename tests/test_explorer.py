@@ -7,8 +7,11 @@ import pytest
 
 from envs.bfcl.abstraction import abstract_task
 from coevolve_jax.feedback.signals import SignalEvent
-from envs.bfcl.synthesis import build_initial_tasks, run_feedback_round
-from envs.bfcl.explorer import ExplorationContext, ProgrammaticExplorer
+from coevolve_jax.feedback.exploration import ExplorationContext
+from coevolve_jax.feedback.rounds import commit_round, select_events
+from coevolve_jax.feedback.synthesis import initial_tasks, synthesize_round
+from envs.bfcl.explorer import ProgrammaticExplorer
+from envs.bfcl.synthesis import BfclSynthesizer, SynthesisSettings
 from coevolve_jax.feedback.pool import TaskPool
 from envs.bfcl.sandbox import Sandbox
 from envs.bfcl.validation import validate_task
@@ -87,10 +90,8 @@ def test_validation_rejects_corrupted_tasks(tasks):
 
 def test_controller_d0_and_round(tasks, tmp_path):
   train, held = split_tasks(tasks, 20, seed=0)
-  counts = {}
-  d0 = build_initial_tasks(
-    train, 3, ProgrammaticExplorer(), np.random.default_rng(0), counts=counts
-  )
+  d0_synth = BfclSynthesizer(SynthesisSettings(rounds=2, steps_per_round=10), None)
+  d0, counts = initial_tasks(d0_synth, train, 3, np.random.default_rng(0))
   assert len(d0) == 3 and counts["accepted"] == 3 and all(t.source == "explore" for t in d0)
   pool = TaskPool(tmp_path / "pool.jsonl")
   assert pool.add(d0, eval_tasks=held).added == 3
@@ -99,17 +100,10 @@ def test_controller_d0_and_round(tasks, tmp_path):
     SignalEvent(d0[1], "boundary", d0[1].ground_truth, 1.0),
     SignalEvent(d0[2], "rare", d0[2].ground_truth, 1.0),
   ]
-  report = run_feedback_round(
-    events,
-    pool,
-    ProgrammaticExplorer(),
-    np.random.default_rng(0),
-    1,
-    held,
-    3,
-    rounds=2,
-    steps_per_round=8,
-  )
+  rng = np.random.default_rng(0)
+  synth = BfclSynthesizer(SynthesisSettings(rounds=2, steps_per_round=8), None)
+  result = synthesize_round(synth, select_events(events, rng, 3), rng, 1)
+  report = commit_round(result, pool, held)
   assert report.synthesized == 3 and report.accepted + len(report.dropped) <= 3
   assert report.accepted >= 1 and len(pool) == 3 + report.accepted
   assert set(report.per_signal) == {"forgetting", "boundary", "rare"}

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from envs.bfcl.explorer import ExplorationContext
+from coevolve_jax.feedback.exploration import ExplorationContext
 from coevolve_jax.feedback.llm import BudgetExhausted, LLMError
 from envs.bfcl.llm_explorer import LLMExplorer
 from coevolve_jax import chat as chat_lib

@@ -19,9 +19,10 @@ from coevolve_jax.feedback.rounds import (
 )
 from coevolve_jax.feedback.signals import SignalEvent
 from coevolve_jax.testing.gemini_stub import GeminiStub, feedback_responder
+from coevolve_jax.feedback import synthesis
 from envs.bfcl import synthesis as controller
 from envs.bfcl.explorer import ProgrammaticExplorer
-from envs.bfcl.synthesis import SynthesisSettings, synthesize_round
+from envs.bfcl.synthesis import BfclSynthesizer, SynthesisSettings
 from coevolve_jax.feedback.llm import GeminiLLM, GeminiSettings
 from envs.bfcl.llm_explorer import LLMExplorer
 from coevolve_jax.feedback.pool import TaskPool
@@ -32,19 +33,17 @@ from envs.bfcl.data import load_bfcl_tasks, split_tasks
 SETTINGS = SynthesisSettings(min_calls=2, max_calls=4, max_turns=1, rounds=2, steps_per_round=6)
 
 
+def synthesize_round(events, explorer, rng, round_idx, settings, llm=None, *, validate=True):
+  """One round of the core's skeleton over BFCL's hooks with this explorer and settings."""
+  synth = BfclSynthesizer(settings, llm, explorer)
+  return synthesis.synthesize_round(synth, events, rng, round_idx, validate=validate)
+
+
 @pytest.fixture(scope="module")
 def data():
   train, held = split_tasks(load_bfcl_tasks("multi_turn_base"), 20, seed=0)
-  d0 = controller.build_initial_tasks(
-    train,
-    3,
-    ProgrammaticExplorer(),
-    np.random.default_rng(0),
-    min_calls=2,
-    max_calls=4,
-    max_turns=1,
-    rounds=2,
-    steps_per_round=6,
+  d0, _ = synthesis.initial_tasks(
+    BfclSynthesizer(SETTINGS, None), train, 3, np.random.default_rng(0)
   )
   assert len(d0) == 3
   return d0, held
@@ -196,54 +195,55 @@ def test_no_validation_switch_accepts_what_validation_rejects(data, monkeypatch)
     ProgrammaticExplorer(),
     np.random.default_rng(3),
     1,
-    dataclasses.replace(SETTINGS, validate=False),
+    SETTINGS,
+    validate=False,
   )
   assert len(loose.tasks) == strict.synthesized > 0
   assert all(t.provenance["validation"] == "skipped" for t in loose.tasks)
 
 
-def test_llm_round_summary_abstraction_judge_and_budget(data, monkeypatch):
+def test_llm_round_summary_abstraction_judge_and_budget(data, monkeypatch, gemini_stub):
   d0, _ = data
   monkeypatch.setenv("GEMINI_API_KEY", "fake-key-for-the-stub")
-  with GeminiStub() as stub:
-    llm = GeminiLLM(GeminiSettings(model="m", base_url=stub.url, attempts=1))
-    events = events_of(d0)[1:3]
-    result = synthesize_round(
-      events,
-      LLMExplorer(llm),
-      np.random.default_rng(0),
-      1,
-      dataclasses.replace(SETTINGS, min_calls=1),
-      llm,
-    )
-    assert result.llm_usage["requests"] == len(stub.requests) > 0
-    systems = [r["body"]["systemInstruction"]["parts"][0]["text"] for r in stub.requests]
-    assert any(s.startswith("You analyse") for s in systems)  # docs/design.md §1.2 context summary
-    # The summary of the boundary event sees each call with the environment's output (Fig. 11).
-    first = next(r for r, s in zip(stub.requests, systems) if s.startswith("You analyse"))
-    shown = json.loads(first["body"]["contents"][0]["parts"][0]["text"])
-    want = [[{"call": c, "observation": f"output of {c}"} for c in t] for t in d0[1].ground_truth]
-    assert shown["signal"] == "boundary" and shown["agent_steps"] == want
-    assert result.tasks  # the stub's explorer calls list_users() etc., which succeed
-    for task in result.tasks:
-      assert task.provenance["explorer"] == "gemini:m"
-      assert task.provenance["abstraction"] == "llm"
-      assert task.provenance["validation"]["checker_reward"] == 1.0
+  stub = gemini_stub
+  llm = GeminiLLM(GeminiSettings(model="m", base_url=stub.url, attempts=1))
+  events = events_of(d0)[1:3]
+  result = synthesize_round(
+    events,
+    LLMExplorer(llm),
+    np.random.default_rng(0),
+    1,
+    dataclasses.replace(SETTINGS, min_calls=1),
+    llm,
+  )
+  assert result.llm_usage["requests"] == len(stub.requests) > 0
+  systems = [r["body"]["systemInstruction"]["parts"][0]["text"] for r in stub.requests]
+  assert any(s.startswith("You analyse") for s in systems)  # docs/design.md §1.2 context summary
+  # The summary of the boundary event sees each call with the environment's output (Fig. 11).
+  first = next(r for r, s in zip(stub.requests, systems) if s.startswith("You analyse"))
+  shown = json.loads(first["body"]["contents"][0]["parts"][0]["text"])
+  want = [[{"call": c, "observation": f"output of {c}"} for c in t] for t in d0[1].ground_truth]
+  assert shown["signal"] == "boundary" and shown["agent_steps"] == want
+  assert result.tasks  # the stub's explorer calls list_users() etc., which succeed
+  for task in result.tasks:
+    assert task.provenance["explorer"] == "gemini:m"
+    assert task.provenance["abstraction"] == "llm"
+    assert task.provenance["validation"]["checker_reward"] == 1.0
 
-    n = len(stub.requests)
-    small = GeminiLLM(
-      GeminiSettings(model="m", base_url=stub.url, attempts=1, tokens_per_round=30)
-    )  # two 15-token requests
-    cut = synthesize_round(
-      events,
-      LLMExplorer(small),
-      np.random.default_rng(0),
-      2,
-      dataclasses.replace(SETTINGS, min_calls=1),
-      small,
-    )
-    assert len(stub.requests) - n == 2 and cut.llm_usage == {"tokens": 30, "requests": 2}
-    assert cut.tasks == []  # the budget ran out inside the first context
+  n = len(stub.requests)
+  small = GeminiLLM(
+    GeminiSettings(model="m", base_url=stub.url, attempts=1, tokens_per_round=30)
+  )  # two 15-token requests
+  cut = synthesize_round(
+    events,
+    LLMExplorer(small),
+    np.random.default_rng(0),
+    2,
+    dataclasses.replace(SETTINGS, min_calls=1),
+    small,
+  )
+  assert len(stub.requests) - n == 2 and cut.llm_usage == {"tokens": 30, "requests": 2}
+  assert cut.tasks == []  # the budget ran out inside the first context
 
 
 def test_round_journal_reuses_a_record_only_for_the_same_contexts(tmp_path):

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from coevolve_jax.testing import gemini_stub
-from coevolve_jax.testing.gemini_stub import GeminiStub, Reply, error_body, ok_body
-from envs.bfcl.explorer import ExplorationContext
+from coevolve_jax.testing.gemini_stub import Reply, error_body, ok_body
+from coevolve_jax.feedback.exploration import ExplorationContext
+from coevolve_jax.feedback.llm_jobs import abstract_with_llm
 from coevolve_jax.feedback.llm import (
   BudgetExhausted,
   GeminiLLM,
@@ -17,12 +18,7 @@ from coevolve_jax.feedback.llm import (
   LLMError,
   parse_json_reply,
 )
-from envs.bfcl.llm_explorer import (
-  LLMExplorer,
-  abstract_with_llm,
-  attempt_and_judge,
-  parse_call_reply,
-)
+from envs.bfcl.llm_explorer import LLMExplorer, attempt_and_judge, parse_call_reply
 from envs.bfcl.sandbox import Sandbox
 from coevolve_jax.types import Task
 from envs.bfcl.data import load_bfcl_tasks
@@ -31,9 +27,8 @@ FAKE_KEY = "AIzaFAKE-test-key-0123456789"
 
 
 @pytest.fixture
-def stub():
-  with GeminiStub() as s:
-    yield s
+def stub(gemini_stub):
+  return gemini_stub  # conftest.py: a running GeminiStub()
 
 
 @pytest.fixture(autouse=True)

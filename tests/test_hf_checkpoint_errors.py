@@ -1,27 +1,23 @@
 """Bad Hugging Face folders raise CheckpointFormatError (or FileNotFoundError) naming the cause."""
 
+import dataclasses
 import json
 
 import pytest
 import safetensors.numpy
 from flax import nnx
 
-from coevolve_jax.models import (
-  CheckpointFormatError,
-  Qwen,
-  QwenConfig,
-  from_pretrained,
-  save_pretrained,
-)
+from coevolve_jax.models import CheckpointFormatError, Qwen, from_pretrained, save_pretrained
 
-CFG = QwenConfig(
+import kit
+
+CFG = kit.tiny_config(
   vocab_size=64,
   hidden_size=32,
   intermediate_size=48,
   num_hidden_layers=1,
   num_attention_heads=2,
   num_key_value_heads=1,
-  head_dim=16,
 )
 
 
@@ -74,9 +70,7 @@ def test_truncated_file(folder):
 
 
 def test_expert_outside_the_config(tmp_path):
-  moe = QwenConfig(
-    **{**CFG.__dict__, "num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 8}
-  )
+  moe = dataclasses.replace(CFG, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=8)
   folder = save_pretrained(Qwen(moe, rngs=nnx.Rngs(0)), tmp_path / "moe")
   path = folder / "model.safetensors"
   tensors = safetensors.numpy.load_file(path)

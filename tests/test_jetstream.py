@@ -10,24 +10,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from coevolve_jax.models import Qwen, QwenConfig
 from coevolve_jax.contrib.jetstream import JETSTREAM_AVAILABLE, JetStreamEngine
 
 CACHE, SLOTS = 64, 3
 
 
 @pytest.fixture(scope="module")
-def model():
-  cfg = QwenConfig(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-  )
-  return Qwen(cfg, rngs=nnx.Rngs(0))
+def model(tiny_model):
+  return tiny_model  # the kit's default tiny Qwen (conftest.py)
 
 
 def _greedy_reference(model, ids, steps):

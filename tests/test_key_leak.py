@@ -20,7 +20,7 @@ def tiny_gemini_config(base_url: str):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   cfg = module.get_config("cpu")
-  cfg.data.eval_size = 2
+  cfg.bfcl.eval_size = 2
   cfg.eval.max_tasks = 1
   cfg.eval.generated_tasks = 0  # two held-out entries: too few states to explore for a set
   cfg.eval.pool_after = False
@@ -39,9 +39,9 @@ def tiny_gemini_config(base_url: str):
   cfg.warmstart.steps = 0
   cfg.rollout.tasks_per_step = 2
   cfg.rollout.group_size = 2
-  cfg.rollout.num_slots = 4
-  cfg.rollout.max_new_tokens = 4
-  cfg.rollout.max_model_steps = 1
+  cfg.engine.num_slots = 4
+  cfg.episode.max_new_tokens = 4
+  cfg.episode.max_model_steps = 1
   cfg.signals.rare_min_total = 1
   cfg.train.steps = 1
   cfg.train.mini_batches = 1

@@ -22,9 +22,11 @@ import numpy as np
 from flax import nnx
 
 from coevolve_jax import grpo
-from coevolve_jax.models import Qwen, QwenConfig
+from coevolve_jax.models import Qwen
 from coevolve_jax.trainer import PolicyTrainer, make_batch, make_optimizer
 from coevolve_jax.types import Trajectory
+
+import kit
 
 BOS, EQ, DIGIT0, VOCAB, MOD = 1, 2, 3, 16, 8  # digit d is token DIGIT0 + d
 LR, MAX_STEPS, TASKS, GROUP = 1e-2, 200, 16, 8  # AdamW lr; prompts per step; samples per prompt
@@ -51,14 +53,13 @@ def _expected_reward(model: Qwen, prompts, answers) -> float:
 
 def test_grpo_learns_max_of_two_digits():
   start = time.perf_counter()
-  cfg = QwenConfig(
+  cfg = kit.tiny_config(
     vocab_size=VOCAB,
     hidden_size=32,
     intermediate_size=64,
     num_hidden_layers=1,
     num_attention_heads=2,
     num_key_value_heads=1,
-    head_dim=16,
   )
   trainer = PolicyTrainer(
     Qwen(cfg, rngs=nnx.Rngs(0)), make_optimizer(LR, 0.0, 1.0), grpo.GRPOConfig(), 1.0

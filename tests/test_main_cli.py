@@ -1,5 +1,5 @@
 """The entry points as a user runs them: `python -m coevolve_jax.main --config=... --workdir=...`
-and the tools `python -m coevolve_jax.cli.NAME`."""
+and the tools `python -m coevolve_jax.cli.NAME` and `python -m envs.bfcl.evaluate`."""
 
 import contextlib
 import logging
@@ -107,19 +107,21 @@ def test_unusable_workdir_fails_fast_with_a_clear_error(tmp_path):
   assert afile.read_text() == "keep me"
 
 
-@pytest.mark.parametrize("tool", ["bench", "plan_device_memory", "evaluate"])
+@pytest.mark.parametrize(
+  "tool", ["coevolve_jax.cli.bench", "coevolve_jax.cli.plan_device_memory", "envs.bfcl.evaluate"]
+)
 def test_command_line_tools_run_as_modules(tool):
-  """Each tool of coevolve_jax/cli/ starts with `python -m coevolve_jax.cli.NAME` and its help
-  shows the command it documents (absl exits with status 1 after printing help)."""
+  """Each tool of coevolve_jax/cli/ (and envs/bfcl/evaluate.py) starts with `python -m MODULE`
+  and its help shows the command it documents (absl exits with status 1 after printing help)."""
   proc = subprocess.run(
-    [sys.executable, "-m", f"coevolve_jax.cli.{tool}", "--helpshort"],
+    [sys.executable, "-m", tool, "--helpshort"],
     cwd=ROOT,
     capture_output=True,
     text=True,
     timeout=120,
   )
   assert proc.returncode == 1, proc.stderr[-2000:]
-  assert f"python -m coevolve_jax.cli.{tool} " in proc.stdout
+  assert f"python -m {tool} " in proc.stdout
 
 
 def test_a_full_disk_stops_the_run_with_one_error_line_and_exit_status_2(tmp_path):

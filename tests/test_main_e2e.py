@@ -15,12 +15,14 @@ import numpy as np
 import pytest
 from disk_full import assert_disk_full, orbax_write_fails
 
+from coevolve_jax import hooks
 from coevolve_jax.errors import CorruptFileError, DiskFullError
+from coevolve_jax.feedback import synthesis
 from coevolve_jax.feedback.rounds import RoundResult
 from coevolve_jax.feedback.signals import KINDS
 from coevolve_jax.loop import CoEvolveRun, RunError
 from coevolve_jax.types import FINISHES, Task, Trajectory
-from envs.bfcl.suite import BfclSuite
+from envs.bfcl.data import load_bfcl_tasks, split_tasks
 
 _CONFIG = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "bfcl.py")
 
@@ -49,7 +51,7 @@ PHASES = {"rollout", "reward", "train", "feedback", "eval", "checkpoint"}
 
 def small_config():
   cfg = _load_config_module().get_config("cpu")
-  cfg.data.eval_size = 4
+  cfg.bfcl.eval_size = 4
   cfg.eval.max_tasks = 2
   cfg.eval.max_new_tokens = 8
   cfg.eval.max_steps_per_turn = 1
@@ -59,9 +61,9 @@ def small_config():
   cfg.warmstart.batch_size = 2
   cfg.rollout.tasks_per_step = 2
   cfg.rollout.group_size = 2
-  cfg.rollout.num_slots = 4
-  cfg.rollout.max_new_tokens = 12
-  cfg.rollout.max_model_steps = 2
+  cfg.engine.num_slots = 4
+  cfg.episode.max_new_tokens = 12
+  cfg.episode.max_model_steps = 2
   cfg.signals.rare_min_total = 1
   cfg.train.steps = 2
   cfg.train.mini_batches = 2
@@ -71,8 +73,8 @@ def small_config():
   # compile.ahead as in the preset, on a set this small: a 2,048-token cache (episodes here are
   # ~1.1k tokens), prefill chunks of 512 only (shorter ones at the end of a cache), one train
   # bucket (T 2,048, P 24 = 2 replies x 12 tokens).
-  cfg.rollout.cache_len = 2048
-  cfg.rollout.prefill_min_chunk = 512
+  cfg.engine.cache_len = 2048
+  cfg.engine.prefill_min_chunk = 512
   cfg.train.len_buckets = (2048,)
   cfg.train.target_buckets = (24,)
   return cfg
@@ -97,22 +99,56 @@ def _from_cache(out: str) -> int:
   return int(line.rsplit("; ", 1)[1].split()[0])
 
 
+class _StepCounter:
+  """A training hook with state of its own: the steps and rollouts it has seen, as a metric."""
+
+  name = "step_counter"
+
+  def __init__(self):
+    self.steps, self.rollouts, self.resumed_at = 0, 0, []
+
+  def on_step(self, record):
+    self.steps += 1
+    self.rollouts += len(record.trajectories)
+    assert record.advantages.shape == (len(record.trajectories),)
+    return {"hooks/steps_seen": self.steps, "hooks/rollouts_seen": self.rollouts}
+
+  def state_dict(self):
+    return {"steps": self.steps, "rollouts": self.rollouts}
+
+  def load_state_dict(self, state):
+    self.steps, self.rollouts = state["steps"], state["rollouts"]
+
+  def on_resume(self, step):
+    self.resumed_at.append(step)
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.usefixtures("restore_compile_cache")
 def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys, monkeypatch):
   workdir = str(tmp_path / "run")
   cache_dir = str(tmp_path / "compile_cache")  # kept by every session of this run
-  cfg = small_config()
+  counters = []  # one hook per session; its state comes back from the checkpoint
+  monkeypatch.setitem(
+    hooks.HOOKS, "step_counter", lambda cfg, wd: counters.append(_StepCounter()) or counters[-1]
+  )
+
+  def config():
+    cfg = small_config()
+    cfg.train.hooks = ("group_log", "step_counter")
+    return cfg
+
+  cfg = config()
   cfg.compile.cache_dir = cache_dir
   cfg.train.steps = 1  # first invocation stops after step 1 (as if killed after its checkpoint)
   first = CoEvolveRun(cfg, workdir).fit()
   assert first["steps"] == 1 and first["resumed_from_step"] == 0
   assert _from_cache(capsys.readouterr().out) == 0 and os.listdir(cache_dir)  # stored, not loaded
-  _shared_start_gives_the_same_run(tmp_path, workdir, cache_dir, monkeypatch)
+  _shared_start_gives_the_same_run(tmp_path, workdir, cache_dir, monkeypatch, config)
 
   # Same run, 2 steps, but the disk is full when step 2's checkpoint is written in the background
   # (after the feedback round joined the pool and the logs): one DiskFullError naming the step.
-  cfg = small_config()
+  cfg = config()
   cfg.compile.cache_dir = cache_dir
   with monkeypatch.context() as m:
     orbax_write_fails(m, "write_text", "meta.orbax-checkpoint-tmp/metadata")
@@ -133,7 +169,7 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
   with open(gen_path, "w") as f:
     f.write(json.dumps(generated[0]) + "\n")
 
-  cfg = small_config()  # space again: resumes from the step-1 checkpoint
+  cfg = config()  # space again: resumes from the step-1 checkpoint
   cfg.compile.cache_dir = cache_dir
   capsys.readouterr()
   summary = CoEvolveRun(cfg, workdir).fit()
@@ -173,6 +209,9 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
     rows = [json.loads(line) for line in f]
   grpo_steps = [r["step"] for r in rows if "reward/mean" in r]
   assert grpo_steps == [1, 2]  # one row per step, also across the resume
+  # The hook's state was checkpointed: the resumed session's hook goes on from step 1's count.
+  seen = [(r["hooks/steps_seen"], r["hooks/rollouts_seen"]) for r in rows if "reward/mean" in r]
+  assert seen == [(1, 4), (2, 8)] and counters[-1].resumed_at == [1]
   # What compiled before GRPO (D0, warm-start, eval before): one step-0 row, from the fresh start.
   assert [r["step"] for r in rows if "compile/count" in r and "reward/mean" not in r] == [0]
   # The round's signal shares are those of the events its steps fired (paper Fig. 4); the
@@ -197,7 +236,7 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
     assert json.load(f) == summary
 
   capsys.readouterr()
-  again = CoEvolveRun(small_config(), workdir).fit()  # rerun after completion: nothing to do
+  again = CoEvolveRun(config(), workdir).fit()  # rerun after completion: nothing to do
   assert again == summary
   assert "complete" in capsys.readouterr().out
 
@@ -206,7 +245,12 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
 def test_an_empty_d0_pool_stops_with_a_clear_error(tmp_path, monkeypatch):
   """Exploration that yields no task (every candidate failed) ends the run before warm-start
   with RunError (exit 2 from main) instead of a bare `max()` of an empty demo list."""
-  monkeypatch.setattr(BfclSuite, "initial_tasks", lambda self, n, rng, llm: ([], {"accepted": 0}))
+  real = synthesis.initial_tasks
+
+  def nothing_for_d0(synth, entries, n, rng, **kw):  # the generated set is made as before
+    return ([], {"accepted": 0}) if "prefix" not in kw else real(synth, entries, n, rng, **kw)
+
+  monkeypatch.setattr(synthesis, "initial_tasks", nothing_for_d0)
   with pytest.raises(RunError, match="task pool empty"):
     CoEvolveRun(small_config(), str(tmp_path / "run")).fit()
 
@@ -217,18 +261,19 @@ def test_the_generated_held_out_set_is_frozen_first_and_kept_out_of_the_pool(tmp
   compares D0 with it: a generated set equal to D0 (ids aside) drops every D0 task, so the run
   stops before warm-start with the empty-pool error."""
   workdir = str(tmp_path / "run")
-  real_d0 = BfclSuite.initial_tasks
+  cfg = small_config()
+  train, _ = split_tasks(load_bfcl_tasks(cfg.bfcl.category), cfg.bfcl.eval_size, cfg.seed)
   made = {}
 
-  def generated_equal_to_d0(self, n, rng, llm):
+  def generated_equal_to_d0(synth, entries, n, rng):
     assert not os.path.exists(os.path.join(workdir, "pool.jsonl"))  # before D0
-    tasks, _ = real_d0(self, 6, np.random.default_rng(0), llm)  # D0's draw: seed 0
+    tasks, _ = synthesis.initial_tasks(synth, train, 6, np.random.default_rng(0))  # D0's draw
     for i, t in enumerate(tasks):
       t.task_id = f"eval-gen-{i:05d}"
     made["tasks"] = tasks
     return tasks
 
-  monkeypatch.setattr(BfclSuite, "generated_eval_tasks", generated_equal_to_d0)
+  monkeypatch.setattr(synthesis, "generated_eval_tasks", generated_equal_to_d0)
   with pytest.raises(RunError, match="task pool empty"):
     CoEvolveRun(small_config(), workdir).fit()
   with open(os.path.join(workdir, "eval_generated.jsonl")) as f:
@@ -236,10 +281,10 @@ def test_the_generated_held_out_set_is_frozen_first_and_kept_out_of_the_pool(tmp
   assert frozen == made["tasks"] and frozen
 
 
-def _unrepeatable_round(self, events, rng, round_idx, llm):
+def _unrepeatable_round(synth, events, rng, round_idx, *, validate=True):
   """A round whose tasks never repeat (like an LLM explorer sampling at temperature > 0): each
   task's query is fresh random words; its ground truth is its context task's."""
-  del self, rng, llm
+  del synth, rng, validate
   tasks = [
     Task(
       task_id=f"syn-r{round_idx}-{k:04d}",
@@ -267,7 +312,7 @@ def test_a_round_committed_before_a_kill_keeps_its_tasks_on_resume(tmp_path, mon
   three steps); the default run covers its parts: resume from a checkpoint end to end (the test
   above), the pool's rollback to the checkpointed prefix (test_pool) and the round journal that
   hands a resumed round its recorded tasks (test_feedback_round)."""
-  monkeypatch.setattr(BfclSuite, "synthesize_round", _unrepeatable_round)
+  monkeypatch.setattr(synthesis, "synthesize_round", _unrepeatable_round)
   workdir = str(tmp_path / "run")
 
   def config():
@@ -348,7 +393,9 @@ def _run_files(workdir: str) -> dict[str, list[dict]]:
   return out
 
 
-def _shared_start_gives_the_same_run(tmp_path, workdir: str, cache_dir: str, monkeypatch) -> None:
+def _shared_start_gives_the_same_run(
+  tmp_path, workdir: str, cache_dir: str, monkeypatch, make_config
+) -> None:
   """scripts/ablations.py's shared start: `bootstrap()` runs step 0 (D0, one warm-start, the
   evaluations before, checkpoint 0) and stops; a copy of that workdir resumed with a variant's
   switch (GRPO only: step 1 runs no feedback round either way) computes what `workdir`'s run did
@@ -366,7 +413,7 @@ def _shared_start_gives_the_same_run(tmp_path, workdir: str, cache_dir: str, mon
     real_warmstart(self)
 
   def config(feedback: bool):
-    cfg = small_config()
+    cfg = make_config()
     cfg.compile.cache_dir = cache_dir
     cfg.train.steps, cfg.feedback.enabled = 1, feedback
     cfg.compile.ahead = False  # only the programs step 1 runs, from the run's cache

@@ -227,14 +227,14 @@ def test_a_run_that_cannot_fit_stops_with_the_planners_table():
   cfg = _cpu_preset_config()
   mesh = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
   cfg.train.micro_batches = 0
-  cfg.rollout.cache_len = 512  # the worst-case sequence: shorter compiles, the same logic
+  cfg.engine.cache_len = 512  # the worst-case sequence: shorter compiles, the same logic
   rows = cfg.rollout.tasks_per_step * cfg.rollout.group_size // cfg.train.mini_batches
   choices = memory_plan.micro_batch_choices(cfg, mesh)
   assert choices == [k for k in range(1, rows + 1) if rows % k == 0]
   assert memory_plan.micro_batch_choices(cfg, {"fsdp": rows}) == [1]
   one = memory_plan.plan_for_run(cfg, mesh, 1, activations="compiled")
   two = memory_plan.plan_for_run(cfg, mesh, 2, activations="compiled")
-  assert one.seq_len == cfg.rollout.cache_len and one.param_dtype == "float32"
+  assert one.seq_len == cfg.engine.cache_len and one.param_dtype == "float32"
   assert one.batch == rows and two.activations < one.activations and two.static == one.static
   assert memory_plan.fit_run(cfg, mesh, None) == (1, None)
   k, plan = memory_plan.fit_run(cfg, mesh, one.total)

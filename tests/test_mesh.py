@@ -18,6 +18,8 @@ from flax import nnx
 
 from host_devices import run_child
 
+import kit
+
 
 def test_every_leaf_is_sharded_by_the_table_after_setup_step_and_restore(tmp_path):
   run_child(__file__, "layout", str(tmp_path))
@@ -30,18 +32,7 @@ def _nbytes_per_device(x: jax.Array) -> int:
 
 
 def _tiny_config():
-  from coevolve_jax.models.qwen import QwenConfig
-
-  return QwenConfig(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    tie_word_embeddings=True,
-  )
+  return kit.tiny_config(tie_word_embeddings=True)
 
 
 def _layout_child(tmp: str) -> None:

@@ -23,6 +23,8 @@ from coevolve_jax.models.qwen import count_params
 from coevolve_jax.models.sharding import LOGICAL_RULES, make_mesh
 from host_devices import run_child
 
+import kit
+
 # Published counts, as printed in each model card ("Number of Parameters" and "... (Non-Embedding)";
 # non-embedding excludes the input embedding and an untied output head).
 PUBLISHED = {
@@ -101,14 +103,13 @@ def test_unknown_preset_is_a_clear_error():
 # models.build
 # ---------------------------------------------------------------------------------------------
 
-TINY = QwenConfig(
+TINY = kit.tiny_config(
   vocab_size=256,
   hidden_size=32,
   intermediate_size=64,
   num_hidden_layers=1,
   num_attention_heads=2,
   num_key_value_heads=1,
-  head_dim=16,
 )
 
 

@@ -18,17 +18,17 @@ import numpy as np
 from flax import nnx
 from host_devices import run_child
 
-from coevolve_jax.models import Qwen, QwenConfig
+from coevolve_jax.models import Qwen
 from coevolve_jax.models import sharding as shd
 from coevolve_jax.models.qwen import KVCache, SparseMoE
 
-CFG = QwenConfig(
+import kit
+
+CFG = kit.tiny_config(
   vocab_size=80,
   hidden_size=32,
   intermediate_size=48,
   num_hidden_layers=1,
-  num_attention_heads=4,
-  num_key_value_heads=2,
   head_dim=8,
   rope_theta=1e4,
   num_experts=12,  # 3 per device on expert=4, not divisible by 8; no other dimension is 12

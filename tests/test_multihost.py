@@ -17,7 +17,7 @@ from coevolve_jax import distributed
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORKER = textwrap.dedent("""
-    import json, sys
+    import json, os, sys
     import numpy as np
     import jax
     import optax
@@ -27,13 +27,14 @@ WORKER = textwrap.dedent("""
     from jax.experimental import multihost_utils
     from coevolve_jax import grpo
     from coevolve_jax.models import sharding
-    from coevolve_jax.models.qwen import Qwen, QwenConfig
+    from coevolve_jax.models.qwen import Qwen
     from coevolve_jax.trainer import PolicyTrainer, make_batch
     from coevolve_jax.types import Trajectory
+    sys.path.insert(0, os.path.join(os.getcwd(), "tests"))  # the test kit (cwd: the repository)
+    import kit
 
     mode, out = sys.argv[1], sys.argv[2]
-    cfg = QwenConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    cfg = kit.tiny_config(vocab_size=256, num_hidden_layers=1)
     rng = np.random.default_rng(0)
     trajs = []
     for i in range(8):
@@ -232,20 +233,10 @@ def test_each_process_loads_only_its_share_of_a_checkpoint(tmp_path):
   Hugging Face folder into global arrays; each reads about half of the checkpoint's bytes (its
   devices' shards plus the small replicated vectors), and the sharded model's logits equal the
   one-device model's."""
-  from flax import nnx  # noqa: PLC0415
+  import kit  # noqa: PLC0415
+  from coevolve_jax.models import from_pretrained, save_pretrained  # noqa: PLC0415
 
-  from coevolve_jax.models import Qwen, QwenConfig, from_pretrained, save_pretrained  # noqa: PLC0415
-
-  cfg = QwenConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-  )
-  folder = save_pretrained(Qwen(cfg, rngs=nnx.Rngs(0)), tmp_path / "ckpt")
+  folder = save_pretrained(kit.tiny_model(0, vocab_size=256), tmp_path / "ckpt")
   stats = {}
   reference = np.asarray(from_pretrained(folder, stats=stats)(np.arange(1, 25).reshape(4, 6)))
   total = stats["bytes_read"]

@@ -22,21 +22,20 @@ from host_devices import run_child
 
 from coevolve_jax import grpo
 from coevolve_jax.agent import AgentRunner, EpisodeLimits
-from coevolve_jax.models import Qwen, QwenConfig
+from coevolve_jax.models import Qwen
 from coevolve_jax.models.qwen import SparseMoE
 from coevolve_jax.rollout.engine import Engine
 from coevolve_jax.rollout.generate import generate
 from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.trainer import PolicyTrainer, grpo_micro_loss, make_batch, token_logprobs
-from coevolve_jax.types import Action, StepResult, Task, Trajectory
+from coevolve_jax.types import Task, Trajectory
 
-MOE = QwenConfig(
+import kit
+
+MOE = kit.tiny_config(
   vocab_size=64,
   hidden_size=32,
   intermediate_size=64,
-  num_hidden_layers=2,
-  num_attention_heads=4,
-  num_key_value_heads=2,
   head_dim=8,
   num_experts=4,
   num_experts_per_tok=2,
@@ -238,51 +237,6 @@ def test_the_trainer_refuses_a_routing_record_that_does_not_fit_the_model():
 # The near-tie end to end: agent loop on the real engine, trainer with and without replay.
 # ---------------------------------------------------------------------------------------------
 
-STOP = 0
-
-
-class _Chat:
-  """Ids are the model's vocabulary itself; replies are cut at the token limit or stop at 0."""
-
-  im_end_id = STOP
-
-  def prompt_ids(self, messages, tools):
-    return list(messages[-1]["content"])
-
-  def continuation_ids(self, messages):
-    return [1, 2, 3, 4, 5, 6]
-
-  def assistant_text(self, content, tool_calls=()):
-    return content
-
-  def parse_tool_calls(self, text, truncated=False):
-    return Action(text=text)
-
-  def encode(self, text):
-    return [ord(c) % MOE.vocab_size for c in text]
-
-  def decode(self, ids):
-    return " ".join(map(str, ids))
-
-
-class _Env:
-  """Three replies per episode: two tool observations are prefilled between them."""
-
-  system_prompt, tools = None, []
-
-  def __init__(self, task):
-    self.task, self.steps, self.calls = task, 0, [[]]
-
-  def reset(self):
-    return StepResult(messages=[{"role": "user", "content": self.task.turns[0]}])
-
-  def step(self, action):
-    self.steps += 1
-    return StepResult(messages=[{"role": "tool", "content": "ok"}], done=self.steps == 3)
-
-  def close(self):
-    pass
-
 
 def _rollouts(model):
   rng = np.random.default_rng(0)
@@ -292,8 +246,8 @@ def _rollouts(model):
   ]
   runner = AgentRunner(
     Engine(model, num_slots=2, cache_len=64),
-    _Chat(),
-    lambda task, _: _Env(task),
+    kit.IdChat(),  # ids are the model's vocabulary; replies are cut at the limit or stop at 0
+    lambda task, _: kit.StepEnv(task, steps=3),  # two tool observations between three replies
     EpisodeLimits(max_new_tokens=8, max_model_steps=3),
     env_threads=1,
   )

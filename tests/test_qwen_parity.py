@@ -16,6 +16,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from coevolve_jax.models import KVCache, QwenConfig, from_pretrained, save_pretrained  # noqa: E402
 
+import kit  # noqa: E402
+
 VOCAB = 320
 
 
@@ -245,11 +247,10 @@ def test_blocks_name_their_scopes_for_profiles():
 
   from coevolve_jax.models import Qwen  # noqa: PLC0415
 
-  cfg = QwenConfig(
+  cfg = kit.tiny_config(
     vocab_size=64,
     hidden_size=16,
     intermediate_size=32,
-    num_hidden_layers=2,
     num_attention_heads=2,
     num_key_value_heads=1,
     head_dim=8,

@@ -23,16 +23,9 @@ from coevolve_jax.models.qwen import REMAT_POLICIES, unstack, unstack_state
 from coevolve_jax.trainer import token_logprobs
 from host_devices import run_child
 
-TINY = QwenConfig(
-  vocab_size=512,
-  hidden_size=64,
-  intermediate_size=192,
-  num_hidden_layers=2,
-  num_attention_heads=4,
-  num_key_value_heads=2,
-  head_dim=16,
-  tie_word_embeddings=True,
-)
+import kit
+
+TINY = kit.tiny_config(intermediate_size=192, tie_word_embeddings=True)
 # Qwen3-MoE with dense layer 2 among sparse ones: blocks (0, 2) (2, 1) (3, 1).
 MIXED = dataclasses.replace(
   TINY,

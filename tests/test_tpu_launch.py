@@ -107,7 +107,7 @@ def test_tpu_up_dry_run_prints_every_step_in_order():
   ],
 )
 def test_tpu_vm_hosts_from_the_accelerator_type(accelerator_type, hosts):
-  from coevolve_jax.cli import workers  # noqa: PLC0415
+  from coevolve_jax import launching as workers  # noqa: PLC0415
 
   assert workers.tpu_vm_hosts(accelerator_type) == hosts
 

@@ -25,19 +25,12 @@ from coevolve_jax.trainer import (
 from coevolve_jax.types import Trajectory
 from host_devices import run_child
 
+import kit
+
 
 @pytest.fixture(scope="module")
-def base_model():
-  cfg = QwenConfig(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-  )
-  return Qwen(cfg, rngs=nnx.Rngs(0))
+def base_model(tiny_model):
+  return tiny_model  # the kit's default tiny Qwen (conftest.py)
 
 
 def _fresh(model):
@@ -277,16 +270,14 @@ def _mixed_batch(n=8, seed=11):
 
 @pytest.fixture(scope="module")
 def one_layer_model():
-  cfg = QwenConfig(
-    vocab_size=512,
+  return kit.tiny_model(
+    1,
     hidden_size=32,
     intermediate_size=64,
     num_hidden_layers=1,
     num_attention_heads=2,
     num_key_value_heads=1,
-    head_dim=16,
   )
-  return Qwen(cfg, rngs=nnx.Rngs(1))
 
 
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -571,16 +562,7 @@ def _sharded_child():
   assert jax.device_count() == 8, jax.devices()
   from coevolve_jax.models.sharding import make_mesh
 
-  cfg = QwenConfig(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=1,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-  )
-  model = Qwen(cfg, rngs=nnx.Rngs(0))
+  model = kit.tiny_model(0, num_hidden_layers=1)
   mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   gcfg = grpo.GRPOConfig(kl_beta=0.1)
   P = jax.sharding.PartitionSpec  # noqa: N806
