@@ -29,6 +29,7 @@ from coevolve_jax.hooks import check_hooks
 from coevolve_jax.models import QwenConfig
 from coevolve_jax.models.qwen import REMAT_POLICIES
 from coevolve_jax.models.builder import MATMUL_PRECISIONS
+from coevolve_jax.models.hf import CheckpointFormatError, read_config
 from coevolve_jax.models.sharding import MESH_AXES
 from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.types import FINISHES
@@ -90,14 +91,15 @@ def validate(cfg: Mapping[str, Any]) -> None:
   and synthesis sizes); pool (near-duplicate threshold, synth_fraction, sampler); signals
   (through `SignalTracker`); warmstart; rollout (group_size >= 2, tasks_per_step); episode
   (limits); engine (sizes, weights layout); sampling (through `SamplingParams` with temperature
-  >= 0 and top_p in (0, 1]); train (steps, hooks, advantage estimator,
-  optimizer, the GRPO objective of `grpo.GRPOConfig.from_config`, mini-/micro-batches that
-  divide the step's tasks_per_step * group_size rollouts as `PolicyTrainer.grpo_epoch` splits
-  them, drop_from_loss: finishes of `types.FINISHES` other than "done", replay_routing a bool);
+  >= 0, top_p in (0, 1] and top_k at most the model's vocabulary); train (steps, hooks,
+  advantage estimator, optimizer, the GRPO objective of `grpo.GRPOConfig.from_config`,
+  mini-/micro-batches that divide the step's tasks_per_step * group_size rollouts as
+  `PolicyTrainer.grpo_epoch` splits them, drop_from_loss: finishes of `types.FINISHES` other
+  than "done", replay_routing a bool);
   feedback (kinds and mode through `rounds.check_selection`, max_contexts, every >= 1,
   0 <= lag < every); eval; checkpoint; and the suite's own fields (`suite.validate_config`). File
   system and data (checkpoint folders, BFCL categories, AppWorld servers) are checked where they
-  are opened, not here.
+  are opened, not here; only a checkpoint's config.json is read, for its vocabulary size.
 
   Args:
     cfg: the whole run config.
@@ -324,6 +326,21 @@ def _sampling(cfg: Mapping[str, Any]) -> None:
   # Stricter than sampling: below 0 is greedy too (write 0), top_p = 0 keeps the top token only.
   number(cfg, "sampling.temperature", lo=0.0)
   number(cfg, "sampling.top_p", lo=0.0, hi=1.0, lo_open=True)
+  vocab = _vocab_size(cfg)
+  if vocab is not None and top_k > vocab:  # jax.lax.top_k would fail at the first rollout
+    fail("sampling.top_k", f"must be at most the model's vocabulary ({vocab} ids; 0 = off)", top_k)
+
+
+def _vocab_size(cfg: Mapping[str, Any]) -> int | None:
+  """The vocabulary of the configured model: the preset's, or the checkpoint's config.json
+  (None when that file is missing or unreadable: the model's loading reports it)."""
+  checkpoint = get(cfg, "model.checkpoint")
+  if not checkpoint:
+    return QwenConfig.preset(get(cfg, "model.preset")).vocab_size
+  try:
+    return read_config(checkpoint).vocab_size
+  except (OSError, CheckpointFormatError):
+    return None
 
 
 def _train(cfg: Mapping[str, Any]) -> None:

@@ -1,7 +1,9 @@
 """coevolve_jax.config.validate: the shipped configs and their variants pass; each bad field is a
 ValueError whose message starts with the field's dotted name."""
 
+import dataclasses
 import importlib.util
+import json
 import math
 import os
 import re
@@ -355,3 +357,26 @@ def test_each_benchmark_config_holds_only_its_own_group():
   assert set(bfcl) - {"bfcl"} == set(appworld) - {"appworld"}
   assert {"data", "backends"}.isdisjoint(set(bfcl) | set(appworld))
   assert set(bfcl.rollout) == {"group_size", "tasks_per_step"}
+
+
+def test_top_k_above_the_models_vocabulary_is_refused_at_start_up(tmp_path):
+  """`sampling.top_k` beyond the vocabulary used to pass and crash the first rollout (in
+  `jax.lax.top_k`, 252 s in, after the first checkpoint); it is now a start-up error that names
+  the vocabulary: the preset's, or the checkpoint's config.json."""
+  from coevolve_jax.models import QwenConfig
+  from coevolve_jax.models.hf import hf_config
+
+  cfg = _get_config("bfcl.py", "cpu")
+  vocab = QwenConfig.preset(cfg.model.preset).vocab_size
+  cfg.sampling.top_k = vocab  # every id: allowed (the same as off)
+  validate(cfg)
+  cfg.sampling.top_k = 200_000
+  assert f"vocabulary ({vocab} ids" in _raises_naming(cfg, "sampling.top_k")
+
+  small = dataclasses.replace(QwenConfig.preset(cfg.model.preset), vocab_size=1000)
+  (tmp_path / "config.json").write_text(json.dumps(hf_config(small)))
+  cfg.model.checkpoint = str(tmp_path)
+  cfg.sampling.top_k = 1001
+  assert "vocabulary (1000 ids" in _raises_naming(cfg, "sampling.top_k")
+  cfg.model.checkpoint = str(tmp_path / "missing")  # unreadable: the model's loading reports it
+  validate(cfg)
