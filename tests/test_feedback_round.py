@@ -23,6 +23,7 @@ from coevolve_jax.feedback import synthesis
 from envs.bfcl import synthesis as controller
 from envs.bfcl.explorer import ProgrammaticExplorer
 from envs.bfcl.synthesis import BfclSynthesizer, SynthesisSettings
+from coevolve_jax.feedback import llm as llm_lib
 from coevolve_jax.feedback.llm import GeminiLLM, GeminiSettings
 from envs.bfcl.llm_explorer import LLMExplorer
 from coevolve_jax.feedback.pool import TaskPool
@@ -137,6 +138,53 @@ def test_one_context_yields_every_task_its_exploration_supports(data, monkeypatc
   full, part = result.tasks
   assert len(full.ground_truth[0]) > 1 and part.ground_truth == [full.ground_truth[0][:1]]
   assert part.turns == ["Only the first call."]
+
+
+def test_lone_surrogates_in_gemini_text_never_reach_the_pool_or_the_logs(
+  data, monkeypatch, tmp_path, caplog
+):
+  """A lone surrogate in the explorer LLM's text, as a JSON escape ("\\ud83d" without its pair)
+  and as a raw code point of the response body, used to crash the round's commit with
+  UnicodeEncodeError; now each is replaced with U+FFFD and counted in a warning."""
+  d0, held = data
+  monkeypatch.setenv("GEMINI_API_KEY", "fake-key-for-the-stub")
+
+  def surrogates(system, prompt):
+    reply = feedback_responder(system, prompt)
+    if system.startswith("You turn"):
+      tasks = json.loads(reply)["tasks"]
+      for task in tasks:
+        task["turns"][0]["query"] += " \ud83d"  # a raw code point of the response body
+        task["description"] = task.get("description", "") + " ESCAPE"
+      text = json.dumps({"tasks": tasks}, ensure_ascii=False)
+      return text.replace("ESCAPE", "\\udc00")  # a JSON escape of a lone surrogate
+    return reply
+
+  before = llm_lib.sanitized_count()
+  with GeminiStub(surrogates) as stub, caplog.at_level("WARNING"):
+    llm = GeminiLLM(GeminiSettings(model="m", base_url=stub.url, attempts=1))
+    result = synthesize_round(
+      events_of(d0)[1:2],
+      LLMExplorer(llm),
+      np.random.default_rng(0),
+      1,
+      dataclasses.replace(SETTINGS, min_calls=1),
+      llm,
+    )
+  assert result.tasks
+  assert all(t.turns[0].endswith(" \ufffd") for t in result.tasks)
+  pool = TaskPool(tmp_path / "pool.jsonl")
+  report = commit_round(result, pool, held)  # UnicodeEncodeError here before
+  assert report.accepted == len(result.tasks)
+  journal = RoundJournal(str(tmp_path / "rounds"))
+  journal.save(result, "digest")  # written as UTF-8 text: UnicodeEncodeError here before
+  assert journal.load(1, "digest").tasks[0].turns == result.tasks[0].turns
+  with open(tmp_path / "pool.jsonl", encoding="utf-8") as f:
+    assert [Task.from_json(line).turns for line in f] == [t.turns for t in result.tasks]
+  assert llm_lib.sanitized_count() >= before + 2 * len(result.tasks)
+  warned = [r.getMessage() for r in caplog.records if "lone surrogate(s)" in r.getMessage()]
+  assert any(w.startswith("Gemini text") for w in warned), warned  # the response body's
+  assert any(w.startswith("explorer LLM text") for w in warned), warned  # the parsed JSON's
 
 
 def test_synthesis_in_a_thread_matches_the_main_thread_and_spares_the_pool(data, tmp_path):

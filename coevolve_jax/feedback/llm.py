@@ -49,6 +49,43 @@ class EndpointUnreachable(RoundStopped):
 
 UNREACHABLE_AFTER = 3  # consecutive unreachable requests that stop a round (TokenBudget)
 
+# A code point U+D800-U+DFFF left alone in a str (a JSON escape such as "\ud83d" without its
+# pair decodes to one): it has no UTF-8 encoding, so writing it to a log or the pool would raise
+# UnicodeEncodeError. Pairs are combined by the JSON decoder, so any left here is lone.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+_sanitized = [0]  # lone surrogates replaced in this process (`sanitized_count`)
+_sanitized_lock = threading.Lock()
+
+
+def sanitize_text(text: str, source: str = "explorer LLM") -> str:
+  """`text` with every lone surrogate replaced by U+FFFD, so it can reach a file or the pool;
+  logs one warning per text that had any, with this text's and the process's counts."""
+  clean, n = _LONE_SURROGATE.subn("\ufffd", text)
+  if n:
+    with _sanitized_lock:
+      _sanitized[0] += n
+      total = _sanitized[0]
+    log.warning(
+      "%s text: %d lone surrogate(s) replaced with U+FFFD (%d in this run)", source, n, total
+    )
+  return clean
+
+
+def sanitize_value(value: Any, source: str = "explorer LLM") -> Any:
+  """`sanitize_text` on every string (keys too) of a parsed JSON value."""
+  if isinstance(value, str):
+    return sanitize_text(value, source)
+  if isinstance(value, dict):
+    return {sanitize_value(k, source): sanitize_value(v, source) for k, v in value.items()}
+  if isinstance(value, list):
+    return [sanitize_value(v, source) for v in value]
+  return value
+
+
+def sanitized_count() -> int:
+  """Lone surrogates replaced in LLM text so far in this process."""
+  return _sanitized[0]
+
 
 class TokenBudget:
   """Tokens (prompt + output, as the API reports them) allowed per feedback round; thread-safe.
@@ -265,7 +302,7 @@ class GeminiLLM:
     self.budget.charge(tokens)
     if not text:
       raise LLMError("empty Gemini response (no candidate text)")
-    return text
+    return sanitize_text(text, "Gemini")
 
 
 def parse_json_reply(text: str, *, unique_keys: bool = False) -> Any:
@@ -276,6 +313,9 @@ def parse_json_reply(text: str, *, unique_keys: bool = False) -> Any:
     unique_keys: refuse a JSON object that repeats a key (plain `json` keeps the last value);
       set for replies whose values are run, such as tool calls.
 
+  Returns:
+    The value, every string in it passed through `sanitize_text` (a "\\ud83d" escape without
+    its pair would otherwise put a lone surrogate into the logs and the pool).
   Raises:
     LLMError: no parseable JSON value, or (with `unique_keys`) a repeated key.
   """
@@ -290,7 +330,7 @@ def parse_json_reply(text: str, *, unique_keys: bool = False) -> Any:
   body = (fenced.group(1) if fenced else text).strip()
   try:
     try:
-      return decoder.decode(body)
+      return sanitize_value(decoder.decode(body))
     except duplicate:
       raise
     except ValueError:
@@ -298,7 +338,7 @@ def parse_json_reply(text: str, *, unique_keys: bool = False) -> Any:
     start = min((i for i in (body.find("{"), body.find("[")) if i >= 0), default=-1)
     if start >= 0:
       try:
-        return decoder.raw_decode(body[start:])[0]
+        return sanitize_value(decoder.raw_decode(body[start:])[0])
       except duplicate:
         raise
       except ValueError:

@@ -19,7 +19,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from coevolve_jax.feedback.llm import LLMError, TokenBudget
+from coevolve_jax.feedback.llm import LLMError, TokenBudget, sanitize_text
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class OpenAILLM:
     self.budget.charge(tokens)
     if not isinstance(text, str) or not text:
       raise LLMError(f"{self.name}: empty response (no message content)")
-    return text
+    return sanitize_text(text, self.name)
 
 
 if TYPE_CHECKING:  # mypy checks OpenAILLM against the TextLLM protocol
