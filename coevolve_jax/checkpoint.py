@@ -9,7 +9,9 @@ Orbax commits a step atomically (a temporary folder renamed when complete), so a
 mid-save resumes from the previous complete step. A committed step that cannot be read (a bad
 disk, a truncated file, edited metadata) is moved aside to `<step>.damaged-<n>` beside the others
 (kept, never deleted) with a one-line warning, and the previous step is restored; the run then
-writes that step again.
+writes that step again. A step whose stored arrays have other shapes or paths than the run's
+(a checkpoint of another model size) is not damaged: restoring stops with
+CheckpointMismatchError, naming the differing arrays, and moves nothing.
 
 A save that fails for a full disk (now, or in the background) raises DiskFullError naming the
 step's folder and the space left, from `save` or `wait`; the previous checkpoints are untouched
@@ -33,9 +35,62 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from coevolve_jax import errors
 from coevolve_jax.trainer import TrainState
+
+_STATE_ITEMS = ("params", "opt_state", "ref_params")
+
+
+class CheckpointMismatchError(RuntimeError):
+  """A readable checkpoint that was written for another model or optimizer: its arrays'
+  paths or shapes differ from the run's (a changed `model.*` field, not damage). Nothing is
+  moved or deleted.
+
+  Attributes:
+    step: the checkpoint's step. differences: one line per differing array ("params/x/value:
+      (64, 32) saved, (64, 16) configured"), at most the first few. saved_config: the config
+      the checkpoint was saved with (its meta's "config"), or None when it has none.
+  """
+
+  def __init__(self, step: int, directory: str, differences: list[str], total: int, saved_config):
+    self.step, self.differences, self.saved_config = step, differences, saved_config
+    shown = "; ".join(differences)
+    super().__init__(
+      f"checkpoint step {step} in {directory} was saved for another model: {total} arrays "
+      f"differ from the configured model's ({shown}). The checkpoints are intact and were "
+      f"not moved"
+    )
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+  """{"a/b/c": shape} of a pytree of arrays or of orbax's array metadata (nested dicts and
+  lists of objects with `.shape`; None entries are empty states and have no arrays)."""
+  out: dict[str, tuple[int, ...]] = {}
+
+  def key_name(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        return str(getattr(k, attr))
+    return str(k)
+
+  def walk(node: Any, path: tuple[str, ...]) -> None:
+    if isinstance(node, dict):
+      for k, v in node.items():
+        walk(v, (*path, str(k)))
+    elif isinstance(node, (list, tuple)):
+      for i, v in enumerate(node):
+        walk(v, (*path, str(i)))
+    elif node is not None:
+      out["/".join(path)] = tuple(node.shape)
+
+  if isinstance(tree, (dict, list)):
+    walk(tree, ())
+  else:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      out["/".join(key_name(k) for k in path)] = tuple(leaf.shape)
+  return out
 
 
 class RunCheckpointer:
@@ -127,6 +182,8 @@ class RunCheckpointer:
     Returns:
       (step, TrainState, meta), or None when there is no checkpoint.
     Raises:
+      CheckpointMismatchError: a step that does not restore was saved for another model (its
+        arrays' shapes or paths differ from `like`'s); nothing is moved.
       RuntimeError: checkpoints exist but none can be read (nothing is moved then).
     """
     steps = sorted(self._mgr.all_steps(), reverse=True)
@@ -135,6 +192,7 @@ class RunCheckpointer:
       try:
         state, meta = self.restore(step, like)
       except Exception as e:  # orbax raises many types for a damaged checkpoint
+        self._check_matches(step, like)  # another model's checkpoint is not damaged
         unreadable.append((step, e))
         continue
       for bad, error in unreadable:
@@ -150,6 +208,35 @@ class RunCheckpointer:
         "delete the checkpoints folder to start over"
       )
     return None
+
+  def _check_matches(self, step: int, like: TrainState) -> None:
+    """Raises CheckpointMismatchError when `step`'s stored array metadata is readable and its
+    paths or shapes differ from `like`'s; returns when they agree or the metadata is unreadable
+    (then the step is damaged, not another model's)."""
+    try:  # each item's own array metadata (a reopened manager knows no item handler to read it)
+      reader = ocp.StandardCheckpointHandler()
+      folder = epath.Path(self._step_folder(step))
+      saved = {item: _shapes(reader.metadata(folder / item).tree) for item in _STATE_ITEMS}
+    except Exception:  # damaged metadata: the caller treats the step as unreadable
+      return
+    lines = []
+    for item in _STATE_ITEMS:
+      want = _shapes(getattr(like, item))
+      for path in sorted(set(saved[item]) | set(want)):
+        got, need = saved[item].get(path), want.get(path)
+        if got != need:
+          lines.append(
+            f"{item}/{path}: {'absent' if got is None else got} saved, "
+            f"{'absent' if need is None else need} configured"
+          )
+    if not lines:
+      return
+    try:
+      meta = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+      saved_config = meta.get("config") if isinstance(meta, dict) else None
+    except Exception:  # the meta is only advice here
+      saved_config = None
+    raise CheckpointMismatchError(step, self.directory, lines[:3], len(lines), saved_config)
 
   def _set_aside(self, step: int, error: Exception, restored: int) -> None:
     """Renames the unreadable `step` to `<step>.damaged-<n>` (primary host; the others wait)."""

@@ -34,6 +34,7 @@ import tqdm
 
 from coevolve_jax import advantages, components, config, distributed, errors, warmstart
 from coevolve_jax import workdir as workdir_files
+from coevolve_jax.checkpoint import CheckpointMismatchError
 from coevolve_jax.errors import CorruptFileError, RunError
 from coevolve_jax.evaluation import Evaluator, Rollouts
 from coevolve_jax.feedback import synthesis
@@ -367,6 +368,12 @@ class CoEvolveRun:
     self.trainer.freeze_reference()  # gives ref_params its structure
     try:
       restored = self.ckpt.restore_latest(self.trainer.state)
+    except CheckpointMismatchError as e:  # another model's checkpoint: advice, not deletion
+      changes = workdir_files.model_changes(e.saved_config, self.cfg.to_json_best_effort())
+      raise RunError(
+        f"{e} ({changes}). Resume with the model it was saved with, or start this config in "
+        "another --workdir"
+      ) from e
     except RuntimeError as e:  # no readable checkpoint at all
       raise RunError(str(e)) from e
     if restored is None:

@@ -76,24 +76,37 @@ def write_atomic(path: str, text: str, *, sync: bool = False) -> None:
 
 
 def truncate_jsonl(path: str, max_step: int) -> int:
-  """Drops the rows of a JSON-lines log whose "step" is above `max_step` (rows that a resumed run
-  writes again) and any torn line; replaces the file atomically. Returns the rows dropped.
+  """Brings a JSON-lines log back to step `max_step` for a resume: drops the rows whose "step"
+  is above it (rows that the resumed run writes again), and sets aside every torn line (a write
+  cut by a kill: not JSON, not a JSON object, or cut inside a UTF-8 character) to `<path>.torn`,
+  appended, never deleted, with one warning line that counts them. The log is replaced
+  atomically; only the primary process writes (the others only read).
 
+  Returns:
+    The rows dropped, torn lines included.
   Raises:
-    DiskFullError: the disk is full (the file is as it was).
+    DiskFullError: the disk is full (the log is as it was).
   """
   if not os.path.exists(path):
     return 0
-  with open(path, encoding="utf-8") as f:
+  with open(path, "rb") as f:
     lines = f.read().splitlines()
-  kept = []
+  kept, torn = [], []
   for line in lines:
     try:
-      if json.loads(line).get("step", 0) <= max_step:
-        kept.append(line)
-    except ValueError:  # a torn last line from a killed run
+      later = json.loads(line.decode("utf-8")).get("step", 0) > max_step
+    except (ValueError, AttributeError, TypeError):  # UnicodeDecodeError is a ValueError
+      torn.append(line)
       continue
-  write_atomic(path, "".join(line + "\n" for line in kept))
+    if not later:
+      kept.append(line)
+  if torn and distributed.is_primary():
+    with errors.writing(path + ".torn"), open(path + ".torn", "ab") as f:
+      f.write(b"".join(line + b"\n" for line in torn))
+      f.flush()
+      os.fsync(f.fileno())
+    print(f"warning: {path}: {len(torn)} torn line(s) (a write cut by a kill) moved to {path}.torn")
+  write_atomic(path, b"".join(line + b"\n" for line in kept).decode("utf-8"))
   return len(lines) - len(kept)
 
 

@@ -64,6 +64,25 @@ def check_config(workdir: str, config_json: str, fresh: bool) -> None:
     )
 
 
+def model_changes(saved_config: dict[str, Any] | None, config_json: str) -> str:
+  """Which `model.*` fields differ between the config a checkpoint was saved with and this
+  run's (`config_json`, as in `check_config`), as advice for a checkpoint that does not match
+  the configured model (`checkpoint.CheckpointMismatchError`)."""
+  if not isinstance(saved_config, dict):
+    return "the checkpoint records no config; compare the model with the workdir's config.json"
+  before, now = flat_config(saved_config), flat_config(json.loads(config_json))
+  changed = [
+    f"{k}: {before.get(k)!r} when saved, {now.get(k)!r} now"
+    for k in sorted(set(before) | set(now))
+    if k.startswith("model.") and before.get(k) != now.get(k)
+  ]
+  if not changed:
+    return (
+      "no model.* field changed: the model folder (model.checkpoint) may hold another model now"
+    )
+  return "; ".join(changed)
+
+
 def roll_back(
   workdir: str, restored: int | None, pool: TaskPool, pool_size: int, journal: RoundJournal
 ) -> None:

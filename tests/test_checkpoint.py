@@ -5,7 +5,9 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
+import json
 import os
+import re
 import shutil
 import sys
 import threading
@@ -18,12 +20,13 @@ import pytest
 from flax import nnx
 
 from coevolve_jax import errors, grpo
-from coevolve_jax.checkpoint import RunCheckpointer
+from coevolve_jax.checkpoint import CheckpointMismatchError, RunCheckpointer
 from coevolve_jax.errors import DiskFullError
 from coevolve_jax.metrics import truncate_jsonl
 from coevolve_jax.models import Qwen
 from coevolve_jax.trainer import PolicyTrainer, TrainState, make_batch, make_optimizer
 from coevolve_jax.types import Trajectory
+from coevolve_jax.workdir import model_changes
 from disk_full import assert_disk_full, orbax_write_fails
 from host_devices import run_child
 
@@ -541,3 +544,69 @@ def _mesh_child(folder):
 if __name__ == "__main__":
   if sys.argv[1] == "mesh":
     _mesh_child(sys.argv[2])
+
+
+def test_a_checkpoint_of_another_model_size_is_named_and_left_alone(tmp_path):
+  """Resuming with a changed model size used to call the good checkpoints "unreadable" and
+  advise deleting them; now the error names the arrays whose shapes differ and the config the
+  checkpoint was saved with, and every step stays where it was (nothing moved or deleted)."""
+  ck = tmp_path / "ck"
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  small = _trainer(0)
+  small.freeze_reference()
+  for step in (1, 2):
+    ckpt.save(step, small.state, {"step": step, "config": {"model": {"preset": "small"}}})
+  ckpt.close()
+  before = sorted(os.listdir(ck))
+
+  wide = PolicyTrainer(
+    Qwen(dataclasses.replace(TINY, hidden_size=48), rngs=nnx.Rngs(0)),
+    make_optimizer(1e-2, 0.01, 1.0),
+    grpo.GRPOConfig(),
+    sampling=0.9,
+  )
+  wide.freeze_reference()
+  ckpt = RunCheckpointer(str(ck), keep=3)
+  with pytest.raises(CheckpointMismatchError) as e:
+    ckpt.restore_latest(wide.state)
+  ckpt.close()
+  message = str(e.value)
+  assert e.value.step == 2 and e.value.saved_config == {"model": {"preset": "small"}}
+  assert "saved for another model" in message and "not moved" in message
+  assert "unreadable" not in message and "delete" not in message
+  assert re.search(r"params/\S+: \(\d+, 32\) saved, \(\d+, 48\) configured", message), message
+  assert sorted(os.listdir(ck)) == before  # no step moved aside, none deleted
+
+  # The advice the run adds: which model fields changed since the checkpoint was saved.
+  now = json.dumps({"model": {"preset": "wide"}})
+  assert model_changes(e.value.saved_config, now) == "model.preset: 'small' when saved, 'wide' now"
+  assert "model.checkpoint" in model_changes(e.value.saved_config, json.dumps(e.value.saved_config))
+
+
+def test_every_log_a_run_resumes_from_sets_its_torn_lines_aside(tmp_path, capsys):
+  """metrics.jsonl, feedback.jsonl, exploration.jsonl and groups.jsonl, each brought back by its
+  own resume path: a last line cut inside a UTF-8 character (it crashed every resume with
+  UnicodeDecodeError) and a line that is not a JSON object are moved to `<log>.torn`, counted in
+  one warning line, and the whole rows up to the checkpoint are kept byte for byte."""
+  from coevolve_jax import workdir as workdir_files
+  from coevolve_jax.feedback.pool import TaskPool
+  from coevolve_jax.feedback.rounds import RoundJournal
+  from coevolve_jax.hooks import GroupLog
+  from coevolve_jax.metrics import MetricsWriter
+
+  good = '{"step": 1, "text": "caf\u00e9 \u2028 ok"}\n'.encode("utf-8")
+  rows = good + b'{"step": 2}\n[1, 2]\n' + '{"step": 2, "x": "\u00e9'.encode("utf-8")[:-1]
+  names = ("metrics.jsonl", "feedback.jsonl", "exploration.jsonl", "groups.jsonl")
+  for name in names:
+    (tmp_path / name).write_bytes(rows)
+  writer = MetricsWriter(str(tmp_path), resume_step=1)
+  writer.close()
+  pool = TaskPool(str(tmp_path / "pool.jsonl"))
+  workdir_files.roll_back(str(tmp_path), 1, pool, 0, RoundJournal(str(tmp_path / "rounds")))
+  GroupLog(str(tmp_path)).on_resume(1)
+  out = capsys.readouterr().out
+  for name in names:
+    assert (tmp_path / name).read_bytes() == good, name
+    torn = (tmp_path / f"{name}.torn").read_bytes()
+    assert torn == b"[1, 2]\n" + rows[rows.rindex(b"\n") + 1 :] + b"\n", name
+    assert f"{tmp_path / name}: 2 torn line(s)" in out, out

@@ -5,6 +5,7 @@ GRPO, feedback round, orbax checkpoints, summary), then checks resume (also afte
 stopped it) and completion behaviour.
 """
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -47,6 +48,33 @@ SUMMARY_KEYS = {
   "phase_s",
 }
 PHASES = {"rollout", "reward", "train", "feedback", "eval", "checkpoint"}
+
+
+def _another_model_is_refused_and_moves_nothing(tmp_path, workdir, config):
+  """The same workdir resumed with a wider model (a Hugging Face folder): one RunError that
+  names the differing arrays and the changed model field, with every checkpoint, log and pool
+  line left as it was (it used to call the checkpoints unreadable and advise deleting them)."""
+  from coevolve_jax.models import QwenConfig, builder, hf  # noqa: PLC0415
+
+  folder = str(tmp_path / "wider-model")
+  wider = dataclasses.replace(QwenConfig.tiny_cpu(), hidden_size=192)
+  hf.save_pretrained(builder.init(wider, seed=0), folder)
+  files = lambda: sorted(  # noqa: E731
+    (os.path.relpath(os.path.join(d, f), workdir), os.path.getsize(os.path.join(d, f)))
+    for d, _, names in os.walk(workdir)
+    for f in names
+  )
+  before = files()
+  cfg = config()
+  cfg.model.checkpoint = folder
+  with pytest.raises(RunError) as e:
+    CoEvolveRun(cfg, workdir).fit()
+  message = str(e.value)
+  assert "checkpoint step 1" in message and "saved for another model" in message, message
+  assert ", 128) saved, " in message and ", 192) configured" in message, message
+  assert f"model.checkpoint: '' when saved, {folder!r} now" in message, message
+  assert "delete" not in message and "unreadable" not in message
+  assert files() == before
 
 
 def small_config():
@@ -144,6 +172,7 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
   first = CoEvolveRun(cfg, workdir).fit()
   assert first["steps"] == 1 and first["resumed_from_step"] == 0
   assert _from_cache(capsys.readouterr().out) == 0 and os.listdir(cache_dir)  # stored, not loaded
+  _another_model_is_refused_and_moves_nothing(tmp_path, workdir, config)
   _shared_start_gives_the_same_run(tmp_path, workdir, cache_dir, monkeypatch, config)
 
   # Same run, 2 steps, but the disk is full when step 2's checkpoint is written in the background
