@@ -62,15 +62,19 @@ def build(cfg: Any, workdir: str) -> Components:
   """The run's components, in start-up order.
 
   Raises:
-    RunError: several processes with a suite or explorer that cannot run on them, a run that
-      does not fit its devices, or an explorer whose credentials are missing.
+    RunError: several processes with a suite or explorer that cannot run on them, a mesh
+      the devices cannot form, a run that does not fit its devices, or an explorer whose
+      credentials are missing.
     SuiteUnavailable: the suite's environment or data is missing.
   """
   chat = QwenChat(enable_thinking=False, max_call_chars=cfg.episode.max_call_chars)
   _check_processes(cfg)
+  try:
+    mesh = sharding.make_mesh(dict(cfg.mesh))
+  except ValueError as e:  # more devices asked for than there are
+    raise RunError(f"mesh: {e}") from None
   suite = make_suite(cfg, workdir)  # the benchmark (envs/<name>/suite.py)
   pool = TaskPool(os.path.join(workdir, "pool.jsonl"), threshold=cfg.pool.near_dup_threshold)
-  mesh = sharding.make_mesh(dict(cfg.mesh))
   models.apply_matmul_precision(cfg.model)
   if compiling.use_persistent_cache(cfg.compile.cache_dir):  # before the run's first compile
     print(f"compilation cache: {cfg.compile.cache_dir}")

@@ -7,9 +7,11 @@ prints one line, `error: ...`, and exits 2.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 
@@ -105,11 +107,82 @@ def _moved_overrides(argv: list[str]) -> list[str]:
   return [f"error: --config.{f}: {err}" for f in fields if (err := config.moved_error(f))]
 
 
+_CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+_HELP_ARGS = ("-h", "--help", "--helpshort", "-?")
+
+
+def _help() -> str:
+  """The `--help` text: what the command does, its flags, and the shipped configs with their
+  variants (each config file's `VARIANTS`)."""
+  lines = [__doc__.strip(), "", "Flags:"]
+  lines += [
+    "  --config=configs/NAME.py[:VARIANT]  the run's config (required)",
+    "  --config.GROUP.FIELD=VALUE          override one field, e.g. --config.train.steps=20",
+    "  --workdir=DIR                       checkpoints, logs and summary (required)",
+    "  --helpfull                          every flag, absl's included",
+    "",
+    "Configs (configs/NAME.py is full scale; :VARIANT as listed):",
+  ]
+  for name in sorted(os.listdir(_CONFIGS_DIR)) if os.path.isdir(_CONFIGS_DIR) else []:
+    path = os.path.join(_CONFIGS_DIR, name)
+    spec = importlib.util.spec_from_file_location(f"coevolve_help_{name[:-3]}", path)
+    if not name.endswith(".py") or spec is None or spec.loader is None:
+      continue
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if hasattr(module, "VARIANTS"):  # configs/base.py (shared groups) has none
+      first = re.split(r"[.:]\s", " ".join((module.__doc__ or "").split()), maxsplit=1)[0]
+      variants = ", ".join(f":{v}" for v in module.VARIANTS)
+      lines.append(f"  configs/{name}  {first}  (variants {variants})")
+  return "\n".join(lines)
+
+
+def _one_line(error: BaseException) -> str:
+  """A flag or config-file error as one line: the last line of a message that carries a
+  traceback or the loader's attempts (ml_collections wraps a config file's exception so), a
+  typo's suggestion kept."""
+  while error.args and isinstance(error.args[0], BaseException):  # AttributeError(KeyError(..))
+    error = error.args[0]
+  text = error.args[0] if error.args and isinstance(error.args[0], str) else str(error)
+  lines = [line.strip() for line in text.splitlines() if line.strip()]
+  if isinstance(error, KeyError):  # ConfigDict: "'stepz'" then "Did you mean ...?"
+    return f"unknown field {' '.join(lines)}"
+  if len(lines) > 1 and ("Traceback (most recent call last):" in text or "Attempted" in text):
+    return f"{lines[0]} {lines[-1]}"
+  return " ".join(lines)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with every mistake (unknown or typo'd field, wrong type, missing
+  config file, unknown variant, a missing required flag) one `error:` line and exit status 2
+  instead of a traceback or absl's exit 1; the config file is loaded here."""
+  try:
+    rest = flags.FLAGS(argv)
+    _CONFIG.value.get("env")  # loads the file and applies the overrides (lazily, at first use)
+  except flags.Error as e:
+    print(f"error: {_one_line(e)}", file=sys.stderr)
+    sys.exit(2)
+  except (AttributeError, KeyError, TypeError, ValueError, OSError, SyntaxError) as e:
+    message = _one_line(e)
+    if m := re.match(r"unknown field '([^']+)'", message):  # name the override it came from
+      flag = next((a.split("=")[0] for a in argv if re.search(rf"\.{m[1]}(=|$)", a)), "--config")
+      message = f"{flag}: {message}"
+    else:
+      message = f"--config: {message}"
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+  return rest
+
+
 def run() -> None:
-  if errors_ := _moved_overrides(sys.argv[1:]):
+  argv = sys.argv[1:]
+  if any(a in _HELP_ARGS for a in argv):
+    print(_help())
+    sys.exit(0)
+  if errors_ := _moved_overrides(argv):
     print("\n".join(errors_), file=sys.stderr)
     sys.exit(2)
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

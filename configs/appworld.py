@@ -61,6 +61,11 @@ def _server_urls_from_env() -> tuple[str, ...]:
   return urls or (DEFAULT_SERVER_URL,)
 
 
+# `configs/NAME.py:VARIANT` (no variant: full scale); `python -m coevolve_jax.main --help` lists
+# them.
+VARIANTS = ("cpu", "paper")
+
+
 def _base():
   """configs/base.py, loaded by path: the groups and defaults every benchmark shares."""
   path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "base.py")
@@ -72,8 +77,8 @@ def _base():
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
   """The shared groups and defaults, with AppWorld's environment fields."""
-  if variant not in ("", "cpu", "paper"):
-    raise ValueError(f"unknown variant {variant!r} (known: cpu, paper)")
+  if variant and variant not in VARIANTS:
+    raise ValueError(f"unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
   base = _base()
   c = base.get_config()
   c.env = "appworld"

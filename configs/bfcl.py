@@ -13,6 +13,11 @@ import os
 import ml_collections
 
 
+# `configs/NAME.py:VARIANT` (no variant: full scale); `python -m coevolve_jax.main --help` lists
+# them.
+VARIANTS = ("cpu", "paper")
+
+
 def _base():
   """configs/base.py, loaded by path (config files are loaded by path, not as a package)."""
   path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "base.py")
@@ -54,7 +59,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     base.paper(c)
     _paper(c)
   elif variant:
-    raise ValueError(f"unknown variant {variant!r} (known: cpu, paper)")
+    raise ValueError(f"unknown variant {variant!r} (known: {', '.join(VARIANTS)})")
   return c
 
 

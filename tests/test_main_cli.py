@@ -54,10 +54,40 @@ def test_appworld_without_server_or_data_stops_at_once_with_setup_steps(tmp_path
   assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_unknown_config_variant_is_a_clear_error(tmp_path):
-  proc = _main("--config=configs/bfcl.py:tpu-typo", f"--workdir={tmp_path}", timeout=60)
-  assert proc.returncode != 0
-  assert "unknown variant 'tpu-typo'" in proc.stderr
+@pytest.mark.parametrize(
+  "args,says",
+  [
+    (
+      ["--config.train.stepz=3"],
+      "--config.train.stepz: unknown field 'stepz' Did you mean \"steps\"",
+    ),
+    (["--config.train.steps=abc"], "--config.train.steps=abc: invalid literal for int()"),
+    (["--config=configs/bfcl.py:tpu-typo"], "unknown variant 'tpu-typo' (known: cpu, paper)"),
+    (["--config=configs/nope.py"], "No such file or directory: 'configs/nope.py'"),
+    (["--config.explore.explorer=foo"], "explore.explorer must be one of"),
+    (["--config.mesh.fsdp=3"], "mesh: mesh {'data': 1, 'fsdp': 3, 'tensor': 1, 'expert': 1} needs"),
+    (["--nosuchflag"], "Unknown command line flag 'nosuchflag'"),
+  ],
+)
+def test_every_command_line_mistake_is_one_error_line_and_exit_status_2(tmp_path, args, says):
+  """A typo'd field printed absl's 57-line traceback, a missing config file 41 lines, a bad
+  variant or mesh a traceback too (issue 42 item 2); each is now one line, status 2, and no
+  work starts (the mesh is checked before the suite or the model)."""
+  proc = _main("--config=configs/bfcl.py:cpu", *args, f"--workdir={tmp_path / 'run'}", timeout=120)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+  assert len(errors) == 1 and says in errors[0], proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr
+  assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_help_exits_0_and_lists_the_configs_and_their_variants():
+  proc = _main("--help", timeout=60)
+  assert proc.returncode == 0, proc.stderr
+  for line in ("--config=configs/NAME.py[:VARIANT]", "--workdir=DIR"):
+    assert line in proc.stdout
+  assert "configs/bfcl.py  CoEvolve on BFCL multi-turn  (variants :cpu, :paper)" in proc.stdout
+  assert "configs/appworld.py  CoEvolve on AppWorld  (variants :cpu, :paper)" in proc.stdout
 
 
 def test_a_full_scale_config_on_a_small_cpu_machine_stops_at_start_up_with_the_plan(tmp_path):
