@@ -102,6 +102,8 @@ class CoEvolveRun:
     logs are closed before it propagates."""
     self._session_start = time.perf_counter()
     self._closing: list[tuple[str, Any]] = []  # closed after an error, in order
+    lock = workdir_files.WorkdirLock(self.workdir)
+    distributed.on_primary(lock.acquire)  # one run per workdir; the primary holds it
     # XLA compilations of this process, logged per step (`compile/count`, `compile/seconds`).
     self.compiles = CompileCounter()
     try:
@@ -111,6 +113,7 @@ class CoEvolveRun:
       raise
     finally:
       self.compiles.close()
+      lock.release()
 
   def _step0(self) -> int:
     restored = self._start()

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import sys
+import time
 from typing import Any
 
-from coevolve_jax.errors import CorruptFileError
+import filelock
+
+from coevolve_jax.errors import CorruptFileError, RunError
 from coevolve_jax.feedback.pool import TaskPool
 from coevolve_jax.feedback.rounds import RoundJournal
 from coevolve_jax.metrics import PhaseTimer, truncate_jsonl, write_atomic
@@ -30,6 +35,55 @@ PHASES = (
   "checkpoint",
 )
 LOGS = ("feedback.jsonl", "exploration.jsonl")  # the loop's own step-keyed logs
+
+
+class WorkdirLock:
+  """One run per workdir: `<workdir>/run.lock`, held (an OS file lock, `filelock`) for a run's
+  session by the primary process only, with `run.lock.owner` naming the holder (host, pid,
+  start time, command line).
+
+  The OS drops the lock when its process ends however it ends, so the lock of a killed run
+  is taken over at once and the owner file is rewritten; a lock that is held stops the second
+  run with `RunError` naming the other process. On a filesystem without file locks (some
+  network mounts), a warning says that two runs there are not detected, and the run goes on.
+  """
+
+  def __init__(self, workdir: str):
+    self.path = os.path.join(workdir, "run.lock")
+    self._lock: filelock.BaseFileLock | None = None
+
+  def acquire(self) -> None:
+    """Raises: RunError: another process holds the lock (its owner file named)."""
+    lock = filelock.FileLock(self.path, timeout=0)
+    try:
+      lock.acquire()
+    except filelock.Timeout:
+      try:
+        with open(self.path + ".owner", encoding="utf-8") as f:
+          owner = json.load(f)
+        who = f"pid {owner['pid']} on {owner['host']}, started {owner['started']}"
+      except (OSError, ValueError, KeyError, TypeError):
+        who = "a process that has not written run.lock.owner yet"
+      raise RunError(
+        f"{os.path.dirname(self.path)} is in use by another run ({who}); wait for it to end, "
+        f"or use another --workdir"
+      ) from None
+    except OSError as e:  # no file locks on this filesystem
+      print(f"warning: cannot lock {self.path} ({e}); a second run on this workdir is not detected")
+      return
+    self._lock = lock
+    owner = {
+      "pid": os.getpid(),
+      "host": socket.gethostname(),
+      "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+      "argv": sys.argv,
+    }
+    write_atomic(self.path + ".owner", json.dumps(owner))
+
+  def release(self) -> None:
+    if self._lock is not None:
+      self._lock.release()
+      self._lock = None
 
 
 def flat_config(d: dict, prefix: str = "") -> dict[str, Any]:

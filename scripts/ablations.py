@@ -115,8 +115,9 @@ STEP0_UNREAD = frozenset({"feedback.enabled", "feedback.mode", "feedback.kinds"}
 # Written into the start once its step 0 is done, and into each copy (what the record reports).
 START_DONE, COPIED_FROM = "start_done.json", "copied_from_start.json"
 # What a copy of the start leaves out: the variant writes its own config (a resumed run warns about
-# every field that differs from config.json) and summary.
-START_OWN_FILES = ("config.json", "summary.json", START_DONE)
+# every field that differs from config.json) and summary; the workdir lock and its owner file
+# name the start's run.
+START_OWN_FILES = ("config.json", "summary.json", START_DONE, "run.lock", "run.lock.owner")
 
 
 # Fields a finished start may have been made with other values of: GRPO steps, and how programs
