@@ -110,6 +110,22 @@ def truncate_jsonl(path: str, max_step: int) -> int:
   return len(lines) - len(kept)
 
 
+# Disk-full failures of tensorboardX's writer thread, which writes the events in the background:
+# recorded by `_tensorboard_excepthook` instead of a thread traceback, raised by the next
+# `MetricsWriter` call in the main thread as the one-line DiskFullError of every other write.
+_TB_DISK_FULL: list[BaseException] = []
+_PREVIOUS_EXCEPTHOOK = threading.excepthook
+
+
+def _tensorboard_excepthook(args: threading.ExceptHookArgs) -> None:
+  thread_module = type(args.thread).__module__ if args.thread is not None else ""
+  full = args.exc_value is not None and errors.disk_full_errno(args.exc_value) is not None
+  if thread_module.startswith("tensorboardX") and full:
+    _TB_DISK_FULL.append(args.exc_value)
+    return
+  _PREVIOUS_EXCEPTHOOK(args)
+
+
 class MetricsWriter:
   """Appends `{"step": s, **metrics}` to `<workdir>/metrics.jsonl` and writes TensorBoard
   scalars.
@@ -127,24 +143,33 @@ class MetricsWriter:
     self._tb_dir = os.path.join(workdir, "tensorboard")
     self._tb = None  # only the primary process writes TensorBoard events
     if distributed.is_primary():
+      threading.excepthook = _tensorboard_excepthook
       with errors.writing(self._tb_dir):
         self._tb = SummaryWriter(self._tb_dir, purge_step=resume_step + 1)
+
+  def _raise_background_failure(self) -> None:
+    if _TB_DISK_FULL:
+      with errors.writing(self._tb_dir):
+        raise _TB_DISK_FULL.pop(0)
 
   def write(self, step: int, metrics: dict[str, Any]) -> None:
     append_lines(self.path, [json.dumps({"step": step, **metrics}, sort_keys=True)])
     if self._tb is None:
       return
+    self._raise_background_failure()
     for k, v in metrics.items():
       if isinstance(v, (int, float)) and not isinstance(v, bool):
         self._tb.add_scalar(k, v, step)
     with errors.writing(self._tb_dir):
       self._tb.flush()
+    self._raise_background_failure()
 
   def close(self) -> None:
     if self._tb is None:
       return
     with errors.writing(self._tb_dir):
       self._tb.close()
+    self._raise_background_failure()
 
 
 class PhaseTimer:

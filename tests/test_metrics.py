@@ -178,3 +178,35 @@ def test_compile_census_reads_the_per_program_counts_of_a_run():
   text = census_lib.table(got)
   assert "| 3 | 2 | 4.0 | 8.0 | 0.50 | 2 |" in text
   assert "compilations after GRPO step 2: 3 (5.5 s" in text
+
+
+def test_a_full_disk_under_tensorboards_writer_thread_is_the_one_line_error(
+  tmp_path, monkeypatch, capfd
+):
+  """tensorboardX writes the events in a thread of its own: a full disk there used to kill the
+  thread with a traceback while the run went on. It is now the same DiskFullError, naming the
+  tensorboard folder, from the run's next metrics write; no traceback is printed."""
+  import errno  # noqa: PLC0415
+  import time  # noqa: PLC0415
+
+  from tensorboardX import event_file_writer  # noqa: PLC0415
+
+  from coevolve_jax import metrics  # noqa: PLC0415
+
+  writer = MetricsWriter(str(tmp_path))
+  writer.write(1, {"loss": 1.0})
+
+  def full(self, event):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(event_file_writer.EventsWriter, "write_event", full)
+  writer._tb.add_scalar("loss", 2.0, 2)  # queued: the writer thread meets the full disk
+  deadline = time.monotonic() + 10
+  while not metrics._TB_DISK_FULL and time.monotonic() < deadline:
+    time.sleep(0.05)
+  with pytest.raises(DiskFullError) as e:
+    writer.write(3, {"loss": 3.0})
+  assert_disk_full(e.value, str(tmp_path / "tensorboard"))
+  assert "Traceback" not in capfd.readouterr().err
+  monkeypatch.undo()
+  writer.close()
