@@ -99,6 +99,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   c.appworld.source = "generated" if variant == "cpu" else "official"
   c.appworld.venv = ""  # AppWorld's own virtual environment ("" = .venv-appworld in the repo)
   c.appworld.startup_timeout_s = 120.0  # per server start (first health check)
+  # Address-space limit of each server process, MiB (RLIMIT_AS; 0 = none): code the model writes
+  # runs there, and an allocation past it is a MemoryError in that episode, not the machine's
+  # memory. An idle server maps ~300 MiB.
+  c.appworld.server_memory_mib = 4096
   c.appworld.exec_timeout_s = 20  # AppWorld's own limit per code execution, seconds
   c.appworld.max_steps = 10  # code replies per training episode
   # True: an episode at max_steps without complete_task scores 0 (the paper's rule); False: it

@@ -193,6 +193,26 @@ def test_observation_truncated_and_errors_are_observations(world):
 
 
 @needs_appworld
+def test_code_past_the_servers_memory_limit_is_a_memory_error_in_its_episode(world):
+  """The servers run under `appworld.server_memory_mib` (RLIMIT_AS, 4096 MiB by default): code
+  that maps 6 GiB gets MemoryError as its observation (without a limit it went through), and
+  the server and its episode go on."""
+  _, rows, pool = world
+  env = AppWorldEnv(task_from_row(rows["count_notes"]), pool)
+  try:
+    env.reset()
+    with open(f"/proc/{env.server.proc.pid}/limits") as f:
+      limit = next(line for line in f if line.startswith("Max address space"))
+    assert limit.split()[3] == str(appworld_server.DEFAULT_MEMORY_MIB << 20), limit
+    out = env.step(_act("x = bytearray(6 << 30)\nprint(len(x))")).messages[0]["content"]
+    assert "MemoryError" in out, out
+    assert env.step(_act("print(6 * 7)")).messages[0]["content"].strip() == "42"
+  finally:
+    env.close()
+  assert all(s.healthy() for s in pool.idle)
+
+
+@needs_appworld
 def test_safety_guard_blocks_shell_access(world, tmp_path):
   _, rows, pool = world
   marker = tmp_path / "pwned"

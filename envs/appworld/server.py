@@ -69,20 +69,26 @@ def _free_port() -> int:
 
 
 # The server command: a small launcher asks the kernel to SIGTERM the server when the thread that
-# started it dies, even by SIGKILL (Linux PR_SET_PDEATHSIG = 1), then execs uvicorn. Done in the
-# child itself, not by subprocess's preexec_fn: forking a multithreaded (JAX) process to run Python
-# code before exec can deadlock.
+# started it dies, even by SIGKILL (Linux PR_SET_PDEATHSIG = 1), limits the server's address
+# space to argv[2] MiB (RLIMIT_AS, 0 = none; kept across exec, so a runaway world or model-written
+# code gets MemoryError instead of taking the machine's memory, as BFCL's workers do) with no
+# core dumps, then execs uvicorn. Done in the child itself, not by subprocess's preexec_fn:
+# forking a multithreaded (JAX) process to run Python code before exec can deadlock.
 _LAUNCHER = """\
-import ctypes, os, signal, sys
-parent = int(sys.argv[1])
+import ctypes, os, resource, signal, sys
+parent, mib = int(sys.argv[1]), int(sys.argv[2])
 try:
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
 except OSError:
     pass
 if os.getppid() != parent:  # the parent died before prctl
     sys.exit(0)
-os.execv(sys.executable, [sys.executable, "-m", "uvicorn", *sys.argv[2:]])
+if mib > 0:
+    resource.setrlimit(resource.RLIMIT_AS, (mib << 20, mib << 20))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+os.execv(sys.executable, [sys.executable, "-m", "uvicorn", *sys.argv[3:]])
 """
+DEFAULT_MEMORY_MIB = 4096  # an idle server maps ~300 MiB; worlds and executed code add to it
 
 
 def _env(root: str) -> dict[str, str]:
@@ -105,6 +111,7 @@ class AppWorldServer:
     timeout_s: per-request timeout in seconds (initialize, execute, evaluate, ...).
     startup_timeout_s: seconds to wait for the first successful health check.
     log_path: file for the server's stdout and stderr ('' = discard).
+    memory_mib: the server process's address-space limit in MiB (RLIMIT_AS; 0 = none).
   """
 
   def __init__(
@@ -114,9 +121,11 @@ class AppWorldServer:
     timeout_s: float = 60.0,
     startup_timeout_s: float = 60.0,
     log_path: str = "",
+    memory_mib: int = DEFAULT_MEMORY_MIB,
   ):
     self.root, self.python, self.timeout_s = os.path.abspath(root), python, float(timeout_s)
     self.startup_timeout_s, self.log_path = float(startup_timeout_s), log_path
+    self.memory_mib = int(memory_mib)
     self.port = 0
     self.proc: subprocess.Popen | None = None
     self.restarts = 0
@@ -137,6 +146,7 @@ class AppWorldServer:
           "-c",
           _LAUNCHER,
           str(os.getpid()),
+          str(self.memory_mib),
           "appworld.serve.environment:app",
           "--host",
           "127.0.0.1",
@@ -250,11 +260,13 @@ class ServerPool:
     timeout_s: float = 60.0,
     startup_timeout_s: float = 60.0,
     log_dir: str = "",
+    memory_mib: int = DEFAULT_MEMORY_MIB,
   ):
     if size < 1:
       raise ValueError(f"pool size must be >= 1, got {size}")
     self.root, self.size, self.python = root, int(size), python or venv_python()
     self.timeout_s, self.startup_timeout_s, self.log_dir = timeout_s, startup_timeout_s, log_dir
+    self.memory_mib = int(memory_mib)
     self.idle: list[AppWorldServer] = []
     self.busy: list[AppWorldServer] = []
     self.restarts = 0
@@ -264,7 +276,9 @@ class ServerPool:
   def _new(self) -> AppWorldServer:
     index = len(self.idle) + len(self.busy)
     log = os.path.join(self.log_dir, f"appworld-server-{index}.log") if self.log_dir else ""
-    server = AppWorldServer(self.root, self.python, self.timeout_s, self.startup_timeout_s, log)
+    server = AppWorldServer(
+      self.root, self.python, self.timeout_s, self.startup_timeout_s, log, self.memory_mib
+    )
     server.start()
     return server
 

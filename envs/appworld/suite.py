@@ -136,6 +136,7 @@ def validate_config(cfg: Any) -> None:
   for field in ("appworld.max_steps", "appworld.max_obs_chars"):
     config.int_at_least(cfg, field, 1)
   config.int_at_least(cfg, "appworld.max_obs_tokens", 0)
+  config.int_at_least(cfg, "appworld.server_memory_mib", 0)
   if source == "generated":
     scenarios = config.int_at_least(cfg, "appworld.build.num_scenarios", 1)
     config.int_at_least(cfg, "appworld.build.tasks_per_scenario", 1)
@@ -231,6 +232,7 @@ class AppWorldSuite:
       timeout_s=float(aw.timeout_s),
       startup_timeout_s=float(aw.startup_timeout_s),
       log_dir=log_dir,
+      memory_mib=int(aw.server_memory_mib),
     )
     self.api_inventory: dict[str, list[str]] | None = None
     ex = cfg.explore
@@ -305,7 +307,7 @@ class AppWorldSuite:
       traj.prompt_len = len(ids)
       traj.extend(ids, sampled=False)
       reply = code_reply(task.initial_config["solution"])
-      traj.extend(chat.encode(reply) + [chat.im_end_id], sampled=True)
+      traj.extend(chat.assistant_ids(reply) + [chat.im_end_id], sampled=True)  # code: plain text
       result = env.step(Action(text=reply))
       traj.reward, traj.finish = float(result.reward), "done" if result.done else "incomplete"
       return traj
