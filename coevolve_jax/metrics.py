@@ -119,10 +119,11 @@ _PREVIOUS_EXCEPTHOOK = threading.excepthook
 
 def _tensorboard_excepthook(args: threading.ExceptHookArgs) -> None:
   thread_module = type(args.thread).__module__ if args.thread is not None else ""
-  full = args.exc_value is not None and errors.disk_full_errno(args.exc_value) is not None
-  if thread_module.startswith("tensorboardX") and full:
-    _TB_DISK_FULL.append(args.exc_value)
-    return
+  error = args.exc_value
+  if thread_module.startswith("tensorboardX") and error is not None:
+    if errors.disk_full_errno(error) is not None:
+      _TB_DISK_FULL.append(error)
+      return
   _PREVIOUS_EXCEPTHOOK(args)
 
 
