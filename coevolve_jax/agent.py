@@ -364,6 +364,9 @@ class QwenChat:
   def assistant_text(self, content: str, tool_calls=()) -> str:
     return self._chat.assistant_text(content, tool_calls)
 
+  def assistant_ids(self, content: str, tool_calls=()) -> list[int]:
+    return self._chat.assistant_ids(content, tool_calls)
+
   def parse_tool_calls(self, text: str, truncated: bool = False) -> Action:
     return self._chat.parse_tool_calls(
       text, truncated=truncated, max_call_chars=self.max_call_chars

@@ -246,6 +246,119 @@ def render(
   )
 
 
+# --------------------------------------------------------------------------------------------
+# Text from outside the model: rendered in place of placeholders, tokenized as plain text.
+
+Segments = tuple[tuple[str, bool], ...]  # (text, external): the template's pieces and the rest
+
+
+class _Holes:
+  """Stands in for the external texts of a conversation while the template renders it.
+
+  Each text becomes a placeholder `<marker><index><marker>` (ASCII, so no filter escapes it), and
+  `split` turns the rendered text back into segments with the texts in place. The marker is
+  chosen absent from `haystack` (the template and whatever else the render shows), so only
+  placeholders match it."""
+
+  def __init__(self, haystack: str):
+    self.marker = "@coevolve-text@"
+    while self.marker in haystack:
+      self.marker += "@"
+    self.texts: list[str] = []
+
+  def __call__(self, text: str, shown: str | None = None) -> str:
+    """The placeholder for `text`; `shown` is what the template would write for it (default
+    `text`: rendered verbatim)."""
+    self.texts.append(text if shown is None else shown)
+    return f"{self.marker}{len(self.texts) - 1}{self.marker}"
+
+  def split(self, rendered: str) -> list[tuple[str, bool]]:
+    """`rendered` as (text, external) segments, each placeholder replaced by its text.
+
+    Raises:
+      ValueError: a placeholder does not appear in `rendered` (the template altered or dropped
+        a text it should show verbatim).
+    """
+    pattern = re.compile(re.escape(self.marker) + r"(\d+)" + re.escape(self.marker))
+    parts, pos, seen = [], 0, set()
+    for m in pattern.finditer(rendered):
+      parts.append((rendered[pos : m.start()], False))
+      parts.append((self.texts[int(m.group(1))], True))
+      seen.add(int(m.group(1)))
+      pos = m.end()
+    parts.append((rendered[pos:], False))
+    if len(seen) != len(self.texts):
+      raise ValueError("chat template does not show message contents and tool schemas verbatim")
+    return [p for p in parts if p[0]]
+
+
+def _hole_json(value: Any, holes: _Holes) -> Any:
+  """A tool schema with every non-empty string (keys and values) a placeholder shown as the
+  `tojson` filter writes it inside quotes."""
+  if isinstance(value, str):
+    return holes(value, json.dumps(value, ensure_ascii=False)[1:-1]) if value else value
+  if isinstance(value, dict):
+    return {_hole_json(k, holes): _hole_json(v, holes) for k, v in value.items()}
+  if isinstance(value, list):
+    return [_hole_json(v, holes) for v in value]
+  return value
+
+
+def _hole_calls(calls: list[Any], holes: _Holes) -> list[Any]:
+  """Assistant tool calls (normalized) with each name and arguments a placeholder; arguments
+  that are not a string are shown as `tojson` writes them."""
+  out = []
+  for call in calls:
+    if not isinstance(call, dict):
+      out.append(call)
+      continue
+    inner = call.get("function") or None  # as the template reads it
+    target = dict(inner) if isinstance(inner, dict) else dict(call)
+    if isinstance(target.get("name"), str) and target["name"]:
+      target["name"] = holes(target["name"])
+    args = target.get("arguments")
+    if isinstance(args, str):
+      target["arguments"] = holes(args) if args else args
+    elif args is not None:
+      target["arguments"] = holes(_tojson(args))  # a string: the template writes it as it is
+    out.append({**call, "function": target} if isinstance(inner, dict) else target)
+  return out
+
+
+def _render_segments(
+  messages: Sequence[Message],
+  tools: Sequence[Mapping[str, Any]] | None,
+  *,
+  add_generation_prompt: bool,
+  enable_thinking: bool | None,
+  template: str | None = None,
+) -> list[tuple[str, bool]]:
+  """`render`'s text as (text, external) segments: system, user and tool message contents and
+  the tool schemas are external; the rest is the template's (assistant messages included, as
+  the model's own text). The template renders with the external texts as placeholders, so its
+  structure cannot depend on them; for the shipped Qwen3 template the joined segments are
+  `render`'s text whenever no external text holds special-token text."""
+  if template is None:
+    template = tokenizer_lib.get_tokenizer().chat_template
+  normalized = _normalize_messages(messages)
+  holes = _Holes(template + json.dumps(normalized, ensure_ascii=False))
+  shown = []
+  for m in normalized:
+    content = m.get("content")
+    if m.get("role") in ("system", "user", "tool") and isinstance(content, str) and content:
+      m = {**m, "content": holes(content)}
+    shown.append(m)
+  holed_tools = _hole_json(_plain(list(tools)), holes) if tools is not None else None
+  text = render(
+    shown,
+    holed_tools,
+    add_generation_prompt=add_generation_prompt,
+    enable_thinking=enable_thinking,
+    template=template,
+  )
+  return holes.split(text)
+
+
 def prompt_ids(
   messages: Sequence[Message],
   tools: Sequence[Mapping[str, Any]] | None = None,
@@ -254,34 +367,60 @@ def prompt_ids(
 ) -> list[int]:
   """Token ids of the rendered conversation followed by the generation prompt.
 
+  The contents of system, user and tool messages and the tool schemas come from outside the
+  model: they are tokenized as plain text (`QwenTokenizer.encode_segments`), so a `<|im_end|>`
+  or `<tool_call>` written in them is the ids of its characters; the template's own structure
+  tokens keep their ids. Without special-token text in them, the ids are exactly those of
+  tokenizing `render`'s text.
+
   Returns:
     list of int ids ending with the ids of `<|im_start|>assistant\\n` (plus an empty think block
     when `enable_thinking` is False).
   """
-  text = render(messages, tools, add_generation_prompt=True, enable_thinking=enable_thinking)
-  return tokenizer_lib.get_tokenizer().encode(text)
+  segments = _render_segments(
+    messages, tools, add_generation_prompt=True, enable_thinking=enable_thinking
+  )
+  return tokenizer_lib.get_tokenizer().encode_segments(segments)
 
 
 @functools.lru_cache(maxsize=1024)
-def _continuation_text_cached(
-  new_messages_json: str, enable_thinking: bool | None, template: str
-) -> str:
+def _continuation_cached(new_messages_json: str, enable_thinking: bool | None, template: str):
   new_messages = json.loads(new_messages_json)
   context = [{"role": "user", "content": "."}, {"role": "assistant", "content": _SENTINEL}]
   marker = _SENTINEL + tokenizer_lib.IM_END
-  full = render(
+  full = _render_segments(
     context + new_messages,
+    None,
     add_generation_prompt=True,
     enable_thinking=enable_thinking,
     template=template,
   )
   without = render(context, add_generation_prompt=False, template=template)
-  if full.count(marker) != 1 or without.count(marker) != 1:
+  at = [k for k, (text, external) in enumerate(full) if not external and marker in text]
+  if len(at) != 1 or full[at[0]][0].count(marker) != 1 or without.count(marker) != 1:
     raise ValueError(
       "chat template does not end an assistant message with <|im_end|> right after "
       "its content; cannot derive continuations"
     )
-  return full[full.index(marker) + len(marker) :]
+  head = full[at[0]][0]
+  rest = [(head[head.index(marker) + len(marker) :], False), *full[at[0] + 1 :]]
+  return tuple((text, external) for text, external in rest if text)
+
+
+def _continuation_segments(
+  new_messages: Sequence[Message], enable_thinking: bool | None, template: str | None
+) -> Segments:
+  """`continuation_text` as (text, external) segments (see `_render_segments`)."""
+  if not new_messages:
+    raise ValueError("continuation needs at least one new message")
+  normalized = _normalize_messages(new_messages)
+  for m in normalized:
+    if m.get("role") == "assistant":
+      raise ValueError("continuations hold tool/user/system messages, not assistant replies")
+  if template is None:
+    template = tokenizer_lib.get_tokenizer().chat_template
+  key = json.dumps(normalized, sort_keys=True, ensure_ascii=False)
+  return _continuation_cached(key, enable_thinking, template)
 
 
 def continuation_text(
@@ -293,7 +432,8 @@ def continuation_text(
   """Text the template puts after an assistant reply's `<|im_end|>`, for `new_messages`.
 
   Consecutive tool messages are grouped by the template into one user block with
-  `<tool_response>` tags; the text ends with the generation prompt.
+  `<tool_response>` tags; the text ends with the generation prompt. The template renders the
+  messages' contents as opaque text: what they say cannot change the structure around them.
 
   Args:
     new_messages: non-empty list of tool messages or a user message (roles "tool" / "user").
@@ -307,16 +447,9 @@ def continuation_text(
   Raises:
     ValueError: `new_messages` is empty or holds an assistant message.
   """
-  if not new_messages:
-    raise ValueError("continuation needs at least one new message")
-  normalized = _normalize_messages(new_messages)
-  for m in normalized:
-    if m.get("role") == "assistant":
-      raise ValueError("continuations hold tool/user/system messages, not assistant replies")
-  if template is None:
-    template = tokenizer_lib.get_tokenizer().chat_template
-  key = json.dumps(normalized, sort_keys=True, ensure_ascii=False)
-  return _continuation_text_cached(key, enable_thinking, template)
+  return "".join(
+    text for text, _ in _continuation_segments(new_messages, enable_thinking, template)
+  )
 
 
 def continuation_ids(
@@ -324,12 +457,29 @@ def continuation_ids(
 ) -> list[int]:
   """Ids to append after a sampled assistant reply (ending in `<|im_end|>`) for `new_messages`.
 
+  The messages' contents (tool outputs, user turns) are tokenized as plain text, as in
+  `prompt_ids`: no text they hold can end the turn or open another.
+
   Returns:
     list of int ids; starts with the newline that follows `<|im_end|>`, ends with the generation
     prompt `<|im_start|>assistant\\n`.
+
+  Raises:
+    ValueError: `new_messages` is empty or holds an assistant message.
   """
-  return tokenizer_lib.get_tokenizer().encode(
-    continuation_text(new_messages, enable_thinking=enable_thinking)
+  segments = _continuation_segments(new_messages, enable_thinking, None)
+  return tokenizer_lib.get_tokenizer().encode_segments(segments)
+
+
+_PROBE_USER: Message = {"role": "user", "content": "."}
+
+
+def _assistant_bounds() -> tuple[str, str]:
+  """The text `render([user, assistant, user])` puts before and after the assistant's reply."""
+  user_block = render([_PROBE_USER])
+  return (
+    user_block + tokenizer_lib.IM_START + "assistant\n",
+    tokenizer_lib.IM_END + "\n" + user_block,
   )
 
 
@@ -344,18 +494,58 @@ def assistant_text(content: str | None, tool_calls: Sequence[Mapping[str, Any]] 
   Raises:
     ValueError: the template does not render the conversation as header, reply, `<|im_end|>`.
   """
-  user: Message = {"role": "user", "content": "."}
   msgs: list[Message] = [
-    user,
+    _PROBE_USER,
     {"role": "assistant", "content": content, "tool_calls": list(tool_calls) or None},
   ]
-  full = render([*msgs, user])
-  user_block = render([user])
-  head = user_block + tokenizer_lib.IM_START + "assistant\n"
-  tail = tokenizer_lib.IM_END + "\n" + user_block
+  full = render([*msgs, _PROBE_USER])
+  head, tail = _assistant_bounds()
   if not (full.startswith(head) and full.endswith(tail)) or len(full) < len(head) + len(tail):
     raise ValueError("chat template does not render an assistant reply as header, text, <|im_end|>")
   return full[len(head) : len(full) - len(tail)]
+
+
+def assistant_ids(content: str | None, tool_calls: Sequence[Mapping[str, Any]] = ()) -> list[int]:
+  """Token ids of a reply as the model should sample it to say `content` and make `tool_calls`
+  (teacher-forced demonstrations), without the stop token.
+
+  The template's structure (`<tool_call>`, `</tool_call>`) keeps its special ids; `content` and
+  each call's name and arguments are tokenized as plain text, so an argument holding
+  `<|im_end|>` cannot end the reply. `content` is used as given (the template's rewriting of a
+  `<think>` block in history does not apply). For text without special-token strings the ids
+  are `encode(assistant_text(content, tool_calls))`.
+
+  Raises:
+    ValueError: the template does not render the conversation as header, reply, `<|im_end|>`.
+  """
+  reply = _normalize_messages(
+    [{"role": "assistant", "content": content, "tool_calls": list(tool_calls) or None}]
+  )[0]
+  holes = _Holes(
+    tokenizer_lib.get_tokenizer().chat_template + json.dumps(reply, ensure_ascii=False)
+  )
+  if reply["content"]:
+    reply["content"] = holes(reply["content"])
+  if isinstance(reply.get("tool_calls"), list):
+    reply["tool_calls"] = _hole_calls(reply["tool_calls"], holes)
+  segments = holes.split(render([_PROBE_USER, reply, _PROBE_USER]))
+  head, tail = _assistant_bounds()
+  first, last = segments[0][0], segments[-1][0]
+  if segments[0][1] or segments[-1][1] or not first.startswith(head) or not last.endswith(tail):
+    raise ValueError("chat template does not render an assistant reply as header, text, <|im_end|>")
+  if len(segments) == 1:
+    if len(first) < len(head) + len(tail):
+      raise ValueError(
+        "chat template does not render an assistant reply as header, text, <|im_end|>"
+      )
+    segments = [(first[len(head) : len(first) - len(tail)], False)]
+  else:
+    segments = [
+      (first[len(head) :], False),
+      *segments[1:-1],
+      (last[: len(last) - len(tail)], False),
+    ]
+  return tokenizer_lib.get_tokenizer().encode_segments(segments)
 
 
 # --------------------------------------------------------------------------------------------
@@ -619,12 +809,14 @@ class ChatFormat(Protocol):
 
   def prompt_ids(self, messages: list[dict], tools: list[dict]) -> list[int]:
     """The first prompt: system/user `messages` and `tools` rendered and tokenized, ending with
-    the assistant header the model replies after."""
+    the assistant header the model replies after. The messages' contents and the tools come from
+    outside the model: no text in them may produce a control token."""
     ...
 
   def continuation_ids(self, messages: list[dict]) -> list[int]:
     """Ids that follow a reply's stop token: `messages` (tool results or the next user message)
-    and the next assistant header.
+    and the next assistant header. As in `prompt_ids`, no text in the messages may produce a
+    control token.
 
     Raises:
       ValueError: `messages` is empty or holds an assistant message.
@@ -634,6 +826,12 @@ class ChatFormat(Protocol):
   def assistant_text(self, content: str, tool_calls: Sequence[dict] = ()) -> str:
     """A reply's text as the model should write it: `content` then each call ({"name",
     "arguments"}) in the template's tool-call format; without the stop token."""
+    ...
+
+  def assistant_ids(self, content: str, tool_calls: Sequence[dict] = ()) -> list[int]:
+    """The ids of that reply as the model should sample them (teacher forcing), without the stop
+    token: the format's tags as their tokens, `content`, names and arguments as plain text (no
+    special-token text in them becomes a control token)."""
     ...
 
   def parse_tool_calls(self, text: str, truncated: bool = False) -> Action:

@@ -17,6 +17,8 @@ import functools
 import importlib.util
 import json
 import os
+import re
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,6 +58,8 @@ class QwenTokenizer:
     chat_template: the Jinja chat template string.
     vocab_size: number of ids including added tokens (151669); every id `encode` can return is
       below it. A model's embedding needs at least this many rows (Qwen3 uses 151936).
+    added_ids: the ids of the added tokens (Qwen: 151643-151668, special or not); text from
+      outside the model never produces them (`encode_text`).
     eos_id / im_end_id: id of `<|im_end|>` (151645), the end-of-turn token the policy samples.
     im_start_id: id of `<|im_start|>` (151644).
     pad_id: id of `<|endoftext|>` (151643); never the same as eos_id. Loss masks come from what
@@ -74,6 +78,14 @@ class QwenTokenizer:
     self.im_end_id = self._special_id(IM_END)
     self.eos_id = self.im_end_id
     self.pad_id = self._special_id(ENDOFTEXT)
+    added = {t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items()}
+    self.added_ids: frozenset[int] = frozenset(added.values())
+    self._added = added
+    # Leftmost-longest, as the tokenizer matches added tokens.
+    longest_first = sorted(added, key=len, reverse=True)
+    self._added_pattern = re.compile("|".join(map(re.escape, longest_first)) or r"(?!)")
+    self._plain: tokenizers.Tokenizer | None = None
+    self._plain_lock = threading.Lock()
 
   def _special_id(self, token: str) -> int:
     i = self.tokenizer.token_to_id(token)
@@ -91,12 +103,65 @@ class QwenTokenizer:
   def encode(self, text: str) -> list[int]:
     """Tokenizes `text`; special tokens written in the text (e.g. `<|im_end|>`) map to their ids.
 
-    No BOS/EOS or other tokens are inserted.
+    For the model's own text (replies, the chat template's); text from outside the model goes
+    through `encode_text` or `encode_segments`. No BOS/EOS or other tokens are inserted.
 
     Returns:
       list of int ids, each in [0, vocab_size).
     """
     return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+  def _plain_tokenizer(self) -> tokenizers.Tokenizer:
+    """The same tokenizer without its added tokens (built on first use, about 1 s): their text
+    goes through the normalizer, pre-tokenizer and BPE like any other text."""
+    with self._plain_lock:
+      if self._plain is None:
+        with open(os.path.join(self.folder, "tokenizer.json"), encoding="utf-8") as f:
+          spec = json.load(f)
+        spec["added_tokens"] = []
+        self._plain = tokenizers.Tokenizer.from_str(json.dumps(spec))
+      return self._plain
+
+  def encode_text(self, text: str) -> list[int]:
+    """Tokenizes text from outside the model (observations, queries, tool documentation): the
+    text of a special token (`<|im_end|>`, `<tool_call>`, ...) is split like any other text, so
+    no added token's id comes out. Text without such strings gets the ids `encode` gives.
+
+    Returns:
+      list of int ids, each in [0, vocab_size) and none in `added_ids`.
+    """
+    if not text:
+      return []
+    return self._plain_tokenizer().encode(text, add_special_tokens=False).ids
+
+  def encode_segments(self, segments: Sequence[tuple[str, bool]]) -> list[int]:
+    """Tokenizes a text given as (piece, external) pairs: the chat template's pieces (external
+    False) and text from outside the model (True).
+
+    The added tokens written in the template's pieces map to their ids; all other text, external
+    pieces whole and the template's text around its added tokens, is tokenized as by
+    `encode_text`, across piece boundaries (BPE merges over them as in the joined text). When the
+    joined text's special-token strings all lie in template pieces, the ids are exactly
+    `encode("".join(pieces))`.
+
+    Returns:
+      list of int ids; the only ids in `added_ids` are those of the template pieces' tokens.
+    """
+    ids: list[int] = []
+    plain: list[str] = []
+    for text, external in segments:
+      if external:
+        plain.append(text)
+        continue
+      pos = 0
+      for m in self._added_pattern.finditer(text):
+        plain.append(text[pos : m.start()])
+        ids += self.encode_text("".join(plain))
+        plain = []
+        ids.append(self._added[m.group()])
+        pos = m.end()
+      plain.append(text[pos:])
+    return ids + self.encode_text("".join(plain))
 
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
     return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]

@@ -33,7 +33,11 @@ def demonstration(
   parse_call: Callable[[str, list[str]], ToolCall],
   episode_id: str,
 ) -> Trajectory:
-  """Teacher-forced trajectory of `task`'s ground truth. Raises if the environment fails."""
+  """Teacher-forced trajectory of `task`'s ground truth. Raises if the environment fails.
+
+  The replies are `chat.assistant_ids` (a call's arguments are plain text: a ground-truth
+  argument holding `<|im_end|>` does not end its reply); prompt and observations are tokenized
+  as in a rollout."""
   env = make_env(task, episode_id)
   traj = Trajectory(task_id=task.task_id, group_id=-1)
   try:
@@ -46,13 +50,16 @@ def demonstration(
     for turn_calls in task.ground_truth:
       for call_text in turn_calls:
         call = parse_call(call_text, task.involved_classes)
-        reply = chat.assistant_text("", [{"name": call.name, "arguments": call.arguments}])
-        result = _reply(traj, chat, env, reply, Action(tool_calls=[call], text=reply))
+        calls = [{"name": call.name, "arguments": call.arguments}]
+        reply = chat.assistant_text("", calls)
+        ids = chat.assistant_ids("", calls)
+        result = _reply(traj, chat, env, ids, Action(tool_calls=[call], text=reply))
         if result.done:  # the environment ended the episode (e.g. its per-turn step limit)
           break
       if result.done:
         break
-      result = _reply(traj, chat, env, CLOSING_REPLY, Action(text=CLOSING_REPLY))
+      closing = chat.assistant_ids(CLOSING_REPLY)
+      result = _reply(traj, chat, env, closing, Action(text=CLOSING_REPLY))
       if result.done:
         break
     traj.reward, traj.finish = float(result.reward), "done" if result.done else "incomplete"
@@ -61,8 +68,9 @@ def demonstration(
     env.close()
 
 
-def _reply(traj: Trajectory, chat: ChatFormat, env: Env, text: str, action: Action):
-  traj.extend(chat.encode(text) + [chat.im_end_id], sampled=True)
+def _reply(traj: Trajectory, chat: ChatFormat, env: Env, ids: list[int], action: Action):
+  """Appends the reply `ids` (and its stop token), steps `env` and appends what it answers."""
+  traj.extend(ids + [chat.im_end_id], sampled=True)
   result = env.step(action)
   if not result.done:
     traj.extend(chat.continuation_ids(result.messages), sampled=False)

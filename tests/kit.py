@@ -147,6 +147,9 @@ class FakeChat:
   def assistant_text(self, content, tool_calls=()):
     return content
 
+  def assistant_ids(self, content, tool_calls=()):
+    return self.encode(content)
+
   def parse_tool_calls(self, text, truncated=False):
     return Action(text=text)
 
@@ -171,6 +174,9 @@ class IdChat:
 
   def assistant_text(self, content, tool_calls=()):
     return content
+
+  def assistant_ids(self, content, tool_calls=()):
+    return self.encode(content)
 
   def parse_tool_calls(self, text, truncated=False):
     return Action(text=text)
