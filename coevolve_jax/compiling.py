@@ -3,6 +3,7 @@ once, shared by the engine's and the trainer's `compile_ahead`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -28,6 +29,62 @@ def run_all(calls: Sequence[Callable[[], None]], threads: int = 0) -> None:
   with futures.ThreadPoolExecutor(compile_threads(threads)) as pool:
     for f in [pool.submit(call) for call in calls]:
       f.result()
+
+
+AUTO_CACHE = "auto"  # `compile.cache_dir`'s default (`resolve_cache_dir`)
+CACHE_ENV = "COEVOLVE_CACHE_DIR"  # the folder of "auto" when set (empty: none of ours)
+_ENTRY_SUFFIX = "-cache"  # JAX's file cache: <key>-cache (and <key>-atime with eviction on)
+
+
+def resolve_cache_dir(setting: str, workdir: str | None, processes: int = 1) -> str:
+  """The compilation cache folder of `compile.cache_dir = setting`.
+
+  "auto" (the default): $COEVOLVE_CACHE_DIR when it is set (set but empty: none of ours);
+  else, on one process, a folder of the user's shared by every run, resume, evaluation,
+  benchmark and ablation on this machine ($XDG_CACHE_HOME/coevolve_jax/xla, else
+  ~/.cache/coevolve_jax/xla), and on several processes `<workdir>/compile_cache`, which every
+  process sees (checked at start-up: only process 0 writes entries, and the others must read
+  them). JAX keys every entry by the program, backend, JAX version and flags, so sharing a
+  folder never loads a program compiled for another setting. "" leaves JAX's own setting
+  (JAX_COMPILATION_CACHE_DIR, else off); anything else is the folder.
+  """
+  if setting != AUTO_CACHE:
+    return setting
+  if CACHE_ENV in os.environ:
+    return os.environ[CACHE_ENV]
+  if processes > 1 and workdir:
+    return os.path.join(workdir, "compile_cache")
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "coevolve_jax", "xla")
+
+
+def remove_torn_entries(cache_dir: str) -> int:
+  """Deletes the entries of a local JAX file cache that do not decode (a process killed while
+  JAX wrote one: JAX writes entries in place, without a temporary file, and never rewrites an
+  entry that exists, so a torn one would cost a warning and a compile in every later process).
+  Returns how many were removed; a folder that is not local (gs://) or not there is left alone.
+  """
+  from jax._src import compilation_cache as cc  # noqa: PLC0415 (JAX's own entry codec)
+
+  if "://" in cache_dir or not os.path.isdir(cache_dir):
+    return 0
+  torn = 0
+  for name in os.listdir(cache_dir):
+    if not name.endswith(_ENTRY_SUFFIX):
+      continue
+    path = os.path.join(cache_dir, name)
+    try:
+      with open(path, "rb") as f:
+        cc.extract_executable_and_time(cc.decompress_executable(f.read()))
+    except OSError:
+      continue  # vanished or unreadable: not ours to judge
+    except Exception:  # zlib / zstd / struct errors of a cut entry
+      with contextlib.suppress(OSError):
+        os.remove(path)
+        torn += 1
+      with contextlib.suppress(OSError):
+        os.remove(path[: -len(_ENTRY_SUFFIX)] + "-atime")
+  return torn
 
 
 def use_persistent_cache(cache_dir: str) -> bool:
@@ -57,3 +114,22 @@ def use_persistent_cache(cache_dir: str) -> bool:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     compilation_cache.reset_cache()  # JAX decides once per process whether the cache is used
   return True
+
+
+def enable_cache(setting: str, workdir: str | None = None, *, primary: bool = True) -> None:
+  """`compile.cache_dir = setting` for this process, before its first compile: the folder of
+  `resolve_cache_dir` with the torn entries removed (by the `primary` process, the only one JAX
+  lets write entries) and JAX pointed at it; prints one line saying where (and how many torn
+  entries were removed). Programs are stored however quickly they compiled (JAX's
+  `jax_persistent_cache_min_compile_time_secs` set to 0 unless its environment variable is set).
+  Several processes are read from `jax.process_count()`."""
+  import jax  # noqa: PLC0415 (this module's thread rule needs no JAX)
+
+  cache_dir = resolve_cache_dir(setting, workdir, jax.process_count())
+  torn = remove_torn_entries(cache_dir) if primary and cache_dir else 0
+  if cache_dir and "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+    # Every program, not only those over JAX's 1 s default: a resume then compiles nothing
+    # (the CPU preset's 38 quicker programs of 100 were compiled again at each resume).
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  if use_persistent_cache(cache_dir):
+    print(f"compilation cache: {cache_dir}" + (f" ({torn} torn entries removed)" if torn else ""))

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from coevolve_jax import compiling, grpo, memory_plan, models
+from coevolve_jax import compiling, distributed, grpo, memory_plan, models
 from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
 from coevolve_jax.checkpoint import RunCheckpointer
 from coevolve_jax.errors import RunError
@@ -76,8 +76,7 @@ def build(cfg: Any, workdir: str) -> Components:
   suite = make_suite(cfg, workdir)  # the benchmark (envs/<name>/suite.py)
   pool = TaskPool(os.path.join(workdir, "pool.jsonl"), threshold=cfg.pool.near_dup_threshold)
   models.apply_matmul_precision(cfg.model)
-  if compiling.use_persistent_cache(cfg.compile.cache_dir):  # before the run's first compile
-    print(f"compilation cache: {cfg.compile.cache_dir}")
+  compiling.enable_cache(cfg.compile.cache_dir, workdir, primary=distributed.is_primary())
   micro_batches = _plan_memory(cfg, mesh)
   model = models.build(cfg.model, seed=cfg.seed, mesh=mesh, dtype=cfg.model.param_dtype)
   # One SamplingParams for the training rollouts and the trainer, which scores old, reference

@@ -422,7 +422,11 @@ def _compile(cfg: Mapping[str, Any]) -> None:
   int_at_least(cfg, "compile.threads", 0)
   cache_dir = get(cfg, "compile.cache_dir")
   if not isinstance(cache_dir, str):
-    fail("compile.cache_dir", 'must be a path string ("" = JAX\'s own setting)', cache_dir)
+    fail(
+      "compile.cache_dir",
+      'must be a path string ("auto": the user\'s cache folder; "" = JAX\'s own setting)',
+      cache_dir,
+    )
   for field, bound in bounds.items():
     buckets = get(cfg, field)
     if not isinstance(buckets, (tuple, list)) or not all(is_int(b) and b >= 1 for b in buckets):

@@ -228,9 +228,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.compile.threads = 0  # compiles at once (0 = the host's CPU count, at most 8)
   # JAX's persistent compilation cache: a folder (local, shared or gs://) where compiled programs
   # are kept, so a resumed run or a rerun with the same shapes loads them instead of compiling
-  # again (metrics.jsonl: compile/cache_hits). "" = JAX's own setting (JAX_COMPILATION_CACHE_DIR,
-  # off by default). Trusted content: keep it writable by this job only.
-  c.compile.cache_dir = ""
+  # again (metrics.jsonl: compile/cache_hits). "auto": the user's cache folder on one process
+  # ($COEVOLVE_CACHE_DIR, else ~/.cache/coevolve_jax/xla), <workdir>/compile_cache on several
+  # (compiling.resolve_cache_dir); "" = JAX's own setting (JAX_COMPILATION_CACHE_DIR, else off).
+  # Trusted content: keep it writable by this user only.
+  c.compile.cache_dir = "auto"
 
   c.feedback = ml_collections.ConfigDict()
   c.feedback.every = 10  # F: a feedback round every F steps

@@ -19,8 +19,9 @@ before training equal) and says so in the record.
 
 Each run has its own workdir under `--workdir` (`<variant>-s<seed>`); all share one persistent
 compilation cache there (`GRID_CACHE`, unless the config, `--set compile.cache_dir=...` or
-JAX_COMPILATION_CACHE_DIR names one). A rerun of the same command resumes the grid: finished
-runs are read back, a killed run resumes from its last checkpoint (a killed start from scratch).
+JAX_COMPILATION_CACHE_DIR names a folder other than the default "auto"). A rerun of the same
+command resumes the grid: finished runs are read back, a killed run resumes from its last
+checkpoint (a killed start from scratch).
 `--report` only rebuilds the record and plots from the workdirs.
 
 Figures per run (`FIGURES`): the held-out BFCL success before and after, the generated held-out
@@ -699,11 +700,16 @@ def main(argv: list[str] | None = None) -> int:
   if args.steps:
     overrides["train.steps"] = args.steps
   seeds = [int(s) for s in args.seeds.split(",")]
-  own_cache = load_config(START_VARIANT, seeds[0], overrides, args.config).compile.cache_dir
-  own_cache = own_cache or os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
-  grid_cache = os.path.join(os.path.abspath(args.workdir), GRID_CACHE)
-  cache = {} if own_cache else {"compile.cache_dir": grid_cache}
-  print(f"compilation cache of every run: {own_cache or cache['compile.cache_dir']}")
+  setting = load_config(START_VARIANT, seeds[0], overrides, args.config).compile.cache_dir
+  jax_own = os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
+  if setting not in ("auto", ""):  # the config names a folder
+    cache, where = {}, setting
+  elif jax_own:  # JAX's own setting, left to JAX
+    cache, where = {"compile.cache_dir": ""}, jax_own
+  else:  # the default: one cache of the grid's own, beside its runs
+    where = os.path.join(os.path.abspath(args.workdir), GRID_CACHE)
+    cache = {"compile.cache_dir": where}
+  print(f"compilation cache of every run: {where}")
   run_overrides = {**cache, **overrides}  # the record lists what the command set
 
   os.makedirs(args.out, exist_ok=True)

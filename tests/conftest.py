@@ -1,12 +1,21 @@
 """Shared fixtures: the kit's tiny model (tests/kit.py) and the loopback Gemini stub.
 
-No XLA flags here: the tests that need 8 host devices set --xla_force_host_platform_device_count
-in the child processes they start (tests/host_devices.py).
+The runs the tests start keep no compilation cache (`COEVOLVE_CACHE_DIR`, below). No XLA flags
+here: the tests that need 8 host devices set --xla_force_host_platform_device_count in the child
+processes they start (tests/host_devices.py).
 """
+
+import os
 
 import pytest
 
 from coevolve_jax.testing.gemini_stub import GeminiStub
+
+# No compilation cache for the runs the tests start with `compile.cache_dir = "auto"` (this
+# process's and the children's, which inherit the variable): few programs recur across tests, and
+# storing them cost more than loading saved (docs/benchmarks/compiles.md). The tests of the cache
+# name folders of their own.
+os.environ.setdefault("COEVOLVE_CACHE_DIR", "")
 
 
 @pytest.fixture(scope="module")

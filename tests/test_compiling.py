@@ -39,7 +39,7 @@ import json, sys, jax, jax.numpy as jnp, numpy as np
 from coevolve_jax import compiling
 from coevolve_jax.metrics import CompileCounter
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # store even this small one
-assert compiling.use_persistent_cache(sys.argv[1])
+compiling.enable_cache(sys.argv[1])  # prints "compilation cache: ..." (torn entries removed)
 counter = CompileCounter()
 def mixed(x):
   return jnp.tanh(x @ x.T).sum(axis=0) * 2.0
@@ -58,8 +58,11 @@ def _run_fresh_process(cache_dir):
     timeout=120,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
-  out = json.loads(proc.stdout.strip().splitlines()[-1])
-  return out["values"], out["figures"]
+  assert "Error reading persistent compilation cache entry" not in proc.stderr
+  lines = proc.stdout.strip().splitlines()
+  assert lines[0].startswith(f"compilation cache: {cache_dir}")
+  out = json.loads(lines[-1])
+  return out["values"], {**out["figures"], "line": lines[0]}
 
 
 def test_a_second_process_loads_the_program_from_the_persistent_cache(tmp_path):
@@ -73,6 +76,44 @@ def test_a_second_process_loads_the_program_from_the_persistent_cache(tmp_path):
   assert second["compile/count"] == 1 and second["compile/cache_hits"] == 1, second
   assert second["compile/program/mixed"] == 1
   assert second_values == first_values
+
+
+def test_an_entry_torn_by_a_kill_is_removed_counted_and_written_again(tmp_path):
+  """JAX writes a cache entry in place and never rewrites one that exists, so an entry cut by a
+  kill cost every later process a warning and a compile. The start-up removes it (counted in
+  its line), the process compiles and stores the program again, and the next one loads it."""
+  cache_dir = str(tmp_path / "xla")
+  first_values, _ = _run_fresh_process(cache_dir)
+  (entry,) = [
+    n for n in os.listdir(cache_dir) if n.startswith("jit_mixed") and n.endswith("-cache")
+  ]
+  path = os.path.join(cache_dir, entry)
+  with open(path, "rb") as f:
+    data = f.read()
+  with open(path, "wb") as f:
+    f.write(data[: len(data) // 2])  # the write a SIGKILL cut
+  values, figures = _run_fresh_process(cache_dir)
+  assert figures["line"] == f"compilation cache: {cache_dir} (1 torn entries removed)"
+  assert figures["compile/cache_hits"] == 0 and values == first_values
+  with open(path, "rb") as f:
+    assert f.read() == data  # written again, whole
+  values, figures = _run_fresh_process(cache_dir)
+  assert figures["line"] == f"compilation cache: {cache_dir}"
+  assert figures["compile/cache_hits"] == 1 and values == first_values
+
+
+def test_auto_is_the_users_cache_on_one_process_and_the_workdirs_on_several(monkeypatch):
+  monkeypatch.setenv("COEVOLVE_CACHE_DIR", "/x/cache")
+  assert compiling.resolve_cache_dir("auto", "/runs/a") == "/x/cache"
+  assert compiling.resolve_cache_dir("auto", "/runs/a", 2) == "/x/cache"
+  monkeypatch.setenv("COEVOLVE_CACHE_DIR", "")  # set empty: none of ours
+  assert compiling.resolve_cache_dir("auto", "/runs/a", 2) == ""
+  monkeypatch.delenv("COEVOLVE_CACHE_DIR")
+  assert compiling.resolve_cache_dir("auto", "/runs/a", 2) == "/runs/a/compile_cache"
+  monkeypatch.setenv("XDG_CACHE_HOME", "/home/u/.cache")
+  assert compiling.resolve_cache_dir("auto", None) == "/home/u/.cache/coevolve_jax/xla"
+  assert compiling.resolve_cache_dir("", "/runs/a") == ""
+  assert compiling.resolve_cache_dir("/mine", "/runs/a", 2) == "/mine"
 
 
 def test_an_empty_cache_dir_leaves_jax_setting_alone():

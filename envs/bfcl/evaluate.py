@@ -194,6 +194,9 @@ def main(argv: list[str]) -> int:
   output = f.output or os.path.join(f.checkpoint or ".", "eval_bfcl.json")
   cfg = cfg.copy_and_resolve_references()
   cfg.eval.max_steps_per_turn = f.max_steps_per_turn  # BFCL's 20 unless asked otherwise
+  from coevolve_jax import compiling  # noqa: PLC0415 (imports no JAX)
+
+  compiling.enable_cache(cfg.compile.cache_dir)  # one process: the user's cache by default
   try:
     run(cfg, f.checkpoint, f.categories, f.max_tasks, f.policy, output, f.max_new_tokens)
   except FileNotFoundError as e:
