@@ -65,32 +65,17 @@ class CheckpointMismatchError(RuntimeError):
 
 
 def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
-  """{"a/b/c": shape} of a pytree of arrays or of orbax's array metadata (nested dicts and
-  lists of objects with `.shape`; None entries are empty states and have no arrays)."""
-  out: dict[str, tuple[int, ...]] = {}
+  """{"a/b/c": shape} of a pytree of arrays, or of orbax's metadata of one (nested dicts and
+  lists of array metadata, which are leaves; None entries are empty states with no arrays)."""
 
-  def key_name(k: Any) -> str:
+  def key_name(k: Any) -> str:  # DictKey.key, GetAttrKey.name, SequenceKey.idx
     for attr in ("key", "name", "idx"):
       if hasattr(k, attr):
         return str(getattr(k, attr))
     return str(k)
 
-  def walk(node: Any, path: tuple[str, ...]) -> None:
-    if isinstance(node, dict):
-      for k, v in node.items():
-        walk(v, (*path, str(k)))
-    elif isinstance(node, (list, tuple)):
-      for i, v in enumerate(node):
-        walk(v, (*path, str(i)))
-    elif node is not None:
-      out["/".join(path)] = tuple(node.shape)
-
-  if isinstance(tree, (dict, list)):
-    walk(tree, ())
-  else:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-      out["/".join(key_name(k) for k in path)] = tuple(leaf.shape)
-  return out
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {"/".join(key_name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
 
 
 class RunCheckpointer:

@@ -124,9 +124,11 @@ def _help() -> str:
     "Configs (configs/NAME.py is full scale; :VARIANT as listed):",
   ]
   for name in sorted(os.listdir(_CONFIGS_DIR)) if os.path.isdir(_CONFIGS_DIR) else []:
+    if not name.endswith(".py"):
+      continue
     path = os.path.join(_CONFIGS_DIR, name)
     spec = importlib.util.spec_from_file_location(f"coevolve_help_{name[:-3]}", path)
-    if not name.endswith(".py") or spec is None or spec.loader is None:
+    if spec is None or spec.loader is None:
       continue
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -139,17 +141,25 @@ def _help() -> str:
 
 def _one_line(error: BaseException) -> str:
   """A flag or config-file error as one line: the last line of a message that carries a
-  traceback or the loader's attempts (ml_collections wraps a config file's exception so), a
-  typo's suggestion kept."""
-  while error.args and isinstance(error.args[0], BaseException):  # AttributeError(KeyError(..))
-    error = error.args[0]
+  traceback or the loader's attempts (ml_collections wraps a config file's exception so)."""
   text = error.args[0] if error.args and isinstance(error.args[0], str) else str(error)
   lines = [line.strip() for line in text.splitlines() if line.strip()]
-  if isinstance(error, KeyError):  # ConfigDict: "'stepz'" then "Did you mean ...?"
-    return f"unknown field {' '.join(lines)}"
   if len(lines) > 1 and ("Traceback (most recent call last):" in text or "Attempted" in text):
     return f"{lines[0]} {lines[-1]}"
   return " ".join(lines)
+
+
+def _config_error(error: BaseException, argv: list[str]) -> str:
+  """The message of a config file that does not load or of an override it refuses; an unknown
+  field names the override it came from, with ConfigDict's suggestion."""
+  while error.args and isinstance(error.args[0], BaseException):  # AttributeError(KeyError(..))
+    error = error.args[0]
+  if not isinstance(error, KeyError):
+    return f"--config: {_one_line(error)}"
+  key, _, hint = str(error.args[0]).partition("\n")  # "'stepz'", 'Did you mean "steps" ...?'
+  field = key.strip("'")
+  flag = next((a.split("=")[0] for a in argv if re.search(rf"\.{re.escape(field)}(=|$)", a)), None)
+  return f"{flag or '--config'}: unknown field {key} {hint.strip()}".rstrip()
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -163,13 +173,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
     print(f"error: {_one_line(e)}", file=sys.stderr)
     sys.exit(2)
   except (AttributeError, KeyError, TypeError, ValueError, OSError, SyntaxError) as e:
-    message = _one_line(e)
-    if m := re.match(r"unknown field '([^']+)'", message):  # name the override it came from
-      flag = next((a.split("=")[0] for a in argv if re.search(rf"\.{m[1]}(=|$)", a)), "--config")
-      message = f"{flag}: {message}"
-    else:
-      message = f"--config: {message}"
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {_config_error(e, argv)}", file=sys.stderr)
     sys.exit(2)
   return rest
 

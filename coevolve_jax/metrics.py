@@ -114,7 +114,7 @@ def truncate_jsonl(path: str, max_step: int) -> int:
 # recorded by `_tensorboard_excepthook` instead of a thread traceback, raised by the next
 # `MetricsWriter` call in the main thread as the one-line DiskFullError of every other write.
 _TB_DISK_FULL: list[BaseException] = []
-_PREVIOUS_EXCEPTHOOK = threading.excepthook
+_PREVIOUS_EXCEPTHOOK = [threading.excepthook]  # the hook in force when ours was installed
 
 
 def _tensorboard_excepthook(args: threading.ExceptHookArgs) -> None:
@@ -124,7 +124,7 @@ def _tensorboard_excepthook(args: threading.ExceptHookArgs) -> None:
     if errors.disk_full_errno(error) is not None:
       _TB_DISK_FULL.append(error)
       return
-  _PREVIOUS_EXCEPTHOOK(args)
+  _PREVIOUS_EXCEPTHOOK[0](args)
 
 
 class MetricsWriter:
@@ -144,7 +144,9 @@ class MetricsWriter:
     self._tb_dir = os.path.join(workdir, "tensorboard")
     self._tb = None  # only the primary process writes TensorBoard events
     if distributed.is_primary():
-      threading.excepthook = _tensorboard_excepthook
+      if threading.excepthook is not _tensorboard_excepthook:  # once, keeping the one before
+        _PREVIOUS_EXCEPTHOOK[0] = threading.excepthook
+        threading.excepthook = _tensorboard_excepthook
       with errors.writing(self._tb_dir):
         self._tb = SummaryWriter(self._tb_dir, purge_step=resume_step + 1)
 
