@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 
@@ -58,32 +59,49 @@ def resolve_cache_dir(setting: str, workdir: str | None, processes: int = 1) -> 
   return os.path.join(base, "coevolve_jax", "xla")
 
 
+_SCANNED = ".coevolve-scanned"  # its mtime: when the last completed scan of the folder started
+
+
 def remove_torn_entries(cache_dir: str) -> int:
   """Deletes the entries of a local JAX file cache that do not decode (a process killed while
   JAX wrote one: JAX writes entries in place, without a temporary file, and never rewrites an
   entry that exists, so a torn one would cost a warning and a compile in every later process).
+
+  Only entries written since the last completed scan of the folder are read (a marker file's
+  mtime is that scan's start), so a large shared cache costs a start-up only its new entries.
   Returns how many were removed; a folder that is not local (gs://) or not there is left alone.
   """
   from jax._src import compilation_cache as cc  # noqa: PLC0415 (JAX's own entry codec)
 
   if "://" in cache_dir or not os.path.isdir(cache_dir):
     return 0
+  marker = os.path.join(cache_dir, _SCANNED)
+  started = time.time()
+  try:
+    since = os.stat(marker).st_mtime
+  except OSError:
+    since = 0.0
   torn = 0
-  for name in os.listdir(cache_dir):
-    if not name.endswith(_ENTRY_SUFFIX):
+  for entry in os.scandir(cache_dir):
+    if not entry.name.endswith(_ENTRY_SUFFIX):
       continue
-    path = os.path.join(cache_dir, name)
     try:
-      with open(path, "rb") as f:
+      if entry.stat().st_mtime < since:
+        continue
+      with open(entry.path, "rb") as f:
         cc.extract_executable_and_time(cc.decompress_executable(f.read()))
     except OSError:
       continue  # vanished or unreadable: not ours to judge
     except Exception:  # zlib / zstd / struct errors of a cut entry
       with contextlib.suppress(OSError):
-        os.remove(path)
+        os.remove(entry.path)
         torn += 1
       with contextlib.suppress(OSError):
-        os.remove(path[: -len(_ENTRY_SUFFIX)] + "-atime")
+        os.remove(entry.path[: -len(_ENTRY_SUFFIX)] + "-atime")
+  with contextlib.suppress(OSError):  # a read-only folder: scanned again next time
+    with open(marker, "w"):
+      pass
+    os.utime(marker, (started, started))
   return torn
 
 
