@@ -42,6 +42,13 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   # training split of bfcl.category); set when every entry of bfcl.category is held out.
   b.explore_category = ""
   b.max_steps_per_turn = 20  # model steps per user turn in a training episode
+  # Wall-clock seconds the tool calls of one model reply share (each call is also bounded by
+  # backends.call_wall_s); once spent, the reply's remaining calls are not run and each gets an
+  # error observation. BFCL calls take milliseconds, so honest replies never come near it; 20 s
+  # (twice call_wall_s) leaves room for one call stopped at its bound, and caps a reply of many
+  # slow calls at about 30 s (budget + one call) instead of n x call_wall_s (~18 min for the ~100
+  # calls that fit in 4096 tokens).
+  b.reply_wall_s = 20.0
   b.max_classes = 0  # backend classes per D0 context (0 = all of the entry's)
   b.only_classes = ()  # explore only these BFCL backends for D0 (empty = all)
   # Bounds on BFCL backend execution (envs/bfcl/backends.py): every tool call of an episode, an

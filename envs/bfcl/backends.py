@@ -25,6 +25,10 @@ official checker (`score_calls`), runs here:
   worker by replaying those calls from the initial state, which is what the official checker
   itself does; if the replay is stopped or any result differs, the session raises `BackendLost`
   and the episode ends with an error result (`BfclEnv`: reward 0, error type "env:backend_lost").
+- The calls of one model reply (`BackendSession.execute(calls, budget_s)`; `BfclEnv` passes the
+  config's `bfcl.reply_wall_s`) also share one wall-clock budget: once they have spent it, the
+  reply's remaining calls are not started and each gets `budget_observation` (`ran` False), so a
+  reply of many slow calls cannot hold its batch for many times `call_wall_s`.
 
 `default_pool()` is the process-wide pool that everything uses unless given another;
 `configure(bounds)` sets its bounds (the suite and `make_episode` call it with the run config's
@@ -42,6 +46,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from typing import Any
@@ -140,6 +145,22 @@ def _observation(reason: str, bounds: Bounds, detail: str = "") -> str:
   else:
     what = f"was stopped because its backend process ended unexpectedly ({detail})"
   return f"Error during execution: the call {what}; it had no effect."
+
+
+def _positive_seconds(value: Any) -> bool:
+  """True for a finite number > 0 (not a bool)."""
+  number = isinstance(value, (int, float)) and not isinstance(value, bool)
+  return number and math.isfinite(value) and value > 0
+
+
+def budget_observation(budget_s: float) -> str:
+  """The error text for a call of a reply that was not run because the reply's calls had
+  already spent their shared wall-clock budget of `budget_s` seconds."""
+  return (
+    f"Error during execution: the call was not run: this reply's calls had already spent their "
+    f"shared time budget of {budget_s:g} s; it had no effect. Make fewer or quicker calls per "
+    "reply."
+  )
 
 
 def _exit_text(code: int | None) -> str:
@@ -487,30 +508,52 @@ class BackendSession:
     with self._worker.lock:
       self._ensure()
 
-  def execute(self, calls: list[str]) -> list[CallOutcome]:
+  def execute(self, calls: list[str], budget_s: float | None = None) -> list[CallOutcome]:
     """Runs trusted call strings (built by `call_to_string`, or trusted ground truth) in order,
-    each within `call_wall_s` seconds and the worker's memory bound.
+    each within `call_wall_s` seconds and the worker's memory bound, and all of them within
+    `budget_s` seconds of wall clock when it is given.
+
+    The budget counts the real time (`time.monotonic`) this session spends on the calls, including
+    rebuilding its instances in a replaced worker, but not waiting for a worker that another
+    session's call holds. Once it is spent no further call is started, so the calls take at most
+    `budget_s` plus the last started call's own time (at most `call_wall_s`, plus a worker start
+    and replay should its worker have been replaced).
+
+    Args:
+      calls: the call strings, in order.
+      budget_s: wall-clock seconds (> 0) the calls share; None = no shared budget.
 
     Returns:
-      One `CallOutcome` per call: BFCL's result text, or for a call stopped at a bound (or whose
-      worker died) an "Error during execution: ..." text and `ran` False. A stopped call has no
-      effect; the later calls run on the state before it.
+      One `CallOutcome` per call: BFCL's result text; for a call stopped at a bound (or whose
+      worker died) an "Error during execution: ..." text and `ran` False; for a call not started
+      because the budget was spent, `budget_observation(budget_s)` and `ran` False. A call that
+      did not run has no effect; the later calls run on the state before it.
 
     Raises:
+      ValueError: budget_s is not None and not a finite number > 0.
       BackendLost: the instances could not be rebuilt after a worker replacement (end the episode).
       BackendUnavailable: no worker could be started (the message says why), or the pool is
         closed.
       BackendError: the worker failed unexpectedly.
     """
+    if budget_s is not None and not _positive_seconds(budget_s):
+      raise ValueError(f"budget_s must be a finite number of seconds > 0, got {budget_s!r}")
     out = []
     wall = self.pool.bounds.call_wall_s
+    spent = 0.0
     for call in calls:
+      if budget_s is not None and spent >= budget_s:
+        out.append(CallOutcome(budget_observation(budget_s), ran=False))
+        continue
       with self._worker.lock:
+        start = time.monotonic()
         try:
           text = self._request("exec", (self.model_name, call), wall)
         except CallStopped as e:
           out.append(CallOutcome(e.observation, ran=False))
           continue
+        finally:
+          spent += time.monotonic() - start
         self._log.append(call)
         self._digests.append(_digest(text))
         out.append(CallOutcome(text, ran=True))

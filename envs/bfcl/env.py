@@ -5,11 +5,14 @@ are validated and converted to call strings by us (`call_to_string`), executed o
 backend instances, and the episode is scored at the end by the official `multi_turn_checker` (reward
 1.0 / 0.0). The instances live in a worker process of a `BackendPool` (`envs.bfcl.backends`), where
 every call runs under a wall-time and memory bound: a call over a bound gets an error observation,
-has no effect and is not among the calls the checker replays, and the episode goes on.
+has no effect and is not among the calls the checker replays, and the episode goes on. The calls of
+one reply also share a wall-clock budget (`reply_wall_s`): those left when it is spent are not run
+and get an error observation each, so one reply cannot stall its batch for long.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +58,8 @@ SYSTEM_PROMPT = (
 # BFCL's prompt when miss_func adds the held-out functions (constants.default_prompts).
 ADDED_FUNCTIONS_PROMPT = "I have updated some more functions you can choose from. What about now?"
 DEFAULT_MAX_OBS_CHARS = 8000
+# Wall-clock seconds the calls of one reply share (configs/bfcl.py `bfcl.reply_wall_s`).
+DEFAULT_REPLY_WALL_S = 20.0
 MAX_STEPS_PER_TURN = 20  # BFCL's MAXIMUM_STEP_LIMIT.
 
 
@@ -75,6 +80,9 @@ class BfclEnv:
     calls: decoded call strings, [turn][step][call], as the official checker expects: the calls
       that ran (a call stopped at a bound of `backends` is left out; a step none of whose calls ran
       is left out).
+    reply_wall_s: wall-clock seconds one reply's calls share (`BackendSession.execute`): once
+      spent, the reply's remaining calls are not run and each gets an error observation saying so
+      (they have no effect and are not in `calls`); the step and the episode go on.
 
   A step whose backend state cannot be rebuilt after its worker process was replaced (see
   `envs.bfcl.backends`) ends the episode: reward 0, checker error_type "env:backend_lost".
@@ -91,9 +99,16 @@ class BfclEnv:
     max_steps_per_turn: int = MAX_STEPS_PER_TURN,
     official_loop: bool = False,
     backends: BackendPool | None = None,
+    reply_wall_s: float = DEFAULT_REPLY_WALL_S,
   ):
+    """Raises ValueError: a task without turns or ground truth per turn, or reply_wall_s not a
+    finite number of seconds > 0."""
     if not task.turns or len(task.turns) != len(task.ground_truth):
       raise ValueError(f"task {task.task_id}: needs turns and one ground-truth list per turn")
+    wall = reply_wall_s
+    if isinstance(wall, bool) or not isinstance(wall, (int, float)) or not 0 < wall < math.inf:
+      raise ValueError(f"reply_wall_s must be a finite number of seconds > 0, got {wall!r}")
+    self.reply_wall_s = float(wall)
     self.task = task
     self.tool_style = tool_style
     self.max_obs_chars, self.max_obs_tokens = max_obs_chars, max_obs_tokens
@@ -157,7 +172,7 @@ class BfclEnv:
     outcomes: list[CallOutcome] = []
     if valid:
       assert self._session is not None, "calls run between reset() and close()"
-      outcomes = self._session.execute(valid)
+      outcomes = self._session.execute(valid, budget_s=self.reply_wall_s)
     ran = [c for c, o in zip(valid, outcomes) if o.ran]
     if ran:
       self.calls[self._turn].append(ran)
@@ -263,9 +278,11 @@ def make_env(
   max_steps_per_turn: int = MAX_STEPS_PER_TURN,
   official_loop: bool = False,
   backends: BackendPool | None = None,
+  reply_wall_s: float = DEFAULT_REPLY_WALL_S,
 ) -> BfclEnv:
   """A fresh, isolated BfclEnv for one episode of `task` (call reset() first, close() at the
-  end); its calls run in `backends` (None = `envs.bfcl.backends.default_pool()`)."""
+  end); its calls run in `backends` (None = `envs.bfcl.backends.default_pool()`), those of one
+  reply within `reply_wall_s` seconds of wall clock (`BfclEnv`). Raises ValueError as `BfclEnv`."""
   return BfclEnv(
     task,
     episode_id,
@@ -275,6 +292,7 @@ def make_env(
     max_steps_per_turn=max_steps_per_turn,
     official_loop=official_loop,
     backends=backends,
+    reply_wall_s=reply_wall_s,
   )
 
 

@@ -44,7 +44,8 @@ def check_setup(cfg: Any) -> None:
 def validate_config(cfg: Any) -> None:
   """The `bfcl` group: the entries (category, eval_size, explore_category), prompt settings
   (tool_style, checked by the converter that uses it; max_obs_chars / max_obs_tokens), the
-  training episodes' max_steps_per_turn, D0's backend classes, and the execution bounds
+  training episodes' max_steps_per_turn, D0's backend classes, the wall-clock budget of one
+  reply's calls (reply_wall_s, a finite number of seconds > 0), and the execution bounds
   `bfcl.backends.*` (call_wall_s a finite number > 0, worker_memory_mib an int >=
   `backends.MIN_WORKER_MEMORY_MIB`, workers an int >= 1). The categories' data is checked where
   it is loaded.
@@ -62,6 +63,7 @@ def validate_config(cfg: Any) -> None:
   config.int_at_least(cfg, "bfcl.max_obs_tokens", 0)
   config.int_at_least(cfg, "bfcl.max_steps_per_turn", 1)
   config.int_at_least(cfg, "bfcl.max_classes", 0)
+  config.number(cfg, "bfcl.reply_wall_s", lo=0.0, lo_open=True)
   only = config.get(cfg, "bfcl.only_classes")
   if not isinstance(only, (tuple, list)) or not all(isinstance(c, str) for c in only):
     config.fail("bfcl.only_classes", "must be a tuple of BFCL backend class names", only)
@@ -81,7 +83,8 @@ def backend_pool(cfg: Any) -> backends.BackendPool:
 
 def make_episode(cfg: Any, task: Task, episode_id: str, *, eval: bool = False) -> BfclEnv:
   """A BFCL episode with the run config's prompt settings (`bfcl.tool_style`,
-  `bfcl.max_obs_chars`, or `bfcl.max_obs_tokens` when > 0).
+  `bfcl.max_obs_chars`, or `bfcl.max_obs_tokens` when > 0) and the wall-clock budget of one
+  reply's calls (`bfcl.reply_wall_s`, seconds; training and evaluation alike).
 
   Training (`eval=False`): a reply that cannot be parsed gets an error observation and the turn
   goes on; `bfcl.max_steps_per_turn` model steps force-terminate the episode. Evaluation
@@ -98,6 +101,7 @@ def make_episode(cfg: Any, task: Task, episode_id: str, *, eval: bool = False) -
     tool_style=cfg.bfcl.tool_style,
     max_steps_per_turn=cfg.eval.max_steps_per_turn if eval else cfg.bfcl.max_steps_per_turn,
     official_loop=eval,
+    reply_wall_s=cfg.bfcl.reply_wall_s,
   )
 
 
