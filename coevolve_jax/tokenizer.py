@@ -132,7 +132,12 @@ class QwenTokenizer:
     """
     if not text:
       return []
-    return self._plain_tokenizer().encode(text, add_special_tokens=False).ids
+    return self.encode_plain(text).ids
+
+  def encode_plain(self, text: str) -> tokenizers.Encoding:
+    """`encode_text`'s whole `tokenizers.Encoding`: `ids`, `offsets` (character spans in
+    `text`) and `word_ids` (the pre-token each id comes from)."""
+    return self._plain_tokenizer().encode(text, add_special_tokens=False)
 
   def encode_segments(self, segments: Sequence[tuple[str, bool]]) -> list[int]:
     """Tokenizes a text given as (piece, external) pairs: the chat template's pieces (external

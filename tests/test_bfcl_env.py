@@ -205,7 +205,7 @@ def test_call_to_string_accepts_literals():
 
 def test_observations_are_cut_in_tokens_when_asked():
   """The paper cuts observations at 4,096 tokens: `max_obs_tokens` counts Qwen tokens (the
-  characters limit then does not apply); the marker says how many tokens were dropped."""
+  characters limit then does not apply); the marker says how many characters were dropped."""
   from envs.base import truncate_observation  # noqa: PLC0415
   from coevolve_jax.tokenizer import get_tokenizer  # noqa: PLC0415
 
@@ -214,7 +214,7 @@ def test_observations_are_cut_in_tokens_when_asked():
   cut = truncate_observation(text, max_chars=10, max_tokens=50)
   kept = cut.split("... [truncated ")[0]
   assert text.startswith(kept) and len(get_tokenizer().encode(kept)) == 50
-  assert cut.endswith(f"[truncated {n - 50} tokens]")
+  assert cut.endswith(f"[truncated {len(text) - len(kept)} characters]")
   assert truncate_observation(text, max_chars=10, max_tokens=n) == text
   assert truncate_observation(text, max_chars=10) == text[:10] + (
     f"... [truncated {len(text) - 10} characters]"
