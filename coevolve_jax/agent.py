@@ -158,8 +158,9 @@ class AgentRunner:
     self._stepping: dict[futures.Future, _Episode] = {}  # env step in flight on a host thread
     self._slot_keys = jax.random.split(rng, self.engine.num_slots)
     self._to_prefill: list[tuple[_Episode, list[int]]] = []  # fed, prefilled together
-    with futures.ThreadPoolExecutor(self.env_threads, thread_name_prefix="env") as pool:
-      self._pool = pool
+    pool = futures.ThreadPoolExecutor(self.env_threads, thread_name_prefix="env")
+    self._pool, interrupted = pool, False
+    try:
       while pending or self._active or self._stepping:
         while pending and self._free:
           index, (task, group_id) = pending.popleft()
@@ -169,6 +170,11 @@ class AgentRunner:
         if not self._active:
           continue
         self._decode(sampling)
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM: environment steps in flight are not waited for
+      interrupted = True
+      raise
+    finally:
+      pool.shutdown(wait=not interrupted, cancel_futures=interrupted)
     return self._results  # type: ignore[return-value]
 
   def _decode(self, sampling: SamplingParams) -> None:

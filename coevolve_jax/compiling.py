@@ -26,10 +26,19 @@ def compile_threads(threads: int = 0) -> int:
 
 def run_all(calls: Sequence[Callable[[], None]], threads: int = 0) -> None:
   """Runs `calls` (each lowers and compiles programs: XLA compiles outside the GIL) in
-  `compile_threads(threads)` host threads; the first error is raised after all have ended."""
-  with futures.ThreadPoolExecutor(compile_threads(threads)) as pool:
+  `compile_threads(threads)` host threads; the first error is raised after all have ended. On
+  KeyboardInterrupt the calls not yet started are cancelled and those running are not waited
+  for."""
+  pool = futures.ThreadPoolExecutor(compile_threads(threads))
+  interrupted = False
+  try:
     for f in [pool.submit(call) for call in calls]:
       f.result()
+  except KeyboardInterrupt:  # Ctrl-C / SIGTERM
+    interrupted = True
+    raise
+  finally:
+    pool.shutdown(wait=not interrupted, cancel_futures=interrupted)
 
 
 AUTO_CACHE = "auto"  # `compile.cache_dir`'s default (`resolve_cache_dir`)

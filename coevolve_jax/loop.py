@@ -98,8 +98,9 @@ class CoEvolveRun:
     return self._session(self._step0)
 
   def _session(self, body: Callable[[], Any]) -> Any:
-    """`body()` with this session's clock and compile counter; on an error, the checkpointer and
-    logs are closed before it propagates."""
+    """`body()` with this session's clock and compile counter; on an error or an interrupt
+    (KeyboardInterrupt), the checkpointer (its save in flight finished) and logs are closed
+    before it propagates; on an interrupt the feedback round in flight is abandoned."""
     self._session_start = time.perf_counter()
     self._closing: list[tuple[str, Any]] = []  # closed after an error, in order
     lock = workdir_files.WorkdirLock(self.workdir)
@@ -108,6 +109,11 @@ class CoEvolveRun:
     self.compiles = CompileCounter()
     try:
       return body()
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (coevolve_jax.main): stop, keep the checkpoint
+      if (scheduler := getattr(self, "rounds", None)) is not None:
+        scheduler.abandon()  # a round in flight is redone on resume; not waited for
+      self._close_after_error()
+      raise
     except Exception:
       self._close_after_error()
       raise

@@ -2,18 +2,26 @@
 
 Rerunning the same command resumes from the last checkpoint; after completion it reports that the
 run is complete and exits 0. A run that cannot go on (RunError, e.g. a full disk: DiskFullError)
-prints one line, `error: ...`, and exits 2.
+prints one line, `error: ...`, and exits 2. Ctrl-C or SIGTERM (a preemption, `docker stop`, a job
+scheduler) stops the run: the checkpoint save in flight is finished, the logs are closed, and the
+process exits at once (130 for SIGINT, 143 for SIGTERM) without waiting for work that a resume
+redoes (a feedback round in flight, environment steps, compiles); a second signal exits without
+waiting for the checkpoint.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import logging
 import os
 import re
+import signal
 import sys
 import tempfile
+import threading
+from typing import NoReturn
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -43,8 +51,54 @@ class _AfterDiskFull(logging.Filter):
     return not self.disk_full
 
 
+_STOP_SIGNALS = ("SIGINT", "SIGTERM")
+_EXIT_HANDLERS_S = 3.0  # at most this long for the exit handlers after an interrupt
+
+
+def _stop_on_signals() -> None:
+  """SIGINT and SIGTERM raise KeyboardInterrupt (args: the signal's name) in the main thread, so
+  the run closes its checkpointer and logs on the way out (`CoEvolveRun.fit`); a second one exits
+  at once (status 128 + signal), without waiting for the checkpoint in flight."""
+  if threading.current_thread() is not threading.main_thread():
+    return  # signal handlers can only be set from the main thread (main() called by a test)
+  received: list[str] = []
+
+  def handler(signum: int, frame: object) -> None:
+    del frame
+    name = signal.Signals(signum).name
+    if received:
+      print(f"\n{name} again: exiting now, without waiting for the checkpoint", file=sys.stderr)
+      sys.stderr.flush()
+      os._exit(128 + signum)
+    received.append(name)
+    raise KeyboardInterrupt(name)
+
+  for name in _STOP_SIGNALS:
+    signal.signal(signal.Signals[name], handler)
+
+
+def _exit_now(code: int) -> NoReturn:
+  """Exits with `code` once the run has closed what it must (checkpoint, logs): the interpreter's
+  exit handlers run (BFCL workers and AppWorld servers stopped, JAX shut down), then the process
+  ends without joining threads still busy with work a resume redoes (a feedback round's LLM and
+  environment calls, environment steps, XLA compiles), which Python would otherwise wait for
+  (tens of seconds to minutes). Never returns."""
+  for stream in (sys.stdout, sys.stderr):
+    stream.flush()
+  # Exit handlers that hang (a JAX multi-host shutdown waiting for the other processes, a server
+  # that ignores SIGTERM) get _EXIT_HANDLERS_S; the children end anyway (BFCL workers read EOF,
+  # AppWorld servers get SIGTERM from the kernel when this process is gone).
+  watchdog = threading.Timer(_EXIT_HANDLERS_S, os._exit, (code,))
+  watchdog.daemon = True
+  watchdog.start()
+  atexit._run_exitfuncs()
+  logging.shutdown()
+  os._exit(code)
+
+
 def main(argv: list[str]) -> int:
   del argv
+  _stop_on_signals()
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; -v 0 shows them
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("absl").addFilter(_AfterDiskFull())  # -v shows those reports too
@@ -85,13 +139,14 @@ def main(argv: list[str]) -> int:
   except (RunError, distributed.PrimaryFailed) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  except KeyboardInterrupt:
+  except KeyboardInterrupt as e:
+    code = 128 + (signal.Signals[e.args[0]] if e.args and e.args[0] in _STOP_SIGNALS else 2)
     print(
       f"\ninterrupted; rerun the same command to resume from the last checkpoint in "
       f"{workdir}/checkpoints",
       file=sys.stderr,
     )
-    return 130
+    _exit_now(code)
   print(json.dumps(summary, indent=1, sort_keys=True))
   return 0
 

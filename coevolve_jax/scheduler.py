@@ -59,6 +59,12 @@ class RoundScheduler:
   def shutdown(self) -> None:
     self._executor.shutdown()
 
+  def abandon(self) -> None:
+    """Stops without waiting (the run was interrupted): a round not yet started is cancelled;
+    one being synthesized runs on in its worker thread, whose result no one commits (the
+    checkpoint holds the round as in flight, so a resumed run redoes it)."""
+    self._executor.shutdown(wait=False, cancel_futures=True)
+
   def tick(self, state: RunState, step: int, held_out: list[Task]) -> dict[str, Any]:
     """After GRPO step `step`: starts a round after every F-th step; commits the round in
     flight once its step is due. Returns the commit's metrics ({} without one)."""
