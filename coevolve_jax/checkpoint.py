@@ -64,7 +64,31 @@ class CheckpointMismatchError(RuntimeError):
     )
 
 
-def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+def shape_differences(step_folder: str, like: dict[str, Any]) -> list[str] | None:
+  """One line per array whose path or shape differs between the items stored in `step_folder`
+  and `like` ({item name: pytree of arrays or shape structs}), e.g. "params/x/value: (64, 32)
+  saved, (64, 16) configured"; [] when they agree; None when an item's array metadata is
+  unreadable (a damaged step, not another model's)."""
+  try:  # each item's own array metadata (a reopened manager knows no item handler to read it)
+    reader = ocp.StandardCheckpointHandler()
+    folder = epath.Path(step_folder)
+    saved = {item: array_shapes(reader.metadata(folder / item).tree) for item in like}
+  except Exception:  # damaged metadata
+    return None
+  lines = []
+  for item, tree in like.items():
+    want = array_shapes(tree)
+    for path in sorted(set(saved[item]) | set(want)):
+      got, need = saved[item].get(path), want.get(path)
+      if got != need:
+        lines.append(
+          f"{item}/{path}: {'absent' if got is None else got} saved, "
+          f"{'absent' if need is None else need} configured"
+        )
+  return lines
+
+
+def array_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
   """{"a/b/c": shape} of a pytree of arrays, or of orbax's metadata of one (nested dicts and
   lists of array metadata, which are leaves; None entries are empty states with no arrays)."""
 
@@ -198,23 +222,8 @@ class RunCheckpointer:
     """Raises CheckpointMismatchError when `step`'s stored array metadata is readable and its
     paths or shapes differ from `like`'s; returns when they agree or the metadata is unreadable
     (then the step is damaged, not another model's)."""
-    try:  # each item's own array metadata (a reopened manager knows no item handler to read it)
-      reader = ocp.StandardCheckpointHandler()
-      folder = epath.Path(self._step_folder(step))
-      saved = {item: _shapes(reader.metadata(folder / item).tree) for item in _STATE_ITEMS}
-    except Exception:  # damaged metadata: the caller treats the step as unreadable
-      return
-    lines = []
-    for item in _STATE_ITEMS:
-      want = _shapes(getattr(like, item))
-      for path in sorted(set(saved[item]) | set(want)):
-        got, need = saved[item].get(path), want.get(path)
-        if got != need:
-          lines.append(
-            f"{item}/{path}: {'absent' if got is None else got} saved, "
-            f"{'absent' if need is None else need} configured"
-          )
-    if not lines:
+    lines = shape_differences(self._step_folder(step), {i: getattr(like, i) for i in _STATE_ITEMS})
+    if not lines:  # the same arrays, or metadata unreadable (the caller treats it as damage)
       return
     try:
       meta = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta

@@ -3,6 +3,9 @@
 import importlib.util
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -138,7 +141,7 @@ TINY = kit.tiny_config(
 )
 
 
-def test_cli_model_policy_end_to_end(cfg, tmp_path, monkeypatch):
+def test_cli_model_policy_end_to_end(cfg, tmp_path, monkeypatch, capsys):
   monkeypatch.setattr(QwenConfig, "preset", classmethod(lambda cls, name: TINY))
   model = Qwen(TINY, rngs=nnx.Rngs(7))
   _save_run_checkpoint(str(tmp_path / "checkpoints"), model)
@@ -156,6 +159,8 @@ def test_cli_model_policy_end_to_end(cfg, tmp_path, monkeypatch):
   report = evaluate.run(
     small, str(tmp_path), ["multi_turn_miss_param"], max_tasks=2, policy="model", output=str(out)
   )
+  # No config.json in the workdir (a copied checkpoint): --config's model group, with a warning.
+  assert f"warning: {tmp_path / 'config.json'} does not exist" in capsys.readouterr().err
   on_disk = json.loads(out.read_text())
   assert on_disk["categories"].keys() == {"multi_turn_miss_param"}
   cat = on_disk["categories"]["multi_turn_miss_param"]
@@ -245,3 +250,149 @@ def test_cli_stops_replies_at_the_checkpoints_generation_eos_ids(cfg, chat, tmp_
   assert [r["finish"] for r in rows] == ["done", "done"]
   assert [r["reward"] for r in rows] == [1.0, 1.0] and [r["parse_errors"] for r in rows] == [0, 0]
   assert all(r["generated_tokens"] < 256 * r["model_steps"] for r in rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model of a run's checkpoint is the run's own: its config.json's model group.
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_from_hf_folder(tmp_path, seed=7):
+  """A run's workdir as `coevolve_jax.main` leaves it, for a run started from a Hugging Face
+  folder of the TINY shape whose generation_config.json adds 151643 (`<|endoftext|>`) to the
+  stop ids (its config.json has none): config.json (`workdir.check_config`) records
+  model.checkpoint = the folder; checkpoints/ holds the trained parameters (another seed than the
+  folder's). Returns (workdir, folder, the trained model)."""
+  from coevolve_jax.models.hf import save_pretrained  # noqa: PLC0415
+  from coevolve_jax.workdir import check_config  # noqa: PLC0415
+
+  folder = save_pretrained(Qwen(TINY, rngs=nnx.Rngs(0)), tmp_path / "hf")
+  (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+  run_cfg = bfcl_config.get_config("cpu")
+  run_cfg.model.checkpoint = str(folder)
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  check_config(str(workdir), run_cfg.to_json_best_effort(), fresh=True)
+  trained = Qwen(TINY, rngs=nnx.Rngs(seed))
+  _save_run_checkpoint(str(workdir / "checkpoints"), trained)
+  return workdir, folder, trained
+
+
+def _same_params(a, b):
+  for x, y in zip(
+    jax.tree.leaves(nnx.state(a, nnx.Param)), jax.tree.leaves(nnx.state(b, nnx.Param)), strict=True
+  ):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("given", ["workdir", "checkpoints"])
+def test_a_run_started_from_a_hf_folder_is_evaluated_with_that_folders_model(
+  chat, tmp_path, monkeypatch, capsys, given
+):
+  """--config=cpu names the tiny_cpu preset (another shape, no eos ids); the run's config.json
+  names the Hugging Face folder it started from. The checkpoint is rebuilt in the folder's shape
+  (no mismatch) with the trained parameters, and replies stop at the folder's
+  generation_config.json id 151643: the ground-truth replay scores 100%, where a stop set without
+  it cuts every reply at the token limit (0%)."""
+  from coevolve_jax.rollout import engine as engine_lib  # noqa: PLC0415
+
+  workdir, folder, trained = _run_from_hf_folder(tmp_path)
+  small = bfcl_config.get_config("cpu")
+  small.engine.num_slots = 2
+  assert small.model.checkpoint == "" and small.model.preset == "tiny_cpu"
+  tasks = bfcl.load_bfcl_tasks("multi_turn_base")[:2]
+  make = lambda t, e: make_episode(small, t, e, eval=True)  # noqa: E731
+  built = []
+
+  def engine(model, *a, **k):
+    built.append(model)
+    return _EndOfTextReplay(
+      tasks, chat, make, 2, parse_call=bfcl.parse_call_string, max_steps_per_turn=3
+    )
+
+  monkeypatch.setattr(engine_lib, "Engine", engine)
+  path = workdir if given == "workdir" else workdir / "checkpoints"
+  report = evaluate.run(
+    small,
+    str(path),
+    ["multi_turn_base"],
+    max_tasks=2,
+    policy="model",
+    output=str(tmp_path / "report.json"),
+    max_new_tokens=256,
+  )
+  (model,) = built
+  assert model.config.hidden_size == TINY.hidden_size
+  assert model.config.eos_token_ids == (151645, 151643)
+  _same_params(model, trained)  # the orbax parameters, not the folder's safetensors
+  rows = report["categories"]["multi_turn_base"]["entries"]
+  assert [r["reward"] for r in rows] == [1.0, 1.0]
+  assert all(r["generated_tokens"] < 256 * r["model_steps"] for r in rows)
+  line = (
+    f"model config: the run's {workdir / 'config.json'} (model.checkpoint={str(folder)!r}: shape "
+    f"from its config.json, eos ids [151645, 151643] from its config.json and "
+    f"generation_config.json); --config's model group differs in model.checkpoint ('' there): "
+    f"the run's is used"
+  )
+  assert line in capsys.readouterr().err.splitlines()
+  assert report["model_config"] == line
+  assert small.model.checkpoint == ""  # the caller's config is not changed
+
+
+def test_the_runs_preset_wins_over_the_configs(cfg, tmp_path, monkeypatch):
+  """A run of one preset, --config naming another (of another depth): the run's config.json
+  preset rebuilds the checkpoint; with that config.json gone, --config's preset is used (with a
+  warning) and the checkpoint does not fit it: CheckpointMismatchError names the arrays."""
+  from coevolve_jax.checkpoint import CheckpointMismatchError  # noqa: PLC0415
+  from coevolve_jax.models.checkpoints import model_config_for_checkpoint  # noqa: PLC0415
+  from coevolve_jax.workdir import check_config  # noqa: PLC0415
+
+  shapes = {"tiny_cpu": TINY, "qwen3_0_6b": kit.tiny_config(num_hidden_layers=3)}
+  monkeypatch.setattr(QwenConfig, "preset", classmethod(lambda cls, name: shapes[name]))
+  trained = Qwen(TINY, rngs=nnx.Rngs(5))
+  _save_run_checkpoint(str(tmp_path / "checkpoints"), trained)
+  check_config(str(tmp_path), cfg.to_json_best_effort(), fresh=True)  # preset tiny_cpu
+  other = bfcl_config.get_config("cpu")
+  other.model.preset = "qwen3_0_6b"
+  resolved, line = model_config_for_checkpoint(other, str(tmp_path / "checkpoints"))
+  assert resolved.model.preset == "tiny_cpu" and other.model.preset == "qwen3_0_6b"
+  assert "model.preset ('qwen3_0_6b' there): the run's is used" in line
+  _same_params(evaluate.load_model(resolved, str(tmp_path)), trained)
+
+  os.remove(tmp_path / "config.json")
+  resolved, line = model_config_for_checkpoint(other, str(tmp_path))
+  assert line.startswith(f"warning: {tmp_path / 'config.json'} does not exist, so the model is ")
+  assert "model.preset='qwen3_0_6b'" in line and resolved.model.to_dict() == other.model.to_dict()
+  with pytest.raises(CheckpointMismatchError, match=r"saved for another model: \d+ arrays differ"):
+    evaluate.load_model(resolved, str(tmp_path))
+
+
+def test_a_recorded_hf_folder_that_is_gone_is_one_error_line_and_exit_status_2(tmp_path):
+  """The folder a run started from was deleted: the CLI says so in one `error:` line naming it
+  and exits with status 2, no traceback (the run's config.json still names the folder)."""
+  workdir, folder, _ = _run_from_hf_folder(tmp_path)
+  shutil.rmtree(folder)
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "envs.bfcl.evaluate",
+      "--config=configs/bfcl.py:cpu",
+      f"--checkpoint={workdir}",
+      "--categories=multi_turn_base",
+      "--max_tasks=1",
+    ],
+    cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+  assert errors == [proc.stderr.strip().splitlines()[-1]]
+  assert errors[0].startswith(
+    f"error: {workdir / 'config.json'} records model.checkpoint={str(folder)!r}, a Hugging Face "
+    "folder that no longer exists"
+  )
+  assert not (workdir / "eval_bfcl.json").exists()

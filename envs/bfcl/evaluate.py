@@ -11,10 +11,17 @@ episodes are the ones the training run's own `eval_before` / `eval_after` use
 (`envs.bfcl.suite.make_episode(eval=True)`); the run's evaluation only takes its step limit from
 `eval.max_steps_per_turn` and its entries from the held-out split of `bfcl.category`.
 
-PATH is a run's orbax checkpoint folder (`<workdir>/checkpoints`, or the workdir itself; the model
-shape comes from `--config`) or a Hugging Face folder (`config.json` + safetensors; a reply also
-ends at every `eos_token_id` of its config.json and generation_config.json), loaded by
-`coevolve_jax.models.checkpoints.load_model`.
+PATH is a run's orbax checkpoint folder (`<workdir>/checkpoints`, or the workdir itself) or a
+Hugging Face folder (`config.json` + safetensors), loaded by
+`coevolve_jax.models.checkpoints.load_model`. The model is the checkpoint's own
+(`checkpoints.model_config_for_checkpoint`): a run's checkpoint is rebuilt from the `model` group
+of the run's `<workdir>/config.json`, which wins over `--config`'s (a run started from a Hugging
+Face folder, `model.checkpoint`, takes that folder's architecture and end-of-sequence ids); one
+line on stderr says where the model config came from and which `model.*` fields of `--config`
+differed. Without that config.json (an old or copied checkpoint) `--config`'s model group is used,
+with a warning; a recorded Hugging Face folder that no longer exists is an `error:` line and exit
+status 2. A reply also ends at every `eos_token_id` of the Hugging Face folder's config.json and
+generation_config.json.
 `--policy=ground_truth` replays each entry's ground-truth calls through the same loop instead of a
 model: a check of the harness itself (template, parsing, execution, checker), which scores 100% on
 multi_turn_base.
@@ -32,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from coevolve_jax.models.checkpoints import load_model
+from coevolve_jax.models.checkpoints import load_model, model_config_for_checkpoint
 from coevolve_jax.rollout.slots import SlotEngine
 from coevolve_jax.testing.replay_engine import ReplayEngine
 from coevolve_jax.types import Task
@@ -119,17 +126,31 @@ def run(
   output: str,
   max_new_tokens: int = 0,
 ) -> dict[str, Any]:
-  """Evaluates every category; prints a table and writes the JSON report to `output`."""
+  """Evaluates every category; prints a table and writes the JSON report to `output`.
+
+  With `policy="model"`, the model group is the checkpoint's own (`model_config_for_checkpoint`:
+  the run's config.json, or the Hugging Face folder), not `cfg`'s; the line saying so goes to
+  stderr and into the report ("model_config").
+
+  Raises:
+    FileNotFoundError: no such checkpoint, or the Hugging Face folder its run recorded is gone.
+    CheckpointFormatError: an unreadable Hugging Face folder. CheckpointMismatchError: the orbax
+      checkpoint does not fit the model group used (`cfg`'s, when the run's config.json is gone).
+  """
   from coevolve_jax.agent import QwenChat  # noqa: PLC0415
 
   chat = QwenChat(enable_thinking=False, max_call_chars=cfg.episode.max_call_chars)
   engine: SlotEngine | None
-  engine, stop_ids = None, ()
+  engine, stop_ids, source = None, (), None
   if policy == "model":
     import jax.numpy as jnp  # noqa: PLC0415
 
+    from coevolve_jax.models import apply_matmul_precision  # noqa: PLC0415
     from coevolve_jax.rollout.engine import Engine  # noqa: PLC0415
 
+    cfg, source = model_config_for_checkpoint(cfg, checkpoint)
+    print(source, file=sys.stderr, flush=True)
+    apply_matmul_precision(cfg.model)  # as the run decodes
     model = load_model(cfg, checkpoint)
     stop_ids = model.config.eos_token_ids  # a Hugging Face folder's generation_config.json ids
     engine = Engine(
@@ -144,6 +165,7 @@ def run(
   report: dict[str, Any] = {
     "checkpoint": checkpoint,
     "policy": policy,
+    **({"model_config": source} if source else {}),
     "max_new_tokens": max_new_tokens or cfg.eval.max_new_tokens,
     "tool_style": cfg.bfcl.tool_style,
     "categories": {},
@@ -195,11 +217,13 @@ def main(argv: list[str]) -> int:
   cfg = cfg.copy_and_resolve_references()
   cfg.eval.max_steps_per_turn = f.max_steps_per_turn  # BFCL's 20 unless asked otherwise
   from coevolve_jax import compiling  # noqa: PLC0415 (imports no JAX)
+  from coevolve_jax.checkpoint import CheckpointMismatchError  # noqa: PLC0415
+  from coevolve_jax.models.hf import CheckpointFormatError  # noqa: PLC0415
 
   compiling.enable_cache(cfg.compile.cache_dir)  # one process: the user's cache by default
   try:
     run(cfg, f.checkpoint, f.categories, f.max_tasks, f.policy, output, f.max_new_tokens)
-  except FileNotFoundError as e:
+  except (FileNotFoundError, CheckpointFormatError, CheckpointMismatchError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   return 0
