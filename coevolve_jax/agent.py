@@ -340,24 +340,37 @@ class QwenChat:
     max_call_chars: the longest JSON text of one tool call, in characters, that
       `parse_tool_calls` accepts (a run passes `episode.max_call_chars`); longer calls become parse
       errors. Default `chat.DEFAULT_MAX_CALL_CHARS`.
+    max_calls_per_reply: the most tool calls one reply may make (a run passes
+      `episode.max_calls_per_reply`); a reply with more runs none of them and gets an error
+      observation. Default `chat.DEFAULT_MAX_CALLS_PER_REPLY`.
 
   Raises:
-    ValueError: `max_call_chars` is not an int >= 1.
+    ValueError: `max_call_chars` or `max_calls_per_reply` is not an int >= 1.
   """
 
-  def __init__(self, enable_thinking: bool | None = False, max_call_chars: int | None = None):
+  def __init__(
+    self,
+    enable_thinking: bool | None = False,
+    max_call_chars: int | None = None,
+    max_calls_per_reply: int | None = None,
+  ):
     from coevolve_jax import chat as chat_lib  # noqa: PLC0415
     from coevolve_jax.tokenizer import get_tokenizer  # noqa: PLC0415
 
     if max_call_chars is None:
       max_call_chars = chat_lib.DEFAULT_MAX_CALL_CHARS
-    if (
-      isinstance(max_call_chars, bool) or not isinstance(max_call_chars, int) or max_call_chars < 1
+    if max_calls_per_reply is None:
+      max_calls_per_reply = chat_lib.DEFAULT_MAX_CALLS_PER_REPLY
+    for name, value in (
+      ("max_call_chars", max_call_chars),
+      ("max_calls_per_reply", max_calls_per_reply),
     ):
-      raise ValueError(f"max_call_chars must be an int >= 1, got {max_call_chars!r}")
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     self._chat, self._tok = chat_lib, get_tokenizer()
     self.enable_thinking = enable_thinking
     self.max_call_chars = max_call_chars
+    self.max_calls_per_reply = max_calls_per_reply
     self.im_end_id = self._tok.im_end_id
     self.vocab_size = self._tok.vocab_size
 
@@ -375,7 +388,10 @@ class QwenChat:
 
   def parse_tool_calls(self, text: str, truncated: bool = False) -> Action:
     return self._chat.parse_tool_calls(
-      text, truncated=truncated, max_call_chars=self.max_call_chars
+      text,
+      truncated=truncated,
+      max_call_chars=self.max_call_chars,
+      max_calls_per_reply=self.max_calls_per_reply,
     )
 
   def encode(self, text: str) -> list[int]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -555,15 +556,64 @@ def assistant_ids(content: str | None, tool_calls: Sequence[Mapping[str, Any]] =
 # full reply of 4096 tokens. The run config sets it from `episode.max_call_chars`.
 DEFAULT_MAX_CALL_CHARS = 16384
 
+# Most `<tool_call>` blocks one reply may hold by default. BFCL's longest ground-truth turn makes
+# 34 calls (multi_turn_long_context_38 removes 32 files), all of which a model may make in one
+# reply. The run config sets it from `episode.max_calls_per_reply`.
+DEFAULT_MAX_CALLS_PER_REPLY = 64
+
+# Most digits one JSON number may have in model-written JSON (tool calls, the explorer LLM's
+# replies). Checked on the number's text before it is converted, so no huge int is ever built;
+# far below Python's own 4300-digit limit on int(str), whose error would otherwise reach the model.
+MAX_NUMBER_DIGITS = 1000
+
 _JSON_WHITESPACE = re.compile(r"[ \t\n\r]*")
 
 
-class DuplicateKeyError(ValueError):
+class StrictJSONError(ValueError):
+  """Model-written JSON that breaks a rule of `STRICT_DECODER` (Python's json would read it, or
+  fail with a message about its own internals).
+
+  Attributes:
+    summary: what the text does, as a verb phrase ("repeats a key"), for messages.
+    rule: the rule it breaks, as a sentence fragment for the model or the log.
+  """
+
+  summary = "breaks the strict JSON rules"
+  rule = ""
+
+
+class DuplicateKeyError(StrictJSONError):
   """A JSON object names the same key twice (Python's json keeps the last value silently)."""
+
+  summary = "repeats a key"
+  rule = "every key may appear once in a JSON object"
 
   def __init__(self, key: str):
     super().__init__(f"duplicate key {key!r}")
     self.key = key
+
+
+class NonFiniteNumberError(StrictJSONError):
+  """NaN, Infinity or -Infinity (Python's json extensions, not JSON), or a number too large for a
+  float (1e999 would read as inf)."""
+
+  summary = "holds a number that is not finite"
+  rule = "numbers must be finite; NaN, Infinity and -Infinity are not JSON"
+
+  def __init__(self, literal: str):
+    super().__init__(f"non-finite number {literal[:40]}")
+    self.literal = literal
+
+
+class NumberTooLongError(StrictJSONError):
+  """A JSON number with more than MAX_NUMBER_DIGITS digits."""
+
+  summary = "holds a number with too many digits"
+  rule = f"a number may have at most {MAX_NUMBER_DIGITS} digits"
+
+  def __init__(self, digits: int):
+    super().__init__(f"a number of {digits} digits")
+    self.digits = digits
 
 
 def unique_object_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -580,7 +630,62 @@ def unique_object_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
   return out
 
 
-_DECODER = json.JSONDecoder(object_pairs_hook=unique_object_pairs)
+def _refuse_constant(name: str) -> Any:
+  """`parse_constant` hook: json calls it with "NaN", "Infinity" or "-Infinity"."""
+  raise NonFiniteNumberError(name)
+
+
+def _number_digits(literal: str) -> int:
+  """Digits of a JSON number's text (sign, point and exponent marker not counted)."""
+  return len(literal) - sum(map(literal.count, "-+.eE"))
+
+
+def _bounded_int(literal: str) -> int:
+  """`parse_int` hook: json calls it with the integer's text, before any conversion."""
+  if len(literal) > MAX_NUMBER_DIGITS and _number_digits(literal) > MAX_NUMBER_DIGITS:
+    raise NumberTooLongError(_number_digits(literal))
+  return int(literal)
+
+
+def _bounded_float(literal: str) -> float:
+  """`parse_float` hook: json calls it with the text of a number with a point or an exponent."""
+  if len(literal) > MAX_NUMBER_DIGITS and _number_digits(literal) > MAX_NUMBER_DIGITS:
+    raise NumberTooLongError(_number_digits(literal))
+  value = float(literal)
+  if not math.isfinite(value):
+    raise NonFiniteNumberError(literal)
+  return value
+
+
+# The one decoder of model-written JSON: tool calls here, every JSON reply of the explorer LLM
+# (`coevolve_jax.feedback.llm.parse_json_reply`). It refuses a repeated key, NaN / Infinity /
+# -Infinity and numbers that overflow a float, and numbers of more than MAX_NUMBER_DIGITS digits,
+# each with a `StrictJSONError`; any other JSON decodes as with plain `json.loads`.
+STRICT_DECODER = json.JSONDecoder(
+  object_pairs_hook=unique_object_pairs,
+  parse_constant=_refuse_constant,
+  parse_int=_bounded_int,
+  parse_float=_bounded_float,
+)
+
+# Finds where a JSON value ends without building it (numbers stay text, constants are allowed),
+# so a block whose value breaks a strict rule is still delimited by its JSON, not by a tag.
+_SPAN_DECODER = json.JSONDecoder(parse_constant=str, parse_int=str, parse_float=str)
+
+
+def loads_strict(text: str) -> Any:
+  """`json.loads` under `STRICT_DECODER`'s rules.
+
+  Raises:
+    StrictJSONError: a repeated key, a non-finite number or a number with too many digits.
+    json.JSONDecodeError: `text` is not one JSON value.
+    RecursionError: the value nests too deep.
+  """
+  return STRICT_DECODER.decode(text)
+
+
+def _strict_message(e: StrictJSONError) -> str:
+  return f"{e} ({e.rule})"
 
 
 def _skip_ws(text: str, pos: int) -> int:
@@ -594,8 +699,8 @@ class _Block:
   """One `<tool_call>` block: text[start:end] from its opening tag through its closing tag.
 
   When the block is one JSON value followed by the closing tag, text[json_start:json_end] is that
-  value and `value` its decoding (or `error` names a repeated key); otherwise json_end is 0 and
-  `error` says what is wrong."""
+  value and `value` its decoding (or `error` names the strict rule it breaks); otherwise json_end
+  is 0 and `error` says what is wrong."""
 
   start: int
   end: int
@@ -608,9 +713,9 @@ class _Block:
 def _json_error(inner: str) -> str:
   """Why `inner` (the text between two tags) is not one JSON value."""
   try:
-    json.loads(inner, object_pairs_hook=unique_object_pairs)
-  except DuplicateKeyError as e:
-    return f"{e} (every key may appear once in a JSON object)"
+    loads_strict(inner)
+  except StrictJSONError as e:
+    return _strict_message(e)
   except json.JSONDecodeError as e:
     return f"invalid JSON ({e.msg}): {inner.strip()[:200]!r}"
   except RecursionError:
@@ -628,13 +733,13 @@ def _read_block(text: str, open_at: int) -> _Block:
   """
   body = open_at + len(TOOL_CALL_OPEN)
   j = _skip_ws(text, body)
-  value, end, duplicate = None, None, None
+  value, end, refused = None, None, None
   try:
-    value, end = _DECODER.raw_decode(text, j)
-  except DuplicateKeyError as e:
-    duplicate = e
+    value, end = STRICT_DECODER.raw_decode(text, j)
+  except StrictJSONError as e:
+    refused = e
     try:  # where the value ends, so the block is still delimited by the JSON, not by a tag
-      end = json.JSONDecoder().raw_decode(text, j)[1]
+      end = _SPAN_DECODER.raw_decode(text, j)[1]
     except (json.JSONDecodeError, RecursionError):
       pass
   except (json.JSONDecodeError, RecursionError):
@@ -643,9 +748,8 @@ def _read_block(text: str, open_at: int) -> _Block:
     close_at = _skip_ws(text, end)
     if text.startswith(TOOL_CALL_CLOSE, close_at):
       stop = close_at + len(TOOL_CALL_CLOSE)
-      if duplicate is not None:
-        error = f"{duplicate} (every key may appear once in a JSON object)"
-        return _Block(open_at, stop, j, end, error=error)
+      if refused is not None:
+        return _Block(open_at, stop, j, end, error=_strict_message(refused))
       return _Block(open_at, stop, j, end, value)
   close_at = text.find(TOOL_CALL_CLOSE, body)
   if close_at < 0:
@@ -713,9 +817,9 @@ def _call_from_value(obj: Any, index: int) -> ToolCall | str:
   args = obj.get("arguments", {})
   if isinstance(args, str):
     try:
-      args = json.loads(args, object_pairs_hook=unique_object_pairs) if args.strip() else {}
-    except DuplicateKeyError as e:
-      return f'{where} ({name}): "arguments" repeats a key: {e} (every key may appear once)'
+      args = loads_strict(args) if args.strip() else {}
+    except StrictJSONError as e:
+      return f'{where} ({name}): "arguments" {e.summary}: {_strict_message(e)}'
     except (json.JSONDecodeError, RecursionError):
       return f'{where} ({name}): "arguments" is a string that is not valid JSON'
   if not isinstance(args, dict):
@@ -724,27 +828,41 @@ def _call_from_value(obj: Any, index: int) -> ToolCall | str:
 
 
 def parse_tool_calls(
-  text: str, *, truncated: bool = False, max_call_chars: int = DEFAULT_MAX_CALL_CHARS
+  text: str,
+  *,
+  truncated: bool = False,
+  max_call_chars: int = DEFAULT_MAX_CALL_CHARS,
+  max_calls_per_reply: int = DEFAULT_MAX_CALLS_PER_REPLY,
 ) -> Action:
   """Parses an assistant reply into an `Action`; never raises, never evaluates code.
 
   Reasoning (`<think>...</think>`) is stripped first. Each `<tool_call>{json}</tool_call>` block
   must hold {"name": str, "arguments": object or JSON string of an object}; "arguments" may be
   omitted (no-argument call). The JSON is decoded, not cut at the next tag: a string argument may
-  contain `</tool_call>`, `<think>` or any other text. No JSON object in a call may repeat a key.
+  contain `</tool_call>`, `<think>` or any other text. The JSON is read by `STRICT_DECODER`: no
+  object may repeat a key, no number may be NaN, Infinity, -Infinity or overflow a float, and no
+  number may have more than MAX_NUMBER_DIGITS digits.
+
+  A reply with more than `max_calls_per_reply` blocks runs none of them, like a reply with any
+  other parse error: the model sees one error observation, nothing of the reply changes the
+  environment, and the rollout does not depend on which calls would have fitted under the cap.
 
   Args:
     text: the decoded assistant reply (with or without the trailing `<|im_end|>`).
     truncated: the reply hit the token limit (no end-of-turn token was sampled).
     max_call_chars: the longest JSON text of one call, in characters (>= 1); a longer call is
       refused (the run sets it from `episode.max_call_chars`).
+    max_calls_per_reply: the most `<tool_call>` blocks one reply may hold (>= 1; the run sets it
+      from `episode.max_calls_per_reply`).
 
   Returns:
     `Action(tool_calls=[...], text=text)` for well-formed calls, in order;
     `Action(tool_calls=[], text=text)` when there is no tool call (the turn ends);
-    `Action(error=message, text=text)` (and no tool calls) for a truncated reply, malformed JSON,
-    a repeated key, a call longer than `max_call_chars`, a missing name, non-object arguments,
-    unexpected keys, or unbalanced tags. The message quotes at most 200 characters of a call.
+    `Action(error=message, text=text)` (and no tool calls) for a truncated reply, more than
+    `max_calls_per_reply` calls, malformed JSON, a repeated key, a non-finite number, a number
+    with too many digits, a call longer than `max_call_chars`, a missing name, non-object
+    arguments, unexpected keys, or unbalanced tags. The message quotes at most 200 characters of
+    a call.
   """
   if truncated:
     return Action(
@@ -785,6 +903,12 @@ def parse_tool_calls(
         errors.append(parsed)
       else:
         calls.append(parsed)
+    if index > max_calls_per_reply:
+      return Action(
+        error=f"the reply has {index} tool calls; at most {max_calls_per_reply} per reply are "
+        "allowed, so none was run. Make fewer calls per reply.",
+        text=text,
+      )
     if errors:
       return Action(error="could not parse the tool calls: " + "; ".join(errors), text=text)
     return Action(tool_calls=calls, text=text)

@@ -67,7 +67,11 @@ def build(cfg: Any, workdir: str) -> Components:
       credentials are missing.
     SuiteUnavailable: the suite's environment or data is missing.
   """
-  chat = QwenChat(enable_thinking=False, max_call_chars=cfg.episode.max_call_chars)
+  chat = QwenChat(
+    enable_thinking=False,
+    max_call_chars=cfg.episode.max_call_chars,
+    max_calls_per_reply=cfg.episode.max_calls_per_reply,
+  )
   _check_processes(cfg)
   try:
     mesh = sharding.make_mesh(dict(cfg.mesh))

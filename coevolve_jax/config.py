@@ -216,7 +216,12 @@ def _float_dtype(cfg: Mapping[str, Any], field: str) -> None:
 
 
 def _episode(cfg: Mapping[str, Any]) -> None:
-  for field in ("episode.max_new_tokens", "episode.max_model_steps", "episode.max_call_chars"):
+  for field in (
+    "episode.max_new_tokens",
+    "episode.max_model_steps",
+    "episode.max_call_chars",
+    "episode.max_calls_per_reply",
+  ):
     int_at_least(cfg, field, 1)
   int_at_least(cfg, "episode.decode_steps", 1)
   if not isinstance(get(cfg, "episode.reproducible"), bool):

@@ -144,6 +144,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Longest JSON text of one tool call the parser accepts (characters, ~ one 4096-token reply); a
   # longer call is refused with an error observation and not run.
   c.episode.max_call_chars = 16384
+  # Most tool calls one reply may make (chat.parse_tool_calls); a reply with more runs none of
+  # them and gets an error observation. BFCL's longest ground-truth turn makes 34 calls.
+  c.episode.max_calls_per_reply = 64
   # Environment steps handled in episode order once all in flight are done, so a seed gives the
   # same rollouts run after run (AgentRunner(reproducible=...)); False decodes the other slots
   # while slow steps run (faster with AppWorld servers, not reproducible). On with >1 process.

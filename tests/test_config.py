@@ -109,6 +109,7 @@ BAD = [  # (field, value); the bfcl cpu config (16 rollouts a step in 2 mini-bat
   ("bfcl.eval_size", -1),
   ("bfcl.max_obs_chars", 0),
   ("episode.max_call_chars", 0),
+  ("episode.max_calls_per_reply", 0),
   ("bfcl.tool_style", "verbose"),
   ("bfcl.backends.call_wall_s", 0.0),
   ("bfcl.backends.call_wall_s", math.inf),

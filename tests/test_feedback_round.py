@@ -294,6 +294,44 @@ def test_llm_round_summary_abstraction_judge_and_budget(data, monkeypatch, gemin
   assert cut.tasks == []  # the budget ran out inside the first context
 
 
+def test_llm_replies_that_break_the_json_rules_fall_back_and_the_round_goes_on(data, monkeypatch):
+  """A summary that repeats a key and an abstraction that holds NaN used to be read (the last
+  value of the key, a float nan); now each reply is an LLMError, counted: the summary falls back
+  to the template, the abstraction to the template's task, and the round still makes tasks."""
+  d0, _ = data
+  monkeypatch.setenv("GEMINI_API_KEY", "fake-key-for-the-stub")
+
+  def broken(system, prompt):
+    reply = feedback_responder(system, prompt)
+    if system.startswith("You analyse"):
+      return reply[:-1] + ', "summary": "the second summary"}'
+    if system.startswith("You turn"):
+      return reply[:-1] + ', "confidence": NaN}'
+    return reply
+
+  before = llm_lib.refused_count()
+  with GeminiStub(broken) as stub:
+    llm = GeminiLLM(GeminiSettings(model="m", base_url=stub.url, attempts=1))
+    result = synthesize_round(
+      events_of(d0)[1:3],
+      LLMExplorer(llm),
+      np.random.default_rng(0),
+      1,
+      dataclasses.replace(SETTINGS, min_calls=1),
+      llm,
+    )
+  systems = [r["body"]["systemInstruction"]["parts"][0]["text"] for r in stub.requests]
+  prompts = [r["body"]["contents"][0]["parts"][0]["text"] for r in stub.requests]
+  refusable = sum(s.startswith(("You analyse", "You turn")) for s in systems)
+  assert sum(s.startswith("You analyse") for s in systems) == 2 and refusable > 2
+  assert llm_lib.refused_count() - before == refusable
+  explored = [p for p in prompts if p.startswith("Guidance:")]  # the explorer's, with the context
+  assert explored and all('"by": "template"' in p for p in explored)
+  assert not any("the second summary" in p for p in explored)
+  assert result.tasks and result.per_signal["boundary"]["events"] == 1
+  assert all(t.provenance["abstraction"] == "template" for t in result.tasks)
+
+
 def test_round_journal_reuses_a_record_only_for_the_same_contexts(tmp_path):
   task = load_bfcl_tasks("multi_turn_base")[0]
   events = [SignalEvent(task, "rare", [["ls()"]], 0.0)]

@@ -17,7 +17,6 @@ exception, so the explorer can stop a run cleanly and keep what it has.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -305,46 +304,59 @@ class GeminiLLM:
     return sanitize_text(text, "Gemini")
 
 
-def parse_json_reply(text: str, *, unique_keys: bool = False) -> Any:
-  """The JSON value in an LLM reply (bare, or inside a ```json fence).
+_refused = [0]  # LLM replies refused by parse_json_reply's strict rules (`refused_count`)
+_refused_lock = threading.Lock()
+
+
+def refused_count() -> int:
+  """Explorer-LLM replies `parse_json_reply` refused for breaking the strict JSON rules (a
+  repeated key, a non-finite number, a number with too many digits) so far in this process."""
+  return _refused[0]
+
+
+def parse_json_reply(text: str) -> Any:
+  """The JSON value in an LLM reply (bare, or inside a ```json fence), read under the rules of
+  model-written tool calls (`coevolve_jax.chat.STRICT_DECODER`): no object repeats a key (plain
+  `json` keeps the last value, so a summary, a task or a verdict would rest on a guess), no
+  number is NaN, Infinity, -Infinity or overflows a float, and no number has more than
+  `chat.MAX_NUMBER_DIGITS` digits.
 
   Args:
     text: the reply.
-    unique_keys: refuse a JSON object that repeats a key (plain `json` keeps the last value);
-      set for replies whose values are run, such as tool calls.
 
   Returns:
     The value, every string in it passed through `sanitize_text` (a "\\ud83d" escape without
     its pair would otherwise put a lone surrogate into the logs and the pool).
-  Raises:
-    LLMError: no parseable JSON value, or (with `unique_keys`) a repeated key.
-  """
-  duplicate: type[ValueError] | tuple[()]
-  hook, duplicate = None, ()  # `except ()` catches nothing
-  if unique_keys:
-    from coevolve_jax.chat import DuplicateKeyError, unique_object_pairs  # noqa: PLC0415
 
-    hook, duplicate = unique_object_pairs, DuplicateKeyError
-  decoder = json.JSONDecoder(object_pairs_hook=hook)
+  Raises:
+    LLMError: no parseable JSON value, or a value that breaks a rule (counted in
+      `refused_count`, with a warning).
+  """
+  from coevolve_jax.chat import STRICT_DECODER, StrictJSONError  # noqa: PLC0415
+
   fenced = re.search(r"```(?:json)?\s*(.*?)```", text, re.S)
   body = (fenced.group(1) if fenced else text).strip()
   try:
     try:
-      return sanitize_value(decoder.decode(body))
-    except duplicate:
+      return sanitize_value(STRICT_DECODER.decode(body))
+    except StrictJSONError:
       raise
-    except ValueError:
+    except (ValueError, RecursionError):
       pass
     start = min((i for i in (body.find("{"), body.find("[")) if i >= 0), default=-1)
     if start >= 0:
       try:
-        return sanitize_value(decoder.raw_decode(body[start:])[0])
-      except duplicate:
+        return sanitize_value(STRICT_DECODER.raw_decode(body[start:])[0])
+      except StrictJSONError:
         raise
-      except ValueError:
+      except (ValueError, RecursionError):
         pass
-  except duplicate as e:
-    raise LLMError(f"reply repeats a key ({e}): {text[:120]!r}") from None
+  except StrictJSONError as e:
+    with _refused_lock:
+      _refused[0] += 1
+    why = f"reply {e.summary} ({e}; {e.rule}): {text[:120]!r}"
+    log.warning("explorer LLM %s", why)
+    raise LLMError(why) from None
   raise LLMError(f"reply is not JSON: {text[:120]!r}")
 
 

@@ -13,6 +13,9 @@ benchmark and any `TextLLM` (Gemini, an OpenAI-compatible endpoint, a local mode
 
 A spent token budget or an unreachable endpoint raises `RoundStopped` from every job (the caller
 ends D0 or the round); any other LLM failure falls back (template summary, no task, a rejection).
+Every reply is read by `parse_json_reply`, under the rules of the policy's tool calls: a reply
+that repeats a key, holds NaN or Infinity, or a number of too many digits is such a failure
+(`LLMError`, counted in `llm.refused_count`), never a value chosen by a guess.
 """
 
 from __future__ import annotations

@@ -139,7 +139,11 @@ def run(
   """
   from coevolve_jax.agent import QwenChat  # noqa: PLC0415
 
-  chat = QwenChat(enable_thinking=False, max_call_chars=cfg.episode.max_call_chars)
+  chat = QwenChat(
+    enable_thinking=False,
+    max_call_chars=cfg.episode.max_call_chars,
+    max_calls_per_reply=cfg.episode.max_calls_per_reply,
+  )
   engine: SlotEngine | None
   engine, stop_ids, source = None, (), None
   if policy == "model":

@@ -60,7 +60,7 @@ def parse_call_reply(text: str) -> ToolCall | None:
     LLMError: the reply is not a JSON object with a string "name" and an object "arguments", or
       one of its objects repeats a key.
   """
-  data = parse_json_reply(text, unique_keys=True)
+  data = parse_json_reply(text)
   if isinstance(data, dict) and data.get("stop") is True:
     return None
   if (
