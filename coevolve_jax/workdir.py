@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import filelock
+from flax.traverse_util import flatten_dict
 
 from coevolve_jax.errors import CorruptFileError, RunError
 from coevolve_jax.feedback.pool import TaskPool
@@ -86,17 +87,6 @@ class WorkdirLock:
       self._lock = None
 
 
-def flat_config(d: dict, prefix: str = "") -> dict[str, Any]:
-  """A config's JSON dict as {"dotted.key": value} (nested dicts flattened)."""
-  out = {}
-  for k, v in d.items():
-    if isinstance(v, dict):
-      out.update(flat_config(v, f"{prefix}{k}."))
-    else:
-      out[f"{prefix}{k}"] = v
-  return out
-
-
 def check_config(workdir: str, config_json: str, fresh: bool) -> None:
   """Writes config.json on a fresh start; on resume, warns about every changed field.
 
@@ -109,8 +99,8 @@ def check_config(workdir: str, config_json: str, fresh: bool) -> None:
     write_atomic(path, json.dumps(now, indent=1, sort_keys=True))
     return
   with open(path, encoding="utf-8") as f:
-    before = flat_config(json.load(f))
-  now = flat_config(now)
+    before = flatten_dict(json.load(f), sep=".")
+  now = flatten_dict(now, sep=".")
   for key in sorted(k for k in set(now) | set(before) if now.get(k) != before.get(k)):
     print(
       f"warning: config {key} changed since this run started: "
@@ -124,7 +114,7 @@ def model_changes(saved_config: dict[str, Any] | None, config_json: str) -> str:
   the configured model (`checkpoint.CheckpointMismatchError`)."""
   if not isinstance(saved_config, dict):
     return "the checkpoint records no config; compare the model with the workdir's config.json"
-  before, now = flat_config(saved_config), flat_config(json.loads(config_json))
+  before, now = flatten_dict(saved_config, sep="."), flatten_dict(json.loads(config_json), sep=".")
   changed = [
     f"{k}: {before.get(k)!r} when saved, {now.get(k)!r} now"
     for k in sorted(set(before) | set(now))

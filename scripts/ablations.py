@@ -144,12 +144,12 @@ def ensure_start(start: str, cfg) -> None:
       finished start was made with other settings than `cfg`'s (but `START_MAY_DIFFER`).
   """
   from coevolve_jax.loop import CoEvolveRun  # pylint: disable=g-import-not-at-top
-  from coevolve_jax.workdir import flat_config  # pylint: disable=g-import-not-at-top
+  from flax.traverse_util import flatten_dict  # pylint: disable=g-import-not-at-top
 
   if os.path.exists(os.path.join(start, START_DONE)):
     with open(os.path.join(start, "config.json"), encoding="utf-8") as f:
-      made = flat_config(json.load(f))
-    now = flat_config(json.loads(cfg.to_json_best_effort()))
+      made = flatten_dict(json.load(f), sep=".")
+    now = flatten_dict(json.loads(cfg.to_json_best_effort()), sep=".")
     changed = sorted(
       k for k in set(made) | set(now) if made.get(k) != now.get(k) and k not in START_MAY_DIFFER
     )

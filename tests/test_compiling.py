@@ -7,6 +7,7 @@ import sys
 import threading
 
 import pytest
+from jax._src import compilation_cache as cc  # the reader JAX itself uses for an entry
 
 from coevolve_jax import compiling
 
@@ -96,7 +97,11 @@ def test_an_entry_torn_by_a_kill_is_removed_counted_and_written_again(tmp_path):
   assert figures["line"] == f"compilation cache: {cache_dir} (1 torn entries removed)"
   assert figures["compile/cache_hits"] == 0 and values == first_values
   with open(path, "rb") as f:
-    assert f.read() == data  # written again, whole
+    again = f.read()
+  # Written again, whole: JAX's own reader takes it (the bytes are not the first process's: an
+  # entry holds a serialized executable that differs from one compile to the next on some CPUs).
+  assert len(again) > len(data) // 2
+  cc.extract_executable_and_time(cc.decompress_executable(again))
   values, figures = _run_fresh_process(cache_dir)
   assert figures["line"] == f"compilation cache: {cache_dir}"
   assert figures["compile/cache_hits"] == 1 and values == first_values

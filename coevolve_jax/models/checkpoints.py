@@ -96,7 +96,7 @@ def model_config_for_checkpoint(cfg, checkpoint: str) -> tuple[Any, str]:
   """
   import ml_collections  # noqa: PLC0415
 
-  from coevolve_jax.workdir import flat_config  # noqa: PLC0415
+  from flax.traverse_util import flatten_dict  # noqa: PLC0415
 
   path = os.path.abspath(checkpoint)
   if not os.path.isdir(path):
@@ -135,7 +135,8 @@ def model_config_for_checkpoint(cfg, checkpoint: str) -> tuple[Any, str]:
     if hf_folder
     else f"model.preset={recorded.get('preset')!r}"
   )
-  before, now = flat_config({"model": given}), flat_config({"model": recorded})
+  before = flatten_dict({"model": given}, sep=".")
+  now = flatten_dict({"model": recorded}, sep=".")
   changed = [
     f"{k} ({before[k]!r} there)" if k in before else f"{k} (absent there)"
     for k in sorted(now)
