@@ -10,13 +10,19 @@ import subprocess
 import sys
 
 
+def xla_flags(devices: int = 8) -> str:
+  """The suite's XLA flags (tests/conftest.py: LLVM at -O0) with `devices` host devices."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  return f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+
+
 def run_child(test_file: str, mode: str, *args: str, timeout: int = 300) -> str:
   """Runs `test_file` as a script in `mode` on 8 host devices; returns its stdout.
 
   Raises:
     AssertionError: the child failed, or did not print "<mode> OK".
   """
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu")
   proc = subprocess.run(
     [sys.executable, test_file, mode, *args],
     env=env,

@@ -14,6 +14,7 @@ from flax import nnx
 from coevolve_jax import memory_plan
 from coevolve_jax.models.qwen import Qwen, QwenConfig
 from coevolve_jax.trainer import token_logprobs
+from host_devices import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -163,7 +164,7 @@ def test_per_device_params_equal_real_shards_on_8_cpu_devices():
       planned = memory_plan.parameter_bytes("tiny_cpu", {"fsdp": 4, "tensor": 2}, "float32")
       print(real, planned[1])
   """)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu")
   out = subprocess.run(
     [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
   )

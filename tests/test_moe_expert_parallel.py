@@ -8,7 +8,6 @@ The device count of a JAX process is fixed at start-up, so the checks run in one
 """
 
 import contextlib
-import os
 import re
 import sys
 
@@ -212,6 +211,4 @@ def _child():
 
 if __name__ == "__main__":
   if sys.argv[1:] == ["ep"]:
-    # Read when the backend starts (first use below): LLVM at -O0 halves the child's compile time.
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
     _child()

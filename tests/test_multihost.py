@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from coevolve_jax import distributed
+from host_devices import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,9 +86,7 @@ def _env(devices: int, **extra) -> dict:
     for k, v in os.environ.items()
     if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROC", "JAX_PROCESS", "CLUSTER_SPEC"))
   }
-  env.update(
-    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", **extra
-  )
+  env.update(XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu", **extra)
   return env
 
 
