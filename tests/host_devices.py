@@ -16,16 +16,20 @@ def xla_flags(devices: int = 8) -> str:
   return f"{flags} --xla_force_host_platform_device_count={devices}".strip()
 
 
+def child_env(devices: int = 8) -> dict[str, str]:
+  """This process's environment for a CPU child with `devices` host devices (`xla_flags`)."""
+  return dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu")
+
+
 def run_child(test_file: str, mode: str, *args: str, timeout: int = 300) -> str:
   """Runs `test_file` as a script in `mode` on 8 host devices; returns its stdout.
 
   Raises:
     AssertionError: the child failed, or did not print "<mode> OK".
   """
-  env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu")
   proc = subprocess.run(
     [sys.executable, test_file, mode, *args],
-    env=env,
+    env=child_env(8),
     capture_output=True,
     text=True,
     timeout=timeout,

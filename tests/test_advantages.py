@@ -376,10 +376,10 @@ def test_grpo_epoch_takes_both_forms(tiny_model):
   1e-5 after two updates); per-reply values that differ within a row and between rows train too,
   with the hand-computed policy loss at ratio 1.
 
-  `BEFORE` was recorded on an Intel CPU, where the [N] path reproduced it bit for bit; XLA's CPU
-  code for another processor (AMD EPYC, 2026-12-04) sums in another order, 1-3 float32 ulps off
-  (the KL's exp(d) - d - 1 cancels to 8e-6 relative at 3.6e-4), so a record from one machine is
-  held to rounding, not to bits, on every other."""
+  `BEFORE` was recorded on an earlier session's CPU, where the [N] path reproduced it bit for
+  bit; on this project's AMD EPYC VM (2026-12-04) XLA's CPU code sums in another order, 1-3
+  float32 ulps off (the KL's exp(d) - d - 1 cancels to 8e-6 relative at 3.6e-4), so a record from
+  one machine is held to rounding, not to bits, on every other."""
   trajs = [_episode(50 + i, parts, group_id=i // 3) for i, parts in enumerate(LAYOUTS)]
   trainer = _trainer(tiny_model)
   start = jax.tree.map(jnp.copy, trainer.state)  # its own buffers: the updates donate them

@@ -14,7 +14,7 @@ from flax import nnx
 from coevolve_jax import memory_plan
 from coevolve_jax.models.qwen import Qwen, QwenConfig
 from coevolve_jax.trainer import token_logprobs
-from host_devices import xla_flags
+from host_devices import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -164,9 +164,13 @@ def test_per_device_params_equal_real_shards_on_8_cpu_devices():
       planned = memory_plan.parameter_bytes("tiny_cpu", {"fsdp": 4, "tensor": 2}, "float32")
       print(real, planned[1])
   """)
-  env = dict(os.environ, XLA_FLAGS=xla_flags(8), JAX_PLATFORMS="cpu")
   out = subprocess.run(
-    [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    [sys.executable, "-c", script],
+    cwd=ROOT,
+    env=child_env(8),
+    capture_output=True,
+    text=True,
+    timeout=300,
   )
   assert out.returncode == 0, out.stderr[-2000:]
   real, planned = map(int, out.stdout.split()[-2:])
