@@ -29,6 +29,12 @@ from coevolve_jax.rollout.slots import SlotEngine
 from coevolve_jax.suite import Env
 from coevolve_jax.types import Action, Reply, StepResult, Task, Trajectory
 
+# The StepResult.info key by which an environment names the tools one step called, for actions
+# that are not `<tool_call>` blocks (AppWorld's code: the APIs it calls). When a step's result
+# has it, its names replace the parsed calls' names of that reply in `Trajectory.tool_names`,
+# the action pattern of the rare signal; it is not copied into `Trajectory.info`.
+STEP_TOOL_NAMES = "tool_names"
+
 
 @dataclasses.dataclass(frozen=True)
 class EpisodeLimits:
@@ -63,6 +69,7 @@ class _Episode:
   last_tok: int = 0  # the last sampled token: pending, not yet in the slot's cache
   turn_ids: list[int] = dataclasses.field(default_factory=list)
   turn_logprobs: list[float] = dataclasses.field(default_factory=list)
+  names_at: int = 0  # where the last reply's tool names start in traj.tool_names
 
 
 def _timed_step(env: Env, action: Action) -> tuple[StepResult, float]:
@@ -306,18 +313,24 @@ class AgentRunner:
     traj.model_steps += 1
     action = self.chat.parse_tool_calls(text, truncated=not stopped)
     traj.parse_errors += action.error is not None
+    ep.names_at = len(traj.tool_names)
     traj.tool_names.extend(c.name for c in action.tool_calls)
     del self._active[ep.slot]  # the slot keeps its cache but sits out of the batch meanwhile
     self._stepping[self._pool.submit(_timed_step, ep.env, action)] = ep
 
   def _after_step(self, ep: _Episode, result: StepResult) -> None:
     traj = ep.traj
+    info = result.info
+    if STEP_TOOL_NAMES in info:  # the environment's own names for the reply's tools
+      del traj.tool_names[ep.names_at :]
+      traj.tool_names.extend(str(n) for n in info[STEP_TOOL_NAMES])
+      info = {k: v for k, v in info.items() if k != STEP_TOOL_NAMES}
     if not result.done:  # the observation that answers the reply just taken
       traj.replies[-1].observation = "\n\n".join(m.get("content") or "" for m in result.messages)
     if result.done:
-      traj.calls = result.info.get("per_turn_calls", traj.calls)
-      traj.observations = result.info.get("per_turn_observations", traj.observations)
-      self._finish(ep, "done", float(result.reward), result.info)
+      traj.calls = info.get("per_turn_calls", traj.calls)
+      traj.observations = info.get("per_turn_observations", traj.observations)
+      self._finish(ep, "done", float(result.reward), info)
       return
     if traj.model_steps >= self.limits.max_model_steps:
       self._finish(ep, "max_model_steps")

@@ -531,3 +531,152 @@ def test_official_data_with_the_programmatic_explorer_is_refused():
   c.explore.explorer = "openai"
   c.appworld.d0 = "explore"
   validate_config(c)
+
+
+# ------------------------------------- what AppWorld trajectories carry into signals and stage 2
+
+
+class _ScriptedLLM:
+  """A `feedback.llm.TextLLM` whose reply to each job is `reply(system, prompt)`; it records
+  every (system, prompt) it was sent."""
+
+  name = "scripted"
+
+  def __init__(self, reply):
+    from coevolve_jax.feedback.llm import TokenBudget  # noqa: PLC0415
+
+    self.budget, self.reply, self.prompts = TokenBudget(), reply, []
+
+  def complete(self, system, prompt, *, json_output=False):
+    self.prompts.append((system, prompt))
+    return self.reply(system, prompt)
+
+  def refresh(self):
+    pass
+
+
+def _rollouts(suite, jobs):
+  """Episodes through the real agent loop (`AgentRunner`) on the suite's servers: `jobs` are
+  (task, group id, [code of each reply]); one decode slot replays the replies in job order (an
+  episode's script ends with complete_task or has `appworld.max_steps` replies)."""
+  import jax  # noqa: PLC0415
+
+  import kit  # noqa: PLC0415
+  from coevolve_jax.agent import AgentRunner, EpisodeLimits  # noqa: PLC0415
+  from coevolve_jax.rollout.sampling import SamplingParams  # noqa: PLC0415
+  from envs.appworld.env import code_reply  # noqa: PLC0415
+
+  chat = kit.FakeChat()  # token ids are the characters' codes; 0 ends a reply
+  replies = [chat.encode(code_reply(code)) + [0] for _, _, codes in jobs for code in codes]
+  runner = AgentRunner(
+    kit.RunOnEngine(replies, filler=ord("x")),
+    chat,
+    lambda task, episode_id: suite.make_env(task, episode_id),
+    EpisodeLimits(max_new_tokens=4096, max_model_steps=4),
+    env_threads=1,
+  )
+  trajs = runner.run(
+    [(t, g) for t, g, _ in jobs], SamplingParams(temperature=0.0), jax.random.key(0)
+  )
+  assert all(t.finish == "done" for t in trajs), [(t.finish, t.info) for t in trajs]
+  return trajs
+
+
+@needs_appworld
+def test_rare_fires_on_a_recurring_rare_api_pattern_of_real_episodes(suite):
+  """The rare signal counts AppWorld's action patterns: the APIs each code step names, in order
+  over the steps (what the agent loop puts into `Trajectory.tool_names`). With the CPU preset's
+  signal settings (theta 5%, N_min 16, a pattern must recur in 2 tasks), a pattern one task
+  showed in an earlier step fires when another task shows it; a first-seen pattern, the same
+  APIs in another order, a common pattern, and a task repeating its own pattern do not."""
+  from coevolve_jax.feedback.rounds import signal_shares  # noqa: PLC0415
+  from coevolve_jax.feedback.signals import SignalTracker  # noqa: PLC0415
+
+  done = "apis.supervisor.complete_task()"  # no answer: every episode scores 0 (no boundary)
+  common = [
+    f"apis.supervisor.show_profile()\n{done}",
+    f"apis.supervisor.show_account_passwords()\n{done}",
+    f"apis.api_docs.show_app_descriptions()\n{done}",
+  ]
+  tasks = list(suite.train_tasks)
+  assert len(tasks) == 6
+  # Task i's own pattern; task 0's is two code steps: show_profile, then the app list.
+  own = [["apis.supervisor.show_profile()", f"apis.api_docs.show_app_descriptions()\n{done}"]]
+  own += [["apis.supervisor.show_profile()\n" * (i + 1) + done] for i in range(1, 6)]
+  step1 = [(t, g, [code]) for g, t in enumerate(tasks) for code in common]
+  step1 += [(t, g, own[g]) for g, t in enumerate(tasks)]
+  trajs = _rollouts(suite, step1)
+  first = trajs[len(tasks) * len(common)]  # task 0's own two-step episode
+  assert first.tool_names == [
+    "supervisor.show_profile",
+    "api_docs.show_app_descriptions",
+    "supervisor.complete_task",
+  ]
+  assert first.calls == [own[0]] and len(first.observations[0]) == 2  # code and output per step
+  assert first.info["split"] == "train" and "tool_names" not in first.info
+  tracker = SignalTracker.from_config(_config().signals)
+  assert tracker.observe(trajs, tasks) == []  # nothing to compare with yet
+  assert tracker.total == 6 * 4  # 24 (task, pattern) pairs: task 0's pattern has 1/24 < 5%
+  step2 = [
+    (tasks[1], 1, own[0]),  # task 0's rare pattern, shown by another task: rare
+    # task 0's APIs in another order: a first-seen pattern
+    (
+      tasks[2],
+      2,
+      ["apis.api_docs.show_app_descriptions()", f"apis.supervisor.show_profile()\n{done}"],
+    ),
+    (tasks[3], 3, [f"apis.api_docs.show_api_descriptions(app_name='todoist')\n{done}"]),  # new
+    (tasks[4], 4, [common[0]]),  # a common pattern (6 of 24)
+    (tasks[0], 0, own[0]),  # task 0 again: its own pattern does not recur across tasks
+  ]
+  trajs = _rollouts(suite, step2)
+  events = tracker.observe(trajs, tasks)
+  assert [(e.signal, e.task.task_id) for e in events] == [("rare", tasks[1].task_id)]
+  assert events[0].calls == [own[0]]
+  # feedback.jsonl's signal_events / signal_shares are these figures of the round's events.
+  assert signal_shares(events) == {
+    "events": {"forgetting": 0, "boundary": 0, "rare": 1},
+    "shares": {"forgetting": 0.0, "boundary": 0.0, "rare": 1.0},
+  }
+
+
+@needs_appworld
+def test_the_stage2_summary_sees_each_code_step_and_its_output(suite):
+  """A marked AppWorld trajectory keeps each code step and what it printed (here a traceback):
+  the signal event carries both, and the LLM's context summary prompt shows them; the
+  explorer's focus is the APIs the code names."""
+  import numpy as np  # noqa: PLC0415
+
+  from coevolve_jax.feedback import synthesis  # noqa: PLC0415
+  from coevolve_jax.feedback.signals import SignalTracker  # noqa: PLC0415
+
+  task = next(t for t in suite.train_tasks if t.provenance.get("template") == "count_notes")
+  bad = "notes = apis.simple_note.no_such_api()"
+  failing = [bad, "apis.supervisor.complete_task(answer=-1)"]
+  trajs = _rollouts(suite, [(task, 0, [task.initial_config["solution"]]), (task, 0, failing)])
+  assert [t.reward for t in trajs] == [1.0, 0.0]
+  events = SignalTracker(rare_min_total=1000).observe(trajs, [task])
+  assert [e.signal for e in events] == ["boundary", "boundary"]  # one solved, one failed
+  event = events[1]
+  error = "No API named 'no_such_api' found in the simple_note app."
+  assert event.calls == [failing] and error in event.observations[0][0]
+
+  def reply(system, prompt):
+    if system.startswith("You analyse"):
+      return json.dumps({"summary": "s", "focus_pattern": [], "exploration_objectives": []})
+    if system.startswith("You explore"):
+      return "STOP"
+    return json.dumps({"tasks": []})
+
+  llm = _ScriptedLLM(reply)
+  result = synthesis.synthesize_round(suite.synthesizer(llm), [event], np.random.default_rng(0), 1)
+  assert result.tasks == [] and result.per_signal["boundary"]["events"] == 1
+  (summary_prompt,) = [p for s, p in llm.prompts if s.startswith("You analyse")]
+  steps = json.loads(summary_prompt)["agent_steps"]
+  assert [s["call"] for s in steps[0]] == failing
+  assert error in steps[0][0]["observation"] and error in summary_prompt
+  explorer_prompts = [p for s, p in llm.prompts if s.startswith("You explore")]
+  assert explorer_prompts and all(
+    'Focus APIs: ["simple_note.no_such_api", "supervisor.complete_task"]' in p
+    for p in explorer_prompts
+  )

@@ -10,6 +10,14 @@ One `AppWorldEnv` is one episode of one AppWorld task on one server of a `Server
               `max_steps` replies; then POST /evaluate grades the end state with the task's own
               evaluation code: reward 1.0/0.0 (`reward="binary"`, TGC) or passed/total tests
               (`reward="pass_fraction"`).
+What an episode records (the `Env` protocol's `calls` / `observations`, read by the agent loop
+into `Trajectory.calls` / `.observations` and from there into signal events and the stage-2
+summary): one call per code step, the step's code, and per call the output as the model saw it
+(truncated like the next user message; a reply without a code block runs nothing and records
+nothing). The APIs a step's code names (`api_names`, in textual order) are that step's tool
+names: every StepResult of a reply carries them in `info["tool_names"]`, and the agent loop
+appends them to `Trajectory.tool_names`, the action pattern the rare signal counts (AppWorld's
+actions are code, not `<tool_call>` blocks, so the loop's parser finds no tool names in them).
 The model's code only ever runs inside the AppWorld server process, never in ours.
 A server that fails (timeout, connection lost, process died) raises `ServerError` from reset/step;
 the agent loop ends that episode as an error and `close()` hands the server back to be restarted.
@@ -24,7 +32,15 @@ from envs.appworld.server import AppWorldServer, ServerError, ServerPool
 from coevolve_jax.types import Action, StepResult, Task
 from envs.base import truncate_observation
 
-__all__ = ["AppWorldEnv", "SYSTEM_PROMPT", "extract_code", "rows_to_tasks", "task_from_row"]
+__all__ = [
+  "AppWorldEnv",
+  "SYSTEM_PROMPT",
+  "TOOL_NAMES",
+  "api_names",
+  "extract_code",
+  "rows_to_tasks",
+  "task_from_row",
+]
 
 REWARD_MODES = ("binary", "pass_fraction")
 SYSTEM_PROMPT = """\
@@ -40,6 +56,14 @@ are in `apis.supervisor.show_account_passwords()`. When the task is done, call \
 _THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
 _CODE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 _API_CALL = re.compile(r"apis\.(\w+)\.(\w+)")
+# The StepResult.info key of a step's tool names (the agent loop's `Trajectory.tool_names`).
+TOOL_NAMES = "tool_names"
+
+
+def api_names(code: str) -> list[str]:
+  """The `<app>.<api>` names `code` calls through `apis`, in textual order, repeats kept
+  (`apis.simple_note.login(...)` -> "simple_note.login"): what it names, run or not."""
+  return [f"{app}.{api}" for app, api in _API_CALL.findall(code)]
 
 
 def code_reply(code: str) -> str:
@@ -128,10 +152,12 @@ class AppWorldEnv:
     self.failed = False
     self.steps = 0
     self.code: list[str] = []
-    self.calls: list[list[list[str]]] = [[]]  # per user turn, per step: the APIs the code names
-    # Per user turn, the outputs shown per call (the `Env` protocol's record): none are kept for
-    # AppWorld yet, so its signal events carry none (the stage-2 summary sees the calls only).
-    self.observations: list[list[str]] = []
+    # The `Env` protocol's record, one user turn (the instruction): per model step the code it
+    # ran ([] for a reply without a code block), and per code step its output as the model saw
+    # it. Signal events and the stage-2 summary read them (the trajectory's calls and
+    # observations); the rare signal reads the APIs instead (`info[TOOL_NAMES]`).
+    self.calls: list[list[list[str]]] = [[]]
+    self.observations: list[list[str]] = [[]]
 
   def _call(self, method: str, **payload: Any) -> Any:
     assert self.server is not None
@@ -160,32 +186,34 @@ class AppWorldEnv:
     return StepResult(messages=[{"role": "user", "content": message}])
 
   def step(self, action: Action) -> StepResult:
+    """Runs the reply's first code block; the result's `info[TOOL_NAMES]` lists the APIs it
+    names ([] without a block). Raises ServerError when the server fails."""
     self.steps += 1
     code = extract_code(action.text)
+    names: list[str] = []
     if code is None:
-      output = (
+      shown = (
         "No code was run: reply with one ```python code block (call "
         "apis.supervisor.complete_task(...) when the task is done)."
       )
       self.calls[0].append([])
     else:
       self.code.append(code)
-      self.calls[0].append([f"{a}.{b}" for a, b in _API_CALL.findall(code)])
+      names = api_names(code)
+      self.calls[0].append([code])
       output = str(self._call("execute", code=code))
+      shown = truncate_observation(output, self.max_obs_chars, self.max_obs_tokens)
+      self.observations[0].append(shown)
       if self._call("task_completed"):
-        return self._grade("completed")
+        return self._grade("completed", names)
     if self.steps >= self.max_steps:
-      return self._grade("max_steps")
-    return StepResult(
-      messages=[
-        {
-          "role": "user",
-          "content": truncate_observation(output, self.max_obs_chars, self.max_obs_tokens),
-        }
-      ]
-    )
+      return self._grade("max_steps", names)
+    return StepResult(messages=[{"role": "user", "content": shown}], info={TOOL_NAMES: names})
 
-  def _grade(self, how: str) -> StepResult:
+  def _grade(self, how: str, names: list[str]) -> StepResult:
+    """The final StepResult: POST /evaluate's reward, and in `info` how the episode ended, the
+    test counts, the task's scenario and split, the calls and observations per user turn, and
+    the last step's tool names (`names`)."""
     report = self._call("evaluate", suppress_errors=True)
     passed, total = len(report.get("passes", [])), int(report.get("num_tests") or 0)
     success = bool(report.get("success"))
@@ -198,7 +226,10 @@ class AppWorldEnv:
       "passed": passed,
       "num_tests": total,
       "scenario": self.task.initial_config.get("scenario", ""),
+      "split": self.task.initial_config.get("split", ""),
       "per_turn_calls": [[c for step in turn for c in step] for turn in self.calls],
+      "per_turn_observations": [list(turn) for turn in self.observations],
+      TOOL_NAMES: names,
     }
     return StepResult(messages=[], done=True, reward=reward, info=info)
 

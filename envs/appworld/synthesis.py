@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -31,7 +32,7 @@ from coevolve_jax.feedback.signals import SignalEvent
 from coevolve_jax.feedback.synthesis import Candidate
 from coevolve_jax.types import Task
 from envs.appworld import llm_explorer
-from envs.appworld.env import AppWorldEnv, task_from_row
+from envs.appworld.env import AppWorldEnv, api_names, task_from_row
 from envs.appworld.server import add_worlds, derive_worlds
 
 log = logging.getLogger(__name__)
@@ -145,10 +146,26 @@ def _world_context(
   )
 
 
+_BARE_API = re.compile(r"\w+\.\w+")  # an API name, as events recorded calls before code
+
+
+def event_apis(event: SignalEvent) -> list[str]:
+  """The APIs a marked trajectory's code steps (`event.calls`) name, in order of first use; a
+  call that is a bare `<app>.<api>` name (events of checkpoints written before episodes recorded
+  their code) counts as itself."""
+  names = (
+    name
+    for turn in event.calls
+    for call in turn
+    for name in ([call] if _BARE_API.fullmatch(call) else api_names(call))
+  )
+  return list(dict.fromkeys(names))
+
+
 def summary_template(event: SignalEvent) -> tuple[dict[str, Any], list[str]]:
   """The template context summary of a marked AppWorld trajectory and its focus (the APIs its
-  code called, in order of first use)."""
-  focus = list(dict.fromkeys(c for turn in event.calls for c in turn))
+  code called, in order of first use: `event_apis`)."""
+  focus = event_apis(event)
   summary = {
     "summary": f"{event.signal} signal on task {event.task.task_id} "
     f"(reward {event.reward:.2f}); APIs used: {', '.join(focus) or 'none'}",
@@ -277,16 +294,16 @@ class LLMWorldSynthesizer:
   def validate(self, task: Task) -> tuple[bool, str]:
     """By execution (the reference solution scores 1.0 through a server, completing at once
     scores 0.0), then with `explore.judge` an LLM agent's attempt, accepted on a positive reward
-    or the judge's success (paper Sec. 3.3)."""
+    or the judge's success (paper Sec. 3.3). The attempt gets `appworld.max_steps` replies, and
+    at least `explore.max_calls` + 1 (a task's every step, then complete_task, one per reply)."""
     why = self.suite.validate(task)
     if why is not None:
       return False, why
     if not self.suite.judge:
       task.provenance["validation"] = "execution"
       return True, "ok"
-    accepted, info = llm_explorer.attempt_and_judge(
-      self.llm, task, self.suite.episode, max_steps=int(self.suite.aw.max_steps)
-    )
+    replies = max(int(self.suite.aw.max_steps), int(self.suite.explore_args["max_calls"]) + 1)
+    accepted, info = llm_explorer.attempt_and_judge(self.llm, task, self.suite.episode, replies)
     task.provenance["validation"] = {"reward": info["reward"], "judge": info["judge"]}
     if not accepted:
       return False, f"judge rejected the attempt: {(info['judge'] or {}).get('reason', '')}"
