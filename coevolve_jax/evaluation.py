@@ -73,8 +73,10 @@ class Rollouts:
 
 
 def eval_row(t: Trajectory) -> dict[str, Any]:
-  """One evaluation file row: the task's reward, how its episode ended and what it called."""
-  return {
+  """One evaluation file row: the task's reward, how its episode ended and what it called, and
+  the task's split ("split") when its episode's info names one (AppWorld's test_normal /
+  test_challenge, which the paper reports apart); environments that name none (BFCL) get none."""
+  row = {
     "task_id": t.task_id,
     "reward": t.reward,
     "finish": t.finish,
@@ -82,6 +84,9 @@ def eval_row(t: Trajectory) -> dict[str, Any]:
     "parse_errors": t.parse_errors,
     "calls": t.calls,
   }
+  if split := t.info.get("split"):
+    row["split"] = str(split)
+  return row
 
 
 class Evaluator:

@@ -119,3 +119,60 @@ print(json.dumps({"metrics": out, "splits": splits}))
   assert reference["splits"] == expected
   for split in OFFICIAL_SPLITS:
     assert [t.task_id for t in load_split(str(tmp_path), split)] == reference["splits"][split]
+
+
+def _eval_suite(rows):
+  """An AppWorldSuite holding only its held-out tasks (what `metrics` reads; no servers)."""
+  from envs.appworld.env import task_from_row  # noqa: PLC0415
+  from envs.appworld.suite import AppWorldSuite  # noqa: PLC0415
+
+  suite = AppWorldSuite.__new__(AppWorldSuite)
+  suite.eval_tasks = [task_from_row({"instruction": "do it", **r}) for r in rows]
+  return suite
+
+
+def test_tgc_and_sgc_per_split_of_hand_made_trajectories():
+  """The paper's Table 1 reports test_normal and test_challenge apart: each split gets its own
+  TGC / SGC (computed here by hand), and the figure over both is named a blend. A trajectory
+  whose episode failed before grading (no info) counts, as a failure, in its task's split."""
+  from coevolve_jax.types import Trajectory  # noqa: PLC0415
+
+  normal = {"aaa_1": True, "aaa_2": True, "bbb_1": True, "bbb_2": False}
+  challenge = {"ccc_1": False, "ccc_2": True, "ddd_1": False, "eee_1": False}
+  rows = [{"task_id": k, "split": "test_normal"} for k in normal]
+  rows += [{"task_id": k, "split": "test_challenge"} for k in challenge]
+  suite = _eval_suite(rows)
+  trajs = [
+    Trajectory(k, i, info={"success": ok, "split": split})
+    for i, (k, ok, split) in enumerate(
+      [(k, ok, "test_normal") for k, ok in normal.items()]
+      + [(k, ok, "test_challenge") for k, ok in challenge.items() if k != "ddd_1"]
+    )
+  ]
+  trajs.append(Trajectory("ddd_1", 99, finish="error", info={"error": "reset: ServerError()"}))
+  m = suite.metrics(trajs)
+  # test_normal: 3 of 4 tasks; scenario aaa passes, bbb does not -> 75.0 / 50.0
+  assert (m["test_normal/tgc"], m["test_normal/sgc"]) == (75.0, 50.0)
+  assert (m["test_normal/tasks"], m["test_normal/scenarios"]) == (4, 2)
+  # test_challenge: 1 of 4 tasks; none of ccc, ddd, eee passes whole -> 25.0 / 0.0
+  assert (m["test_challenge/tgc"], m["test_challenge/sgc"]) == (25.0, 0.0)
+  assert (m["test_challenge/tasks"], m["test_challenge/scenarios"]) == (4, 3)
+  # both together: 4 of 8 tasks, 1 of 5 scenarios; never under the one-split names
+  assert (m["blend/tgc"], m["blend/sgc"], m["blend/tasks"]) == (50.0, 20.0, 8)
+  assert "tgc" not in m and "sgc" not in m
+  # One split: its figures, and the same under the plain names (there is no blend).
+  only = suite.metrics(trajs[:4])
+  assert (only["tgc"], only["sgc"]) == (only["test_normal/tgc"], only["test_normal/sgc"])
+  assert (only["tgc"], only["sgc"]) == (75.0, 50.0) and "blend/tgc" not in only
+
+
+def test_eval_rows_name_the_split_only_where_the_episode_does():
+  from coevolve_jax.evaluation import eval_row  # noqa: PLC0415
+  from coevolve_jax.types import Trajectory  # noqa: PLC0415
+
+  aw = eval_row(
+    Trajectory("ccc_1", 0, reward=1.0, info={"success": True, "split": "test_challenge"})
+  )
+  assert aw["split"] == "test_challenge" and aw["task_id"] == "ccc_1" and aw["reward"] == 1.0
+  bfcl = eval_row(Trajectory("multi_turn_base_0", 0, calls=[["ls()"]], info={"checker": {}}))
+  assert set(bfcl) == {"task_id", "reward", "finish", "model_steps", "parse_errors", "calls"}

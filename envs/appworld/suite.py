@@ -36,7 +36,7 @@ from coevolve_jax.feedback.synthesis import Synthesizer
 from coevolve_jax.types import Action, Task, Trajectory
 from envs.appworld import synthesis
 from envs.appworld.client import AppWorldUnavailable
-from envs.appworld.data import OFFICIAL_SPLITS, goal_completion, load_split
+from envs.appworld.data import OFFICIAL_SPLITS, load_split, split_goal_completion
 from envs.appworld.env import REWARD_MODES, AppWorldEnv, code_reply, rows_to_tasks
 from envs.appworld.server import ServerError, ServerPool, build_worlds, venv_python
 from envs.appworld.splits import data_errors, split_names
@@ -355,10 +355,15 @@ class AppWorldSuite:
 
   # ------------------------------------------------------------------ evaluation
 
-  @staticmethod
-  def metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
-    """TGC and SGC (percent) of evaluation trajectories: success = every test passed."""
-    return goal_completion({t.task_id: bool(t.info.get("success")) for t in trajs})
+  def metrics(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """TGC and SGC (percent) of evaluation trajectories (success = every test passed), per
+    split (`data.split_goal_completion`: "test_normal/tgc", ...; over several splits the
+    figures of all tasks together are "blend/tgc", ..., else "tgc", ...). A trajectory's split
+    is its held-out task's (`eval_tasks`: an episode that failed before grading has no info),
+    else the one its episode's info names."""
+    splits = {t.task_id: t.initial_config.get("split", "") for t in self.eval_tasks}
+    split_of = {t.task_id: splits.get(t.task_id) or t.info.get("split", "") for t in trajs}
+    return split_goal_completion({t.task_id: bool(t.info.get("success")) for t in trajs}, split_of)
 
   def close(self) -> None:
     self.pool.close()
