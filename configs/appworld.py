@@ -145,7 +145,13 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     c.eval.generated_tasks = 0
     c.eval.pool_after = False
   if variant != "cpu":
-    c.feedback.max_contexts = 8  # each context builds and validates a new world
+    # Every candidate context per round (the paper's reading; one per (task, signal kind)).
+    c.feedback.max_contexts = 0
+    # Up to 18 code steps per derived task (the paper's own AppWorld example has 11), from runs of
+    # 30 steps (the parent's upper bound): steps that raise are not triplets, so a run needs room
+    # beyond a task's steps. The validating attempt gets max_calls + 1 replies at least.
+    c.explore.max_calls = 18
+    c.explore.steps_per_round = 30
     c.eval.max_tasks = 168  # evaluation tasks of c.appworld.eval_split (test_normal has 168)
     c.eval.max_steps_per_turn = 30  # AppWorld episodes are single-instruction, up to 30 steps
   if variant == "paper":  # every knob the paper states (docs/design.md §1.6)
@@ -153,6 +159,5 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     c.appworld.fail_over_limit = True
     c.appworld.max_obs_tokens = 4096  # observations cut at 4,096 tokens
     c.appworld.eval_split = "test_normal,test_challenge"  # both of the paper's test splits
-    c.eval.max_tasks = 585  # 168 + 417 tasks
-    c.feedback.max_contexts = 0  # every candidate context
+    c.eval.max_tasks = 585  # 168 + 417 tasks, TGC / SGC per split (and their blend)
   return c

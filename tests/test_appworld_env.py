@@ -8,6 +8,7 @@ tests; the built data lives in a pytest temp folder, never in the repository.
 import importlib.util
 import json
 import os
+import re
 import signal
 import time
 
@@ -680,3 +681,70 @@ def test_the_stage2_summary_sees_each_code_step_and_its_output(suite):
     'Focus APIs: ["simple_note.no_such_api", "supervisor.complete_task"]' in p
     for p in explorer_prompts
   )
+
+
+@needs_appworld
+def test_a_twelve_step_task_is_explored_derived_and_validated_with_the_full_values(
+  suite, monkeypatch
+):
+  """The full config's exploration values (runs of `explore.steps_per_round` steps, tasks of up
+  to `explore.max_calls` code steps; the paper's AppWorld example has 11) reach the explorer,
+  the abstraction and the validating attempt: a 12-step task found in a run is derived in its
+  world and passes validation by an agent that runs one step per reply (13 replies, more than
+  `appworld.max_steps`), graded by the task's own evaluator (the judge says no)."""
+  import numpy as np  # noqa: PLC0415
+
+  from coevolve_jax.feedback import synthesis  # noqa: PLC0415
+
+  full = importlib.util.spec_from_file_location("_cfg_aw_full", f"{ROOT}/configs/appworld.py")
+  module = importlib.util.module_from_spec(full)
+  full.loader.exec_module(module)
+  ex = module.get_config("").explore
+  for key in ("steps_per_round", "min_calls", "max_calls"):
+    monkeypatch.setitem(suite.explore_args, key, int(ex[key]))
+  monkeypatch.setitem(suite.explore_args, "rounds", 1)  # one run is enough here
+  steps = [
+    'pw = {a["account_name"]: a["password"] for a in apis.supervisor.show_account_passwords()}',
+    "me = apis.supervisor.show_profile()",
+    'token = apis.simple_note.login(username=me["email"], password=pw["simple_note"])'
+    '["access_token"]',
+    "before = apis.simple_note.search_notes(access_token=token, page_limit=20)",
+    'titles = [n["title"] for n in before]',
+    'apis.simple_note.create_note(access_token=token, title="Long A", content="a")',
+    'apis.simple_note.create_note(access_token=token, title="Long B", content="b")',
+    "after = apis.simple_note.search_notes(access_token=token, page_limit=20)",
+    "n = len(after)",
+    "added = n - len(titles)",
+    "print(added)",
+    "print(n)",
+  ]
+  assert suite.aw.max_steps < len(steps) + 1 <= ex.max_calls + 1
+
+  def reply(system, prompt):
+    if system.startswith("You explore"):
+      k = int(re.search(r"Step (\d+) of", prompt).group(1))
+      return f"```python\n{steps[k - 1]}\n```" if k <= len(steps) else "STOP"
+    if system.startswith("You turn"):
+      task = {"run_id": 0, "steps": list(range(12)), "query": "Add two notes; how many now?"}
+      return json.dumps({"tasks": [{**task, "answer_step": 11, "completion": "count given"}]})
+    if system.startswith("You judge"):
+      return json.dumps({"success": False, "reason": "scripted: no"})
+    done = prompt.split("Your steps so far, each with its output:\n", 1)[1].count("\n-> ")
+    code = steps[done] if done < len(steps) else "apis.supervisor.complete_task(answer=n)"
+    return f"```python\n{code}\n```"
+
+  llm = _ScriptedLLM(reply)
+  base = next(t for t in suite.train_tasks if t.provenance.get("template") == "count_notes")
+  d0, counts = synthesis.initial_tasks(
+    suite.synthesizer(llm), [base], 1, np.random.default_rng(0), max_attempts=1
+  )
+  assert counts["accepted"] == 1, (counts, [p[:300] for _, p in llm.prompts[-2:]])
+  (task,) = d0
+  assert task.provenance["validation"]["reward"] == 1.0  # by the evaluator, not the judge
+  assert task.initial_config["solution"].count("\n") >= len(steps)
+  explorer = [p for s, p in llm.prompts if s.startswith("You explore")]
+  assert f"Step 1 of {ex.steps_per_round}:" in explorer[0] and len(explorer) == len(steps) + 1
+  (abstraction,) = [p for s, p in llm.prompts if s.startswith("You turn")]
+  assert f"At most {ex.max_calls} steps" in abstraction
+  attempts = [p for s, p in llm.prompts if "Hints (a known solution)" in p]
+  assert len(attempts) == len(steps) + 1  # one reply per step, then complete_task
