@@ -78,7 +78,11 @@ def build(cfg: Any, workdir: str) -> Components:
   except ValueError as e:  # more devices asked for than there are
     raise RunError(f"mesh: {e}") from None
   suite = make_suite(cfg, workdir)  # the benchmark (envs/<name>/suite.py)
-  pool = TaskPool(os.path.join(workdir, "pool.jsonl"), threshold=cfg.pool.near_dup_threshold)
+  pool = TaskPool(
+    os.path.join(workdir, "pool.jsonl"),
+    threshold=cfg.pool.near_dup_threshold,
+    drop_eval_states=cfg.explore.eval_states == "disjoint",
+  )
   models.apply_matmul_precision(cfg.model)
   compiling.enable_cache(cfg.compile.cache_dir, workdir, primary=distributed.is_primary())
   micro_batches = _plan_memory(cfg, mesh)

@@ -23,6 +23,7 @@ import numpy as np
 
 from coevolve_jax import advantages, grpo, suite
 from coevolve_jax.feedback import factory, rounds
+from coevolve_jax.feedback.pool import EVAL_STATES
 from coevolve_jax.feedback.sampler import make_sampler
 from coevolve_jax.feedback.signals import SignalTracker
 from coevolve_jax.hooks import check_hooks
@@ -283,6 +284,10 @@ def _explore(cfg: Mapping[str, Any]) -> None:
     fail("explore.max_calls", f"must be an int >= explore.min_calls = {min_calls}", max_calls)
   for field in ("explore.turns_per_task", "explore.rounds", "explore.steps_per_round"):
     int_at_least(cfg, field, 1)
+  if get(cfg, "explore.eval_states") not in EVAL_STATES:
+    fail("explore.eval_states", f"must be one of {EVAL_STATES}", get(cfg, "explore.eval_states"))
+  for field in ("d0_tokens", *(f"{k}.tokens_per_round" for k in ("gemini", "openai", "local"))):
+    int_at_least(cfg, f"explore.{field}", 0, " (0 = no cap)")
   _float_dtype(cfg, "explore.local.dtype")
 
 

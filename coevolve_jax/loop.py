@@ -39,7 +39,13 @@ from coevolve_jax.errors import CorruptFileError, RunError
 from coevolve_jax.evaluation import Evaluator, Rollouts
 from coevolve_jax.feedback import synthesis
 from coevolve_jax.hooks import StepRecord, run_hooks
-from coevolve_jax.metrics import CompileCounter, MetricsWriter, PhaseTimer, write_atomic
+from coevolve_jax.metrics import (
+  CompileCounter,
+  MetricsWriter,
+  PhaseTimer,
+  append_lines,
+  write_atomic,
+)
 from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.run_state import RunState
 from coevolve_jax.scheduler import RoundScheduler
@@ -160,6 +166,15 @@ class CoEvolveRun:
       report = self.pool.add(d0, eval_tasks=self.evaluator.held_out())
       self.state.d0 = {**counts, "added": report.added, "dropped": len(report.dropped)}
       print(f"D0: {self.state.d0}")
+      if stopped := counts.get("stopped"):
+        print(
+          f"D0 stopped early ({stopped['reason']}): {counts['accepted']} of "
+          f"{self.cfg.explore.initial_tasks} tasks, at most {stopped['contexts_skipped']} "
+          f"contexts not explored: {stopped['message']}"
+        )
+      # D0's row of feedback.jsonl ("round" 0), beside the rounds' rows.
+      row = {"stage": "d0", "round": 0, "step": 0, **self.state.d0, "pool_size": len(self.pool)}
+      append_lines(os.path.join(self.workdir, "feedback.jsonl"), [json.dumps(row)])
       if not len(self.pool):
         raise RunError(
           f"D0 exploration left the task pool empty ({self.state.d0}): there is nothing to "
@@ -187,7 +202,11 @@ class CoEvolveRun:
     def make() -> dict[str, Any]:
       synth = self.suite.synthesizer(self.parts.d0_llm)
       d0, counts = synthesis.initial_tasks(
-        synth, self.suite.train_tasks, self.cfg.explore.initial_tasks, rng
+        synth,
+        self.suite.train_tasks,
+        self.cfg.explore.initial_tasks,
+        rng,
+        token_limit=self.cfg.explore.d0_tokens,
       )
       tasks = [json.loads(t.to_json()) for t in d0]
       return {"tasks": tasks, "counts": counts, "rng": rng.bit_generator.state}
@@ -204,7 +223,9 @@ class CoEvolveRun:
     def make() -> list[Task]:
       rng = np.random.default_rng([self.cfg.seed, GENERATED_EVAL_STREAM])
       synth = self.suite.synthesizer(self.parts.d0_llm)
-      return synthesis.generated_eval_tasks(synth, self.suite.eval_tasks, n, rng)
+      return synthesis.generated_eval_tasks(
+        synth, self.suite.eval_tasks, n, rng, token_limit=self.cfg.explore.d0_tokens
+      )
 
     n = self.cfg.eval.generated_tasks
     return self.evaluator.load_or_make_generated(n, resumed=resumed, make=make)

@@ -156,6 +156,7 @@ class RoundScheduler:
 
   def _log(self, state, pending, result, report, wait_s: float) -> None:
     row = {
+      "stage": "round",
       "round": pending.round_idx,
       "step": state.step,
       "start_step": pending.start_step,
@@ -172,7 +173,10 @@ class RoundScheduler:
       "wait_s": round(wait_s, 3),
       "eval_similarity": report.eval_similarity,
       "pool_size": len(self.pool),
+      "stopped": report.stopped,
     }
+    if report.stopped is not None:
+      print(f"feedback round {pending.round_idx} stopped early: {report.stopped}")
     append_lines(os.path.join(self.workdir, "feedback.jsonl"), [json.dumps(row)])
     append_lines(
       os.path.join(self.workdir, "exploration.jsonl"),

@@ -24,7 +24,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   c.model.preset = "qwen3_4b"  # QwenConfig preset name
   c.model.checkpoint = ""  # Hugging Face folder with safetensors; "" = random init
-  c.model.allow_random_init = True  # False: an empty checkpoint is a start-up error (paper variant)
+  # False: an empty checkpoint is a start-up error (every full-scale variant: a pod would train
+  # noise); the CPU presets set True and start from a random tiny model.
+  c.model.allow_random_init = False
   c.model.dtype = "bfloat16"  # compute dtype: forwards, backwards, KV cache, rollout weights
   # Master copy of the trained parameters, gradients and AdamW moments (fp32: a bf16 update of
   # lr 1e-6 rounds away on most weights). The reference policy is kept in `model.dtype`.
@@ -69,7 +71,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.explore.gemini.max_delay_s = 30.0  # ... capped here
   c.explore.gemini.temperature = 0.7
   c.explore.gemini.max_output_tokens = 1024
-  c.explore.gemini.tokens_per_round = 200_000  # token budget per feedback round (0 = unlimited)
+  c.explore.gemini.tokens_per_round = 0  # token budget per feedback round (0 = no cap): below
   # An OpenAI-compatible chat endpoint (feedback/openai_llm.py): the paper's Qwen3-Max through its
   # provider's compatible mode, or a local vLLM / SGLang server. The key is read from the
   # environment variable named here, never from the config.
@@ -82,7 +84,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.explore.openai.attempts = 5  # tries per request on connection errors, 408/409/429/5xx
   c.explore.openai.temperature = 0.7
   c.explore.openai.max_output_tokens = 1024
-  c.explore.openai.tokens_per_round = 200_000  # token budget per feedback round (0 = unlimited)
+  c.explore.openai.tokens_per_round = 0  # token budget per feedback round (0 = no cap): below
   c.explore.openai.json_mode = True  # response_format json_object (False for servers without it)
   # Local explorer: the current policy, or another Hugging Face checkpoint, served by our engine.
   c.explore.local = ml_collections.ConfigDict()
@@ -92,7 +94,26 @@ def get_config() -> ml_collections.ConfigDict:
   c.explore.local.temperature = 0.7
   c.explore.local.tokens_per_round = 0
   c.explore.local.dtype = "bfloat16"
+  # Token budgets (prompt + output tokens as the endpoint reports them). The paper states none:
+  # D0 makes N = 100 tasks and a round explores every selected context. What a context costs at
+  # the full config's 4 runs x 18 steps, abstraction and validation: BFCL 50-90k tokens,
+  # AppWorld 77-198k (the product's own prompts, counted with the Qwen tokenizer). D0 at 1-8
+  # tasks per context needs 13-100 contexts, so 0.7-9 M tokens on BFCL; a round about 90k (BFCL)
+  # or 200k (AppWorld) per selected context, and with feedback.max_contexts = 0 a round selects
+  # one context per (task, signal kind) fired in its 10 steps (tens to a few hundred). A cap of
+  # T tokens stops D0 or a round before its next context once T is spent (the context in
+  # progress is finished, so it may overrun T by one context), logged with the contexts it
+  # skipped in feedback.jsonl ("stopped") and on the console. For a spending cap on a round of
+  # K contexts, set tokens_per_round to about K x 90k (BFCL) or K x 200k (AppWorld).
+  c.explore.d0_tokens = 0  # D0's (and the generated held-out set's) budget; 0 = no cap
   c.explore.initial_tasks = 100  # |D0| (paper N = 100)
+  # Exploration states and the evaluation split (docs/design.md §1.4): "disjoint" explores no
+  # state an evaluation entry starts from (BFCL: class by class, the entry's own state, else the
+  # backend's default, else the class is left out) and the pool's leak filter drops a task whose
+  # initial state is an evaluation entry's; "shared_with_eval" is the choice before 2026-12:
+  # D0 and the rounds may explore the evaluation entries' own states (BFCL's shipped categories
+  # share them: 191 of multi_turn_miss_param's 200 entries start from a multi_turn_base state).
+  c.explore.eval_states = "disjoint"
   c.explore.min_calls = 3  # minimal action sequence length of a synthesized task
   c.explore.max_calls = 6
   c.explore.turns_per_task = 1  # user turns per synthesized task
@@ -275,6 +296,7 @@ def cpu(c: ml_collections.ConfigDict) -> None:
   """The shared part of the `:cpu` presets: small enough for 2 CPU cores, the same code path as
   the full run."""
   c.model.preset = "tiny_cpu"
+  c.model.allow_random_init = True  # the tiny model starts from random weights
   c.model.dtype = "float32"
   # A 2-layer model's activations are small: recomputing them only costs time (2-core CPU: the
   # training step compiled in 7.7 s without remat, 12.1 s with full remat; docs/benchmarks/scan.md).
@@ -325,8 +347,9 @@ def cpu(c: ml_collections.ConfigDict) -> None:
 
 def paper(c: ml_collections.ConfigDict) -> None:
   """The shared part of the `:paper` variants: every knob arXiv 2604.15840 states (docs/design.md
-  §1.6). Starts only from a real checkpoint (`--config.model.checkpoint=DIR`)."""
-  c.model.allow_random_init = False
+  §1.6). Starts only from a real checkpoint (`--config.model.checkpoint=DIR`), as every
+  full-scale variant does; no token budget caps D0 or a round (explore.*.tokens_per_round = 0,
+  explore.d0_tokens = 0, the full-scale defaults)."""
   c.episode.max_model_steps = 30  # 30 interaction steps; over the limit = failure
   c.train.drop_from_loss = ()
   c.explore.explorer = "openai"  # the paper's explorer, abstractor and judge: Qwen3-Max

@@ -216,7 +216,9 @@ def collect(workdir: str) -> dict[str, Any]:
   with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
     summary = json.load(f)
   rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-  rounds = read_jsonl(os.path.join(workdir, "feedback.jsonl"))
+  # feedback.jsonl: D0's row ("stage": "d0") and one per round (older runs: rounds only).
+  rows_fb = read_jsonl(os.path.join(workdir, "feedback.jsonl"))
+  rounds = [r for r in rows_fb if r.get("stage", "round") == "round"]
   config_path = os.path.join(workdir, "config.json")
   threshold = 0.5  # configs/bfcl.py's signals.success_threshold, for workdirs without config.json
   if os.path.exists(config_path):

@@ -39,9 +39,35 @@ def _set(cfg, field, value):
 
 
 @pytest.mark.parametrize("name", ["bfcl.py", "appworld.py"])
-@pytest.mark.parametrize("variant", ["", "cpu"])
+@pytest.mark.parametrize("variant", ["", "cpu", "paper"])
 def test_shipped_configs_validate(name, variant):
-  validate(_get_config(name, variant))
+  cfg = _get_config(name, variant)
+  if variant != "cpu":
+    cfg.model.checkpoint = "/some/hf/folder"
+  validate(cfg)
+
+
+@pytest.mark.parametrize("name", ["bfcl.py", "appworld.py"])
+@pytest.mark.parametrize("variant", ["", "paper"])
+def test_full_scale_variants_refuse_random_weights_with_one_line(name, variant):
+  """A full-scale run without a checkpoint would spend a pod training noise (issue 40 item 7):
+  it is refused with one line naming both ways out; the CPU preset keeps its random tiny model."""
+  cfg = _get_config(name, variant)
+  with pytest.raises(ValueError, match="allow_random_init") as e:
+    validate(cfg)
+  assert "\n" not in str(e.value) and "model.checkpoint" in str(e.value)
+  cfg.model.allow_random_init = True
+  validate(cfg)
+  assert _get_config(name, "cpu").model.allow_random_init
+
+
+@pytest.mark.parametrize("name", ["bfcl.py", "appworld.py"])
+@pytest.mark.parametrize("variant", ["", "cpu", "paper"])
+def test_no_token_budget_caps_d0_or_a_round_by_default(name, variant):
+  """The paper states no budget: D0 makes N tasks, a round explores every selected context
+  (issue 40 item 1; the measured costs are in configs/base.py)."""
+  ex = _get_config(name, variant).explore
+  assert ex.d0_tokens == ex.gemini.tokens_per_round == ex.openai.tokens_per_round == 0
 
 
 @pytest.mark.parametrize("name", ["bfcl.py", "appworld.py"])
@@ -93,6 +119,8 @@ VARIANTS = [  # (config, variant, overrides): ablations and settings a run may u
 @pytest.mark.parametrize("name,variant,overrides", VARIANTS)
 def test_variants_validate(name, variant, overrides):
   cfg = _get_config(name, variant)
+  if variant != "cpu":  # full scale starts from a checkpoint
+    cfg.model.checkpoint = "/some/hf/folder"
   for field, value in overrides.items():
     _set(cfg, field, value)
   validate(cfg)
@@ -129,6 +157,8 @@ BAD = [  # (field, value); the bfcl cpu config (16 rollouts a step in 2 mini-bat
   ("explore.turns_per_task", 0),
   ("explore.rounds", 0),
   ("explore.steps_per_round", 0),
+  ("explore.d0_tokens", -1),
+  ("explore.openai.tokens_per_round", -5),
   ("feedback.max_contexts", -1),
   ("bfcl.max_classes", -1),
   ("pool.near_dup_threshold", 1.5),
@@ -233,6 +263,7 @@ def test_owner_messages_keep_their_reason():
 
 def test_two_mesh_axes_of_minus_one_and_a_missing_field():
   cfg = _get_config("bfcl.py")
+  cfg.model.checkpoint = "/some/hf/folder"
   cfg.mesh.data = -1  # fsdp is -1 already
   _raises_naming(cfg, "mesh")
   cfg = _get_config("bfcl.py", "cpu")

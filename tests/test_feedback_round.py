@@ -250,7 +250,7 @@ def test_no_validation_switch_accepts_what_validation_rejects(data, monkeypatch)
   assert all(t.provenance["validation"] == "skipped" for t in loose.tasks)
 
 
-def test_llm_round_summary_abstraction_judge_and_budget(data, monkeypatch, gemini_stub):
+def test_llm_round_summary_abstraction_judge_and_budget(data, monkeypatch, gemini_stub, tmp_path):
   d0, _ = data
   monkeypatch.setenv("GEMINI_API_KEY", "fake-key-for-the-stub")
   stub = gemini_stub
@@ -290,8 +290,16 @@ def test_llm_round_summary_abstraction_judge_and_budget(data, monkeypatch, gemin
     dataclasses.replace(SETTINGS, min_calls=1),
     small,
   )
-  assert len(stub.requests) - n == 2 and cut.llm_usage == {"tokens": 30, "requests": 2}
-  assert cut.tasks == []  # the budget ran out inside the first context
+  # The budget runs out inside the first context, which is finished (its tasks are kept: they
+  # used to be lost with it); the round stops before the second and records the skip.
+  sent = len(stub.requests) - n
+  assert sent > 2 and cut.llm_usage == {"tokens": 15 * sent, "requests": sent}
+  assert cut.tasks and all(t.task_id.startswith("syn-r2-0000") for t in cut.tasks)
+  assert list(cut.per_signal) == [events[0].signal]
+  assert cut.stopped is not None and cut.stopped["reason"] == "token_budget"
+  assert (cut.stopped["contexts_done"], cut.stopped["contexts_skipped"]) == (1, 1)
+  # ... and it reaches feedback.jsonl's row through the report.
+  assert commit_round(cut, TaskPool(tmp_path / "pool.jsonl"), []).stopped == cut.stopped
 
 
 def test_llm_replies_that_break_the_json_rules_fall_back_and_the_round_goes_on(data, monkeypatch):

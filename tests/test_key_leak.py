@@ -87,7 +87,8 @@ def test_key_never_leaks_from_a_run_with_a_gemini_round(tmp_path, monkeypatch, c
   assert summary["steps"] == 1 and summary["feedback_rounds"] == 1
   with open(os.path.join(workdir, "feedback.jsonl")) as f:
     rows = [json.loads(line) for line in f]
-  assert [(r["round"], r["start_step"], r["step"]) for r in rows] == [(1, 1, 1)]
+  assert rows[0]["stage"] == "d0" and rows[0]["round"] == 0  # D0's row, then the rounds'
+  assert [(r["round"], r["start_step"], r["step"]) for r in rows[1:]] == [(1, 1, 1)]
   _assert_key_not_written(workdir, key, stub, capsys, caplog)
 
 
@@ -135,9 +136,10 @@ def test_key_never_leaks_and_a_round_in_flight_resumes_exactly(
   assert in_flight, "the round synthesized nothing: the comparison would be empty"
   with open(os.path.join(workdir, "feedback.jsonl")) as f:
     rows = [json.loads(line) for line in f]
-  assert [(r["round"], r["start_step"], r["step"]) for r in rows] == [(1, 2, 3)]
-  dropped = {d[0] for d in rows[0]["dropped"]}
+  assert [r["stage"] for r in rows] == ["d0", "round"]
+  assert [(r["round"], r["start_step"], r["step"]) for r in rows[1:]] == [(1, 2, 3)]
+  dropped = {d[0] for d in rows[1]["dropped"]}
   pool = _pool_lines(os.path.join(workdir, "pool.jsonl"))
-  assert len(pool) > 2 and rows[0]["synthesized"] >= len(in_flight)
+  assert len(pool) > 2 and rows[1]["synthesized"] >= len(in_flight)
   assert pool[2:] == [t.to_json() + "\n" for t in in_flight if t.task_id not in dropped]
   _assert_key_not_written(workdir, key, stub, capsys, caplog)

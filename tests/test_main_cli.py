@@ -41,7 +41,13 @@ def test_appworld_without_server_or_data_stops_at_once_with_setup_steps(tmp_path
     APPWORLD_ROOT=str(tmp_path / "no-data"),
   )
   start = time.monotonic()
-  proc = _main("--config=configs/appworld.py", f"--workdir={tmp_path / 'run'}", timeout=60, env=env)
+  proc = _main(
+    "--config=configs/appworld.py",
+    "--config.model.allow_random_init=True",  # the set-up check comes after the model's
+    f"--workdir={tmp_path / 'run'}",
+    timeout=60,
+    env=env,
+  )
   assert proc.returncode == 2, proc.stderr
   assert time.monotonic() - start < 20
   for step in (
@@ -101,7 +107,14 @@ def test_a_full_scale_config_on_a_small_cpu_machine_stops_at_start_up_with_the_p
     "from coevolve_jax.main import run; sys.argv[0] = 'main'; run()"
   )
   proc = subprocess.run(
-    [sys.executable, "-c", code, "--config=configs/bfcl.py", f"--workdir={tmp_path}"],
+    [
+      sys.executable,
+      "-c",
+      code,
+      "--config=configs/bfcl.py",
+      "--config.model.allow_random_init=True",
+      f"--workdir={tmp_path}",
+    ],
     cwd=ROOT,
     capture_output=True,
     text=True,

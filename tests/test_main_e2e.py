@@ -23,7 +23,7 @@ from coevolve_jax.feedback.rounds import RoundResult
 from coevolve_jax.feedback.signals import KINDS
 from coevolve_jax.loop import CoEvolveRun, RunError
 from coevolve_jax.types import FINISHES, Task, Trajectory
-from envs.bfcl.data import load_bfcl_tasks, split_tasks
+from envs.bfcl.data import disjoint_states, load_bfcl_tasks, split_tasks
 
 _CONFIG = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "bfcl.py")
 
@@ -234,7 +234,8 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
 
   with open(os.path.join(workdir, "feedback.jsonl")) as f:
     rounds = [json.loads(line) for line in f]
-  assert [r["round"] for r in rounds] == [1]
+  assert [(r["stage"], r["round"]) for r in rounds] == [("d0", 0), ("round", 1)]
+  assert rounds[0]["accepted"] == summary["d0"]["accepted"] and rounds[0].get("stopped") is None
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
   grpo_steps = [r["step"] for r in rows if "reward/mean" in r]
@@ -248,9 +249,9 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
   # metrics count cumulatively, and round 1 covers steps 1 and 2.
   last = [r for r in rows if "reward/mean" in r][-1]
   fired = {k: last[f"signals/{k}"] for k in KINDS}
-  assert rounds[0]["signal_events"] == fired
+  assert rounds[1]["signal_events"] == fired
   if sum(fired.values()):
-    assert sum(rounds[0]["signal_shares"].values()) == pytest.approx(1.0)
+    assert sum(rounds[1]["signal_shares"].values()) == pytest.approx(1.0)
   for r in rows:  # how each of the 2 x 2 episodes ended; none dropped by default
     if "reward/mean" in r:
       assert sum(r[f"rollout/finished_{f}"] for f in FINISHES) == 4
@@ -292,12 +293,15 @@ def test_the_generated_held_out_set_is_frozen_first_and_kept_out_of_the_pool(tmp
   stops before warm-start with the empty-pool error."""
   workdir = str(tmp_path / "run")
   cfg = small_config()
-  train, _ = split_tasks(load_bfcl_tasks(cfg.bfcl.category), cfg.bfcl.eval_size, cfg.seed)
+  train, held = split_tasks(load_bfcl_tasks(cfg.bfcl.category), cfg.bfcl.eval_size, cfg.seed)
+  train, _ = disjoint_states(train, held)  # what the suite explores (explore.eval_states)
   made = {}
 
-  def generated_equal_to_d0(synth, entries, n, rng):
+  def generated_equal_to_d0(synth, entries, n, rng, token_limit=0):
     assert not os.path.exists(os.path.join(workdir, "pool.jsonl"))  # before D0
-    tasks, _ = synthesis.initial_tasks(synth, train, 6, np.random.default_rng(0))  # D0's draw
+    tasks, _ = synthesis.initial_tasks(  # D0's draw
+      synth, train, 6, np.random.default_rng(0), token_limit=token_limit
+    )
     for i, t in enumerate(tasks):
       t.task_id = f"eval-gen-{i:05d}"
     made["tasks"] = tasks

@@ -256,3 +256,24 @@ def test_damaged_pool_files_are_one_clear_run_error_and_keep_their_bytes(tmp_pat
   path.write_text("\n".join([lines[0], '{"env": "bfcl", "ground_tr', *lines[2:]]) + "\n")
   with pytest.raises(CorruptFileError, match="corrupt line 2"):
     TaskPool(path)
+
+
+def test_a_task_starting_from_an_eval_state_is_dropped_when_states_are_disjoint(
+  tmp_path, eval_tasks
+):
+  """explore.eval_states = "disjoint" (issue 40 item 5): another task (other words, other calls)
+  in an evaluation entry's initial state is a leak of its environment; "shared_with_eval" (the
+  choice before) keeps it."""
+  src = eval_tasks[3]
+  other = dataclasses.replace(
+    src,
+    task_id="syn-1",
+    turns=["Completely different words."] * len(src.turns),
+    ground_truth=[["ls()"]] * len(src.turns),
+    source="synth",
+  )
+  strict = TaskPool(tmp_path / "strict.jsonl", drop_eval_states=True)
+  report = strict.add([other, _task(1)], eval_tasks=eval_tasks)
+  assert report.dropped == [("syn-1", "state_eval", src.task_id)] and report.added == 1
+  shared = TaskPool(tmp_path / "shared.jsonl")
+  assert shared.add([other], eval_tasks=eval_tasks).added == 1

@@ -16,11 +16,13 @@ exception, so the explorer can stop a run cleanly and keep what it has.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import re
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 log = logging.getLogger(__name__)
@@ -89,29 +91,55 @@ def sanitized_count() -> int:
 class TokenBudget:
   """Tokens (prompt + output, as the API reports them) allowed per feedback round; thread-safe.
 
+  The limit is checked before each request, and between contexts by D0 and a round
+  (`feedback.synthesis`): inside a context in progress (`in_context`) a spent limit stops no
+  request, so the context is finished and its tasks kept; D0 or the round then stops before its
+  next context. A round may so overrun its limit by at most one context's cost (one BFCL context
+  costs about 50-90k tokens at full scale: configs/base.py). An unreachable endpoint stops
+  requests inside a context too.
+
   Args:
     limit: tokens per round; 0 or less means unlimited.
   """
 
   def __init__(self, limit: int = 0):
-    self.limit = int(limit)
+    self.round_limit = int(limit)  # the feedback rounds' limit; `reset(limit=...)` sets another
+    self.limit = self.round_limit
     self.used = 0
     self.requests = 0
     self.unreachable = 0  # consecutive requests that could not reach the endpoint
     self.last_unreachable = ""
+    self._contexts = 0  # contexts in progress (`in_context`)
     self._lock = threading.Lock()
 
-  def check(self) -> None:
-    """Raises BudgetExhausted when the round's budget is already spent, EndpointUnreachable
-    when the last UNREACHABLE_AFTER requests could not reach the endpoint."""
+  def spent(self) -> bool:
+    """Whether the limit is reached (never with an unlimited budget)."""
     with self._lock:
-      if self.limit > 0 and self.used >= self.limit:
-        raise BudgetExhausted(f"token budget of {self.limit} per round spent ({self.used} used)")
+      return self.limit > 0 and self.used >= self.limit
+
+  def check(self) -> None:
+    """Raises BudgetExhausted when the round's budget is already spent and no context is in
+    progress, EndpointUnreachable when the last UNREACHABLE_AFTER requests could not reach the
+    endpoint."""
+    with self._lock:
+      if self.limit > 0 and self.used >= self.limit and not self._contexts:
+        raise BudgetExhausted(f"token budget of {self.limit} spent ({self.used} used)")
       if self.unreachable >= UNREACHABLE_AFTER:
         raise EndpointUnreachable(
           f"{self.unreachable} requests in a row could not reach the endpoint (last: "
           f"{self.last_unreachable}); no more requests this round"
         )
+
+  @contextlib.contextmanager
+  def in_context(self) -> Iterator[None]:
+    """A context in progress: until it ends a spent limit stops none of its requests."""
+    with self._lock:
+      self._contexts += 1
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._contexts -= 1
 
   def reached(self) -> None:
     """The endpoint answered (an HTTP error too): the count of unreachable requests restarts."""
@@ -130,11 +158,13 @@ class TokenBudget:
       self.requests += 1
       self.unreachable = 0
 
-  def reset(self) -> dict[str, int]:
-    """Starts a new round; returns the finished round's {"tokens", "requests"}."""
+  def reset(self, limit: int | None = None) -> dict[str, int]:
+    """Starts a new round (or D0) with `limit` tokens (None: the rounds' limit, `round_limit`);
+    returns the finished one's {"tokens", "requests"}."""
     with self._lock:
       out = {"tokens": self.used, "requests": self.requests}
       self.used, self.requests, self.unreachable = 0, 0, 0
+      self.limit = self.round_limit if limit is None else int(limit)
       return out
 
 
@@ -314,7 +344,7 @@ def refused_count() -> int:
   return _refused[0]
 
 
-def parse_json_reply(text: str) -> Any:
+def parse_json_reply(text: str, *, last: bool = False) -> Any:
   """The JSON value in an LLM reply (bare, or inside a ```json fence), read under the rules of
   model-written tool calls (`coevolve_jax.chat.STRICT_DECODER`): no object repeats a key (plain
   `json` keeps the last value, so a summary, a task or a verdict would rest on a guess), no
@@ -323,6 +353,9 @@ def parse_json_reply(text: str) -> Any:
 
   Args:
     text: the reply.
+    last: the reply may reason first (paper Fig. 9: reasoning, then one action): the value is
+      the last top-level JSON object or array of the reply (of its last fence, if it has any);
+      text around it, braces in prose included, is not read.
 
   Returns:
     The value, every string in it passed through `sanitize_text` (a "\\ud83d" escape without
@@ -334,17 +367,18 @@ def parse_json_reply(text: str) -> Any:
   """
   from coevolve_jax.chat import STRICT_DECODER, StrictJSONError  # noqa: PLC0415
 
-  fenced = re.search(r"```(?:json)?\s*(.*?)```", text, re.S)
-  body = (fenced.group(1) if fenced else text).strip()
+  fences = re.findall(r"```(?:json)?\s*(.*?)```", text, re.S)
+  body = ((fences[-1] if last else fences[0]) if fences else text).strip()
   try:
+    if last:
+      return sanitize_value(_last_json_value(body))
     try:
       return sanitize_value(STRICT_DECODER.decode(body))
     except StrictJSONError:
       raise
     except (ValueError, RecursionError):
       pass
-    start = min((i for i in (body.find("{"), body.find("[")) if i >= 0), default=-1)
-    if start >= 0:
+    if (start := _next_open(body, 0)) >= 0:
       try:
         return sanitize_value(STRICT_DECODER.raw_decode(body[start:])[0])
       except StrictJSONError:
@@ -357,7 +391,42 @@ def parse_json_reply(text: str) -> Any:
     why = f"reply {e.summary} ({e}; {e.rule}): {text[:120]!r}"
     log.warning("explorer LLM %s", why)
     raise LLMError(why) from None
+  except ValueError:
+    pass
   raise LLMError(f"reply is not JSON: {text[:120]!r}")
+
+
+def _last_json_value(body: str) -> Any:
+  """The last top-level JSON object or array in `body` (`parse_json_reply(last=True)`).
+
+  Raises:
+    StrictJSONError: some value in `body` breaks a rule of the strict decoder (the reply is
+      refused, even when a later value is clean: never a guess).
+    ValueError: no JSON value.
+  """
+  from coevolve_jax.chat import STRICT_DECODER, StrictJSONError  # noqa: PLC0415
+
+  found, refusal, pos = None, None, 0
+  while (start := _next_open(body, pos)) >= 0:
+    try:
+      value, pos = STRICT_DECODER.raw_decode(body, start)
+      found = (value,)
+    except StrictJSONError as e:
+      refusal, pos = refusal or e, start + 1
+    except RecursionError:  # nesting past Python's limit: the values inside it would be too
+      break
+    except ValueError:
+      pos = start + 1
+  if refusal is not None:
+    raise refusal
+  if found is None:
+    raise ValueError("no JSON value")
+  return found[0]
+
+
+def _next_open(text: str, pos: int) -> int:
+  """The index of the first "{" or "[" at or after `pos` (-1: none)."""
+  return min((i for i in (text.find("{", pos), text.find("[", pos)) if i >= 0), default=-1)
 
 
 if TYPE_CHECKING:  # mypy checks GeminiLLM against the TextLLM protocol

@@ -6,9 +6,11 @@ crash mid-round loses no task accepted before it; a torn last line (a crash duri
 skipped with a warning and cut off on load. A write that fails for a full disk leaves the file at
 its last whole line and raises DiskFullError. `add` drops exact and near-duplicates (MinHash
 over word 3-gram shingles of the user turns plus the ground-truth calls, estimated Jaccard >=
-`threshold`) of the evaluation split and of the pool itself, and tasks whose ground-truth calls
-and initial state equal an evaluation task's (its solution under another wording), logging every
-drop. It also reports each added task's highest similarity to the evaluation split.
+`threshold`) of the evaluation split and of the pool itself, tasks whose ground-truth calls
+and initial state equal an evaluation task's (its solution under another wording) and, with
+`drop_eval_states` (`explore.eval_states = "disjoint"`), tasks that start from an evaluation
+task's initial state at all, logging every drop. It also reports each added task's highest
+similarity to the evaluation split.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from coevolve_jax.types import Task
 log = logging.getLogger(__name__)
 SYNTH_SOURCES = ("synth",)
 UNGUIDED = "unguided"  # the signal key of contexts without a signal (random re-exploration)
+# explore.eval_states: whether exploration and the pool keep clear of the evaluation entries'
+# initial states ("disjoint") or may share them ("shared_with_eval", the choice before 2026-12).
+EVAL_STATES = ("disjoint", "shared_with_eval")
 
 
 def origin(task: Task) -> str:
@@ -58,6 +63,13 @@ def minhash(text: str, num_perm: int = 128, shingle: int = 3) -> MinHash:
   return m
 
 
+def _state_key(task: Task) -> str:
+  """A task's initial state: its environment classes and their configs, canonical JSON."""
+  return json.dumps(
+    [sorted(task.involved_classes), task.initial_config], sort_keys=True, default=str
+  )
+
+
 def _solution_key(task: Task) -> str:
   """A task's initial state and ground-truth calls (its solution), canonical JSON."""
   return json.dumps([task.initial_config, task.ground_truth], sort_keys=True, default=str)
@@ -81,10 +93,27 @@ class AddReport:
 
 class TaskPool:
   """Append-only task pool backed by a JSON-lines file (reloaded on construction, so runs can
-  resume)."""
+  resume).
 
-  def __init__(self, path: str | os.PathLike, threshold: float = 0.8, num_perm: int = 128):
+  Args:
+    path: the JSON-lines file.
+    threshold: estimated Jaccard similarity (MinHash) at or above which a task is a near
+      duplicate (`pool.near_dup_threshold`).
+    num_perm: MinHash permutations.
+    drop_eval_states: also drop a task whose initial state (classes and configs) equals an
+      evaluation task's (`explore.eval_states == "disjoint"`).
+  """
+
+  def __init__(
+    self,
+    path: str | os.PathLike,
+    threshold: float = 0.8,
+    num_perm: int = 128,
+    *,
+    drop_eval_states: bool = False,
+  ):
     self.path = os.fspath(path)
+    self.drop_eval_states = drop_eval_states
     self.threshold = threshold
     self.num_perm = num_perm
     self._tasks: list[Task] = []
@@ -181,7 +210,7 @@ class TaskPool:
   def _eval_index(self, eval_list: list[Task]):
     """Exact texts, solutions, MinHashes and LSH of an evaluation split; the last one is cached
     (every round passes the same split), keyed by the tasks' ids and texts."""
-    key = tuple((t.task_id, task_text(t), _solution_key(t)) for t in eval_list)
+    key = tuple((t.task_id, task_text(t), _solution_key(t), _state_key(t)) for t in eval_list)
     if self._eval_cache[0] != key:
       hashes = {f"eval:{t.task_id}": minhash(task_text(t), self.num_perm) for t in eval_list}
       lsh = MinHashLSH(threshold=self.threshold, num_perm=self.num_perm)
@@ -192,6 +221,7 @@ class TaskPool:
         (
           {task_text(t): t.task_id for t in eval_list},
           {_solution_key(t): t.task_id for t in eval_list},
+          {_state_key(t): t.task_id for t in eval_list},
           hashes,
           lsh,
         ),
@@ -206,11 +236,14 @@ class TaskPool:
       AddReport with the number added, (task_id, reason, similar_to) per dropped task, and each
         added task's highest similarity to the evaluation split. Reasons are "duplicate_id",
         "exact_eval", "solution_eval" (same initial state and ground-truth calls as an evaluation
-        task), "near_eval", "exact_pool", "near_pool".
+        task), "state_eval" (starts from an evaluation task's initial state; with
+        `drop_eval_states`), "near_eval", "exact_pool", "near_pool".
     Raises:
       DiskFullError: the disk is full (the tasks before the failed one are added).
     """
-    eval_exact, eval_solutions, eval_hashes, eval_lsh = self._eval_index(list(eval_tasks))
+    eval_exact, eval_solutions, eval_states, eval_hashes, eval_lsh = self._eval_index(
+      list(eval_tasks)
+    )
     pool_hashes = {f"pool:{k}": m for k, m in self._hashes.items()}
     dropped: list[tuple[str, str, str | None]]
     added, dropped, similarity = 0, [], {}
@@ -224,6 +257,8 @@ class TaskPool:
         drop = ("near_eval", near.split(":", 1)[1])
       elif _solution_key(task) in eval_solutions:
         drop = ("solution_eval", eval_solutions[_solution_key(task)])
+      elif self.drop_eval_states and _state_key(task) in eval_states:
+        drop = ("state_eval", eval_states[_state_key(task)])
       elif text in self._exact:
         drop = ("exact_pool", self._exact[text])
       elif (near := self._near(m, self._lsh, pool_hashes)) is not None:

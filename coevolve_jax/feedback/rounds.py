@@ -38,6 +38,7 @@ class FeedbackReport:
   rejected: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (task_id, reason)
   llm_usage: dict[str, int] | None = None  # {"tokens", "requests"} of the round's LLM calls
   eval_similarity: dict[str, float] = dataclasses.field(default_factory=dict)  # added id -> max
+  stopped: dict[str, Any] | None = None  # a round stopped early (synthesis.stop_record)
 
 
 MODES = ("signals", "random")  # how a round picks its contexts (feedback.mode)
@@ -138,6 +139,7 @@ class RoundResult:
   trace: list[dict[str, Any]]
   llm_usage: dict[str, int] | None = None
   wall_s: float = 0.0
+  stopped: dict[str, Any] | None = None  # when the round stopped early: synthesis.stop_record
 
   def to_json(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)
@@ -233,6 +235,7 @@ def commit_round(result: RoundResult, pool: TaskPool, eval_tasks: list[Task]) ->
     rejected=result.rejected,
     llm_usage=result.llm_usage,
     eval_similarity=report.eval_similarity,
+    stopped=result.stopped,
   )
   log.info(
     "feedback round %d: synthesized %d, accepted %d, dropped %d, pass rate %.2f",

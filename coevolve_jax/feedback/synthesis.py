@@ -9,14 +9,19 @@ round as one skeleton over a benchmark's `Synthesizer` hooks.
 Sec. 3.4: no human-written task is used, the entries lend only their environment states);
 `generated_eval_tasks` does the same over the held-out entries' states (the run's generated
 held-out set); `synthesize_round` runs it once per selected signal event, with the stage-2
-summary (`llm_jobs.summarize_with_llm`, or the benchmark's template) in between. A spent LLM
-token budget or an unreachable endpoint (`RoundStopped`) ends D0 or the round with what was
-accepted so far. Nothing here touches the pool: the loop commits a round's result
+summary (`llm_jobs.summarize_with_llm`, or the benchmark's template) in between.
+
+A spent LLM token budget ends D0 or the round before its next context: the context in progress
+is finished (`TokenBudget.in_context`) and what was accepted is kept; the stop and the number of
+contexts it skipped are recorded (`stopped`: `stop_record`) for feedback.jsonl and logged. An
+unreachable endpoint (`EndpointUnreachable`) ends it at once; the context it cut is counted as
+skipped. Nothing here touches the pool: the loop commits a round's result
 (`rounds.commit_round`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -26,7 +31,7 @@ import numpy as np
 
 from coevolve_jax.feedback import llm_jobs
 from coevolve_jax.feedback.exploration import Exploration, ExplorationContext
-from coevolve_jax.feedback.llm import RoundStopped, TextLLM
+from coevolve_jax.feedback.llm import BudgetExhausted, RoundStopped, TextLLM
 from coevolve_jax.feedback.rounds import UNGUIDED, RoundResult
 from coevolve_jax.feedback.signals import SignalEvent
 from coevolve_jax.types import Task
@@ -168,6 +173,31 @@ def _explore_context(
   return True, [_validated(synth, c, validate) for c in candidates]
 
 
+def stop_record(e: RoundStopped, done: int, skipped: int, **extra: Any) -> dict[str, Any]:
+  """What a stopped D0 or round records: "reason" ("token_budget" or "unreachable"), "message",
+  the contexts finished ("contexts_done") and those not explored ("contexts_skipped")."""
+  reason = "token_budget" if isinstance(e, BudgetExhausted) else "unreachable"
+  return {
+    "reason": reason,
+    "message": str(e),
+    "contexts_done": done,
+    "contexts_skipped": skipped,
+    **extra,
+  }
+
+
+def _next_context(synth: Synthesizer) -> None:
+  """Raises RoundStopped when no further context may start (the LLM's budget is spent or its
+  endpoint unreachable)."""
+  if synth.llm is not None:
+    synth.llm.budget.check()
+
+
+def _in_context(synth: Synthesizer) -> contextlib.AbstractContextManager[None]:
+  """The context in progress: a spent budget does not cut it (`TokenBudget.in_context`)."""
+  return synth.llm.budget.in_context() if synth.llm is not None else contextlib.nullcontext()
+
+
 def initial_tasks(
   synth: Synthesizer,
   entries: Sequence[Task],
@@ -177,24 +207,29 @@ def initial_tasks(
   prefix: str = "d0",
   source: str = "explore",
   max_attempts: int | None = None,
-) -> tuple[list[Task], dict[str, int]]:
+  token_limit: int = 0,
+) -> tuple[list[Task], dict[str, Any]]:
   """D0 (paper Sec. 3.4): up to `n` validated tasks by unguided exploration of the entries'
   environment states (their questions and answers are never read).
 
   The bases (`synth.d0_bases`) are visited in one random order, again from the start when
   `synth.revisits`, for at most `max_attempts` contexts (default 3 n). D0 always validates
-  (`feedback.validate` is the rounds' ablation) and gets one round's LLM token budget.
+  (`feedback.validate` is the rounds' ablation).
 
   Args:
     prefix / source: accepted tasks are numbered "<prefix>-00000", ... in order of acceptance
       (unless `synth.keeps_ids`) and get `source` ("explore" for D0).
+    token_limit: the LLM tokens D0 may spend (`explore.d0_tokens`; 0 = no cap); the LLM's
+      round limit is back in force afterwards. A spent limit stops D0 before its next context.
 
   Returns:
-    (accepted tasks, counts "attempted", "abstracted", "accepted", "rejected").
+    (accepted tasks, counts "attempted", "abstracted", "accepted", "rejected", and when D0
+    stopped before `n` tasks or its attempts, "stopped" (`stop_record`, with "tasks_missing");
+    with an LLM, "llm_usage" {"tokens", "requests"}).
   """
   if synth.llm is not None:
-    synth.llm.budget.reset()
-  counts = {"attempted": 0, "abstracted": 0, "accepted": 0, "rejected": 0}
+    synth.llm.budget.reset(limit=token_limit)
+  counts: dict[str, Any] = {"attempted": 0, "abstracted": 0, "accepted": 0, "rejected": 0}
   bases = synth.d0_bases(entries)
   order = rng.permutation(len(bases))
   attempts = max_attempts or 3 * n
@@ -207,10 +242,23 @@ def initial_tasks(
     base = bases[int(order[attempt % len(order)])]
     label = f"{prefix}-{len(out):05d}"
     try:
-      context = synth.d0_context(base, rng)
-      made, results = _explore_context(synth, context, rng, label, source, None, True, None)
+      _next_context(synth)
+      with _in_context(synth):
+        context = synth.d0_context(base, rng)
+        made, results = _explore_context(synth, context, rng, label, source, None, True, None)
     except RoundStopped as e:
-      log.warning("D0: stopped early: %s", e)
+      counts["stopped"] = stop_record(
+        e, counts["attempted"], attempts - attempt, tasks_missing=n - len(out)
+      )
+      log.warning(
+        "%s: stopped after %d contexts with %d of %d tasks; %d contexts at most not explored: %s",
+        prefix,
+        counts["attempted"],
+        len(out),
+        n,
+        attempts - attempt,
+        e,
+      )
       break
     counts["attempted"] += 1
     counts["abstracted"] += len(results) if made else 0
@@ -223,17 +271,25 @@ def initial_tasks(
           task.task_id = f"{prefix}-{len(out):05d}"
         out.append(task)
   counts["accepted"] = len(out)
+  if synth.llm is not None:
+    counts["llm_usage"] = synth.llm.budget.reset()  # the rounds' limit is back
   log.info("D0: %s", counts)
   return out, counts
 
 
 def generated_eval_tasks(
-  synth: Synthesizer, entries: Sequence[Task], n: int, rng: np.random.Generator
+  synth: Synthesizer,
+  entries: Sequence[Task],
+  n: int,
+  rng: np.random.Generator,
+  token_limit: int = 0,
 ) -> list[Task]:
   """The generated held-out set (`eval.generated_tasks`): D0's exploration over the held-out
   entries' states (only their states are read), ids "eval-gen-00000", ... (unless
-  `synth.keeps_ids`), source "explore_eval"."""
-  tasks, _ = initial_tasks(synth, entries, n, rng, prefix="eval-gen", source="explore_eval")
+  `synth.keeps_ids`), source "explore_eval", under D0's `token_limit`."""
+  tasks, _ = initial_tasks(
+    synth, entries, n, rng, prefix="eval-gen", source="explore_eval", token_limit=token_limit
+  )
   return tasks
 
 
@@ -285,17 +341,26 @@ def synthesize_round(
   rejected: list[tuple[str, str]] = []
   trace: list[dict[str, Any]] = []
   synthesized = 0
+  stopped: dict[str, Any] | None = None
   events = synth.plan_round(events, rng, round_idx)
   for k, event in enumerate(events):
     label = f"syn-r{round_idx}-{k:04d}"
     try:
-      context = _event_context(synth, event, rng)
-      made, results = _explore_context(
-        synth, context, rng, label, "synth", round_idx, validate, trace
-      )
+      _next_context(synth)
+      with _in_context(synth):
+        context = _event_context(synth, event, rng)
+        made, results = _explore_context(
+          synth, context, rng, label, "synth", round_idx, validate, trace
+        )
     except RoundStopped as e:
+      stopped = stop_record(e, k, len(events) - k)
       log.warning(
-        "feedback round %d stopped after %d of %d contexts: %s", round_idx, k, len(events), e
+        "feedback round %d stopped after %d of %d contexts (%d not explored): %s",
+        round_idx,
+        k,
+        len(events),
+        len(events) - k,
+        e,
       )
       break
     counts = per_signal.setdefault(
@@ -321,4 +386,5 @@ def synthesize_round(
     trace,
     synth.llm.budget.reset() if synth.llm is not None else None,
     time.perf_counter() - start,
+    stopped,
   )

@@ -7,7 +7,9 @@ scratch directory (otherwise importing it writes result/score folders into site-
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import hashlib
 import importlib
 import json
 import os
@@ -114,6 +116,78 @@ def split_tasks(tasks: list[Task], eval_size: int, seed: int) -> tuple[list[Task
   train = [t for i, t in enumerate(tasks) if i not in eval_idx]
   held = [t for i, t in enumerate(tasks) if i in eval_idx]
   return train, held
+
+
+def data_release(categories: list[str]) -> dict[str, Any]:
+  """Which BFCL data a score is on: the bfcl-eval package version, its file-name prefix (the
+  release it names its data by, e.g. "BFCL_v4") and, per category, the prompt and possible-answer
+  files with the first 16 hex digits of each file's SHA-256 (summary.json, the eval report).
+  The paper evaluates on BFCL-V3; docs/design.md §3 says how the shipped files differ."""
+  import importlib.metadata  # noqa: PLC0415
+
+  consts = import_bfcl("bfcl_eval.constants.eval_config")
+  prefix = consts.VERSION_PREFIX
+  files: dict[str, dict[str, str]] = {}
+  for category in dict.fromkeys(c for c in categories if c):
+    name = f"{prefix}_{category}.json"
+    entry = {}
+    for kind, folder in (("prompt", consts.PROMPT_PATH), ("answer", consts.POSSIBLE_ANSWER_PATH)):
+      path = pathlib.Path(folder) / name
+      digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else "missing"
+      entry[kind] = f"{kind == 'answer' and 'possible_answer/' or ''}{name} sha256:{digest}"
+    files[category] = entry
+  return {
+    "package": f"bfcl-eval=={importlib.metadata.version('bfcl-eval')}",
+    "release": prefix,
+    "files": files,
+  }
+
+
+DEFAULT_STATE = "<the backend's default state>"  # a class an entry gives no config for
+
+
+def class_states(task: Task) -> dict[str, str]:
+  """Class name -> canonical JSON of the state the entry starts it from (`DEFAULT_STATE` for a
+  class the entry gives no config: its backend loads its own default scenario)."""
+  return {
+    c: json.dumps(task.initial_config[c], sort_keys=True)
+    if c in task.initial_config
+    else DEFAULT_STATE
+    for c in task.involved_classes
+  }
+
+
+def disjoint_states(entries: list[Task], eval_entries: list[Task]) -> tuple[list[Task], int]:
+  """The entries' environment states with every state an evaluation entry starts from removed,
+  class by class (docs/design.md §1.4, "Exploration states"): each class keeps the entry's own
+  state when no evaluation entry starts that class from it, else the backend's default state
+  when no evaluation entry uses that, else the class is left out; an entry with no class left
+  is dropped. So no exploration (D0, a round's context on a D0 task) practises inside a state
+  an evaluation entry is scored in. Ids, turns and answers are kept (only states are read).
+
+  Returns:
+    (the entries with their kept classes and states, in order; how many classes were changed
+    to the default or left out).
+  """
+  used: dict[str, set[str]] = {}
+  for t in eval_entries:
+    for c, state in class_states(t).items():
+      used.setdefault(c, set()).add(state)
+  out, changed = [], 0
+  for t in entries:
+    config, classes = {}, []
+    for c, state in class_states(t).items():
+      if state not in used.get(c, ()):
+        classes.append(c)
+        if c in t.initial_config:
+          config[c] = t.initial_config[c]
+      else:
+        changed += 1
+        if DEFAULT_STATE not in used.get(c, ()):
+          classes.append(c)  # at the default state, which no evaluation entry starts from
+    if classes:  # configs of classes the entry does not involve are never loaded: dropped
+      out.append(dataclasses.replace(t, initial_config=config, involved_classes=classes))
+  return out, changed
 
 
 @functools.lru_cache(maxsize=16)

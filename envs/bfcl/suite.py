@@ -12,6 +12,7 @@ config's `backends` bounds.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,10 +23,18 @@ from coevolve_jax.suite import SuiteUnavailable
 from coevolve_jax.types import Task, Trajectory
 from envs.bfcl import backends, synthesis
 from envs.bfcl.calls import parse_call_string
-from envs.bfcl.data import convert_doc, import_bfcl, load_bfcl_tasks, split_tasks
+from envs.bfcl.data import (
+  convert_doc,
+  data_release,
+  disjoint_states,
+  import_bfcl,
+  load_bfcl_tasks,
+  split_tasks,
+)
 from envs.bfcl.env import BfclEnv, make_env
 
 
+log = logging.getLogger(__name__)
 BFCL_EVAL = "bfcl-eval==2026.3.23"  # the version setup.py and the Makefile install
 
 
@@ -127,7 +136,23 @@ class BfclSuite:
     self.train_tasks, self.eval_tasks = split_tasks(entries, cfg.bfcl.eval_size, cfg.seed)
     if cfg.bfcl.get("explore_category"):  # states from another category (all of it)
       self.train_tasks = load_bfcl_tasks(cfg.bfcl.explore_category)
+    if cfg.explore.eval_states == "disjoint":  # no evaluation entry's state is explored
+      self.train_tasks, changed = disjoint_states(list(self.train_tasks), list(self.eval_tasks))
+      log.info(
+        "BFCL exploration states: %d entries; %d classes moved to their default state or left "
+        "out because an evaluation entry starts from their state (explore.eval_states)",
+        len(self.train_tasks),
+        changed,
+      )
+      if not self.train_tasks:
+        raise ValueError(
+          "explore.eval_states = 'disjoint' leaves no BFCL state to explore: every class state "
+          "of the exploration entries is an evaluation entry's. Choose another "
+          "bfcl.explore_category, or explore.eval_states = 'shared_with_eval'"
+        )
     self._cfg = cfg
+    # The data the run is scored and explores on (summary.json "data_release").
+    self.data_release = data_release([cfg.bfcl.category, cfg.bfcl.get("explore_category", "")])
     ex = cfg.explore
     self.settings = synthesis.SynthesisSettings(
       min_calls=ex.min_calls,
