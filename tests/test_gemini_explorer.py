@@ -153,6 +153,28 @@ def test_parse_json_reply_and_call_reply():
     parse_json_reply('{"a": 1, "a": 2}')
 
 
+def test_an_explorer_reply_may_reason_before_its_one_action():
+  """Paper Fig. 9: reasoning, then one action. The call is the reply's last JSON object (of its
+  last fence when it has fences); braces and objects in the reasoning are not taken for it."""
+  reasoned = (
+    'The files {"a", "b"} are listed; {"name": "rm", "arguments": {}} would lose them. '
+    'So: {"name": "ls", "arguments": {"a": true}}'
+  )
+  call = parse_call_reply(reasoned)
+  assert call.name == "ls" and call.arguments == {"a": True}
+  fenced = 'Earlier ```json\n{"stop": true}\n``` then ```json\n{"name": "pwd"}\n```'
+  assert parse_call_reply(fenced).name == "pwd"
+  assert parse_call_reply('Nothing left to try. {"stop": true}') is None
+  # A rule-breaking value anywhere in the reply refuses it, even before a clean action.
+  with pytest.raises(LLMError, match="repeats a key"):
+    parse_call_reply('Not {"k": 1, "k": 2} but {"name": "ls", "arguments": {}}')
+  with pytest.raises(LLMError, match="not JSON"):
+    parse_call_reply("I would call ls {now")
+  deep = "[" * 100_000 + '{"name": "ls"}'  # nesting past the recursion limit: no value found
+  with pytest.raises(LLMError):
+    parse_call_reply(deep)
+
+
 # ------------------------------------------------------------------ LLM stages on real backends
 
 
@@ -283,9 +305,18 @@ def test_judge_decides_when_the_checker_fails(stub, message_task):
     "synth",
   )
   task.provenance["completion"] = "Zed is a contact."
+  task.provenance["description"] = "adding a contact by name"
   stub.script.extend(
     [
-      Reply(200, ok_body('{"name": "list_users", "arguments": {}}')),  # not what was asked
+      # The agent reasons first (prose with braces), then gives its one action (paper Fig. 9).
+      Reply(
+        200,
+        ok_body(
+          'I should look around first: a {"stop": true} now would be early. Listing users '
+          '(a call like {"name": "add_contact"} needs a name). Action:\n'
+          '{"name": "list_users", "arguments": {}}'
+        ),
+      ),  # not what was asked
       Reply(200, ok_body('{"stop": true}')),
       Reply(200, ok_body('{"success": false, "reason": "no contact added"}')),
     ]
@@ -293,9 +324,15 @@ def test_judge_decides_when_the_checker_fails(stub, message_task):
   accepted, info = attempt_and_judge(llm, task)
   assert not accepted and info["checker_reward"] == 0.0
   assert info["judge"] == {"success": False, "reason": "no contact added"}
-  # The judge saw the task, its completion criterion, the attempt and its final observation.
+  # The judge saw the task, its description (paper Fig. 13) and completion criterion, the
+  # attempt and its final observation.
   judged = json.loads(stub.requests[-1]["body"]["contents"][0]["parts"][0]["text"])
   assert judged["completion"] == "Zed is a contact."
+  assert judged["description"] == "adding a contact by name"
+  # The agent's requests ask for reasoning before the action and do not force a JSON-only reply.
+  agent = stub.requests[0]["body"]
+  assert "First reason briefly" in agent["systemInstruction"]["parts"][0]["text"]
+  assert "responseMimeType" not in agent.get("generationConfig", {})
   assert judged["attempt_calls"] == [[["list_users()"]]]
   assert "user_list" in judged["final_observation"]
   assert gemini_stub.feedback_responder("You judge x", "")  # default judge answer exists

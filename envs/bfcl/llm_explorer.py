@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 EXPLORER_SYSTEM = (
   "You explore a software environment through its tools to discover realistic tasks an "
-  "assistant could be asked to do. Reply with exactly one JSON object and nothing else: "
+  "assistant could be asked to do. First reason briefly about what to try next and why, then "
+  "end your reply with exactly one JSON object, your action: "
   '{"name": "<tool name>", "arguments": {...}} to make one call, or {"stop": true} when the '
   "objectives are covered."
 )
@@ -54,13 +55,14 @@ def tools_text(schemas: dict[str, dict[str, Any]]) -> str:
 
 
 def parse_call_reply(text: str) -> ToolCall | None:
-  """A ToolCall from an explorer reply, or None for {"stop": true}.
+  """A ToolCall from an explorer reply, or None for {"stop": true}: the reply's last JSON object
+  (the explorer reasons first, then gives one action: paper Fig. 9).
 
   Raises:
     LLMError: the reply is not a JSON object with a string "name" and an object "arguments", or
       one of its objects repeats a key.
   """
-  data = parse_json_reply(text)
+  data = parse_json_reply(text, last=True)  # reasoning first, then the one action (Fig. 9)
   if isinstance(data, dict) and data.get("stop") is True:
     return None
   if (
@@ -121,7 +123,7 @@ class LLMExplorer:
       tools = tools_text(sandbox.schemas)
       for step in range(context.steps_per_round):
         reply = self.llm.complete(
-          EXPLORER_SYSTEM, self._prompt(context, tools, history, earlier, step), json_output=True
+          EXPLORER_SYSTEM, self._prompt(context, tools, history, earlier, step)
         )
         try:
           call = parse_call_reply(reply)
@@ -181,8 +183,8 @@ def attempt_and_judge(llm: TextLLM, task: Task, max_steps: int = 12) -> tuple[bo
   The agent acts turn by turn in a fresh backend (one JSON call per step, {"stop": true} ends the
   turn). Accepted when the official BFCL checker scores the attempt 1.0, else when the LLM judge
   says success after comparing APIs, parameters, order and final result with the ground truth
-  (paper Fig. 13: the judge sees the task with its completion criterion, the attempt's calls and
-  the attempt's final observation).
+  (paper Fig. 13: the judge sees the task, its description and completion criterion, the
+  attempt's calls and the attempt's final observation).
 
   Returns:
     (accepted, info with "checker_reward", "judge" ({success, reason} or None), "attempt").
@@ -204,7 +206,7 @@ def attempt_and_judge(llm: TextLLM, task: Task, max_steps: int = 12) -> tuple[bo
           'Reply with the next call, or {"stop": true} when the request is done.'
         )
         try:
-          call = parse_call_reply(llm.complete(EXPLORER_SYSTEM, prompt, json_output=True))
+          call = parse_call_reply(llm.complete(EXPLORER_SYSTEM, prompt))
         except RoundStopped:
           raise
         except LLMError as e:
@@ -226,6 +228,7 @@ def attempt_and_judge(llm: TextLLM, task: Task, max_steps: int = 12) -> tuple[bo
     llm,
     {
       "query": task.turns,
+      "description": task.provenance.get("description", ""),
       "completion": task.provenance.get("completion", ""),
       "reference_calls": task.ground_truth,
       "attempt_calls": attempt,
