@@ -192,7 +192,7 @@ class CoEvolveRun:
       print(f"generated held-out set before training: {self.state.eval_generated_before}")
     self._save(0)
 
-  def _initial_tasks(self) -> tuple[list[Task], dict[str, int]]:
+  def _initial_tasks(self) -> tuple[list[Task], dict[str, Any]]:
     """D0 (`feedback.synthesis.initial_tasks` over the suite's hooks), made once by the primary
     process and given to every process (`distributed.on_primary`: explorer and judge LLM calls
     and environment writes happen once) with the run's RNG state after it, so every process
@@ -314,7 +314,7 @@ class CoEvolveRun:
     self.rounds.shutdown()
     with self.timer("eval"):
       eval_after = self.evaluator.evaluate("after", self.state.suite_eval)
-      extra: dict[str, Any] = {}
+      extra: dict[str, Any] = {"data_release": self.suite.data_release}
       if (generated := self.evaluator.evaluate_generated("after")) is not None:
         extra["eval_generated_after"] = generated
       if self.cfg.eval.pool_after:

@@ -79,12 +79,15 @@ class Suite(Protocol):
     train_tasks: training entries; D0 and the rounds read only their environment states.
     eval_tasks: the whole held-out split. The loop evaluates a prefix of it; the task pool's leak
       filter compares every new task against all of it.
+    data_release: which release of the benchmark's data the run explores and is scored on
+      (package versions, files), written to summary.json so that figures say what they are on.
   """
 
   name: str
   multi_process: bool
   train_tasks: Sequence[Task]
   eval_tasks: Sequence[Task]
+  data_release: dict[str, Any]
 
   def make_env(self, task: Task, episode_id: str, *, eval: bool = False) -> Env:
     """A fresh, isolated episode of `task`; `eval=True` gives the evaluation limits."""

@@ -163,6 +163,12 @@ def test_cli_model_policy_end_to_end(cfg, tmp_path, monkeypatch, capsys):
   assert f"warning: {tmp_path / 'config.json'} does not exist" in capsys.readouterr().err
   on_disk = json.loads(out.read_text())
   assert on_disk["categories"].keys() == {"multi_turn_miss_param"}
+  # The report names the data it scored (issue 40 item 8): bfcl-eval ships BFCL_v4-named files.
+  release = on_disk["data_release"]
+  assert release["package"].startswith("bfcl-eval==") and release["release"] == "BFCL_v4"
+  files = release["files"]["multi_turn_miss_param"]
+  assert files["prompt"].startswith("BFCL_v4_multi_turn_miss_param.json sha256:")
+  assert "missing" not in files["answer"]
   cat = on_disk["categories"]["multi_turn_miss_param"]
   assert (
     cat["n"] == 2 and cat["accuracy"] == report["categories"]["multi_turn_miss_param"]["accuracy"]

@@ -236,6 +236,7 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
     rounds = [json.loads(line) for line in f]
   assert [(r["stage"], r["round"]) for r in rounds] == [("d0", 0), ("round", 1)]
   assert rounds[0]["accepted"] == summary["d0"]["accepted"] and rounds[0].get("stopped") is None
+  assert set(summary["data_release"]["files"]) == {cfg.bfcl.category}  # what it is scored on
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
   grpo_steps = [r["step"] for r in rows if "reward/mean" in r]

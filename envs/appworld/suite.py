@@ -225,6 +225,13 @@ class AppWorldSuite:
     log_dir = os.path.join(workdir, "appworld_logs")
     os.makedirs(log_dir, exist_ok=True)
     # One server per decode slot, plus one for the feedback round running beside the rollouts.
+    # The data the run is scored on (summary.json "data_release"): generated worlds or the
+    # official download, and which test splits.
+    self.data_release = {
+      "source": cfg.appworld.source,
+      "data_root": cfg.appworld.data_root,
+      "eval_split": cfg.appworld.eval_split,
+    }
     self.pool = ServerPool(
       self.root,
       size=int(cfg.engine.num_slots) + 1,

@@ -44,6 +44,7 @@ from coevolve_jax.rollout.slots import SlotEngine
 from coevolve_jax.testing.replay_engine import ReplayEngine
 from coevolve_jax.types import Task
 from envs.bfcl import env as bfcl
+from envs.bfcl.data import data_release
 from envs.bfcl.suite import make_episode
 
 CATEGORIES = (
@@ -172,6 +173,7 @@ def run(
     **({"model_config": source} if source else {}),
     "max_new_tokens": max_new_tokens or cfg.eval.max_new_tokens,
     "tool_style": cfg.bfcl.tool_style,
+    "data_release": data_release(list(categories)),
     "categories": {},
   }
   for category in categories:
