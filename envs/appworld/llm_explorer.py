@@ -44,8 +44,9 @@ FAILED = "Execution failed"  # how AppWorld's execute output starts when the cod
 
 EXPLORER_SYSTEM = """\
 You explore the apps of an AppWorld world on behalf of its supervisor, to discover realistic \
-tasks the supervisor could ask an assistant to do. Each reply is exactly one ```python code \
-block; it runs in the world and you see what it prints. Use the apps through the `apis` object: \
+tasks the supervisor could ask an assistant to do. In each reply, first reason briefly about \
+what to try next and why, then give exactly one ```python code block, your action; it runs in \
+the world and you see what it prints. Use the apps through the `apis` object: \
 learn them with `apis.api_docs.show_app_descriptions()`, \
 `apis.api_docs.show_api_descriptions(app_name=...)` and \
 `apis.api_docs.show_api_doc(app_name=..., api_name=...)`; account passwords are in \
@@ -302,6 +303,7 @@ def attempt_and_judge(
     llm,
     {
       "query": task.turns,
+      "description": task.provenance.get("description", ""),
       "completion": task.provenance.get("completion", ""),
       "reference_solution": task.initial_config.get("solution", ""),
       "attempt_code": attempt,
