@@ -14,8 +14,10 @@ Variants:
     from those worlds (envs/appworld/world.py `derive_task`: their reference code's answer and
     database changes become their evaluation) into an overlay of the data under the workdir
     (the official data folder is never written to) and validated by execution plus an LLM
-    agent's attempt and the judge. The explorer, abstractor and judge: `explore.explorer`
-    (gemini by default).
+    agent's attempt and the judge. Every candidate context is explored (`feedback.max_contexts
+    = 0`), in runs of 30 steps, into tasks of 3 to 18 code steps (`explore.min_calls` /
+    `max_calls`; the paper's own AppWorld example has 11). The explorer, abstractor and judge:
+    `explore.explorer` (gemini by default).
   `configs/appworld.py:cpu`: the shared CPU preset on generated worlds (`appworld.source =
     "generated"`: worlds built offline from AppWorld's shipped app models and factories, under
     <workdir>/appworld_root, no download), 10 scenarios x 2 worlds with the last 2 scenarios held
@@ -28,7 +30,8 @@ Variants:
 
   `configs/appworld.py:paper`: the full scale with every knob the paper states (30 steps per
     episode, over the limit = failure, observations cut at 4,096 tokens, evaluation on
-    test_normal and test_challenge); refuses to start without `model.checkpoint`.
+    test_normal and test_challenge with TGC / SGC per split, as the paper's Table 1); refuses to
+    start without `model.checkpoint`.
 
 Any other variant name is refused. Every field is overridable from the
 command line, e.g. `--config.appworld.source=generated` or `--config.appworld.data_root=DIR`.

@@ -153,7 +153,8 @@ def test_ground_truth_solution_scores_one_and_noop_scores_zero(world, template):
   assert row["instruction"] in first.messages[0]["content"]
   assert result.done and result.reward == 1.0, result.info
   assert result.info["end"] == "completed" and result.info["success"]
-  assert f"{row['apps'][0]}.login" in result.info["per_turn_calls"][0]
+  assert result.info["per_turn_calls"] == [[row["solution"].strip()]]  # the code step
+  assert f"{row['apps'][0]}.login" in result.info["tool_names"]  # the APIs it names
   # Completing at once without doing anything (or with a wrong answer) fails the evaluation.
   _, result, _ = _episode(pool, row, [_act("apis.supervisor.complete_task(answer=12345)")])
   assert result.done and result.reward == 0.0 and not result.info["success"]
@@ -454,7 +455,8 @@ def test_llm_d0_and_feedback_round_on_generated_worlds(suite, stub_llm, monkeypa
   monkeypatch.setitem(suite.explore_args, "max_calls", 6)  # the stub's 3-step task fits
   rng = np.random.default_rng(1)
   d0, counts = synthesis.initial_tasks(suite.synthesizer(llm), suite.train_tasks, 2, rng)
-  assert counts == {"attempted": 2, "abstracted": 2, "accepted": 2, "rejected": 0}, counts
+  got = {k: counts[k] for k in ("attempted", "abstracted", "accepted", "rejected")}
+  assert got == {"attempted": 2, "abstracted": 2, "accepted": 2, "rejected": 0}, counts
   train_ids = {t.task_id for t in suite.train_tasks}
   for task in d0:
     assert task.source == "explore" and task.provenance["abstraction"] == "llm"
