@@ -74,8 +74,8 @@ class Rollouts:
 
 def eval_row(t: Trajectory) -> dict[str, Any]:
   """One evaluation file row: the task's reward, how its episode ended and what it called, and
-  the task's split ("split") when its episode's info names one (AppWorld's test_normal /
-  test_challenge, which the paper reports apart); environments that name none (BFCL) get none."""
+  the task's split ("split") when its episode's info names one (a benchmark whose test splits
+  the paper reports apart); environments that name none get none."""
   row = {
     "task_id": t.task_id,
     "reward": t.reward,
