@@ -1,4 +1,5 @@
-"""Our Qwen against Hugging Face transformers on tiny random configs of every family.
+"""Our Qwen and Llama decoders against Hugging Face transformers on tiny random configs of every
+family (Qwen2, Qwen3, Qwen3-MoE, Llama with and without Llama 3 RoPE scaling).
 
 Each reference model is created by transformers, saved with its `save_pretrained`, and loaded by
 our `from_pretrained`, so the test also covers the checkpoint format (per-expert MoE tensors,
@@ -53,6 +54,24 @@ FAMILIES = {
       num_hidden_layers=4,
     ),
   ),
+  # Llama 3.x: no biases, no q/k norm, Llama 3 RoPE scaling. The scaling's wavelengths are chosen
+  # so that head_dim 16 has frequencies in all three bands (kept, interpolated, divided), and the
+  # test's positions are long enough for the divided ones to matter.
+  "llama3": (
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    dict(
+      rope_scaling=dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+      ),
+      rms_norm_eps=1e-5,
+    ),
+  ),
+  "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rms_norm_eps=1e-5)),  # SmolLM2's layout
 }
 
 CASES = [  # (family, tied head, query heads, kv heads): GQA ratios 1, 2 and 4
@@ -62,6 +81,10 @@ CASES = [  # (family, tied head, query heads, kv heads): GQA ratios 1, 2 and 4
   ("qwen2", True, 4, 2),
   ("qwen3_moe", False, 4, 2),
   ("qwen3_moe_mixed", True, 4, 1),
+  ("llama3", True, 4, 2),
+  ("llama3", False, 4, 1),
+  ("llama", True, 4, 2),
+  ("llama", False, 4, 4),
 ]
 
 
@@ -80,6 +103,8 @@ def _hf_folder(tmp_path, family, tie, n_heads, n_kv):
     tie_word_embeddings=tie,
   )
   kwargs.update(extra)
+  if "rope_scaling" in kwargs and int(transformers.__version__.split(".")[0]) >= 5:
+    kwargs["rope_parameters"] = {**kwargs.pop("rope_scaling"), "rope_theta": kwargs["rope_theta"]}
   torch.manual_seed(0)
   hf = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs))
   with torch.no_grad():  # exercise every parameter: random biases and norm weights, and a router
@@ -113,6 +138,9 @@ def test_logits_match_transformers_and_round_trip(tmp_path, family, tie, n_heads
   ours = from_pretrained(folder)
   assert ours.config.tie_word_embeddings == tie
   assert ours.config.num_key_value_heads == n_kv
+  assert (ours.config.model_type == "llama") == family.startswith("llama")
+  # Without its scaling the llama3 case is 1.7e-3 off (measured), far outside the tolerance.
+  assert (ours.config.rope_scaling is not None) == (family == "llama3")
   ids, mask = _batch()
   ref = _hf_logits(hf, ids, mask)
   got = np.asarray(ours(jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
@@ -180,7 +208,7 @@ def test_bfloat16_logits_within_stated_bound(tmp_path, family):
   assert 0 < err <= 2e-2 * scale, (err, scale)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "llama3"])
 def test_kv_cache_decode_equals_full_forward(tmp_path, family):
   _, folder = _hf_folder(tmp_path, family, True, 4, 2)
   ours = from_pretrained(folder)

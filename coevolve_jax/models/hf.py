@@ -1,4 +1,5 @@
-"""Hugging Face checkpoint folders: `from_pretrained` and `save_pretrained` for Qwen models.
+"""Hugging Face checkpoint folders: `from_pretrained` and `save_pretrained` for Qwen and
+Llama-family models (Llama 3.x, SmolLM2).
 
 A folder holds `config.json` and either one `model.safetensors` or shards listed in
 `model.safetensors.index.json`, and may hold `generation_config.json`, whose `eos_token_id` ids
@@ -34,16 +35,17 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from coevolve_jax.models.params import hf_to_path, layer_paths, path_to_hf, stacked_path
-from coevolve_jax.models.qwen import Qwen, QwenConfig
+from coevolve_jax.models.qwen import ROPE_TYPES, Qwen, QwenConfig, RopeScaling
 from coevolve_jax.models.sharding import param_sharding
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen3_moe", "llama")
 _ARCHITECTURES = {
   "qwen2": "Qwen2ForCausalLM",
   "qwen3": "Qwen3ForCausalLM",
   "qwen3_moe": "Qwen3MoeForCausalLM",
+  "llama": "LlamaForCausalLM",
 }
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -51,7 +53,7 @@ GENERATION_CONFIG = "generation_config.json"
 
 
 class CheckpointFormatError(ValueError):
-  """A Hugging Face folder that cannot be read as a supported Qwen checkpoint."""
+  """A Hugging Face folder that cannot be read as a supported Qwen or Llama checkpoint."""
 
 
 def _eos_ids(value, where: str, vocab_size: int) -> tuple[int, ...]:
@@ -100,6 +102,35 @@ def generation_eos_ids(path: str | os.PathLike, vocab_size: int) -> tuple[int, .
   return _eos_ids(gen.get("eos_token_id"), str(file), vocab_size)
 
 
+def _rope_scaling(hf: dict) -> RopeScaling | None:
+  """The RoPE scaling of a config.json (transformers 4's `rope_scaling`, 5's `rope_parameters`):
+  None for the default rotary embedding, a `RopeScaling` for Llama 3's.
+
+  Raises:
+    CheckpointFormatError: another scaling type (linear, dynamic, yarn, ...), or a llama3 entry
+      without its four numbers.
+  """
+  rope = hf.get("rope_parameters") or {}
+  scaling = hf.get("rope_scaling") or rope
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  if kind == "default":
+    return None
+  if kind not in ROPE_TYPES:
+    raise CheckpointFormatError(
+      f"RoPE scaling {scaling} is not implemented (supported types: default, {ROPE_TYPES})"
+    )
+  try:
+    return RopeScaling(
+      kind,
+      float(scaling["factor"]),
+      float(scaling["low_freq_factor"]),
+      float(scaling["high_freq_factor"]),
+      int(scaling["original_max_position_embeddings"]),
+    )
+  except (KeyError, TypeError, ValueError) as e:
+    raise CheckpointFormatError(f"RoPE scaling {scaling}: missing or bad field ({e})") from None
+
+
 def config_from_hf(hf: dict) -> QwenConfig:
   """QwenConfig from a parsed HF `config.json` (transformers 4 and 5 spellings alike).
 
@@ -107,7 +138,8 @@ def config_from_hf(hf: dict) -> QwenConfig:
 
   Raises:
     CheckpointFormatError: an unsupported model type, a feature we do not implement (sliding
-      window attention, RoPE scaling), or an `eos_token_id` that is not ids in the vocabulary.
+      window attention, RoPE scaling other than Llama 3's, Llama's attention or MLP biases), or
+      an `eos_token_id` that is not ids in the vocabulary.
   """
   model_type = hf.get("model_type")
   if model_type not in SUPPORTED_MODEL_TYPES:
@@ -118,10 +150,19 @@ def config_from_hf(hf: dict) -> QwenConfig:
     raise CheckpointFormatError(
       "sliding-window attention (use_sliding_window=true) is not implemented"
     )
+  llama = model_type == "llama"
+  if llama and (hf.get("attention_bias") or hf.get("mlp_bias")):
+    raise CheckpointFormatError(
+      "a Llama checkpoint with attention_bias or mlp_bias (o_proj / MLP biases) is not implemented"
+    )
+  if llama and int(hf.get("pretraining_tp", 1) or 1) != 1:
+    log.info(
+      "config.json pretraining_tp=%s ignored (transformers ignores it too)", hf["pretraining_tp"]
+    )
   rope = hf.get("rope_parameters") or {}
-  scaling = hf.get("rope_scaling") or rope
-  if scaling.get("rope_type", scaling.get("type", "default")) != "default":
-    raise CheckpointFormatError(f"RoPE scaling {scaling} is not implemented")
+  scaling = _rope_scaling(hf)
+  if scaling is not None and not llama:
+    raise CheckpointFormatError(f"RoPE scaling {scaling} is implemented for Llama models only")
   heads = hf["num_attention_heads"]
   num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
   if model_type != "qwen3_moe":
@@ -138,8 +179,8 @@ def config_from_hf(hf: dict) -> QwenConfig:
     rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
     tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
     # Qwen2 always has q/k/v biases; Qwen3 has them only when attention_bias is set.
-    attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-    qk_norm=model_type != "qwen2",
+    attention_bias=model_type == "qwen2" or (not llama and bool(hf.get("attention_bias", False))),
+    qk_norm=model_type in ("qwen3", "qwen3_moe"),
     max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
     num_experts=num_experts,
     num_experts_per_tok=int(hf.get("num_experts_per_tok", 0)) if num_experts else 0,
@@ -148,6 +189,8 @@ def config_from_hf(hf: dict) -> QwenConfig:
     decoder_sparse_step=int(hf.get("decoder_sparse_step", 1) or 1),
     mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
     eos_token_ids=_eos_ids(hf.get("eos_token_id"), "config.json", hf["vocab_size"]),
+    family="llama" if llama else "qwen",
+    rope_scaling=scaling,
   )
 
 
@@ -180,6 +223,11 @@ def hf_config(cfg: QwenConfig, dtype=jnp.float32) -> dict:
   }
   if model_type != "qwen2":
     out["attention_bias"] = cfg.attention_bias
+  if model_type == "llama":
+    out.update(mlp_bias=False, pretraining_tp=1)
+    del out["use_sliding_window"]
+  if cfg.rope_scaling is not None:
+    out["rope_scaling"] = cfg.rope_scaling._asdict()
   if cfg.eos_token_ids:
     ids = list(cfg.eos_token_ids)
     out["eos_token_id"] = ids[0] if len(ids) == 1 else ids
@@ -317,7 +365,8 @@ def from_pretrained(
   remat: str = "full",
   stats: dict[str, int] | None = None,
 ) -> Qwen:
-  """Loads a Hugging Face Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE checkpoint folder.
+  """Loads a Hugging Face Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE / Llama 3.x / SmolLM2 checkpoint
+  folder.
 
   Args:
     path: folder with `config.json` and `model.safetensors` or `model.safetensors.index.json`,

@@ -1,4 +1,4 @@
-"""Qwen2 / Qwen2.5 / Qwen3 dense and Qwen3-MoE decoders in Flax nnx, with a KV cache.
+"""Qwen2 / Qwen2.5 / Qwen3 dense, Qwen3-MoE and Llama-family decoders in Flax nnx, with a KV cache.
 
 Dimension letters used in names and einsums:
   B batch, T query length, S key / cache length, D hidden (model) size, N query heads,
@@ -15,6 +15,8 @@ the depth; the rollout engine decodes an unrolled copy (`Qwen(stacked=False)`, `
 Architecture reference: Hugging Face transformers `modeling_qwen2.py` / `modeling_qwen3.py` /
 `modeling_qwen3_moe.py` (rotate-half RoPE, RMSNorm, SwiGLU MLP, GQA; Qwen2 q/k/v biases; Qwen3
 per-head q/k RMSNorm; Qwen3-MoE softmax router with top-k experts, optionally renormalised).
+Llama 3.x and SmolLM2 (`modeling_llama.py`) are the same decoder without q/k/v biases or q/k
+norm, with Llama 3's RoPE frequency scaling (`RopeScaling`) where the checkpoint sets it.
 """
 
 from __future__ import annotations
@@ -33,10 +35,32 @@ from jax.sharding import PartitionSpec as P
 from coevolve_jax.models.sharding import active_mesh, constrain, param_spec, spec_axes
 
 
+FAMILIES = ("qwen", "llama")
+ROPE_TYPES = ("llama3",)
+
+
+class RopeScaling(NamedTuple):
+  """Llama 3's RoPE frequency scaling (HF `rope_scaling` / `rope_parameters` with
+  `rope_type: "llama3"`; transformers `_compute_llama3_parameters`): frequencies whose wavelength
+  exceeds `original_max_position_embeddings / low_freq_factor` are divided by `factor`, those
+  below `original_max_position_embeddings / high_freq_factor` are kept, and the band between is
+  interpolated. Llama 3.2: factor 32, low 1, high 4, original 8192."""
+
+  rope_type: str
+  factor: float
+  low_freq_factor: float
+  high_freq_factor: float
+  original_max_position_embeddings: int
+
+
 @dataclasses.dataclass(frozen=True)
 class QwenConfig:
   """Architecture hyper-parameters (names follow the Hugging Face config.json), plus the
-  checkpoint's end-of-sequence ids, which generation reads."""
+  checkpoint's end-of-sequence ids, which generation reads.
+
+  `family` "qwen" covers Qwen2 (q/k/v biases), Qwen3 (q/k norm) and Qwen3-MoE; "llama" covers
+  Llama 3.x and SmolLM2 (neither biases nor q/k norm; `rope_scaling` for Llama 3.1+).
+  """
 
   vocab_size: int
   hidden_size: int
@@ -62,8 +86,21 @@ class QwenConfig:
   # generation_config.json (Qwen3 instruct: 151645 <|im_end|> and 151643 <|endoftext|>). A reply
   # ends at any of them as well as at the tokenizer's <|im_end|>; () for a random init.
   eos_token_ids: tuple[int, ...] = ()
+  family: str = "qwen"
+  rope_scaling: RopeScaling | None = None
 
   def __post_init__(self):
+    if self.family not in FAMILIES:
+      raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
+    if self.family == "llama" and (self.attention_bias or self.qk_norm or self.num_experts):
+      raise ValueError("a llama-family config has no q/k/v bias, q/k norm or experts")
+    if self.rope_scaling is not None:
+      rs = RopeScaling(*self.rope_scaling)
+      if rs.rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {rs.rope_type!r} is not one of {ROPE_TYPES}")
+      if not (rs.factor > 0 and 0 < rs.low_freq_factor < rs.high_freq_factor):
+        raise ValueError(f"rope_scaling {rs} needs factor > 0 and 0 < low < high freq factor")
+      object.__setattr__(self, "rope_scaling", rs)
     if self.num_attention_heads % self.num_key_value_heads:
       raise ValueError(
         f"num_attention_heads {self.num_attention_heads} is not a multiple of "
@@ -83,7 +120,9 @@ class QwenConfig:
 
   @property
   def model_type(self) -> str:
-    """The Hugging Face `model_type`: "qwen3_moe", "qwen3" or "qwen2"."""
+    """The Hugging Face `model_type`: "qwen3_moe", "qwen3", "qwen2" or "llama"."""
+    if self.family == "llama":
+      return "llama"
     if self.num_experts:
       return "qwen3_moe"
     return "qwen3" if self.qk_norm else "qwen2"
@@ -215,6 +254,55 @@ class QwenConfig:
     )
 
   @classmethod
+  def llama3_2_1b(cls) -> "QwenConfig":
+    """Llama-3.2-1B(-Instruct): 16 layers, tied head, Llama 3 RoPE scaling."""
+    return cls._llama3_2(
+      hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, head_dim=64
+    )
+
+  @classmethod
+  def llama3_2_3b(cls) -> "QwenConfig":
+    """Llama-3.2-3B(-Instruct): 28 layers, tied head, Llama 3 RoPE scaling."""
+    return cls._llama3_2(
+      hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, head_dim=128
+    )
+
+  @classmethod
+  def _llama3_2(cls, **shape) -> "QwenConfig":
+    return cls(
+      vocab_size=128256,
+      intermediate_size=8192,
+      num_key_value_heads=8,
+      rope_theta=500_000.0,
+      rms_norm_eps=1e-5,
+      tie_word_embeddings=True,
+      qk_norm=False,
+      max_position_embeddings=131072,
+      family="llama",
+      rope_scaling=RopeScaling("llama3", 32.0, 1.0, 4.0, 8192),
+      **shape,
+    )
+
+  @classmethod
+  def smollm2_135m(cls) -> "QwenConfig":
+    """SmolLM2-135M(-Instruct) (Llama architecture): 30 layers, hidden 576, 9 / 3 heads, tied."""
+    return cls(
+      vocab_size=49152,
+      hidden_size=576,
+      intermediate_size=1536,
+      num_hidden_layers=30,
+      num_attention_heads=9,
+      num_key_value_heads=3,
+      head_dim=64,
+      rope_theta=100_000.0,
+      rms_norm_eps=1e-5,
+      tie_word_embeddings=True,
+      qk_norm=False,
+      max_position_embeddings=8192,
+      family="llama",
+    )
+
+  @classmethod
   def preset(cls, name: str, **overrides) -> "QwenConfig":
     """A named preset (one of PRESETS, e.g. "qwen3_4b"); `overrides` replace fields.
 
@@ -227,7 +315,17 @@ class QwenConfig:
 
 
 # Named presets (QwenConfig classmethods). Published parameter counts: tests/test_model_presets.py.
-PRESETS = ("tiny_cpu", "qwen3_0_6b", "qwen3_1_7b", "qwen3_4b", "qwen2_5_7b", "qwen3_30b_a3b")
+PRESETS = (
+  "tiny_cpu",
+  "qwen3_0_6b",
+  "qwen3_1_7b",
+  "qwen3_4b",
+  "qwen2_5_7b",
+  "qwen3_30b_a3b",
+  "llama3_2_1b",
+  "llama3_2_3b",
+  "smollm2_135m",
+)
 
 
 def routing_dtype(num_experts: int) -> jnp.dtype:
@@ -360,10 +458,34 @@ class RMSNorm(nnx.Module):
     return (x32 * jax.lax.rsqrt(var + self.eps)).astype(x.dtype) * self.weight[...].astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotate-half rotary embedding. x: [B, T, N, H]; positions: [B, T] int."""
-  h = x.shape[-1]
+def rope_inv_freq(h: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
+  """The [H/2] float32 inverse frequencies of rotary embedding over head dim `h`.
+
+  Without `scaling`: theta^(-2i/H) (RoFormer, Su et al. 2021, Eq. 15). With Llama 3 scaling
+  (`RopeScaling`), long wavelengths are divided by `factor` and the band between the high- and
+  low-frequency wavelengths is interpolated linearly in 1/wavelength, as transformers'
+  `_compute_llama3_parameters` does.
+  """
   inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))  # [H/2]
+  if scaling is None:
+    return inv_freq
+  old = float(scaling.original_max_position_embeddings)
+  low, high, factor = scaling.low_freq_factor, scaling.high_freq_factor, scaling.factor
+  wavelen = 2 * math.pi / inv_freq
+  scaled = jnp.where(wavelen > old / low, inv_freq / factor, inv_freq)
+  smooth = (old / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = (wavelen >= old / high) & (wavelen <= old / low)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def rope(
+  x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling | None = None
+) -> jax.Array:
+  """Rotate-half rotary embedding. x: [B, T, N, H]; positions: [B, T] int; `scaling`: Llama 3's
+  frequency scaling, or None (`rope_inv_freq`)."""
+  h = x.shape[-1]
+  inv_freq = rope_inv_freq(h, theta, scaling)
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
   angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, T, 1, H]
   x32 = x.astype(jnp.float32)
@@ -724,8 +846,8 @@ class Attention(nnx.Module):
       q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
     if cfg.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    q = rope(q, q_pos, cfg.rope_theta)
-    k = rope(k, positions_bt, cfg.rope_theta)
+    q = rope(q, q_pos, cfg.rope_theta, cfg.rope_scaling)
+    k = rope(k, positions_bt, cfg.rope_theta, cfg.rope_scaling)
     q = constrain(q, ("batch", "length", "act_heads", None))
     return q, k, v, q_pos
 
