@@ -72,10 +72,12 @@ class Rollouts:
     return trajs
 
 
-def eval_row(t: Trajectory) -> dict[str, Any]:
+def eval_row(t: Trajectory, task: Task | None = None) -> dict[str, Any]:
   """One evaluation file row: the task's reward, how its episode ended and what it called, and
-  the task's split ("split") when its episode's info names one (a benchmark whose test splits
-  the paper reports apart); environments that name none get none."""
+  the task's split ("split") where the benchmark names one (one whose test splits the paper
+  reports apart): `task.initial_config["split"]`, else the split its episode's info names. An
+  episode that failed before grading has no info, so its row names its task's split; tasks and
+  episodes that name none get none."""
   row = {
     "task_id": t.task_id,
     "reward": t.reward,
@@ -84,7 +86,7 @@ def eval_row(t: Trajectory) -> dict[str, Any]:
     "parse_errors": t.parse_errors,
     "calls": t.calls,
   }
-  if split := t.info.get("split"):
+  if split := (task.initial_config.get("split") if task else None) or t.info.get("split"):
     row["split"] = str(split)
   return row
 
@@ -125,7 +127,8 @@ class Evaluator:
     """Greedy success rate on the held-out split; per-task results in eval_<tag>.jsonl; the
     suite's own figures (e.g. TGC / SGC) go into `suite_eval[tag]`."""
     trajs = self.rollouts([(t, i) for i, t in enumerate(self.tasks)], eval=True)
-    self._write(f"eval_{tag}.jsonl", [eval_row(t) for t in trajs])
+    rows = [eval_row(r, t) for t, r in zip(self.tasks, trajs, strict=True)]
+    self._write(f"eval_{tag}.jsonl", rows)
     if suite_metrics := self.suite.metrics(trajs):
       suite_eval[tag] = suite_metrics
     return float(np.mean([t.reward for t in trajs])) if trajs else 0.0
@@ -140,7 +143,8 @@ class Evaluator:
     if not self.generated:
       return None
     trajs = self.rollouts([(t, i) for i, t in enumerate(self.generated)], greedy=True)
-    self._write(f"eval_generated_{tag}.jsonl", [eval_row(t) for t in trajs])
+    rows = [eval_row(r, t) for t, r in zip(self.generated, trajs, strict=True)]
+    self._write(f"eval_generated_{tag}.jsonl", rows)
     recall = [call_recall(t.ground_truth, r.calls) for t, r in zip(self.generated, trajs)]
     return {
       **self.success_figures([t.reward for t in trajs]),
@@ -153,7 +157,7 @@ class Evaluator:
     "d0" and "synth:<signal>" (the signal whose context the task was synthesized from;
     "synth:unguided" for random re-exploration); per-task results in eval_pool_after.jsonl."""
     trajs = self.rollouts([(t, i) for i, t in enumerate(tasks)], greedy=True)
-    rows = [{**eval_row(r), "origin": origin(t)} for t, r in zip(tasks, trajs, strict=True)]
+    rows = [{**eval_row(r, t), "origin": origin(t)} for t, r in zip(tasks, trajs, strict=True)]
     self._write("eval_pool_after.jsonl", rows)
     out = {}
     for kind in sorted({r["origin"] for r in rows}):

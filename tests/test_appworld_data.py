@@ -166,9 +166,9 @@ def test_tgc_and_sgc_per_split_of_hand_made_trajectories():
   assert (only["tgc"], only["sgc"]) == (75.0, 50.0) and "blend/tgc" not in only
 
 
-def test_eval_rows_name_the_split_only_where_the_episode_does():
+def test_eval_rows_name_the_split_only_where_the_task_or_episode_does():
   from coevolve_jax.evaluation import eval_row  # noqa: PLC0415
-  from coevolve_jax.types import Trajectory  # noqa: PLC0415
+  from coevolve_jax.types import Task, Trajectory  # noqa: PLC0415
 
   aw = eval_row(
     Trajectory("ccc_1", 0, reward=1.0, info={"success": True, "split": "test_challenge"})
@@ -176,3 +176,41 @@ def test_eval_rows_name_the_split_only_where_the_episode_does():
   assert aw["split"] == "test_challenge" and aw["task_id"] == "ccc_1" and aw["reward"] == 1.0
   bfcl = eval_row(Trajectory("multi_turn_base_0", 0, calls=[["ls()"]], info={"checker": {}}))
   assert set(bfcl) == {"task_id", "reward", "finish", "model_steps", "parse_errors", "calls"}
+  task = Task("multi_turn_base_0", "bfcl", ["q"], [["ls()"]], {"GorillaFileSystem": {}})
+  errored = Trajectory("multi_turn_base_0", 0, finish="error", info={"error": "reset: x"})
+  assert "split" not in eval_row(errored, task)  # a task whose state names no split
+
+
+def test_eval_rows_of_episodes_that_failed_before_grading_name_their_tasks_split(tmp_path):
+  """A held-out episode that failed before grading (a server that did not start, a step that
+  raised, the step or context limit) has no info from its environment; its row in
+  eval_<tag>.jsonl still names its task's split, as `metrics` counts it there."""
+  from coevolve_jax.evaluation import Evaluator  # noqa: PLC0415
+  from coevolve_jax.types import Trajectory  # noqa: PLC0415
+
+  rows = [
+    {"task_id": "aaa_1", "split": "test_normal"},
+    {"task_id": "ccc_1", "split": "test_challenge"},
+    {"task_id": "ccc_2", "split": "test_challenge"},
+  ]
+  suite = _eval_suite(rows)
+  graded = Trajectory("aaa_1", 0, reward=1.0, finish="done")
+  graded.info = {"success": True, "split": "test_normal"}
+  errored = Trajectory("ccc_1", 1, finish="error", info={"error": "reset: ServerError()"})
+  cut = Trajectory("ccc_2", 2, finish="max_model_steps")
+
+  def rollouts(jobs, eval=False, greedy=False):
+    assert eval and [t.task_id for t, _ in jobs] == ["aaa_1", "ccc_1", "ccc_2"]
+    return [graded, errored, cut]
+
+  figures = {}
+  evaluator = Evaluator(str(tmp_path), suite, rollouts, max_tasks=3, success_threshold=0.5)
+  evaluator.evaluate("after", figures)
+  with open(tmp_path / "eval_after.jsonl") as f:
+    written = [json.loads(line) for line in f]
+  assert [(r["task_id"], r["finish"], r.get("split")) for r in written] == [
+    ("aaa_1", "done", "test_normal"),
+    ("ccc_1", "error", "test_challenge"),
+    ("ccc_2", "max_model_steps", "test_challenge"),
+  ]
+  assert figures["after"]["test_challenge/tasks"] == 2  # the figures count them there too
