@@ -685,6 +685,58 @@ def test_the_stage2_summary_sees_each_code_step_and_its_output(suite):
   )
 
 
+def test_the_summary_cuts_a_long_output_in_the_middle():
+  """The stage-2 summary shows `llm_jobs.OBS_CHARS` characters of each step's output: its start
+  and its end around a marker of what was cut, so an error printed last stays in view."""
+  from coevolve_jax.feedback import llm_jobs  # noqa: PLC0415
+
+  assert llm_jobs.cut_middle("short", 10) == "short"
+  assert llm_jobs.cut_middle("abcdefghijkl", 5) == "abc\n... [7 characters cut] ...\nkl"
+  assert llm_jobs.cut_middle("abcdef", 1) == "a\n... [5 characters cut] ...\n"
+
+
+@needs_appworld
+def test_the_stage2_summary_sees_a_traceback_after_a_long_output(suite, monkeypatch):
+  """A code step whose traceback is long (AppWorld shows only the traceback of a failed step,
+  here of a long one-line statement) ends with the error: at the full config's observation
+  length the episode records all of it, and the context summary prompt keeps its start and the
+  error at its end (the summary's cut is not a prefix)."""
+  import numpy as np  # noqa: PLC0415
+
+  from coevolve_jax.feedback import llm_jobs, synthesis  # noqa: PLC0415
+  from coevolve_jax.feedback.signals import SignalTracker  # noqa: PLC0415
+
+  full = importlib.util.spec_from_file_location("_cfg_aw_full", f"{ROOT}/configs/appworld.py")
+  module = importlib.util.module_from_spec(full)
+  full.loader.exec_module(module)
+  monkeypatch.setitem(suite.aw, "max_obs_chars", module.get_config("").appworld.max_obs_chars)
+  task = next(t for t in suite.train_tasks if t.provenance.get("template") == "count_notes")
+  titles = ", ".join(f'"note title {i}"' for i in range(60))
+  long_then_bad = f"titles = [{titles}]; notes = apis.simple_note.no_such_api(titles=titles)"
+  failing = [long_then_bad, "apis.supervisor.complete_task(answer=-1)"]
+  trajs = _rollouts(suite, [(task, 0, [task.initial_config["solution"]]), (task, 0, failing)])
+  error = "No API named 'no_such_api' found in the simple_note app."
+  recorded = trajs[1].observations[0][0]
+  assert recorded.startswith("Execution failed. Traceback:") and recorded.endswith(error), recorded
+  assert len(recorded) > 2000 > llm_jobs.OBS_CHARS
+  events = SignalTracker(rare_min_total=1000).observe(trajs, [task])
+  assert [e.signal for e in events] == ["boundary", "boundary"]
+
+  def reply(system, prompt):
+    if system.startswith("You analyse"):
+      return json.dumps({"summary": "s", "focus_pattern": [], "exploration_objectives": []})
+    if system.startswith("You explore"):
+      return "STOP"
+    return json.dumps({"tasks": []})
+
+  llm = _ScriptedLLM(reply)
+  synthesis.synthesize_round(suite.synthesizer(llm), [events[1]], np.random.default_rng(0), 1)
+  (summary_prompt,) = [p for s, p in llm.prompts if s.startswith("You analyse")]
+  shown = json.loads(summary_prompt)["agent_steps"][0][0]["observation"]
+  assert shown.startswith("Execution failed. Traceback:") and shown.endswith(error)
+  assert f"[{len(recorded) - llm_jobs.OBS_CHARS} characters cut]" in shown
+
+
 @needs_appworld
 def test_a_twelve_step_task_is_explored_derived_and_validated_with_the_full_values(
   suite, monkeypatch

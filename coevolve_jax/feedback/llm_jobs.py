@@ -57,6 +57,16 @@ JUDGE_SYSTEM = (
 )
 
 
+def cut_middle(text: str, chars: int) -> str:
+  """`text` if it has at most `chars` characters, else its first and last `chars` / 2 around a
+  marker saying how many were cut: an error printed after a long output stays in view."""
+  if len(text) <= chars:
+    return text
+  tail = chars // 2
+  head = chars - tail
+  return f"{text[:head]}\n... [{len(text) - chars} characters cut] ...\n{text[len(text) - tail :]}"
+
+
 def summarize_with_llm(
   llm: TextLLM,
   task: Task,
@@ -71,7 +81,8 @@ def summarize_with_llm(
 
   The prompt holds the task, the signal, the reward, the reference calls and the agent's steps:
   per user turn each call with the environment's output (paper Fig. 11's trajectory evidence;
-  `observations`, cut to OBS_CHARS each; a call without a recorded output shows none).
+  `observations`, each cut to OBS_CHARS characters by `cut_middle`, its start and its end, so
+  that a traceback after a long output is kept; a call without a recorded output shows none).
 
   Returns:
     dict with SUMMARY_KEYS plus "by": "llm" or "template".
@@ -88,7 +99,7 @@ def summarize_with_llm(
       "reward": reward,
       "agent_steps": [
         [
-          {"call": c, "observation": o[:OBS_CHARS]} if o is not None else {"call": c}
+          {"call": c, "observation": cut_middle(o, OBS_CHARS)} if o is not None else {"call": c}
           for c, o in itertools.zip_longest(turn, obs[: len(turn)])
         ]
         for turn, obs in itertools.zip_longest(
