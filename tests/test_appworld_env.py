@@ -802,3 +802,52 @@ def test_a_twelve_step_task_is_explored_derived_and_validated_with_the_full_valu
   assert f"At most {ex.max_calls} steps" in abstraction
   attempts = [p for s, p in llm.prompts if "Hints (a known solution)" in p]
   assert len(attempts) == len(steps) + 1  # one reply per step, then complete_task
+
+
+@needs_appworld
+def test_the_judge_sees_the_abstracted_tasks_description(suite, monkeypatch):
+  """Validation (paper Sec. 3.3, Fig. 13): a derived task whose attempt the evaluator fails goes
+  to the LLM judge, whose prompt carries the task's query, the description and the completion
+  criterion the abstraction wrote, the reference solution, the attempt's code and its end."""
+  import numpy as np  # noqa: PLC0415
+
+  from coevolve_jax.feedback import synthesis  # noqa: PLC0415
+
+  assert suite.judge  # explore.judge, on in every variant
+  monkeypatch.setitem(suite.explore_args, "max_calls", 6)
+  monkeypatch.setitem(suite.explore_args, "rounds", 1)
+  steps = [
+    'pw = {a["account_name"]: a["password"] for a in apis.supervisor.show_account_passwords()}',
+    "me = apis.supervisor.show_profile()",
+    'token = apis.simple_note.login(username=me["email"], password=pw["simple_note"])'
+    '["access_token"]',
+    "print(len(apis.simple_note.search_notes(access_token=token, page_limit=20)))",
+  ]
+  description = "logging in to Simple Note and counting the supervisor's notes"
+  completion = "the number of notes is given as the answer"
+  wrong = "apis.supervisor.complete_task(answer=-1)"
+
+  def reply(system, prompt):
+    if system.startswith("You explore"):
+      k = int(re.search(r"Step (\d+) of", prompt).group(1))
+      return f"```python\n{steps[k - 1]}\n```" if k <= len(steps) else "STOP"
+    if system.startswith("You turn"):
+      task = {"run_id": 0, "steps": [0, 1, 2, 3], "query": "How many notes do I have?"}
+      task.update(answer_step=3, description=description, completion=completion)
+      return json.dumps({"tasks": [task]})
+    if system.startswith("You judge"):
+      return json.dumps({"success": False, "reason": "scripted: the answer is wrong"})
+    return f"```python\n{wrong}\n```"  # the attempt answers at once, wrongly
+
+  llm = _ScriptedLLM(reply)
+  base = next(t for t in suite.train_tasks if t.provenance.get("template") == "count_notes")
+  d0, counts = synthesis.initial_tasks(
+    suite.synthesizer(llm), [base], 1, np.random.default_rng(0), max_attempts=1
+  )
+  assert d0 == [] and (counts["abstracted"], counts["rejected"]) == (1, 1), counts
+  (judged,) = [json.loads(p) for s, p in llm.prompts if s.startswith("You judge")]
+  assert judged["description"] == description and judged["completion"] == completion
+  assert judged["query"] == ["How many notes do I have?"]
+  assert judged["reference_solution"].startswith(steps[0])
+  assert judged["attempt_code"] == [wrong]
+  assert json.loads(judged["final_observation"])["end"] == "completed"
