@@ -50,8 +50,14 @@ class Env(Protocol):
   Attributes:
     tools: tool schemas, Qwen/OpenAI style {"type": "function", "function": {...}}.
     system_prompt: the episode's system message, or None.
-    calls: what the agent called so far, per user turn, per model step (call strings or API
-      names); the trajectory and the signals' action patterns are built from it.
+    calls: what the agent called so far, per user turn, per model step (BFCL: the call strings
+      that ran; AppWorld: the step's code block, none for a reply without one).
+      `Trajectory.calls` (eval rows, signal events, the stage-2 summary) is built from it: from
+      the final StepResult's info["per_turn_calls"] when the episode is graded, else from
+      `calls` itself. The signals' action patterns are not: they read `Trajectory.tool_names`,
+      the names of the tool calls the chat format parses from each reply, replaced for a step by
+      the names in its StepResult's info["tool_names"] where the environment gives them
+      (`agent.STEP_TOOL_NAMES`; AppWorld: the APIs the step's code names).
     observations: per user turn, the output of each call in `calls` as the model saw it ([]
       for environments that keep none): the stage-2 summary's evidence (docs/design.md §1.2).
   """
