@@ -95,16 +95,20 @@ def get_config() -> ml_collections.ConfigDict:
   c.explore.local.tokens_per_round = 0
   c.explore.local.dtype = "bfloat16"
   # Token budgets (prompt + output tokens as the endpoint reports them). The paper states none:
-  # D0 makes N = 100 tasks and a round explores every selected context. What a context costs at
-  # the full config's 4 runs x 18 steps, abstraction and validation: BFCL 50-90k tokens,
-  # AppWorld 77-198k (the product's own prompts, counted with the Qwen tokenizer). D0 at 1-8
-  # tasks per context needs 13-100 contexts, so 0.7-9 M tokens on BFCL; a round about 90k (BFCL)
-  # or 200k (AppWorld) per selected context, and with feedback.max_contexts = 0 a round selects
-  # one context per (task, signal kind) fired in its 10 steps (tens to a few hundred). A cap of
-  # T tokens stops D0 or a round before its next context once T is spent (the context in
-  # progress is finished, so it may overrun T by one context), logged with the contexts it
-  # skipped in feedback.jsonl ("stopped") and on the console. For a spending cap on a round of
-  # K contexts, set tokens_per_round to about K x 90k (BFCL) or K x 200k (AppWorld).
+  # D0 makes N = 100 tasks and a round explores every selected context. What a context costs
+  # with 4 runs x 18 steps, abstraction and validation, measured from the product's own prompts
+  # (counted with the Qwen tokenizer): BFCL 50-90k tokens, AppWorld 77-198k, i.e. per explorer
+  # step (72 of them) about 0.7-1.25k (BFCL) and 1.1-2.75k (AppWorld). AppWorld's full and
+  # paper configs run 4 x 30 steps (configs/appworld.py): scaled from that per-step cost, an
+  # estimate, not a measurement, of 128-330k per context (x 120/72), likely more, as each step's
+  # prompt also holds its run's earlier steps. D0 at 1-8 tasks per context needs 13-100
+  # contexts, so 0.7-9 M tokens on BFCL; a round about 90k (BFCL) or 330k (AppWorld) per
+  # selected context, and with feedback.max_contexts = 0 a round selects one context per (task,
+  # signal kind) fired in its 10 steps (tens to a few hundred). A cap of T tokens stops D0 or a
+  # round before its next context once T is spent (the context in progress is finished, so it
+  # may overrun T by one context), logged with the contexts it skipped in feedback.jsonl
+  # ("stopped") and on the console. For a spending cap on a round of K contexts, set
+  # tokens_per_round to about K x 90k (BFCL) or K x 330k (AppWorld).
   c.explore.d0_tokens = 0  # D0's (and the generated held-out set's) budget; 0 = no cap
   c.explore.initial_tasks = 100  # |D0| (paper N = 100)
   # Exploration states and the evaluation split (docs/design.md §1.4): "disjoint" explores no
