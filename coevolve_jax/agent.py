@@ -344,12 +344,14 @@ class AgentRunner:
 
 
 class QwenChat:
-  """The chat format the agent loop uses (`ChatFormat`): Qwen template, tokenizer and tool-call
+  """The chat format the agent loop uses (`ChatFormat`): Qwen's tool prompt format, a ChatML
+  tokenizer (Qwen3's shipped one, or a checkpoint's own: `tokenizer_folder`) and the tool-call
   parser.
 
   Args:
     enable_thinking: as in `chat.render` (False: the generation prompt closes an empty think
-      block).
+      block). Ignored (left undefined) for a tokenizer without a `<think>` token, whose model
+      was never taught the block.
     max_call_chars: the longest JSON text of one tool call, in characters, that
       `parse_tool_calls` accepts (a run passes `episode.max_call_chars`); longer calls become parse
       errors. Default `chat.DEFAULT_MAX_CALL_CHARS`.
@@ -366,6 +368,7 @@ class QwenChat:
     enable_thinking: bool | None = False,
     max_call_chars: int | None = None,
     max_calls_per_reply: int | None = None,
+    tokenizer_folder: str | None = None,
   ):
     from coevolve_jax import chat as chat_lib  # noqa: PLC0415
     from coevolve_jax.tokenizer import get_tokenizer  # noqa: PLC0415
@@ -380,7 +383,10 @@ class QwenChat:
     ):
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    self._chat, self._tok = chat_lib, get_tokenizer()
+    self._chat, self._tok = chat_lib, get_tokenizer(tokenizer_folder)
+    self.tokenizer_folder = tokenizer_folder
+    if self._tok.token_to_id(chat_lib.THINK_OPEN) is None:
+      enable_thinking = None
     self.enable_thinking = enable_thinking
     self.max_call_chars = max_call_chars
     self.max_calls_per_reply = max_calls_per_reply
@@ -388,16 +394,20 @@ class QwenChat:
     self.vocab_size = self._tok.vocab_size
 
   def prompt_ids(self, messages, tools) -> list[int]:
-    return self._chat.prompt_ids(messages, tools, enable_thinking=self.enable_thinking)
+    return self._chat.prompt_ids(
+      messages, tools, enable_thinking=self.enable_thinking, tokenizer=self._tok
+    )
 
   def continuation_ids(self, messages) -> list[int]:
-    return self._chat.continuation_ids(messages, enable_thinking=self.enable_thinking)
+    return self._chat.continuation_ids(
+      messages, enable_thinking=self.enable_thinking, tokenizer=self._tok
+    )
 
   def assistant_text(self, content: str, tool_calls=()) -> str:
-    return self._chat.assistant_text(content, tool_calls)
+    return self._chat.assistant_text(content, tool_calls, tokenizer=self._tok)
 
   def assistant_ids(self, content: str, tool_calls=()) -> list[int]:
-    return self._chat.assistant_ids(content, tool_calls)
+    return self._chat.assistant_ids(content, tool_calls, tokenizer=self._tok)
 
   def parse_tool_calls(self, text: str, truncated: bool = False) -> Action:
     return self._chat.parse_tool_calls(

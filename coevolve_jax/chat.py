@@ -44,6 +44,12 @@ from coevolve_jax.types import Action, ToolCall
 
 Message = Mapping[str, Any]
 
+
+def _tok(tokenizer: tokenizer_lib.QwenTokenizer | None) -> tokenizer_lib.QwenTokenizer:
+  """`tokenizer`, or the default (Qwen3's shipped) one."""
+  return tokenizer if tokenizer is not None else tokenizer_lib.get_tokenizer()
+
+
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 THINK_OPEN = "<think>"
@@ -204,6 +210,7 @@ def render(
   add_generation_prompt: bool = False,
   enable_thinking: bool | None = None,
   template: str | None = None,
+  tokenizer: tokenizer_lib.QwenTokenizer | None = None,
   **kwargs: Any,
 ) -> str:
   """Renders a conversation with the Qwen chat template.
@@ -219,7 +226,9 @@ def render(
     add_generation_prompt: append `<|im_start|>assistant\\n`.
     enable_thinking: None leaves it undefined (thinking on); False appends an empty think block to
       the generation prompt.
-    template: a chat template string; default: the Qwen3 template of the shipped tokenizer.
+    template: a chat template string; default: `tokenizer`'s agent template.
+    tokenizer: whose `chat_template` renders when `template` is None (default: the shipped Qwen3
+      tokenizer's).
     **kwargs: further template variables.
 
   Returns:
@@ -234,7 +243,7 @@ def render(
     ValueError: a content part that is not text (images, audio, files).
   """
   if template is None:
-    template = tokenizer_lib.get_tokenizer().chat_template
+    template = _tok(tokenizer).chat_template
   variables = dict(kwargs)
   if enable_thinking is not None:
     variables["enable_thinking"] = enable_thinking
@@ -333,6 +342,7 @@ def _render_segments(
   add_generation_prompt: bool,
   enable_thinking: bool | None,
   template: str | None = None,
+  tokenizer: tokenizer_lib.QwenTokenizer | None = None,
 ) -> list[tuple[str, bool]]:
   """`render`'s text as (text, external) segments: system, user and tool message contents and
   the tool schemas are external; the rest is the template's (assistant messages included, as
@@ -340,7 +350,7 @@ def _render_segments(
   structure cannot depend on them; for the shipped Qwen3 template the joined segments are
   `render`'s text whenever no external text holds special-token text."""
   if template is None:
-    template = tokenizer_lib.get_tokenizer().chat_template
+    template = _tok(tokenizer).chat_template
   normalized = _normalize_messages(messages)
   holes = _Holes(template + json.dumps(normalized, ensure_ascii=False))
   shown = []
@@ -365,8 +375,10 @@ def prompt_ids(
   tools: Sequence[Mapping[str, Any]] | None = None,
   *,
   enable_thinking: bool | None = None,
+  tokenizer: tokenizer_lib.QwenTokenizer | None = None,
 ) -> list[int]:
-  """Token ids of the rendered conversation followed by the generation prompt.
+  """Token ids of the rendered conversation followed by the generation prompt, by `tokenizer`
+  (default: the shipped Qwen3 tokenizer) with its agent chat template.
 
   The contents of system, user and tool messages and the tool schemas come from outside the
   model: they are tokenized as plain text (`QwenTokenizer.encode_segments`), so a `<|im_end|>`
@@ -378,10 +390,15 @@ def prompt_ids(
     list of int ids ending with the ids of `<|im_start|>assistant\\n` (plus an empty think block
     when `enable_thinking` is False).
   """
+  tok = _tok(tokenizer)
   segments = _render_segments(
-    messages, tools, add_generation_prompt=True, enable_thinking=enable_thinking
+    messages,
+    tools,
+    add_generation_prompt=True,
+    enable_thinking=enable_thinking,
+    template=tok.chat_template,
   )
-  return tokenizer_lib.get_tokenizer().encode_segments(segments)
+  return tok.encode_segments(segments)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -419,7 +436,7 @@ def _continuation_segments(
     if m.get("role") == "assistant":
       raise ValueError("continuations hold tool/user/system messages, not assistant replies")
   if template is None:
-    template = tokenizer_lib.get_tokenizer().chat_template
+    template = _tok(None).chat_template
   key = json.dumps(normalized, sort_keys=True, ensure_ascii=False)
   return _continuation_cached(key, enable_thinking, template)
 
@@ -454,7 +471,10 @@ def continuation_text(
 
 
 def continuation_ids(
-  new_messages: Sequence[Message], *, enable_thinking: bool | None = None
+  new_messages: Sequence[Message],
+  *,
+  enable_thinking: bool | None = None,
+  tokenizer: tokenizer_lib.QwenTokenizer | None = None,
 ) -> list[int]:
   """Ids to append after a sampled assistant reply (ending in `<|im_end|>`) for `new_messages`.
 
@@ -468,23 +488,28 @@ def continuation_ids(
   Raises:
     ValueError: `new_messages` is empty or holds an assistant message.
   """
-  segments = _continuation_segments(new_messages, enable_thinking, None)
-  return tokenizer_lib.get_tokenizer().encode_segments(segments)
+  tok = _tok(tokenizer)
+  segments = _continuation_segments(new_messages, enable_thinking, tok.chat_template)
+  return tok.encode_segments(segments)
 
 
 _PROBE_USER: Message = {"role": "user", "content": "."}
 
 
-def _assistant_bounds() -> tuple[str, str]:
+def _assistant_bounds(template: str) -> tuple[str, str]:
   """The text `render([user, assistant, user])` puts before and after the assistant's reply."""
-  user_block = render([_PROBE_USER])
+  user_block = render([_PROBE_USER], template=template)
   return (
     user_block + tokenizer_lib.IM_START + "assistant\n",
     tokenizer_lib.IM_END + "\n" + user_block,
   )
 
 
-def assistant_text(content: str | None, tool_calls: Sequence[Mapping[str, Any]] = ()) -> str:
+def assistant_text(
+  content: str | None,
+  tool_calls: Sequence[Mapping[str, Any]] = (),
+  tokenizer: tokenizer_lib.QwenTokenizer | None = None,
+) -> str:
   """An assistant reply as the template renders it in history (between header and `<|im_end|>`).
 
   Useful to build the text a model would sample for a given tool call (tests, teacher forcing).
@@ -499,14 +524,19 @@ def assistant_text(content: str | None, tool_calls: Sequence[Mapping[str, Any]] 
     _PROBE_USER,
     {"role": "assistant", "content": content, "tool_calls": list(tool_calls) or None},
   ]
-  full = render([*msgs, _PROBE_USER])
-  head, tail = _assistant_bounds()
+  template = _tok(tokenizer).chat_template
+  full = render([*msgs, _PROBE_USER], template=template)
+  head, tail = _assistant_bounds(template)
   if not (full.startswith(head) and full.endswith(tail)) or len(full) < len(head) + len(tail):
     raise ValueError("chat template does not render an assistant reply as header, text, <|im_end|>")
   return full[len(head) : len(full) - len(tail)]
 
 
-def assistant_ids(content: str | None, tool_calls: Sequence[Mapping[str, Any]] = ()) -> list[int]:
+def assistant_ids(
+  content: str | None,
+  tool_calls: Sequence[Mapping[str, Any]] = (),
+  tokenizer: tokenizer_lib.QwenTokenizer | None = None,
+) -> list[int]:
   """Token ids of a reply as the model should sample it to say `content` and make `tool_calls`
   (teacher-forced demonstrations), without the stop token.
 
@@ -522,15 +552,14 @@ def assistant_ids(content: str | None, tool_calls: Sequence[Mapping[str, Any]] =
   reply = _normalize_messages(
     [{"role": "assistant", "content": content, "tool_calls": list(tool_calls) or None}]
   )[0]
-  holes = _Holes(
-    tokenizer_lib.get_tokenizer().chat_template + json.dumps(reply, ensure_ascii=False)
-  )
+  tok = _tok(tokenizer)
+  holes = _Holes(tok.chat_template + json.dumps(reply, ensure_ascii=False))
   if reply["content"]:
     reply["content"] = holes(reply["content"])
   if isinstance(reply.get("tool_calls"), list):
     reply["tool_calls"] = _hole_calls(reply["tool_calls"], holes)
-  segments = holes.split(render([_PROBE_USER, reply, _PROBE_USER]))
-  head, tail = _assistant_bounds()
+  segments = holes.split(render([_PROBE_USER, reply, _PROBE_USER], template=tok.chat_template))
+  head, tail = _assistant_bounds(tok.chat_template)
   first, last = segments[0][0], segments[-1][0]
   if segments[0][1] or segments[-1][1] or not first.startswith(head) or not last.endswith(tail):
     raise ValueError("chat template does not render an assistant reply as header, text, <|im_end|>")
@@ -546,7 +575,7 @@ def assistant_ids(content: str | None, tool_calls: Sequence[Mapping[str, Any]] =
       *segments[1:-1],
       (last[: len(last) - len(tail)], False),
     ]
-  return tokenizer_lib.get_tokenizer().encode_segments(segments)
+  return tok.encode_segments(segments)
 
 
 # --------------------------------------------------------------------------------------------

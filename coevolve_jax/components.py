@@ -21,6 +21,7 @@ from flax import nnx
 
 from coevolve_jax import compiling, distributed, grpo, memory_plan, models
 from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
+from coevolve_jax.tokenizer import run_tokenizer_folder
 from coevolve_jax.checkpoint import RunCheckpointer
 from coevolve_jax.errors import RunError
 from coevolve_jax.feedback import factory, rounds
@@ -71,6 +72,7 @@ def build(cfg: Any, workdir: str) -> Components:
     enable_thinking=False,
     max_call_chars=cfg.episode.max_call_chars,
     max_calls_per_reply=cfg.episode.max_calls_per_reply,
+    tokenizer_folder=run_tokenizer_folder(cfg.model),
   )
   _check_processes(cfg)
   try:
@@ -93,6 +95,12 @@ def build(cfg: Any, workdir: str) -> Components:
     temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p
   )
   trainer = _trainer(cfg, model, sampling, mesh, micro_batches)
+  if chat.vocab_size > model.config.vocab_size:
+    raise RunError(
+      f"the tokenizer ({chat.tokenizer_folder or 'Qwen3'}) has {chat.vocab_size} ids, more than "
+      f"the model's {model.config.vocab_size} embedding rows: set model.tokenizer to the "
+      "checkpoint's tokenizer folder"
+    )
   llm, d0_llm = _explorer_llms(cfg, functools.partial(_policy_snapshot, trainer))
   engine = _engine(cfg, model, trainer, mesh)
   runner, eval_runner = _runners(cfg, engine, chat, suite, model.config.eos_token_ids)
@@ -211,8 +219,9 @@ def _explorer_llms(cfg: Any, policy: Callable[[], Any]) -> tuple[TextLLM | None,
       "calls (docs/running.md, 'Several processes'). Use gemini, openai or programmatic."
     )
   try:  # missing credentials: a one-line start-up error, not a traceback
-    llm = factory.make_llm(ex.explorer, ex, policy)
-    d0_llm = llm if d0_kind == ex.explorer else factory.make_llm(d0_kind, ex, policy)
+    tok = run_tokenizer_folder(cfg.model)
+    llm = factory.make_llm(ex.explorer, ex, policy, tok)
+    d0_llm = llm if d0_kind == ex.explorer else factory.make_llm(d0_kind, ex, policy, tok)
   except LLMError as e:
     raise RunError(f"explore.explorer={ex.explorer!r}, d0_explorer={d0_kind!r}: {e}") from None
   return llm, d0_llm

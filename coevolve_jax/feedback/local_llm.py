@@ -38,6 +38,7 @@ class LocalLLM:
     tokens_per_round: the TokenBudget limit (0 = unlimited).
     seed: PRNG seed for sampling; each request advances the key.
     name: provenance name. dtype: KV cache dtype (the model's compute dtype).
+    tokenizer_folder: the model's tokenizer (`tokenizer.get_tokenizer`; None: Qwen3's shipped one).
   """
 
   def __init__(
@@ -51,13 +52,14 @@ class LocalLLM:
     seed: int = 0,
     name: str = "local:policy",
     dtype: str = "float32",
+    tokenizer_folder: str | None = None,
   ):
     self._source = model
     self.name = name
     self.budget = TokenBudget(tokens_per_round)
     self.max_new_tokens = int(max_new_tokens)
     self.sampling = SamplingParams(temperature=temperature)
-    self._tok = get_tokenizer()
+    self._tok = get_tokenizer(tokenizer_folder)
     self._key = jax.random.key(seed)
     self._lock = threading.Lock()
     current = model() if callable(model) and not isinstance(model, Qwen) else model

@@ -139,12 +139,8 @@ def run(
       checkpoint does not fit the model group used (`cfg`'s, when the run's config.json is gone).
   """
   from coevolve_jax.agent import QwenChat  # noqa: PLC0415
+  from coevolve_jax.tokenizer import run_tokenizer_folder  # noqa: PLC0415
 
-  chat = QwenChat(
-    enable_thinking=False,
-    max_call_chars=cfg.episode.max_call_chars,
-    max_calls_per_reply=cfg.episode.max_calls_per_reply,
-  )
   engine: SlotEngine | None
   engine, stop_ids, source = None, (), None
   if policy == "model":
@@ -167,6 +163,12 @@ def run(
       record_routing=False,  # nothing is trained on evaluation episodes
       scan_layers=cfg.engine.scan_layers and model.stacked,  # as the run decodes
     )
+  chat = QwenChat(  # after the checkpoint's own model group: its tokenizer
+    enable_thinking=False,
+    max_call_chars=cfg.episode.max_call_chars,
+    max_calls_per_reply=cfg.episode.max_calls_per_reply,
+    tokenizer_folder=run_tokenizer_folder(cfg.model),
+  )
   report: dict[str, Any] = {
     "checkpoint": checkpoint,
     "policy": policy,
