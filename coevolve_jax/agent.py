@@ -313,6 +313,7 @@ class AgentRunner:
     traj.model_steps += 1
     action = self.chat.parse_tool_calls(text, truncated=not stopped)
     traj.parse_errors += action.error is not None
+    traj.tool_call_replies += action.error is None and bool(action.tool_calls)
     ep.names_at = len(traj.tool_names)
     traj.tool_names.extend(c.name for c in action.tool_calls)
     del self._active[ep.slot]  # the slot keeps its cache but sits out of the batch meanwhile

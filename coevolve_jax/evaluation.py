@@ -72,6 +72,17 @@ class Rollouts:
     return trajs
 
 
+def reply_rates(trajs: Sequence[Trajectory]) -> dict[str, float]:
+  """Per model reply over `trajs`: "tool_call_rate", the share with at least one well-formed
+  tool call, and "parse_error_rate", the share whose tool calls could not be parsed (0.0 for
+  both without replies)."""
+  replies = sum(t.model_steps for t in trajs)
+  return {
+    "tool_call_rate": sum(t.tool_call_replies for t in trajs) / replies if replies else 0.0,
+    "parse_error_rate": sum(t.parse_errors for t in trajs) / replies if replies else 0.0,
+  }
+
+
 def eval_row(t: Trajectory, task: Task | None = None) -> dict[str, Any]:
   """One evaluation file row: the task's reward, how its episode ended and what it called, and
   the task's split ("split") where the benchmark names one (one whose test splits the paper
@@ -138,8 +149,10 @@ class Evaluator:
     of tasks with reward >= the success threshold), "reward" (mean), "call_recall" and
     "name_recall" (mean shares of each task's ground-truth calls made, exactly and by function
     name: `metrics.call_recall`, graded where the checker's reward is all or nothing) and
-    "tasks"; per-task results in eval_generated_<tag>.jsonl. Training episodes and limits, as
-    the pool's tasks get (an in-distribution proxy, not a benchmark score)."""
+    "tasks", and per model reply "tool_call_rate" (replies with a well-formed tool call) and
+    "parse_error_rate" (replies whose tool calls could not be parsed): whether the policy writes
+    the tool format at all; per-task results in eval_generated_<tag>.jsonl. Training episodes
+    and limits, as the pool's tasks get (an in-distribution proxy, not a benchmark score)."""
     if not self.generated:
       return None
     trajs = self.rollouts([(t, i) for i, t in enumerate(self.generated)], greedy=True)
@@ -150,6 +163,7 @@ class Evaluator:
       **self.success_figures([t.reward for t in trajs]),
       "call_recall": float(np.mean([e for e, _ in recall])),
       "name_recall": float(np.mean([n for _, n in recall])),
+      **reply_rates(trajs),
     }
 
   def evaluate_pool(self, tasks: Sequence[Task]) -> dict[str, dict[str, float]]:

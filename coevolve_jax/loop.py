@@ -181,6 +181,11 @@ class CoEvolveRun:
           f"train on. Raise explore.initial_tasks or explore.rounds, or check the explorer "
           f"(its errors are logged above)."
         )
+    if self.cfg.eval.generated_before_warmstart and self.cfg.warmstart.steps > 0:
+      with self.timer("eval"):  # what the warm-start teaches: the same figures before it
+        self.state.eval_generated_init = self.evaluator.evaluate_generated("init")
+      if self.state.eval_generated_init is not None:
+        print(f"generated held-out set before the warm-start: {self.state.eval_generated_init}")
     with self.timer("warmstart"):
       self._warmstart()
     self.trainer.freeze_reference()
@@ -297,6 +302,9 @@ class CoEvolveRun:
       "reward/max": float(rewards.max()),
       "rollout/tokens_generated": int(sum(t.num_generated for t in trajs)),
       "rollout/parse_errors": int(sum(t.parse_errors for t in trajs)),
+      "rollout/tool_call_replies": int(sum(t.tool_call_replies for t in trajs)),
+      "rollout/model_steps": int(sum(t.model_steps for t in trajs)),
+      "rollout/groups": len(np.unique(groups)),
       # rollout/finished_done, _context, _max_model_steps, _error: how the episodes ended
       **{f"rollout/finished_{f}": finishes.count(f) for f in FINISHES},
       "rollout/dropped_from_loss": int(np.sum(~keep)),  # train.drop_from_loss

@@ -86,6 +86,8 @@ class RunState:
     eval_before: greedy success rate on the held-out split before GRPO.
     eval_generated_before: greedy figures on the generated held-out set before GRPO
       (`evaluation.Evaluator.evaluate_generated`), None without one.
+    eval_generated_init: the same figures before the warm-start (`eval.generated_before_warmstart`),
+      None when not measured.
     d0: how D0 was made (the suite's counts plus pool added / dropped).
     pool_size: tasks in the pool at the last checkpoint (a resume rolls the pool back to it).
     suite_eval: per evaluation tag ("before", "after"), the suite's own figures (e.g. TGC/SGC).
@@ -109,6 +111,7 @@ class RunState:
   wall_s: float = 0.0
   eval_before: float | None = None
   eval_generated_before: dict[str, float] | None = None
+  eval_generated_init: dict[str, float] | None = None
   d0: dict[str, int] = dataclasses.field(default_factory=dict)
   pool_size: int = 0
   suite_eval: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)

@@ -152,6 +152,9 @@ class Trajectory:
   finish: str = ""  # one of FINISHES: "done", "context", "max_model_steps", "error"
   model_steps: int = 0
   parse_errors: int = 0
+  # Replies with at least one well-formed `<tool_call>` block (what a model that has learnt the
+  # tool format writes; AppWorld's code replies count 0 here).
+  tool_call_replies: int = 0
   info: dict[str, Any] = dataclasses.field(default_factory=dict)
   routing: np.ndarray | None = None
   replies: list[Reply] = dataclasses.field(default_factory=list)

@@ -193,6 +193,7 @@ def summary(
     "eval_before": s.eval_before,
     "eval_after": eval_after,
     "eval_tasks": eval_tasks,
+    **({"eval_generated_init": s.eval_generated_init} if s.eval_generated_init else {}),
     **({"eval_generated_before": generated} if generated is not None else {}),
     "signals": dict(signals),
     "tasks_synthesized": s.tasks_synthesized,

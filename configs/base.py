@@ -289,6 +289,10 @@ def get_config() -> ml_collections.ConfigDict:
   # eval_generated_before/after: success rate and mean reward). An in-distribution proxy that a
   # small model can move, not a BFCL score (docs/ablations.md).
   c.eval.generated_tasks = 0
+  # Also evaluate the generated held-out set before the warm-start (summary eval_generated_init,
+  # eval_generated_init.jsonl): what the warm-start taught, e.g. the share of replies with a
+  # well-formed tool call for a pretrained model that has never seen the tool format.
+  c.eval.generated_before_warmstart = False
   # After training, evaluate every pool task greedily (eval_pool_after.jsonl, summary
   # eval_pool_after): how the policy does on D0 and on each signal's synthesized tasks, and on
   # the tasks that fired each signal during training (per-signal accounting, docs/ablations.md).

@@ -1,6 +1,7 @@
 """CoEvolve on BFCL multi-turn. Variants: `configs/bfcl.py` (full scale), `configs/bfcl.py:cpu`
-(2 CPU cores), `configs/bfcl.py:paper` (full scale with every knob the paper states; needs
-`model.checkpoint`).
+(2 CPU cores, a random tiny model), `configs/bfcl.py:cpu_real` (2 CPU cores, the real
+SmolLM2-135M-Instruct that `make real-model` imports), `configs/bfcl.py:paper` (full scale with
+every knob the paper states; needs `model.checkpoint`).
 
 The shared groups and defaults are configs/base.py's; BFCL's own fields are the `bfcl` group
 (read by envs/bfcl/suite.py). Every field is overridable from the command line, e.g.
@@ -15,7 +16,7 @@ import ml_collections
 
 # `configs/NAME.py:VARIANT` (no variant: full scale); `python -m coevolve_jax.main --help` lists
 # them.
-VARIANTS = ("cpu", "paper")
+VARIANTS = ("cpu", "cpu_real", "paper")
 
 
 def _base():
@@ -59,9 +60,11 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
   b.backends.worker_memory_mib = 4096  # address-space limit (RLIMIT_AS) of each worker, MiB
   b.backends.workers = 4  # worker processes (episodes are spread over them; 4 = env threads)
 
-  if variant == "cpu":
+  if variant in ("cpu", "cpu_real"):
     base.cpu(c)
     _cpu(c)
+    if variant == "cpu_real":
+      _cpu_real(c)
   elif variant == "paper":
     base.paper(c)
     _paper(c)
@@ -92,3 +95,24 @@ def _cpu(c: ml_collections.ConfigDict) -> None:
   # sequence then fits in ~1k tokens, which is what makes the warm-start affordable on 2 cores.
   c.bfcl.only_classes = ("MessageAPI", "TicketAPI")
   c.bfcl.max_steps_per_turn = 5
+
+
+def _cpu_real(c: ml_collections.ConfigDict) -> None:
+  """The CPU preset with a real language model: SmolLM2-135M-Instruct (Llama architecture, 30
+  layers, ChatML tokenizer), imported once by `make real-model` into the model cache. Zero-shot
+  it writes almost no parseable tool call, so the warm-start on D0's demonstrations teaches the
+  format first (docs/ablations.md, "A policy that can read"). Sized for about an hour on 2 cores:
+  a 30-layer forward and backward costs ~60x the tiny model's per token.
+  """
+  from coevolve_jax.cli.import_model import smollm2_folder  # noqa: PLC0415 (stdlib only)
+
+  c.model.checkpoint = str(smollm2_folder())
+  c.model.allow_random_init = False
+  c.model.remat = "full"  # 30 layers: keep only each layer's input for the backward pass
+  c.warmstart.steps = 24
+  c.warmstart.lr = 1e-4
+  c.rollout.tasks_per_step = 2
+  c.engine.num_slots = 8
+  c.train.lr = 1e-5
+  c.train.mini_batches = 1
+  c.eval.generated_before_warmstart = True

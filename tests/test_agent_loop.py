@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from coevolve_jax import evaluation
 from coevolve_jax.agent import AgentRunner, ChatFormat, EpisodeLimits, QwenChat
 from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.rollout.slots import SlotEngine
@@ -97,6 +98,12 @@ def test_malformed_and_code_like_replies_become_error_observations(entries):
   (traj,) = runner.run([(task, 0)], SamplingParams(0.0), rng=jax.random.key(0))
   assert traj.finish == "done" and traj.reward == 0.0
   assert traj.parse_errors == 3  # malformed JSON, unclosed block, a repeated key
+  # The one well-formed call (a name the backend refuses) is the only reply with a tool call.
+  assert traj.tool_call_replies == 1
+  assert evaluation.reply_rates([traj]) == {
+    "tool_call_rate": 1 / traj.model_steps,
+    "parse_error_rate": 3 / traj.model_steps,
+  }
   observations = chat.decode(traj.token_ids[traj.prompt_len :])
   assert "invalid JSON" in observations
   assert "invalid tool call" in observations or "unknown tool" in observations
@@ -183,6 +190,7 @@ def test_dict_valued_arguments_reach_the_backend(entries):
   runner = AgentRunner(engine, chat, _make_env, EpisodeLimits(4096, 50))
   (traj,) = runner.run([(task, 0)], SamplingParams(0.0), rng=jax.random.key(0))
   assert traj.parse_errors == 0 and traj.finish == "done"
+  assert traj.tool_call_replies == 1 and traj.model_steps == 1 + len(task.turns)
   assert traj.calls[0] == ["edit_ticket(ticket_id=1, updates={'priority': 3, 'status': 'open'})"]
 
 

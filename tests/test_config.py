@@ -47,6 +47,21 @@ def test_shipped_configs_validate(name, variant):
   validate(cfg)
 
 
+def test_cpu_real_variant_starts_from_the_imported_smollm2_folder(tmp_path, monkeypatch):
+  """`configs/bfcl.py:cpu_real`: the CPU preset on the real model `make real-model` caches, with
+  no random fallback, and the generated set also evaluated before the warm-start."""
+  from coevolve_jax.cli import import_model  # noqa: PLC0415
+
+  monkeypatch.setenv("COEVOLVE_MODEL_CACHE", str(tmp_path))
+  cfg = _get_config("bfcl.py", "cpu_real")
+  assert cfg.model.checkpoint == str(tmp_path / import_model.SMOLLM2_NAME)
+  assert not cfg.model.allow_random_init and cfg.eval.generated_before_warmstart
+  assert cfg.eval.generated_tasks > 0 and cfg.warmstart.steps > 0
+  validate(cfg)
+  cpu = _get_config("bfcl.py", "cpu")
+  assert not cpu.eval.generated_before_warmstart and cpu.model.checkpoint == ""
+
+
 @pytest.mark.parametrize("name", ["bfcl.py", "appworld.py"])
 @pytest.mark.parametrize("variant", ["", "paper"])
 def test_full_scale_variants_refuse_random_weights_with_one_line(name, variant):

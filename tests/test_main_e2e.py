@@ -165,6 +165,7 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
   def config():
     cfg = small_config()
     cfg.train.hooks = ("group_log", "step_counter")
+    cfg.eval.generated_before_warmstart = True
     return cfg
 
   cfg = config()
@@ -195,6 +196,12 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
   with open(gen_path) as f:
     generated = [json.loads(line) for line in f]
   assert 1 <= len(generated) <= 2 and first["eval_generated_before"]["tasks"] == len(generated)
+  # Measured before the warm-start too, with the per-reply tool-call figures.
+  init = first["eval_generated_init"]
+  assert init["tasks"] == len(generated) and os.path.exists(
+    gen_path.replace(".jsonl", "_init.jsonl")
+  )
+  assert 0.0 <= init["tool_call_rate"] <= 1.0 and 0.0 <= init["parse_error_rate"] <= 1.0
   assert all(t["task_id"].startswith("eval-gen-") for t in generated)
   with open(gen_path, "w") as f:
     f.write(json.dumps(generated[0]) + "\n")
@@ -213,6 +220,7 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
   assert summary["pool_size"] >= summary["d0"]["added"] > 0
   assert summary["pool_size"] == summary["d0"]["added"] + summary["tasks_accepted"]
   assert summary["eval_generated_before"] == first["eval_generated_before"]  # from the checkpoint
+  assert summary["eval_generated_init"] == first["eval_generated_init"]
   assert summary["eval_generated_after"]["tasks"] == 1  # the file's set, not a new one
   for figures in (summary["eval_generated_before"], summary["eval_generated_after"]):
     assert 0.0 <= figures["success"] <= 1.0 and 0.0 <= figures["reward"] <= 1.0
