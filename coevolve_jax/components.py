@@ -21,6 +21,7 @@ from flax import nnx
 
 from coevolve_jax import compiling, distributed, grpo, memory_plan, models
 from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
+from coevolve_jax.cli import import_model
 from coevolve_jax.tokenizer import run_tokenizer_folder
 from coevolve_jax.checkpoint import RunCheckpointer
 from coevolve_jax.errors import RunError
@@ -170,7 +171,10 @@ def _plan_memory(cfg: Any, mesh: jax.sharding.Mesh) -> int:
   except MemoryError as e:
     raise RunError(str(e)) from None
   except (OSError, models.CheckpointFormatError) as e:  # the checkpoint's config.json
-    raise RunError(f"model.checkpoint={cfg.model.checkpoint!r}: {e}") from None
+    hint = ""
+    if os.path.abspath(cfg.model.checkpoint) == str(import_model.smollm2_folder().absolute()):
+      hint = "; `make real-model` imports it (the cpu_real preset's model)"
+    raise RunError(f"model.checkpoint={cfg.model.checkpoint!r}: {e}{hint}") from None
   if plan is not None:
     assert limit is not None  # fit_run plans only for a known memory size
     print(
