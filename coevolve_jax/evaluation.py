@@ -74,8 +74,8 @@ class Rollouts:
 
 def reply_rates(trajs: Sequence[Trajectory]) -> dict[str, float]:
   """Per model reply over `trajs`: "tool_call_rate", the share with at least one well-formed
-  tool call, and "parse_error_rate", the share whose tool calls could not be parsed (0.0 for
-  both without replies)."""
+  tool call, and "parse_error_rate", the share the parser refused (malformed calls, and replies
+  cut at the token limit before their end-of-turn token); 0.0 for both without replies."""
   replies = sum(t.model_steps for t in trajs)
   return {
     "tool_call_rate": sum(t.tool_call_replies for t in trajs) / replies if replies else 0.0,
