@@ -229,6 +229,9 @@ def collect(workdir: str) -> dict[str, Any]:
     "threshold": threshold,
     "gen_recall": _generated_recall(workdir),
     "rewards": [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r],
+    "groups_mixed": [
+      (r["rollout/mixed_groups"], r["rollout/groups"]) for r in rows if "rollout/groups" in r
+    ],
     "warmstart": [r["warmstart/loss"] for r in rows if "warmstart/loss" in r],
     "rounds": rounds,
     "groups": read_jsonl(os.path.join(workdir, "groups.jsonl")),
@@ -267,8 +270,15 @@ def fmt(x: Any, digits: int = 3) -> str:
 
 
 def _generated(run: dict[str, Any], tag: str, key: str) -> float | None:
-  figures = run["summary"].get(f"eval_generated_{tag}")
-  return None if figures is None else float(figures[key])
+  figures = run["summary"].get(f"eval_generated_{tag}") or {}
+  return None if figures.get(key) is None else float(figures[key])
+
+
+def _mixed_share(run: dict[str, Any]) -> float | None:
+  """Share of the GRPO steps' groups whose rewards were not all equal (a group of equal rewards
+  gives GRPO no signal); None for runs whose metrics do not count groups."""
+  mixed = [(m, n) for m, n in run["groups_mixed"] if n]
+  return sum(m for m, _ in mixed) / sum(n for _, n in mixed) if mixed else None
 
 
 def _mean_reward(run: dict[str, Any]) -> float | None:
@@ -305,7 +315,23 @@ FIGURES: list[tuple[str, str, Callable[[dict[str, Any]], float | None]]] = [
     "generated held-out: share of ground-truth calls made, after",
     lambda r: r["gen_recall"].get("after"),
   ),
+  (
+    "gen_calls_init",
+    "generated held-out: share of replies with a well-formed tool call, before the warm-start",
+    lambda r: _generated(r, "init", "tool_call_rate"),
+  ),
+  (
+    "gen_calls_before",
+    "generated held-out: share of replies with a well-formed tool call, before GRPO",
+    lambda r: _generated(r, "before", "tool_call_rate"),
+  ),
+  (
+    "gen_calls_after",
+    "generated held-out: share of replies with a well-formed tool call, after",
+    lambda r: _generated(r, "after", "tool_call_rate"),
+  ),
   ("rollout_reward", "mean rollout reward over the GRPO steps", _mean_reward),
+  ("mixed_groups", "share of GRPO groups with mixed rewards", _mixed_share),
   ("d0_after", "greedy success on the D0 tasks after", lambda r: _pool_success(r, "d0")),
 ]
 

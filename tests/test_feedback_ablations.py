@@ -185,6 +185,28 @@ def test_generated_recall_is_computed_from_the_runs_files(ablations, tmp_path):
   assert figures["gen_recall_before"] == 0.25 and figures["gen_recall_after"] == 1.0
 
 
+def test_tool_call_rates_and_the_mixed_group_share_come_from_the_runs_files(ablations, tmp_path):
+  """gen_calls_init/before/after: the summary's per-reply tool-call rates of the generated set
+  (None where a run did not measure one); mixed_groups: groups with unequal rewards over all
+  GRPO steps' groups, from metrics.jsonl (2 of 4, then 1 of 4: 3 / 8)."""
+  run = tmp_path / "run"
+  _fake_run(run, 0, reward=[0.5, 0.25], gen=(0.0, 0.0))
+  summary = json.loads((run / "summary.json").read_text())
+  summary["eval_generated_init"] = {"success": 0.0, "tool_call_rate": 0.0}
+  summary["eval_generated_before"]["tool_call_rate"] = 0.75
+  (run / "summary.json").write_text(json.dumps(summary))
+  rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+  for row, (mixed, groups) in zip(rows[1:], [(2, 4), (1, 4)]):
+    row.update({"rollout/mixed_groups": mixed, "rollout/groups": groups})
+  (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  figures = {
+    name: get({**ablations.collect(str(run)), "seed": 0}) for name, _, get in ablations.FIGURES
+  }
+  assert (figures["gen_calls_init"], figures["gen_calls_before"]) == (0.0, 0.75)
+  assert figures["gen_calls_after"] is None  # the fake run's "after" has no rate
+  assert figures["mixed_groups"] == 3 / 8
+
+
 def test_a_rerun_resumes_the_grid_and_runs_only_what_is_unfinished(
   ablations, tmp_path, monkeypatch
 ):
