@@ -30,6 +30,9 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import jinja2
+import jinja2.ext
+import jinja2.meta
 import tokenizers
 
 QWEN3_PADDED_VOCAB_SIZE = 151936
@@ -42,14 +45,30 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers 5 saves the template 
 CHAT_TEMPLATE_JSON = "chat_template.json"  # and older processors here
 
 
+def _read_json_object(path: str) -> dict[str, Any]:
+  """A JSON file holding an object.
+
+  Raises:
+    ValueError: not JSON, or not an object (naming the file).
+  """
+  try:
+    with open(path, encoding="utf-8") as f:
+      value = json.load(f)
+  except ValueError as e:
+    raise ValueError(f"{path}: not JSON ({e})") from None
+  if not isinstance(value, dict):
+    raise ValueError(f"{path}: not a JSON object")
+  return value
+
+
 def _own_chat_template(folder: str, config: dict[str, Any]) -> str | None:
   """The chat template a tokenizer folder carries: `tokenizer_config.json`'s `chat_template`
-  (a string, or the entry named "default" of a list of named templates), else
+  (a string, or of a list of named templates the one named "tool_use", else "default"), else
   `chat_template.jinja`, else `chat_template.json`'s; None without one."""
   template = config.get("chat_template")
   if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
     named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-    template = named.get("default")
+    template = named.get("tool_use") or named.get("default")
   if isinstance(template, str) and template:
     return template
   jinja = os.path.join(folder, CHAT_TEMPLATE_FILE)
@@ -58,16 +77,24 @@ def _own_chat_template(folder: str, config: dict[str, Any]) -> str | None:
       return f.read()
   js = os.path.join(folder, CHAT_TEMPLATE_JSON)
   if os.path.isfile(js):
-    with open(js, encoding="utf-8") as f:
-      template = json.load(f).get("chat_template")
+    template = _read_json_object(js).get("chat_template")
     if isinstance(template, str) and template:
       return template
   return None
 
 
 def renders_tools(template: str) -> bool:
-  """Whether a chat template reads the `tools` variable (so it can list the tools it is given)."""
-  return re.search(r"\btools\b", template) is not None
+  """Whether a chat template reads the `tools` variable (so it can list the tools it is given):
+  `tools` named inside one of its Jinja tags, not merely in its text.
+
+  Raises:
+    ValueError: the template is not valid Jinja.
+  """
+  try:
+    ast = jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(template)
+  except jinja2.TemplateSyntaxError as e:
+    raise ValueError(f"chat template is not valid Jinja (line {e.lineno}: {e.message})") from None
+  return "tools" in jinja2.meta.find_undeclared_variables(ast)
 
 
 def tokenizer_dir() -> str:
@@ -114,8 +141,9 @@ class QwenTokenizer:
 
   Raises (constructor):
     FileNotFoundError: the folder lacks `tokenizer.json`.
-    ValueError: the tokenizer lacks `<|im_start|>` or `<|im_end|>` (the agent's chat format is
-      ChatML), or has no pad token distinct from `<|im_end|>`.
+    ValueError: an unreadable `tokenizer.json`, `tokenizer_config.json` or chat template (not
+      JSON, not valid Jinja), a tokenizer without `<|im_start|>` or `<|im_end|>` (the agent's
+      chat format is ChatML), or no pad token distinct from `<|im_end|>`.
   """
 
   def __init__(self, folder: str | None = None):
@@ -123,20 +151,24 @@ class QwenTokenizer:
     file = os.path.join(self.folder, "tokenizer.json")
     if not os.path.isfile(file):
       raise FileNotFoundError(f"no tokenizer.json in {self.folder}")
-    self.tokenizer = tokenizers.Tokenizer.from_file(file)
+    try:
+      self.tokenizer = tokenizers.Tokenizer.from_file(file)
+    except Exception as e:  # noqa: BLE001 (the library raises a bare Exception)
+      raise ValueError(f"{file}: not a tokenizers file ({e})") from None
     config_file = os.path.join(self.folder, "tokenizer_config.json")
     self.config: dict[str, Any] = {}
     if os.path.isfile(config_file):
-      with open(config_file, encoding="utf-8") as f:
-        self.config = json.load(f)
+      self.config = _read_json_object(config_file)
     self.own_chat_template = _own_chat_template(self.folder, self.config)
     if self.own_chat_template is not None and renders_tools(self.own_chat_template):
       self.chat_template: str = self.own_chat_template
       self.template_source = "own"
     else:
       self.chat_template = _qwen3_template()
-      self.template_source = "qwen3 (the folder's {})".format(
-        "template has no tool support" if self.own_chat_template else "has no chat template"
+      self.template_source = (
+        "qwen3 (the folder's template has no tool support)"
+        if self.own_chat_template
+        else "qwen3 (the folder has no chat template)"
       )
     self.vocab_size: int = self.tokenizer.get_vocab_size(with_added_tokens=True)
     self.im_start_id = self._special_id(IM_START)

@@ -33,11 +33,47 @@ def test_missing_config(tmp_path):
 
 def test_unsupported_model_type_and_rope_scaling(folder):
   cfg = json.loads((folder / "config.json").read_text())
-  (folder / "config.json").write_text(json.dumps(dict(cfg, model_type="llama")))
-  with pytest.raises(CheckpointFormatError, match="llama"):
+  (folder / "config.json").write_text(json.dumps(dict(cfg, model_type="gemma")))
+  with pytest.raises(CheckpointFormatError, match="gemma"):
     from_pretrained(folder)
   (folder / "config.json").write_text(json.dumps(dict(cfg, rope_scaling={"rope_type": "yarn"})))
   with pytest.raises(CheckpointFormatError, match="RoPE scaling"):
+    from_pretrained(folder)
+
+
+@pytest.mark.parametrize(
+  "change, fragment",
+  [
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),  # silently wrong logits if read as SwiGLU
+    ({"model_type": "llama", "mlp_bias": True}, "mlp_bias"),
+    ({"model_type": "llama", "attention_bias": True}, "attention_bias"),
+    ({"rope_scaling": "llama3"}, "must be an object"),
+    ({"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq"),
+    ({"model_type": "llama", "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "linear"),
+    ({"num_attention_heads": None}, "num_attention_heads must be an integer"),
+    ({"vocab_size": "64"}, "vocab_size must be an integer"),
+    ({"hidden_size": 32.0}, "hidden_size must be an integer"),
+    ({"num_key_value_heads": 3}, "not a multiple"),
+  ],
+)
+def test_config_fields_we_cannot_honour_are_named(folder, change, fragment):
+  """Every malformed or unsupported config.json field is a CheckpointFormatError naming it,
+  never a KeyError / TypeError from deep inside, nor a model that loads with other maths."""
+  cfg = json.loads((folder / "config.json").read_text())
+  (folder / "config.json").write_text(json.dumps({**cfg, **change}))
+  with pytest.raises(CheckpointFormatError, match=fragment):
+    from_pretrained(folder)
+
+
+def test_a_missing_field_or_a_non_object_config_is_named(folder):
+  cfg = json.loads((folder / "config.json").read_text())
+  (folder / "config.json").write_text(
+    json.dumps({k: v for k, v in cfg.items() if k != "vocab_size"})
+  )
+  with pytest.raises(CheckpointFormatError, match="vocab_size"):
+    from_pretrained(folder)
+  (folder / "config.json").write_text("[1]")
+  with pytest.raises(CheckpointFormatError, match="JSON object"):
     from_pretrained(folder)
 
 

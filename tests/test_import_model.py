@@ -58,6 +58,38 @@ def test_cli_reports_a_missing_gguf_in_one_line(tmp_path, capsys):
   assert err.startswith("import_model: ") and err.count("\n") == 1
 
 
+def test_an_out_folder_with_other_files_is_refused_and_left_as_it_is(tmp_path):
+  """--out may be new, empty or an earlier import: a user's folder (or the GGUF's own) is never
+  deleted to make room, and the refusal comes before any conversion work."""
+  gguf = tmp_path / "mine" / "model.gguf"
+  gguf.parent.mkdir()
+  gguf.write_bytes(b"GGUF not really")
+  (tmp_path / "mine" / "notes.txt").write_text("precious")
+  with pytest.raises(import_model.ImportModelError, match="non-empty folder"):
+    import_model.convert_gguf(gguf, tmp_path / "mine")
+  assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["model.gguf", "notes.txt"]
+  (tmp_path / "afile").write_text("x")
+  with pytest.raises(import_model.ImportModelError, match="is a file"):
+    import_model.convert_gguf(gguf, tmp_path / "afile")
+
+
+def test_a_damaged_gguf_is_one_error_and_leaves_no_folder(tmp_path):
+  pytest.importorskip("torch")
+  pytest.importorskip("gguf")
+  gguf = tmp_path / "model.gguf"
+  gguf.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)  # a header, then garbage
+  with pytest.raises(import_model.ImportModelError, match="transformers cannot read it"):
+    import_model.convert_gguf(gguf, tmp_path / "out")
+  assert not (tmp_path / "out").exists()
+  assert not list(tmp_path.glob(".out*"))
+
+
+def test_a_stamp_that_is_not_an_import_record_is_not_complete(tmp_path):
+  for text in ("not json", "[1]", "{}"):
+    (tmp_path / import_model.STAMP).write_text(text)
+    assert not import_model.is_complete(tmp_path)
+
+
 def test_cache_root_follows_the_environment(tmp_path, monkeypatch):
   monkeypatch.setenv("COEVOLVE_MODEL_CACHE", str(tmp_path / "models"))
   assert import_model.smollm2_folder() == tmp_path / "models" / import_model.SMOLLM2_NAME
@@ -100,6 +132,44 @@ def test_a_tokenizer_without_chatml_tokens_is_refused(tmp_path):
   spec["model"]["vocab"].pop("<|im_start|>", None)
   (folder / "tokenizer.json").write_text(json.dumps(spec))
   with pytest.raises(ValueError, match="ChatML"):
+    tokenizer_lib.QwenTokenizer(str(folder))
+
+
+def test_a_template_that_only_mentions_tools_in_its_text_is_not_a_tool_template(tmp_path):
+  text = (
+    "{% for m in messages %}You have no tools.<|im_start|>{{ m.content }}<|im_end|>{% endfor %}"
+  )
+  tok = tokenizer_lib.QwenTokenizer(
+    str(_tokenizer_folder(tmp_path, config={"chat_template": text}))
+  )
+  assert tok.template_source.startswith("qwen3")
+
+
+def test_a_named_tool_use_template_is_preferred(tmp_path):
+  qwen = tokenizer_lib.get_tokenizer().chat_template
+  named = [
+    {"name": "default", "template": "{{ messages }}"},
+    {"name": "tool_use", "template": qwen},
+  ]
+  tok = tokenizer_lib.QwenTokenizer(
+    str(_tokenizer_folder(tmp_path, config={"chat_template": named}))
+  )
+  assert tok.template_source == "own" and tok.chat_template == qwen
+
+
+@pytest.mark.parametrize(
+  "file, text, fragment",
+  [
+    ("tokenizer.json", "{not json", "not a tokenizers file"),
+    ("tokenizer_config.json", "[1]", "not a JSON object"),
+    ("tokenizer_config.json", "{", "not JSON"),
+    (tokenizer_lib.CHAT_TEMPLATE_FILE, "{% if %}", "not valid Jinja"),
+  ],
+)
+def test_unreadable_tokenizer_files_are_named(tmp_path, file, text, fragment):
+  folder = _tokenizer_folder(tmp_path, config={})
+  (folder / file).write_text(text)
+  with pytest.raises(ValueError, match=fragment):
     tokenizer_lib.QwenTokenizer(str(folder))
 
 

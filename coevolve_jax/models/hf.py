@@ -112,6 +112,8 @@ def _rope_scaling(hf: dict) -> RopeScaling | None:
   """
   rope = hf.get("rope_parameters") or {}
   scaling = hf.get("rope_scaling") or rope
+  if not isinstance(scaling, dict):
+    raise CheckpointFormatError(f"rope_scaling must be an object, got {scaling!r}")
   kind = scaling.get("rope_type", scaling.get("type", "default"))
   if kind == "default":
     return None
@@ -138,9 +140,31 @@ def config_from_hf(hf: dict) -> QwenConfig:
 
   Raises:
     CheckpointFormatError: an unsupported model type, a feature we do not implement (sliding
-      window attention, RoPE scaling other than Llama 3's, Llama's attention or MLP biases), or
-      an `eos_token_id` that is not ids in the vocabulary.
+      window attention, RoPE scaling other than Llama 3's, Llama's attention or MLP biases, an
+      activation other than SiLU), an `eos_token_id` that is not ids in the vocabulary, or a
+      missing or malformed field.
   """
+  if not isinstance(hf, dict):
+    raise CheckpointFormatError(f"config.json must be a JSON object, got {type(hf).__name__}")
+  try:
+    return _config_from_hf(hf)
+  except (KeyError, TypeError, ValueError, AttributeError) as e:
+    if isinstance(e, CheckpointFormatError):
+      raise
+    what = f"missing field {e.args[0]!r}" if isinstance(e, KeyError) else str(e)
+    raise CheckpointFormatError(f"config.json: {what}") from None
+
+
+def _int_field(hf: dict, key: str, default=None, minimum: int = 1) -> int:
+  value = hf[key] if default is None else hf.get(key, default)
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise CheckpointFormatError(
+      f"config.json: {key} must be an integer >= {minimum}, got {value!r}"
+    )
+  return value
+
+
+def _config_from_hf(hf: dict) -> QwenConfig:
   model_type = hf.get("model_type")
   if model_type not in SUPPORTED_MODEL_TYPES:
     raise CheckpointFormatError(
@@ -155,6 +179,9 @@ def config_from_hf(hf: dict) -> QwenConfig:
     raise CheckpointFormatError(
       "a Llama checkpoint with attention_bias or mlp_bias (o_proj / MLP biases) is not implemented"
     )
+  act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+  if act != "silu":
+    raise CheckpointFormatError(f"hidden_act {act!r} is not implemented (the MLP is SwiGLU: silu)")
   if llama and int(hf.get("pretraining_tp", 1) or 1) != 1:
     log.info(
       "config.json pretraining_tp=%s ignored (transformers ignores it too)", hf["pretraining_tp"]
@@ -163,7 +190,13 @@ def config_from_hf(hf: dict) -> QwenConfig:
   scaling = _rope_scaling(hf)
   if scaling is not None and not llama:
     raise CheckpointFormatError(f"RoPE scaling {scaling} is implemented for Llama models only")
-  heads = hf["num_attention_heads"]
+  heads = _int_field(hf, "num_attention_heads")
+  for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+    _int_field(hf, key)
+  if hf.get("num_key_value_heads") is not None:
+    _int_field(hf, "num_key_value_heads")
+  if hf.get("head_dim") is not None:
+    _int_field(hf, "head_dim")
   num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
   if model_type != "qwen3_moe":
     num_experts = 0

@@ -98,8 +98,15 @@ class QwenConfig:
       rs = RopeScaling(*self.rope_scaling)
       if rs.rope_type not in ROPE_TYPES:
         raise ValueError(f"rope_scaling type {rs.rope_type!r} is not one of {ROPE_TYPES}")
-      if not (rs.factor > 0 and 0 < rs.low_freq_factor < rs.high_freq_factor):
-        raise ValueError(f"rope_scaling {rs} needs factor > 0 and 0 < low < high freq factor")
+      if not (
+        rs.factor > 0
+        and 0 < rs.low_freq_factor < rs.high_freq_factor
+        and rs.original_max_position_embeddings > 0
+      ):
+        raise ValueError(
+          f"rope_scaling {rs} needs factor > 0, 0 < low < high freq factor and "
+          "original_max_position_embeddings > 0"
+        )
       object.__setattr__(self, "rope_scaling", rs)
     if self.num_attention_heads % self.num_key_value_heads:
       raise ValueError(
