@@ -29,6 +29,12 @@ if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
 # name folders of their own.
 os.environ.setdefault("COEVOLVE_CACHE_DIR", "")
 
+# Under pytest-xdist (`make test`: one worker per core) PyTorch's intra-op pool would start a
+# thread per core in each worker beside XLA's: the transformers references (parity tests, the
+# real-weights checks) then fight the other worker for both cores. One thread per worker.
+if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("OMP_NUM_THREADS"):
+  os.environ["OMP_NUM_THREADS"] = "1"
+
 
 @pytest.fixture(scope="module")
 def tiny_model():

@@ -68,7 +68,10 @@ def test_appworld_without_server_or_data_stops_at_once_with_setup_steps(tmp_path
       "--config.train.stepz: unknown field 'stepz' Did you mean \"steps\"",
     ),
     (["--config.train.steps=abc"], "--config.train.steps=abc: invalid literal for int()"),
-    (["--config=configs/bfcl.py:tpu-typo"], "unknown variant 'tpu-typo' (known: cpu, paper)"),
+    (
+      ["--config=configs/bfcl.py:tpu-typo"],
+      "unknown variant 'tpu-typo' (known: cpu, cpu_real, paper)",
+    ),
     (["--config=configs/nope.py"], "No such file or directory: 'configs/nope.py'"),
     (["--config.explore.explorer=foo"], "explore.explorer must be one of"),
     (["--config.mesh.fsdp=3"], "mesh: mesh {'data': 1, 'fsdp': 3, 'tensor': 1, 'expert': 1} needs"),
@@ -92,7 +95,10 @@ def test_help_exits_0_and_lists_the_configs_and_their_variants():
   assert proc.returncode == 0, proc.stderr
   for line in ("--config=configs/NAME.py[:VARIANT]", "--workdir=DIR"):
     assert line in proc.stdout
-  assert "configs/bfcl.py  CoEvolve on BFCL multi-turn  (variants :cpu, :paper)" in proc.stdout
+  assert (
+    "configs/bfcl.py  CoEvolve on BFCL multi-turn  (variants :cpu, :cpu_real, :paper)"
+    in proc.stdout
+  )
   assert "configs/appworld.py  CoEvolve on AppWorld  (variants :cpu, :paper)" in proc.stdout
 
 

@@ -81,10 +81,8 @@ CASES = [  # (family, tied head, query heads, kv heads): GQA ratios 1, 2 and 4
   ("qwen2", True, 4, 2),
   ("qwen3_moe", False, 4, 2),
   ("qwen3_moe_mixed", True, 4, 1),
-  ("llama3", True, 4, 2),
-  ("llama3", False, 4, 1),
-  ("llama", True, 4, 2),
-  ("llama", False, 4, 4),
+  ("llama3", True, 4, 2),  # Llama 3.2's layout: scaled RoPE, tied head
+  ("llama", False, 4, 1),  # plain RoPE, untied head, GQA 4
 ]
 
 

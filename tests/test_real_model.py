@@ -142,25 +142,38 @@ def test_greedy_generation_is_token_identical_to_transformers(ours, hf, chat):
 
 
 def test_engine_sampled_logprobs_match_a_plain_forward(ours, chat):
-  """Sampled at temperature 0.8: each token's log-prob as the engine reports it equals the
-  tempered log-softmax of a plain (cache-free) forward over prompt + sampled tokens."""
-  prompts = [_prompt_ids(chat, p) for p in PROMPTS[:3]]
+  """Sampled at temperature 0.8 on the greedy test's prompts and engine shape (its programs): each
+  token's log-prob as the engine reports it equals the tempered log-softmax of one plain
+  (cache-free) forward over the right-padded batch of prompt + sampled tokens, read at the
+  sampled positions."""
+  prompts = [_prompt_ids(chat, p) for p in PROMPTS]
+  cache_len = -(-(max(map(len, prompts)) + NEW_TOKENS) // 128) * 128  # the greedy test's
+  steps = 24
   got = generate(
     ours,
     prompts,
     SamplingParams(temperature=0.8),
-    max_new_tokens=24,
+    max_new_tokens=steps,
     rng=jax.random.key(3),
-    num_slots=3,
+    cache_len=cache_len,
   )
-  for p, completion in zip(prompts, got):
-    full = p + completion.token_ids
-    logits = np.asarray(ours(jnp.asarray([full])), np.float64)[0] / 0.8
-    top = logits.max(-1, keepdims=True)
-    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
-    at = np.arange(len(p) - 1, len(full) - 1)
-    want = logp[at, completion.token_ids]
-    np.testing.assert_allclose(completion.logprobs, want, atol=2e-4)
+  rows = [p + c.token_ids for p, c in zip(prompts, got)]
+  ids = np.zeros((len(rows), max(map(len, rows))), np.int32)
+  mask, at = np.zeros_like(ids), np.zeros((len(rows), steps), np.int32)
+  for i, (r, p) in enumerate(zip(rows, prompts)):
+    ids[i, : len(r)], mask[i, : len(r)] = r, 1
+    at[i] = np.minimum(np.arange(len(p) - 1, len(p) - 1 + steps), len(r) - 2)
+  hidden = ours.hidden_states(
+    jnp.asarray(ids), attention_mask_bt=jnp.asarray(mask), output_index_bp=jnp.asarray(at)
+  )
+  logits = np.asarray(ours.logits(hidden), np.float64) / 0.8  # [8, steps, V]
+  top = logits.max(-1, keepdims=True)
+  logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+  for i, completion in enumerate(got):
+    n = len(completion.token_ids)
+    np.testing.assert_allclose(
+      completion.logprobs, logp[i, np.arange(n), completion.token_ids], atol=2e-4
+    )
 
 
 def test_agent_chat_format_with_the_smollm2_tokenizer(chat):
