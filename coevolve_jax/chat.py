@@ -342,7 +342,6 @@ def _render_segments(
   add_generation_prompt: bool,
   enable_thinking: bool | None,
   template: str | None = None,
-  tokenizer: tokenizer_lib.QwenTokenizer | None = None,
 ) -> list[tuple[str, bool]]:
   """`render`'s text as (text, external) segments: system, user and tool message contents and
   the tool schemas are external; the rest is the template's (assistant messages included, as
@@ -350,7 +349,7 @@ def _render_segments(
   structure cannot depend on them; for the shipped Qwen3 template the joined segments are
   `render`'s text whenever no external text holds special-token text."""
   if template is None:
-    template = _tok(tokenizer).chat_template
+    template = _tok(None).chat_template
   normalized = _normalize_messages(messages)
   holes = _Holes(template + json.dumps(normalized, ensure_ascii=False))
   shown = []

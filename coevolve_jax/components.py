@@ -90,18 +90,18 @@ def build(cfg: Any, workdir: str) -> Components:
   compiling.enable_cache(cfg.compile.cache_dir, workdir, primary=distributed.is_primary())
   micro_batches = _plan_memory(cfg, mesh)
   model = models.build(cfg.model, seed=cfg.seed, mesh=mesh, dtype=cfg.model.param_dtype)
-  # One SamplingParams for the training rollouts and the trainer, which scores old, reference
-  # and current log-probs under the distribution the engine sampled from (top-k / top-p too).
-  sampling = SamplingParams(
-    temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p
-  )
-  trainer = _trainer(cfg, model, sampling, mesh, micro_batches)
   if chat.vocab_size > model.config.vocab_size:
     raise RunError(
       f"the tokenizer ({chat.tokenizer_folder or 'Qwen3'}) has {chat.vocab_size} ids, more than "
       f"the model's {model.config.vocab_size} embedding rows: set model.tokenizer to the "
       "checkpoint's tokenizer folder"
     )
+  # One SamplingParams for the training rollouts and the trainer, which scores old, reference
+  # and current log-probs under the distribution the engine sampled from (top-k / top-p too).
+  sampling = SamplingParams(
+    temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p
+  )
+  trainer = _trainer(cfg, model, sampling, mesh, micro_batches)
   llm, d0_llm = _explorer_llms(cfg, functools.partial(_policy_snapshot, trainer))
   engine = _engine(cfg, model, trainer, mesh)
   runner, eval_runner = _runners(cfg, engine, chat, suite, model.config.eos_token_ids)

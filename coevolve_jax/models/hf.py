@@ -155,12 +155,11 @@ def config_from_hf(hf: dict) -> QwenConfig:
     raise CheckpointFormatError(f"config.json: {what}") from None
 
 
-def _int_field(hf: dict, key: str, default=None, minimum: int = 1) -> int:
-  value = hf[key] if default is None else hf.get(key, default)
-  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-    raise CheckpointFormatError(
-      f"config.json: {key} must be an integer >= {minimum}, got {value!r}"
-    )
+def _int_field(hf: dict, key: str) -> int:
+  """`hf[key]` when it is an integer >= 1 (KeyError when absent: `config_from_hf` names it)."""
+  value = hf[key]
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise CheckpointFormatError(f"config.json: {key} must be an integer >= 1, got {value!r}")
   return value
 
 
