@@ -25,7 +25,7 @@ import numpy as np
 from coevolve_jax.chat import ChatFormat
 from coevolve_jax.rollout.generate import decode_tokens
 from coevolve_jax.rollout.sampling import SamplingParams
-from coevolve_jax.rollout.slots import SlotEngine
+from coevolve_jax.rollout.slots import SlotEngine, slot_order
 from coevolve_jax.suite import Env
 from coevolve_jax.types import Action, Reply, StepResult, Task, Trajectory
 
@@ -160,7 +160,7 @@ class AgentRunner:
     # Per-run state, read by the episode callbacks below.
     self._sampling, self._on_done = sampling, on_done
     self._results: list[Trajectory | None] = [None] * len(jobs)
-    self._free = list(range(self.engine.num_slots))[::-1]
+    self._free = slot_order(self.engine)[::-1]  # popped from the end: the order's first first
     self._active: dict[int, _Episode] = {}  # slot -> episode being decoded
     self._stepping: dict[futures.Future, _Episode] = {}  # env step in flight on a host thread
     self._slot_keys = jax.random.split(rng, self.engine.num_slots)

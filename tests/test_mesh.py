@@ -334,10 +334,104 @@ def _compile_ahead_child() -> None:
   print("compile_ahead OK")
 
 
+def test_prefill_reads_and_writes_only_each_devices_own_cache_shard():
+  """On data 2 x fsdp 4 a prefill forward's rows are laid out as the cache's slots are, so each
+  device reads and writes only its own slots: tokens, log-probs and cache equal the
+  single-device engine's (uneven device blocks, empty ones, two chunks, a continuation; both
+  cache layouts), the compiled prefill's temporaries per device are a fraction of its cache
+  shard, and its HLO has no collective of a cache window (the earlier prefill all-gathered
+  every row's window onto every device: 1.02x the per-device cache in temporaries at the
+  shape below, against 0.31x now)."""
+  run_child(__file__, "prefill_shards", timeout=600)
+
+
+def _prefill_shards_child() -> None:
+  import re
+
+  from coevolve_jax.models import builder, sharding
+  from coevolve_jax.rollout import engine as engine_mod
+  from coevolve_jax.rollout.sampling import SamplingParams
+
+  assert jax.device_count() == 8, jax.devices()
+  cfg = _tiny_config()
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
+  greedy = SamplingParams(temperature=0.0)
+  rng = np.random.default_rng(0)
+
+  def ids(n):
+    return [int(x) for x in rng.integers(4, cfg.vocab_size, n)]
+
+  # 16 slots, 2 per device block: requests on blocks 0 (both slots), 3 and 7 (4 rows, block 0
+  # the fullest); the other blocks get padding rows, which must write nothing. 40 tokens run as
+  # a chunk of 32 and one of 8; then a continuation of two of the slots.
+  first = [(0, ids(40)), (1, ids(7)), (6, ids(12)), (15, ids(3))]
+  then = [(1, ids(9)), (15, ids(20))]
+  for scan in (True, False):
+    results = []
+    for on in (None, mesh):
+      model = builder.init(cfg, seed=0, dtype=jnp.float32, mesh=on)
+      engine = engine_mod.Engine(
+        model, num_slots=16, cache_len=128, mesh=on, scan_layers=scan, prefill_min_chunk=8
+      )
+      assert engine.slot_shards == (8 if on is not None else 1)
+      key = jax.random.key(1)
+      out = [engine.prefill_many([(s, x, key) for s, x in first], greedy)]
+      out.append(engine.prefill_many([(s, x, key) for s, x in then], greedy))
+      cache = [np.asarray(c) for c in (*engine.state.cache.k, *engine.state.cache.v)]
+      results.append((out, cache, np.asarray(engine.state.next_pos)))
+    (out_a, cache_a, pos_a), (out_b, cache_b, pos_b) = results
+    for call_a, call_b in zip(out_a, out_b):
+      assert [t for t, _ in call_a] == [t for t, _ in call_b], (scan, call_a, call_b)
+      np.testing.assert_allclose([lp for _, lp in call_a], [lp for _, lp in call_b], atol=1e-5)
+    np.testing.assert_array_equal(pos_a, pos_b)
+    assert pos_a.tolist() == [40, 16, 0, 0, 0, 0, 12, 0] + [0] * 7 + [23], pos_a
+    for a, b in zip(cache_a, cache_b):
+      np.testing.assert_allclose(a, b, atol=1e-5)
+    untouched = [s for s in range(16) if pos_a[s] == 0]
+    slot_axis = 1 if scan else 0
+    for b in cache_b:  # padding rows wrote nothing
+      assert not np.take(b, untouched, axis=slot_axis).any(), scan
+
+  # Memory and HLO at a rollout-like shape: 64 slots of 8192 entries, 64 rows of 64 tokens into
+  # a 512-key window. A float32 cache: XLA:CPU converts a bfloat16 cache to float32 around a
+  # scatter (a whole-shard copy TPU and GPU do not make), which would hide what is measured.
+  model = builder.init(cfg, seed=0, dtype=jnp.float32, mesh=mesh)
+  engine = engine_mod.Engine(
+    model, num_slots=64, cache_len=8192, mesh=mesh, scan_layers=True, max_prefill_tokens=4096
+  )
+  rows, t, kv = 64, 64, 512
+  args = engine._prefill_args(
+    np.arange(rows, dtype=np.int32),
+    np.ones((rows, t), np.int32),
+    np.full((rows,), t, np.int32),
+    [jax.random.key(0)] * rows,
+    greedy,
+    kv,
+  )
+  with engine._ctx():
+    compiled = engine_mod._prefill_rows.lower(*args).compile()
+  shard = sum(_nbytes_per_device(c) for c in (*engine.state.cache.k, *engine.state.cache.v))
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  assert temp < shard / 2, (temp, shard)
+  hlo = compiled.as_text()
+  results = re.findall(
+    r"= \S+?\[([\d,]*)\]\S* (?:all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)",
+    hlo,
+  )
+  assert results, "no collective at all: the pattern no longer matches XLA's HLO text"
+  k, h = cfg.num_key_value_heads, cfg.head_dim
+  for dims in results:
+    shape = tuple(int(d) for d in dims.split(",") if d)
+    assert shape[-3:] not in ((k, h, kv), (k, kv, h)), f"a cache window crosses devices: {shape}"
+  print("prefill_shards OK")
+
+
 if __name__ == "__main__":
   if sys.argv[1:2] == ["layout"]:
     _layout_child(sys.argv[2])
   elif sys.argv[1:2] == ["compile_ahead"]:
     _compile_ahead_child()
+  elif sys.argv[1:2] == ["prefill_shards"]:
+    _prefill_shards_child()
   else:
     raise SystemExit(f"unknown mode {sys.argv[1:]}")

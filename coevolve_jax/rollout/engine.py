@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +69,79 @@ def _to_host(x, shardings: DecodeState[NamedSharding] | None):
   return jax.lax.with_sharding_constraint(x, NamedSharding(shardings.tokens.mesh, PartitionSpec()))
 
 
+def _slot_axis(cache: KVCache) -> int:
+  """The slot axis of the cache's arrays: 1 for stacked blocks [L_g, B, ...], else 0."""
+  return 1 if cache.stacked else 0
+
+
+def _window_index(cache: KVCache, local_r, kv_len: int) -> tuple[tuple, tuple]:
+  """Indices of the entries [0, kv_len) of the slots `local_r` [R] in (key, value) arrays."""
+  lead = (slice(None),) * _slot_axis(cache)
+  return (
+    (*lead, local_r, Ellipsis, slice(0, kv_len)),  # keys [.., K, H, S]
+    (*lead, local_r, Ellipsis, slice(0, kv_len), slice(None)),  # values [.., K, S, H]
+  )
+
+
+def _read_windows(cache: KVCache, local_r, *, kv_len: int) -> KVCache:
+  """The cache entries [0, kv_len) of the slots `local_r` [R] int32: a KVCache of R rows (keys
+  [.., R, K, H, kv_len], values [.., R, K, kv_len, H]). An index past the slots (a padding row)
+  reads the last slot; `_write_windows` drops that row."""
+  keys, values = _window_index(cache, local_r, kv_len)
+  return KVCache(
+    tuple(c.at[keys].get(mode="clip") for c in cache.k),
+    tuple(c.at[values].get(mode="clip") for c in cache.v),
+  )
+
+
+def _write_windows(cache: KVCache, windows: KVCache, local_r) -> KVCache:
+  """`cache` with row r of `windows` (`_read_windows`' layout) written back to slot
+  `local_r[r]`; rows whose index is past the slots write nothing."""
+  keys, values = _window_index(cache, local_r, windows.length)
+  return KVCache(
+    tuple(c.at[keys].set(w, mode="drop") for c, w in zip(cache.k, windows.k)),
+    tuple(c.at[values].set(w, mode="drop") for c, w in zip(cache.v, windows.v)),
+  )
+
+
+def _cache_specs(shardings: DecodeState[NamedSharding]) -> KVCache:
+  """The PartitionSpecs of the cache's arrays (a KVCache of specs)."""
+  # KVCache is typed for arrays; here its leaves are NamedShardings and the result's specs.
+  specs: list[Any] = [tuple(cast(NamedSharding, x).spec for x in part) for part in shardings.cache]
+  return KVCache(*specs)
+
+
+def _slot_entry(shardings: DecodeState[NamedSharding], stacked: bool):
+  """The PartitionSpec entry of the cache's slot axis (None: slots not split)."""
+  spec = _cache_specs(shardings).k[0]
+  axis = 1 if stacked else 0
+  return spec[axis] if axis < len(spec) else None
+
+
+def slot_shards(shardings: DecodeState[NamedSharding] | None, stacked: bool) -> int:
+  """How many devices split the cache's slots (1 without a mesh). Device block d holds the
+  num_slots / slot_shards consecutive slots from d * num_slots / slot_shards."""
+  if shardings is None:
+    return 1
+  mesh = shardings.tokens.mesh
+  return math.prod(mesh.shape[a] for a in sharding.spec_axes(_slot_entry(shardings, stacked)))
+
+
+def _shard_local(fn, shardings: DecodeState[NamedSharding], stacked: bool, n_caches: int):
+  """`fn(*caches, rows)` under `jax.shard_map`: its `n_caches` KVCache arguments and its KVCache
+  result laid out as the decode state's cache (rows in the slot axis), the row indices [R]
+  split as the slots are. Each device then reads and writes only the slots it holds, with no
+  gather of another device's cache window."""
+  specs = _cache_specs(shardings)
+  rows = PartitionSpec(_slot_entry(shardings, stacked))
+  return jax.shard_map(
+    fn,
+    mesh=shardings.tokens.mesh,
+    in_specs=(*(specs,) * n_caches, rows),
+    out_specs=specs,
+  )
+
+
 @functools.partial(
   jax.jit,
   static_argnames=("graphdef", "sampling", "kv_len", "shardings"),
@@ -85,36 +159,41 @@ def _prefill_rows(
   kv_len,
   shardings=None,
 ):
-  """One chunk into R slots at once. Rows may repeat a slot only as exact copies (padding).
-  The caller keeps every row's start + t <= kv_len (static): the cache entries [0, kv_len) of
-  the rows' slots are all the forward reads and writes.
+  """One chunk into R slots at once. Rows may repeat a slot only as exact copies (padding); a
+  row whose slot is `num_slots` (past the last) is padding that changes nothing. The caller
+  keeps every real row's start + t <= kv_len (static): the cache entries [0, kv_len) of the
+  rows' slots are all the forward reads and writes.
+
+  On a mesh the rows are laid out as the slots are (`Engine._row_layout`): row block d, the
+  rows device d computes, holds only slots of device d's block, so each device reads its rows'
+  windows from its own cache shard and writes them back there (`_shard_local`): the
+  temporaries per device are its rows' windows, not every row's (tests/test_mesh.py).
 
   Returns (state, tokens [R], log-probs [R], routing [R, t, L_moe, k] of the chunk's tokens in
   `routing_dtype`, or None for a dense model).
   """
   model = nnx.merge(graphdef, params)
-  starts = state.next_pos[slots_r]
-  t = chunk_rt.shape[1]
-  lead = (slice(None),) * (1 if state.cache.stacked else 0)  # [L_g, B, ...] or [B, ...]
-  # Only the chunk's rows and their first kv_len cache entries (all it attends to and writes:
-  # the caller keeps starts + t <= kv_len) are copied out and back, not every entry of the slot.
-  key_window = (*lead, slots_r, Ellipsis, slice(0, kv_len))  # keys [.., K, H, S]
-  value_window = (*lead, slots_r, Ellipsis, slice(0, kv_len), slice(None))  # values [.., S, H]
-  cache = KVCache(
-    tuple(c[key_window] for c in state.cache.k), tuple(c[value_window] for c in state.cache.v)
-  )
+  b, t, stacked = state.next_pos.shape[0], chunk_rt.shape[1], state.cache.stacked
+  valid = slots_r < b
+  starts = jnp.where(valid, state.next_pos.at[slots_r].get(mode="clip"), 0)
+  per_device = b // slot_shards(shardings, stacked)
+  local_r = jnp.where(valid, slots_r % per_device, per_device)  # past the slots: written nowhere
+  read = functools.partial(_read_windows, kv_len=kv_len)
+  write = _write_windows
+  if shardings is not None:
+    read = _shard_local(read, shardings, stacked, 1)
+    write = _shard_local(write, shardings, stacked, 2)
+  # Only the rows' slots' first kv_len cache entries (all a forward attends to and writes: the
+  # caller keeps starts + t <= kv_len) are copied out and back, not every entry of the slot.
+  windows = read(state.cache, local_r)
   positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-  hidden, cache, routing = model.decode_routed(chunk_rt, positions, cache, starts, kv_len)
+  hidden, windows, routing = model.decode_routed(chunk_rt, positions, windows, starts, kv_len)
   last = jnp.take_along_axis(hidden, (true_len_r - 1)[:, None, None], axis=1)[:, 0]
   tok, logp = sample(model.logits(last), keys_r, sampling)
-  new_cache = KVCache(
-    tuple(full.at[key_window].set(part) for full, part in zip(state.cache.k, cache.k)),
-    tuple(full.at[value_window].set(part) for full, part in zip(state.cache.v, cache.v)),
-  )
   state = DecodeState(
-    new_cache,
-    state.next_pos.at[slots_r].set(starts + true_len_r),
-    state.tokens.at[slots_r].set(tok),
+    write(state.cache, windows, local_r),
+    state.next_pos.at[slots_r].set(starts + true_len_r, mode="drop"),
+    state.tokens.at[slots_r].set(tok, mode="drop"),
   )
   out = (tok, logp, _small(routing, model))
   return _pin(state, shardings), *(_to_host(x, shardings) for x in out)
@@ -460,6 +539,7 @@ class Engine:
     self.prefill_min_kv = prefill_min_kv
     self.dtype = dtype
     self.shardings = self._state_shardings()
+    self.slot_shards = slot_shards(self.shardings, scan_layers)
     self.state = self.init_decode_state()
     # Host mirror of state.next_pos: room checks and kv buckets need no device round trip.
     self._pos = np.zeros((num_slots,), np.int64)
@@ -640,7 +720,8 @@ class Engine:
     )
     offsets = [0] * len(requests)
     out: list[tuple[int, float] | None] = [None] * len(requests)
-    for rows, t in schedule:
+    forwards = [(part, t) for rows, t in schedule for part in self._split_by_block(rows, slots, t)]
+    for rows, t in forwards:
       pieces = [ids_list[i][offsets[i] : offsets[i] + t] for i in rows]
       tok, logp = self._prefill_forward(
         [slots[i] for i in rows], pieces, [requests[i][2] for i in rows], t, sampling, kv_call
@@ -692,8 +773,8 @@ class Engine:
     """One batched forward: row r appends `pieces_r[r]` (1 to t int32 ids) to slot `slots_r[r]`
     and samples that slot's next token with `keys_r[r]`.
 
-    Rows are padded (`padded_rows`) with copies of row 0 (identical writes) and every piece to
-    length t, so few shapes compile. The forward attends to a key-length bucket of at least
+    Rows are laid out by device block and padded (`_row_layout`, `padded_rows`) and every piece
+    to length t, so few shapes compile. The forward attends to a key-length bucket of at least
     `min_kv_len` entries, more if a row's new position needs it. Advances the slots' host
     positions by their pieces' lengths.
 
@@ -703,36 +784,85 @@ class Engine:
       slot's record when recording.
     """
     rows = len(slots_r)
-    pad = self.padded_rows(rows, t) - rows
-    slots_p, pieces_p = slots_r + slots_r[:1] * pad, pieces_r + pieces_r[:1] * pad
-    keys_p = keys_r + keys_r[:1] * pad
-    chunk = np.zeros((len(slots_p), t), np.int32)
-    true_len = np.zeros((len(slots_p),), np.int32)
-    for r, piece in enumerate(pieces_p):
-      chunk[r, : len(piece)], true_len[r] = piece, len(piece)
-    slot_rows = np.array(slots_p, np.int32)
-    end = int(self._pos[slot_rows].max()) + t
+    layout = self._row_layout(slots_r, t)
+    chunk = np.zeros((len(layout), t), np.int32)
+    true_len = np.ones((len(layout),), np.int32)
+    slot_rows = np.full((len(layout),), self.num_slots, np.int32)  # padding: writes nothing
+    for p, r in enumerate(layout):
+      if r >= 0:
+        piece = pieces_r[r]
+        chunk[p, : len(piece)], true_len[p], slot_rows[p] = piece, len(piece), slots_r[r]
+    keys_p = [keys_r[max(r, 0)] for r in layout]
+    end = int(self._pos[slots_r].max()) + t
     kv_len = max(min_kv_len, _kv_bucket(end, self.cache_len, self.prefill_min_kv))
     if end > kv_len:  # _prefill_rows reads and writes the window [0, kv_len) only
       raise RuntimeError(f"prefill forward reaches entry {end} past its key bucket {kv_len}")
     args = self._prefill_args(slot_rows, chunk, true_len, keys_p, sampling, kv_len)
     with self._ctx():
       self.state, tok, logp, routing = _prefill_rows(*args)
+    at = np.zeros((rows,), np.int64)  # the padded row that carries real row r (its first)
+    for p, r in reversed(list(enumerate(layout))):
+      if r >= 0:
+        at[r] = p
     if self.record_routing:
       routing = np.asarray(routing)
       for r in range(rows):
-        self._routing[slots_r[r]].append(routing[r, : true_len[r]].copy())
+        self._routing[slots_r[r]].append(routing[at[r], : len(pieces_r[r])].copy())
     for r in range(rows):
-      self._pos[slots_r[r]] += true_len[r]
-    return np.asarray(tok)[:rows], np.asarray(logp)[:rows]
+      self._pos[slots_r[r]] += len(pieces_r[r])
+    return np.asarray(tok)[at], np.asarray(logp)[at]
 
   def padded_rows(self, rows: int, t: int) -> int:
-    """The row count a prefill forward of `rows` requests and chunk length t runs at
-    (`prefill_rows`): the next power of two ("fit"), or the most such a forward takes ("full":
-    `rows_per_forward`, at most the slots' next power of two)."""
+    """The row count a prefill forward of chunk length t runs at when the device block with the
+    most of its requests has `rows` of them (all of them without a mesh): `slot_shards` blocks
+    of the next power of two of `rows` ("fit"), or of the most rows a forward of that length
+    takes (`rows_per_forward` capped at the slots' next power of two) split over the blocks
+    ("full")."""
     if self.prefill_rows == "fit":
-      return _pow2_at_least(rows)
-    return min(rows_per_forward(t, self.max_prefill_tokens), _pow2_at_least(self.num_slots))
+      return self.slot_shards * _pow2_at_least(rows)
+    full = min(rows_per_forward(t, self.max_prefill_tokens), _pow2_at_least(self.num_slots))
+    return self.slot_shards * max(1, full // self.slot_shards)
+
+  def _block_capacity(self, t: int) -> int:
+    """The most requests of one device block a forward of chunk length t takes: the forward's
+    `rows_per_forward` split over the blocks (at least one each), at most a block's slots."""
+    per_block = self.num_slots // self.slot_shards
+    return max(1, min(rows_per_forward(t, self.max_prefill_tokens) // self.slot_shards, per_block))
+
+  def _split_by_block(self, requests: list[int], slots: list[int], t: int) -> list[list[int]]:
+    """`requests` (indices into `slots`) as forwards that each take at most `_block_capacity`
+    requests of any device block. Without a mesh: one forward of all of them, as given."""
+    per_block, cap = self.num_slots // self.slot_shards, self._block_capacity(t)
+    blocks: list[list[int]] = [[] for _ in range(self.slot_shards)]
+    for i in requests:
+      blocks[slots[i] // per_block].append(i)
+    n = max(-(-len(x) // cap) for x in blocks)
+    return [[i for x in blocks for i in x[j * cap : (j + 1) * cap]] for j in range(n)]
+
+  def _row_layout(self, slots_r: list[int], t: int) -> list[int]:
+    """Where each row of a prefill forward goes: per padded row, the index of the real row it
+    carries (a padding row repeats its block's first real row: identical writes), or -1 for a
+    padding row in a block without real rows (its slot is `num_slots`: it writes nothing).
+    Row block d (padded_rows / slot_shards rows) holds device d's slots only, as
+    `_prefill_rows` needs on a mesh; without one: the rows in order, then copies of row 0."""
+    per_block = self.num_slots // self.slot_shards
+    blocks: list[list[int]] = [[] for _ in range(self.slot_shards)]
+    for r, slot in enumerate(slots_r):
+      blocks[slot // per_block].append(r)
+    width = self.padded_rows(max(map(len, blocks)), t) // self.slot_shards
+    layout = []
+    for rows in blocks:
+      if len(rows) > width:
+        raise RuntimeError(f"a prefill forward got {len(rows)} rows of one device, room {width}")
+      layout += rows + (rows[:1] if rows else [-1]) * (width - len(rows))
+    return layout
+
+  def slot_order(self) -> list[int]:
+    """Every slot, in the order to hand them out: round-robin over the device blocks of the
+    cache (`slot_shards`), so that requests started together spread over the devices and
+    their prefill rows balance; 0 .. num_slots - 1 without a mesh."""
+    per_block = self.num_slots // self.slot_shards
+    return [d * per_block + j for j in range(per_block) for d in range(self.slot_shards)]
 
   def _prefill_args(self, slot_rows, chunk, true_len, keys_p, sampling, kv_len) -> tuple:
     """`_prefill_rows`'s arguments, made alike for a call and for `compile_ahead` (one program
@@ -765,8 +895,7 @@ class Engine:
       kvs = _kv_buckets(
         self.cache_len, self.prefill_min_kv, t if t >= self.prefill_min_chunk else near_end
       )
-      most = min(rows_per_forward(t, self.max_prefill_tokens), self.num_slots)
-      rows = {self.padded_rows(r, t) for r in range(1, most + 1)}
+      rows = {self.padded_rows(r, t) for r in range(1, self._block_capacity(t) + 1)}
       shapes.update((r, t, kv) for r in rows for kv in kvs)
       t *= 2
     return sorted(shapes)

@@ -19,7 +19,7 @@ import numpy as np
 from coevolve_jax.models.qwen import Qwen
 from coevolve_jax.rollout.engine import Engine, check_token_ids
 from coevolve_jax.rollout.sampling import SamplingParams
-from coevolve_jax.rollout.slots import SlotEngine
+from coevolve_jax.rollout.slots import SlotEngine, slot_order
 
 FINISH_STOP = "stop"  # a stop token was sampled (it is the last token of the completion)
 FINISH_LENGTH = "length"  # max_new_tokens reached, or the slot's KV cache is full
@@ -150,7 +150,7 @@ class _Batcher:
   def run(self, prompts: Sequence[Sequence[int]], rng: jax.Array) -> list[Completion]:
     out: list[Completion | None] = [None] * len(prompts)
     pending = collections.deque(enumerate(prompts))
-    free = list(range(self.engine.num_slots))[::-1]
+    free = slot_order(self.engine)[::-1]  # popped from the end: the order's first first
     busy: dict[int, tuple[int, Completion]] = {}  # slot -> (request index, partial completion)
     keys = jax.random.split(rng, self.engine.num_slots)  # per slot: its request's key
     while pending or busy:

@@ -160,3 +160,11 @@ class StepsByGenerate:
       if ended.any():
         break
     return np.stack(tokens), np.stack(logprobs)
+
+
+def slot_order(engine: SlotEngine) -> list[int]:
+  """The order in which to hand out `engine`'s slots: its own `slot_order()` where it has one
+  (`rollout.engine.Engine` on a mesh: round-robin over the devices that hold the cache, so a
+  batch of new requests prefills evenly on all of them), else 0 .. num_slots - 1."""
+  own = getattr(engine, "slot_order", None)
+  return list(own()) if callable(own) else list(range(engine.num_slots))
