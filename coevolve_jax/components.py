@@ -24,6 +24,7 @@ from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
 from coevolve_jax.cli import import_model
 from coevolve_jax.tokenizer import run_tokenizer_folder
 from coevolve_jax.checkpoint import RunCheckpointer
+from coevolve_jax.config import param_dtype_warning
 from coevolve_jax.errors import RunError
 from coevolve_jax.feedback import factory, rounds
 from coevolve_jax.feedback.llm import LLMError, TextLLM
@@ -88,6 +89,9 @@ def build(cfg: Any, workdir: str) -> Components:
   )
   models.apply_matmul_precision(cfg.model)
   compiling.enable_cache(cfg.compile.cache_dir, workdir, primary=distributed.is_primary())
+  warning = param_dtype_warning(cfg.model.param_dtype)
+  if warning and distributed.is_primary():
+    print(f"warning: {warning}")
   micro_batches = _plan_memory(cfg, mesh)
   model = models.build(cfg.model, seed=cfg.seed, mesh=mesh, dtype=cfg.model.param_dtype)
   if chat.vocab_size > model.config.vocab_size:

@@ -211,6 +211,25 @@ def _float_dtype(cfg: Mapping[str, Any], field: str) -> None:
     fail(field, "must name a float dtype (float32, bfloat16)", value)
 
 
+def param_dtype_warning(param_dtype: str) -> str | None:
+  """What to tell the user about `model.param_dtype`, or None for float32 (every preset's).
+
+  Another float dtype is accepted (a memory experiment may want it) but said: the master
+  weights, gradients and AdamW moments are kept in it, and an update smaller than its
+  resolution relative to a weight rounds to no change (bfloat16 keeps 8 significant bits:
+  AdamW's step at lr 1e-6 is about 1e-6 of a weight of size 1, far below 2^-8).
+  """
+  dtype = jnp.dtype(param_dtype)
+  if dtype == jnp.float32:
+    return None
+  resolution = float(jnp.finfo(dtype).eps)
+  return (
+    f"model.param_dtype = {dtype}: master weights, gradients and AdamW moments are kept in "
+    f"{dtype}, whose steps are {resolution:.1g} of a weight: smaller updates (lr 1e-6 gives "
+    "~1e-6) round to no change; every preset uses float32"
+  )
+
+
 # ---------------------------------------------------------------------------------------------
 # Groups.
 # ---------------------------------------------------------------------------------------------

@@ -427,3 +427,18 @@ def test_top_k_above_the_models_vocabulary_is_refused_at_start_up(tmp_path):
   assert "vocabulary (1000 ids" in _raises_naming(cfg, "sampling.top_k")
   cfg.model.checkpoint = str(tmp_path / "missing")  # unreadable: the model's loading reports it
   validate(cfg)
+
+
+def test_master_weights_in_another_dtype_than_float32_are_said_with_the_reason():
+  """The warning's arithmetic holds: a relative update of 1e-6 is lost in bfloat16 and kept in
+  float32; float32 gets no warning."""
+  import jax.numpy as jnp
+
+  from coevolve_jax.config import param_dtype_warning
+
+  assert param_dtype_warning("float32") is None
+  said = param_dtype_warning("bfloat16")
+  assert said is not None and "bfloat16" in said and "round to no change" in said
+  one = jnp.ones((), jnp.bfloat16)
+  assert one - jnp.bfloat16(1e-6) == one  # what it warns of
+  assert jnp.float32(1) - jnp.float32(1e-6) != jnp.float32(1)
