@@ -6,11 +6,17 @@ fsdp=8 and fsdp x tensor = 2 x 4 meshes, and a MoE model under expert-parallel m
 parameter's sharding is checked against the logical rules.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import jax
+import pytest
+
+from coevolve_jax.models import sharding
 
 
 def test_sharded_forward_equals_single_device_and_parameters_follow_the_rules():
@@ -37,3 +43,34 @@ def test_sharded_forward_equals_single_device_and_parameters_follow_the_rules():
     ("moe", (("data", 2), ("expert", 2), ("tensor", 2))),
   }
   assert all(r["ok"] and r["max_abs_err"] <= 1e-5 for r in rows), rows
+
+
+@dataclasses.dataclass(frozen=True)
+class _FakeDevice:
+  """What `mesh_utils` reads of a device, for a multislice layout this machine does not have."""
+
+  id: int
+  slice_index: int
+  platform: str = "cpu"
+  device_kind: str = "cpu"
+  process_index: int = 0
+
+
+def test_several_slices_lay_the_slices_over_data_or_else_fsdp():
+  """Two slices of 4 devices: with data 2 the slices are data's two rows (only data's gradient
+  reduction crosses the slices); with data 1 they split fsdp into its outer halves; a mesh where
+  neither axis divides by the slice count is refused with the reason."""
+  devices = [_FakeDevice(i, slice_index=i // 4) for i in range(8)]
+  grid = sharding.device_grid([2, 4, 1, 1], devices)
+  assert [[d.slice_index for d in row.flat] for row in grid] == [[0] * 4, [1] * 4]
+  grid = sharding.device_grid([1, 8, 1, 1], devices)
+  assert grid.shape == (1, 8, 1, 1)
+  assert [d.slice_index for d in grid.flat] == [0] * 4 + [1] * 4
+  with pytest.raises(ValueError, match="span 2 slices: mesh.data or mesh.fsdp"):
+    sharding.device_grid([1, 1, 8, 1], devices)
+
+
+def test_one_slice_keeps_the_host_devices_in_order():
+  devices = jax.devices()
+  mesh = sharding.make_mesh({"fsdp": -1})
+  assert list(mesh.devices.flat) == devices

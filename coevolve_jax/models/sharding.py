@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
@@ -80,8 +81,36 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
     raise ValueError(
       f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, have {len(devices)}"
     )
-  arr = np.asarray(devices).reshape(sizes)
-  return Mesh(arr, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+  return Mesh(device_grid(sizes, devices), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4)
+
+
+def device_grid(sizes: Sequence[int], devices: Sequence) -> np.ndarray:
+  """`devices` arranged as an array of `sizes` (MESH_AXES order), by `jax.experimental.mesh_utils`.
+
+  One slice: `create_device_mesh`, which on TPU orders the chips so that neighbouring mesh
+  coordinates are neighbours on the ICI torus (elsewhere it keeps the device order). Several
+  slices (TPU multislice: the devices carry distinct `slice_index` values):
+  `create_hybrid_device_mesh` with the slices laid over the first of data, fsdp whose size
+  divides by their count, so only that axis's collectives (data: the once-per-step gradient
+  reduction) cross the slower data-centre network, as MaxText's dcn_data_parallelism does.
+
+  Raises:
+    ValueError: several slices and neither data nor fsdp divides by their count.
+  """
+  slices = len({getattr(d, "slice_index", 0) for d in devices})
+  if slices <= 1:
+    return mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
+  for axis in ("data", "fsdp"):
+    i = MESH_AXES.index(axis)
+    if sizes[i] % slices == 0:
+      ici, dcn = list(sizes), [1] * len(sizes)
+      ici[i], dcn[i] = sizes[i] // slices, slices
+      return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
+  raise ValueError(
+    f"the devices span {slices} slices: mesh.data or mesh.fsdp "
+    f"({dict(zip(MESH_AXES, sizes))}) must divide by {slices}, so that one axis crosses the "
+    "slices and the others stay inside each"
+  )
 
 
 def active_mesh():
