@@ -730,7 +730,8 @@ class PolicyTrainer:
     `inference_stacked`, stacked: an nnx.State for `inference_graphdef`.
 
     Made once per parameter version (the previous copy is released first, so two copies never
-    coexist) and timed into `last_sync_s`; for an unrolled model without a cast or a layout
+    coexist; `grpo_epoch` releases it before training, so it and the step's activations never
+    coexist either) and timed into `last_sync_s`; for an unrolled model without a cast or a layout
     change it is `params` itself. The arrays stay valid until the next update: an engine must
     ask again after it (`rollout.engine.Engine(weights=...)` does, at every call).
     """
@@ -947,6 +948,10 @@ class PolicyTrainer:
     """
     n = len(trajectories)
     _check_epoch_args(n, advantages, mini_batches, keep)
+    # The rollout engine's copy of the weights is stale after this epoch's first update and is
+    # made again at the next rollout call anyway: released now, its memory (7.5 GiB per device
+    # for Qwen3-4B gathered over fsdp in bfloat16) is free for the training step's activations.
+    self._infer, self._infer_version = None, -1
     batch = make_batch(
       trajectories,
       advantages,

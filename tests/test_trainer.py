@@ -1,6 +1,8 @@
 """Training batches and the jitted GRPO / SFT updates on a tiny random Qwen."""
 
+import gc
 import sys
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -659,6 +661,15 @@ def test_a_float32_master_learns_under_bfloat16_compute_as_float32_does(one_laye
   for x, master in zip(jax.tree.leaves(infer), jax.tree.leaves(masters), strict=True):
     assert x.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(x), np.asarray(master.astype(jnp.bfloat16)))
+  # The copy is released when an epoch starts (its first update makes it stale), so the copy
+  # and the step's activations never coexist; the next call makes the new version's.
+  alive = weakref.ref(jax.tree.leaves(infer)[0])
+  del infer, x
+  mixed.grpo_epoch(trajs, np.array([1, -1, 1, -1, -1, 1, 1, -1], np.float32), 1)
+  gc.collect()
+  assert alive() is None, "the rollout copy outlived the training step"
+  new = jax.tree.leaves(mixed.inference_params())[0]
+  assert new.dtype == jnp.bfloat16 and not new.is_deleted()
   mixed.freeze_reference()
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(mixed.ref_params))
 
