@@ -33,11 +33,13 @@ import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+
+from coevolve_jax.errors import RunError
 
 
 DEFAULT_HEARTBEAT_TIMEOUT_S = 100  # jax.distributed.initialize's own default
@@ -202,6 +204,56 @@ def on_primary(fn: Callable[[], Any]) -> Any:
   if "error" in outcome:
     raise PrimaryFailed(f"process 0 failed: {outcome['error']}")
   return outcome["result"]
+
+
+class ProcessesDiverged(RunError):
+  """Processes that run the same deterministic controller computed different host-side results
+  (an environment step, a reward): the job cannot go on, since each would train on its own."""
+
+
+def check_agreement(digests: Sequence[bytes], names: Sequence[str], what: str) -> None:
+  """Stops the job where the processes computed different results for the same items.
+
+  Every process steps its own copy of the environments (one logical controller, `is_primary`),
+  so the job is only right while they agree; a host whose environment answers differently (a
+  clock, a file, a service) would otherwise train on other data or hang in a later collective.
+  Each process gives one digest per item (the first 8 bytes count); they are gathered from
+  every process (`process_allgather`, 8 bytes per item) and compared with the primary's. A
+  collective: every process calls it at the same point. Nothing to check with one process.
+
+  Args:
+    digests: per item, a digest of this process's result (e.g. `Trajectory.digest`).
+    names: per item, how the error names it (e.g. "episode 3 (task t, group 1)").
+    what: the batch, for the message (e.g. "rollouts of step 4").
+  Raises:
+    ProcessesDiverged: on every process, naming the first item that differs, the processes
+      that differ on it and how many items differ; or the item counts, where they differ.
+  """
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+
+  counts = np.asarray(multihost_utils.process_allgather(np.int32(len(digests)))).reshape(-1)
+  if len(set(counts.tolist())) > 1:
+    raise ProcessesDiverged(
+      f"{what}: the processes hold different numbers of results ({counts.tolist()} by process)"
+    )
+  if not len(digests):
+    return
+  mine = np.frombuffer(b"".join(bytes(d[:8]).ljust(8, b"\0") for d in digests), np.uint32)
+  every = np.asarray(multihost_utils.process_allgather(mine.reshape(-1, 2)))  # [P, N, 2]
+  every = every.reshape(len(counts), len(digests), 2)
+  differ = (every != every[:1]).any(axis=2)  # [P, N]: differs from the primary's
+  items = np.flatnonzero(differ.any(axis=0))
+  if items.size:
+    first = int(items[0])
+    processes = np.flatnonzero(differ[:, first]).tolist()
+    raise ProcessesDiverged(
+      f"{what}: process(es) {processes} computed {names[first]} differently from process 0 "
+      f"({items.size} of {len(digests)} items differ). Every process steps its own copy of the "
+      "environments and must get the same results: check what an environment reads that "
+      "differs between hosts (files, clocks, services, installed versions)"
+    )
 
 
 def check_shared_dir(path: str) -> None:

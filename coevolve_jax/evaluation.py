@@ -60,6 +60,12 @@ class Rollouts:
     `greedy`: training episodes decoded greedily (the generated held-out set and the pool
     evaluation); they draw no key from the run's stream, so switching them on leaves the
     training rollouts' samples as they were.
+
+    With several processes the episodes' results are compared across them
+    (`distributed.check_agreement` of `Trajectory.digest`).
+
+    Raises:
+      distributed.ProcessesDiverged: an episode that another process computed differently.
     """
     runner = self.eval_runner if eval else self.runner
     sampling = GREEDY if eval or greedy else self.sampling
@@ -69,6 +75,12 @@ class Rollouts:
     with timer("rollout"):
       trajs = runner.run(jobs, sampling, sub)
     timer.move(runner.timings["reward"] - before, src="rollout", dst="reward")
+    if jax.process_count() > 1:  # each process stepped its own environments: they must agree
+      distributed.check_agreement(
+        [t.digest() for t in trajs],
+        [f"episode {i} (task {t.task_id}, group {t.group_id})" for i, t in enumerate(trajs)],
+        "held-out evaluation" if eval else "rollouts",
+      )
     return trajs
 
 

@@ -7,6 +7,7 @@ speak these types; this module imports nothing from the project, so any layer ma
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from typing import Any
 
@@ -158,6 +159,25 @@ class Trajectory:
   info: dict[str, Any] = dataclasses.field(default_factory=dict)
   routing: np.ndarray | None = None
   replies: list[Reply] = dataclasses.field(default_factory=list)
+
+  def digest(self) -> bytes:
+    """16 bytes (BLAKE2b) of what the episode computed: its tokens and masks, the sampled
+    log-probs, reward, step rewards, calls, observations and finish. Processes that ran the
+    same episode agree on it (`distributed.check_agreement`)."""
+    fields = (
+      self.task_id,
+      self.group_id,
+      self.token_ids,
+      self.loss_mask,
+      [float(x) for x in self.logprobs],
+      float(self.reward),
+      [float(x) for x in self.step_rewards],
+      self.calls,
+      self.observations,
+      self.finish,
+    )
+    text = json.dumps(fields, default=str, separators=(",", ":"))
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
 
   def set_routing(self, consumed: np.ndarray | None) -> None:
     """Sets `routing` from the routing record of the first n tokens ([n, L_moe, k], the tokens a

@@ -381,9 +381,28 @@ HELPERS_WORKER = textwrap.dedent("""
       unshared = None
     except RuntimeError as e:
       unshared = str(e)
+    from coevolve_jax.types import Trajectory
+    def episodes(plant):  # process 1's environment answers step 1 of episode 3 otherwise
+      out = []
+      for i in range(5):
+        t = Trajectory(task_id=f"t{i}", group_id=i // 2)
+        t.extend([1, 2, i], sampled=False)
+        t.observations = [["ok", "12:01" if plant and i == 3 else "12:00"]]
+        out.append(t)
+      return out
+    def check(trajs):
+      try:
+        names = [f"episode {i} (task {t.task_id})" for i, t in enumerate(trajs)]
+        distributed.check_agreement([t.digest() for t in trajs], names, "rollouts of step 2")
+        return None
+      except distributed.ProcessesDiverged as e:
+        return str(e)
+    agreed, diverged = check(episodes(False)), check(episodes(me == 1))
+    counted = check(episodes(False)[: 4 + me])
     with open(out, "w") as f:
       json.dump({"got": got, "calls": calls, "whole": whole.tolist(), "failed": failed,
-                 "unshared": unshared, "primary": distributed.is_primary()}, f)
+                 "unshared": unshared, "primary": distributed.is_primary(), "agreed": agreed,
+                 "diverged": diverged, "counted": counted}, f)
 """)
 
 
@@ -391,7 +410,8 @@ def test_primary_decides_and_broadcasts_and_arrays_are_gathered(tmp_path):
   """distributed.on_primary runs its function on process 0 only and gives its result to both
   processes, or its failure (the original error on the primary, PrimaryFailed on the other);
   fetch gathers a row-sharded array whole on each; append_lines writes once; check_shared_dir
-  passes on one directory and refuses, on both processes, a directory each has its own of."""
+  passes on one directory and refuses, on both processes, a directory each has its own of;
+  check_agreement passes equal episodes and stops both processes at a planted divergence."""
   script = tmp_path / "helpers_worker.py"
   script.write_text(HELPERS_WORKER)
   pair = _launch_pair(lambda i: [sys.executable, str(script), str(tmp_path / f"p{i}.json")], 2)
@@ -405,6 +425,14 @@ def test_primary_decides_and_broadcasts_and_arrays_are_gathered(tmp_path):
     want = "ValueError: explorer down"
     assert got["failed"] == (want if i == 0 else f"PrimaryFailed: process 0 failed: {want}")
     assert "is not shared between the processes: process(es) [1]" in got["unshared"]
+    # Environment results: equal ones pass; a planted divergence stops both processes, naming
+    # the first episode that differs; different counts are named as such.
+    assert got["agreed"] is None
+    assert got["diverged"].startswith(
+      "rollouts of step 2: process(es) [1] computed episode 3 (task t3) differently from "
+      "process 0 (1 of 5 items differ)"
+    ), got["diverged"]
+    assert "different numbers of results ([4, 5] by process)" in got["counted"], got["counted"]
   assert (tmp_path / "shared.jsonl").read_text().splitlines() == ["0"]
   assert not (tmp_path / ".shared-workdir-check").exists()  # the primary removed its marker
 
