@@ -228,8 +228,10 @@ def _explorer_llms(cfg: Any, policy: Callable[[], Any]) -> tuple[TextLLM | None,
     )
   try:  # missing credentials: a one-line start-up error, not a traceback
     tok = run_tokenizer_folder(cfg.model)
-    llm = factory.make_llm(ex.explorer, ex, policy, tok)
-    d0_llm = llm if d0_kind == ex.explorer else factory.make_llm(d0_kind, ex, policy, tok)
+    # The clients and their credentials on the primary only: it makes every LLM call.
+    primary = distributed.is_primary()
+    llm = factory.make_llm(ex.explorer, ex, policy, tok, primary)
+    d0_llm = llm if d0_kind == ex.explorer else factory.make_llm(d0_kind, ex, policy, tok, primary)
   except LLMError as e:
     raise RunError(f"explore.explorer={ex.explorer!r}, d0_explorer={d0_kind!r}: {e}") from None
   return llm, d0_llm

@@ -347,3 +347,38 @@ def test_vertex_without_credentials_is_a_clear_error(monkeypatch, stub, tmp_path
   else:  # the client may defer reading credentials to the first request
     with pytest.raises(LLMError):
       llm.complete("s", "p")
+
+
+def test_a_process_other_than_the_primary_needs_no_credentials(monkeypatch):
+  """Only the primary makes LLM calls (distributed.on_primary), so another process of the job
+  builds no client: no key needed, the same name for provenance, and a call is an error."""
+  import importlib.util
+  import os
+
+  from coevolve_jax.feedback import factory
+  from coevolve_jax.feedback.llm import PrimaryOnlyLLM
+
+  path = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "bfcl.py")
+  spec = importlib.util.spec_from_file_location("_cfg_bfcl", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  explore = module.get_config().explore  # the run config's own explorer settings
+
+  monkeypatch.delenv("GEMINI_API_KEY", raising=False)
+  monkeypatch.delenv("GOOGLE_API_KEY", raising=False)
+  monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+  for kind, name in (
+    ("gemini", f"gemini:{explore.gemini.model}"),
+    ("openai", f"openai:{explore.openai.model}"),
+  ):
+    llm = factory.make_llm(kind, explore, primary=False)
+    assert isinstance(llm, PrimaryOnlyLLM) and llm.name == name
+    with pytest.raises(RuntimeError, match="other than the primary"):
+      llm.complete("s", "p")
+  with pytest.raises(LLMError, match="GEMINI_API_KEY"):  # the primary still checks at start-up
+    factory.make_llm("gemini", explore)
+  monkeypatch.setenv("GEMINI_API_KEY", FAKE_KEY)
+  assert (
+    factory.make_llm("gemini", explore).name
+    == factory.make_llm("gemini", explore, primary=False).name
+  )  # the primary's client names its tasks as the others do

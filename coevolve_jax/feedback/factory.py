@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from coevolve_jax.feedback.llm import GeminiLLM, GeminiSettings, TextLLM
+from coevolve_jax.feedback.llm import GeminiLLM, GeminiSettings, PrimaryOnlyLLM, TextLLM
 from coevolve_jax.feedback.openai_llm import OpenAILLM, OpenAISettings
 from coevolve_jax.tokenizer import run_tokenizer_folder
 
@@ -35,6 +35,7 @@ def make_llm(
   explore_cfg: Any,
   policy: Callable[[], Qwen] | None = None,
   tokenizer_folder: str | None = None,
+  primary: bool = True,
 ) -> TextLLM | None:
   """The LLM behind explorer `kind` ("programmatic" -> None).
 
@@ -45,6 +46,9 @@ def make_llm(
       `explore.local.checkpoint`; with it, that Hugging Face folder is served instead).
     tokenizer_folder: the policy's tokenizer (the run's `tokenizer.run_tokenizer_folder`); a
       local checkpoint with its own tokenizer.json uses that one.
+    primary: False on a process other than a multi-process job's primary: a remote kind
+      (gemini, openai) is then a `PrimaryOnlyLLM` of the same name, with no client and no
+      credentials needed (the job's LLM calls run on the primary only).
 
   Raises:
     ValueError: unknown kind; "local" without a policy or checkpoint.
@@ -55,9 +59,11 @@ def make_llm(
   if kind == "programmatic":
     return None
   if kind == "gemini":
-    return GeminiLLM(gemini_settings(explore_cfg.gemini))
+    gemini = gemini_settings(explore_cfg.gemini)
+    return GeminiLLM(gemini) if primary else PrimaryOnlyLLM(f"gemini:{gemini.model}")
   if kind == "openai":
-    return OpenAILLM(openai_settings(explore_cfg.openai))
+    openai = openai_settings(explore_cfg.openai)
+    return OpenAILLM(openai) if primary else PrimaryOnlyLLM(f"openai:{openai.model}")
   from coevolve_jax.feedback.local_llm import LocalLLM  # pylint: disable=g-import-not-at-top
 
   local = explore_cfg.local

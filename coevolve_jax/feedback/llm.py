@@ -223,6 +223,32 @@ def api_key_from_env() -> str | None:
   return None
 
 
+class PrimaryOnlyLLM:
+  """What a process other than the primary holds in place of a remote explorer LLM (TextLLM).
+
+  Every LLM call of a job runs on the primary process (`distributed.on_primary` broadcasts its
+  result), so only the primary builds the client and needs its credentials: a launcher need
+  not copy an API key to every host. The other processes keep the name (task provenance) and
+  a budget that nothing charges.
+
+  Raises:
+    RuntimeError: from `complete`: a call on a non-primary process is a bug in the caller.
+  """
+
+  def __init__(self, name: str):
+    self.name = name
+    self.budget = TokenBudget(0)
+
+  def complete(self, system: str, prompt: str, *, json_output: bool = False) -> str:
+    raise RuntimeError(
+      f"{self.name} was called on a process other than the primary: the job's LLM calls run "
+      "on process 0 only (distributed.on_primary)"
+    )
+
+  def refresh(self) -> None:
+    pass
+
+
 class GeminiLLM:
   """Gemini via google-genai (implements TextLLM).
 
