@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared accelerator check (issue 17): one command for a machine with a GPU or TPU and no
-# internet, in stages, each with its own time limit and log, about 8 minutes in all.
+# internet, in stages, each with its own time limit and log, about 10 minutes in all.
 #
 #   bash benchmarks/accelerator_check.sh [OUT_DIR]        (from the repository root)
 #
@@ -11,6 +11,9 @@
 #   bench.json   its record (compare it with `python -m coevolve_jax.cli.bench compare`)
 #   decode.log   benchmarks/rollout_bench.py: our engine against transformers `generate`, and
 #                a decode step at 640 filled entries against its memory bound (issue 17's 40%)
+#   memory.log   benchmarks/mesh_memory.py: per-device memory of the job's largest prefill (64
+#                slots x 2,048 tokens into a 4,096-entry cache) and a GRPO epoch at the Qwen3-0.6B
+#                shape on all local devices, against the memory planner's figures
 #   main.log     the CPU preset's main job, shrunk, with per-step compile counts and step times
 #   tests.log    float32 parity with transformers (under model.matmul_precision "highest")
 #
@@ -72,6 +75,10 @@ stage bench "${BENCH_S:-140}" "$PY" -m coevolve_jax.cli.bench --config=configs/b
 stage decode "${DECODE_S:-90}" "$PY" benchmarks/rollout_bench.py --peers=transformers \
   --dtype=bfloat16 --bound=0 --batches=64 --prompt_len=512 --new_tokens=128 --layers=28 \
   --hidden=1024 --head_dim=128 --tied=1 --kv_lengths=640 --repeats=2 --decode_steps=1,8
+
+stage memory "${MEMORY_S:-120}" "$PY" benchmarks/mesh_memory.py --config=configs/bfcl.py \
+  --config.model.preset=qwen3_0_6b --cache_len=4096 --prompt_len=2048 --train_rows=8 \
+  --train_seq=2048
 
 run_dir=$(mktemp -d)/run
 stage main "${MAIN_S:-120}" bash -c "
