@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 
+import jax
+
 MAX_DEFAULT_THREADS = 8  # each compile of a large model holds its own working memory
 
 
@@ -28,7 +30,15 @@ def run_all(calls: Sequence[Callable[[], None]], threads: int = 0) -> None:
   """Runs `calls` (each lowers and compiles programs: XLA compiles outside the GIL) in
   `compile_threads(threads)` host threads; the first error is raised after all have ended. On
   KeyboardInterrupt the calls not yet started are cancelled and those running are not waited
-  for."""
+  for.
+
+  With several processes the calls run one at a time, in order: a call that places host data
+  on a mesh spanning processes (the trainer's runs its log-prob forward) makes collectives,
+  which every process must issue in the same order; threads would interleave them differently
+  on each process and deadlock the job (seen at GRPO step 1 on 2 loopback processes).
+  """
+  if jax.process_count() > 1:
+    threads = 1
   pool = futures.ThreadPoolExecutor(compile_threads(threads))
   interrupted = False
   try:
