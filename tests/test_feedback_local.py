@@ -85,6 +85,7 @@ class _EndOfTextEngine(Engine):
 
   def __init__(self, config, script, filler):  # pylint: disable=super-init-not-called
     self.config, self.num_slots, self.cache_len = config, 1, 1024
+    self.slot_shards = 1  # one device: `Engine.slot_order` hands out slot 0
     self.script, self.filler = list(script), filler
 
   def reset_slot(self, slot):
