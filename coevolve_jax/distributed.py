@@ -217,20 +217,23 @@ def check_agreement(digests: Sequence[bytes], names: Sequence[str], what: str) -
   Every process steps its own copy of the environments (one logical controller, `is_primary`),
   so the job is only right while they agree; a host whose environment answers differently (a
   clock, a file, a service) would otherwise train on other data or hang in a later collective.
-  Each process gives one digest per item (the first 8 bytes count); they are gathered from
-  every process (`process_allgather`, 8 bytes per item) and compared with the primary's. A
-  collective: every process calls it at the same point. Nothing to check with one process.
+  Each process gives one 8-byte digest per item; they are gathered from every process
+  (`process_allgather`, as two uint32 per item) and compared with the primary's. A collective:
+  every process calls it at the same point. Nothing to check with one process.
 
   Args:
-    digests: per item, a digest of this process's result (e.g. `Trajectory.digest`).
+    digests: per item, an 8-byte digest of this process's result (e.g. `Trajectory.digest`).
     names: per item, how the error names it (e.g. "episode 3 (task t, group 1)").
     what: the batch, for the message (e.g. "rollouts of step 4").
   Raises:
     ProcessesDiverged: on every process, naming the first item that differs, the processes
       that differ on it and how many items differ; or the item counts, where they differ.
+    ValueError: a digest that is not 8 bytes long.
   """
   if jax.process_count() == 1:
     return
+  if any(len(d) != 8 for d in digests):
+    raise ValueError("check_agreement needs 8-byte digests")
   from jax.experimental import multihost_utils  # noqa: PLC0415
 
   counts = np.asarray(multihost_utils.process_allgather(np.int32(len(digests)))).reshape(-1)
@@ -240,7 +243,7 @@ def check_agreement(digests: Sequence[bytes], names: Sequence[str], what: str) -
     )
   if not len(digests):
     return
-  mine = np.frombuffer(b"".join(bytes(d[:8]).ljust(8, b"\0") for d in digests), np.uint32)
+  mine = np.frombuffer(b"".join(digests), np.uint32)  # two per digest
   every = np.asarray(multihost_utils.process_allgather(mine.reshape(-1, 2)))  # [P, N, 2]
   every = every.reshape(len(counts), len(digests), 2)
   differ = (every != every[:1]).any(axis=2)  # [P, N]: differs from the primary's

@@ -161,7 +161,7 @@ class Trajectory:
   replies: list[Reply] = dataclasses.field(default_factory=list)
 
   def digest(self) -> bytes:
-    """16 bytes (BLAKE2b) of what the episode computed: its tokens and masks, the sampled
+    """8 bytes (BLAKE2b) of what the episode computed: its tokens and masks, the sampled
     log-probs, reward, step rewards, calls, observations and finish. Processes that ran the
     same episode agree on it (`distributed.check_agreement`)."""
     fields = (
@@ -177,7 +177,7 @@ class Trajectory:
       self.finish,
     )
     text = json.dumps(fields, default=str, separators=(",", ":"))
-    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
 
   def set_routing(self, consumed: np.ndarray | None) -> None:
     """Sets `routing` from the routing record of the first n tokens ([n, L_moe, k], the tokens a

@@ -829,13 +829,19 @@ class Engine:
     per_block = self.num_slots // self.slot_shards
     return max(1, min(rows_per_forward(t, self.max_prefill_tokens) // self.slot_shards, per_block))
 
+  def _by_block(self, slots: Sequence[int]) -> list[list[int]]:
+    """Positions in `slots` grouped by the device block that holds each slot, in order."""
+    per_block = self.num_slots // self.slot_shards
+    blocks: list[list[int]] = [[] for _ in range(self.slot_shards)]
+    for i, slot in enumerate(slots):
+      blocks[slot // per_block].append(i)
+    return blocks
+
   def _split_by_block(self, requests: list[int], slots: list[int], t: int) -> list[list[int]]:
     """`requests` (indices into `slots`) as forwards that each take at most `_block_capacity`
     requests of any device block. Without a mesh: one forward of all of them, as given."""
-    per_block, cap = self.num_slots // self.slot_shards, self._block_capacity(t)
-    blocks: list[list[int]] = [[] for _ in range(self.slot_shards)]
-    for i in requests:
-      blocks[slots[i] // per_block].append(i)
+    cap = self._block_capacity(t)
+    blocks = [[requests[j] for j in x] for x in self._by_block([slots[i] for i in requests])]
     n = max(-(-len(x) // cap) for x in blocks)
     return [[i for x in blocks for i in x[j * cap : (j + 1) * cap]] for j in range(n)]
 
@@ -845,10 +851,7 @@ class Engine:
     padding row in a block without real rows (its slot is `num_slots`: it writes nothing).
     Row block d (padded_rows / slot_shards rows) holds device d's slots only, as
     `_prefill_rows` needs on a mesh; without one: the rows in order, then copies of row 0."""
-    per_block = self.num_slots // self.slot_shards
-    blocks: list[list[int]] = [[] for _ in range(self.slot_shards)]
-    for r, slot in enumerate(slots_r):
-      blocks[slot // per_block].append(r)
+    blocks = self._by_block(slots_r)
     width = self.padded_rows(max(map(len, blocks)), t) // self.slot_shards
     layout = []
     for rows in blocks:
