@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from coevolve_jax import distributed
 from coevolve_jax.chat import ChatFormat
 from coevolve_jax.rollout.generate import decode_tokens
 from coevolve_jax.rollout.sampling import SamplingParams
@@ -78,6 +79,41 @@ def _timed_step(env: Env, action: Action) -> tuple[StepResult, float]:
   return result, time.perf_counter() - start
 
 
+class _EnvOnPrimary:
+  """What a process other than the primary holds for an episode whose environment runs on
+  process 0 (`AgentRunner(env_on_primary=True)`): the tools and system prompt the primary's
+  reset broadcast; its steps run on the primary (`AgentRunner._collect_steps` broadcasts their
+  results), so it never executes anything itself.
+
+  Raises:
+    RuntimeError: from `reset` / `step`: calling them here is a bug in the caller.
+  """
+
+  def __init__(self, tools: list[dict], system_prompt: str | None):
+    self.tools, self.system_prompt = tools, system_prompt
+    self.calls: list[list[list[str]]] = []
+    self.observations: list[list[str]] = []
+
+  def reset(self) -> StepResult:
+    raise RuntimeError("an environment on the primary was reset on another process")
+
+  def step(self, action: Action) -> StepResult:
+    raise RuntimeError("an environment on the primary was stepped on another process")
+
+  def close(self) -> None:
+    pass
+
+
+def _outcome(fut: futures.Future) -> dict:
+  """A finished environment step as JSON: {"result": StepResult fields, "seconds": s}, or
+  {"error": repr of what it raised}."""
+  try:
+    result, seconds = fut.result()
+  except Exception as e:  # environment failure: that episode fails, the batch goes on
+    return {"error": repr(e)}
+  return {"result": dataclasses.asdict(result), "seconds": seconds}
+
+
 class AgentRunner:
   """Runs batches of episodes on an engine.
 
@@ -115,6 +151,13 @@ class AgentRunner:
     decode_steps: K, decode steps per device call (`Engine.generate_steps`: the engine stops at
       the step in which a reply ends, so the episodes, every token and log-prob included, are
       the same for every K, bit for bit: `decode_tokens`); 1 = one device call per token.
+    env_on_primary: with several processes, the environments run on process 0 only (`make_env`
+      is called there only) and each reset's, step's and episode record's result is broadcast
+      to the other processes (`distributed.broadcast_json`, in episode order), which hold an
+      `_EnvOnPrimary` instead: for environments that are one set of servers and files per job
+      (AppWorld), and a guarantee that every process trains on the same results. Without it
+      every process runs its own environments, which must then be deterministic (BFCL's). No
+      effect in a single-process run.
 
   Raises:
     ValueError: env_threads or decode_steps < 1, or a stop id that is not a non-negative int.
@@ -130,6 +173,7 @@ class AgentRunner:
     stop_ids: Iterable[int] = (),
     reproducible: bool = True,
     decode_steps: int = 1,
+    env_on_primary: bool = False,
   ):
     if env_threads < 1:
       raise ValueError(f"env_threads must be >= 1, got {env_threads}")
@@ -147,6 +191,7 @@ class AgentRunner:
     self.timings: dict[str, float] = collections.defaultdict(float)  # seconds in env steps
     self.lockstep = reproducible or jax.process_count() > 1  # see `_collect_steps`
     self.decode_steps = decode_steps
+    self.env_on_primary = env_on_primary and jax.process_count() > 1
 
   def run(
     self,
@@ -226,14 +271,19 @@ class AgentRunner:
     done = [f for f in self._stepping if f.done()]  # in submission order
     if self.lockstep:
       done.sort(key=lambda f: self._stepping[f].index)
-    for fut in done:
+    if self.env_on_primary:  # the primary's results, in episode order, on every process
+      outcomes = distributed.broadcast_json(
+        [_outcome(f) for f in done] if distributed.is_primary() else None
+      )
+    else:
+      outcomes = [_outcome(f) for f in done]
+    for fut, out in zip(done, outcomes):
       ep = self._stepping.pop(fut)
-      try:
-        result, seconds = fut.result()
-      except Exception as e:  # environment failure: this episode fails, the batch goes on
-        self._finish(ep, "error", info={"error": f"step: {e!r}"})
+      if "error" in out:
+        self._finish(ep, "error", info={"error": f"step: {out['error']}"})
         continue
-      self.timings["reward" if result.done else "env"] += seconds
+      result = StepResult(**out["result"])
+      self.timings["reward" if result.done else "env"] += out["seconds"]
       self._after_step(ep, result)
 
   def _finish(self, ep: _Episode, how: str, reward: float = 0.0, info: dict | None = None):
@@ -243,8 +293,13 @@ class AgentRunner:
     if ep.traj.token_ids:  # the slot was reset for this episode: its record is this episode's
       ep.traj.set_routing(self.engine.routing(ep.slot))
     if not ep.traj.calls:  # episodes cut short still report what they called, per user turn
-      ep.traj.calls = [[c for step in turn for c in step] for turn in ep.env.calls]
-      ep.traj.observations = [list(t) for t in ep.env.observations]
+      env = ep.env
+      record = lambda: [  # noqa: E731
+        [[c for step in turn for c in step] for turn in env.calls],
+        [list(t) for t in env.observations],
+      ]
+      shared = self.env_on_primary
+      ep.traj.calls, ep.traj.observations = distributed.on_primary(record) if shared else record()
     ep.env.close()
     self._results[ep.index] = ep.traj
     self._active.pop(ep.slot, None)
@@ -254,15 +309,21 @@ class AgentRunner:
 
   def _start(self, index, task, group_id, slot, key):
     self._episode_counter += 1
-    env = self.make_env(task, f"ep{self._episode_counter}")
+    episode_id = f"ep{self._episode_counter}"
+    if self.env_on_primary:
+      env, first = self._start_on_primary(task, episode_id)
+    else:
+      env = self.make_env(task, episode_id)
+      try:
+        first = env.reset()
+      except Exception as e:  # an environment that fails to start fails this episode only
+        first = repr(e)
     traj = Trajectory(task_id=task.task_id, group_id=group_id)
     ep = _Episode(index, traj, env, slot, key)
     self._active[slot] = ep
     self._slot_keys = self._slot_keys.at[slot].set(key)
-    try:
-      first = env.reset()
-    except Exception as e:  # an environment that fails to start fails this episode only
-      self._finish(ep, "error", info={"error": f"reset: {e!r}"})
+    if not isinstance(first, StepResult):
+      self._finish(ep, "error", info={"error": f"reset: {first}"})
       return
     messages = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
     ids = self.chat.prompt_ids(messages + first.messages, env.tools)
@@ -270,6 +331,25 @@ class AgentRunner:
     traj.extend(ids, sampled=False)
     self.engine.reset_slot(slot)
     self._feed(ep, ids)
+
+  def _start_on_primary(self, task: Task, episode_id: str) -> tuple[Env, StepResult | str]:
+    """`env_on_primary`: the episode's environment made and reset on the primary, and what
+    every process holds: the environment (the primary's own, an `_EnvOnPrimary` elsewhere) and
+    the reset's result, or the repr of what it raised. A collective."""
+    made: list[Env] = []
+
+    def reset() -> dict:
+      env = self.make_env(task, episode_id)  # its failure stops the job on every process
+      made.append(env)
+      head = {"tools": env.tools, "system_prompt": env.system_prompt}
+      try:
+        return {**head, "result": dataclasses.asdict(env.reset())}
+      except Exception as e:  # an environment that fails to start fails this episode only
+        return {**head, "error": repr(e)}
+
+    out = distributed.on_primary(reset)
+    env = made[0] if made else _EnvOnPrimary(out["tools"], out["system_prompt"])
+    return env, out["error"] if "error" in out else StepResult(**out["result"])
 
   def _feed(self, ep: _Episode, ids: list[int]) -> None:
     """Queues `ids` for the episode's slot (`_flush_prefills` runs them before the next step)."""
@@ -317,7 +397,12 @@ class AgentRunner:
     ep.names_at = len(traj.tool_names)
     traj.tool_names.extend(c.name for c in action.tool_calls)
     del self._active[ep.slot]  # the slot keeps its cache but sits out of the batch meanwhile
-    self._stepping[self._pool.submit(_timed_step, ep.env, action)] = ep
+    if isinstance(ep.env, _EnvOnPrimary):  # the primary steps it; `_collect_steps` shares it
+      step: futures.Future = futures.Future()
+      step.set_result(None)
+    else:
+      step = self._pool.submit(_timed_step, ep.env, action)
+    self._stepping[step] = ep
 
   def _after_step(self, ep: _Episode, result: StepResult) -> None:
     traj = ep.traj

@@ -262,7 +262,12 @@ def _runners(
   """The training episodes' runner and the held-out split's (the suite's evaluation loop and
   limits: never cut before the environment ends an episode)."""
   r = cfg.episode
-  common = {"stop_ids": stop_ids, "reproducible": r.reproducible, "decode_steps": r.decode_steps}
+  common = {
+    "stop_ids": stop_ids,
+    "reproducible": r.reproducible,
+    "decode_steps": r.decode_steps,
+    "env_on_primary": suite.env_on_primary,
+  }
   runner = AgentRunner(
     engine,
     chat,

@@ -13,8 +13,12 @@ from collections.abc import Mapping, Sequence
 
 PRIMARY_DUTIES = (
   "primary: writes metrics.jsonl, pool.jsonl, feedback.jsonl, TensorBoard and summary.json, "
-  "calls the explorer and judge LLMs, and writes its checkpoint shards"
+  "calls the explorer and judge LLMs, runs AppWorld's servers and episodes (AppWorld jobs), "
+  "and writes its checkpoint shards"
 )
+# Where the TPU VM launcher and the container image put AppWorld's own environment
+# (`make appworld-setup`; envs/appworld/server.py DEFAULT_VENV of a checkout).
+APPWORLD_ENV_VAR = "APPWORLD_ROOT"  # the official data's root (configs/appworld.py reads it)
 OTHER_DUTIES = "writes its checkpoint shards; logs and LLM calls are process 0's"
 
 
@@ -43,6 +47,16 @@ def check_workdir(job_args: Sequence[str]) -> str | None:
         "on TPU VMs: gcsfuse BUCKET /mnt/BUCKET on every worker)"
       )
   return None
+
+
+def needs_appworld(job_args: Sequence[str]) -> bool:
+  """Whether the job's arguments run AppWorld (`--config=configs/appworld.py[:variant]` or
+  `--config.env=appworld`): its environment (and, for the official data, the data) must then be
+  on worker 0, where AppWorld's servers run (the primary)."""
+  for arg in job_args:
+    if re.fullmatch(r"--config=(\S*/)?appworld\.py(:\w+)?", arg) or arg == "--config.env=appworld":
+      return True
+  return False
 
 
 def worker_lines(env_of: Sequence[Mapping[str, str]], process_of: Sequence[str]) -> list[str]:

@@ -49,7 +49,7 @@ from coevolve_jax.metrics import (
 from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.run_state import RunState
 from coevolve_jax.scheduler import RoundScheduler
-from coevolve_jax.types import FINISHES, Task
+from coevolve_jax.types import FINISHES, Task, Trajectory
 
 __all__ = ["CoEvolveRun", "CorruptFileError", "RunError"]
 # Entropy that, with the run's seed, seeds the generated held-out set's exploration: another
@@ -239,10 +239,7 @@ class CoEvolveRun:
     ws = self.cfg.warmstart
     if ws.steps <= 0:
       return
-    demos = [
-      self.suite.demonstration(t, self.parts.chat, f"demo{i}")
-      for i, t in enumerate(self.pool.tasks)
-    ]
+    demos = self._demonstrations()
     warmstart.warm_start(
       self.trainer,
       demos,
@@ -255,6 +252,22 @@ class CoEvolveRun:
       compute_dtype=self.cfg.model.dtype,
       log=lambda i, loss: self.metrics.write(0, {"warmstart/loss": loss, "warmstart/step": i}),
     )
+
+  def _demonstrations(self) -> list[Trajectory]:
+    """The pool's warm-start demonstrations (`Suite.demonstration`), executed on the primary
+    process only and given to every process when the suite's environments live there
+    (`Suite.env_on_primary`)."""
+
+    def make() -> list[Trajectory]:
+      return [
+        self.suite.demonstration(t, self.parts.chat, f"demo{i}")
+        for i, t in enumerate(self.pool.tasks)
+      ]
+
+    if not self.suite.env_on_primary:
+      return make()
+    made = distributed.on_primary(lambda: [t.to_dict() for t in make()])
+    return [Trajectory.from_dict(t) for t in made]
 
   def _step(self, step: int) -> dict[str, Any]:
     """One GRPO step, then the hooks, the feedback round's bookkeeping, metrics and (maybe) a

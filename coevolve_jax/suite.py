@@ -80,8 +80,13 @@ class Suite(Protocol):
   Attributes:
     name: the suite's name, as in `cfg.env` ("bfcl", "appworld").
     multi_process: whether a run may use several JAX processes with this suite (every process
-      builds the suite; episodes must then be deterministic and per-process). The loop refuses
-      several processes when False.
+      builds the suite). The loop refuses several processes when False.
+    env_on_primary: with several processes, whether the suite's environments (episodes and
+      warm-start demonstrations) run on process 0 only, their results broadcast to the others
+      (`AgentRunner(env_on_primary=True)`): for a suite whose environments are servers and
+      files that exist once per job (AppWorld). When False every process runs its own
+      episodes, which must then be deterministic (BFCL's; the rollouts' agreement check stops
+      the job where they are not).
     train_tasks: training entries; D0 and the rounds read only their environment states.
     eval_tasks: the whole held-out split. The loop evaluates a prefix of it; the task pool's leak
       filter compares every new task against all of it.
@@ -91,6 +96,7 @@ class Suite(Protocol):
 
   name: str
   multi_process: bool
+  env_on_primary: bool
   train_tasks: Sequence[Task]
   eval_tasks: Sequence[Task]
   data_release: dict[str, Any]

@@ -179,6 +179,27 @@ class Trajectory:
     text = json.dumps(fields, default=str, separators=(",", ":"))
     return hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
 
+  def to_dict(self) -> dict[str, Any]:
+    """The trajectory as JSON-serialisable values (`from_dict` rebuilds it exactly): how one
+    process's episodes reach the others (`distributed.on_primary`). The routing record goes as
+    nested lists with its dtype and shape."""
+    d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    d["replies"] = [dataclasses.asdict(r) for r in self.replies]
+    if self.routing is not None:
+      r = self.routing
+      d["routing"] = {"dtype": r.dtype.name, "shape": list(r.shape), "rows": r.tolist()}
+    return d
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "Trajectory":
+    """The trajectory `to_dict` gave (after a JSON round trip)."""
+    d = dict(d)
+    d["replies"] = [Reply(**r) for r in d.get("replies", [])]
+    routing = d.get("routing")
+    if routing is not None:
+      d["routing"] = np.asarray(routing["rows"], routing["dtype"]).reshape(routing["shape"])
+    return cls(**d)
+
   def set_routing(self, consumed: np.ndarray | None) -> None:
     """Sets `routing` from the routing record of the first n tokens ([n, L_moe, k], the tokens a
     rollout engine consumed, in order); the remaining rows are -1. None leaves no record.

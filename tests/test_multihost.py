@@ -345,6 +345,47 @@ def test_the_job_on_two_processes_equals_one_process_also_after_kill_and_resume(
       assert len(lines(workdir)) == len(lines(one)), (workdir.name, name)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_appworld_on_two_processes_equals_one_process(tmp_path):
+  """Issue 39 item 2: the AppWorld CPU preset (generated worlds, programmatic explorer, a
+  warm-start, a feedback round after every step) on 2 loopback processes x 4 host devices
+  gives the same summary.json figures as on 1 process x 8 devices: the worlds, servers,
+  demonstrations and episodes run on process 0 and their results are broadcast (slow: two
+  runs of the job with AppWorld servers)."""
+  from test_appworld_env import PYTHON  # noqa: PLC0415 (the AppWorld environment, or None)
+
+  if PYTHON is None:
+    pytest.skip("no AppWorld environment (.venv-appworld): run `make appworld-setup`")
+  job = [
+    sys.executable,
+    "-m",
+    "coevolve_jax.main",
+    "--config=configs/appworld.py:cpu",
+    "--config.mesh.fsdp=-1",
+    "--config.train.steps=2",
+    "--config.warmstart.steps=2",
+    "--config.explore.initial_tasks=6",
+    "--config.eval.max_tasks=4",
+    "--config.rollout.tasks_per_step=2",
+    "--config.feedback.every=1",
+    "--config.feedback.lag=0",
+  ]
+  one, two = tmp_path / "one", tmp_path / "two"
+  _wait_all([_launch([*job, f"--workdir={one}"], 8)], timeout=1800)
+  _wait_all(_launch_pair(lambda i: [*job, f"--workdir={two}"], devices=4), timeout=1800)
+  want, got = (json.loads((d / "summary.json").read_text()) for d in (one, two))
+  assert want["feedback_rounds"] >= 1 and want["pool_size"] > 0
+  assert _figures(got) == _figures(want)
+  # The same tasks, and the same episodes of every evaluation and GRPO group (every reward is
+  # 0 with the random model: the episodes themselves are the comparison).
+  for name in ("pool.jsonl", "eval_before.jsonl", "eval_after.jsonl", "groups.jsonl"):
+    assert (two / name).read_text() == (one / name).read_text(), name
+  for name in ("metrics.jsonl", "feedback.jsonl"):  # written once, not twice
+    lines = lambda d, n=name: (d / n).read_text().splitlines()  # noqa: E731
+    assert len(lines(two)) == len(lines(one)), name
+
+
 HELPERS_WORKER = textwrap.dedent("""
     import json, os, sys
     import numpy as np
@@ -399,10 +440,48 @@ HELPERS_WORKER = textwrap.dedent("""
         return str(e)
     agreed, diverged = check(episodes(False)), check(episodes(me == 1))
     counted = check(episodes(False)[: 4 + me])
+
+    # Environments on the primary (AppWorld's way): each answers with the process that ran it.
+    sys.path.insert(0, os.path.join(os.getcwd(), "tests"))  # the test kit (cwd: the repository)
+    from kit import FakeChat, ScriptedEngine
+    from coevolve_jax.agent import AgentRunner, EpisodeLimits
+    from coevolve_jax.rollout.sampling import SamplingParams
+    from coevolve_jax.types import StepResult, Task
+    class Env:
+      system_prompt, tools = "sys", [{"name": "f"}]
+      def __init__(self, task):
+        self.task, self.n, self.calls, self.observations = task, 0, [[]], [[]]
+      def reset(self):
+        if self.task.task_id == "bad-reset":
+          raise ConnectionError("server down")
+        return StepResult(messages=[{"role": "user", "content": self.task.turns[0]}])
+      def step(self, action):
+        self.n += 1
+        if self.task.task_id == "bad-step":
+          raise TimeoutError("hung")
+        self.calls[0].append([f"f({me})"])
+        self.observations[0].append(f"ran on {me}")
+        done = self.task.task_id == "ok" and self.n == 2
+        return StepResult(messages=[{"role": "tool", "content": f"ran on {me}"}], done=done,
+                          reward=0.5 if done else 0.0, info={"by": me} if done else {})
+      def close(self):
+        pass
+    made = []
+    def make_env(task, episode_id):
+      made.append(episode_id)
+      return Env(task)
+    names = ["ok", "bad-reset", "bad-step", "long"]
+    tasks = [Task(task_id=n, env="fake", turns=["q-" + n], ground_truth=[[]]) for n in names]
+    scripts = {tuple(ord(c) for c in "q-" + n): [[97, 0]] * 5 for n in names}
+    runner = AgentRunner(ScriptedEngine(scripts, num_slots=2), FakeChat(), make_env,
+                         EpisodeLimits(10, 3), env_on_primary=True)
+    trajs = runner.run([(t, i) for i, t in enumerate(tasks)], SamplingParams(0.0),
+                       rng=jax.random.key(0))
     with open(out, "w") as f:
       json.dump({"got": got, "calls": calls, "whole": whole.tolist(), "failed": failed,
                  "unshared": unshared, "primary": distributed.is_primary(), "agreed": agreed,
-                 "diverged": diverged, "counted": counted}, f)
+                 "diverged": diverged, "counted": counted, "made": made,
+                 "episodes": [t.to_dict() for t in trajs]}, f)
 """)
 
 
@@ -411,11 +490,14 @@ def test_primary_decides_and_broadcasts_and_arrays_are_gathered(tmp_path):
   processes, or its failure (the original error on the primary, PrimaryFailed on the other);
   fetch gathers a row-sharded array whole on each; append_lines writes once; check_shared_dir
   passes on one directory and refuses, on both processes, a directory each has its own of;
-  check_agreement passes equal episodes and stops both processes at a planted divergence."""
+  check_agreement passes equal episodes and stops both processes at a planted divergence; an
+  AgentRunner with env_on_primary runs the environments on process 0 and both processes get
+  the same episodes."""
   script = tmp_path / "helpers_worker.py"
   script.write_text(HELPERS_WORKER)
   pair = _launch_pair(lambda i: [sys.executable, str(script), str(tmp_path / f"p{i}.json")], 2)
   _wait_all(pair, timeout=180)
+  episodes = []
   for i in range(2):
     got = json.loads((tmp_path / f"p{i}.json").read_text())
     assert got["got"] == {"made_by": 0, "x": [1, 2.5, "é"]}
@@ -433,6 +515,18 @@ def test_primary_decides_and_broadcasts_and_arrays_are_gathered(tmp_path):
       "process 0 (1 of 5 items differ)"
     ), got["diverged"]
     assert "different numbers of results ([4, 5] by process)" in got["counted"], got["counted"]
+    # AgentRunner(env_on_primary=True): environments are made and run on process 0 only, and
+    # both processes hold its results, failures and records (issue 39 item 2).
+    assert got["made"] == (["ep1", "ep2", "ep3", "ep4"] if i == 0 else [])
+    ok, bad_reset, bad_step, long = got["episodes"]
+    assert (ok["finish"], ok["reward"], ok["info"]) == ("done", 0.5, {"by": 0})
+    assert [r["observation"] for r in ok["replies"]] == ["ran on 0", ""]
+    assert bad_reset["info"] == {"error": "reset: ConnectionError('server down')"}
+    assert bad_step["info"] == {"error": "step: TimeoutError('hung')"}
+    assert (long["finish"], long["calls"]) == ("max_model_steps", [["f(0)"] * 3])
+    assert long["observations"] == [["ran on 0"] * 3]
+    episodes.append(got["episodes"])
+  assert episodes[0] == episodes[1]  # both processes hold the primary's episodes, all of them
   assert (tmp_path / "shared.jsonl").read_text().splitlines() == ["0"]
   assert not (tmp_path / ".shared-workdir-check").exists()  # the primary removed its marker
 

@@ -231,3 +231,49 @@ def test_dockerfile_copies_what_exists_and_pins_match_setup():
   assert f"ARG BFCL_EVAL={bfcl}" in text and launch.BFCL_EVAL == bfcl
   for extra in ("tpu", "gpu"):
     assert f'"{extra}":' in setup
+
+
+@pytest.mark.parametrize(
+  "job_args,needs",
+  [
+    (["--config=configs/appworld.py", "--workdir=/w"], True),
+    (["--config=configs/appworld.py:paper"], True),
+    (["--config=/src/coevolve/configs/appworld.py:cpu"], True),
+    (["--config=configs/bfcl.py", "--config.env=appworld"], True),
+    (["--config=configs/bfcl.py:cpu"], False),
+    (["--config=configs/my_appworld.py.bak"], False),
+  ],
+)
+def test_which_jobs_need_appworld(job_args, needs):
+  from coevolve_jax import launching  # noqa: PLC0415
+
+  assert launching.needs_appworld(job_args) is needs
+
+
+def test_appworld_jobs_install_it_on_worker_0_and_pass_its_data_root():
+  """Issue 39 item 2: AppWorld's servers and episodes run on the primary, so `up` with an
+  AppWorld config installs its environment (and, with --appworld-data, downloads the data) on
+  worker 0 only, and every worker's job gets APPWORLD_ROOT; a BFCL job installs nothing more.
+  Vertex AI replicas get APPWORLD_ROOT from --appworld-data."""
+  job = ["--config=configs/appworld.py", "--workdir=/mnt/b/run"]
+  base = ["--name=cv", "--zone=z", "--accelerator-type=v5p-16", "--version=v"]
+  _, commands = launch.build(["up", *base, "--appworld-data=/data/aw dir", "--", *job])
+  (appworld,) = [c for c in commands if any("appworld-setup" in part for part in c)]
+  assert "--worker=0" in appworld
+  remote = appworld[-1].removeprefix("--command=")
+  assert remote.index("make appworld-setup") < remote.index("appworld download data")
+  assert shlex.split(remote)[-2:] == ["--root", "/data/aw dir"]
+  run = shlex.split(commands[-2][-1].removeprefix("--command="))
+  start = run.index("coevolve_jax.main") + 1
+  assert "APPWORLD_ROOT=/data/aw dir" in run and run[start : start + len(job)] == job
+  _, plain = launch.build(["up", *base, "--", *JOB])
+  assert not any("appworld" in " ".join(c) for c in plain)
+  _, asked = launch.build(["setup", "--name=cv", "--zone=z", "--appworld"])
+  assert "download" not in asked[-1][-1] and "make appworld-setup" in asked[-1][-1]
+
+  aw_job = vertex.build_job(
+    chip="h100", hosts=2, image_uri="img:1", job_args=job, appworld_data="/gcs/b/aw"
+  )
+  for pool in aw_job.job_spec.worker_pool_specs:
+    env = {e.name: e.value for e in pool.container_spec.env}
+    assert env == {"APPWORLD_ROOT": "/gcs/b/aw"}

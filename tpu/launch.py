@@ -69,8 +69,33 @@ def create_commands(args: argparse.Namespace) -> list[list[str]]:
   return [cmd]
 
 
+def _appworld(args: argparse.Namespace) -> bool:
+  """Whether `setup` installs AppWorld: asked for (--appworld, --appworld-data) or, for `up`,
+  the job runs it."""
+  wanted = getattr(args, "appworld", False) or bool(getattr(args, "appworld_data", ""))
+  return wanted or workers.needs_appworld(getattr(args, "job_args", []))
+
+
+def appworld_commands(args: argparse.Namespace) -> list[list[str]]:
+  """On worker 0 only (the primary runs AppWorld's servers and episodes; the other workers
+  receive their results): AppWorld's own environment (`make appworld-setup`) and, with
+  --appworld-data, the official data downloaded there."""
+  steps = [
+    "set -e",
+    "sudo apt-get install -y -qq make",
+    f"cd {REMOTE_DIR}",
+    "make appworld-setup PYTHON=python3.11",
+  ]
+  if args.appworld_data:
+    steps.append(
+      f".venv-appworld/bin/appworld download data --root {shlex.quote(args.appworld_data)}"
+    )
+  return [_ssh(args, " && ".join(steps), worker="0")]
+
+
 def setup_commands(args: argparse.Namespace) -> list[list[str]]:
-  """Archive HEAD, copy it to every worker, install Python 3.11, the package and bfcl-eval."""
+  """Archive HEAD, copy it to every worker, install Python 3.11, the package and bfcl-eval; for
+  AppWorld, its environment (and data) on worker 0 (`appworld_commands`)."""
   archive = f"/tmp/{ARCHIVE}"
   install = " && ".join(
     [
@@ -102,6 +127,7 @@ def setup_commands(args: argparse.Namespace) -> list[list[str]]:
       "--worker=all",
     ],
     _ssh(args, install),
+    *(appworld_commands(args) if _appworld(args) else []),
   ]
 
 
@@ -111,6 +137,8 @@ def worker_env(args: argparse.Namespace) -> dict[str, str]:
   env = {"COEVOLVE_DISTRIBUTED": "auto"}
   if args.heartbeat_timeout_s:
     env["COEVOLVE_HEARTBEAT_TIMEOUT_S"] = str(args.heartbeat_timeout_s)
+  if getattr(args, "appworld_data", ""):
+    env[workers.APPWORLD_ENV_VAR] = args.appworld_data  # read by the primary's AppWorld
   return env
 
 
@@ -182,6 +210,20 @@ def parser() -> argparse.ArgumentParser:
         "per chip).",
       )
       s.add_argument("--spot", action="store_true", help="Spot (preemptible) capacity.")
+    if name in ("setup", "up"):
+      s.add_argument(
+        "--appworld",
+        action="store_true",
+        help="Also install AppWorld (`make appworld-setup`) on worker 0, where its servers run; "
+        "implied by `up` with an AppWorld config.",
+      )
+    if name in ("setup", "run", "up"):
+      s.add_argument(
+        "--appworld-data",
+        default="",
+        help="AppWorld's official data root on worker 0: `setup`/`up` download it there "
+        "(`appworld download data --root DIR`) and the job reads it (APPWORLD_ROOT).",
+      )
     if name in ("logs", "up"):
       s.add_argument("--worker", type=int, default=0, help="Worker whose log to follow.")
     if name == "run":

@@ -31,6 +31,10 @@ from coevolve_jax import accelerators as prices
 from coevolve_jax import launching as workers
 
 HEARTBEAT_ENV = "COEVOLVE_HEARTBEAT_TIMEOUT_S"  # read by coevolve_jax.distributed
+APPWORLD_IMAGE_NOTE = (
+  "AppWorld job: the image must hold AppWorld's environment (docker build -f tpu/Dockerfile "
+  "--build-arg APPWORLD=1); the primary replica runs its servers and episodes"
+)
 CHIP_OF_MACHINE = {facts["vertex"]["machine_type"]: name for name, facts in prices.CHIPS.items()}
 
 
@@ -55,6 +59,7 @@ def build_job(
   hosts: int = 1,
   output_uri: str = "",
   heartbeat_timeout_s: int = 0,
+  appworld_data: str = "",
 ) -> types.CustomJob:
   """The Vertex AI CustomJob for `chip` running `python -m coevolve_jax.main JOB_ARGS`.
 
@@ -67,6 +72,10 @@ def build_job(
     hosts: GPU machines (each with the machine type's GPUs); GPU only.
     output_uri: optional gs:// prefix for Vertex AI's base output directory.
     heartbeat_timeout_s: COEVOLVE_HEARTBEAT_TIMEOUT_S on every replica (0: JAX's default).
+    appworld_data: AppWorld's official data root as the replicas see it (a `/gcs/BUCKET/...`
+      mount of a bucket holding `appworld download data`'s output), set as APPWORLD_ROOT; the
+      primary replica, which runs AppWorld, reads it. An AppWorld job needs an image built with
+      `--build-arg APPWORLD=1`.
   Raises:
     ValueError: unknown chip, a missing or malformed topology for a TPU, a topology for a GPU,
       hosts < 1, an accelerator type this library version does not know, a `gs://` workdir
@@ -86,6 +95,8 @@ def build_job(
   command = ["python", "-m", "coevolve_jax.main"]
   beat = [types.EnvVar(name=HEARTBEAT_ENV, value=str(heartbeat_timeout_s))]
   beat = beat if heartbeat_timeout_s else []
+  if appworld_data:
+    beat.append(types.EnvVar(name=workers.APPWORLD_ENV_VAR, value=appworld_data))
   if facts["kind"] == "tpu":
     try:
       dims = [int(d) for d in topology.split("x")]
@@ -189,6 +200,12 @@ def parser() -> argparse.ArgumentParser:
     "one dies (default: JAX's 100).",
   )
   p.add_argument(
+    "--appworld-data",
+    default="",
+    help="AppWorld's official data root as the replicas see it (e.g. /gcs/BUCKET/appworld), "
+    "set as APPWORLD_ROOT. AppWorld jobs need an image built with --build-arg APPWORLD=1.",
+  )
+  p.add_argument(
     "--dry-run",
     action="store_true",
     help="Print the job as JSON, and each replica's environment and role on stderr; submit "
@@ -215,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
       hosts=args.hosts,
       output_uri=args.output_uri,
       heartbeat_timeout_s=args.heartbeat_timeout_s,
+      appworld_data=args.appworld_data,
     )
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
@@ -227,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     for line in replica_lines(job):  # stderr: stdout stays the job's JSON
       print(line, file=sys.stderr)
+    if workers.needs_appworld(args.job_args):
+      print(APPWORLD_IMAGE_NOTE, file=sys.stderr)
     return 0
   from google.auth import exceptions as auth_exceptions  # noqa: PLC0415
   from google.cloud import aiplatform  # noqa: PLC0415 (slow import; not needed for --dry-run)

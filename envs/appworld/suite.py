@@ -24,12 +24,13 @@ back to the loop, which commits them to the pool.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from coevolve_jax import config
+from coevolve_jax import config, distributed
 from coevolve_jax.chat import ChatFormat
 from coevolve_jax.feedback.llm import TextLLM
 from coevolve_jax.feedback.synthesis import Synthesizer
@@ -186,45 +187,28 @@ class AppWorldSuite:
   """
 
   name = "appworld"
-  # One world root and one set of servers per run: not yet shared across processes.
-  multi_process = False
+  # One world root and one set of servers per job, on the primary process: with several
+  # processes the episodes run there and their results are broadcast (AgentRunner).
+  multi_process = True
+  env_on_primary = True
   train_tasks: Sequence[Task]  # as the Suite protocol declares them (lists here)
   eval_tasks: Sequence[Task]
+  pool: ServerPool | None  # None on a process other than the primary
 
   def __init__(self, cfg: Any, workdir: str):
-    check_setup(cfg)
     aw = self.aw = cfg.appworld
     self.eval_max_steps = int(cfg.eval.max_steps_per_turn)
-    self.python = venv_python(aw.venv)
     b = aw.build
     self.build_args = {"num_people": int(b.num_people), "num_notes": int(b.num_notes)}
-    if aw.source == "generated":
-      self.root = os.path.join(workdir, "appworld_root")
-      rows = build_worlds(
-        self.root,
-        self.python,
-        num_scenarios=b.num_scenarios,
-        tasks_per_scenario=b.tasks_per_scenario,
-        eval_scenarios=b.eval_scenarios,
-        seed=cfg.seed,
-        templates=tuple(b.templates),
-        **self.build_args,
-      )
-      self.train_tasks = rows_to_tasks(rows, "train")
-      self.eval_tasks = rows_to_tasks(rows, "test_normal")
-    else:
-      self.data_root = str(aw.data_root)
-      self.train_tasks = load_split(self.data_root, str(aw.split))
-      # Several splits (the paper evaluates test_normal and test_challenge): one list, in order.
-      self.eval_tasks = [
-        t for name in split_names(aw.eval_split) for t in load_split(self.data_root, name)
-      ]
-      # Servers run on an overlay of the official data under the workdir, so that derived tasks
-      # can be written beside the official ones without touching the data folder.
-      self.root = overlay_root(self.data_root, os.path.join(workdir, "appworld_root"))
-    log_dir = os.path.join(workdir, "appworld_logs")
-    os.makedirs(log_dir, exist_ok=True)
-    # One server per decode slot, plus one for the feedback round running beside the rollouts.
+    self.root = os.path.join(workdir, "appworld_root")
+    self.data_root = str(aw.data_root or "")
+    self.python = ""
+    self.pool = None
+    # The worlds, servers and data live on the primary only (the other processes need no
+    # AppWorld environment or data); every process gets the task lists from it.
+    tasks = distributed.on_primary(lambda: self._serve(cfg, workdir))
+    self.train_tasks = [Task.from_dict(t) for t in tasks["train"]]
+    self.eval_tasks = [Task.from_dict(t) for t in tasks["eval"]]
     # The data the run is scored on (summary.json "data_release"): generated worlds or the
     # official download, and which test splits.
     self.data_release = {
@@ -232,15 +216,6 @@ class AppWorldSuite:
       "data_root": cfg.appworld.data_root,
       "eval_split": cfg.appworld.eval_split,
     }
-    self.pool = ServerPool(
-      self.root,
-      size=int(cfg.engine.num_slots) + 1,
-      python=self.python,
-      timeout_s=float(aw.timeout_s),
-      startup_timeout_s=float(aw.startup_timeout_s),
-      log_dir=log_dir,
-      memory_mib=int(aw.server_memory_mib),
-    )
     self.api_inventory: dict[str, list[str]] | None = None
     ex = cfg.explore
     self.explore_args = {
@@ -252,6 +227,54 @@ class AppWorldSuite:
     self.judge = bool(ex.judge)
     self.seed = int(cfg.seed)
 
+  def _serve(self, cfg: Any, workdir: str) -> dict[str, list[dict[str, Any]]]:
+    """On the primary process: checks the set-up, builds the generated worlds (or overlays the
+    official data), starts the server pool; returns the train and evaluation tasks as dicts.
+
+    Raises:
+      AppWorldUnavailable: the AppWorld environment or the official data is missing.
+    """
+    check_setup(cfg)
+    aw, b = self.aw, self.aw.build
+    self.python = venv_python(aw.venv)
+    if aw.source == "generated":
+      rows = build_worlds(
+        self.root,
+        self.python,
+        num_scenarios=b.num_scenarios,
+        tasks_per_scenario=b.tasks_per_scenario,
+        eval_scenarios=b.eval_scenarios,
+        seed=cfg.seed,
+        templates=tuple(b.templates),
+        **self.build_args,
+      )
+      train, held_out = rows_to_tasks(rows, "train"), rows_to_tasks(rows, "test_normal")
+    else:
+      train = load_split(self.data_root, str(aw.split))
+      # Several splits (the paper evaluates test_normal and test_challenge): one list, in order.
+      held_out = [
+        t for name in split_names(aw.eval_split) for t in load_split(self.data_root, name)
+      ]
+      # Servers run on an overlay of the official data under the workdir, so that derived tasks
+      # can be written beside the official ones without touching the data folder.
+      self.root = overlay_root(self.data_root, self.root)
+    log_dir = os.path.join(workdir, "appworld_logs")
+    os.makedirs(log_dir, exist_ok=True)
+    # One server per decode slot, plus one for the feedback round running beside the rollouts.
+    self.pool = ServerPool(
+      self.root,
+      size=int(cfg.engine.num_slots) + 1,
+      python=self.python,
+      timeout_s=float(aw.timeout_s),
+      startup_timeout_s=float(aw.startup_timeout_s),
+      log_dir=log_dir,
+      memory_mib=int(aw.server_memory_mib),
+    )
+    return {
+      "train": [dataclasses.asdict(t) for t in train],
+      "eval": [dataclasses.asdict(t) for t in held_out],
+    }
+
   # ------------------------------------------------------------------ episodes
 
   def make_env(self, task: Task, episode_id: str, *, eval: bool = False) -> AppWorldEnv:
@@ -261,11 +284,24 @@ class AppWorldSuite:
     del episode_id
     return self.episode(task, self.eval_max_steps if eval else int(self.aw.max_steps))
 
+  def _servers(self) -> ServerPool:
+    """The server pool; RuntimeError on a process other than the primary, which has none."""
+    if self.pool is None:
+      raise RuntimeError(
+        "AppWorld's environments run on the primary process only; another process asked for "
+        "one (a caller that does not honour Suite.env_on_primary)"
+      )
+    return self.pool
+
   def episode(self, task: Task, max_steps: int) -> AppWorldEnv:
-    """A fresh episode of `task` on the suite's servers with a limit of `max_steps` replies."""
+    """A fresh episode of `task` on the suite's servers with a limit of `max_steps` replies.
+
+    Raises:
+      RuntimeError: on a process other than the primary (`_servers`).
+    """
     return AppWorldEnv(
       task,
-      self.pool,
+      self._servers(),
       experiment="coevolve",
       max_steps=int(max_steps),
       max_obs_chars=int(self.aw.max_obs_chars),
@@ -342,7 +378,7 @@ class AppWorldSuite:
       task = (self.train_tasks or self.eval_tasks)[0]
       env = AppWorldEnv(
         task,
-        self.pool,
+        self._servers(),
         experiment="discover",
         max_steps=2,
         max_obs_chars=1 << 20,
@@ -373,7 +409,8 @@ class AppWorldSuite:
     return split_goal_completion({t.task_id: bool(t.info.get("success")) for t in trajs}, split_of)
 
   def close(self) -> None:
-    self.pool.close()
+    if self.pool is not None:
+      self.pool.close()
 
 
 Suite = AppWorldSuite

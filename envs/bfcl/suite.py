@@ -126,6 +126,7 @@ class BfclSuite:
   name = "bfcl"
   # Backends are deterministic and per process: every process runs its own episodes.
   multi_process = True
+  env_on_primary = False
   train_tasks: Sequence[Task]  # as the Suite protocol declares them (lists here)
   eval_tasks: Sequence[Task]
 
