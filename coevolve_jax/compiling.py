@@ -4,9 +4,11 @@ once, shared by the engine's and the trainer's `compile_ahead`."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 from concurrent import futures
 
 import jax
@@ -49,6 +51,49 @@ def run_all(calls: Sequence[Callable[[], None]], threads: int = 0) -> None:
     raise
   finally:
     pool.shutdown(wait=not interrupted, cancel_futures=interrupted)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramMemory:
+  """One compiled program's memory on one device, from XLA's buffer assignment
+  (`Compiled.memory_analysis()`, the backend the program was compiled for; SPMD programs are
+  per device). Bytes.
+
+  Attributes:
+    name: what the program is and its shape, e.g. "prefill rows=8 t=64 kv=512".
+    temp: temporaries (activations, scores, copies) live during the call.
+    arguments / outputs: the call's inputs and results.
+    aliased: outputs written in place of donated inputs (no new memory).
+  """
+
+  name: str
+  temp: int
+  arguments: int
+  outputs: int
+  aliased: int
+
+  @property
+  def added(self) -> int:
+    """What a call allocates beyond its (resident) inputs: temporaries and new outputs."""
+    return self.temp + max(0, self.outputs - self.aliased)
+
+  @classmethod
+  def of(cls, name: str, compiled: Any) -> "ProgramMemory | None":
+    """The figures of `compiled` (a `jax.stages.Compiled`), or None where the backend gives
+    none."""
+    try:
+      m = compiled.memory_analysis()
+    except (NotImplementedError, RuntimeError):
+      return None
+    if m is None:
+      return None
+    return cls(
+      name,
+      int(m.temp_size_in_bytes),
+      int(m.argument_size_in_bytes),
+      int(m.output_size_in_bytes),
+      int(m.alias_size_in_bytes),
+    )
 
 
 AUTO_CACHE = "auto"  # `compile.cache_dir`'s default (`resolve_cache_dir`)

@@ -140,14 +140,6 @@ def _check_processes(cfg: Any) -> None:
     )
 
 
-def _host_memory_bytes() -> int | None:
-  """The machine's physical memory in bytes, or None where the OS does not say."""
-  try:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  except (ValueError, OSError, AttributeError):
-    return None
-
-
 def _plan_memory(cfg: Any, mesh: jax.sharding.Mesh) -> int:
   """Chooses `train.micro_batches` (0 = auto: the fewest slices that fit) and stops at
   start-up, with the memory planner's table, when the run cannot fit its devices
@@ -164,10 +156,7 @@ def _plan_memory(cfg: Any, mesh: jax.sharding.Mesh) -> int:
       config.json.
   """
   device = jax.local_devices()[0]
-  limit = (device.memory_stats() or {}).get("bytes_limit")
-  where = "device"
-  if limit is None and device.platform == "cpu" and (host := _host_memory_bytes()):
-    limit, where = host // jax.local_device_count(), "host-memory share per CPU device"
+  limit, where = memory_plan.device_memory_limit()
   try:
     micro, plan = memory_plan.fit_run(
       cfg, dict(mesh.shape), limit, confirm_compiled=device.platform != "cpu"

@@ -32,7 +32,15 @@ import ml_collections
 import numpy as np
 import tqdm
 
-from coevolve_jax import advantages, components, config, distributed, errors, warmstart
+from coevolve_jax import (
+  advantages,
+  components,
+  config,
+  distributed,
+  errors,
+  memory_plan,
+  warmstart,
+)
 from coevolve_jax import workdir as workdir_files
 from coevolve_jax.checkpoint import CheckpointMismatchError
 from coevolve_jax.errors import CorruptFileError, RunError
@@ -380,6 +388,40 @@ class CoEvolveRun:
         rollouts, cfg.train.mini_batches, routing=routing, threads=threads
       )
     print(f"compiled ahead: {engine} engine programs, {train} train batch shapes")
+    self._check_program_memory()
+
+  def _check_program_memory(self) -> None:
+    """The memory per device of the largest compiled prefill, decode and update programs on top
+    of what is resident (`memory_plan.check_programs`): printed; on a GPU or TPU a program that
+    would not fit stops the run here, before step 1, instead of failing inside it. On CPU the
+    limit is a share of the host's memory and XLA:CPU's buffer assignment is not a device's:
+    the figures are printed as estimates and nothing stops."""
+    trainer, engine = self.trainer, self.parts.engine
+    trainer.inference_params()  # the rollout copy, as step 1's rollouts will hold it (if any)
+    copy = trainer.rollout_copy
+    limit, where = memory_plan.device_memory_limit()
+    check = memory_plan.check_programs(
+      engine.program_memory,
+      trainer.program_memory,
+      memory_plan.device_bytes(),
+      memory_plan.device_bytes(copy) if copy is not None else 0,
+      limit,
+      where,
+    )
+    cpu = jax.local_devices()[0].platform == "cpu"
+    lines = check.lines() + (["  (CPU: estimates, not a device's figures)"] if cpu else [])
+    if distributed.is_primary():
+      print("\n".join(lines))
+    # The primary's verdict on every process (the programs are the same SPMD programs), so that
+    # all stop or none does.
+    over = distributed.broadcast_json([p.name for p, _ in check.over] if not cpu else [])
+    if over:
+      names = ", ".join(over)
+      raise RunError(
+        f"the run would run out of device memory in {names}:\n" + "\n".join(lines) + "\n"
+        "Use more train.micro_batches (or 0: the fewest that fit), fewer engine.num_slots, a "
+        "shorter engine.cache_len or smaller engine.max_prefill_tokens, or more devices."
+      )
 
   # ------------------------------------------------------------------ set-up, checkpoints, logs
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -647,3 +648,102 @@ def fit_run(
     f"{format_table([p], gib, headroom=1.0)}\nSet train.micro_batches = 0 (the fewest slices "
     f"that fit), use more devices, or a shorter engine.cache_len."
   )
+
+
+# ------------------------------------------------------------------ the job's compiled programs
+
+
+def device_memory_limit() -> tuple[int | None, str]:
+  """(bytes one local device may use, what that figure is): the device's own limit on GPUs and
+  TPUs (`memory_stats()["bytes_limit"]`); on CPU an equal share of the machine's memory per host
+  device (an estimate: the devices share it); (None, ...) where neither is known."""
+  device = jax.local_devices()[0]
+  limit = (device.memory_stats() or {}).get("bytes_limit")
+  if limit is not None:
+    return int(limit), "device"
+  if device.platform == "cpu":
+    try:
+      host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+      return None, "unknown"
+    return host // jax.local_device_count(), "host-memory share per CPU device"
+  return None, "unknown"
+
+
+def device_bytes(arrays: Any = None) -> int:
+  """The most bytes any local device holds of `arrays` (a pytree of jax.Arrays; None: every live
+  array of this process, `jax.live_arrays()`): what is resident per device, shards counted
+  where they are (a replicated array counts on every device)."""
+  leaves = jax.live_arrays() if arrays is None else jax.tree.leaves(arrays)
+  per_device: dict[int, int] = {}
+  for x in leaves:
+    if not isinstance(x, jax.Array) or x.is_deleted():
+      continue
+    for shard in x.addressable_shards:
+      size = math.prod(shard.data.shape) * x.dtype.itemsize
+      per_device[shard.device.id] = per_device.get(shard.device.id, 0) + size
+  return max(per_device.values(), default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramCheck:
+  """The job's memory per device while its largest compiled programs run.
+
+  Attributes:
+    resident: bytes every live array holds now (parameters, optimizer state, reference, KV
+      cache, the rollout copy when one is made), on the fullest device.
+    rollout_copy: bytes of that total that are the rollout weight copy, which the trainer
+      releases before an update (`PolicyTrainer.grpo_epoch`).
+    peaks: (program, peak bytes) of the largest program of each kind: an engine program runs
+      beside everything resident, an update beside everything but the rollout copy.
+    limit: bytes one device may use (None: unknown); where: what `limit` is.
+  """
+
+  resident: int
+  rollout_copy: int
+  peaks: tuple[tuple[Any, int], ...]
+  limit: int | None
+  where: str
+
+  @property
+  def over(self) -> list[tuple[Any, int]]:
+    """The programs whose peak exceeds `limit`."""
+    return [(p, b) for p, b in self.peaks if self.limit is not None and b > self.limit]
+
+  def lines(self) -> list[str]:
+    """The check as text: one line per program, then the limit."""
+    out = [
+      f"memory per device, from the compiled programs (XLA's buffer assignment): resident "
+      f"{self.resident / GIB:.2f} GiB (of which rollout weight copy "
+      f"{self.rollout_copy / GIB:.2f} GiB)"
+    ]
+    for program, peak in self.peaks:
+      out.append(f"  {program.name}: +{program.added / GIB:.2f} GiB -> {peak / GIB:.2f} GiB")
+    if self.limit is not None:
+      out.append(f"  limit {self.limit / GIB:.1f} GiB ({self.where})")
+    return out
+
+
+def check_programs(
+  engine_programs: Sequence[Any],
+  update_programs: Sequence[Any],
+  resident: int,
+  rollout_copy: int,
+  limit: int | None,
+  where: str,
+) -> ProgramCheck:
+  """The peak per device of the largest prefill, decode and update program
+  (`compiling.ProgramMemory`, what `compile_ahead` compiled): resident bytes plus what the
+  program allocates (`ProgramMemory.added`); an update's without the rollout copy, which is
+  released before training."""
+  peaks = []
+  kinds: dict[str, list[Any]] = {}
+  for p in engine_programs:
+    kinds.setdefault(p.name.split()[0], []).append(p)
+  for programs in kinds.values():
+    top = max(programs, key=lambda p: p.added)
+    peaks.append((top, resident + top.added))
+  if update_programs:
+    top = max(update_programs, key=lambda p: p.added)
+    peaks.append((top, resident - rollout_copy + top.added))
+  return ProgramCheck(resident, rollout_copy, tuple(peaks), limit, where)

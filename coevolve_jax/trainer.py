@@ -519,6 +519,8 @@ class PolicyTrainer:
     self._version = 0  # bumped by every new `params` (update, restore, assignment)
     self._infer, self._infer_version = None, -1
     self.last_sync_s = 0.0  # seconds the last `inference_params()` copy took
+    # Per device, each update `compile_ahead` compiled (`compiling.ProgramMemory`).
+    self.program_memory: list[compiling.ProgramMemory] = []
     self.graphdef, params = nnx.split(model)
     self.model_config = model.config
     keep_stacked = inference_stacked and model.stacked
@@ -746,6 +748,13 @@ class PolicyTrainer:
     return self._infer
 
   @property
+  def rollout_copy(self):
+    """The rollout weight copy `inference_params` made, while it is alive (an nnx.State), or
+    None: none made since the last update, released (`grpo_epoch`), or no copy needed (the
+    engine decodes `params` themselves)."""
+    return None if self._infer is None or self._infer is self.params else self._infer
+
+  @property
   def state(self) -> TrainState:
     """The current parameters, optimizer state and reference as one `TrainState` (the trainer's
     own buffers, not copies: the next update donates them)."""
@@ -868,7 +877,8 @@ class PolicyTrainer:
       threads: shapes compiled at once (`compiling.compile_threads`: 0 = the host's CPU
         count, at most 8).
     Returns:
-      The number of (rows, T, P) shapes compiled.
+      The number of (rows, T, P) shapes compiled; each update's memory per device is appended
+      to `program_memory`.
     Raises:
       ValueError: no `len_buckets` or `target_buckets` (the default rule is not a bounded set).
     """
@@ -894,7 +904,10 @@ class PolicyTrainer:
       old = self.logprobs(batch)
       ref = self.logprobs(batch, self.ref_params)
       with self._ctx():  # per thread: the mesh context is thread-local
-        self._grpo_step.lower(*self._update_args(batch, old, ref)).compile()
+        compiled = self._grpo_step.lower(*self._update_args(batch, old, ref)).compile()
+      memory = compiling.ProgramMemory.of(f"grpo update rows={rows} T={t} P={p}", compiled)
+      if memory is not None:
+        self.program_memory.append(memory)  # list.append: one at a time under the GIL
 
     shapes = [(rows, t, p) for rows in sizes for t, p in pairs]
     compiling.run_all([functools.partial(compile_shape, *shape) for shape in shapes], threads)

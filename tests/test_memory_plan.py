@@ -280,3 +280,35 @@ def test_a_checkpoint_run_is_planned_from_its_config_json(tmp_path):
   cfg.model.checkpoint = str(tmp_path / "missing")
   with pytest.raises(FileNotFoundError, match="config.json not found"):
     memory_plan.plan_for_run(cfg, mesh)
+
+
+def test_check_programs_adds_each_programs_allocation_to_what_is_resident():
+  """Issue 39 item 4: the start-up check from compiled programs: the largest prefill, decode and
+  update (by what each allocates beyond its inputs: temporaries + outputs not written in place),
+  each on top of the resident bytes, the update without the rollout copy it releases first."""
+  from coevolve_jax.compiling import ProgramMemory  # noqa: PLC0415
+
+  gib = memory_plan.GIB
+  engine = [
+    ProgramMemory("prefill rows=8 t=64 kv=512", 3 * gib, 9 * gib, 9 * gib, 9 * gib),
+    ProgramMemory("prefill rows=4 t=128 kv=512", 2 * gib, 9 * gib, 9 * gib, 9 * gib),
+    ProgramMemory("decode slots=8 kv=512 steps=4", gib // 2, 9 * gib, 10 * gib, 9 * gib),
+  ]
+  update = [ProgramMemory("grpo update rows=4 T=512 P=64", 6 * gib, 12 * gib, 8 * gib, 7 * gib)]
+  check = memory_plan.check_programs(engine, update, 20 * gib, 4 * gib, 24 * gib, "device")
+  peaks = {p.name: b / gib for p, b in check.peaks}
+  assert peaks == {
+    "prefill rows=8 t=64 kv=512": 23.0,  # 20 + 3 (outputs all aliased)
+    "decode slots=8 kv=512 steps=4": 21.5,  # 20 + 0.5 + 1 new output
+    "grpo update rows=4 T=512 P=64": 23.0,  # 20 - 4 + 6 + 1
+  }
+  assert check.over == []
+  tight = memory_plan.check_programs(engine, update, 20 * gib, 4 * gib, 22 * gib, "device")
+  assert [p.name for p, _ in tight.over] == [
+    "prefill rows=8 t=64 kv=512",
+    "grpo update rows=4 T=512 P=64",
+  ]
+  text = "\n".join(tight.lines())
+  assert "resident 20.00 GiB (of which rollout weight copy 4.00 GiB)" in text
+  assert "prefill rows=8 t=64 kv=512: +3.00 GiB -> 23.00 GiB" in text
+  assert text.endswith("limit 22.0 GiB (device)")

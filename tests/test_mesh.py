@@ -308,6 +308,30 @@ def _compile_ahead_child() -> None:
   assert trainer.compile_ahead(rollouts=8, mini_batches=2) == 2  # rows 4; (64, 32), (128, 32)
   ahead = counter.pop()
   assert all(ahead.get(f"compile/program/{p}") for p in programs), ahead
+  # Issue 39 item 4: each compiled program's memory per device, and the start-up check's peaks.
+  from coevolve_jax import memory_plan
+
+  names = sorted(p.name for p in engine.program_memory + trainer.program_memory)
+  assert [n for n in names if not n.startswith("prefill ")] == [
+    "decode slots=8 kv=128 steps=4",
+    "grpo update rows=4 T=128 P=32",
+    "grpo update rows=4 T=64 P=32",
+  ], names
+  assert "prefill rows=8 t=64 kv=128" in names
+  update = max(trainer.program_memory, key=lambda p: p.arguments)
+  state = (trainer.params, trainer.opt_state)
+  whole = sum(x.nbytes for x in jax.tree.leaves(state))
+  # The update's inputs per device: its shards of parameters and optimizer state (and the
+  # rows), not the whole (sharded over 8 devices: data 2 x fsdp 4).
+  assert memory_plan.device_bytes(state) <= update.arguments < whole / 2, (update, whole)
+  copy = memory_plan.device_bytes(trainer.inference_params())
+  resident = memory_plan.device_bytes()
+  check = memory_plan.check_programs(
+    engine.program_memory, trainer.program_memory, resident, copy, 1 << 40, "test"
+  )
+  assert [p.name.split()[0] for p, _ in check.peaks] == ["prefill", "decode", "grpo"]
+  assert all(peak == resident + p.added for p, peak in check.peaks[:2])
+  assert check.peaks[2][1] == resident - copy + check.peaks[2][0].added and not check.over
   rng = np.random.default_rng(0)
   for step in range(2):
     prompts = [[int(x) for x in rng.integers(4, 512, int(rng.integers(5, 60)))] for _ in range(8)]

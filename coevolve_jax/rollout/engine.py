@@ -546,6 +546,8 @@ class Engine:
     # Per slot: routing of the consumed tokens, in order, as [n, L_moe, k] pieces (host memory).
     self.record_routing = bool(record_routing) and bool(self.config.moe_layers)
     self._routing: list[list[np.ndarray]] = [[] for _ in range(num_slots)]
+    # Per device, each program `compile_ahead` compiled (`compiling.ProgramMemory`).
+    self.program_memory: list[compiling.ProgramMemory] = []
 
   @property
   def max_concurrent_decodes(self) -> int:
@@ -1065,9 +1067,12 @@ class Engine:
       threads: compiles at once (`compiling.compile_threads`: 0 = the host's CPU count, at
         most 8).
     Returns:
-      The number of programs lowered and compiled (those already compiled are cache hits).
+      The number of programs lowered and compiled (those already compiled are cache hits); each
+      one's memory per device is appended to `program_memory`.
     """
-    jobs: list[tuple[Callable, tuple]] = []  # arguments made here: `weights()` is not re-entrant
+    jobs: list[
+      tuple[str, Callable, tuple]
+    ] = []  # arguments made here: `weights()` is not re-entrant
     b = self.num_slots
     keys = jax.random.split(jax.random.key(0), b)
     active, zeros = np.ones((b,), bool), np.zeros((b,), np.int32)
@@ -1081,19 +1086,22 @@ class Engine:
           sampling,
           kv,
         )
-        jobs.append((_prefill_rows, args))
+        jobs.append((f"prefill rows={rows} t={t} kv={kv}", _prefill_rows, args))
       for kv in self.decode_buckets():
         for k in sorted(set(decode_steps)):
           args = self._generate_steps_args(
             active, keys, zeros, zeros + 1, k, stop_ids, sampling, kv, k
           )
-          jobs.append((_generate_steps, args))
-    compiling.run_all([functools.partial(self._compile, fn, args) for fn, args in jobs], threads)
+          jobs.append((f"decode slots={b} kv={kv} steps={k}", _generate_steps, args))
+    calls = [functools.partial(self._compile, *job) for job in jobs]
+    compiling.run_all(calls, threads)
     return len(jobs)
 
-  def _compile(self, fn, args: tuple) -> None:
+  def _compile(self, name: str, fn, args: tuple) -> None:
     with self._ctx():  # per thread: the mesh context is thread-local
-      fn.lower(*args).compile()
+      memory = compiling.ProgramMemory.of(name, fn.lower(*args).compile())
+    if memory is not None:
+      self.program_memory.append(memory)  # list.append: one at a time under the GIL
 
 
 if TYPE_CHECKING:  # mypy checks Engine against the SlotEngine protocol
