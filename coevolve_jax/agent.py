@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import time
 from concurrent import futures
 from collections.abc import Callable, Iterable, Sequence
@@ -104,14 +105,18 @@ class _EnvOnPrimary:
     pass
 
 
-def _outcome(fut: futures.Future) -> dict:
-  """A finished environment step as JSON: {"result": StepResult fields, "seconds": s}, or
-  {"error": repr of what it raised}."""
+def _outcome(fut: futures.Future, to_share: bool = False) -> dict:
+  """A finished environment step: {"result": StepResult fields, "seconds": s}, or {"error":
+  repr of what it raised}. `to_share` (it goes to the other processes as JSON): a result that
+  JSON cannot carry is that step's error, so the collective never fails half-way."""
   try:
     result, seconds = fut.result()
+    out = {"result": dataclasses.asdict(result), "seconds": seconds}
+    if to_share:
+      json.dumps(out)
   except Exception as e:  # environment failure: that episode fails, the batch goes on
     return {"error": repr(e)}
-  return {"result": dataclasses.asdict(result), "seconds": seconds}
+  return out
 
 
 class AgentRunner:
@@ -273,7 +278,7 @@ class AgentRunner:
       done.sort(key=lambda f: self._stepping[f].index)
     if self.env_on_primary:  # the primary's results, in episode order, on every process
       outcomes = distributed.broadcast_json(
-        [_outcome(f) for f in done] if distributed.is_primary() else None
+        [_outcome(f, to_share=True) for f in done] if distributed.is_primary() else None
       )
     else:
       outcomes = [_outcome(f) for f in done]

@@ -170,9 +170,14 @@ def broadcast_json(value: Any) -> Any:
   """
   if jax.process_count() == 1:
     return value
+  return _broadcast_text(json.dumps(value) if is_primary() else "")
+
+
+def _broadcast_text(text: str) -> Any:
+  """The primary's JSON `text`, decoded, on every process (a collective)."""
   from jax.experimental import multihost_utils  # noqa: PLC0415
 
-  data = json.dumps(value).encode("utf-8") if is_primary() else b""
+  data = text.encode("utf-8") if is_primary() else b""
   size = int(multihost_utils.broadcast_one_to_all(np.int64(len(data))))
   buf = np.frombuffer(data, np.uint8) if is_primary() else np.zeros((size,), np.uint8)
   buf = np.asarray(multihost_utils.broadcast_one_to_all(buf))
@@ -185,20 +190,19 @@ def on_primary(fn: Callable[[], Any]) -> Any:
   environment writes) happens once however many processes run. A collective.
 
   Raises:
-    whatever `fn` raised, on the primary; `PrimaryFailed` with its message on the others (the
-    failure is broadcast too, so no process waits for a result that will not come).
+    whatever `fn` raised (or the TypeError of a result that is not JSON), on the primary;
+    `PrimaryFailed` with its message on the others (the failure is broadcast too, so no
+    process waits for a result that will not come).
   """
   if jax.process_count() == 1:
     return fn()
-  failure = None
+  failure, text = None, ""
   if is_primary():
     try:
-      outcome = {"result": fn()}
+      text = json.dumps({"result": fn()})
     except BaseException as e:  # every process must leave the collective, then all stop
-      failure, outcome = e, {"error": f"{type(e).__name__}: {e}"}
-  else:
-    outcome = None
-  outcome = broadcast_json(outcome)
+      failure, text = e, json.dumps({"error": f"{type(e).__name__}: {e}"})
+  outcome = _broadcast_text(text)
   if failure is not None:
     raise failure
   if "error" in outcome:

@@ -459,6 +459,8 @@ HELPERS_WORKER = textwrap.dedent("""
         self.n += 1
         if self.task.task_id == "bad-step":
           raise TimeoutError("hung")
+        if self.task.task_id == "not-json":  # a result JSON cannot carry to the other process
+          return StepResult(messages=[], done=True, info={"when": {1, 2}})
         self.calls[0].append([f"f({me})"])
         self.observations[0].append(f"ran on {me}")
         done = self.task.task_id == "ok" and self.n == 2
@@ -470,7 +472,7 @@ HELPERS_WORKER = textwrap.dedent("""
     def make_env(task, episode_id):
       made.append(episode_id)
       return Env(task)
-    names = ["ok", "bad-reset", "bad-step", "long"]
+    names = ["ok", "bad-reset", "bad-step", "long", "not-json"]
     tasks = [Task(task_id=n, env="fake", turns=["q-" + n], ground_truth=[[]]) for n in names]
     scripts = {tuple(ord(c) for c in "q-" + n): [[97, 0]] * 5 for n in names}
     runner = AgentRunner(ScriptedEngine(scripts, num_slots=2), FakeChat(), make_env,
@@ -517,14 +519,15 @@ def test_primary_decides_and_broadcasts_and_arrays_are_gathered(tmp_path):
     assert "different numbers of results ([4, 5] by process)" in got["counted"], got["counted"]
     # AgentRunner(env_on_primary=True): environments are made and run on process 0 only, and
     # both processes hold its results, failures and records (issue 39 item 2).
-    assert got["made"] == (["ep1", "ep2", "ep3", "ep4"] if i == 0 else [])
-    ok, bad_reset, bad_step, long = got["episodes"]
+    assert got["made"] == (["ep1", "ep2", "ep3", "ep4", "ep5"] if i == 0 else [])
+    ok, bad_reset, bad_step, long, not_json = got["episodes"]
     assert (ok["finish"], ok["reward"], ok["info"]) == ("done", 0.5, {"by": 0})
     assert [r["observation"] for r in ok["replies"]] == ["ran on 0", ""]
     assert bad_reset["info"] == {"error": "reset: ConnectionError('server down')"}
     assert bad_step["info"] == {"error": "step: TimeoutError('hung')"}
     assert (long["finish"], long["calls"]) == ("max_model_steps", [["f(0)"] * 3])
     assert long["observations"] == [["ran on 0"] * 3]
+    assert not_json["info"]["error"].startswith("step: TypeError('Object of type set")
     episodes.append(got["episodes"])
   assert episodes[0] == episodes[1]  # both processes hold the primary's episodes, all of them
   assert (tmp_path / "shared.jsonl").read_text().splitlines() == ["0"]
