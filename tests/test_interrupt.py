@@ -3,13 +3,16 @@
 The run is interrupted while its feedback round waits on an explorer LLM that takes minutes to
 answer (a Gemini stub that holds every request): Python would join that round's worker thread
 before exiting (it took the whole delay); the run must instead finish its checkpoint, close its
-logs and exit within 5 s, with status 128 + the signal and the resume advice."""
+logs and exit within 5 s, with status 128 + the signal and the resume advice. The default test
+also checks that neither run writes the Gemini API key anywhere (files, output, logs)."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
@@ -99,8 +102,13 @@ def _interrupt_in_round(command, env, stub, sig) -> tuple[subprocess.CompletedPr
 @pytest.mark.timeout(900)
 def test_ctrl_c_in_a_round_exits_in_seconds_and_the_command_resumes(tmp_path):
   """SIGINT while the round waits on the explorer: exit status 130 within 5 s, the resume advice,
-  a complete checkpoint; the same command then resumes from it and finishes the run."""
-  env = {**os.environ, "GEMINI_API_KEY": "interrupt-test-key"}
+  a complete checkpoint; the same command then resumes from it and finishes the run, with the
+  round joined after step 3. Every Gemini request carried the API key, and no file of the run
+  (config dump, logs, metrics, feedback and exploration logs, pool, checkpoints), nor the output
+  of either run, holds it."""
+  key = f"AIzaLEAKCHECK-{uuid.uuid4().hex}"
+  env = {k: v for k, v in os.environ.items() if k != "GOOGLE_API_KEY"}
+  env["GEMINI_API_KEY"] = key
   workdir = str(tmp_path / "run")
   with HoldingStub() as stub:
     command = _command(workdir, stub.url)
@@ -118,6 +126,19 @@ def test_ctrl_c_in_a_round_exits_in_seconds_and_the_command_resumes(tmp_path):
   summary = done.stdout[done.stdout.index("{") :]
   assert '"resumed_from_step": ' + str(steps[-1]) in summary, summary
   assert '"steps": 3' in summary, summary
+  with open(os.path.join(workdir, "feedback.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  assert rows[0]["stage"] == "d0" and rows[0]["round"] == 0  # D0's row, then the round's
+  assert [(r["round"], r["start_step"], r["step"]) for r in rows[1:]] == [(1, 2, 3)], rows
+  # The API key: sent with every request, written nowhere.
+  assert stub.requests and all(r["headers"].get("x-goog-api-key") == key for r in stub.requests)
+  files = [os.path.join(d, f) for d, _, fs in os.walk(workdir) for f in fs]
+  assert any(f.endswith("config.json") for f in files) and any("checkpoints" in f for f in files)
+  assert any(f.endswith("exploration.jsonl") for f in files)
+  leaked = [f for f in files if key.encode() in open(f, "rb").read()]
+  assert not leaked, f"API key written to {leaked}"
+  for out in (proc.stdout, proc.stderr, done.stdout, done.stderr):
+    assert key not in out
 
 
 @pytest.mark.slow

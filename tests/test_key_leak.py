@@ -73,25 +73,6 @@ def _assert_key_not_written(workdir, key, stub, capsys, caplog):
   assert key not in out.out and key not in out.err and key not in caplog.text
 
 
-@pytest.mark.timeout(300)
-def test_key_never_leaks_from_a_run_with_a_gemini_round(tmp_path, monkeypatch, capsys, caplog):
-  """The default-run version of the slow kill/resume check below: one step, whose Gemini
-  feedback round joins the pool at once; no file or log holds the API key."""
-  key = f"AIzaLEAKCHECK-{uuid.uuid4().hex}"
-  monkeypatch.delenv("GOOGLE_API_KEY", raising=False)
-  monkeypatch.setenv("GEMINI_API_KEY", key)
-  caplog.set_level(logging.DEBUG)
-  workdir = str(tmp_path / "run")
-  with GeminiStub() as stub:
-    summary = CoEvolveRun(tiny_gemini_config(stub.url), workdir).fit()
-  assert summary["steps"] == 1 and summary["feedback_rounds"] == 1
-  with open(os.path.join(workdir, "feedback.jsonl")) as f:
-    rows = [json.loads(line) for line in f]
-  assert rows[0]["stage"] == "d0" and rows[0]["round"] == 0  # D0's row, then the rounds'
-  assert [(r["round"], r["start_step"], r["step"]) for r in rows[1:]] == [(1, 1, 1)]
-  _assert_key_not_written(workdir, key, stub, capsys, caplog)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_key_never_leaks_and_a_round_in_flight_resumes_exactly(
@@ -100,8 +81,8 @@ def test_key_never_leaks_and_a_round_in_flight_resumes_exactly(
   """Run 1 starts a feedback round after step 2 (joined after step 3), checkpoints step 2 with
   the round in flight, and dies in step 3. Run 2 resumes from step 2, redoes the round and must
   add exactly the tasks run 1's worker had synthesized. No file or log holds the API key.
-  Slow (two runs of three steps); the default run keeps the key check
-  (`test_key_never_leaks_from_a_run_with_a_gemini_round`), and resuming a round in flight is
+  Slow (two runs of three steps); the default run keeps the key check (tests/test_interrupt.py,
+  whose interrupted and resumed runs have a Gemini round), and resuming a round in flight is
   covered at unit level by test_feedback_round's round-journal test."""
   key = f"AIzaLEAKCHECK-{uuid.uuid4().hex}"
   monkeypatch.delenv("GOOGLE_API_KEY", raising=False)
