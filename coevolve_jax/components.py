@@ -94,6 +94,9 @@ def build(cfg: Any, workdir: str) -> Components:
     print(f"warning: {warning}")
   micro_batches = _plan_memory(cfg, mesh)
   model = models.build(cfg.model, seed=cfg.seed, mesh=mesh, dtype=cfg.model.param_dtype)
+  moe = sharding.expert_axis_warning(model.config.num_experts, dict(mesh.shape))
+  if moe and distributed.is_primary():
+    print(f"warning: {moe}")
   if chat.vocab_size > model.config.vocab_size:
     raise RunError(
       f"the tokenizer ({chat.tokenizer_folder or 'Qwen3'}) has {chat.vocab_size} ids, more than "

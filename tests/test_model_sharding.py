@@ -74,3 +74,18 @@ def test_one_slice_keeps_the_host_devices_in_order():
   devices = jax.devices()
   mesh = sharding.make_mesh({"fsdp": -1})
   assert list(mesh.devices.flat) == devices
+
+
+def test_a_moe_model_without_an_expert_axis_is_warned_with_the_mesh_to_use():
+  """Issue 39 item 3: a MoE model on several devices and no expert axis gets a warning naming
+  an expert axis that divides both its experts and the devices; dense models, one device, or a
+  mesh that has an expert axis get none."""
+  warn = sharding.expert_axis_warning
+  said = warn(128, {"data": 1, "fsdp": 8, "tensor": 1, "expert": 1})
+  assert "128 experts" in said and "--config.mesh.expert=8 --config.mesh.fsdp=1" in said
+  assert "--config.mesh.expert=4 --config.mesh.fsdp=1" in warn(4, {"fsdp": 4})
+  assert "--config.mesh.expert=2 --config.mesh.fsdp=3" in warn(6, {"fsdp": 6})
+  assert "--config.mesh" not in warn(3, {"fsdp": 8})  # nothing divides both: no mesh to name
+  assert warn(0, {"fsdp": 8}) is None  # dense
+  assert warn(128, {"fsdp": 1}) is None  # one device
+  assert warn(128, {"fsdp": 2, "expert": 4}) is None

@@ -84,6 +84,32 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
   return Mesh(device_grid(sizes, devices), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 4)
 
 
+def expert_axis_warning(num_experts: int, mesh_shape: Mapping[str, int]) -> str | None:
+  """What to tell the user when a MoE model (`num_experts` > 0) runs on a mesh of several
+  devices without an expert axis, or None. Without one, `SparseMoE` leaves its experts to the
+  SPMD partitioner's default path instead of its expert-parallel one (the experts split over
+  `mesh.expert`, each token copy computed by its expert's device; issue 39 measured the default
+  path at about 10x the per-row memory). The suggested size divides both the expert count and
+  the devices (the largest such power of two up to 8, as in docs/running.md's 8-GPU example)."""
+  devices = math.prod(int(s) for s in mesh_shape.values())
+  if num_experts <= 0 or devices <= 1 or int(mesh_shape.get("expert", 1)) > 1:
+    return None
+  size = 1
+  while size < 8 and num_experts % (size * 2) == 0 and devices % (size * 2) == 0:
+    size *= 2
+  head = (
+    f"a MoE model ({num_experts} experts) on {devices} devices without an expert axis (mesh "
+    f"{dict(mesh_shape)}): its experts take the partitioner's default path, not the "
+    "expert-parallel one"
+  )
+  if size == 1:
+    return head
+  return (
+    f"{head}; split them over the devices with --config.mesh.expert={size} "
+    f"--config.mesh.fsdp={devices // size} (docs/running.md, 'Which mesh')"
+  )
+
+
 def device_grid(sizes: Sequence[int], devices: Sequence) -> np.ndarray:
   """`devices` arranged as an array of `sizes` (MESH_AXES order), by `jax.experimental.mesh_utils`.
 
