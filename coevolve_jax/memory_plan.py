@@ -695,7 +695,8 @@ class ProgramCheck:
     rollout_copy: bytes of that total that are the rollout weight copy, which the trainer
       releases before an update (`PolicyTrainer.grpo_epoch`).
     peaks: (program, peak bytes) of the largest program of each kind: an engine program runs
-      beside everything resident, an update beside everything but the rollout copy.
+      beside everything resident, an update or a weight sync beside everything but the
+      rollout copy.
     limit: bytes one device may use (None: unknown); where: what `limit` is.
   """
 
@@ -732,18 +733,17 @@ def check_programs(
   limit: int | None,
   where: str,
 ) -> ProgramCheck:
-  """The peak per device of the largest prefill, decode and update program
-  (`compiling.ProgramMemory`, what `compile_ahead` compiled): resident bytes plus what the
-  program allocates (`ProgramMemory.added`); an update's without the rollout copy, which is
-  released before training."""
+  """The peak per device of the largest program of each kind (`compiling.ProgramMemory`, what
+  `compile_ahead` compiled; the kind is the name's first word): resident bytes plus what the
+  program allocates (`ProgramMemory.added`). The trainer's programs (the update, the weight
+  sync) run without the rollout copy: it is released before an update, and the sync releases
+  the old copy before it makes the new one."""
   peaks = []
-  kinds: dict[str, list[Any]] = {}
-  for p in engine_programs:
-    kinds.setdefault(p.name.split()[0], []).append(p)
-  for programs in kinds.values():
-    top = max(programs, key=lambda p: p.added)
-    peaks.append((top, resident + top.added))
-  if update_programs:
-    top = max(update_programs, key=lambda p: p.added)
-    peaks.append((top, resident - rollout_copy + top.added))
+  for programs, base in ((engine_programs, resident), (update_programs, resident - rollout_copy)):
+    kinds: dict[str, list[Any]] = {}
+    for p in programs:
+      kinds.setdefault(p.name.split()[0], []).append(p)
+    for same in kinds.values():
+      top = max(same, key=lambda p: p.added)
+      peaks.append((top, base + top.added))
   return ProgramCheck(resident, rollout_copy, tuple(peaks), limit, where)

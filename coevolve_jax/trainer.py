@@ -877,8 +877,9 @@ class PolicyTrainer:
       threads: shapes compiled at once (`compiling.compile_threads`: 0 = the host's CPU
         count, at most 8).
     Returns:
-      The number of (rows, T, P) shapes compiled; each update's memory per device is appended
-      to `program_memory`.
+      The number of (rows, T, P) shapes compiled; each update's memory per device, and the
+      weight sync's (the rollout copy's cast) where one is needed, is appended to
+      `program_memory`.
     Raises:
       ValueError: no `len_buckets` or `target_buckets` (the default rule is not a bounded set).
     """
@@ -911,6 +912,12 @@ class PolicyTrainer:
 
     shapes = [(rows, t, p) for rows in sizes for t, p in pairs]
     compiling.run_all([functools.partial(compile_shape, *shape) for shape in shapes], threads)
+    if self._needs_copy:  # the weight sync: the rollout copy's cast (and unstacking)
+      with self._ctx():
+        compiled = self._to_compute.lower(self.params).compile()
+      memory = compiling.ProgramMemory.of("weight sync", compiled)
+      if memory is not None:
+        self.program_memory.append(memory)
     return len(shapes)
 
   def grpo_epoch(

@@ -316,22 +316,31 @@ def _compile_ahead_child() -> None:
     "decode slots=8 kv=128 steps=4",
     "grpo update rows=4 T=128 P=32",
     "grpo update rows=4 T=64 P=32",
+    "weight sync",  # float32 master -> bfloat16 rollout copy
   ], names
   assert "prefill rows=8 t=64 kv=128" in names
   update = max(trainer.program_memory, key=lambda p: p.arguments)
+  sync = next(p for p in trainer.program_memory if p.name == "weight sync")
+  copy_tree = trainer.inference_params()
+  # The sync's output per device is the rollout copy as that device holds it (bfloat16, fsdp
+  # gathered: the inference layout), plus XLA's table of output pointers (8 bytes a leaf).
+  held, leaves = memory_plan.device_bytes(copy_tree), len(jax.tree.leaves(copy_tree))
+  assert held <= sync.outputs <= held + 8 * leaves and sync.aliased == 0, (sync, held)
+  assert sync.arguments == memory_plan.device_bytes(trainer.params)  # the float32 master shard
   state = (trainer.params, trainer.opt_state)
   whole = sum(x.nbytes for x in jax.tree.leaves(state))
   # The update's inputs per device: its shards of parameters and optimizer state (and the
   # rows), not the whole (sharded over 8 devices: data 2 x fsdp 4).
   assert memory_plan.device_bytes(state) <= update.arguments < whole / 2, (update, whole)
-  copy = memory_plan.device_bytes(trainer.inference_params())
+  copy = memory_plan.device_bytes(copy_tree)
   resident = memory_plan.device_bytes()
   check = memory_plan.check_programs(
     engine.program_memory, trainer.program_memory, resident, copy, 1 << 40, "test"
   )
-  assert [p.name.split()[0] for p, _ in check.peaks] == ["prefill", "decode", "grpo"]
+  kinds = [p.name.split()[0] for p, _ in check.peaks]
+  assert kinds == ["prefill", "decode", "grpo", "weight"]
   assert all(peak == resident + p.added for p, peak in check.peaks[:2])
-  assert check.peaks[2][1] == resident - copy + check.peaks[2][0].added and not check.over
+  assert all(peak == resident - copy + p.added for p, peak in check.peaks[2:]) and not check.over
   rng = np.random.default_rng(0)
   for step in range(2):
     prompts = [[int(x) for x in rng.integers(4, 512, int(rng.integers(5, 60)))] for _ in range(8)]
