@@ -35,28 +35,63 @@ def tpu_vm_hosts(accelerator_type: str) -> int | None:
   return 1 if n <= 8 else n // 4
 
 
+def flag_values(job_args: Sequence[str], name: str) -> list[str]:
+  """The values the job's arguments give flag `name` (e.g. "--workdir"), in order, in both of
+  absl's spellings: `--name=value` and `--name value`."""
+  values = []
+  for i, arg in enumerate(job_args):
+    if arg.startswith(name + "="):
+      values.append(arg[len(name) + 1 :])
+    elif arg == name and i + 1 < len(job_args):
+      values.append(job_args[i + 1])
+  return values
+
+
 def check_workdir(job_args: Sequence[str]) -> str | None:
   """An error message when the job's `--workdir` is a `gs://` URL, else None: the job writes its
   logs with local file operations, so a bucket is used through a Cloud Storage FUSE mount
   (`/gcs/BUCKET/...` on Vertex AI; `gcsfuse` on TPU VMs)."""
-  for arg in job_args:
-    if arg.startswith("--workdir=gs://"):
+  for value in flag_values(job_args, "--workdir"):
+    if value.startswith("gs://"):
       return (
-        f"{arg}: the job writes its workdir with local file operations; mount the bucket with "
-        "Cloud Storage FUSE and pass the mount path (on Vertex AI: --workdir=/gcs/BUCKET/run; "
-        "on TPU VMs: gcsfuse BUCKET /mnt/BUCKET on every worker)"
+        f"--workdir={value}: the job writes its workdir with local file operations; mount the "
+        "bucket with Cloud Storage FUSE and pass the mount path (on Vertex AI: "
+        "--workdir=/gcs/BUCKET/run; on TPU VMs: gcsfuse BUCKET /mnt/BUCKET on every worker)"
       )
   return None
 
 
+def check_appworld_data(path: str) -> str | None:
+  """An error message for a bad `--appworld-data` (the official data's folder on the primary
+  host), else None. It must be an absolute path ("" = not given): the TPU VM launcher's set-up
+  replaces the checkout, so a relative one would be deleted on every re-setup, and a `~` is
+  never expanded; no `gs://` URL (AppWorld reads files; use a FUSE mount); no line break (it
+  is printed into the dry run's shell comments) and no leading "-" (it is a command's argument)."""
+  if not path:
+    return None
+  if "\n" in path or "\r" in path:
+    return "--appworld-data must not contain a line break"
+  if path.startswith("gs://"):
+    return (
+      f"--appworld-data={path}: AppWorld reads its data as files; mount the bucket with Cloud "
+      "Storage FUSE and pass the mount path (on Vertex AI: /gcs/BUCKET/appworld)"
+    )
+  if not path.startswith("/"):
+    return f"--appworld-data={path!r} must be an absolute path on the primary host"
+  return None
+
+
 def needs_appworld(job_args: Sequence[str]) -> bool:
-  """Whether the job's arguments run AppWorld (`--config=configs/appworld.py[:variant]` or
-  `--config.env=appworld`): its environment (and, for the official data, the data) must then be
-  on worker 0, where AppWorld's servers run (the primary)."""
-  for arg in job_args:
-    if re.fullmatch(r"--config=(\S*/)?appworld\.py(:\w+)?", arg) or arg == "--config.env=appworld":
-      return True
-  return False
+  """Whether the job's arguments run AppWorld: the last `--config.env` says so, or without one
+  the config file is configs/appworld.py (`--config=.../appworld.py[:variant]`, or the same as
+  two arguments). Its environment (and, for the official data, the data) must then be on worker
+  0, where AppWorld's servers run (the primary)."""
+  env = flag_values(job_args, "--config.env")
+  if env:
+    return env[-1] == "appworld"
+  return any(
+    re.fullmatch(r"(\S*/)?appworld\.py(:\w+)?", c) for c in flag_values(job_args, "--config")
+  )
 
 
 def worker_lines(env_of: Sequence[Mapping[str, str]], process_of: Sequence[str]) -> list[str]:

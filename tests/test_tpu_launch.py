@@ -240,6 +240,9 @@ def test_dockerfile_copies_what_exists_and_pins_match_setup():
     (["--config=configs/appworld.py:paper"], True),
     (["--config=/src/coevolve/configs/appworld.py:cpu"], True),
     (["--config=configs/bfcl.py", "--config.env=appworld"], True),
+    (["--config", "configs/appworld.py:cpu", "--workdir=/w"], True),  # absl's other spelling
+    (["--config=configs/bfcl.py", "--config.env", "appworld"], True),
+    (["--config=configs/appworld.py", "--config.env=bfcl"], False),  # the override wins
     (["--config=configs/bfcl.py:cpu"], False),
     (["--config=configs/my_appworld.py.bak"], False),
   ],
@@ -270,6 +273,22 @@ def test_appworld_jobs_install_it_on_worker_0_and_pass_its_data_root():
   assert not any("appworld" in " ".join(c) for c in plain)
   _, asked = launch.build(["setup", "--name=cv", "--zone=z", "--appworld"])
   assert "download" not in asked[-1][-1] and "make appworld-setup" in asked[-1][-1]
+
+  # Bad data folders are refused by both launchers: a line break would escape the dry run's
+  # shell comments, a relative path is deleted by the next `setup`, a bucket URL is not files.
+  for bad, said in [
+    ("a\ntouch /tmp/x #", "line break"),
+    ("aw", "absolute path"),
+    ("~/aw", "absolute path"),
+    ("--help", "absolute path"),
+    ("gs://b/aw", "Cloud Storage FUSE"),
+  ]:
+    with pytest.raises(SystemExit):
+      launch.build(["up", *base, f"--appworld-data={bad}", "--", *job])
+    with pytest.raises(ValueError, match=said):
+      vertex.build_job(chip="h100", image_uri="i", job_args=job, appworld_data=bad)
+  with pytest.raises(SystemExit):  # a gs:// workdir, in absl's two-argument spelling too
+    launch.build(["up", *base, "--", "--config=configs/bfcl.py", "--workdir", "gs://b/r"])
 
   aw_job = vertex.build_job(
     chip="h100", hosts=2, image_uri="img:1", job_args=job, appworld_data="/gcs/b/aw"

@@ -256,6 +256,8 @@ def build(argv: list[str]) -> tuple[argparse.Namespace, list[list[str]]]:
       parser().error("run/up need the job's arguments after `--`, at least --config and --workdir")
     if error := workers.check_workdir(args.job_args):
       parser().error(error)
+  if error := workers.check_appworld_data(getattr(args, "appworld_data", "")):
+    parser().error(error)
     if args.heartbeat_timeout_s < 0:
       parser().error(
         f"--heartbeat-timeout-s must be >= 0 (0: JAX's default), got {args.heartbeat_timeout_s}"

@@ -79,14 +79,15 @@ def build_job(
   Raises:
     ValueError: unknown chip, a missing or malformed topology for a TPU, a topology for a GPU,
       hosts < 1, an accelerator type this library version does not know, a `gs://` workdir
-      (use the /gcs/BUCKET mount), or a negative heartbeat timeout.
+      (use the /gcs/BUCKET mount), a bad `appworld_data` (`launching.check_appworld_data`),
+      or a negative heartbeat timeout.
   """
   chips = prices.CHIPS
   if chip not in chips:
     raise ValueError(f"unknown chip {chip!r}; known: {sorted(chips)}")
   if not image_uri:
     raise ValueError("an image URI is required (build tpu/Dockerfile and push it)")
-  if error := workers.check_workdir(job_args):
+  if error := workers.check_workdir(job_args) or workers.check_appworld_data(appworld_data):
     raise ValueError(error)
   if heartbeat_timeout_s < 0:
     raise ValueError(f"the heartbeat timeout must be >= 0 seconds, got {heartbeat_timeout_s}")
