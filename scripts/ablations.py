@@ -21,7 +21,10 @@ Each run has its own workdir under `--workdir` (`<variant>-s<seed>`); all share 
 compilation cache there (`GRID_CACHE`, unless the config, `--set compile.cache_dir=...` or
 JAX_COMPILATION_CACHE_DIR names a folder other than the default "auto"). A rerun of the same
 command resumes the grid: finished runs are read back, a killed run resumes from its last
-checkpoint (a killed start from scratch).
+checkpoint (a killed start from scratch). What the record needs from each finished run is also
+saved beside the plots (`<out>/runs/<variant>-s<seed>.json`, small enough to commit), so a grid
+spans sessions whose workdirs are gone: a saved run made with the same settings (but how programs
+are compiled) is read back instead of run again.
 `--report` only rebuilds the record and plots from the workdirs.
 
 Figures per run (`FIGURES`): the held-out BFCL success before and after, the generated held-out
@@ -193,6 +196,51 @@ def copy_start(start: str, workdir: str) -> None:
   with open(os.path.join(partial, COPIED_FROM), "w", encoding="utf-8") as f:
     json.dump({"start": os.path.abspath(start)}, f)
   os.rename(partial, workdir)
+
+
+def saved_path(out: str, variant: str, seed: int) -> str:
+  """Where the grid saves what the record needs from run `variant`-s`seed` (`save_run`)."""
+  return os.path.join(out, "runs", f"{variant}-s{seed}.json")
+
+
+def _settings(cfg: dict[str, Any]) -> dict[str, Any]:
+  """A config (as config.json holds it) flattened, without the fields that only say how programs
+  are compiled (`COMPILE_ONLY`)."""
+  from flax.traverse_util import flatten_dict  # pylint: disable=g-import-not-at-top
+
+  return {k: v for k, v in flatten_dict(cfg, sep=".").items() if k not in COMPILE_ONLY}
+
+
+def save_run(path: str, run: dict[str, Any], workdir: str) -> None:
+  """Saves `run` (`collect`'s output plus the seed) with the config it ran (its config.json), by
+  a rename, so a killed save leaves the previous file or none."""
+  config_path = os.path.join(workdir, "config.json")
+  config = None
+  if os.path.exists(config_path):
+    with open(config_path, encoding="utf-8") as f:
+      config = json.load(f)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    json.dump({"config": config, "run": run}, f)
+  os.replace(path + ".tmp", path)
+
+
+def load_saved(path: str, cfg) -> dict[str, Any] | None:
+  """The run saved at `path` if it ran `cfg`'s settings (but `COMPILE_ONLY`), else None (a note
+  says which settings differ; the grid runs it again)."""
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    saved = json.load(f)
+  if saved.get("config") is None:
+    print(f"--- {path} does not say which config it ran: running it again")
+    return None
+  made, now = _settings(saved["config"]), _settings(json.loads(cfg.to_json_best_effort()))
+  changed = sorted(k for k in set(made) | set(now) if made.get(k) != now.get(k))
+  if changed:
+    print(f"--- {path} ran other settings ({', '.join(changed)}): running it again")
+    return None
+  return saved["run"]
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
@@ -745,6 +793,13 @@ def main(argv: list[str] | None = None) -> int:
   for seed in seeds:  # seed-major: a partly finished grid already holds whole pairs
     for variant in variants:
       workdir = os.path.join(args.workdir, f"{variant}-s{seed}")
+      saved = saved_path(args.out, variant, seed)
+      if not is_complete(workdir) and (
+        run := load_saved(saved, load_config(variant, seed, run_overrides, args.config))
+      ):
+        print(f"--- {variant} seed {seed}: read back from {saved}")
+        results.setdefault(variant, []).append(run)
+        continue
       if not is_complete(workdir):
         if args.report:
           print(f"--- {variant} seed {seed}: not finished in {workdir}; left out")
@@ -757,7 +812,9 @@ def main(argv: list[str] | None = None) -> int:
           copy_start(start, workdir)
         print(f"=== {variant} seed {seed} -> {workdir}", flush=True)
         CoEvolveRun(load_config(variant, seed, run_overrides, args.config), workdir).fit()
-      results.setdefault(variant, []).append({**collect(workdir), "seed": seed})
+      run = {**collect(workdir), "seed": seed}
+      save_run(saved, run, workdir)
+      results.setdefault(variant, []).append(run)
   results = {v: results[v] for v in variants if v in results}
   lines = summary_table(results)
   rows = paired(results)

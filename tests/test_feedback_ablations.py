@@ -342,3 +342,39 @@ def test_record_replaces_its_block_and_keeps_the_document(ablations, tmp_path):
   doc.write_text(ablations.RECORD_END + "\n" + ablations.RECORD_BEGIN)
   with pytest.raises(ValueError, match="unbalanced"):
     ablations.write_record(str(doc), ["x"])
+
+
+def test_saved_runs_outlive_their_workdirs_while_their_settings_hold(
+  ablations, tmp_path, monkeypatch
+):
+  """A finished run is saved under `--out/runs`; with its workdir gone (a new session's checkout),
+  the grid reads it back unless the command asks for other settings (how programs compile
+  aside)."""
+  grid, out = tmp_path / "grid", tmp_path / "plots"
+  args = ["--workdir", str(grid), "--out", str(out), "--variants", "coevolve", "--seeds", "0"]
+  _fake_run(grid / "coevolve-s0", 0, reward=[0.25], gen=(0.0, 0.75))
+  made = ablations.load_config("coevolve", 0, {"compile.cache_dir": str(grid / "xla_cache")})
+  (grid / "coevolve-s0" / "config.json").write_text(made.to_json_best_effort())
+  ran = []
+
+  class FakeRun:
+    def __init__(self, cfg, workdir):
+      self.cfg, self.workdir = cfg, workdir
+
+    def fit(self):
+      ran.append(self.cfg.train.steps)
+      _fake_run(self.workdir, 0, reward=[0.5], gen=(0.0, 0.5))
+
+  import coevolve_jax.loop  # noqa: PLC0415
+
+  monkeypatch.setattr(coevolve_jax.loop, "CoEvolveRun", FakeRun)
+  ablations.main(args)
+  saved = out / "runs" / "coevolve-s0.json"
+  assert json.loads(saved.read_text())["run"]["rewards"] == [[1, 0.25]]
+  shutil.rmtree(grid)
+  ablations.main([*args, "--set", f"compile.cache_dir={json.dumps(str(tmp_path / 'other'))}"])
+  assert ran == []  # read back: only the compilation cache differs
+  assert "| coevolve | 0 |" in (tmp_path / "plots.md").read_text()
+  ablations.main([*args, "--steps", "3", "--no-shared-start"])  # other GRPO steps: run again
+  assert ran == [3]
+  assert json.loads(saved.read_text())["run"]["rewards"] == [[1, 0.5]]
