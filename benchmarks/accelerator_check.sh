@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared accelerator check (issue 17): one command for a machine with a GPU or TPU and no
-# internet, in stages, each with its own time limit and log, about 10 minutes in all.
+# internet, in stages, each with its own time limit and log, about 11 minutes in all.
 #
 #   bash benchmarks/accelerator_check.sh [OUT_DIR]        (from the repository root)
 #
@@ -10,7 +10,11 @@
 #   bench.log    `coevolve_jax.cli.bench` at the Qwen3-0.6B shape (random weights), and
 #   bench.json   its record (compare it with `python -m coevolve_jax.cli.bench compare`)
 #   decode.log   benchmarks/rollout_bench.py: our engine against transformers `generate`, and
-#                a decode step at 640 filled entries against its memory bound (issue 17's 40%)
+#                a decode step at 640 filled entries against its memory bound (issue 17's 40%);
+#                then benchmarks/attention_kernels.py: each attention kernel of the backend
+#                (splash on TPU, cuDNN on GPU, the blocked XLA path) against the plain XLA
+#                softmax, one layer's forward and backward at 4k and 16k tokens, and a decode
+#                step's attention at batch 64 against its memory bound (stage "attention")
 #   memory.log   benchmarks/mesh_memory.py: per-device memory of the job's largest prefill (64
 #                slots x 2,048 tokens into a 4,096-entry cache) and a GRPO epoch at the Qwen3-0.6B
 #                shape on all local devices, against the memory planner's figures
@@ -50,14 +54,16 @@ export TOKENIZERS_PARALLELISM=false
   echo "| --- | --- | --- | --- |"
 } >"$summary"
 
-# stage NAME LIMIT_S COMMAND...: runs COMMAND under `timeout`, output appended to NAME.log.
+# stage NAME LIMIT_S COMMAND...: runs COMMAND under `timeout`, output appended to NAME.log (or
+# to $STAGE_LOG.log: the device tool brings back at most 8 files).
 stage() {
-  local name=$1 lim
+  local name=$1 lim log
   lim=$(limit "$2")
+  log="$OUT_DIR/${STAGE_LOG:-$name}.log"
   shift 2
   local start=$SECONDS
-  echo "== $name (limit ${lim} s): $*" >>"$OUT_DIR/$name.log"
-  timeout --kill-after=10 "$lim" "$@" >>"$OUT_DIR/$name.log" 2>&1
+  echo "== $name (limit ${lim} s): $*" >>"$log"
+  timeout --kill-after=10 "$lim" "$@" >>"$log" 2>&1
   local rc=$?
   local note=$rc
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then note="$rc (timed out)"; fi
@@ -75,6 +81,9 @@ stage bench "${BENCH_S:-140}" "$PY" -m coevolve_jax.cli.bench --config=configs/b
 stage decode "${DECODE_S:-90}" "$PY" benchmarks/rollout_bench.py --peers=transformers \
   --dtype=bfloat16 --bound=0 --batches=64 --prompt_len=512 --new_tokens=128 --layers=28 \
   --hidden=1024 --head_dim=128 --tied=1 --kv_lengths=640 --repeats=2 --decode_steps=1,8
+
+STAGE_LOG=decode stage attention "${ATTENTION_S:-90}" "$PY" benchmarks/attention_kernels.py \
+  --seqs=4096,16384 --decode_batch=64 --decode_len=4096
 
 stage memory "${MEMORY_S:-120}" "$PY" benchmarks/mesh_memory.py --config=configs/bfcl.py \
   --config.model.preset=qwen3_0_6b --cache_len=4096 --prompt_len=2048 --train_rows=8 \

@@ -53,6 +53,7 @@ from flax import nnx
 
 from coevolve_jax.models import sharding
 from coevolve_jax.models.hf import read_config
+from coevolve_jax.models.kernels import resolve_attention
 from coevolve_jax.models.qwen import KVCache, Qwen, QwenConfig
 from coevolve_jax.trainer import inference_rules, make_optimizer, token_logprobs
 
@@ -171,10 +172,30 @@ def model_label(model: Model) -> str:
   return f"{model.model_type}-{model.num_hidden_layers}x{model.hidden_size}"
 
 
-def abstract_model(cfg: QwenConfig, dtype, remat: str = "full") -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_model(
+  cfg: QwenConfig, dtype, remat: str = "full", attention: str = "blocked"
+) -> tuple[nnx.GraphDef, nnx.State]:
   """The model's graph and abstract parameter state (ShapeDtypeStructs with their metadata)."""
-  model = nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0), dtype=dtype, remat=remat))
+  model = nnx.eval_shape(
+    lambda: Qwen(cfg, rngs=nnx.Rngs(0), dtype=dtype, remat=remat, attention=attention)
+  )
   return nnx.split(model)
+
+
+def planned_attention(attention: str, backend: str | None = None) -> str:
+  """The attention kernel the planner traces for `model.attention` = `attention` on `backend`
+  (default: this machine's): the kernel that runs there (`kernels.resolve_attention`), except that
+  cuDNN's fused attention, which compiles only on an NVIDIA GPU, is planned elsewhere by splash
+  attention in interpret mode, which keeps the same residuals for the backward pass (each head's
+  output and log-sum-exp, no [T, T] scores).
+
+  Raises:
+    ValueError: an unknown kernel, or "cudnn" for a backend other than GPU.
+  """
+  kernel = resolve_attention(attention, backend)
+  if kernel == "cudnn" and jax.default_backend() != "gpu":
+    return "splash"
+  return kernel
 
 
 def _param_axes(state: nnx.State) -> dict[tuple, tuple]:
@@ -206,10 +227,13 @@ def _sharded_tree_bytes(tree, param_axes: dict[tuple, tuple], mesh) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _activation_leaves(preset: Model, dtype: str, seq_len: int, targets: int, remat: str):
+def _activation_leaves(
+  preset: Model, dtype: str, seq_len: int, targets: int, remat: str, attention: str = "blocked"
+):
   """Residual shapes of the training forward that depend on the batch, at batch 1, with the
-  decoder layers rematerialised by `remat` (`qwen.REMAT_POLICIES`)."""
-  graphdef, state = abstract_model(model_config(preset), jnp.dtype(dtype), remat)
+  decoder layers rematerialised by `remat` (`qwen.REMAT_POLICIES`) and attention by the kernel
+  `attention` (`planned_attention`)."""
+  graphdef, state = abstract_model(model_config(preset), jnp.dtype(dtype), remat, attention)
 
   def residuals(batch):
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
@@ -252,13 +276,19 @@ FLOOR_TOKENS = 16  # the compiled figure's floor: a sequence this short needs ne
 
 @functools.lru_cache(maxsize=16)
 def _compiled_temp_bytes(
-  preset: Model, dtype: str, seqs: int, seq_len: int, targets: int, remat: str
+  preset: Model,
+  dtype: str,
+  seqs: int,
+  seq_len: int,
+  targets: int,
+  remat: str,
+  attention: str = "blocked",
 ) -> int | None:
   """`temp_size_in_bytes` of the compiled loss and gradient of the trainer's forward
   (`token_logprobs`) over `seqs` sequences of `seq_len` tokens with `targets` scored positions,
   compiled for the default backend from abstract inputs (nothing is allocated); None where the
   backend gives no memory analysis."""
-  graphdef, state = abstract_model(model_config(preset), jnp.dtype(dtype), remat)
+  graphdef, state = abstract_model(model_config(preset), jnp.dtype(dtype), remat, attention)
 
   def loss(p, tokens, pos):
     return jnp.sum(token_logprobs(nnx.merge(graphdef, p), tokens, pos))
@@ -271,7 +301,13 @@ def _compiled_temp_bytes(
 
 
 def compiled_activation_bytes(
-  preset: Model, dtype: str, seq_len: int, targets: int, remat: str, seqs: int
+  preset: Model,
+  dtype: str,
+  seq_len: int,
+  targets: int,
+  remat: str,
+  seqs: int,
+  attention: str = "blocked",
 ) -> int | None:
   """Activation memory of `seqs` sequences from XLA's own buffer assignment: the temporaries of
   the compiled training step (loss and gradient of `token_logprobs`, `remat` as the job runs it)
@@ -280,13 +316,14 @@ def compiled_activation_bytes(
   has no bfloat16 products), and keeps what does: the residuals kept for the backward pass, the
   layer being recomputed, attention and logit blocks, gradient buffers of activations. XLA:CPU
   computes bfloat16 activations in float32, so there the figure is up to 2x an accelerator's.
+  `attention` is the kernel compiled (`planned_attention`).
 
   Returns None where the backend reports no memory analysis.
   """
   floor = min(seq_len, FLOOR_TOKENS)
-  full = _compiled_temp_bytes(preset, dtype, seqs, seq_len, targets, remat)
+  full = _compiled_temp_bytes(preset, dtype, seqs, seq_len, targets, remat, attention)
   short = _compiled_temp_bytes(
-    preset, dtype, seqs, floor, max(1, targets * floor // seq_len), remat
+    preset, dtype, seqs, floor, max(1, targets * floor // seq_len), remat, attention
   )
   if full is None or short is None:
     return None
@@ -401,16 +438,17 @@ def _activation_figure(
   remat: str,
   seqs: int,
   activations: str,
+  attention: str = "blocked",
 ) -> tuple[int, str]:
   """(activation bytes per device, their source) of `seqs` sequences of `seq_len` tokens
   ([seqs, seq_len] token ids, [seqs, targets] scored positions) under `remat`: the residual
   estimate, or with `activations="compiled"` the compiled step's figure scaled by the share of
   the residuals the tensor axis splits; "residuals" where the backend gives no memory analysis."""
-  leaves = _activation_leaves(preset, dtype, seq_len, targets, remat)
+  leaves = _activation_leaves(preset, dtype, seq_len, targets, remat, attention)
   act = _activation_bytes(leaves, cfg, mesh, seqs)
   source = "residuals"
   if activations == "compiled":
-    compiled = compiled_activation_bytes(preset, dtype, seq_len, targets, remat, seqs)
+    compiled = compiled_activation_bytes(preset, dtype, seq_len, targets, remat, seqs, attention)
     if compiled is not None:
       unsplit = _activation_bytes(leaves, cfg, {**mesh, "tensor": 1}, seqs)
       act, source = (compiled * act) // max(1, unsplit), "compiled"
@@ -432,6 +470,7 @@ def plan(
   micro_batches: int = 1,
   remat: str = "full",
   activations: str = "residuals",
+  attention: str = "blocked",
 ) -> MemoryPlan:
   """Memory per device for training and rollout of `preset` on a mesh of `mesh` axis sizes.
 
@@ -456,6 +495,8 @@ def plan(
       compiled step's own temporaries for one device's sequences; with tensor > 1 scaled by the
       share of the residuals the tensor axis splits). "compiled" falls back to "residuals"
       where the backend gives no memory analysis (`MemoryPlan.activation_source` says which).
+    attention: the attention kernel traced for the activations (`planned_attention`; the
+      "blocked" XLA paths by default; "splash" plans the fused kernels: no [T, T] scores).
   Returns:
     A `MemoryPlan` in bytes per device.
   Raises:
@@ -471,7 +512,7 @@ def plan(
   targets = targets or max(1, seq_len // 2)
   seqs = _sequences_per_device(mesh, batch, micro_batches)
   act, source = _activation_figure(
-    preset, cfg, mesh, str(dt), seq_len, targets, remat, seqs, activations
+    preset, cfg, mesh, str(dt), seq_len, targets, remat, seqs, activations, attention
   )
   kv = kv_cache_bytes(preset, mesh, num_slots, cache_len, dtype)
   return MemoryPlan(
@@ -588,6 +629,7 @@ def plan_for_run(
     micro_batches=micro_batches or train["micro_batches"] or 1,
     remat=cfg["model"]["remat"],
     activations=activations,
+    attention=planned_attention(cfg["model"].get("attention", "auto")),
   )
 
 

@@ -39,6 +39,10 @@ def get_config() -> ml_collections.ConfigDict:
   # "full" keeps only each layer's input (the least memory), "save_dots" also keeps the outputs
   # of the non-batched matrix products, "none" keeps everything.
   c.model.remat = "full"
+  # Attention kernel of every layer (models/kernels.py): "auto" = TPU splash attention / cuDNN
+  # fused attention on GPU for the cache-free passes (training, scoring), the "blocked" XLA paths
+  # on CPU and for prefill / decode; "xla" = one plain masked softmax everywhere (the reference).
+  c.model.attention = "auto"
   # Precision of float32 matrix products (models/builder.py `apply_matmul_precision`): "default"
   # is the backend's fastest (TF32-class on NVIDIA GPUs); "highest" is full float32 (what the
   # float32 parity with transformers needs on a GPU). bfloat16 products are not affected.

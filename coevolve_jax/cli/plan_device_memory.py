@@ -48,7 +48,14 @@ import jax
 from absl import app, flags
 
 from coevolve_jax import accelerators
-from coevolve_jax.memory_plan import ACTIVATION_SOURCES, format_table, parse_mesh, plan
+from coevolve_jax.memory_plan import (
+  ACTIVATION_SOURCES,
+  format_table,
+  parse_mesh,
+  plan,
+  planned_attention,
+)
+from coevolve_jax.models.kernels import ATTENTION_KERNELS
 
 
 def _define_flags() -> None:
@@ -70,6 +77,14 @@ def _define_flags() -> None:
   )
   flags.DEFINE_float("headroom", 0.9, "Share of HBM the plan may use.")
   flags.DEFINE_enum(
+    "attention",
+    "auto",
+    list(ATTENTION_KERNELS),
+    "Attention kernel (model.attention) whose activations are planned; 'auto' picks the one of "
+    "--chip's kind (splash on TPU, cuDNN on GPU, planned as splash off a GPU), else this "
+    "machine's.",
+  )
+  flags.DEFINE_enum(
     "activations",
     "compiled",
     list(ACTIVATION_SOURCES),
@@ -83,11 +98,12 @@ def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   F = flags.FLAGS  # noqa: N806
-  hbm = None
+  hbm = backend = None
   try:
     if F.chip:
-      hbm = accelerators.chip(F.chip)["hbm_gib"]
+      hbm, backend = accelerators.chip(F.chip)["hbm_gib"], accelerators.chip(F.chip)["kind"]
     base = parse_mesh(F.mesh)
+    attention = planned_attention(F.attention, backend)
   except (ValueError, KeyError) as e:
     raise app.UsageError(str(e)) from None
   meshes = [base]
@@ -112,6 +128,7 @@ def main(argv: Sequence[str]) -> None:
       micro_batches=F.micro_batches,
       remat=F.remat,
       activations=F.activations,
+      attention=attention,
     )
     for m in meshes
   ]
@@ -121,7 +138,7 @@ def main(argv: Sequence[str]) -> None:
     f"batch {F.batch} x {F.seq_len} tokens in {F.micro_batches} micro-batches, "
     f"{F.num_slots} slots x "
     f"{F.cache_len} cache tokens; {plans[0].activation_source} activations "
-    f"({jax.default_backend()}); GiB per device"
+    f"({jax.default_backend()}, {attention} attention); GiB per device"
   )
   print(format_table(plans, hbm, F.headroom))
 

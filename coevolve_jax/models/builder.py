@@ -47,12 +47,13 @@ def build(model_cfg: Mapping[str, Any], *, seed: int, mesh: Mesh | None = None, 
   model_cfg.preset)` is initialised at random with `nnx.Rngs(seed)`. Parameters are in `dtype`
   (default `model_cfg.dtype`; a training run passes `model_cfg.param_dtype`, its master copy);
   `model_cfg.remat` ("full" when absent) is each decoder layer's rematerialisation in the
-  training backward pass (`qwen.remat_layer`).
+  training backward pass (`qwen.remat_layer`); `model_cfg.attention` ("auto" when absent) the
+  attention kernel (`kernels.ATTENTION_KERNELS`).
 
   Args:
     model_cfg: has `preset` (a `models.PRESETS` name), `checkpoint` (a folder, "" for random
       init), `dtype` (a float dtype name: "float32", "bfloat16") and optionally `remat`
-      ("none", "full" or "save_dots").
+      ("none", "full" or "save_dots") and `attention`.
     seed: the random initialisation's seed (a run passes its `seed`).
     mesh: when given, every parameter is placed in its logical sharding on this mesh
       (`sharding.tree_shardings`), with the values it has without a mesh; otherwise parameters
@@ -61,15 +62,19 @@ def build(model_cfg: Mapping[str, Any], *, seed: int, mesh: Mesh | None = None, 
   Returns:
     The `Qwen` model.
   Raises:
-    ValueError: an unknown preset (random init) or remat policy. TypeError: an unknown dtype name.
+    ValueError: an unknown preset (random init), remat policy or attention kernel.
+    TypeError: an unknown dtype name.
     FileNotFoundError, CheckpointFormatError: an unusable checkpoint folder (`from_pretrained`).
   """
   dtype = jnp.dtype(model_cfg["dtype"] if dtype is None else dtype)
   remat = model_cfg.get("remat", "full")
+  attention = model_cfg.get("attention", "auto")
   if model_cfg["checkpoint"]:
-    return from_pretrained(model_cfg["checkpoint"], dtype=dtype, mesh=mesh, remat=remat)
+    return from_pretrained(
+      model_cfg["checkpoint"], dtype=dtype, mesh=mesh, remat=remat, attention=attention
+    )
   cfg = QwenConfig.preset(model_cfg["preset"])
-  return init(cfg, seed=seed, dtype=dtype, mesh=mesh, remat=remat)
+  return init(cfg, seed=seed, dtype=dtype, mesh=mesh, remat=remat, attention=attention)
 
 
 def init(
@@ -79,15 +84,16 @@ def init(
   dtype=jnp.float32,
   mesh: Mesh | None = None,
   remat: str = "full",
+  attention: str = "auto",
 ) -> Qwen:
-  """A randomly initialised `Qwen(cfg)` (`nnx.Rngs(seed)`, parameters in `dtype`, `remat` as
-  `Qwen`'s).
+  """A randomly initialised `Qwen(cfg)` (`nnx.Rngs(seed)`, parameters in `dtype`, `remat` and
+  `attention` as `Qwen`'s).
 
   The draw runs inside one jit; with a `mesh`, its outputs carry the parameters' logical
   shardings (`sharding.tree_shardings`): each device draws only its own shard, with the values
   it has without a mesh (bit for bit), and no device ever holds the whole model.
   """
-  make = lambda: Qwen(cfg, rngs=nnx.Rngs(seed), dtype=dtype, remat=remat)  # noqa: E731
+  make = lambda: Qwen(cfg, rngs=nnx.Rngs(seed), dtype=dtype, remat=remat, attention=attention)  # noqa: E731
   graphdef, shapes = nnx.split(nnx.eval_shape(make))
   # Jitted with or without a mesh: the same compiled draw, so the values are bit-identical on
   # any mesh (an eager draw rounds differently in the last place).

@@ -396,6 +396,7 @@ def from_pretrained(
   mesh: Mesh | None = None,
   remat: str = "full",
   stats: dict[str, int] | None = None,
+  attention: str = "auto",
 ) -> Qwen:
   """Loads a Hugging Face Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE / Llama 3.x / SmolLM2 checkpoint
   folder.
@@ -407,6 +408,7 @@ def from_pretrained(
     mesh: when given, every parameter is placed in its logical sharding on this mesh
       (`sharding.LOGICAL_RULES`); otherwise on the first device.
     remat: the model's rematerialisation policy (`qwen.REMAT_POLICIES`; not read from the folder).
+    attention: the attention kernel (`kernels.ATTENTION_KERNELS`; not read from the folder).
     stats: if given, filled with "bytes_read": the checkpoint bytes this process read (its
       devices' shards only; the whole checkpoint on one device).
   Returns:
@@ -414,14 +416,16 @@ def from_pretrained(
     `model.config.eos_token_ids` holds every `eos_token_id` of config.json and
     generation_config.json (config.json's first), each once.
   Raises:
-    ValueError: an unknown remat policy.
+    ValueError: an unknown remat policy or attention kernel.
     FileNotFoundError: no `config.json`. CheckpointFormatError: an unsupported architecture, an
       unknown or missing tensor, a shape that does not fit the config, a damaged file, an
       `eos_token_id` that is not ids in the vocabulary.
   """
   folder = Path(path)
   cfg = read_config(folder)
-  abstract = nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0), dtype=dtype, remat=remat))
+  abstract = nnx.eval_shape(
+    lambda: Qwen(cfg, rngs=nnx.Rngs(0), dtype=dtype, remat=remat, attention=attention)
+  )
   graphdef, state = nnx.split(abstract)
   variables = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(state)}
   tensors = _Tensors(_weight_files(folder))

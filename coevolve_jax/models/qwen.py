@@ -32,6 +32,12 @@ from flax import nnx
 
 from jax.sharding import PartitionSpec as P
 
+from coevolve_jax.models.kernels import (
+  ATTENTION_KERNELS,
+  cudnn_supports,
+  fused_attention,
+  resolve_attention,
+)
 from coevolve_jax.models.sharding import active_mesh, constrain, param_spec, spec_axes
 
 
@@ -722,17 +728,47 @@ def _attend_query_blocks(
 
 
 def _attend_by_pass(
-  q_btnh, keys_bkhs, values_bksh, q_pos_bt, k_pos_bs, k_valid_bs, *, cached: bool, gathered: bool
+  q_btnh,
+  keys_bkhs,
+  values_bksh,
+  q_pos_bt,
+  k_pos_bs,
+  k_valid_bs,
+  *,
+  cached: bool,
+  gathered: bool,
+  kernel: str = "auto",
 ) -> jax.Array:
-  """`_attend` by the kind of pass: with a KV cache (`cached`: prefill or decode) one plain pass;
-  without one, long passes key-blocked (`_attend_online`), others query-blocked where the lengths
-  allow (`_attend_causal_blocks`, or `_attend_query_blocks` for queries at chosen positions,
-  `gathered`), the rest one plain pass.
+  """Attention by the kernel `model.attention` chose (`kernels.resolve_attention`) and the kind
+  of pass: the one function every attention of the model calls.
+
+  - "splash" / "cudnn" (the "auto" choice on TPU / GPU): a cache-free pass whose queries are its
+    inputs (training, scoring) runs the fused kernel (`kernels.fused_attention`); cuDNN only for
+    half-precision inputs it takes (`kernels.cudnn_supports`). Every other pass takes the
+    "blocked" paths below.
+  - "blocked" ("auto" on CPU): with a KV cache (`cached`: prefill or decode) one plain pass;
+    without one, long passes key-blocked (`_attend_online`), others query-blocked where the
+    lengths allow (`_attend_causal_blocks`, or `_attend_query_blocks` for queries at chosen
+    positions, `gathered`), the rest one plain pass.
+  - "xla": one plain masked softmax (`_attend`) for every pass: the reference.
 
   Same arguments and result as `_attend`: [B, T, N, H] queries ([B, P, N, H] when `gathered`),
   [B, K, H, S] keys, [B, K, S, H] values, [B, T] query and [B, S] key positions, [B, S] key
-  validity; returns [B, T, N, H].
+  validity (None: every key is real); returns [B, T, N, H].
+
+  Raises:
+    ValueError: an unknown kernel, or "cudnn" off GPU.
   """
+  kernel = resolve_attention(kernel)
+  fused = kernel in ("splash", "cudnn") and not cached and not gathered
+  if kernel == "cudnn":
+    fused = fused and cudnn_supports(q_btnh.dtype, q_btnh.shape[-1])
+  if fused:
+    return fused_attention(kernel, q_btnh, keys_bkhs, values_bksh, k_valid_bs)
+  if k_valid_bs is None:
+    k_valid_bs = jnp.ones(k_pos_bs.shape, jnp.bool_)
+  if kernel == "xla":
+    return _attend(q_btnh, keys_bkhs, values_bksh, q_pos_bt, k_pos_bs, k_valid_bs)
   t = q_btnh.shape[1]
   block = attention_block(t) if not cached and not gathered else None
   online = online_attention_blocks(t, keys_bkhs.shape[-1]) if not cached else None
@@ -751,11 +787,13 @@ def _attend_by_pass(
 
 
 class Attention(nnx.Module):
-  """Grouped-query self-attention with optional q/k/v bias and q/k RMSNorm."""
+  """Grouped-query self-attention with optional q/k/v bias and q/k RMSNorm; `kernel` is the
+  attention kernel (`kernels.ATTENTION_KERNELS`, `_attend_by_pass`)."""
 
-  def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype):
+  def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype, kernel: str = "auto"):
     d, n, k, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     self.cfg = cfg
+    self.kernel = kernel
     self.q_proj = _init(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), dtype)
     self.k_proj = _init(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), dtype)
     self.v_proj = _init(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), dtype)
@@ -794,7 +832,8 @@ class Attention(nnx.Module):
       k_cache_bkhs, v_cache_bksh: [B, K, H, S] key and [B, K, S, H] value caches (KVCache), or
         None (keys are the inputs themselves).
       write_b: [B] int cache index at which the T new keys are written (cache mode only).
-      key_pos_bs: [B, S] absolute position of each key; key_valid_bs: [B, S] bool.
+      key_pos_bs: [B, S] absolute position of each key; key_valid_bs: [B, S] bool, or None
+        when every key is real (cache-free passes without padding).
       query_index_bp: optional [B, P] int indices into T (cache-free mode only): queries, and so
         outputs, only at these inputs; keys and values still come from all T.
       layer_index: with a stacked cache ([L_g, B, K, H, S] and [L_g, B, K, S, H], a block's
@@ -824,6 +863,7 @@ class Attention(nnx.Module):
         key_valid_bs,
         cached=k_cache_bkhs is not None,
         gathered=query_index_bp is not None,
+        kernel=self.kernel,
       )
       # "BTNH,NHD->BTD" with the contracted (N, H) in storage order: jnp.einsum lists them as
       # (H, N), and XLA:CPU then copied o_proj into [H, N, D] (and the activations into
@@ -1229,9 +1269,11 @@ class _EPPlan(NamedTuple):
 
 
 class DecoderLayer(nnx.Module):
-  def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype, sparse: bool = False):
+  def __init__(
+    self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype, sparse: bool = False, attention: str = "auto"
+  ):
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-    self.self_attn = Attention(cfg, rngs=rngs, dtype=dtype)
+    self.self_attn = Attention(cfg, rngs=rngs, dtype=dtype, kernel=attention)
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     self.mlp: SparseMoE | MLP
     if sparse:
@@ -1287,7 +1329,7 @@ class DecoderLayer(nnx.Module):
 
 
 def stacked_layers(
-  cfg: QwenConfig, first: int, count: int, *, rngs: nnx.Rngs, dtype
+  cfg: QwenConfig, first: int, count: int, *, rngs: nnx.Rngs, dtype, attention: str = "auto"
 ) -> DecoderLayer:
   """One `DecoderLayer` whose parameters hold `count` layers stacked on a leading axis.
 
@@ -1299,7 +1341,10 @@ def stacked_layers(
   sparse = cfg.is_moe_layer(first)
   if any(cfg.is_moe_layer(i) != sparse for i in range(first, first + count)):
     raise ValueError(f"layers {first}..{first + count - 1} mix dense and sparse MoE blocks")
-  layers = [DecoderLayer(cfg, rngs=rngs, dtype=dtype, sparse=sparse) for _ in range(count)]
+  layers = [
+    DecoderLayer(cfg, rngs=rngs, dtype=dtype, sparse=sparse, attention=attention)
+    for _ in range(count)
+  ]
   flat = [nnx.to_flat_state(nnx.state(layer, nnx.Param)) for layer in layers]
   for (_, var), *rest in zip(*flat):
     var.set_value(jnp.stack([var.get_value()] + [v.get_value() for _, v in rest]))
@@ -1328,10 +1373,11 @@ class Qwen(nnx.Module):
   parameters off its stack inside the step (a copy per step). `remat` (one of REMAT_POLICIES,
   default "full") is the rematerialisation of each layer in the backward pass of
   `hidden_states` (`remat_layer`); it is a training setting, not architecture, and is not written
-  to config.json.
+  to config.json. So is `attention` (`kernels.ATTENTION_KERNELS`, default "auto"), the attention
+  kernel of every layer (`_attend_by_pass`).
 
   Raises (constructor):
-    ValueError: an unknown remat policy.
+    ValueError: an unknown remat policy or attention kernel.
   """
 
   def __init__(
@@ -1342,23 +1388,32 @@ class Qwen(nnx.Module):
     dtype=jnp.float32,
     remat: str = "full",
     stacked: bool = True,
+    attention: str = "auto",
   ):
     if remat not in REMAT_POLICIES:
       raise ValueError(f"unknown remat policy {remat!r}; known: {', '.join(REMAT_POLICIES)}")
+    if attention not in ATTENTION_KERNELS:
+      raise ValueError(
+        f"unknown attention kernel {attention!r}; known: {', '.join(ATTENTION_KERNELS)}"
+      )
     self.config = cfg
     self.remat = remat
+    self.attention = attention
     self.stacked = stacked
     self.embed_tokens = _init(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
     self.block_spans = cfg.layer_blocks if stacked else ()
     if stacked:
       self.blocks = nnx.List(
-        [stacked_layers(cfg, i, n, rngs=rngs, dtype=dtype) for i, n in self.block_spans]
+        [
+          stacked_layers(cfg, i, n, rngs=rngs, dtype=dtype, attention=attention)
+          for i, n in self.block_spans
+        ]
       )
     else:
       # Initialised in the order the stacked layout draws them: the same seed, the same values.
       self.layers = nnx.List(
         [
-          DecoderLayer(cfg, rngs=rngs, dtype=dtype, sparse=cfg.is_moe_layer(i))
+          DecoderLayer(cfg, rngs=rngs, dtype=dtype, sparse=cfg.is_moe_layer(i), attention=attention)
           for i in range(cfg.num_hidden_layers)
         ]
       )
@@ -1391,11 +1446,12 @@ class Qwen(nnx.Module):
     Raises:
       ValueError: routing_btlk not of shape [B, T, L_moe, k].
     """
-    if attention_mask_bt is None:
-      attention_mask_bt = jnp.ones(input_ids_bt.shape, jnp.bool_)
-    attention_mask_bt = attention_mask_bt.astype(jnp.bool_)
-    if positions_bt is None:
-      positions_bt = jnp.maximum(jnp.cumsum(attention_mask_bt, axis=-1) - 1, 0)
+    if attention_mask_bt is not None:  # None: every token is real (the fused kernels mask less)
+      attention_mask_bt = attention_mask_bt.astype(jnp.bool_)
+      if positions_bt is None:
+        positions_bt = jnp.maximum(jnp.cumsum(attention_mask_bt, axis=-1) - 1, 0)
+    elif positions_bt is None:
+      positions_bt = jnp.broadcast_to(jnp.arange(input_ids_bt.shape[1]), input_ids_bt.shape)
     routing = self._split_routing(routing_btlk, input_ids_bt.shape)
     x = self._embed(input_ids_bt)
 
@@ -1621,7 +1677,14 @@ def unrolled_template(model: Qwen) -> tuple[nnx.GraphDef, nnx.State]:
   cfg = model.config
   dtype = model.embed_tokens.get_value().dtype
   abstract = nnx.eval_shape(
-    lambda: Qwen(cfg, rngs=nnx.Rngs(0), dtype=dtype, remat=model.remat, stacked=False)
+    lambda: Qwen(
+      cfg,
+      rngs=nnx.Rngs(0),
+      dtype=dtype,
+      remat=model.remat,
+      stacked=False,
+      attention=model.attention,
+    )
   )
   return nnx.split(abstract)
 

@@ -1,0 +1,210 @@
+"""Fused attention kernels from JAX for the cache-free passes (training forward and backward,
+scoring): TPU splash attention and cuDNN's fused attention, each run per device inside
+`jax.shard_map` over the mesh's batch and head axes.
+
+`model.attention` (`ATTENTION_KERNELS`) chooses, `resolve_attention` turns "auto" into a kernel
+for the backend, and `qwen._attend_by_pass` (the one function every attention of the model goes
+through) calls `fused_attention` for "splash" and "cudnn" on passes without a KV cache. Passes
+with a cache (the engine's prefill and decode) and the last layer of a scoring pass (queries at
+chosen positions) keep the XLA paths: the kernels mask by index (causal) and segment, not by the
+per-slot positions a cache holds.
+
+The kernels assume what the model's cache-free passes guarantee: a valid key's position rises
+with its index (positions are the running count of real tokens, or `arange`), so "key position
+<= query position among valid keys" is "key index <= query index among valid keys". Padding (a
+[B, T] validity mask) becomes splash's segment ids (valid 1, padding 0) or cuDNN's mask; a
+query of a padding token sees padding keys only, and its output is not read.
+
+Dimension letters as in qwen.py: B batch, T tokens, N query heads, K key/value heads, H head size.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from coevolve_jax.models.sharding import active_mesh, param_spec
+
+ATTENTION_KERNELS = ("auto", "xla", "blocked", "splash", "cudnn")
+# Splash's query and key blocks (its BlockSizes for the forward and both backward kernels):
+# MaxText's default for v5p, and a multiple of the TPU's 128 lanes. Shorter passes use one block
+# of their own (padded) length.
+SPLASH_BLOCK = 512
+SPLASH_MIN_BLOCK = 128
+# cuDNN's fused attention takes half-precision inputs and head sizes up to 128 (multiples of 8).
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def resolve_attention(kernel: str, backend: str | None = None) -> str:
+  """The kernel `model.attention` = `kernel` runs on `backend` (default: JAX's).
+
+  "auto": "splash" on TPU, "cudnn" on GPU (where `cudnn_supports` the pass; else "blocked"),
+  "blocked" elsewhere, which is the CPU path of every earlier release (query-blocked causal
+  passes, key-blocked online softmax from 4,096 keys). "xla": one plain masked softmax.
+
+  Raises:
+    ValueError: an unknown kernel, or "cudnn" on a backend other than GPU ("splash" runs in Pallas
+      interpret mode off TPU: exact, and slow).
+  """
+  if kernel not in ATTENTION_KERNELS:
+    raise ValueError(f"unknown attention kernel {kernel!r}; known: {', '.join(ATTENTION_KERNELS)}")
+  backend = backend or jax.default_backend()
+  if kernel == "auto":
+    return {"tpu": "splash", "gpu": "cudnn"}.get(backend, "blocked")
+  if kernel == "cudnn" and backend != "gpu":
+    raise ValueError(
+      f"model.attention='cudnn' needs an NVIDIA GPU (JAX's backend here is {backend!r}); use "
+      "'auto', 'blocked' or 'xla'"
+    )
+  return kernel
+
+
+def cudnn_supports(dtype, head_dim: int) -> bool:
+  """Whether cuDNN's fused attention takes inputs of `dtype` and head size `head_dim`."""
+  return jnp.dtype(dtype) in [jnp.dtype(d) for d in CUDNN_DTYPES] and (
+    head_dim <= 128 and head_dim % 8 == 0
+  )
+
+
+def _splash_block(t: int) -> int:
+  """Splash's block for T tokens: SPLASH_BLOCK, or T rounded up to a multiple of
+  SPLASH_MIN_BLOCK when shorter."""
+  return min(SPLASH_BLOCK, -(-t // SPLASH_MIN_BLOCK) * SPLASH_MIN_BLOCK)
+
+
+def _splash_kernel(num_heads: int, t: int, block: int, interpret: bool):
+  """A causal multi-head splash kernel for one example ([N, T, H] queries, [K, T, H] keys and
+  values; GQA when K < N). Built in each trace (as MaxText does): the kernel holds arrays of the
+  trace it was made in."""
+  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+  mask = masks.MultiHeadMask([masks.CausalMask((t, t)) for _ in range(num_heads)])
+  sizes = splash.BlockSizes(
+    block_q=block,
+    block_kv=block,
+    block_kv_compute=block,
+    block_q_dkv=block,
+    block_kv_dkv=block,
+    block_kv_dkv_compute=block,
+    block_q_dq=block,
+    block_kv_dq=block,
+  )
+  return splash.make_splash_mha(
+    mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret
+  )
+
+
+def _splash_local(q_bnth, k_bkth, v_bkth, valid_bt, *, interpret: bool):
+  """One device's splash attention: [B, N, T, H] (queries pre-scaled) -> [B, N, T, H]."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=g-import-not-at-top
+    splash_attention_kernel as splash,
+  )
+
+  b, n, t, _ = q_bnth.shape
+  block = _splash_block(t)
+  padded = -(-t // block) * block
+  if padded != t or valid_bt is None:
+    valid_bt = jnp.ones((b, t), jnp.int32) if valid_bt is None else valid_bt.astype(jnp.int32)
+  if padded != t:  # trailing padding: segment 0, after every real token (never seen by one)
+    grow = lambda x: jnp.pad(x, [(0, 0)] * 2 + [(0, padded - t), (0, 0)])  # noqa: E731
+    q_bnth, k_bkth, v_bkth = grow(q_bnth), grow(k_bkth), grow(v_bkth)
+    valid_bt = jnp.pad(valid_bt, [(0, 0), (0, padded - t)])
+  kernel = _splash_kernel(n, padded, block, interpret)
+  if valid_bt is None:
+    out = jax.vmap(kernel)(q_bnth, k_bkth, v_bkth)
+  else:
+    segments = splash.SegmentIds(q=valid_bt.astype(jnp.int32), kv=valid_bt.astype(jnp.int32))
+    out = jax.vmap(kernel)(q_bnth, k_bkth, v_bkth, segment_ids=segments)
+  return out[:, :, :t]
+
+
+def _cudnn_local(q_btnh, k_btkh, v_btkh, valid_bt, *, implementation: Literal["xla", "cudnn"]):
+  """One device's `jax.nn.dot_product_attention` (causal; padding as a [B, 1, T, T] mask):
+  [B, T, N, H] -> [B, T, N, H]."""
+  mask = None
+  if valid_bt is not None:
+    mask = valid_bt[:, None, None, :].astype(jnp.bool_)
+  return jax.nn.dot_product_attention(
+    q_btnh, k_btkh, v_btkh, mask=mask, is_causal=True, implementation=implementation
+  )
+
+
+def fused_attention(
+  kernel: str,
+  q_btnh: jax.Array,
+  keys_bkhs: jax.Array,
+  values_bksh: jax.Array,
+  valid_bt: jax.Array | None,
+  *,
+  implementation: Literal["xla", "cudnn"] = "cudnn",
+) -> jax.Array:
+  """Causal self-attention of a cache-free pass by a fused kernel, with GQA.
+
+  Args:
+    kernel: "splash" (TPU; Pallas interpret mode elsewhere) or "cudnn".
+    q_btnh: [B, T, N, H] queries (not scaled: both kernels are given 1 / sqrt(H) here).
+    keys_bkhs: [B, K, H, T] keys, values_bksh: [B, K, T, H] values (`qwen.KVCache`'s layout);
+      K divides N.
+    valid_bt: [B, T] bool, False at padding, or None when every token is real.
+    implementation: for "cudnn", `jax.nn.dot_product_attention`'s implementation (default
+      "cudnn"; tests on CPU pass "xla" to check the same call's layouts and masks).
+  Returns:
+    [B, T, N, H] outputs in the values' dtype. With a mesh active (`jax.set_mesh`), the kernel
+    runs per device under `jax.shard_map`: rows split as the "batch" logical axis, heads as
+    "act_heads" (the KV heads alike when the head axes divide K; else each device gets the KV
+    heads of its query heads, repeated), so it needs no collective.
+  Raises:
+    ValueError: an unknown kernel.
+  """
+  b, t, n, h = q_btnh.shape
+  kh = keys_bkhs.shape[1]
+  if kernel == "splash":
+    q = (q_btnh * (h**-0.5)).transpose(0, 2, 1, 3)  # [B, N, T, H]
+    k = keys_bkhs.transpose(0, 1, 3, 2).astype(q.dtype)  # [B, K, T, H]
+    v = values_bksh
+    local = functools.partial(_splash_local, interpret=jax.default_backend() != "tpu")
+    head_axis = 1
+  elif kernel == "cudnn":
+    q = q_btnh
+    k = keys_bkhs.transpose(0, 3, 1, 2).astype(q.dtype)  # [B, T, K, H]
+    v = values_bksh.transpose(0, 2, 1, 3)
+    local = functools.partial(_cudnn_local, implementation=implementation)
+    head_axis = 2
+  else:
+    raise ValueError(f"fused_attention runs 'splash' or 'cudnn', not {kernel!r}")
+  mesh = active_mesh()
+  if mesh is None:
+    out = local(q, k, v, valid_bt)
+  else:
+    q_spec = param_spec(mesh.shape, _axes(head_axis, "act_heads"), q.shape)
+    heads = q_spec[head_axis]
+    kv_spec = param_spec(mesh.shape, _axes(head_axis, "act_kv_heads"), k.shape)
+    if kv_spec[head_axis] != heads:  # the head axes split N but not K: repeat K to N first
+      k, v = (jnp.repeat(x, n // kh, axis=head_axis) for x in (k, v))
+      kv_spec = q_spec
+    args, specs = [q, k, v], [q_spec, kv_spec, kv_spec]
+    if valid_bt is not None:
+      args.append(valid_bt)
+      specs.append(P(q_spec[0], None))
+    with jax.named_scope(f"{kernel}_attention"):
+      out = jax.shard_map(
+        lambda q, k, v, m=None: local(q, k, v, m),
+        mesh=mesh,
+        in_specs=tuple(specs),
+        out_specs=q_spec,
+        # Pallas's output shapes carry no varying-axes type; the body has no collective.
+        check_vma=kernel != "splash",
+      )(*args)
+  out = out.astype(values_bksh.dtype)
+  return out.transpose(0, 2, 1, 3) if kernel == "splash" else out
+
+
+def _axes(head_axis: int, heads: str) -> tuple[str | None, ...]:
+  """Logical axes of a [B, N, T, H] (head_axis 1) or [B, T, N, H] (head_axis 2) array."""
+  return ("batch", heads, "length", None) if head_axis == 1 else ("batch", "length", heads, None)

@@ -1,0 +1,185 @@
+"""`model.attention` (models/kernels.py): TPU splash attention in Pallas interpret mode and the
+`jax.nn.dot_product_attention` call of the cuDNN path (run by JAX's "xla" implementation, which
+takes the same arguments: cuDNN itself needs an NVIDIA GPU) against the plain masked softmax
+(`qwen._attend`), forward and gradient, with GQA, padding and lengths that are not a block
+multiple; the model's logits and loss gradient by kernel; the kernels under shard_map on 8 host
+devices (a child process); "auto" keeps the CPU path.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from coevolve_jax.models import kernels, qwen
+from coevolve_jax.models.kernels import fused_attention, resolve_attention
+
+from host_devices import run_child
+
+B, H = 2, 16
+
+
+def _inputs(t: int, n: int, k: int, pad: int = 0, seed: int = 0, dtype=jnp.float32):
+  """[B, T, N, H] queries, [B, K, H, T] keys, [B, K, T, H] values (the cache layout), positions
+  and validity of a cache-free pass: row 1 starts with `pad` padding tokens (left padding),
+  positions the running count of real tokens."""
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.normal(size=(B, t, n, H)), dtype)
+  keys = jnp.asarray(rng.normal(size=(B, k, H, t)), dtype)
+  values = jnp.asarray(rng.normal(size=(B, k, t, H)), dtype)
+  valid = np.ones((B, t), bool)
+  valid[1, :pad] = False
+  pos = jnp.asarray(np.maximum(np.cumsum(valid, axis=1) - 1, 0))
+  return q, keys, values, pos, jnp.asarray(valid)
+
+
+def _reference(q, keys, values, pos, valid):
+  return qwen._attend(q, keys, values, pos, pos, valid)
+
+
+def _fused(kernel):
+  if kernel == "cudnn":
+    return functools.partial(fused_attention, "cudnn", implementation="xla")
+  return functools.partial(fused_attention, kernel)
+
+
+@pytest.mark.parametrize("kernel", ["splash", "cudnn"])
+@pytest.mark.parametrize(
+  "t, n, k, pad",
+  [(37, 4, 1, 5), (130, 6, 3, 0)],  # MQA with left padding, GQA of 3; lengths padded to blocks
+)
+def test_fused_kernel_equals_the_masked_softmax(kernel, t, n, k, pad):
+  q, keys, values, pos, valid = _inputs(t, n, k, pad)
+  want = _reference(q, keys, values, pos, valid)
+  got = _fused(kernel)(q, keys, values, valid if pad else None)
+  real = np.asarray(valid)  # padding queries' outputs are never read
+  np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["splash", "cudnn"])
+def test_fused_kernel_gradient_equals_the_masked_softmax_gradient(kernel):
+  q, keys, values, pos, valid = _inputs(40, 4, 2, pad=3, seed=1)
+  weights = jnp.asarray(np.random.default_rng(2).normal(size=q.shape), jnp.float32)
+  weights = weights * valid[:, :, None, None]  # a loss of the real tokens only
+
+  def loss(fn, q, keys, values):
+    return jnp.sum(fn(q, keys, values) * weights)
+
+  want = jax.grad(functools.partial(loss, lambda *a: _reference(*a, pos, valid)), (0, 1, 2))
+  got = jax.grad(functools.partial(loss, lambda *a: _fused(kernel)(*a, valid)), (0, 1, 2))
+  for g, w in zip(got(q, keys, values), want(q, keys, values)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_splash_in_bfloat16_stays_within_its_rounding():
+  """bfloat16 inputs (8 mantissa bits): within 2e-2 of the float32 softmax of the same inputs,
+  as the XLA path in bfloat16 is."""
+  q, keys, values, pos, valid = _inputs(128, 4, 2, seed=3, dtype=jnp.bfloat16)
+  want = _reference(*(x.astype(jnp.float32) for x in (q, keys, values)), pos, valid)
+  xla = _reference(q, keys, values, pos, valid).astype(jnp.float32)
+  got = fused_attention("splash", q, keys, values, None).astype(jnp.float32)
+  bound = 2e-2
+  assert float(jnp.max(jnp.abs(xla - want))) < bound
+  assert float(jnp.max(jnp.abs(got - want))) < bound
+
+
+def test_auto_keeps_the_cpu_path_and_bad_choices_are_clear_errors():
+  assert resolve_attention("auto") == "blocked"  # this suite runs on CPU
+  assert resolve_attention("auto", "tpu") == "splash"
+  assert resolve_attention("auto", "gpu") == "cudnn"
+  assert resolve_attention("splash", "cpu") == "splash"  # interpret mode
+  with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
+    resolve_attention("cudnn", "cpu")
+  with pytest.raises(ValueError, match="unknown attention kernel 'flash'"):
+    resolve_attention("flash")
+  with pytest.raises(ValueError, match="unknown attention kernel"):
+    qwen.Qwen(qwen.QwenConfig.tiny_cpu(vocab_size=64), rngs=nnx.Rngs(0), attention="flash")
+  assert kernels.cudnn_supports(jnp.bfloat16, 128) and not kernels.cudnn_supports(jnp.float32, 128)
+
+
+def _tiny(attention: str, stacked: bool = True):
+  cfg = qwen.QwenConfig.tiny_cpu(vocab_size=64)
+  return qwen.Qwen(cfg, rngs=nnx.Rngs(0), stacked=stacked, attention=attention)
+
+
+def test_model_logits_and_loss_gradient_by_kernel():
+  """The same weights with "splash" (the training forward and backward) give the "xla" model's
+  logits and gradient; a left-padded batch through `__call__` too."""
+  ids = jnp.asarray(np.random.default_rng(4).integers(0, 64, size=(2, 24)))
+  mask = jnp.asarray(np.arange(24)[None] >= np.array([[0], [6]]))
+  models = {a: _tiny(a) for a in ("xla", "splash")}
+
+  def loss(model):
+    return jnp.mean(model.logits(model.hidden_states(ids)) ** 2)
+
+  grads, logits = {}, {}
+  for name, model in models.items():
+    graphdef, state = nnx.split(model)
+    grads[name] = jax.grad(lambda s, g=graphdef: loss(nnx.merge(g, s)))(state)
+    logits[name] = model(ids, attention_mask=mask)
+  real = np.asarray(mask)
+  np.testing.assert_allclose(logits["splash"][real], logits["xla"][real], rtol=1e-5, atol=1e-5)
+  for g, w in zip(jax.tree.leaves(grads["splash"]), jax.tree.leaves(grads["xla"])):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_planner_counts_attention_activations_by_kernel():
+  """The compiled training step's activations with splash attention (the fused kernels' plan)
+  are below the plain softmax's by more than one layer's float32 [N, T, T] scores, which the
+  fused kernel never holds; ~20 s of compiles, so `make test-slow`."""
+  from coevolve_jax import memory_plan  # noqa: PLC0415
+
+  cfg, t = qwen.QwenConfig.tiny_cpu(vocab_size=64), 1024
+  planned = {
+    a: memory_plan.compiled_activation_bytes(cfg, "float32", t, t // 2, "full", 1, a)
+    for a in ("xla", "splash")
+  }
+  assert planned["xla"] - planned["splash"] > cfg.num_attention_heads * t * t * 4
+  assert memory_plan.planned_attention("auto", "gpu") == "splash"  # cuDNN, planned off a GPU
+  assert memory_plan.planned_attention("auto") == "blocked"
+
+
+def test_kernels_under_shard_map_on_eight_devices():
+  run_child(__file__, "mesh", timeout=300)
+
+
+def _child():
+  """On 8 host devices: splash and the cuDNN call under shard_map over batch and head axes equal
+  the unsharded kernel and the masked softmax, with KV heads split (tensor 2) and repeated
+  (tensor 4 over 2 KV heads); a sharded model's logits with "splash" equal "xla"'s."""
+  from coevolve_jax.models import sharding as shd  # noqa: PLC0415
+
+  q, keys, values, pos, valid = _inputs(64, 4, 2, pad=4)
+  want = _reference(q, keys, values, pos, valid)
+  real = np.asarray(valid)
+  for axes in ({"data": 2, "fsdp": 2, "tensor": 2}, {"data": 2, "tensor": 4}):
+    mesh = shd.make_mesh(axes)
+    for kernel in ("splash", "cudnn"):
+      with jax.set_mesh(mesh):
+        got = jax.jit(_fused(kernel))(q, keys, values, valid)
+        hlo = jax.jit(_fused(kernel)).lower(q, keys, values, valid).as_text()
+      assert "shard_map" in hlo or "sdy.manual_computation" in hlo, (kernel, axes)
+      np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=1e-5)
+  ids = jnp.asarray(np.random.default_rng(5).integers(0, 64, size=(4, 32)))
+  mesh = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  out = {}
+  for attention in ("xla", "splash"):
+    model = _tiny(attention)
+    with jax.set_mesh(mesh):
+      state = jax.device_put(nnx.state(model), shd.tree_shardings(nnx.state(model), mesh))
+      graphdef = nnx.graphdef(model)
+      out[attention] = jax.jit(lambda s, g=graphdef: nnx.merge(g, s)(ids))(state)
+  np.testing.assert_allclose(out["splash"], out["xla"], rtol=1e-5, atol=1e-5)
+  print("mesh OK")
+
+
+if __name__ == "__main__":
+  if sys.argv[1] == "mesh":
+    _child()
