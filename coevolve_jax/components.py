@@ -29,7 +29,7 @@ from coevolve_jax.errors import RunError
 from coevolve_jax.feedback import factory, rounds
 from coevolve_jax.feedback.llm import LLMError, TextLLM
 from coevolve_jax.feedback.pool import TaskPool
-from coevolve_jax.feedback.sampler import TaskSampler, make_sampler
+from coevolve_jax.feedback.sampler import TaskSampler, make_sampler, sampler_name
 from coevolve_jax.feedback.signals import SignalTracker
 from coevolve_jax.hooks import TrainingHook, build_hooks
 from coevolve_jax.models import sharding
@@ -117,7 +117,7 @@ def build(cfg: Any, workdir: str) -> Components:
     suite=suite,
     pool=pool,
     tracker=SignalTracker.from_config(cfg.signals),
-    sampler=make_sampler(cfg.pool.sampler, cfg),
+    sampler=make_sampler(sampler_name(cfg), cfg),
     hooks=build_hooks(cfg, workdir),
     mesh=mesh,
     sampling=sampling,

@@ -24,7 +24,8 @@ import numpy as np
 from coevolve_jax import advantages, grpo, suite
 from coevolve_jax.feedback import factory, rounds
 from coevolve_jax.feedback.pool import EVAL_STATES
-from coevolve_jax.feedback.sampler import make_sampler
+from coevolve_jax.feedback.aiw import AIWSampler
+from coevolve_jax.feedback.sampler import make_sampler, sampler_name
 from coevolve_jax.feedback.signals import SignalTracker
 from coevolve_jax.hooks import check_hooks
 from coevolve_jax.models import QwenConfig
@@ -315,7 +316,8 @@ def _explore(cfg: Mapping[str, Any]) -> None:
 
 def _pool(cfg: Mapping[str, Any]) -> None:
   number(cfg, "pool.near_dup_threshold", lo=0.0, hi=1.0)  # a MinHash LSH threshold
-  owner("pool.sampler", lambda: make_sampler(get(cfg, "pool.sampler"), cfg))
+  owner("role_agent.aiw", lambda: AIWSampler.from_config(cfg))  # checked when off too
+  owner("pool.sampler", lambda: make_sampler(sampler_name(cfg), cfg))
   synth = get(cfg, "pool.synth_fraction")
   if not _is_num(synth) or not (synth < 0 or 0.0 <= synth <= 1.0):
     fail("pool.synth_fraction", "must be in [0, 1], or negative for proportional", synth)

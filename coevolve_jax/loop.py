@@ -296,6 +296,7 @@ class CoEvolveRun:
     events = self.tracker.observe(trajs, tasks)
     self.state.events.extend(events)
     self.parts.sampler.observe(tasks, trajs)
+    info.update(self.parts.sampler.metrics())
     record = StepRecord(step, tasks, trajs, rewards, keep, adv, events, info)
     hook_metrics = run_hooks(self.parts.hooks, record)
     info.update(self._rollout_metrics(trajs, rewards, groups, keep))

@@ -135,8 +135,24 @@ def get_config() -> ml_collections.ConfigDict:
   c.pool = ml_collections.ConfigDict()  # the task pool (feedback/pool.py)
   c.pool.near_dup_threshold = 0.8  # MinHash Jaccard above which a task is a near-duplicate
   c.pool.synth_fraction = -1.0  # share of synthesized tasks when sampling; -1 = proportional
-  # Per-task weights of each step's draw (feedback/sampler.py SAMPLERS): "uniform" (the paper).
+  # Per-task weights of each step's draw (feedback/sampler.py SAMPLERS): "uniform" (the paper);
+  # role_agent.aiw.enabled draws with "aiw".
   c.pool.sampler = "uniform"
+
+  # Role-Agent (arXiv 2606.10917) as options of the loop, off by default (docs/design.md).
+  c.role_agent = ml_collections.ConfigDict()
+  # Agent-In-World (feedback/aiw.py): the task sampler up-weights failed tasks (+boost_failure)
+  # and the top_k earlier failures most like each (+boost_similar x Jaccard similarity of their
+  # template fingerprints); the released code's defaults; decay 1 = no decay (the code's).
+  c.role_agent.aiw = ml_collections.ConfigDict()
+  c.role_agent.aiw.enabled = False
+  c.role_agent.aiw.boost_failure = 0.15
+  c.role_agent.aiw.boost_similar = 0.35
+  c.role_agent.aiw.top_k = 3
+  c.role_agent.aiw.history = 512
+  c.role_agent.aiw.decay = 1.0
+  c.role_agent.aiw.min_weight = 1e-3
+  c.role_agent.aiw.analyser = "template"
 
   c.signals = ml_collections.ConfigDict()
   c.signals.window = 5  # W, training iterations a task's earlier scores count for forgetting

@@ -482,3 +482,35 @@ def _shared_start_gives_the_same_run(
   assert _run_files(copy) == _run_files(workdir)
   with open(os.path.join(copy, "config.json")) as f:
     assert json.load(f)["feedback"]["enabled"] is False  # the variant's own, not the start's
+
+
+@pytest.mark.slow
+def test_aiw_sampling_resumes_to_the_same_metric_rows(tmp_path):
+  """Role-Agent's AIW sampler on (feedback rounds off: AIW instead of synthesis): three steps in
+  one session and the same run killed after step 2's checkpoint and resumed give the same metric
+  rows (rewards, the sampler's figures): its weights and failure library come back from the
+  checkpoint, so the resumed run draws the same tasks."""
+
+  def config(steps):
+    cfg = small_config()
+    cfg.role_agent.aiw.enabled = True
+    cfg.feedback.enabled = False
+    cfg.train.steps, cfg.checkpoint.every = steps, 1
+    return cfg
+
+  def rows(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      keep = ("step", "reward/mean")
+      return [
+        {k: v for k, v in r.items() if k in keep or k.startswith("aiw/")}
+        for r in map(json.loads, f)
+        if "reward/mean" in r
+      ]
+
+  straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+  CoEvolveRun(config(3), straight).fit()
+  CoEvolveRun(config(2), resumed).fit()
+  CoEvolveRun(config(3), resumed).fit()
+  want = rows(straight)
+  assert [r["step"] for r in want] == [1, 2, 3] and all("aiw/weight_entropy" in r for r in want)
+  assert rows(resumed) == want

@@ -136,7 +136,7 @@ def test_sampler_weights_shape_the_draw_and_the_uniform_sampler_changes_nothing(
   with pytest.raises(ValueError, match="sum to 0"):
     pool.sample(2, rng, 1.0, np.array([1.0] * 6 + [0.0] * 3))
   with pytest.raises(ValueError, match="unknown task sampler"):
-    make_sampler("aiw")
+    make_sampler("curriculum")
 
 
 def test_rollback_keeps_the_checkpointed_prefix_and_moves_the_rest_aside(tmp_path):

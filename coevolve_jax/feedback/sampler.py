@@ -1,9 +1,10 @@
 """Task samplers: the per-task weights of each GRPO step's draw from the pool.
 
 The pool's draw (`TaskPool.sample`) takes its weights from a `TaskSampler`, so re-weighting the
-pool (e.g. up-weighting tasks whose failures resemble recent ones, as Role-Agent's Agent-In-World
-does) is one class registered here, with its state saved in every checkpoint so that a resumed
-run draws the same tasks. The default, "uniform", gives no weights: every task is as likely.
+pool is one class registered here, with its state saved in every checkpoint so that a resumed run
+draws the same tasks. The default, "uniform", gives no weights: every task is as likely; "aiw"
+up-weights failed tasks and earlier failures like them (Role-Agent's Agent-In-World,
+`feedback.aiw`), chosen by `role_agent.aiw.enabled`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ class TaskSampler(Protocol):
     """Sees a step's tasks and rollouts (after the update), e.g. to find failures."""
     ...
 
+  def metrics(self) -> dict[str, float]:
+    """Figures of the last `weights` and `observe` calls for metrics.jsonl ({} for none)."""
+    ...
+
   def state_dict(self) -> dict[str, Any]:
     """JSON-serialisable state, saved with every checkpoint."""
     ...
@@ -52,6 +57,9 @@ class UniformSampler:
   def observe(self, tasks: Sequence[Task], trajectories: Sequence[Trajectory]) -> None:
     del tasks, trajectories
 
+  def metrics(self) -> dict[str, float]:
+    return {}
+
   def state_dict(self) -> dict[str, Any]:
     return {}
 
@@ -59,14 +67,38 @@ class UniformSampler:
     del state
 
 
-SAMPLERS: dict[str, Callable[[Any], TaskSampler]] = {"uniform": lambda cfg: UniformSampler()}
+def _aiw(cfg: Any) -> TaskSampler:
+  from coevolve_jax.feedback.aiw import AIWSampler  # pylint: disable=g-import-not-at-top
+
+  return AIWSampler.from_config(cfg)
+
+
+SAMPLERS: dict[str, Callable[[Any], TaskSampler]] = {
+  "uniform": lambda cfg: UniformSampler(),
+  "aiw": _aiw,
+}
+
+
+def sampler_name(cfg: Any) -> str:
+  """The run's sampler: "aiw" with `role_agent.aiw.enabled`, else `pool.sampler`.
+
+  Raises:
+    ValueError: `role_agent.aiw.enabled` beside a `pool.sampler` other than "uniform" or "aiw".
+  """
+  name = cfg["pool"]["sampler"]
+  role_agent = cfg.get("role_agent")
+  if role_agent is not None and role_agent["aiw"]["enabled"]:
+    if name not in ("uniform", "aiw"):
+      raise ValueError(f"role_agent.aiw.enabled draws with 'aiw', not pool.sampler={name!r}")
+    return "aiw"
+  return name
 
 
 def make_sampler(name: str, cfg: Any = None) -> TaskSampler:
   """The sampler registered as `name`, built from the run config.
 
   Raises:
-    ValueError: an unknown name.
+    ValueError: an unknown name, or settings the sampler refuses.
   """
   if name not in SAMPLERS:
     raise ValueError(f"unknown task sampler {name!r} (known: {sorted(SAMPLERS)})")
