@@ -225,9 +225,11 @@ def save_run(path: str, run: dict[str, Any], workdir: str) -> None:
   os.replace(path + ".tmp", path)
 
 
-def load_saved(path: str, cfg) -> dict[str, Any] | None:
+def load_saved(path: str, cfg, overrides: dict[str, Any] | None = None) -> dict[str, Any] | None:
   """The run saved at `path` if it ran `cfg`'s settings (but `COMPILE_ONLY`), else None (a note
-  says which settings differ; the grid runs it again)."""
+  says which settings differ; the grid runs it again). A field the saved config lacks was added
+  to the project after the run, with a default that keeps earlier behaviour (the project's rule
+  for new options), so it differs only where `overrides` (the command's --set) names it."""
   if not os.path.exists(path):
     return None
   with open(path, encoding="utf-8") as f:
@@ -236,7 +238,9 @@ def load_saved(path: str, cfg) -> dict[str, Any] | None:
     print(f"--- {path} does not say which config it ran: running it again")
     return None
   made, now = _settings(saved["config"]), _settings(json.loads(cfg.to_json_best_effort()))
-  changed = sorted(k for k in set(made) | set(now) if made.get(k) != now.get(k))
+  named = tuple(overrides or ())
+  added = {k for k in set(now) - set(made) if not any(k.startswith(n) for n in named)}
+  changed = sorted(k for k in set(made) | set(now) - added if made.get(k) != now.get(k))
   if changed:
     print(f"--- {path} ran other settings ({', '.join(changed)}): running it again")
     return None
@@ -795,7 +799,9 @@ def main(argv: list[str] | None = None) -> int:
       workdir = os.path.join(args.workdir, f"{variant}-s{seed}")
       saved = saved_path(args.out, variant, seed)
       if not is_complete(workdir) and (
-        run := load_saved(saved, load_config(variant, seed, run_overrides, args.config))
+        run := load_saved(
+          saved, load_config(variant, seed, run_overrides, args.config), run_overrides
+        )
       ):
         print(f"--- {variant} seed {seed}: read back from {saved}")
         results.setdefault(variant, []).append(run)

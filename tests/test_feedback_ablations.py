@@ -375,6 +375,16 @@ def test_saved_runs_outlive_their_workdirs_while_their_settings_hold(
   ablations.main([*args, "--set", f"compile.cache_dir={json.dumps(str(tmp_path / 'other'))}"])
   assert ran == []  # read back: only the compilation cache differs
   assert "| coevolve | 0 |" in (tmp_path / "plots.md").read_text()
+  # A field added to the project after the run (absent from its config): read back.
+  saved_run = json.loads(saved.read_text())
+  del saved_run["config"]["role_agent"]
+  saved.write_text(json.dumps(saved_run))
+  ablations.main(args)
+  assert ran == []
+  ablations.main([*args, "--set", "role_agent.aiw.enabled=true", "--no-shared-start"])
+  assert len(ran) == 1  # unless the command sets it
+  ran.clear()
+  shutil.rmtree(grid)
   ablations.main([*args, "--steps", "3", "--no-shared-start"])  # other GRPO steps: run again
   assert ran == [3]
   assert json.loads(saved.read_text())["run"]["rewards"] == [[1, 0.5]]
