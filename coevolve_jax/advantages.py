@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from coevolve_jax import grpo
+from coevolve_jax import grpo, wia
 from coevolve_jax.trainer import target_positions
 from coevolve_jax.types import Trajectory
 
@@ -46,6 +46,8 @@ class AdvantageInputs:
     keep: [N] bool, False for trajectories dropped from the loss (`train.drop_from_loss`);
       None is taken as every row kept.
     cfg: the objective's settings (adv_eps, scale_by_std, ...).
+    wia: Role-Agent's World-In-Agent settings (`role_agent.wia`), read by "role_agent"; None
+      for the other estimators.
 
   Raises (on construction):
     ValueError: rewards, group_ids or keep not of shape [N] (N = len(trajectories)), or keep
@@ -57,6 +59,7 @@ class AdvantageInputs:
   group_ids: np.ndarray
   keep: np.ndarray | None
   cfg: grpo.GRPOConfig
+  wia: wia.WIAConfig | None = None
 
   def __post_init__(self):
     n = len(self.trajectories)
@@ -242,3 +245,27 @@ def spread_over_replies(
   for r, x in enumerate(rows):
     out[r, : len(x)] = x
   return out
+
+
+@register("role_agent")
+def role_agent(inputs: AdvantageInputs) -> np.ndarray:
+  """Role-Agent's advantages with World-In-Agent process rewards (`wia` module docstring;
+  GiGPO's combination): per reply, the episode's group advantage ("grpo") plus
+  `wia.step_weight` x the reply's step advantage within its anchor-state group, spread over the
+  reply's tokens. Settings: `inputs.wia` (default `wia.WIAConfig()`).
+
+  Returns:
+    [N, P] float32 (`spread_over_replies`); dropped rows 0.
+  Raises:
+    ValueError: `grpo_outcome`'s or `spread_over_replies`'s.
+  """
+  cfg = inputs.wia or wia.WIAConfig()
+  trajs, keep = inputs.trajectories, np.asarray(inputs.keep)
+  outcome = grpo_outcome(inputs)
+  rewards = [wia.step_rewards(t, wia.reply_scores(t, cfg), cfg) for t in trajs]
+  steps = wia.step_advantages(trajs, rewards, cfg, keep.tolist())
+  values = [
+    [float(outcome[i]) + cfg.step_weight * a if keep[i] else 0.0 for a in steps[i]]
+    for i in range(len(trajs))
+  ]
+  return spread_over_replies(trajs, values)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from coevolve_jax import distributed
+from coevolve_jax import distributed, wia
 from coevolve_jax.chat import ChatFormat
 from coevolve_jax.rollout.generate import decode_tokens
 from coevolve_jax.rollout.sampling import SamplingParams
@@ -163,6 +163,9 @@ class AgentRunner:
       (AppWorld), and a guarantee that every process trains on the same results. Without it
       every process runs its own environments, which must then be deterministic (BFCL's). No
       effect in a single-process run.
+    predict_next: Role-Agent's World-In-Agent (`wia`): the system prompt asks for a prediction of
+      each call's result in `<predict_next>` blocks, which are taken out of each reply before
+      its tool calls are parsed (never executed) and recorded as `Reply.prediction`.
 
   Raises:
     ValueError: env_threads or decode_steps < 1, or a stop id that is not a non-negative int.
@@ -179,6 +182,7 @@ class AgentRunner:
     reproducible: bool = True,
     decode_steps: int = 1,
     env_on_primary: bool = False,
+    predict_next: bool = False,
   ):
     if env_threads < 1:
       raise ValueError(f"env_threads must be >= 1, got {env_threads}")
@@ -197,6 +201,7 @@ class AgentRunner:
     self.lockstep = reproducible or jax.process_count() > 1  # see `_collect_steps`
     self.decode_steps = decode_steps
     self.env_on_primary = env_on_primary and jax.process_count() > 1
+    self.predict_next = predict_next
 
   def run(
     self,
@@ -330,7 +335,10 @@ class AgentRunner:
     if not isinstance(first, StepResult):
       self._finish(ep, "error", info={"error": f"reset: {first}"})
       return
-    messages = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
+    system = env.system_prompt
+    if self.predict_next:  # Role-Agent's WIA instruction, in training and evaluation alike
+      system = f"{system}\n\n{wia.INSTRUCTION}" if system else wia.INSTRUCTION
+    messages = [{"role": "system", "content": system}] if system else []
     ids = self.chat.prompt_ids(messages + first.messages, env.tools)
     traj.prompt_len = len(ids)
     traj.extend(ids, sampled=False)
@@ -392,11 +400,16 @@ class AgentRunner:
     text = self.chat.decode(body)
     start = len(traj.token_ids)
     traj.extend(ep.turn_ids, sampled=True, logprobs=ep.turn_logprobs)
-    traj.replies.append(Reply(start, len(traj.token_ids)))
+    prediction = None
+    if self.predict_next:  # the prediction is recorded, never executed
+      text, prediction = wia.split_prediction(text)
     ep.last_tok = ep.turn_ids[-1]
     ep.turn_ids, ep.turn_logprobs = [], []
     traj.model_steps += 1
     action = self.chat.parse_tool_calls(text, truncated=not stopped)
+    executed = action.tool_calls if action.error is None else []
+    calls = [f"{c.name}({json.dumps(c.arguments, sort_keys=True)})" for c in executed]
+    traj.replies.append(Reply(start, len(traj.token_ids), calls=calls, prediction=prediction))
     traj.parse_errors += action.error is not None
     traj.tool_call_replies += action.error is None and bool(action.tool_calls)
     ep.names_at = len(traj.tool_names)

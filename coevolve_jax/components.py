@@ -259,6 +259,7 @@ def _runners(
     "reproducible": r.reproducible,
     "decode_steps": r.decode_steps,
     "env_on_primary": suite.env_on_primary,
+    "predict_next": bool(cfg.role_agent.wia.enabled),
   }
   runner = AgentRunner(
     engine,

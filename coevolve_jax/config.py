@@ -25,6 +25,7 @@ from coevolve_jax import advantages, grpo, suite
 from coevolve_jax.feedback import factory, rounds
 from coevolve_jax.feedback.pool import EVAL_STATES
 from coevolve_jax.feedback.aiw import AIWSampler
+from coevolve_jax.wia import WIAConfig
 from coevolve_jax.feedback.sampler import make_sampler, sampler_name
 from coevolve_jax.feedback.signals import SignalTracker
 from coevolve_jax.hooks import check_hooks
@@ -317,6 +318,13 @@ def _explore(cfg: Mapping[str, Any]) -> None:
 def _pool(cfg: Mapping[str, Any]) -> None:
   number(cfg, "pool.near_dup_threshold", lo=0.0, hi=1.0)  # a MinHash LSH threshold
   owner("role_agent.aiw", lambda: AIWSampler.from_config(cfg))  # checked when off too
+  owner("role_agent.wia", lambda: WIAConfig.from_config(get(cfg, "role_agent.wia")))
+  if get(cfg, "role_agent.wia.enabled") and get(cfg, "train.advantage_estimator") != "grpo":
+    fail(
+      "role_agent.wia.enabled",
+      "trains with the 'role_agent' advantage estimator; leave train.advantage_estimator at 'grpo'",
+      get(cfg, "train.advantage_estimator"),
+    )
   owner("pool.sampler", lambda: make_sampler(sampler_name(cfg), cfg))
   synth = get(cfg, "pool.synth_fraction")
   if not _is_num(synth) or not (synth < 0 or 0.0 <= synth <= 1.0):

@@ -40,6 +40,7 @@ from coevolve_jax import (
   errors,
   memory_plan,
   warmstart,
+  wia,
 )
 from coevolve_jax import workdir as workdir_files
 from coevolve_jax.checkpoint import CheckpointMismatchError
@@ -289,14 +290,19 @@ class CoEvolveRun:
     rewards = np.array([t.reward for t in trajs], np.float32)
     groups = np.array([t.group_id for t in trajs])
     keep = np.array([t.finish not in cfg.train.drop_from_loss for t in trajs])
-    inputs = advantages.AdvantageInputs(trajs, rewards, groups, keep, self.trainer.cfg)
-    adv = advantages.estimate(cfg.train.advantage_estimator, inputs)
+    estimator, wia_cfg = cfg.train.advantage_estimator, None
+    if cfg.role_agent.wia.enabled:  # Role-Agent's process rewards (coevolve_jax/wia.py)
+      estimator, wia_cfg = "role_agent", wia.WIAConfig.from_config(cfg.role_agent.wia)
+    inputs = advantages.AdvantageInputs(trajs, rewards, groups, keep, self.trainer.cfg, wia_cfg)
+    adv = advantages.estimate(estimator, inputs)
     with self.timer("train"):
       info = self.trainer.grpo_epoch(trajs, adv, cfg.train.mini_batches, keep=keep)
     events = self.tracker.observe(trajs, tasks)
     self.state.events.extend(events)
     self.parts.sampler.observe(tasks, trajs)
     info.update(self.parts.sampler.metrics())
+    if wia_cfg is not None:
+      info.update(wia.metrics(trajs, wia_cfg, cfg.signals.success_threshold, keep.tolist()))
     record = StepRecord(step, tasks, trajs, rewards, keep, adv, events, info)
     hook_metrics = run_hooks(self.parts.hooks, record)
     info.update(self._rollout_metrics(trajs, rewards, groups, keep))

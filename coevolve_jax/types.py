@@ -98,11 +98,17 @@ class Reply:
       id that ended the reply included).
     observation: the text the environment answered the reply with (its messages' contents,
       joined by blank lines); "" when the episode ended on this reply or no step followed.
+    calls: the reply's parsed tool calls as `name(JSON arguments)` strings, in order (what it
+      asked the environment to execute; empty for a call-free or unparsable reply).
+    prediction: the next observation the reply predicted (Role-Agent's World-In-Agent,
+      `wia.split_prediction`), or None where it made none (or WIA is off).
   """
 
   start: int
   end: int
   observation: str = ""
+  calls: list[str] = dataclasses.field(default_factory=list)
+  prediction: str | None = None
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)

@@ -153,6 +153,21 @@ def get_config() -> ml_collections.ConfigDict:
   c.role_agent.aiw.decay = 1.0
   c.role_agent.aiw.min_weight = 1e-3
   c.role_agent.aiw.analyser = "template"
+  # World-In-Agent (coevolve_jax/wia.py): the agent predicts each call's result in
+  # <predict_next> blocks; the prediction's similarity to the real observation is a process
+  # reward (reward_form: "additive" r_t + beta s_t, or the published "paper" r_t (1 + s_t),
+  # "code_v1" r_t sigmoid(s_t), "code_release" r_t (1 + 0.2 s_t), which change nothing where the
+  # last reply has no observation); step advantages within same-state groups (GiGPO, gamma),
+  # weighted by step_weight, added to the group advantage. Replaces train.advantage_estimator.
+  c.role_agent.wia = ml_collections.ConfigDict()
+  c.role_agent.wia.enabled = False
+  c.role_agent.wia.reward_form = "additive"
+  c.role_agent.wia.beta = 0.1
+  c.role_agent.wia.similarity = "words"  # or "json", "char_ratio" (the released code's)
+  c.role_agent.wia.char_cap = 600
+  c.role_agent.wia.horizon = 1
+  c.role_agent.wia.step_weight = 1.0
+  c.role_agent.wia.gamma = 0.95
 
   c.signals = ml_collections.ConfigDict()
   c.signals.window = 5  # W, training iterations a task's earlier scores count for forgetting

@@ -485,24 +485,26 @@ def _shared_start_gives_the_same_run(
 
 
 @pytest.mark.slow
-def test_aiw_sampling_resumes_to_the_same_metric_rows(tmp_path):
-  """Role-Agent's AIW sampler on (feedback rounds off: AIW instead of synthesis): three steps in
-  one session and the same run killed after step 2's checkpoint and resumed give the same metric
-  rows (rewards, the sampler's figures): its weights and failure library come back from the
-  checkpoint, so the resumed run draws the same tasks."""
+def test_role_agent_options_resume_to_the_same_metric_rows(tmp_path):
+  """Role-Agent's options on, AIW's sampler and WIA's predictions and process rewards (feedback
+  rounds off: AIW instead of synthesis): three steps in one session and the same run killed
+  after step 2's checkpoint and resumed give the same metric rows (rewards, loss, the options'
+  figures): AIW's weights and failure library come back from the checkpoint, so the resumed run
+  draws the same tasks."""
 
   def config(steps):
     cfg = small_config()
     cfg.role_agent.aiw.enabled = True
+    cfg.role_agent.wia.enabled = True
     cfg.feedback.enabled = False
     cfg.train.steps, cfg.checkpoint.every = steps, 1
     return cfg
 
   def rows(workdir):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
-      keep = ("step", "reward/mean")
+      keep = ("step", "reward/mean", "train/loss")
       return [
-        {k: v for k, v in r.items() if k in keep or k.startswith("aiw/")}
+        {k: v for k, v in r.items() if k in keep or k.startswith(("aiw/", "wia/"))}
         for r in map(json.loads, f)
         if "reward/mean" in r
       ]
@@ -512,5 +514,6 @@ def test_aiw_sampling_resumes_to_the_same_metric_rows(tmp_path):
   CoEvolveRun(config(2), resumed).fit()
   CoEvolveRun(config(3), resumed).fit()
   want = rows(straight)
-  assert [r["step"] for r in want] == [1, 2, 3] and all("aiw/weight_entropy" in r for r in want)
+  assert [r["step"] for r in want] == [1, 2, 3]
+  assert all("aiw/weight_entropy" in r and "wia/prediction_share" in r for r in want)
   assert rows(resumed) == want
