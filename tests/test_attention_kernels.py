@@ -108,9 +108,11 @@ def _tiny(attention: str, stacked: bool = True):
   return qwen.Qwen(cfg, rngs=nnx.Rngs(0), stacked=stacked, attention=attention)
 
 
+@pytest.mark.slow
 def test_model_logits_and_loss_gradient_by_kernel():
   """The same weights with "splash" (the training forward and backward) give the "xla" model's
-  logits and gradient; a left-padded batch through `__call__` too."""
+  logits and gradient; a left-padded batch through `__call__` too. ~13 s of compiles, so `make
+  test-slow`; the suite's 8-device test compares the sharded model's logits."""
   ids = jnp.asarray(np.random.default_rng(4).integers(0, 64, size=(2, 24)))
   mask = jnp.asarray(np.arange(24)[None] >= np.array([[0], [6]]))
   models = {a: _tiny(a) for a in ("xla", "splash")}
