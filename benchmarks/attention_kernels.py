@@ -27,10 +27,9 @@ import argparse
 import functools
 import os
 import sys
-import time
 
-import numpy as np
 from common import machine, markdown_table
+from rollout_bench import _median_seconds, read_bandwidth
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
 
@@ -45,16 +44,6 @@ def kernels_here(interpret: bool) -> list[str]:
   if backend == "gpu":
     out.append("cudnn")
   return out
-
-
-def _median_seconds(run, repeats: int) -> float:
-  run()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    run()
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
 
 
 def train_seconds(kernel: str, args, t: int) -> float:
@@ -141,8 +130,6 @@ def main(argv=None) -> int:
       rows.append([kernel, str(t), f"{seconds * 1e3:.2f}", ratio])
       print(f"  {kernel} at {t} tokens: {seconds * 1e3:.2f} ms", flush=True)
   print(markdown_table(rows))
-  from rollout_bench import read_bandwidth  # noqa: PLC0415
-
   seconds, nbytes = decode_seconds(args)
   bandwidth = read_bandwidth()
   bound = nbytes / bandwidth
