@@ -109,18 +109,19 @@ def _splash_local(q_bnth, k_bkth, v_bkth, valid_bt, *, interpret: bool):
   b, n, t, _ = q_bnth.shape
   block = _splash_block(t)
   padded = -(-t // block) * block
-  if padded != t or valid_bt is None:
-    valid_bt = jnp.ones((b, t), jnp.int32) if valid_bt is None else valid_bt.astype(jnp.int32)
   if padded != t:  # trailing padding: segment 0, after every real token (never seen by one)
+    valid_bt = jnp.ones((b, t), jnp.bool_) if valid_bt is None else valid_bt
     grow = lambda x: jnp.pad(x, [(0, 0)] * 2 + [(0, padded - t), (0, 0)])  # noqa: E731
     q_bnth, k_bkth, v_bkth = grow(q_bnth), grow(k_bkth), grow(v_bkth)
     valid_bt = jnp.pad(valid_bt, [(0, 0), (0, padded - t)])
   kernel = _splash_kernel(n, padded, block, interpret)
-  if valid_bt is None:
+  if valid_bt is None:  # every token real and no padding: no segment ids to mask by
     out = jax.vmap(kernel)(q_bnth, k_bkth, v_bkth)
   else:
-    segments = splash.SegmentIds(q=valid_bt.astype(jnp.int32), kv=valid_bt.astype(jnp.int32))
-    out = jax.vmap(kernel)(q_bnth, k_bkth, v_bkth, segment_ids=segments)
+    segments = valid_bt.astype(jnp.int32)
+    out = jax.vmap(kernel)(
+      q_bnth, k_bkth, v_bkth, segment_ids=splash.SegmentIds(q=segments, kv=segments)
+    )
   return out[:, :, :t]
 
 
