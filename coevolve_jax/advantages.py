@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from coevolve_jax import grpo, wia
+from coevolve_jax import grpo, qevolve, wia
 from coevolve_jax.trainer import target_positions
 from coevolve_jax.types import Trajectory
 
@@ -48,6 +48,8 @@ class AdvantageInputs:
     cfg: the objective's settings (adv_eps, scale_by_std, ...).
     wia: Role-Agent's World-In-Agent settings (`role_agent.wia`), read by "role_agent"; None
       for the other estimators.
+    qevolve: Q-Evolve's settings and, per trajectory, its critic's GAE advantage of each reply
+      ([T_i] float, `qevolve.Critic.reply_advantages`), read by "qevolve"; None otherwise.
 
   Raises (on construction):
     ValueError: rewards, group_ids or keep not of shape [N] (N = len(trajectories)), or keep
@@ -60,6 +62,7 @@ class AdvantageInputs:
   keep: np.ndarray | None
   cfg: grpo.GRPOConfig
   wia: wia.WIAConfig | None = None
+  qevolve: tuple[qevolve.QEvolveConfig, Sequence[np.ndarray]] | None = None
 
   def __post_init__(self):
     n = len(self.trajectories)
@@ -269,3 +272,23 @@ def role_agent(inputs: AdvantageInputs) -> np.ndarray:
     for i in range(len(trajs))
   ]
   return spread_over_replies(trajs, values)
+
+
+@register("qevolve")
+def qevolve_critic(inputs: AdvantageInputs) -> np.ndarray:
+  """Q-Evolve's process rewards (`qevolve` module docstring): per reply, group_weight x the
+  episode's group advantage ("grpo") + critic_weight x the critic's GAE advantage of the reply
+  (whitened over the kept replies with `normalize`), spread over the reply's tokens.
+
+  Returns:
+    [N, P] float32 (`spread_over_replies`); dropped rows 0.
+  Raises:
+    ValueError: no critic advantages in `inputs.qevolve`, a row whose count is not its reply
+      count, or `spread_over_replies`'s errors.
+  """
+  if inputs.qevolve is None:
+    raise ValueError("the 'qevolve' estimator needs the critic's reply advantages (qevolve=)")
+  cfg, reply_adv = inputs.qevolve
+  outcome = grpo_outcome(inputs)
+  values = qevolve.combine(outcome, reply_adv, np.asarray(inputs.keep), cfg)
+  return spread_over_replies(inputs.trajectories, values)

@@ -409,8 +409,10 @@ class AgentRunner:
     action = self.chat.parse_tool_calls(text, truncated=not stopped)
     executed = action.tool_calls if action.error is None else []
     calls = [f"{c.name}({json.dumps(c.arguments, sort_keys=True)})" for c in executed]
-    traj.replies.append(Reply(start, len(traj.token_ids), calls=calls, prediction=prediction))
-    traj.parse_errors += action.error is not None
+    failed = action.error is not None
+    end = len(traj.token_ids)
+    traj.replies.append(Reply(start, end, calls=calls, prediction=prediction, parse_error=failed))
+    traj.parse_errors += failed
     traj.tool_call_replies += action.error is None and bool(action.tool_calls)
     ep.names_at = len(traj.tool_names)
     traj.tool_names.extend(c.name for c in action.tool_calls)

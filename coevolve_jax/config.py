@@ -25,6 +25,7 @@ from coevolve_jax import advantages, grpo, suite
 from coevolve_jax.feedback import factory, rounds
 from coevolve_jax.feedback.pool import EVAL_STATES
 from coevolve_jax.feedback.aiw import AIWSampler
+from coevolve_jax.qevolve import QEvolveConfig
 from coevolve_jax.wia import WIAConfig
 from coevolve_jax.feedback.sampler import make_sampler, sampler_name
 from coevolve_jax.feedback.signals import SignalTracker
@@ -325,10 +326,34 @@ def _pool(cfg: Mapping[str, Any]) -> None:
       "trains with the 'role_agent' advantage estimator; leave train.advantage_estimator at 'grpo'",
       get(cfg, "train.advantage_estimator"),
     )
+  _qevolve(cfg)
   owner("pool.sampler", lambda: make_sampler(sampler_name(cfg), cfg))
   synth = get(cfg, "pool.synth_fraction")
   if not _is_num(synth) or not (synth < 0 or 0.0 <= synth <= 1.0):
     fail("pool.synth_fraction", "must be in [0, 1], or negative for proportional", synth)
+
+
+def _qevolve(cfg: Mapping[str, Any]) -> None:
+  """qevolve.* (checked when off too); on: mode "critic" only, the default estimator, no WIA."""
+  if "qevolve" not in cfg:  # a config written before Q-Evolve: off
+    return
+  owner("qevolve", lambda: QEvolveConfig.from_config(get(cfg, "qevolve")))
+  if not isinstance(get(cfg, "qevolve.enabled"), bool):
+    fail("qevolve.enabled", "must be a bool", get(cfg, "qevolve.enabled"))
+  if not get(cfg, "qevolve.enabled"):
+    return
+  if get(cfg, "qevolve.mode") != "critic":
+    fail(
+      "qevolve.mode", "'iterate' (Q-Evolve's own loop) is not built yet; use 'critic'", "iterate"
+    )
+  if get(cfg, "train.advantage_estimator") != "grpo":
+    fail(
+      "qevolve.enabled",
+      "trains with the 'qevolve' advantage estimator; leave train.advantage_estimator at 'grpo'",
+      get(cfg, "train.advantage_estimator"),
+    )
+  if get(cfg, "role_agent.wia.enabled"):
+    fail("qevolve.enabled", "and role_agent.wia.enabled both replace the advantages", True)
 
 
 def _signals(cfg: Mapping[str, Any]) -> None:
@@ -420,6 +445,8 @@ def _train(cfg: Mapping[str, Any]) -> None:
   owner("train.hooks", lambda: check_hooks(tuple(hooks)))
   estimator = get(cfg, "train.advantage_estimator")
   owner("train.advantage_estimator", lambda: advantages.get(estimator))
+  if estimator == "qevolve":  # it reads the critic's advantages, which only the option makes
+    fail("train.advantage_estimator", "'qevolve' is chosen by qevolve.enabled = True", estimator)
   for field in ("train.scale_by_std", "train.replay_routing"):
     if not isinstance(get(cfg, field), bool):
       fail(field, "must be a bool", get(cfg, field))

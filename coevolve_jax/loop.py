@@ -39,6 +39,7 @@ from coevolve_jax import (
   distributed,
   errors,
   memory_plan,
+  qevolve,
   warmstart,
   wia,
 )
@@ -249,6 +250,9 @@ class CoEvolveRun:
     if ws.steps <= 0:
       return
     demos = self._demonstrations()
+    if self.critic is not None:  # the hybrid dataset's expert part (Q-Evolve)
+      found = (qevolve.episode(t, self.critic.cfg, "expert") for t in demos)
+      self.critic.buffer.extend([e for e in found if e is not None])
     warmstart.warm_start(
       self.trainer,
       demos,
@@ -293,10 +297,23 @@ class CoEvolveRun:
     estimator, wia_cfg = cfg.train.advantage_estimator, None
     if cfg.role_agent.wia.enabled:  # Role-Agent's process rewards (coevolve_jax/wia.py)
       estimator, wia_cfg = "role_agent", wia.WIAConfig.from_config(cfg.role_agent.wia)
-    inputs = advantages.AdvantageInputs(trajs, rewards, groups, keep, self.trainer.cfg, wia_cfg)
+    critic_in = None
+    critic_metrics: dict[str, float] = {}
+    if self.critic is not None:  # Q-Evolve's critic (coevolve_jax/qevolve.py)
+      estimator = "qevolve"
+      with self.timer("critic"):
+        critic_in, critic_metrics = self._critic_step(trajs)
+    inputs = advantages.AdvantageInputs(
+      trajs, rewards, groups, keep, self.trainer.cfg, wia_cfg, critic_in
+    )
     adv = advantages.estimate(estimator, inputs)
     with self.timer("train"):
       info = self.trainer.grpo_epoch(trajs, adv, cfg.train.mini_batches, keep=keep)
+    if self.critic is not None:
+      info.update(critic_metrics)
+      info["qevolve/cost_vs_train"] = self.timer.last["critic"] / max(
+        self.timer.last["train"], 1e-9
+      )
     events = self.tracker.observe(trajs, tasks)
     self.state.events.extend(events)
     self.parts.sampler.observe(tasks, trajs)
@@ -320,6 +337,36 @@ class CoEvolveRun:
     if step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
       self._save(step)
     return info
+
+  def _critic_step(self, trajs: list[Trajectory]) -> tuple[Any, dict[str, float]]:
+    """Q-Evolve's critic on a step's rollouts: each reply's GAE advantage under the critic as it
+    stands (trained on earlier steps and the warm-start's demonstrations, as PPO estimates
+    advantages before fitting its value), then `qevolve.updates` critic steps on these episodes
+    and a replay of the buffer's.
+
+    Returns:
+      ((the critic's settings, per trajectory [T_i] reply advantages): `AdvantageInputs.
+      qevolve`; the qevolve/* metrics).
+    Raises:
+      RunError: a trajectory whose replies the critic cannot read one to one.
+    """
+    critic = self.critic
+    assert critic is not None  # called only with qevolve.enabled
+    eps = [qevolve.episode(t, critic.cfg) for t in trajs]
+    real = [e for e in eps if e is not None]
+    feats = critic.features(real)
+    reply_adv, metrics = critic.reply_advantages(real, feats)
+    metrics.update(critic.fit(real, feats))
+    found = iter(reply_adv)
+    out = []
+    for t, e in zip(trajs, eps):
+      adv = np.zeros(len(t.replies), np.float32) if e is None else next(found)
+      if len(adv) != len(t.replies):
+        raise RunError(
+          f"trajectory {t.task_id}: {len(adv)} critic steps for {len(t.replies)} replies"
+        )
+      out.append(adv)
+    return (critic.cfg, out), metrics
 
   def _rollout_metrics(
     self, trajs, rewards: np.ndarray, groups: np.ndarray, keep: np.ndarray
@@ -369,6 +416,8 @@ class CoEvolveRun:
     write_atomic(self.summary_path, json.dumps({**summary, **extra}, indent=1, sort_keys=True))
     self.metrics.close()
     self.ckpt.close()
+    if self.critic_ckpt is not None:
+      self.critic_ckpt.close()
     self.suite.close()  # stops what the suite started (servers, workers), also at exit on failure
     return {**summary, **extra}
 
@@ -453,6 +502,14 @@ class CoEvolveRun:
       self.cfg.signals.success_threshold,
     )
     self.rounds = RoundScheduler(self.cfg, self.workdir, p.suite, p.llm, p.pool, p.journal)
+    self.critic: qevolve.Critic | None = None
+    self.critic_ckpt: qevolve.CriticCheckpointer | None = None
+    if "qevolve" in self.cfg and self.cfg.qevolve.enabled:
+      qcfg = qevolve.QEvolveConfig.from_config(self.cfg.qevolve)
+      self.critic = qevolve.Critic(qcfg, p.trainer, self.cfg.seed)
+      where = qevolve.checkpoint_dir(self.workdir)
+      self.critic_ckpt = qevolve.CriticCheckpointer(where, self.cfg.checkpoint.keep)
+      self._closing.append(("critic checkpoints", self.critic_ckpt))
     restored = self._load_or_init()
     self._open_logs(restored)
     return restored
@@ -494,6 +551,9 @@ class CoEvolveRun:
       if hook.name in self.state.hooks:
         hook.load_state_dict(self.state.hooks[hook.name])
     self.timer = PhaseTimer(self.state.phase_s)
+    critic, critic_ckpt = self.critic, self.critic_ckpt
+    if critic is not None and critic_ckpt is not None and not critic_ckpt.restore(step, critic):
+      print(f"no Q-Evolve critic saved at step {step}: the critic starts fresh")
     print(f"resuming from checkpoint step {step}")
     return step
 
@@ -517,6 +577,8 @@ class CoEvolveRun:
       s.hooks = {hook.name: hook.state_dict() for hook in self.parts.hooks}
       s.phase_s, s.wall_s = dict(self.timer.totals), self._wall_s()
       meta = {**s.to_json(), "config": json.loads(self.cfg.to_json_best_effort())}
+      if self.critic_ckpt is not None and self.critic is not None:
+        self.critic_ckpt.save(step, self.critic)  # first: a resume looks for the run's step
       self.ckpt.save(step, self.trainer.state, meta)
 
   def _wall_s(self) -> float:
@@ -529,6 +591,8 @@ class CoEvolveRun:
     self.ckpt.wait()
     self.metrics.close()
     self.ckpt.close()
+    if self.critic_ckpt is not None:
+      self.critic_ckpt.close()
     self.rounds.shutdown()
     self.suite.close()
 

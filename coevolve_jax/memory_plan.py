@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from coevolve_jax import qevolve
 from coevolve_jax.models import sharding
 from coevolve_jax.models.hf import read_config
 from coevolve_jax.models.kernels import resolve_attention
@@ -82,6 +83,7 @@ class MemoryPlan:
   kv_cache: int
   micro_batches: int = 1
   activation_source: str = "residuals"
+  critic: int = 0  # Q-Evolve's critic (`critic_bytes`); 0 when qevolve is off
 
   @property
   def static(self) -> int:
@@ -93,6 +95,7 @@ class MemoryPlan:
       + self.reference
       + self.rollout_weights
       + self.kv_cache
+      + self.critic
     )
 
   @property
@@ -151,6 +154,28 @@ def shard_bytes(
   """
   spec = sharding.param_spec(mesh, axes, shape, rules)
   return math.prod(sharding.shard_shape(mesh, spec, shape)) * jnp.dtype(dtype).itemsize
+
+
+def critic_bytes(
+  hidden_size: int, cfg: qevolve.QEvolveConfig, rows: int, max_replies: int, mesh: Mapping[str, int]
+) -> int:
+  """Bytes per device of Q-Evolve's critic (`qevolve.Critic`, "head"): the V and Q heads, the Q
+  target and AdamW's two moments of V and Q (7 head copies, float32, sharded by
+  `qevolve.HEAD_AXES`), plus the hidden-state features of one step's reads, replicated:
+  [rows, 2 max_replies, D] float32 from `PolicyTrainer.hidden_states_at` and a critic batch of
+  [batch, 3 D].
+
+  Args:
+    hidden_size: the policy's D. cfg: the critic's settings. rows: episodes read per step (the
+      step's rollouts plus `cfg.replay`). max_replies: replies per episode at most
+      (`episode.max_model_steps`). mesh: axis sizes.
+  """
+  shapes = {"w1": (hidden_size, cfg.hidden), "b1": (cfg.hidden,), "w2": (cfg.hidden,), "b2": ()}
+  head = sum(
+    shard_bytes(shape, jnp.float32, qevolve.HEAD_AXES[k], mesh) for k, shape in shapes.items()
+  )
+  features = 4 * hidden_size * (rows * 2 * max_replies + 3 * cfg.batch)
+  return 7 * head + features
 
 
 Model = str | QwenConfig  # a preset name, or the config of a checkpoint (`hf.read_config`)
@@ -471,6 +496,7 @@ def plan(
   remat: str = "full",
   activations: str = "residuals",
   attention: str = "blocked",
+  critic: int = 0,
 ) -> MemoryPlan:
   """Memory per device for training and rollout of `preset` on a mesh of `mesh` axis sizes.
 
@@ -497,6 +523,7 @@ def plan(
       where the backend gives no memory analysis (`MemoryPlan.activation_source` says which).
     attention: the attention kernel traced for the activations (`planned_attention`; the
       "blocked" XLA paths by default; "splash" plans the fused kernels: no [T, T] scores).
+    critic: bytes per device of Q-Evolve's critic (`critic_bytes`), counted as static.
   Returns:
     A `MemoryPlan` in bytes per device.
   Raises:
@@ -534,6 +561,7 @@ def plan(
     kv_cache=kv,
     micro_batches=micro_batches,
     activation_source=source,
+    critic=critic,
   )
 
 
@@ -553,6 +581,9 @@ def format_table(
     "kv cache",
     "total",
   ]
+  critic = any(p.critic for p in plans)  # a column only where Q-Evolve's critic is planned
+  if critic:
+    cols.insert(-1, "critic")
   if hbm_gib:
     cols.append(f"fits {headroom:.0%} of {hbm_gib:g} GiB")
   lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -569,6 +600,7 @@ def format_table(
         p.rollout_weights,
         p.activations,
         p.kv_cache,
+        *((p.critic,) if critic else ()),
         p.total,
       )
     ]
@@ -616,8 +648,16 @@ def plan_for_run(
   """
   engine, train = cfg["engine"], cfg["train"]
   checkpoint = cfg["model"].get("checkpoint", "")
+  model = read_config(checkpoint) if checkpoint else cfg["model"]["preset"]
+  critic = 0
+  if cfg.get("qevolve", {}).get("enabled"):
+    qcfg = qevolve.QEvolveConfig.from_config(cfg["qevolve"])
+    rows = cfg["rollout"]["tasks_per_step"] * cfg["rollout"]["group_size"] + qcfg.replay
+    steps = cfg["episode"]["max_model_steps"]
+    sizes = {a: int(mesh.get(a, 1)) for a in sharding.MESH_AXES}
+    critic = critic_bytes(model_config(model).hidden_size, qcfg, rows, steps, sizes)
   return plan(
-    read_config(checkpoint) if checkpoint else cfg["model"]["preset"],
+    model,
     mesh,
     batch=_mini_batch_rows(cfg)[0],
     seq_len=engine["cache_len"],
@@ -630,6 +670,7 @@ def plan_for_run(
     remat=cfg["model"]["remat"],
     activations=activations,
     attention=planned_attention(cfg["model"].get("attention", "auto")),
+    critic=critic,
   )
 
 

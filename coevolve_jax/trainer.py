@@ -543,6 +543,7 @@ class PolicyTrainer:
       model.config, keep_stacked, infer_template
     )
     self._logp, self._grpo_step, self._sft_step = self._jitted_steps()
+    self._hidden: Any = None  # `hidden_states_at`'s program, jitted at its first call
 
   def _place_state(self, params, infer_template, inference_layout: str) -> None:
     """Sets the shardings (None without a mesh), the master parameters and the optimizer state.
@@ -810,6 +811,47 @@ class PolicyTrainer:
     with self._ctx():
       out = self._logp(params, *self._rows((batch.tokens, batch.target_pos, batch.routing)))
     return out if out.shape[0] == n else out[:n]
+
+  def hidden_states_at(self, tokens_nt: np.ndarray, index_np: np.ndarray) -> np.ndarray:
+    """The policy's final-norm hidden states at chosen positions, without a gradient: what a
+    critic head on the policy reads (`coevolve_jax.qevolve`).
+
+    Runs the current parameters in the compute dtype (`_merge`), rows padded to a multiple of
+    micro-batches x data-parallel devices and split over the data axes as the log-prob forward's
+    are; the program is compiled at the first call of each shape (a run that never calls it
+    compiles nothing for it).
+
+    Args:
+      tokens_nt: [N, T] int32 right-padded token ids starting at position 0.
+      index_np: [N, P] int32 positions in [0, T) to read (padding entries may repeat any
+        position).
+    Returns:
+      [N, P, D] float32 numpy hidden states (D = hidden_size), on the host.
+    Raises:
+      ValueError: tokens and index of different row counts, or an index outside [0, T).
+    """
+    tokens_nt, index_np = np.asarray(tokens_nt, np.int32), np.asarray(index_np, np.int32)
+    n, t = tokens_nt.shape
+    if index_np.ndim != 2 or index_np.shape[0] != n:
+      raise ValueError(f"index of shape {index_np.shape} for tokens of shape {tokens_nt.shape}")
+    if index_np.size and (index_np.min() < 0 or index_np.max() >= t):
+      raise ValueError(f"hidden-state positions outside [0, {t})")
+    pad = -n % self._row_multiple()
+    if pad:
+      tokens_nt = np.concatenate([tokens_nt, np.zeros((pad, t), np.int32)])
+      index_np = np.concatenate([index_np, np.zeros((pad, index_np.shape[1]), np.int32)])
+    if self._hidden is None:
+
+      def hidden(params, tokens, index):
+        h = self._merge(params).hidden_states(
+          tokens, jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape), None, index
+        )
+        return jax.lax.stop_gradient(h).astype(jnp.float32)
+
+      self._hidden = self._jit(hidden, (self._param_sh, self._rows_sh, self._rows_sh), None)
+    with self._ctx():
+      out = self._hidden(self.params, *self._rows((tokens_nt, index_np)))
+    return np.asarray(jax.device_get(out))[:n]
 
   def _grpo_step_fn(self, params, opt_state, arrays, old_logp, ref_logp):
     k = self.micro_batches

@@ -102,6 +102,8 @@ class Reply:
       asked the environment to execute; empty for a call-free or unparsable reply).
     prediction: the next observation the reply predicted (Role-Agent's World-In-Agent,
       `wia.split_prediction`), or None where it made none (or WIA is off).
+    parse_error: the reply's tool calls failed to parse (`Trajectory.parse_errors` counts
+      these replies).
   """
 
   start: int
@@ -109,6 +111,7 @@ class Reply:
   observation: str = ""
   calls: list[str] = dataclasses.field(default_factory=list)
   prediction: str | None = None
+  parse_error: bool = False
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)

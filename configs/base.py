@@ -169,6 +169,39 @@ def get_config() -> ml_collections.ConfigDict:
   c.role_agent.wia.step_weight = 1.0
   c.role_agent.wia.gamma = 0.95
 
+  # Q-Evolve (arXiv 2606.07367; coevolve_jax/qevolve.py), off by default. mode "critic": a critic
+  # (V and Q heads on the policy's hidden states) trained by weighted IQL between GRPO steps on
+  # the step's episodes and a replay buffer; its GAE advantages per reply, whitened, replace
+  # (critic_weight) or add to (group_weight) the group advantage. Values marked * are not the
+  # paper's (it does not state them): docs/design.md section 8.3.
+  c.qevolve = ml_collections.ConfigDict()
+  c.qevolve.enabled = False
+  c.qevolve.mode = "critic"  # "iterate" (Q-Evolve's own loop) is not built yet
+  c.qevolve.critic = "head"
+  c.qevolve.hidden = 256  # * the heads' width
+  c.qevolve.tau = 0.7  # * expectile
+  c.qevolve.gamma = 0.99  # *
+  c.qevolve.lam = 0.95  # * GAE lambda
+  c.qevolve.polyak = 0.05  # * Q target rate per critic step
+  c.qevolve.lr = 1e-3  # *
+  c.qevolve.updates = 32  # * critic steps per GRPO step
+  c.qevolve.batch = 256  # * transitions per critic step
+  c.qevolve.capacity = 512  # trajectories in the replay buffer
+  c.qevolve.replay = 16  # buffer trajectories replayed per GRPO step
+  c.qevolve.group_weight = 0.0
+  c.qevolve.critic_weight = 1.0
+  c.qevolve.normalize = True
+  c.qevolve.penalty_format = -0.3  # the paper's critic-only penalties
+  c.qevolve.penalty_invalid = -0.2
+  c.qevolve.penalty_unchanged = -0.1
+  c.qevolve.invalid_pattern = r"\s*\{?\s*\"?(error|invalid)"
+  c.qevolve.variant = "clip_kl"  # the behaviour-proximal objective (mode "iterate")
+  c.qevolve.clip_low = 0.3  # *
+  c.qevolve.clip_high = 0.2  # *
+  c.qevolve.kl_beta = 0.01  # *
+  c.qevolve.omega = 0.9  # * (BPPO's)
+  c.qevolve.clip_decay = 0.96  # * (BPPO's)
+
   c.signals = ml_collections.ConfigDict()
   c.signals.window = 5  # W, training iterations a task's earlier scores count for forgetting
   c.signals.rare_theta_percent = 5.0  # theta

@@ -442,3 +442,25 @@ def test_master_weights_in_another_dtype_than_float32_are_said_with_the_reason()
   one = jnp.ones((), jnp.bfloat16)
   assert one - jnp.bfloat16(1e-6) == one  # what it warns of
   assert jnp.float32(1) - jnp.float32(1e-6) != jnp.float32(1)
+
+
+def test_qevolve_settings_are_checked():
+  """Q-Evolve's fields are checked when it is off too; on, it runs mode "critic" only, with the
+  default estimator and without WIA (both replace the advantages)."""
+  for field, value, named in [
+    ("qevolve.tau", 1.0, "qevolve"),
+    ("qevolve.mode", "offline", "qevolve"),
+    ("qevolve.hidden", 0, "qevolve"),
+    ("train.advantage_estimator", "qevolve", "train.advantage_estimator"),
+  ]:
+    cfg = _get_config("bfcl.py", "cpu")
+    _set(cfg, field, value)
+    assert field.split(".")[-1] in _raises_naming(cfg, named)
+  cfg = _get_config("bfcl.py", "cpu")
+  cfg.qevolve.enabled = True
+  validate(cfg)
+  cfg.qevolve.mode = "iterate"
+  assert "not built yet" in _raises_naming(cfg, "qevolve.mode")
+  cfg.qevolve.mode = "critic"
+  cfg.role_agent.wia.enabled = True
+  assert "both replace the advantages" in _raises_naming(cfg, "qevolve.enabled")

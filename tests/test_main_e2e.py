@@ -484,18 +484,36 @@ def _shared_start_gives_the_same_run(
     assert json.load(f)["feedback"]["enabled"] is False  # the variant's own, not the start's
 
 
+def _enable_role_agent(cfg):
+  cfg.role_agent.aiw.enabled = True
+  cfg.role_agent.wia.enabled = True
+
+
+def _enable_qevolve(cfg):
+  cfg.qevolve.enabled = True
+  cfg.qevolve.updates, cfg.qevolve.batch = 8, 32
+
+
 @pytest.mark.slow
-def test_role_agent_options_resume_to_the_same_metric_rows(tmp_path):
-  """Role-Agent's options on, AIW's sampler and WIA's predictions and process rewards (feedback
-  rounds off: AIW instead of synthesis): three steps in one session and the same run killed
-  after step 2's checkpoint and resumed give the same metric rows (rewards, loss, the options'
-  figures): AIW's weights and failure library come back from the checkpoint, so the resumed run
-  draws the same tasks."""
+@pytest.mark.parametrize(
+  "enable, figures",
+  [
+    (_enable_role_agent, ("aiw/weight_entropy", "wia/prediction_share")),
+    (_enable_qevolve, ("qevolve/v_loss", "qevolve/buffer")),
+  ],
+  ids=["role_agent", "qevolve"],
+)
+def test_loop_options_resume_to_the_same_metric_rows(tmp_path, enable, figures):
+  """The loop's options on (feedback rounds off): Role-Agent's AIW sampler and WIA's
+  predictions and process rewards; Q-Evolve's critic. Three steps in one session and the same
+  run killed after step 2's checkpoint and resumed give the same metric rows (rewards, loss, the
+  options' figures but wall-clock ones): AIW's weights and failure library, and the critic's
+  heads, optimiser state, replay buffer and RNG, come back from the checkpoint, so the resumed
+  run draws the same tasks and trains on the same advantages."""
 
   def config(steps):
     cfg = small_config()
-    cfg.role_agent.aiw.enabled = True
-    cfg.role_agent.wia.enabled = True
+    enable(cfg)
     cfg.feedback.enabled = False
     cfg.train.steps, cfg.checkpoint.every = steps, 1
     return cfg
@@ -504,7 +522,11 @@ def test_role_agent_options_resume_to_the_same_metric_rows(tmp_path):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
       keep = ("step", "reward/mean", "train/loss")
       return [
-        {k: v for k, v in r.items() if k in keep or k.startswith(("aiw/", "wia/"))}
+        {
+          k: v
+          for k, v in r.items()
+          if k in keep or (k.startswith(("aiw/", "wia/", "qevolve/")) and "cost" not in k)
+        }
         for r in map(json.loads, f)
         if "reward/mean" in r
       ]
@@ -515,5 +537,5 @@ def test_role_agent_options_resume_to_the_same_metric_rows(tmp_path):
   CoEvolveRun(config(3), resumed).fit()
   want = rows(straight)
   assert [r["step"] for r in want] == [1, 2, 3]
-  assert all("aiw/weight_entropy" in r and "wia/prediction_share" in r for r in want)
+  assert all(all(f in r for f in figures) for r in want)
   assert rows(resumed) == want

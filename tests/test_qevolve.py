@@ -1,0 +1,274 @@
+"""Q-Evolve's parts (coevolve_jax/qevolve.py): the pure functions against numpy references
+written another way, the critic's transitions, buffer and checkpoint, and a critic that learns
+which early step decided an episode (issue 44 items 4 and 5)."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+
+import jax
+import jax.numpy as jnp
+import kit
+import numpy as np
+import pytest
+
+from coevolve_jax import advantages, grpo, qevolve
+from coevolve_jax.trainer import PolicyTrainer, make_optimizer
+from coevolve_jax.types import Reply, Trajectory
+
+CFG = qevolve.QEvolveConfig()
+
+
+def test_step_weights_by_hand():
+  # w_t = 0.5 (t / T + d) + 0.5, t = 1..4
+  np.testing.assert_allclose(qevolve.step_weights(4, False), [0.625, 0.75, 0.875, 1.0])
+  np.testing.assert_allclose(qevolve.step_weights(4, True), [1.125, 1.25, 1.375, 1.5])
+  np.testing.assert_allclose(qevolve.step_weights(1, True), [1.5])
+  assert qevolve.step_weights(0, True).shape == (0,)
+  with pytest.raises(ValueError, match="num_steps"):
+    qevolve.step_weights(-1, False)
+
+
+def test_expectile_loss_by_hand():
+  u = jnp.array([-2.0, -0.5, 0.0, 1.0, 3.0])
+  np.testing.assert_allclose(
+    qevolve.expectile_loss(u, 0.7), [0.3 * 4, 0.3 * 0.25, 0.0, 0.7, 0.7 * 9], rtol=1e-6
+  )
+  # tau 0.5 is half the squared error: the expectile is the mean
+  np.testing.assert_allclose(qevolve.expectile_loss(u, 0.5), 0.5 * np.square(u), rtol=1e-6)
+
+
+def _iql_reference(v, q, qt, vn, r, d, w, tau, gamma):
+  """Per transition, written out (no vectorised helpers)."""
+  lv, lq = [], []
+  for i in range(len(v)):
+    u = qt[i] - v[i]
+    lv.append(w[i] * (tau if u >= 0 else 1 - tau) * u * u)
+    target = r[i] + (0.0 if d[i] else gamma * vn[i])
+    lq.append(w[i] * (target - q[i]) ** 2)
+  return np.mean(lv), np.mean(lq)
+
+
+def test_iql_losses_against_reference_and_their_gradients():
+  rng = np.random.default_rng(0)
+  b = 7
+  v, q, qt, vn, r = (rng.normal(size=b).astype(np.float32) for _ in range(5))
+  d = np.array([0, 0, 1, 0, 1, 0, 1], np.float32)
+  w = qevolve.step_weights(b, True)
+  args = [jnp.asarray(x) for x in (v, q, qt, vn, r, d, w)]
+  lv, lq = qevolve.iql_losses(*args, tau=0.7, gamma=0.9)
+  ref_v, ref_q = _iql_reference(v, q, qt, vn, r, d, w, 0.7, 0.9)
+  np.testing.assert_allclose([lv, lq], [ref_v, ref_q], rtol=1e-5)
+  # L_V reaches V only (the target Q is held); L_Q reaches Q only (V(s') is held)
+  grads = jax.grad(
+    lambda *a: sum(qevolve.iql_losses(*a, tau=0.7, gamma=0.9)), argnums=(0, 1, 2, 3)
+  )(*args)
+  assert np.abs(grads[0]).sum() > 0 and np.abs(grads[1]).sum() > 0
+  np.testing.assert_array_equal(grads[2], 0.0)
+  np.testing.assert_array_equal(grads[3], 0.0)
+
+
+def _gae_reference(r, v, nv, d, gamma, lam):
+  """A_t = sum_k (gamma lam)^k delta_{t+k} summed forward to the episode's end (O(M^2))."""
+  delta = [r[i] + (0.0 if d[i] else gamma * nv[i]) - v[i] for i in range(len(r))]
+  out = []
+  for t in range(len(r)):
+    total, k = 0.0, 0
+    while True:
+      total += (gamma * lam) ** k * delta[t + k]
+      if d[t + k]:
+        break
+      k += 1
+    out.append(total)
+  return out
+
+
+def test_gae_against_reference_with_episode_ends():
+  rng = np.random.default_rng(1)
+  d = np.array([0, 0, 1, 1, 0, 1], bool)  # episodes of 3, 1 and 2 steps
+  r, v, nv = (rng.normal(size=6) for _ in range(3))
+  got = qevolve.gae(r, v, nv, d, 0.99, 0.95)
+  np.testing.assert_allclose(got, _gae_reference(r, v, nv, d, 0.99, 0.95), rtol=1e-5)
+  # lambda 1 and V = 0: the discounted return of the outcome
+  np.testing.assert_allclose(
+    qevolve.gae([0, 0, 1.0], [0, 0, 0], [0, 0, 0], [0, 0, 1], 0.5, 1.0), [0.25, 0.5, 1.0]
+  )
+  with pytest.raises(ValueError, match="end its episode"):
+    qevolve.gae([0.0], [0.0], [0.0], [False], 0.9, 0.9)
+
+
+def _bp_reference(logp, blogp, ref, adv, mask, variant, lo, hi, beta, omega, decay, it):
+  num = clipped = kl_sum = 0.0
+  if variant == "bppo":  # one symmetric clip, decayed by the iteration
+    lo = hi = hi * decay**it
+  for i, j in itertools.product(*map(range, logp.shape)):
+    if not mask[i, j]:
+      continue
+    ratio = np.exp(logp[i, j] - blogp[i, j])
+    a = adv[i, j]
+    if variant == "bppo":
+      a = (omega if a >= 0 else 1 - omega) * a
+    low, high = 1 - lo, 1 + hi
+    surr = min(ratio * a, min(max(ratio, low), high) * a)
+    x = ref[i, j] - logp[i, j]
+    kl = np.exp(x) - x - 1
+    num += -surr + (beta * kl if variant == "clip_kl" else 0.0)
+    clipped += ratio < low or ratio > high
+    kl_sum += kl
+  n = mask.sum()
+  return num / n, clipped / n, kl_sum / n
+
+
+@pytest.mark.parametrize("variant", qevolve.BP_VARIANTS)
+def test_behaviour_proximal_loss_against_reference(variant):
+  rng = np.random.default_rng(2)
+  shape = (3, 5)
+  logp = rng.normal(-1.0, 0.3, shape)
+  blogp = logp + rng.normal(0.0, 0.3, shape)  # ratios spread past both clips
+  ref = logp + rng.normal(0.0, 0.2, shape)
+  adv = rng.normal(size=shape)
+  mask = (rng.random(shape) < 0.8).astype(np.float64)
+  kw = dict(clip_low=0.3, clip_high=0.2, kl_beta=0.05, omega=0.8, clip_decay=0.9, iteration=3)
+  loss, m = qevolve.behaviour_proximal_loss(
+    *(jnp.asarray(x, jnp.float32) for x in (logp, blogp, ref, adv, mask)), variant=variant, **kw
+  )
+  want, clip_frac, kl = _bp_reference(
+    logp, blogp, ref, adv, mask, variant, 0.3, 0.2, 0.05, 0.8, 0.9, 3
+  )
+  np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+  np.testing.assert_allclose(float(m["clip_fraction"]), clip_frac, rtol=1e-6)
+  assert 0 < clip_frac < 1
+  np.testing.assert_allclose(float(m["kl"]), kl, rtol=1e-5)
+
+
+def _traj(segments, reward=1.0, **fields):
+  """A trajectory of (length, sampled) segments, token ids 1..; each sampled one a reply."""
+  ids, mask, replies = [], [], []
+  for n, sampled in segments:
+    start = len(ids)
+    ids += [3 + (len(ids) + k) % 50 for k in range(n)]
+    mask += [int(sampled)] * n
+    if sampled:
+      replies.append(Reply(start, start + n))
+  tr = Trajectory("t", 0, ids, mask, [0.0] * len(ids), reward=reward, replies=replies, **fields)
+  return tr
+
+
+def test_episodes_penalties_and_buffer():
+  tr = _traj([(4, False), (3, True), (2, False), (2, True), (2, False), (3, True)], 0.0)
+  tr.replies[0].calls, tr.replies[0].observation = ["f({})"], '{"error": "no such file"}'
+  tr.replies[1].parse_error = True
+  tr.replies[1].observation = '{"error": "no such file"}'
+  e = qevolve.episode(tr, CFG)
+  assert e.state_pos == (3, 8, 12) and e.action_pos == (6, 10, 15)
+  # reply 0: a rejected call; reply 1: failed to parse and answered as before; reply 2: last
+  np.testing.assert_allclose(e.penalties, [-0.2, -0.3 - 0.1, 0.0])
+  # without recorded replies (a demonstration), the sampled runs, no penalties
+  demo = _traj([(4, False), (3, True), (2, False), (2, True)])
+  demo.replies = []
+  d = qevolve.episode(demo, CFG, "expert")
+  assert d.state_pos == (3, 8) and d.penalties == (0.0, 0.0) and d.origin == "expert"
+  assert qevolve.episode(_traj([(4, False)]), CFG) is None
+  buf = qevolve.ReplayBuffer(2)
+  buf.extend([e, d, e])
+  assert len(buf) == 2 and list(buf.episodes) == [d, e]  # the oldest went first
+  again = qevolve.ReplayBuffer(2)
+  again.load_state_dict(buf.state_dict())
+  assert list(again.episodes) == [d, e]
+
+
+def test_config_checks():
+  with pytest.raises(ValueError, match="mode"):
+    qevolve.QEvolveConfig(mode="offline")
+  with pytest.raises(ValueError, match="tau"):
+    qevolve.QEvolveConfig(tau=1.0)
+  with pytest.raises(ValueError, match="invalid_pattern"):
+    qevolve.QEvolveConfig(invalid_pattern="(")
+  path = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "base.py")
+  spec = importlib.util.spec_from_file_location("qevolve_test_base_config", path)
+  base = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(base)
+  c = base.get_config()
+  assert qevolve.QEvolveConfig.from_config(c.qevolve) == CFG  # the config's defaults are these
+
+
+GOOD, BAD = 7, 9  # the deciding first reply's token
+
+
+def _decision_episode(rng, good: bool) -> Trajectory:
+  """A deterministic task: a fixed prompt, reply 1 (the decision: GOOD or BAD, then end), a
+  fixed observation, reply 2 (two filler tokens drawn at random: a later step that does not
+  matter). Success iff reply 1 chose GOOD."""
+  prompt, r1, obs = [1, 20, 21, 22], [GOOD if good else BAD, 2], [60, 61]
+  r2 = [*rng.integers(100, 110, 2).tolist(), 2]
+  ids = prompt + r1 + obs + r2
+  mask = [0] * len(prompt) + [1] * 2 + [0] * len(obs) + [1] * len(r2)
+  a = len(prompt)
+  b = a + 2 + len(obs)
+  replies = [Reply(a, a + 2), Reply(b, b + len(r2))]
+  return Trajectory("d", 0, ids, mask, [0.0] * len(ids), reward=float(good), replies=replies)
+
+
+def test_critic_learns_the_deciding_step(tmp_path):
+  """Issue 44 item 5: on episodes where only the first reply decides success, the critic learns
+  V that separates the good and bad prefixes, and its advantages (lambda 0: the one-step TD
+  error, from V alone) rank the deciding reply's good choice above its bad one and give the
+  later reply, which decides nothing, almost none; outcome-only GRPO gives both replies of an
+  episode the same value. Then its checkpoint round-trips exactly."""
+  model = kit.tiny_model(3, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+  trainer = PolicyTrainer(model, make_optimizer(1e-3, 0.0, 1.0), grpo.GRPOConfig(), 1.0)
+  cfg = qevolve.QEvolveConfig(updates=40, batch=64, lr=3e-3, replay=8, capacity=64, lam=0.0)
+  critic = qevolve.Critic(cfg, trainer, seed=0)
+  rng = np.random.default_rng(0)
+  for _ in range(4):
+    trajs = [_decision_episode(rng, good) for good in [True, False] * 4]
+    eps = [qevolve.episode(t, cfg) for t in trajs]
+    metrics = critic.fit(eps, critic.features(eps))
+  assert metrics["qevolve/buffer"] == 32 and metrics["qevolve/transitions"] == 32
+  test = [_decision_episode(rng, good) for good in [True, False] * 4]
+  eps = [qevolve.episode(t, cfg) for t in test]
+  feats = critic.features(eps)
+  v_second = np.array([critic.values(f[0])[1] for f in feats])  # V(s_2): after the decision
+  good, bad = v_second[0::2], v_second[1::2]
+  assert good.min() > 0.8 and bad.max() < 0.2, (good, bad)
+  reply_adv, m = critic.reply_advantages(eps, feats)
+  first, second = (np.array([a[j] for a in reply_adv]) for j in (0, 1))
+  gap = first[0::2].min() - first[1::2].max()
+  assert gap > 0.5, first
+  assert np.abs(second).max() < 0.25 * gap, second
+  assert m["qevolve/v_start_success"] == pytest.approx(m["qevolve/v_start_failure"])  # one s_1
+  # outcome-only GRPO: both replies of an episode carry the episode's one advantage
+  inputs = advantages.AdvantageInputs.from_trajectories(test, grpo.GRPOConfig())
+  outcome = advantages.estimate("grpo", inputs)
+  per_reply = advantages.spread_over_replies(test, [[a, a] for a in outcome])
+  assert all(len(set(row[row != 0].tolist())) == 1 for row in per_reply)
+  # the 'qevolve' estimator spreads the critic's reply advantages over the reply tokens
+  q_inputs = advantages.AdvantageInputs(
+    test, inputs.rewards, inputs.group_ids, None, grpo.GRPOConfig(), qevolve=(cfg, reply_adv)
+  )
+  tokens = advantages.estimate("qevolve", q_inputs)
+  assert tokens.shape[0] == 8 and tokens[0, 0] > tokens[1, 0]  # the decision's first token
+  # the checkpoint: the critic's arrays, buffer and RNG come back exactly
+  ckpt = qevolve.CriticCheckpointer(str(tmp_path / "qevolve"), keep=2)
+  ckpt.save(6, critic)
+  other = qevolve.Critic(cfg, trainer, seed=1)
+  assert not ckpt.restore(5, other)
+  assert ckpt.restore(6, other)
+  ckpt.close()
+  for a, b in zip(jax.tree.leaves(critic.state), jax.tree.leaves(other.state)):
+    np.testing.assert_array_equal(a, b)
+  assert list(other.buffer.episodes) == list(critic.buffer.episodes)
+  assert other.rng.random() == critic.rng.random()
+
+
+def test_planner_counts_the_critic():
+  """`memory_plan.critic_bytes` by hand: 7 head copies (w1 split over fsdp 2) and the features."""
+  from coevolve_jax import memory_plan  # noqa: PLC0415
+
+  cfg = qevolve.QEvolveConfig(hidden=8, batch=4)
+  mesh = {"data": 1, "fsdp": 2, "tensor": 1, "expert": 1}
+  head = 64 * 8 * 4 // 2 + 8 * 4 + 8 * 4 + 4
+  features = 4 * 64 * (2 * 2 * 3 + 3 * 4)  # 2 rows x 2 x 3 replies, and a batch of 4 x 3 D
+  assert memory_plan.critic_bytes(64, cfg, rows=2, max_replies=3, mesh=mesh) == 7 * head + features
