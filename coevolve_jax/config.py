@@ -334,7 +334,7 @@ def _pool(cfg: Mapping[str, Any]) -> None:
 
 
 def _qevolve(cfg: Mapping[str, Any]) -> None:
-  """qevolve.* (checked when off too); on: mode "critic" only, the default estimator, no WIA."""
+  """qevolve.* (checked when off too); on: the default estimator, and no WIA."""
   if "qevolve" not in cfg:  # a config written before Q-Evolve: off
     return
   owner("qevolve", lambda: QEvolveConfig.from_config(get(cfg, "qevolve")))
@@ -342,10 +342,6 @@ def _qevolve(cfg: Mapping[str, Any]) -> None:
     fail("qevolve.enabled", "must be a bool", get(cfg, "qevolve.enabled"))
   if not get(cfg, "qevolve.enabled"):
     return
-  if get(cfg, "qevolve.mode") != "critic":
-    fail(
-      "qevolve.mode", "'iterate' (Q-Evolve's own loop) is not built yet; use 'critic'", "iterate"
-    )
   if get(cfg, "train.advantage_estimator") != "grpo":
     fail(
       "qevolve.enabled",

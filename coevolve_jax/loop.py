@@ -59,6 +59,7 @@ from coevolve_jax.metrics import (
 from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.run_state import RunState
 from coevolve_jax.scheduler import RoundScheduler
+from coevolve_jax.trainer import make_batch, target_positions
 from coevolve_jax.types import FINISHES, Task, Trajectory
 
 __all__ = ["CoEvolveRun", "CorruptFileError", "RunError"]
@@ -297,23 +298,13 @@ class CoEvolveRun:
     estimator, wia_cfg = cfg.train.advantage_estimator, None
     if cfg.role_agent.wia.enabled:  # Role-Agent's process rewards (coevolve_jax/wia.py)
       estimator, wia_cfg = "role_agent", wia.WIAConfig.from_config(cfg.role_agent.wia)
-    critic_in = None
-    critic_metrics: dict[str, float] = {}
-    if self.critic is not None:  # Q-Evolve's critic (coevolve_jax/qevolve.py)
-      estimator = "qevolve"
-      with self.timer("critic"):
-        critic_in, critic_metrics = self._critic_step(trajs)
-    inputs = advantages.AdvantageInputs(
-      trajs, rewards, groups, keep, self.trainer.cfg, wia_cfg, critic_in
-    )
-    adv = advantages.estimate(estimator, inputs)
-    with self.timer("train"):
-      info = self.trainer.grpo_epoch(trajs, adv, cfg.train.mini_batches, keep=keep)
-    if self.critic is not None:
-      info.update(critic_metrics)
-      info["qevolve/cost_vs_train"] = self.timer.last["critic"] / max(
-        self.timer.last["train"], 1e-9
-      )
+    if self.critic is not None:  # Q-Evolve (coevolve_jax/qevolve.py)
+      info, adv = self._qevolve_update(step, trajs, rewards, groups, keep)
+    else:
+      inputs = advantages.AdvantageInputs(trajs, rewards, groups, keep, self.trainer.cfg, wia_cfg)
+      adv = advantages.estimate(estimator, inputs)
+      with self.timer("train"):
+        info = self.trainer.grpo_epoch(trajs, adv, cfg.train.mini_batches, keep=keep)
     events = self.tracker.observe(trajs, tasks)
     self.state.events.extend(events)
     self.parts.sampler.observe(tasks, trajs)
@@ -338,11 +329,59 @@ class CoEvolveRun:
       self._save(step)
     return info
 
-  def _critic_step(self, trajs: list[Trajectory]) -> tuple[Any, dict[str, float]]:
-    """Q-Evolve's critic on a step's rollouts: each reply's GAE advantage under the critic as it
+  def _qevolve_update(
+    self, step: int, trajs: list[Trajectory], rewards, groups, keep
+  ) -> tuple[dict[str, Any], np.ndarray]:
+    """The step's policy update with Q-Evolve's critic: its per-reply advantages ("qevolve"
+    estimator); mode "critic" trains on them with the GRPO objective, mode "iterate" with the
+    behaviour-proximal one (`qevolve.objective`, iteration step - 1) on the rollouts and
+    `qevolve.experts` demonstrations from the buffer, `qevolve.epochs` passes.
+
+    Returns:
+      (the step's metrics: the update's, qevolve/*; the rollouts' advantages [N, P]).
+    """
+    critic, cfg = self.critic, self.cfg
+    assert critic is not None  # called only with qevolve.enabled
+    qcfg = critic.cfg
+    iterate = qcfg.mode == "iterate"
+    experts = []
+    if iterate:  # demonstrations the update's batch shapes hold (`train.*_buckets`)
+      fits = lambda e: e.origin == "expert" and self.trainer.fits(e.trajectory(0))  # noqa: E731
+      experts = critic.buffer.sample(qcfg.experts, critic.rng, fits)
+    demos = [e.trajectory(-1 - i) for i, e in enumerate(experts)]  # a group of its own each
+    if demos:  # their behaviour log-probs: the policy's now (BPPO's pi_k)
+      scored = np.asarray(self.trainer.logprobs(make_batch(demos)))
+      for r, t in enumerate(demos):
+        for j, i in enumerate(target_positions(t)):
+          t.logprobs[i] = float(scored[r, j])
+    rows = trajs + demos
+    with self.timer("critic"):
+      critic_in, metrics = self._critic_step(rows, fit_on=len(trajs))
+    every = np.concatenate([keep, np.ones(len(demos), bool)])
+    all_rewards = np.array([t.reward for t in rows], np.float32)
+    all_groups = np.concatenate([groups, [t.group_id for t in demos]]).astype(groups.dtype)
+    if iterate:
+      self.trainer.set_objective(qevolve.objective(qcfg, step - 1))
+      critic_in = (qcfg, [qevolve.weighted_advantages(a, qcfg) for a in critic_in[1]])
+    inputs = advantages.AdvantageInputs(
+      rows, all_rewards, all_groups, every, self.trainer.cfg, qevolve=critic_in
+    )
+    adv = advantages.estimate("qevolve", inputs)
+    with self.timer("train"):
+      for _ in range(qcfg.epochs if iterate else 1):
+        info = self.trainer.grpo_epoch(rows, adv, cfg.train.mini_batches, keep=every)
+    info.update(metrics)
+    if iterate:
+      info["qevolve/experts"] = len(demos)
+    info["qevolve/cost_vs_train"] = self.timer.last["critic"] / max(self.timer.last["train"], 1e-9)
+    return info, adv[: len(trajs)]
+
+  def _critic_step(self, trajs: list[Trajectory], fit_on: int) -> tuple[Any, dict[str, float]]:
+    """Q-Evolve's critic on a step's rows: each reply's GAE advantage under the critic as it
     stands (trained on earlier steps and the warm-start's demonstrations, as PPO estimates
-    advantages before fitting its value), then `qevolve.updates` critic steps on these episodes
-    and a replay of the buffer's.
+    advantages before fitting its value), then `qevolve.updates` critic steps on the first
+    `fit_on` rows' episodes (the step's rollouts, which join the buffer; the rows after them are
+    the buffer's own demonstrations) and a replay of the buffer's.
 
     Returns:
       ((the critic's settings, per trajectory [T_i] reply advantages): `AdvantageInputs.
@@ -353,10 +392,12 @@ class CoEvolveRun:
     critic = self.critic
     assert critic is not None  # called only with qevolve.enabled
     eps = [qevolve.episode(t, critic.cfg) for t in trajs]
+    at = [i for i, e in enumerate(eps) if e is not None]  # rows with an episode, in order
     real = [e for e in eps if e is not None]
     feats = critic.features(real)
     reply_adv, metrics = critic.reply_advantages(real, feats)
-    metrics.update(critic.fit(real, feats))
+    fresh = [j for j, i in enumerate(at) if i < fit_on]
+    metrics.update(critic.fit([real[j] for j in fresh], [feats[j] for j in fresh]))
     found = iter(reply_adv)
     out = []
     for t, e in zip(trajs, eps):

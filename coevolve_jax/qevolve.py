@@ -46,7 +46,7 @@ import math
 import os
 import re
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -55,9 +55,9 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
-from coevolve_jax import errors
+from coevolve_jax import errors, grpo
 from coevolve_jax.models import sharding
-from coevolve_jax.types import Trajectory
+from coevolve_jax.types import Reply, Trajectory
 
 MODES = ("critic", "iterate")
 CRITICS = ("head",)  # "model" (a separate network of its own size) is not built yet
@@ -70,8 +70,9 @@ class QEvolveConfig:
   """`qevolve.*` (module docstring; the defaults marked * are not from the paper).
 
   Attributes:
-    mode: "critic" (the critic's GAE advantages feed the GRPO step) | "iterate" (refused: not
-      built yet).
+    mode: "critic" (the critic's GAE advantages feed the GRPO step) | "iterate" (each GRPO step
+      is a Q-Evolve iteration: the same advantages, on the step's rollouts and `experts`
+      demonstrations, by the behaviour-proximal objective, `epochs` passes).
     critic: "head" (MLPs on the policy's hidden states).
     hidden: the heads' hidden width*.
     tau: the expectile of L_V* (0.5 is a mean; IQL's 0.7). gamma*, lam*: GAE's.
@@ -87,7 +88,10 @@ class QEvolveConfig:
     penalty_format, penalty_invalid, penalty_unchanged: the critic-only retrospective
       penalties (the paper's -0.3, -0.2, -0.1). invalid_pattern: a regex an observation that
       answers a rejected call matches (case-insensitive, at its start).
-    variant, clip_low, clip_high, kl_beta, omega, clip_decay: `behaviour_proximal_loss`'s*.
+    experts: expert episodes (the warm-start's demonstrations in the buffer) trained on beside
+      each iteration's rollouts ("iterate"). epochs: policy passes per iteration ("iterate";
+      each pass's ratio is to the policy at its start).
+    variant, clip_low, clip_high, kl_beta, omega, clip_decay: `objective`'s*.
   Raises (on construction):
     ValueError: an unknown mode / critic / variant, or a value out of range.
   """
@@ -111,6 +115,8 @@ class QEvolveConfig:
   penalty_invalid: float = -0.2
   penalty_unchanged: float = -0.1
   invalid_pattern: str = r"\s*\{?\s*\"?(error|invalid)"
+  experts: int = 4
+  epochs: int = 1
   variant: str = "clip_kl"
   clip_low: float = 0.3
   clip_high: float = 0.2
@@ -131,10 +137,12 @@ class QEvolveConfig:
     for name in ("gamma", "lam", "polyak", "omega", "clip_decay"):
       if not 0.0 <= getattr(self, name) <= 1.0:
         raise ValueError(f"qevolve.{name} must be in [0, 1], got {getattr(self, name)}")
-    for name in ("hidden", "updates", "batch", "capacity"):
+    for name in ("hidden", "updates", "batch", "capacity", "epochs"):
       if getattr(self, name) < 1:
         raise ValueError(f"qevolve.{name} must be >= 1, got {getattr(self, name)}")
-    if self.replay < 0 or self.lr <= 0 or self.clip_low < 0 or self.clip_high < 0:
+    if (
+      self.replay < 0 or self.experts < 0 or self.lr <= 0 or self.clip_low < 0 or self.clip_high < 0
+    ):
       raise ValueError("qevolve.replay, clip_low and clip_high must be >= 0 and lr > 0")
     try:
       re.compile(self.invalid_pattern)
@@ -245,55 +253,66 @@ def gae(
   return out.astype(np.float32)
 
 
+def objective(cfg: QEvolveConfig, iteration: int = 0) -> grpo.GRPOConfig:
+  """The behaviour-proximal objective of `cfg.variant` as the GRPO objective's settings (the
+  trainer's one clipped-surrogate code path, `grpo.grpo_loss`, with no dual clip, token-mean):
+
+  "clip_kl" (Q-Evolve): -min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A) + kl_beta k3,
+    rho = exp(logp - behaviour logp), k3 = exp(ref - logp) - (ref - logp) - 1 (Schulman 2020);
+  "bppo" (Zhuang et al. 2023): the same surrogate with one clip eps_k = clip_high x
+    clip_decay^iteration on both sides and no KL term (the advantages are weighted by
+    `weighted_advantages`).
+  """
+  if cfg.variant == "bppo":
+    low = high = cfg.clip_high * cfg.clip_decay**iteration
+    beta = 0.0
+  else:
+    low, high, beta = cfg.clip_low, cfg.clip_high, cfg.kl_beta
+  return grpo.GRPOConfig(
+    clip_eps_low=low,
+    clip_eps_high=high,
+    dual_clip_c=0.0,
+    kl_beta=beta,
+    kl_estimator="k3",
+    loss_agg="token-mean",
+  )
+
+
+def weighted_advantages(advantages, cfg: QEvolveConfig):
+  """BPPO's asymmetric advantage weight |omega - 1(A < 0)| A for "bppo"; A itself for
+  "clip_kl". Any shape; numpy or jax arrays alike."""
+  if cfg.variant != "bppo":
+    return advantages
+  return abs(cfg.omega - (advantages < 0)) * advantages
+
+
 def behaviour_proximal_loss(
   logp: jax.Array,
   behaviour_logp: jax.Array,
   ref_logp: jax.Array,
   advantages: jax.Array,
   mask: jax.Array,
-  *,
-  variant: str,
-  clip_low: float,
-  clip_high: float,
-  kl_beta: float = 0.0,
-  omega: float = 0.9,
-  clip_decay: float = 1.0,
+  cfg: QEvolveConfig,
   iteration: int = 0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """The behaviour-proximal policy loss, token-mean over `mask`.
-
-  "clip_kl" (Q-Evolve): -min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A) + kl_beta k3,
-    rho = exp(logp - behaviour_logp), k3 = exp(ref - logp) - (ref - logp) - 1 (Schulman 2020).
-  "bppo" (Zhuang et al. 2023): -min(rho A', clip(rho, 1 - eps_k, 1 + eps_k) A'),
-    A' = |omega - 1(A < 0)| A, eps_k = clip_high clip_decay^iteration; kl_beta unused.
+  """The behaviour-proximal policy loss of `cfg.variant` (`objective`), token-mean over mask.
 
   Args:
     logp, behaviour_logp, ref_logp, advantages, mask: [N, P] float32 (log-probs in nats of the
-      sampled tokens under the policy, the behaviour policy that sampled them and the reference;
-      per-token advantages; 1.0 on real targets).
+      sampled tokens under the policy, the behaviour policy and the reference; per-token
+      advantages; 1.0 on real targets). iteration: BPPO's clip-decay exponent.
   Returns:
-    (loss scalar, {"clip_fraction", "kl"}: token means over mask).
-  Raises:
-    ValueError: an unknown variant.
+    (loss scalar, `grpo.grpo_loss`'s metrics: pg_loss, clip_frac (tokens where the clipped term
+    is the one taken), ratio_mean, and kl for "clip_kl").
   """
-  if variant not in BP_VARIANTS:
-    raise ValueError(f"variant must be one of {BP_VARIANTS}, got {variant!r}")
-  den = jnp.maximum(jnp.sum(mask), 1.0)
-  ratio = jnp.exp(logp - behaviour_logp)
-  if variant == "bppo":
-    advantages = jnp.abs(omega - (advantages < 0).astype(advantages.dtype)) * advantages
-    eps = clip_high * clip_decay**iteration
-    low, high = 1.0 - eps, 1.0 + eps
-  else:
-    low, high = 1.0 - clip_low, 1.0 + clip_high
-  clipped = jnp.clip(ratio, low, high)
-  surrogate = jnp.minimum(ratio * advantages, clipped * advantages)
-  log_ratio = ref_logp - logp
-  kl = jnp.exp(log_ratio) - log_ratio - 1.0
-  per_token = -surrogate + (kl_beta * kl if variant == "clip_kl" else 0.0)
-  loss = jnp.sum(per_token * mask) / den
-  clip_frac = jnp.sum(((ratio < low) | (ratio > high)) * mask) / den
-  return loss, {"clip_fraction": clip_frac, "kl": jnp.sum(kl * mask) / den}
+  return grpo.grpo_loss(
+    logp,
+    behaviour_logp,
+    ref_logp,
+    weighted_advantages(advantages, cfg),
+    mask,
+    objective(cfg, iteration),
+  )
 
 
 # ---------------------------------------------------------------------------- transitions
@@ -324,6 +343,25 @@ class Episode:
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
+
+  def trajectory(self, group_id: int) -> Trajectory:
+    """A trajectory to train on: each step's reply [state_pos + 1, action_pos + 1) sampled (loss
+    mask 1, one `Reply`), the rest context; log-probs 0 (the caller scores them)."""
+    mask = [0] * len(self.token_ids)
+    replies = []
+    for s, a in zip(self.state_pos, self.action_pos):
+      mask[s + 1 : a + 1] = [1] * (a - s)
+      replies.append(Reply(s + 1, a + 1))
+    return Trajectory(
+      self.task_id,
+      group_id,
+      list(self.token_ids),
+      mask,
+      [0.0] * len(self.token_ids),
+      reward=self.reward,
+      finish="done",
+      replies=replies,
+    )
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "Episode":
@@ -422,12 +460,16 @@ class ReplayBuffer:
   def extend(self, episodes: Sequence[Episode]) -> None:
     self.episodes.extend(episodes)
 
-  def sample(self, k: int, rng: np.random.Generator) -> list[Episode]:
-    """min(k, len) episodes drawn without replacement (uniformly)."""
-    k = min(k, len(self.episodes))
+  def sample(
+    self, k: int, rng: np.random.Generator, where: Callable[[Episode], bool] | None = None
+  ) -> list[Episode]:
+    """min(k, available) episodes (those `where` accepts, if given) drawn uniformly without
+    replacement, in buffer order."""
+    pool = [e for e in self.episodes if where is None or where(e)]
+    k = min(k, len(pool))
     if k == 0:
       return []
-    return [self.episodes[i] for i in sorted(rng.choice(len(self.episodes), k, replace=False))]
+    return [pool[i] for i in sorted(rng.choice(len(pool), k, replace=False))]
 
   def state_dict(self) -> list[dict[str, Any]]:
     return [e.to_dict() for e in self.episodes]

@@ -812,6 +812,22 @@ class PolicyTrainer:
       out = self._logp(params, *self._rows((batch.tokens, batch.target_pos, batch.routing)))
     return out if out.shape[0] == n else out[:n]
 
+  def fits(self, traj: Trajectory) -> bool:
+    """Whether `grpo_epoch` can train on `traj`: its tokens and targets within the largest
+    listed buckets (`len_buckets`, `target_buckets`; always, for the default rule)."""
+    if self.len_buckets and len(traj.token_ids) > self.len_buckets[-1]:
+      return False
+    return not (self.target_buckets and len(target_positions(traj)) > self.target_buckets[-1])
+
+  def set_objective(self, cfg: grpo.GRPOConfig) -> None:
+    """Trains with the objective `cfg` from the next update on (Q-Evolve's behaviour-proximal
+    objective, `qevolve.objective`). A change re-jits the steps (each compiles again at its next
+    call); the same settings change nothing."""
+    if cfg == self.cfg:
+      return
+    self.cfg = cfg
+    self._logp, self._grpo_step, self._sft_step = self._jitted_steps()
+
   def hidden_states_at(self, tokens_nt: np.ndarray, index_np: np.ndarray) -> np.ndarray:
     """The policy's final-norm hidden states at chosen positions, without a gradient: what a
     critic head on the policy reads (`coevolve_jax.qevolve`).

@@ -172,11 +172,13 @@ def get_config() -> ml_collections.ConfigDict:
   # Q-Evolve (arXiv 2606.07367; coevolve_jax/qevolve.py), off by default. mode "critic": a critic
   # (V and Q heads on the policy's hidden states) trained by weighted IQL between GRPO steps on
   # the step's episodes and a replay buffer; its GAE advantages per reply, whitened, replace
-  # (critic_weight) or add to (group_weight) the group advantage. Values marked * are not the
-  # paper's (it does not state them): docs/design.md section 8.3.
+  # (critic_weight) or add to (group_weight) the group advantage. mode "iterate": each GRPO step
+  # is a Q-Evolve iteration, the same advantages trained by the behaviour-proximal objective
+  # (variant) on the rollouts and `experts` demonstrations, `epochs` passes. Values marked * are
+  # not the paper's (it does not state them): docs/design.md section 8.3.
   c.qevolve = ml_collections.ConfigDict()
   c.qevolve.enabled = False
-  c.qevolve.mode = "critic"  # "iterate" (Q-Evolve's own loop) is not built yet
+  c.qevolve.mode = "critic"  # or "iterate"
   c.qevolve.critic = "head"
   c.qevolve.hidden = 256  # * the heads' width
   c.qevolve.tau = 0.7  # * expectile
@@ -195,7 +197,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.qevolve.penalty_invalid = -0.2
   c.qevolve.penalty_unchanged = -0.1
   c.qevolve.invalid_pattern = r"\s*\{?\s*\"?(error|invalid)"
-  c.qevolve.variant = "clip_kl"  # the behaviour-proximal objective (mode "iterate")
+  c.qevolve.experts = 4  # demonstrations trained on per iteration (mode "iterate")
+  c.qevolve.epochs = 1  # * policy passes per iteration (mode "iterate")
+  c.qevolve.variant = "clip_kl"  # the behaviour-proximal objective (mode "iterate"), or "bppo"
   c.qevolve.clip_low = 0.3  # *
   c.qevolve.clip_high = 0.2  # *
   c.qevolve.kl_beta = 0.01  # *

@@ -97,7 +97,8 @@ def test_registry_rejects_unknown_and_duplicate_names(monkeypatch):
   def zeros(inputs):
     return np.zeros(inputs.n, np.float32)
 
-  assert advantages.names() == ("grpo", "role_agent", "qevolve", "zeros") and advantages.get("zeros") is zeros
+  assert advantages.names() == ("grpo", "role_agent", "qevolve", "zeros")
+  assert advantages.get("zeros") is zeros
   with pytest.raises(ValueError, match="'zeros' is already registered"):
     advantages.register("zeros")(zeros)
 

@@ -494,18 +494,26 @@ def _enable_qevolve(cfg):
   cfg.qevolve.updates, cfg.qevolve.batch = 8, 32
 
 
+def _enable_qevolve_iterate(cfg):
+  _enable_qevolve(cfg)
+  cfg.qevolve.mode, cfg.qevolve.variant, cfg.qevolve.epochs = "iterate", "bppo", 2
+  cfg.train.target_buckets = (24, 64)  # the demonstrations' 49 targets fit the update
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
   "enable, figures",
   [
     (_enable_role_agent, ("aiw/weight_entropy", "wia/prediction_share")),
     (_enable_qevolve, ("qevolve/v_loss", "qevolve/buffer")),
+    (_enable_qevolve_iterate, ("qevolve/v_loss", "qevolve/experts")),
   ],
-  ids=["role_agent", "qevolve"],
+  ids=["role_agent", "qevolve", "qevolve_iterate"],
 )
 def test_loop_options_resume_to_the_same_metric_rows(tmp_path, enable, figures):
   """The loop's options on (feedback rounds off): Role-Agent's AIW sampler and WIA's
-  predictions and process rewards; Q-Evolve's critic. Three steps in one session and the same
+  predictions and process rewards; Q-Evolve's critic, and its iterations (BPPO's decaying clip,
+  demonstrations in the update, two passes). Three steps in one session and the same
   run killed after step 2's checkpoint and resumed give the same metric rows (rewards, loss, the
   options' figures but wall-clock ones): AIW's weights and failure library, and the critic's
   heads, optimiser state, replay buffer and RNG, come back from the checkpoint, so the resumed
@@ -539,3 +547,4 @@ def test_loop_options_resume_to_the_same_metric_rows(tmp_path, enable, figures):
   assert [r["step"] for r in want] == [1, 2, 3]
   assert all(all(f in r for f in figures) for r in want)
   assert rows(resumed) == want
+  assert all(r.get("qevolve/experts", 1) > 0 for r in want)  # demonstrations in the update

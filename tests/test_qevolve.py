@@ -100,6 +100,7 @@ def test_gae_against_reference_with_episode_ends():
 
 
 def _bp_reference(logp, blogp, ref, adv, mask, variant, lo, hi, beta, omega, decay, it):
+  """Per token, written out: the surrogate, its clipping and k3, token-mean over the mask."""
   num = clipped = kl_sum = 0.0
   if variant == "bppo":  # one symmetric clip, decayed by the iteration
     lo = hi = hi * decay**it
@@ -110,12 +111,11 @@ def _bp_reference(logp, blogp, ref, adv, mask, variant, lo, hi, beta, omega, dec
     a = adv[i, j]
     if variant == "bppo":
       a = (omega if a >= 0 else 1 - omega) * a
-    low, high = 1 - lo, 1 + hi
-    surr = min(ratio * a, min(max(ratio, low), high) * a)
+    unclipped, kept = ratio * a, min(max(ratio, 1 - lo), 1 + hi) * a
     x = ref[i, j] - logp[i, j]
     kl = np.exp(x) - x - 1
-    num += -surr + (beta * kl if variant == "clip_kl" else 0.0)
-    clipped += ratio < low or ratio > high
+    num += -min(unclipped, kept) + (beta * kl if variant == "clip_kl" else 0.0)
+    clipped += kept < unclipped
     kl_sum += kl
   n = mask.sum()
   return num / n, clipped / n, kl_sum / n
@@ -130,17 +130,22 @@ def test_behaviour_proximal_loss_against_reference(variant):
   ref = logp + rng.normal(0.0, 0.2, shape)
   adv = rng.normal(size=shape)
   mask = (rng.random(shape) < 0.8).astype(np.float64)
-  kw = dict(clip_low=0.3, clip_high=0.2, kl_beta=0.05, omega=0.8, clip_decay=0.9, iteration=3)
+  cfg = qevolve.QEvolveConfig(
+    variant=variant, clip_low=0.3, clip_high=0.2, kl_beta=0.05, omega=0.8, clip_decay=0.9
+  )
   loss, m = qevolve.behaviour_proximal_loss(
-    *(jnp.asarray(x, jnp.float32) for x in (logp, blogp, ref, adv, mask)), variant=variant, **kw
+    *(jnp.asarray(x, jnp.float32) for x in (logp, blogp, ref, adv, mask)), cfg, iteration=3
   )
   want, clip_frac, kl = _bp_reference(
     logp, blogp, ref, adv, mask, variant, 0.3, 0.2, 0.05, 0.8, 0.9, 3
   )
   np.testing.assert_allclose(float(loss), want, rtol=1e-5)
-  np.testing.assert_allclose(float(m["clip_fraction"]), clip_frac, rtol=1e-6)
+  np.testing.assert_allclose(float(m["clip_frac"]), clip_frac, rtol=1e-6)
   assert 0 < clip_frac < 1
-  np.testing.assert_allclose(float(m["kl"]), kl, rtol=1e-5)
+  if variant == "clip_kl":
+    np.testing.assert_allclose(float(m["kl"]), kl, rtol=1e-5)
+  else:
+    assert "kl" not in m
 
 
 def _traj(segments, reward=1.0, **fields):
@@ -170,10 +175,16 @@ def test_episodes_penalties_and_buffer():
   demo.replies = []
   d = qevolve.episode(demo, CFG, "expert")
   assert d.state_pos == (3, 8) and d.penalties == (0.0, 0.0) and d.origin == "expert"
+  # an expert episode back as a trajectory to train on: the same replies, sampled
+  back = d.trajectory(group_id=-1)
+  assert [(r.start, r.end) for r in back.replies] == [(4, 7), (9, 11)]
+  assert back.loss_mask == demo.loss_mask and back.token_ids == demo.token_ids
+  assert qevolve.episode(back, CFG, "expert") == d
   assert qevolve.episode(_traj([(4, False)]), CFG) is None
   buf = qevolve.ReplayBuffer(2)
   buf.extend([e, d, e])
   assert len(buf) == 2 and list(buf.episodes) == [d, e]  # the oldest went first
+  assert buf.sample(5, np.random.default_rng(0), lambda x: x.origin == "expert") == [d]
   again = qevolve.ReplayBuffer(2)
   again.load_state_dict(buf.state_dict())
   assert list(again.episodes) == [d, e]

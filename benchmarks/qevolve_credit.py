@@ -1,0 +1,178 @@
+"""Credit assignment: Q-Evolve's critic advantages against outcome-only GRPO (issue 44 item 6).
+
+The task: an episode of K one-token replies (default 4), each followed by a step-marker token
+the environment sends; the prompt is `<bos> a =` with a digit a in 0..7 (8 prompts). The reward
+is 1 when the reply at the deciding step (default the second) is the digit a, whatever the other
+replies are; 0 otherwise. A random policy of the 16-token vocabulary scores 1/16. The other
+steps' replies decide nothing, so outcome-only GRPO, which gives every reply of an episode the
+episode's advantage, also trains those replies on the outcome (noise), while the critic's
+per-reply GAE gives them about none.
+
+Both arms run the production path: a tiny Qwen (1 layer, width 32) samples G = 8 episodes per
+prompt per step (64 a step), `advantages.estimate` ("grpo", or "qevolve" with
+`qevolve.Critic`: its reply advantages under the critic as it stands, then its fit, as the loop
+does), `PolicyTrainer.grpo_epoch` with AdamW. The figure is the policy's exact expected reward
+(over the prompts and the replies before the deciding step, the policy's own probabilities: no
+sampling noise), every 5 steps; a run stops when it reaches the target (0.8) or at --max-steps.
+The table gives, per seed, the GRPO steps each arm needed, and their ratio (critic / GRPO; below
+1: the critic got there in fewer steps).
+
+  python benchmarks/qevolve_credit.py [--seeds 0,1,2] [--steps 4] [--decide 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from common import machine
+from flax import nnx
+
+from coevolve_jax import advantages, grpo, qevolve
+from coevolve_jax.models import Qwen, QwenConfig
+from coevolve_jax.trainer import PolicyTrainer, make_optimizer
+from coevolve_jax.types import Reply, Trajectory
+
+BOS, EQ, DIGIT0, MARK0, VOCAB, DIGITS = 1, 2, 3, 11, 16, 8  # step k's marker is MARK0 + k
+GROUP, LR, TARGET = 8, 1e-2, 0.8
+
+
+def _config() -> QwenConfig:
+  return QwenConfig(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+  )
+
+
+def _next_logp(model: Qwen, tokens_bt: jax.Array) -> jax.Array:
+  """[B, V] log-probs of the token after each row."""
+  return jax.nn.log_softmax(model.logits(model.hidden_states(tokens_bt)[:, -1]), axis=-1)
+
+
+def _sample(model: Qwen, prompts_bt: jax.Array, key: jax.Array, steps: int):
+  """K replies per row, each followed by its step marker: ([B, 3 + 2K - 1] int32 tokens, [B, K]
+  float32 log-probs of the sampled replies)."""
+  seq, logps = prompts_bt, []
+  for k in range(steps):
+    key, sub = jax.random.split(key)
+    logp = _next_logp(model, seq)
+    tok = jax.random.categorical(sub, logp, axis=-1).astype(jnp.int32)
+    logps.append(logp[jnp.arange(tok.shape[0]), tok])
+    seq = jnp.concatenate([seq, tok[:, None]], axis=1)
+    if k < steps - 1:
+      seq = jnp.concatenate([seq, jnp.full_like(tok[:, None], MARK0 + k)], axis=1)
+  return seq, jnp.stack(logps, axis=1)
+
+
+def _expected_reward(model: Qwen, decide: int) -> float:
+  """Exact expected reward over the 8 prompts, for decide in {0, 1} (a deciding first reply, or
+  a second one after any first reply: 16 prefixes per prompt)."""
+  digits = np.arange(DIGITS)
+  prompts = np.stack([np.full(DIGITS, BOS), DIGIT0 + digits, np.full(DIGITS, EQ)], 1)
+  first = _next_logp(model, jnp.asarray(prompts, jnp.int32))  # [8, V]
+  answer = DIGIT0 + digits
+  if decide == 0:
+    return float(jnp.mean(jnp.exp(first[digits, answer])))
+  rows = np.concatenate(
+    [np.repeat(prompts, VOCAB, 0), np.tile(np.arange(VOCAB), DIGITS)[:, None]], 1
+  )
+  rows = np.concatenate([rows, np.full((len(rows), 1), MARK0)], 1)
+  second = _next_logp(model, jnp.asarray(rows, jnp.int32)).reshape(DIGITS, VOCAB, VOCAB)
+  p_right = jnp.exp(second[digits, :, answer])  # [8, V]: P(a | prompt, first reply t)
+  return float(jnp.mean(jnp.sum(jnp.exp(first) * p_right, axis=1)))
+
+
+def _trajectories(tokens: np.ndarray, logps: np.ndarray, prompt_ids, steps: int, decide: int):
+  out = []
+  for seq, lp, a in zip(tokens, logps, prompt_ids):
+    tr = Trajectory(task_id=str(a), group_id=int(a))
+    tr.extend(seq[:3].tolist(), sampled=False)
+    for k in range(steps):
+      start = len(tr.token_ids)
+      tr.extend([int(seq[3 + 2 * k])], sampled=True, logprobs=[float(lp[k])])
+      tr.replies.append(Reply(start, start + 1))
+      if k < steps - 1:
+        tr.extend([int(seq[4 + 2 * k])], sampled=False)
+    tr.reward = float(seq[3 + 2 * decide] == DIGIT0 + a)
+    out.append(tr)
+  return out
+
+
+def run(seed: int, arm: str, steps: int, decide: int, max_steps: int) -> tuple[int, float, float]:
+  """One arm on one seed. Returns (GRPO steps to the target, or max_steps + 1 when missed;
+  the expected reward at the end; wall seconds)."""
+  start = time.perf_counter()
+  model = Qwen(_config(), rngs=nnx.Rngs(seed))
+  trainer = PolicyTrainer(model, make_optimizer(LR, 0.0, 1.0), grpo.GRPOConfig(), 1.0)
+  trainer.freeze_reference()
+  critic = qevolve.Critic(qevolve.QEvolveConfig(), trainer, seed) if arm == "critic" else None
+  sample = jax.jit(_sample, static_argnums=3)
+  rng, key = np.random.default_rng(seed), jax.random.key(seed)
+  digits = np.arange(DIGITS)
+  prompts = np.stack([np.full(DIGITS, BOS), DIGIT0 + digits, np.full(DIGITS, EQ)], 1)
+  reached, reward = max_steps + 1, _expected_reward(trainer.model(), decide)
+  for step in range(1, max_steps + 1):
+    rows = np.repeat(rng.permutation(DIGITS), GROUP)
+    key, sub = jax.random.split(key)
+    tokens, logps = sample(trainer.model(), jnp.asarray(prompts[rows], jnp.int32), sub, steps)
+    trajs = _trajectories(np.asarray(tokens), np.asarray(logps), rows, steps, decide)
+    inputs = advantages.AdvantageInputs.from_trajectories(trajs, trainer.cfg)
+    name = "grpo"
+    if critic is not None:
+      eps = [qevolve.episode(t, critic.cfg) for t in trajs]
+      feats = critic.features(eps)
+      reply_adv, _ = critic.reply_advantages(eps, feats)
+      critic.fit(eps, feats)
+      inputs = advantages.AdvantageInputs(
+        trajs, inputs.rewards, inputs.group_ids, None, trainer.cfg, qevolve=(critic.cfg, reply_adv)
+      )
+      name = "qevolve"
+    trainer.grpo_epoch(trajs, advantages.estimate(name, inputs), 1)
+    if step % 5 == 0:
+      reward = _expected_reward(trainer.model(), decide)
+      if reward >= TARGET:
+        reached = step
+        break
+  return reached, reward, time.perf_counter() - start
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--seeds", default="0,1,2")
+  parser.add_argument("--steps", type=int, default=4, help="replies per episode (K)")
+  parser.add_argument("--decide", type=int, default=1, choices=(0, 1), help="the deciding reply")
+  parser.add_argument("--max-steps", type=int, default=300, help="GRPO steps per run at most")
+  args = parser.parse_args(argv)
+  seeds = [int(s) for s in args.seeds.split(",")]
+  print(f"# {machine()}")
+  print(
+    f"# K = {args.steps} replies, reply {args.decide + 1} decides; {DIGITS} prompts x G = "
+    f"{GROUP}; target expected reward {TARGET}; at most {args.max_steps} GRPO steps"
+  )
+  print("| seed | GRPO steps | critic steps | critic / GRPO | GRPO s | critic s |")
+  print("|---|---|---|---|---|---|")
+  ratios = []
+  for seed in seeds:
+    g_steps, g_reward, g_s = run(seed, "grpo", args.steps, args.decide, args.max_steps)
+    c_steps, c_reward, c_s = run(seed, "critic", args.steps, args.decide, args.max_steps)
+    ratios.append(c_steps / g_steps)
+    miss = lambda n, r: f"> {args.max_steps} ({r:.2f})" if n > args.max_steps else str(n)  # noqa: E731
+    print(
+      f"| {seed} | {miss(g_steps, g_reward)} | {miss(c_steps, c_reward)} | {ratios[-1]:.2f} | "
+      f"{g_s:.0f} | {c_s:.0f} |"
+    )
+    sys.stdout.flush()
+  print(f"# geometric mean of critic / GRPO steps: {float(np.exp(np.mean(np.log(ratios)))):.2f}")
+
+
+if __name__ == "__main__":
+  main()
