@@ -2,11 +2,11 @@
 
 The task: an episode of K one-token replies (default 4), each followed by a step-marker token
 the environment sends; the prompt is `<bos> a =` with a digit a in 0..7 (8 prompts). The reward
-is 1 when the reply at the deciding step (default the second) is the digit a, whatever the other
+is 1 when the reply at the deciding step (default the first) is the digit a, whatever the other
 replies are; 0 otherwise. A random policy of the 16-token vocabulary scores 1/16. The other
 steps' replies decide nothing, so outcome-only GRPO, which gives every reply of an episode the
 episode's advantage, also trains those replies on the outcome (noise), while the critic's
-per-reply GAE gives them about none.
+per-reply GAE gives them about none where its V is right.
 
 Both arms run the production path: a tiny Qwen (1 layer, width 32) samples G = 8 episodes per
 prompt per step (64 a step), `advantages.estimate` ("grpo", or "qevolve" with
@@ -17,7 +17,8 @@ sampling noise), every 5 steps; a run stops when it reaches the target (0.8) or 
 The table gives, per seed, the GRPO steps each arm needed, and their ratio (critic / GRPO; below
 1: the critic got there in fewer steps).
 
-  python benchmarks/qevolve_credit.py [--seeds 0,1,2] [--steps 4] [--decide 1]
+  python benchmarks/qevolve_credit.py [--seeds 0,1,2] [--steps 4] [--decide 0|1]
+    [--critic-updates 32] [--critic-lr 1e-3]
 """
 
 from __future__ import annotations
@@ -107,14 +108,17 @@ def _trajectories(tokens: np.ndarray, logps: np.ndarray, prompt_ids, steps: int,
   return out
 
 
-def run(seed: int, arm: str, steps: int, decide: int, max_steps: int) -> tuple[int, float, float]:
+def run(
+  seed: int, arm: str, steps: int, decide: int, max_steps: int, critic_cfg: qevolve.QEvolveConfig
+) -> tuple[int, float, float, dict]:
   """One arm on one seed. Returns (GRPO steps to the target, or max_steps + 1 when missed;
-  the expected reward at the end; wall seconds)."""
+  the expected reward at the end; wall seconds; the critic's last qevolve/* metrics)."""
   start = time.perf_counter()
   model = Qwen(_config(), rngs=nnx.Rngs(seed))
   trainer = PolicyTrainer(model, make_optimizer(LR, 0.0, 1.0), grpo.GRPOConfig(), 1.0)
   trainer.freeze_reference()
-  critic = qevolve.Critic(qevolve.QEvolveConfig(), trainer, seed) if arm == "critic" else None
+  critic = qevolve.Critic(critic_cfg, trainer, seed) if arm == "critic" else None
+  metrics: dict = {}
   sample = jax.jit(_sample, static_argnums=3)
   rng, key = np.random.default_rng(seed), jax.random.key(seed)
   digits = np.arange(DIGITS)
@@ -128,9 +132,9 @@ def run(seed: int, arm: str, steps: int, decide: int, max_steps: int) -> tuple[i
     inputs = advantages.AdvantageInputs.from_trajectories(trajs, trainer.cfg)
     name = "grpo"
     if critic is not None:
-      eps = [qevolve.episode(t, critic.cfg) for t in trajs]
+      eps = [e for t in trajs if (e := qevolve.episode(t, critic.cfg)) is not None]
       feats = critic.features(eps)
-      reply_adv, _ = critic.reply_advantages(eps, feats)
+      reply_adv, metrics = critic.reply_advantages(eps, feats)
       critic.fit(eps, feats)
       inputs = advantages.AdvantageInputs(
         trajs, inputs.rewards, inputs.group_ids, None, trainer.cfg, qevolve=(critic.cfg, reply_adv)
@@ -142,33 +146,46 @@ def run(seed: int, arm: str, steps: int, decide: int, max_steps: int) -> tuple[i
       if reward >= TARGET:
         reached = step
         break
-  return reached, reward, time.perf_counter() - start
+  return reached, reward, time.perf_counter() - start, metrics
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--seeds", default="0,1,2")
   parser.add_argument("--steps", type=int, default=4, help="replies per episode (K)")
-  parser.add_argument("--decide", type=int, default=1, choices=(0, 1), help="the deciding reply")
+  parser.add_argument("--decide", type=int, default=0, choices=(0, 1), help="the deciding reply")
   parser.add_argument("--max-steps", type=int, default=300, help="GRPO steps per run at most")
+  parser.add_argument("--critic-updates", type=int, default=qevolve.QEvolveConfig.updates)
+  parser.add_argument("--critic-lr", type=float, default=qevolve.QEvolveConfig.lr)
   args = parser.parse_args(argv)
+  critic_cfg = qevolve.QEvolveConfig(updates=args.critic_updates, lr=args.critic_lr)
   seeds = [int(s) for s in args.seeds.split(",")]
   print(f"# {machine()}")
   print(
     f"# K = {args.steps} replies, reply {args.decide + 1} decides; {DIGITS} prompts x G = "
-    f"{GROUP}; target expected reward {TARGET}; at most {args.max_steps} GRPO steps"
+    f"{GROUP}; target expected reward {TARGET}; at most {args.max_steps} GRPO steps; critic "
+    f"{critic_cfg.updates} updates of {critic_cfg.batch} at lr {critic_cfg.lr:g}"
   )
-  print("| seed | GRPO steps | critic steps | critic / GRPO | GRPO s | critic s |")
-  print("|---|---|---|---|---|---|")
+  print(
+    "| seed | GRPO steps | critic steps | critic / GRPO | GRPO s | critic s | critic's last "
+    "explained variance | V at the end, success / failure |"
+  )
+  print("|---|---|---|---|---|---|---|---|")
   ratios = []
   for seed in seeds:
-    g_steps, g_reward, g_s = run(seed, "grpo", args.steps, args.decide, args.max_steps)
-    c_steps, c_reward, c_s = run(seed, "critic", args.steps, args.decide, args.max_steps)
+    g_steps, g_reward, g_s, _ = run(
+      seed, "grpo", args.steps, args.decide, args.max_steps, critic_cfg
+    )
+    c_steps, c_reward, c_s, m = run(
+      seed, "critic", args.steps, args.decide, args.max_steps, critic_cfg
+    )
     ratios.append(c_steps / g_steps)
     miss = lambda n, r: f"> {args.max_steps} ({r:.2f})" if n > args.max_steps else str(n)  # noqa: E731
+    ev = m.get("qevolve/explained_variance", float("nan"))
+    ends = (m.get(f"qevolve/v_end_{k}", float("nan")) for k in ("success", "failure"))
     print(
       f"| {seed} | {miss(g_steps, g_reward)} | {miss(c_steps, c_reward)} | {ratios[-1]:.2f} | "
-      f"{g_s:.0f} | {c_s:.0f} |"
+      f"{g_s:.0f} | {c_s:.0f} | {ev:.2f} | {' / '.join(f'{v:.2f}' for v in ends)} |"
     )
     sys.stdout.flush()
   print(f"# geometric mean of critic / GRPO steps: {float(np.exp(np.mean(np.log(ratios)))):.2f}")
