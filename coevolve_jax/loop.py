@@ -350,7 +350,11 @@ class CoEvolveRun:
       experts = critic.buffer.sample(qcfg.experts, critic.rng, fits)
     demos = [e.trajectory(-1 - i) for i, e in enumerate(experts)]  # a group of its own each
     if demos:  # their behaviour log-probs: the policy's now (BPPO's pi_k)
-      scored = np.asarray(self.trainer.logprobs(make_batch(demos)))
+      trainer = self.trainer
+      batch = make_batch(
+        demos, len_buckets=trainer.len_buckets, target_buckets=trainer.target_buckets
+      )
+      scored = np.asarray(trainer.logprobs(batch))
       for r, t in enumerate(demos):
         for j, i in enumerate(target_positions(t)):
           t.logprobs[i] = float(scored[r, j])

@@ -833,9 +833,9 @@ class PolicyTrainer:
     critic head on the policy reads (`coevolve_jax.qevolve`).
 
     Runs the current parameters in the compute dtype (`_merge`), rows padded to a multiple of
-    micro-batches x data-parallel devices and split over the data axes as the log-prob forward's
-    are; the program is compiled at the first call of each shape (a run that never calls it
-    compiles nothing for it).
+    micro-batches x data-parallel devices, split over the data axes and run one micro-batch at a
+    time as the log-prob forward's are; compiled at the first call of each shape (a run that
+    never calls it compiles nothing for it).
 
     Args:
       tokens_nt: [N, T] int32 right-padded token ids starting at position 0.
@@ -859,10 +859,19 @@ class PolicyTrainer:
     if self._hidden is None:
 
       def hidden(params, tokens, index):
-        h = self._merge(params).hidden_states(
-          tokens, jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape), None, index
-        )
-        return jax.lax.stop_gradient(h).astype(jnp.float32)
+        graph = self._merge(params)
+
+        def one(rows):
+          toks, idx = rows
+          positions = jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape)
+          return graph.hidden_states(toks, positions, None, idx).astype(jnp.float32)
+
+        k = self.micro_batches  # one slice's activations alive at a time, as `_logp_fn`'s
+        if k == 1:
+          return jax.lax.stop_gradient(one((tokens, index)))
+        out = jax.lax.map(one, (split_micro_batches(tokens, k), split_micro_batches(index, k)))
+        out = out.swapaxes(0, 1).reshape(*index.shape, out.shape[-1])  # undo the strided split
+        return jax.lax.stop_gradient(out)
 
       self._hidden = self._jit(hidden, (self._param_sh, self._rows_sh, self._rows_sh), None)
     with self._ctx():
