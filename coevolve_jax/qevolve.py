@@ -55,7 +55,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
-from coevolve_jax import errors, grpo
+from coevolve_jax import distributed, errors, grpo
 from coevolve_jax.models import sharding
 from coevolve_jax.types import Reply, Trajectory
 
@@ -640,14 +640,15 @@ class Critic:
     out: dict[str, Any] = {}
     for _ in range(cfg.updates):
       idx = self.rng.choice(m, cfg.batch, replace=m < cfg.batch)  # one batch shape
-      self.state, out = self._step(self.state, {k: jnp.asarray(x[idx]) for k, x in data.items()})
+      # numpy in: every process passes the same host arrays, which jit takes as replicated
+      self.state, out = self._step(self.state, {k: x[idx] for k, x in data.items()})
     metrics.update({f"qevolve/{k}": float(v) for k, v in out.items()})
     metrics["qevolve/transitions"] = m
     return metrics
 
   def values(self, feats: np.ndarray) -> np.ndarray:
     """V at [M, D] state features: [M] float32."""
-    return np.asarray(self._values(self.state["v"], jnp.asarray(feats)), np.float32)
+    return distributed.fetch(self._values(self.state["v"], np.asarray(feats, np.float32)))
 
   def reply_advantages(
     self, episodes: Sequence[Episode], feats: Sequence[tuple[np.ndarray, np.ndarray]]

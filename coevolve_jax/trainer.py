@@ -876,7 +876,7 @@ class PolicyTrainer:
       self._hidden = self._jit(hidden, (self._param_sh, self._rows_sh, self._rows_sh), None)
     with self._ctx():
       out = self._hidden(self.params, *self._rows((tokens_nt, index_np)))
-    return np.asarray(jax.device_get(out))[:n]
+    return distributed.fetch(out)[:n]  # replicated: every process holds it whole
 
   def _grpo_step_fn(self, params, opt_state, arrays, old_logp, ref_logp):
     k = self.micro_batches

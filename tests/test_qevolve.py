@@ -7,12 +7,14 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
 import kit
 import numpy as np
 import pytest
+from host_devices import run_child
 
 from coevolve_jax import advantages, grpo, qevolve
 from coevolve_jax.trainer import PolicyTrainer, make_optimizer
@@ -295,3 +297,41 @@ def test_planner_counts_the_critic():
   head = 64 * 8 * 4 // 2 + 8 * 4 + 8 * 4 + 4
   features = 4 * 64 * (2 * 2 * 3 + 3 * 4)  # 2 rows x 2 x 3 replies, and a batch of 4 x 3 D
   assert memory_plan.critic_bytes(64, cfg, rows=2, max_replies=3, mesh=mesh) == 7 * head + features
+
+
+@pytest.mark.slow
+def test_the_critic_on_a_mesh_equals_one_device():
+  """On 8 host devices (data 2 x fsdp 2 x tensor 2) the heads are sharded by their logical axes
+  (w1 over fsdp and tensor) and three fits give the values one device gives (float32, 1e-6)."""
+  run_child(__file__, "mesh")
+
+
+def _mesh_child() -> None:
+  from coevolve_jax.models import builder, sharding  # noqa: PLC0415
+
+  assert jax.device_count() == 8, jax.devices()
+  values = []
+  for mesh in (None, sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})):
+    model = builder.init(kit.tiny_config(num_hidden_layers=1), seed=0, mesh=mesh)
+    trainer = PolicyTrainer(
+      model, make_optimizer(1e-3, 0.0, 1.0), grpo.GRPOConfig(), 1.0, mesh=mesh
+    )
+    cfg = qevolve.QEvolveConfig(updates=20, batch=64, lr=3e-3)
+    critic = qevolve.Critic(cfg, trainer, seed=0)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+      eps = [qevolve.episode(_decision_episode(rng, g), cfg) for g in [True, False] * 4]
+      critic.fit(eps, critic.features(eps))
+    values.append(np.stack([critic.values(f[0]) for f in critic.features(eps)]))
+    if mesh is not None:
+      specs = {k: tuple(x.sharding.spec) for k, x in critic.state["v"].items()}
+      assert specs["w1"] == ("fsdp", "tensor") and specs["w2"] == ("tensor",), specs
+  np.testing.assert_allclose(values[1], values[0], atol=1e-6)
+  print("mesh OK")
+
+
+if __name__ == "__main__":
+  if sys.argv[1:2] == ["mesh"]:
+    _mesh_child()
+  else:
+    raise SystemExit(f"unknown mode {sys.argv[1:]}")
