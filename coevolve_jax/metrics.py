@@ -14,7 +14,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import jax
-from tensorboardX import SummaryWriter
 
 from coevolve_jax import distributed, errors
 
@@ -147,6 +146,10 @@ class MetricsWriter:
       if threading.excepthook is not _tensorboard_excepthook:  # once, keeping the one before
         _PREVIOUS_EXCEPTHOOK[0] = threading.excepthook
         threading.excepthook = _tensorboard_excepthook
+      # Imported here: tensorboardX's writer imports torch when it is installed (1.3 s), which
+      # a command that stops at its config's first error should not wait for.
+      from tensorboardX import SummaryWriter  # noqa: PLC0415
+
       with errors.writing(self._tb_dir):
         self._tb = SummaryWriter(self._tb_dir, purge_step=resume_step + 1)
 

@@ -64,6 +64,8 @@ def _command(workdir: str, url: str) -> list[str]:
     "train.mini_batches": 1,
     "compile.ahead": False,
     "checkpoint.every": 1,
+    # One compilation cache for the run's sessions (the resume loads what the first stored).
+    "compile.cache_dir": os.path.join(os.path.dirname(workdir), "compile_cache"),
   }
   return [
     sys.executable,
