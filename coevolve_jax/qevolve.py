@@ -57,6 +57,7 @@ import orbax.checkpoint as ocp
 
 from coevolve_jax import distributed, errors, grpo
 from coevolve_jax.models import sharding
+from coevolve_jax.trainer import bucket_size
 from coevolve_jax.types import Reply, Trajectory
 
 MODES = ("critic", "iterate")
@@ -572,12 +573,16 @@ class Critic:
 
   def features(self, episodes: Sequence[Episode]) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per episode, (states [T, D], state-actions [T, D]) float32 hidden states of the current
-    policy (one forward over the episodes, padded to the longest)."""
+    policy: one forward over the episodes, padded to the train step's length bucket (or a power
+    of two up to 512, then multiples of 512) and the replies to a power of two, so that few
+    shapes compile."""
     if not episodes:
       return []
     longest = max(len(e.token_ids) for e in episodes)
-    t = max(128, -(-longest // 128) * 128)
-    steps = max(e.steps for e in episodes)
+    buckets = self.trainer.len_buckets  # the train step's lengths: a bounded set of shapes
+    t = next((b for b in buckets if b >= longest), None) if buckets else None
+    t = t or bucket_size(longest, 128)
+    steps = bucket_size(max(e.steps for e in episodes), 8)
     tokens = np.zeros((len(episodes), t), np.int32)
     index = np.zeros((len(episodes), 2 * steps), np.int32)
     for i, e in enumerate(episodes):
@@ -647,8 +652,12 @@ class Critic:
     return metrics
 
   def values(self, feats: np.ndarray) -> np.ndarray:
-    """V at [M, D] state features: [M] float32."""
-    return distributed.fetch(self._values(self.state["v"], np.asarray(feats, np.float32)))
+    """V at [M, D] state features: [M] float32 (rows padded to a power of two for the call)."""
+    feats = np.asarray(feats, np.float32)
+    m = len(feats)
+    padded = np.zeros((bucket_size(m, 8), feats.shape[-1]), np.float32)
+    padded[:m] = feats
+    return distributed.fetch(self._values(self.state["v"], padded))[:m]
 
   def reply_advantages(
     self, episodes: Sequence[Episode], feats: Sequence[tuple[np.ndarray, np.ndarray]]
@@ -663,8 +672,10 @@ class Critic:
     returns: list[float] = []
     preds: list[float] = []
     spread: list[float] = []
-    for e, (fs, _) in zip(episodes, feats):
-      v = self.values(fs)
+    ends_at = np.cumsum([0, *(e.steps for e in episodes)])
+    every = self.values(np.concatenate([f[0] for f in feats])) if episodes else np.zeros(0)
+    for i, e in enumerate(episodes):
+      v = every[ends_at[i] : ends_at[i + 1]]
       r = np.zeros(e.steps, np.float32)
       r[-1] = e.reward
       done = np.zeros(e.steps, bool)

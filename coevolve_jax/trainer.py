@@ -28,7 +28,7 @@ from coevolve_jax.rollout.sampling import SamplingParams, filtered_logits, gathe
 from coevolve_jax.types import Trajectory
 
 
-def _bucket(n: int, minimum: int, step: int = 512) -> int:
+def bucket_size(n: int, minimum: int, step: int = 512) -> int:
   """Powers of two up to `step`, then multiples of `step`: few shapes, little padding."""
   if n > step:
     return -(-n // step) * step
@@ -128,13 +128,13 @@ def make_batch(
   if len_buckets:
     t = _listed_bucket(longest, sorted(len_buckets), "trajectory tokens")
   else:
-    t = _bucket(longest, min_len)
+    t = bucket_size(longest, min_len)
   pos_lists = [target_positions(tr) for tr in trajs]
   most = max(1, max(len(x) for x in pos_lists))
   if target_buckets:
     p = _listed_bucket(most, sorted(target_buckets), "generated tokens")
   else:
-    p = _bucket(most, min_targets)
+    p = bucket_size(most, min_targets)
   tokens = np.zeros((n, t), np.int32)
   target_pos = np.ones((n, p), np.int32)
   target_mask = np.zeros((n, p), np.float32)

@@ -444,6 +444,8 @@ def test_derived_task_is_graded_by_its_reference_changes_and_answer(world):
   assert _run(suite, task, twice)[1:] == (1, 2)
 
 
+@pytest.mark.slow  # about 50 s; make test keeps the LLM-free D0 and round, and the scripted
+# explorer's derivation, abstraction and judge on real worlds (the tests below)
 @needs_appworld
 def test_llm_d0_and_feedback_round_on_generated_worlds(suite, stub_llm, monkeypatch):
   import numpy as np  # noqa: PLC0415

@@ -175,7 +175,6 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
   assert first["steps"] == 1 and first["resumed_from_step"] == 0
   assert _from_cache(capsys.readouterr().out) == 0 and os.listdir(cache_dir)  # stored, not loaded
   _another_model_is_refused_and_moves_nothing(tmp_path, workdir, config)
-  _shared_start_gives_the_same_run(tmp_path, workdir, cache_dir, monkeypatch, config)
 
   # Same run, 2 steps, but the disk is full when step 2's checkpoint is written in the background
   # (after the feedback round joined the pool and the logs): one DiskFullError naming the step.
@@ -482,6 +481,23 @@ def _shared_start_gives_the_same_run(
   assert _run_files(copy) == _run_files(workdir)
   with open(os.path.join(copy, "config.json")) as f:
     assert json.load(f)["feedback"]["enabled"] is False  # the variant's own, not the start's
+
+
+@pytest.mark.slow
+def test_shared_start_gives_the_same_run(tmp_path, monkeypatch):
+  """scripts/ablations.py's shared start against a run of one step from scratch (slow: the
+  end-to-end test in `make test` runs the same session without the shared start)."""
+  workdir, cache_dir = str(tmp_path / "run"), str(tmp_path / "compile_cache")
+
+  def config():
+    cfg = small_config()
+    cfg.eval.generated_before_warmstart = True
+    return cfg
+
+  cfg = config()
+  cfg.compile.cache_dir, cfg.train.steps = cache_dir, 1
+  CoEvolveRun(cfg, workdir).fit()
+  _shared_start_gives_the_same_run(tmp_path, workdir, cache_dir, monkeypatch, config)
 
 
 def _enable_role_agent(cfg):
