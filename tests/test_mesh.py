@@ -14,6 +14,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from host_devices import run_child
@@ -255,6 +256,7 @@ def _planner_agrees(cfg, jobs) -> None:
         assert job == figure, (preset, sizes, job, figure)
 
 
+@pytest.mark.slow  # about 45 s of one worker; make test keeps the single-device checks
 def test_compile_ahead_on_a_mesh_leaves_nothing_to_compile():
   """`compile_ahead` with sharded parameters, a sharded KV cache and sharded batch rows (data 2
   x fsdp 4, bfloat16 compute, scanned layers): the calls compile none of the engine's or the
