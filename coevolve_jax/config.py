@@ -320,17 +320,24 @@ def _pool(cfg: Mapping[str, Any]) -> None:
   number(cfg, "pool.near_dup_threshold", lo=0.0, hi=1.0)  # a MinHash LSH threshold
   owner("role_agent.aiw", lambda: AIWSampler.from_config(cfg))  # checked when off too
   owner("role_agent.wia", lambda: WIAConfig.from_config(get(cfg, "role_agent.wia")))
-  if get(cfg, "role_agent.wia.enabled") and get(cfg, "train.advantage_estimator") != "grpo":
-    fail(
-      "role_agent.wia.enabled",
-      "trains with the 'role_agent' advantage estimator; leave train.advantage_estimator at 'grpo'",
-      get(cfg, "train.advantage_estimator"),
-    )
+  _option_estimator(cfg, "role_agent.wia.enabled", "role_agent")
   _qevolve(cfg)
   owner("pool.sampler", lambda: make_sampler(sampler_name(cfg), cfg))
   synth = get(cfg, "pool.synth_fraction")
   if not _is_num(synth) or not (synth < 0 or 0.0 <= synth <= 1.0):
     fail("pool.synth_fraction", "must be in [0, 1], or negative for proportional", synth)
+
+
+def _option_estimator(cfg: Mapping[str, Any], switch: str, estimator: str) -> None:
+  """An option (`switch` on) that trains with its own advantage estimator needs
+  train.advantage_estimator left at "grpo"."""
+  if get(cfg, switch) and get(cfg, "train.advantage_estimator") != "grpo":
+    fail(
+      switch,
+      f"trains with the '{estimator}' advantage estimator; leave train.advantage_estimator at "
+      "'grpo'",
+      get(cfg, "train.advantage_estimator"),
+    )
 
 
 def _qevolve(cfg: Mapping[str, Any]) -> None:
@@ -342,12 +349,7 @@ def _qevolve(cfg: Mapping[str, Any]) -> None:
     fail("qevolve.enabled", "must be a bool", get(cfg, "qevolve.enabled"))
   if not get(cfg, "qevolve.enabled"):
     return
-  if get(cfg, "train.advantage_estimator") != "grpo":
-    fail(
-      "qevolve.enabled",
-      "trains with the 'qevolve' advantage estimator; leave train.advantage_estimator at 'grpo'",
-      get(cfg, "train.advantage_estimator"),
-    )
+  _option_estimator(cfg, "qevolve.enabled", "qevolve")
   if get(cfg, "role_agent.wia.enabled"):
     fail("qevolve.enabled", "and role_agent.wia.enabled both replace the advantages", True)
 

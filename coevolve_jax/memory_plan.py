@@ -170,10 +170,8 @@ def critic_bytes(
       step's rollouts plus `cfg.replay`). max_replies: replies per episode at most
       (`episode.max_model_steps`). mesh: axis sizes.
   """
-  shapes = {"w1": (hidden_size, cfg.hidden), "b1": (cfg.hidden,), "w2": (cfg.hidden,), "b2": ()}
-  head = sum(
-    shard_bytes(shape, jnp.float32, qevolve.HEAD_AXES[k], mesh) for k, shape in shapes.items()
-  )
+  shapes = jax.eval_shape(lambda: qevolve.init_head(jax.random.key(0), hidden_size, cfg.hidden))
+  head = sum(shard_bytes(x.shape, x.dtype, qevolve.HEAD_AXES[k], mesh) for k, x in shapes.items())
   features = 4 * hidden_size * (rows * 2 * max_replies + 3 * cfg.batch)
   return 7 * head + features
 

@@ -715,10 +715,9 @@ class Critic:
     """Inverse of `state_dict` (arrays already placed as this critic's are)."""
     self.state = arrays
     ends = np.cumsum([0, *meta["lengths"]])
-    episodes = []
-    for e, a, b in zip(meta["episodes"], ends[:-1], ends[1:]):
-      episodes.append(Episode.from_dict({**e, "token_ids": [int(t) for t in tokens[a:b]]}))
-    self.buffer.load_state_dict([e.to_dict() for e in episodes])
+    self.buffer.load_state_dict(
+      [{**e, "token_ids": tokens[a:b]} for e, a, b in zip(meta["episodes"], ends[:-1], ends[1:])]
+    )
     self.rng.bit_generator.state = meta["rng"]
 
 
