@@ -354,7 +354,7 @@ class CoEvolveRun:
       batch = make_batch(
         demos, len_buckets=trainer.len_buckets, target_buckets=trainer.target_buckets
       )
-      scored = np.asarray(trainer.logprobs(batch))
+      scored = distributed.fetch(trainer.logprobs(batch))  # row-sharded: gathered whole
       for r, t in enumerate(demos):
         for j, i in enumerate(target_positions(t)):
           t.logprobs[i] = float(scored[r, j])
