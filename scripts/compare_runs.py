@@ -10,7 +10,9 @@ timings (keys `wall_s`, `phase_s`, `feedback_share`, `feedback_synth_s`, `synth_
 metrics ending in `/synth_s` or `/wait_s`, and `timing/*` metrics) and XLA compilations
 (`compile/*` metrics: their seconds differ between any two runs, their counts with what an earlier
 run in the same process or the compilation cache already compiled), which differ between any two
-runs. Numbers compare with
+runs. `--ignore PREFIX` (repeatable) also leaves out the keys that start with PREFIX, e.g.
+`--ignore diag/ --ignore alert` to compare a run that adds read-only diagnostics with one from
+before them. Numbers compare with
 `|a - b| <= atol + rtol * |b|` (default: exactly), so the same command on two meshes or two
 commits can be checked at float tolerance. Prints one line per file and every difference found;
 exits 1 when anything differs or a file is missing on one side only.
@@ -51,17 +53,17 @@ def _load(path: str) -> list[Any] | None:
     return [json.loads(line) for line in f if line.strip()]
 
 
-def _strip(value: Any) -> Any:
-  """`value` without timing entries, at any depth."""
+def _strip(value: Any, ignore: tuple[str, ...] = ()) -> Any:
+  """`value` without timing entries and keys starting with an `ignore` prefix, at any depth."""
   if isinstance(value, dict):
     return {
-      k: _strip(v)
+      k: _strip(v, ignore)
       for k, v in value.items()
       if str(k).rsplit("/", 1)[-1] not in TIMING_KEYS
-      and not str(k).startswith(("timing/", "compile/"))
+      and not str(k).startswith(("timing/", "compile/", *ignore))
     }
   if isinstance(value, list):
-    return [_strip(v) for v in value]
+    return [_strip(v, ignore) for v in value]
   return value
 
 
@@ -97,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--rtol", type=float, default=0.0)
   p.add_argument("--atol", type=float, default=0.0)
   p.add_argument("--max-lines", type=int, default=20, help="differences printed per file")
+  p.add_argument("--ignore", action="append", default=[], help="leave out keys with this prefix")
   args = p.parse_args(argv)
   failed = False
   for name in FILES:
@@ -109,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
       print(f"{name:28s} MISSING in {'A' if a is None else 'B'}")
       failed = True
       continue
-    found = diff(_strip(a), _strip(b), args.rtol, args.atol, name)
+    ignore = tuple(args.ignore)
+    found = diff(_strip(a, ignore), _strip(b, ignore), args.rtol, args.atol, name)
     print(f"{name:28s} {len(a):5d} rows  {'same' if not found else f'{len(found)} differences'}")
     for line in found[: args.max_lines]:
       print(f"    {line}")

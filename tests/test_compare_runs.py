@@ -47,3 +47,17 @@ def test_a_file_on_one_side_only_fails(tmp_path):
   _run(tmp_path / "b", 0.25, 10.0, 1.0)
   (tmp_path / "b" / "pool.jsonl").write_text('{"task_id": "d0-00000"}\n')
   assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+
+
+def test_ignored_prefixes_leave_out_added_keys_only(tmp_path):
+  _run(tmp_path / "a", 0.25, 10.0, 1.0)
+  _run(tmp_path / "b", 0.25, 10.0, 1.0)
+  path = tmp_path / "b" / "metrics.jsonl"
+  row = json.loads(path.read_text())
+  path.write_text(
+    json.dumps({**row, "diag/dead_groups": 1.0, "alerts": ["dead_groups >= 1"]}) + "\n"
+  )
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  assert compare_runs.main([a, b]) == 1
+  assert compare_runs.main([a, b, "--ignore", "diag/", "--ignore", "alert"]) == 0
+  assert compare_runs.main([a, b, "--ignore", "diag/"]) == 1  # "alerts" still differs
