@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from coevolve_jax import compiling, distributed, grpo, memory_plan, models
+from coevolve_jax import compiling, diagnostics, distributed, grpo, memory_plan, models
 from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
 from coevolve_jax.cli import import_model
 from coevolve_jax.tokenizer import run_tokenizer_folder
@@ -118,7 +118,7 @@ def build(cfg: Any, workdir: str) -> Components:
     pool=pool,
     tracker=SignalTracker.from_config(cfg.signals),
     sampler=make_sampler(sampler_name(cfg), cfg),
-    hooks=build_hooks(cfg, workdir),
+    hooks=build_hooks(cfg, workdir) + diagnostics.build(cfg, workdir),
     mesh=mesh,
     sampling=sampling,
     trainer=trainer,

@@ -21,7 +21,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from coevolve_jax import advantages, grpo, suite
+from coevolve_jax import advantages, diagnostics, grpo, suite
 from coevolve_jax.feedback import factory, rounds
 from coevolve_jax.feedback.pool import EVAL_STATES
 from coevolve_jax.feedback.aiw import AIWSampler
@@ -102,7 +102,8 @@ def validate(cfg: Mapping[str, Any]) -> None:
   `PolicyTrainer.grpo_epoch` splits them, drop_from_loss: finishes of `types.FINISHES` other
   than "done", replay_routing a bool);
   feedback (kinds and mode through `rounds.check_selection`, max_contexts, every >= 1,
-  0 <= lag < every); eval; checkpoint; and the suite's own fields (`suite.validate_config`). File
+  0 <= lag < every); diagnostics (registered names, alert rules, bounds); eval; checkpoint; and
+  the suite's own fields (`suite.validate_config`). File
   system and data (checkpoint folders, BFCL categories, AppWorld servers) are checked where they
   are opened, not here; only a checkpoint's config.json is read, for its vocabulary size.
 
@@ -128,6 +129,7 @@ def validate(cfg: Mapping[str, Any]) -> None:
   _sampling(cfg)
   _train(cfg)
   _feedback(cfg)
+  _diagnostics(cfg)
   _compile(cfg)
   for field in ("eval.max_new_tokens", "eval.max_steps_per_turn"):
     int_at_least(cfg, field, 1)
@@ -445,7 +447,7 @@ def _train(cfg: Mapping[str, Any]) -> None:
   owner("train.advantage_estimator", lambda: advantages.get(estimator))
   if estimator == "qevolve":  # it reads the critic's advantages, which only the option makes
     fail("train.advantage_estimator", "'qevolve' is chosen by qevolve.enabled = True", estimator)
-  for field in ("train.scale_by_std", "train.replay_routing"):
+  for field in ("train.scale_by_std", "train.replay_routing", "train.drop_dead_groups"):
     if not isinstance(get(cfg, field), bool):
       fail(field, "must be a bool", get(cfg, field))
   drop, droppable = get(cfg, "train.drop_from_loss"), tuple(f for f in FINISHES if f != "done")
@@ -465,6 +467,23 @@ def _feedback(cfg: Mapping[str, Any]) -> None:
   lag = get(cfg, "feedback.lag")
   if not is_int(lag) or not 0 <= lag < every:
     fail("feedback.lag", f"must be an int in [0, feedback.every = {every})", lag)
+
+
+def _diagnostics(cfg: Mapping[str, Any]) -> None:
+  for field in ("diagnostics.enabled", "diagnostics.rollout_log"):
+    if not isinstance(get(cfg, field), bool):
+      fail(field, "must be a bool", get(cfg, field))
+  for field in ("names", "alerts", "relative"):
+    value = get(cfg, f"diagnostics.{field}")
+    if not isinstance(value, (tuple, list)) or not all(isinstance(x, str) for x in value):
+      fail(f"diagnostics.{field}", "must be a tuple of str", value)
+  names, alerts = get(cfg, "diagnostics.names"), get(cfg, "diagnostics.alerts")
+  owner("diagnostics.names", lambda: diagnostics.check_names(tuple(names)))
+  owner("diagnostics.alerts", lambda: diagnostics.parse_rules(tuple(alerts)))
+  number(cfg, "diagnostics.leak_similarity", lo=0.0, hi=1.0)
+  int_at_least(cfg, "diagnostics.min_answer_chars", 1)
+  int_at_least(cfg, "diagnostics.baseline_steps", 1)
+  number(cfg, "diagnostics.rollout_log_max_mb", lo=0.0, lo_open=True)
 
 
 def _compile(cfg: Mapping[str, Any]) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -46,6 +46,46 @@ class GRPOConfig:
     return cls(
       **{f.name: train_cfg[f.name] for f in dataclasses.fields(cls) if f.name in train_cfg}
     )
+
+
+def dead_rows(
+  rewards_n: np.ndarray, group_ids_n: np.ndarray, keep_n: np.ndarray | None = None
+) -> np.ndarray:
+  """[N] bool: the rows of "dead" groups, whose kept rows' rewards are all equal (or which keep
+  fewer than two rows): `compute_advantages` gives them exactly 0, so they carry no policy
+  gradient. DAPO's dynamic-sampling filter (Yu et al. 2025, Eq. 11's constraint) drops them.
+
+  Args:
+    rewards_n: [N] float rewards. group_ids_n: [N] group ids. keep_n: [N] bool (None: all kept).
+  """
+  rewards_n, group_ids_n = np.asarray(rewards_n), np.asarray(group_ids_n)
+  keep_n = np.ones(rewards_n.shape, bool) if keep_n is None else np.asarray(keep_n, bool)
+  out = np.zeros(rewards_n.shape, bool)
+  for g in np.unique(group_ids_n):
+    rows = group_ids_n == g
+    out[rows] = len(np.unique(rewards_n[rows & keep_n])) < 2
+  return out
+
+
+def loss_rows(
+  finishes: Sequence[str],
+  rewards_n: np.ndarray,
+  group_ids_n: np.ndarray,
+  drop_from_loss: Sequence[str] = (),
+  drop_dead_groups: bool = False,
+) -> np.ndarray:
+  """[N] bool: the rollouts a step trains on (`keep`): not ended by a finish in
+  `drop_from_loss` (`train.drop_from_loss`, verl's overlong filtering), and with
+  `drop_dead_groups` (`train.drop_dead_groups`) not in a group that is dead among those
+  (`dead_rows`).
+
+  Args:
+    finishes: [N] `Trajectory.finish` values. rewards_n: [N] float. group_ids_n: [N].
+  """
+  keep = np.array([f not in drop_from_loss for f in finishes], bool)
+  if drop_dead_groups:
+    keep &= ~dead_rows(rewards_n, group_ids_n, keep)
+  return keep
 
 
 def compute_advantages(

@@ -40,6 +40,7 @@ class StepRecord:
     advantages: [N] (per trajectory) or [N, P] (per target token) float32, as trained on.
     events: the signal events the step's rollouts fired.
     metrics: the step's metrics so far (train/*, reward/*, rollout/*, signals/*).
+    eval_tasks: the run's held-out evaluation split (what training data must not leak).
   """
 
   step: int
@@ -50,6 +51,7 @@ class StepRecord:
   advantages: np.ndarray
   events: list[SignalEvent]
   metrics: dict[str, Any]
+  eval_tasks: list[Task] = dataclasses.field(default_factory=list)
 
 
 class TrainingHook(Protocol):

@@ -38,6 +38,7 @@ from coevolve_jax import (
   config,
   distributed,
   errors,
+  grpo,
   memory_plan,
   qevolve,
   warmstart,
@@ -294,7 +295,13 @@ class CoEvolveRun:
     trajs = self.rollouts([(t, i) for i, t in enumerate(tasks) for _ in range(g)])
     rewards = np.array([t.reward for t in trajs], np.float32)
     groups = np.array([t.group_id for t in trajs])
-    keep = np.array([t.finish not in cfg.train.drop_from_loss for t in trajs])
+    keep = grpo.loss_rows(
+      [t.finish for t in trajs],
+      rewards,
+      groups,
+      cfg.train.drop_from_loss,
+      cfg.train.drop_dead_groups,
+    )
     estimator, wia_cfg = cfg.train.advantage_estimator, None
     if cfg.role_agent.wia.enabled:  # Role-Agent's process rewards (coevolve_jax/wia.py)
       estimator, wia_cfg = "role_agent", wia.WIAConfig.from_config(cfg.role_agent.wia)
@@ -311,14 +318,14 @@ class CoEvolveRun:
     info.update(self.parts.sampler.metrics())
     if wia_cfg is not None:
       info.update(wia.metrics(trajs, wia_cfg, cfg.signals.success_threshold, keep.tolist()))
-    record = StepRecord(step, tasks, trajs, rewards, keep, adv, events, info)
-    hook_metrics = run_hooks(self.parts.hooks, record)
     info.update(self._rollout_metrics(trajs, rewards, groups, keep))
-    info.update(hook_metrics)
+    held_out = self.evaluator.held_out()
+    record = StepRecord(step, tasks, trajs, rewards, keep, adv, events, info, held_out)
+    info.update(run_hooks(self.parts.hooks, record))
     self.state.step = step
     if cfg.feedback.enabled:
       with self.timer("feedback"):
-        info.update(self.rounds.tick(self.state, step, self.evaluator.held_out()))
+        info.update(self.rounds.tick(self.state, step, held_out))
     info["pool/size"] = len(self.pool)
     info.update(self.timer.pop_last())
     # The engine's copy of the weights (cast, gathered over fsdp) made for this step's rollouts.

@@ -305,6 +305,11 @@ def get_config() -> ml_collections.ConfigDict:
   # "error" (the environment failed), e.g. ("context", "error"). Default () keeps every episode,
   # a cut or failed one as a failure with reward 0 (the paper; docs/design.md §1.1).
   c.train.drop_from_loss = ()
+  # Drop "dead" groups from the loss: a task's rollouts whose kept rewards are all equal, which
+  # get zero advantage but still count in the loss's token mean and KL term (DAPO's dynamic-
+  # sampling filter, Yu et al. 2025, without resampling). Backtest it first
+  # (python -m coevolve_jax.cli.backtest): it also drops the groups every rollout solved.
+  c.train.drop_dead_groups = False
   # MoE policies (Qwen3-MoE): the rollout engine records the experts each token was routed to and
   # the trainer's forwards route by them (routing replay), so a near-tie in the router cannot
   # score a token under experts it was not sampled with; the router still gets its gradient.
@@ -349,6 +354,46 @@ def get_config() -> ml_collections.ConfigDict:
   c.feedback.validate = True  # False = accept synthesized tasks unvalidated (ablation)
   c.feedback.concurrent = True  # synthesize in a background thread while GRPO steps go on
   c.feedback.lag = 1  # a round started after step s joins the pool after step s + lag
+
+  # Diagnostics (coevolve_jax/diagnostics.py; EvoTrainer, arXiv 2606.03108): a health report of
+  # every GRPO step as diag/* in metrics.jsonl and TensorBoard, read-only (training is the same
+  # with them off). `names`: registered diagnostics (diagnostics.names()); `alerts`: rules
+  # "<figure> <op> <number> [for <steps>]" (a figure is diag/<figure>, or a metric key with a
+  # "/"); an alert prints one console line when it starts and sets alert/<figure> = 1 while it
+  # holds. The thresholds are ours (the paper gives its rules, not its numbers).
+  c.diagnostics = ml_collections.ConfigDict()
+  c.diagnostics.enabled = True
+  c.diagnostics.names = (
+    "reward_spread",
+    "diversity",
+    "logprob",
+    "length",
+    "errors",
+    "signals",
+    "leaks",
+  )
+  c.diagnostics.alerts = (
+    "dead_groups >= 0.9 for 3",  # almost no group gives GRPO a gradient
+    "solution_diversity <= 0.05 for 3",  # every rollout of a group makes the same calls
+    "sampled_logprob >= -0.05 for 3",  # entropy collapse (nats per sampled token)
+    "turns_per_episode_vs_start >= 2 for 3",  # turn inflation against the first steps
+    "tokens_per_episode_vs_start >= 2 for 3",
+    "parse_error_rate >= 0.5 for 3",
+    "error_rate >= 0.1",  # the environment failed one episode in ten
+    "truncation_rate >= 0.5 for 3",
+    "leak_near_eval > 0",  # a training task this close to an evaluation task
+    "leak_answer_in_observation > 0",  # an observation holds an evaluation answer
+  )
+  # Figures also divided by their mean over the run's first `baseline_steps` steps
+  # (diag/<figure>_vs_start, kept in the checkpoint).
+  c.diagnostics.relative = ("turns_per_episode", "tokens_per_episode")
+  c.diagnostics.baseline_steps = 3
+  c.diagnostics.leak_similarity = 0.5  # MinHash Jaccard to an evaluation task that is a leak
+  c.diagnostics.min_answer_chars = 12  # shortest evaluation answer searched in observations
+  # rollouts.jsonl: one row per episode (task, origin, group, reward, calls, finish, parse errors),
+  # the input of backtests (python -m coevolve_jax.cli.backtest); stops at rollout_log_max_mb.
+  c.diagnostics.rollout_log = False
+  c.diagnostics.rollout_log_max_mb = 256.0
 
   c.eval = ml_collections.ConfigDict()
   c.eval.max_tasks = 50  # held-out tasks evaluated greedily before and after training

@@ -30,6 +30,8 @@ LOOP = (
   "coevolve_jax.evaluation",
   "coevolve_jax.workdir",
   "coevolve_jax.hooks",
+  "coevolve_jax.diagnostics",
+  "coevolve_jax.backtest",
 )
 LOWER = ("coevolve_jax.models", "coevolve_jax.rollout", "coevolve_jax.grpo")
 
@@ -206,6 +208,8 @@ def _implementations():
     (SlotEngine, engine),
     (SlotEngine, replay),
     (TrainingHook, importlib.import_module("coevolve_jax.hooks").GroupLog),
+    (TrainingHook, importlib.import_module("coevolve_jax.diagnostics").Diagnostics),
+    (TrainingHook, importlib.import_module("coevolve_jax.diagnostics").RolloutLog),
     (suite_lib.Env, importlib.import_module("envs.bfcl.env").BfclEnv),
     (suite_lib.Env, importlib.import_module("envs.appworld.env").AppWorldEnv),
   ]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from disk_full import assert_disk_full, orbax_write_fails
 
-from coevolve_jax import hooks
+from coevolve_jax import backtest, hooks
 from coevolve_jax.errors import CorruptFileError, DiskFullError
 from coevolve_jax.feedback import synthesis
 from coevolve_jax.feedback.rounds import RoundResult
@@ -166,6 +166,7 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
     cfg = small_config()
     cfg.train.hooks = ("group_log", "step_counter")
     cfg.eval.generated_before_warmstart = True
+    cfg.diagnostics.rollout_log = True
     return cfg
 
   cfg = config()
@@ -251,6 +252,19 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
   # The hook's state was checkpointed: the resumed session's hook goes on from step 1's count.
   seen = [(r["hooks/steps_seen"], r["hooks/rollouts_seen"]) for r in rows if "reward/mean" in r]
   assert seen == [(1, 4), (2, 8)] and counters[-1].resumed_at == [1]
+  # Diagnostics (on by default) in every GRPO row; the rollout log holds each step's episodes
+  # once across the failed session and the resume, and a backtest's replay of the run's own
+  # config gives back the run's figures: its dead groups and its signal events.
+  steps = [r for r in rows if "reward/mean" in r]
+  for r in steps:
+    assert r["diag/dead_groups"] == pytest.approx(1 - r["rollout/mixed_groups"] / 2)
+    assert r["diag/sampled_logprob"] < 0 and r["diag/turns_per_episode"] >= 1
+  assert [json.loads(x)["step"] for x in open(os.path.join(workdir, "rollouts.jsonl"))] == [
+    1
+  ] * 4 + [2] * 4
+  same = backtest.backtest(workdir, {"signals.window": cfg.signals.window})
+  assert same.baseline.dead_groups == sum(2 - r["rollout/mixed_groups"] for r in steps)
+  assert same.baseline.events == {k: steps[-1][f"signals/{k}"] for k in KINDS}
   # What compiled before GRPO (D0, warm-start, eval before): one step-0 row, from the fresh start.
   assert [r["step"] for r in rows if "compile/count" in r and "reward/mean" not in r] == [0]
   # The round's signal shares are those of the events its steps fired (paper Fig. 4); the

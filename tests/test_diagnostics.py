@@ -1,0 +1,365 @@
+"""Run diagnostics, alert rules, the rollout log and backtests (coevolve_jax/diagnostics.py,
+coevolve_jax/backtest.py) on scripted steps: every figure against a count done by hand."""
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from coevolve_jax import backtest, diagnostics, grpo
+from coevolve_jax.cli import backtest as backtest_cli
+from coevolve_jax.feedback.signals import SignalEvent
+from coevolve_jax.hooks import StepRecord
+from coevolve_jax.types import Reply, Task, Trajectory
+
+_CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
+
+
+def _base_config():
+  """configs/bfcl.py's CPU preset (what `make run` trains)."""
+  path = os.path.join(_CONFIGS, "bfcl.py")
+  spec = importlib.util.spec_from_file_location("diag_bfcl_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config("cpu")
+
+
+def _task(i, source="bfcl", signal=None, turns=None, gt=None):
+  prov = {"signal": signal} if signal else {}
+  return Task(
+    f"t{i}", "bfcl", turns or [f"task number {i}"], gt or [[]], source=source, provenance=prov
+  )
+
+
+def _traj(group, reward, finish="done", calls=(), logprobs=(-1.0, -3.0), steps=1, parse=0, obs=""):
+  t = Trajectory(f"t{group}", group, reward=reward, finish=finish, model_steps=steps)
+  t.extend([1, 2], sampled=False)
+  t.extend([3] * len(logprobs), sampled=True, logprobs=list(logprobs))
+  t.calls = [list(calls)]
+  t.tool_names = [c.split("(")[0] for c in calls]
+  t.parse_errors = parse
+  t.replies = [Reply(2, 2 + len(logprobs), observation=obs)]
+  return t
+
+
+def _record(step, tasks, trajs, keep=None, events=(), eval_tasks=()):
+  rewards = np.array([t.reward for t in trajs], np.float32)
+  keep = np.ones(len(trajs), bool) if keep is None else np.asarray(keep)
+  return StepRecord(
+    step,
+    tasks,
+    trajs,
+    rewards,
+    keep,
+    np.zeros(len(trajs), np.float32),
+    list(events),
+    {},
+    list(eval_tasks),
+  )
+
+
+def _three_groups():
+  """g0 mixed with different calls, g1 all solved with the same call, g2 all failed (one cut by
+  the KV cache, one an environment error)."""
+  tasks = [_task(0), _task(1, "synth", "boundary"), _task(2)]
+  trajs = [
+    _traj(0, 1.0, calls=["a()"], logprobs=(-0.5, -0.5), steps=2, parse=1),
+    _traj(0, 0.0, calls=["b()"]),
+    _traj(1, 1.0, calls=["a()"]),
+    _traj(1, 1.0, calls=["a()"]),
+    _traj(2, 0.0, finish="context", steps=3),
+    _traj(2, 0.0, finish="error"),
+  ]
+  events = [SignalEvent(tasks[1], k, [], 1.0) for k in ("boundary", "boundary", "rare")]
+  return tasks, trajs, events
+
+
+def test_each_diagnostic_against_a_hand_count():
+  tasks, trajs, events = _three_groups()
+  got = diagnostics.compute(_record(1, tasks, trajs, events=events), diagnostics.Settings())
+  want = {
+    "diag/reward_std": (0.5 + 0 + 0) / 3,
+    "diag/dead_groups": 2 / 3,
+    "diag/dead_solved": 1 / 3,
+    "diag/dead_failed": 1 / 3,
+    "diag/solution_diversity": (1 + 0 + 0) / 3,
+    # 5 rollouts sample two tokens at -1 and -3, one at -0.5 and -0.5: -21 nats over 12 tokens
+    "diag/sampled_logprob": -21 / 12,
+    "diag/turns_per_episode": (2 + 1 + 1 + 1 + 3 + 1) / 6,
+    "diag/tokens_per_episode": 2.0,
+    "diag/parse_error_rate": 1 / 9,
+    "diag/error_rate": 1 / 6,
+    "diag/truncation_rate": 1 / 6,
+    "diag/origin/d0": 2 / 3,
+    "diag/origin/synth:boundary": 1 / 3,
+    "diag/signal/boundary": 2 / 3,
+    "diag/signal/rare": 1 / 3,
+    "diag/signal/forgetting": 0.0,
+  }
+  assert got == pytest.approx(want)  # no eval split: the leak detectors report nothing
+  # Dropping the two cut/failed episodes (train.drop_from_loss) leaves g2 with no kept rollout.
+  keep = [True, True, True, True, False, False]
+  got = diagnostics.compute(
+    _record(1, tasks, trajs, keep), diagnostics.Settings(), ["reward_spread"]
+  )
+  assert got["diag/dead_groups"] == pytest.approx(2 / 3)
+  assert got["diag/dead_failed"] == pytest.approx(1 / 3)
+
+
+def test_dead_rows_match_zero_grpo_advantages():
+  rewards = np.array([1, 0, 1, 1, 0, 0, 0.5, 0.5, 0.2], np.float32)
+  groups = np.array([0, 0, 1, 1, 2, 2, 3, 3, 3])
+  keep = np.array([1, 1, 1, 1, 1, 1, 1, 1, 0], bool)
+  dead = grpo.dead_rows(rewards, groups, keep)
+  assert dead.tolist() == [False, False, True, True, True, True, True, True, True]
+  adv = grpo.compute_advantages(rewards, groups, keep_n=keep)
+  assert np.all(adv[dead] == 0) and np.all(adv[~dead] != 0)
+
+
+def test_the_loss_rows_drop_cut_episodes_then_dead_groups():
+  """`grpo.loss_rows`, the loop's `keep`: train.drop_from_loss first, then with
+  train.drop_dead_groups every group left without reward spread (here g0 once its cut episode is
+  gone, and the all-solved g1)."""
+  finishes = ["done", "context", "done", "done", "done", "done"]
+  rewards = np.array([1, 0, 1, 1, 1, 0], np.float32)
+  groups = np.array([0, 0, 1, 1, 2, 2])
+  assert grpo.loss_rows(finishes, rewards, groups).all()
+  assert grpo.loss_rows(finishes, rewards, groups, ("context",)).tolist() == [1, 0, 1, 1, 1, 1]
+  got = grpo.loss_rows(finishes, rewards, groups, ("context",), drop_dead_groups=True)
+  assert got.tolist() == [0, 0, 0, 0, 1, 1]
+
+
+def test_a_user_diagnostic_registers_in_a_few_lines():
+  @diagnostics.register("test_long_episodes")
+  def long_episodes(record, settings):
+    return {"long_episodes": sum(t.model_steps > 1 for t in record.trajectories)}
+
+  tasks, trajs, _ = _three_groups()
+  got = diagnostics.compute(
+    _record(1, tasks, trajs), diagnostics.Settings(), ["test_long_episodes"]
+  )
+  assert got == {"diag/long_episodes": 2.0}
+  with pytest.raises(ValueError, match="already registered"):
+    diagnostics.register("test_long_episodes")(long_episodes)
+  with pytest.raises(ValueError, match="unknown diagnostics"):
+    diagnostics.compute(_record(1, tasks, trajs), diagnostics.Settings(), ["no_such"])
+
+
+def _dead_step(step):
+  tasks = [_task(0), _task(1)]
+  return _record(step, tasks, [_traj(0, 0.0), _traj(0, 0.0), _traj(1, 1.0), _traj(1, 0.0)])
+
+
+def _all_dead_step(step):
+  tasks = [_task(0), _task(1)]
+  return _record(step, tasks, [_traj(0, 0.0), _traj(0, 0.0), _traj(1, 1.0), _traj(1, 1.0)])
+
+
+def test_the_dead_group_alert_fires_after_its_steps_once_and_survives_a_resume(capsys):
+  cfg = _base_config()
+  cfg.diagnostics.alerts = ("dead_groups >= 0.9 for 3", "train/kl > 0.5")
+  hook = diagnostics.Diagnostics(cfg)
+  assert "alert/dead_groups" not in hook.on_step(_dead_step(1))  # half the groups dead
+  for step in (2, 3):
+    assert "alert/dead_groups" not in hook.on_step(_all_dead_step(step))
+  resumed = diagnostics.Diagnostics(cfg)  # a resume from the checkpoint after step 3
+  resumed.load_state_dict(json.loads(json.dumps(hook.state_dict())))
+  capsys.readouterr()
+  row = resumed.on_step(_all_dead_step(4))
+  assert row["alert/dead_groups"] == 1 and row["alerts"] == ["dead_groups >= 0.9 for 3"]
+  assert capsys.readouterr().out.strip() == "alert (step 4): dead_groups >= 0.9 for 3 (now 1)"
+  assert resumed.on_step(_all_dead_step(5))["alert/dead_groups"] == 1  # still holds: no line
+  assert capsys.readouterr().out == ""
+  assert "alert/dead_groups" not in resumed.on_step(_dead_step(6))  # the run of steps is broken
+  # A rule on a metric of the row (not a diag/ figure) reads the step's metrics.
+  record = _dead_step(7)
+  record.metrics["train/kl"] = 0.7
+  assert resumed.on_step(record)["alert/train/kl"] == 1
+
+
+def test_inflation_is_measured_against_the_first_steps():
+  cfg = _base_config()
+  cfg.diagnostics.baseline_steps = 2
+  cfg.diagnostics.alerts = ("turns_per_episode_vs_start >= 2",)
+  hook = diagnostics.Diagnostics(cfg)
+  rows = []
+  for step, turns in enumerate([2, 4, 9], 1):
+    tasks = [_task(0)]
+    rows.append(
+      hook.on_step(_record(step, tasks, [_traj(0, 1.0, steps=turns), _traj(0, 0.0, steps=turns)]))
+    )
+  assert [r["diag/turns_per_episode_vs_start"] for r in rows] == pytest.approx([1.0, 4 / 3, 3.0])
+  assert [r.get("alert/turns_per_episode_vs_start") for r in rows] == [None, None, 1]
+
+
+@pytest.mark.parametrize(
+  "rule",
+  [
+    "dead_groups",
+    "dead_groups >= ",
+    "dead_groups => 1",
+    "dead_groups >= x",
+    "a > 1 for 0",
+    "a > nan",
+  ],
+)
+def test_a_malformed_alert_rule_is_refused_by_the_config(rule):
+  from coevolve_jax import config  # noqa: PLC0415
+
+  cfg = _base_config()
+  cfg.diagnostics.alerts = (rule,)
+  with pytest.raises(ValueError, match="diagnostics.alerts"):
+    config.validate(cfg)
+
+
+def test_the_leak_detectors_fire_on_a_planted_leak_and_not_on_clean_data():
+  secret = "quarterly budget approved for the north office"
+  evaluation = [
+    Task(
+      "multi_turn_base_7",
+      "bfcl",
+      ["send the approval of the quarterly budget to the north office team lead"],
+      [[f"send_message(receiver_id='USR002', message='{secret}')"]],
+    )
+  ]
+  clean_tasks = [_task(0, turns=["list the files in the documents folder and sort them"])]
+  clean = _record(
+    1, clean_tasks, [_traj(0, 1.0, obs="['a.txt', 'b.txt']"), _traj(0, 0.0)], eval_tasks=evaluation
+  )
+  got, found = diagnostics.leaks(clean, diagnostics.Settings())
+  assert found == [] and got["leak_near_eval"] == 0
+  assert got["leak_answer_in_observation"] == 0
+  # A synthesized task that rewords the evaluation task, and an observation that hands the agent
+  # an evaluation answer (EvoTrainer's leak through the environment).
+  near = _task(
+    1,
+    "synth",
+    "boundary",
+    turns=["send the approval of the quarterly budget to the north office team lead now"],
+    gt=evaluation[0].ground_truth,
+  )
+  leaky_obs = f"inbox: 1 message from admin: '{secret}'"
+  leaky = _record(2, [near], [_traj(1, 1.0, obs=leaky_obs), _traj(1, 0.0)], eval_tasks=evaluation)
+  got, found = diagnostics.leaks(leaky, diagnostics.Settings())
+  assert got["leak_near_eval"] == 1 and got["leak_answer_in_observation"] == 1
+  assert got["eval_similarity_max"] >= 0.5
+  assert sorted(found) == [
+    ("t1", "answer_in_observation", "multi_turn_base_7"),
+    ("t1", "near_eval", "multi_turn_base_7"),
+  ]
+  # Through the hook: both default alerts fire on the step.
+  row = diagnostics.Diagnostics(_base_config()).on_step(leaky)
+  assert row["alert/leak_near_eval"] == 1 and row["alert/leak_answer_in_observation"] == 1
+
+
+def _scripted_run(workdir, cfg, steps=4):
+  """A run's rollout log without a model: per step g0 = [1 done, 0 context, 0 context] (dead
+  once the cut episodes leave the loss), g1 = [1 done, 0 done, 0 context] (mixed either way),
+  g2 = [1, 1, 1] (solved by all: dead)."""
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(cfg.to_json_best_effort())
+  log = diagnostics.RolloutLog(str(workdir), max_mb=1.0)
+  log.on_resume(-1)
+  hook = diagnostics.Diagnostics(cfg)
+  drop = set(cfg.train.drop_from_loss)
+  rows = []
+  for step in range(1, steps + 1):
+    tasks = [_task(0), _task(1, "synth", "rare"), _task(2)]
+    trajs = [
+      _traj(0, 1.0, calls=["ls()"]),
+      _traj(0, 0.0, "context"),
+      _traj(0, 0.0, "context"),
+      _traj(1, 1.0, calls=["cd(folder='a')"]),
+      _traj(1, 0.0),
+      _traj(1, 0.0, "context"),
+      _traj(2, 1.0, calls=["pwd()"]),
+      _traj(2, 1.0, calls=["pwd()"]),
+      _traj(2, 1.0, calls=["pwd()"]),
+    ]
+    record = _record(step, tasks, trajs, keep=[t.finish not in drop for t in trajs])
+    log.on_step(record)
+    rows.append(hook.on_step(record))
+  return rows
+
+
+def test_a_backtest_of_a_filter_reports_the_groups_it_revives_and_the_successes_it_drops(tmp_path):
+  cfg = _base_config()
+  cfg.train.drop_from_loss = ("context",)
+  rows = _scripted_run(tmp_path, cfg)
+  assert [r["diag/dead_groups"] for r in rows] == pytest.approx([2 / 3] * 4)
+  assert not any("alerts" in r for r in rows)  # 2 of 3 dead is under the default 0.9
+  # Keeping the cut episodes as failures revives g0 in each of the 4 steps.
+  report = backtest.backtest(str(tmp_path), {"train.drop_from_loss": []})
+  assert (report.revived, report.killed, report.successes_filtered) == (4, 0, 0)
+  assert report.baseline.dead_groups == 8 and report.intervention.dead_groups == 4
+  assert report.intervention.kept - report.baseline.kept == 4 * 3
+  # DAPO's filter drops both dead groups: g0's kept success and g2's three, every step.
+  report = backtest.backtest(str(tmp_path), {"train.drop_dead_groups": True})
+  assert (report.revived, report.killed, report.successes_filtered) == (0, 0, 4 * 4)
+  assert report.baseline.rank_violations == report.intervention.rank_violations == 0
+  table = report.table()
+  assert "successes filtered out of the loss: 16" in table and "dead groups revived: 0" in table
+
+
+def test_a_backtest_replays_the_signals_and_the_feedback_clock(tmp_path):
+  cfg = _base_config()
+  cfg.feedback.every = 2
+  cfg.signals.rare_min_total = 1
+  _scripted_run(tmp_path, cfg)
+  same = backtest.backtest(str(tmp_path), {"feedback.every": 2})
+  assert same.baseline.events == same.intervention.events and same.revived == 0
+  assert same.baseline.rounds == 2  # after steps 2 and 4
+  fewer = backtest.backtest(str(tmp_path), {"feedback.every": 4, "feedback.kinds": ["forgetting"]})
+  assert fewer.intervention.rounds == 1
+  assert fewer.intervention.events == fewer.baseline.events  # the same events fire ...
+  assert fewer.intervention.round_events["boundary"] == 0  # ... but no round reads a boundary one
+  assert fewer.baseline.round_events["boundary"] == fewer.baseline.events["boundary"] > 0
+  # What cannot be replayed from logged rollouts is refused, with what can.
+  with pytest.raises(ValueError, match="cannot be replayed"):
+    backtest.backtest(str(tmp_path), {"train.lr": 1e-5})
+  with pytest.raises(ValueError, match="signals"):
+    backtest.backtest(str(tmp_path), {"signals.window": 0})
+
+
+def test_the_backtest_command_line(tmp_path, capsys):
+  cfg = _base_config()
+  cfg.train.drop_from_loss = ("context",)
+  _scripted_run(tmp_path, cfg, steps=2)
+  out = tmp_path / "report.json"
+  from absl import flags  # noqa: PLC0415
+
+  if "workdir" not in flags.FLAGS:
+    backtest_cli._define_flags()
+  flags.FLAGS(
+    ["backtest", f"--workdir={tmp_path}", "--set=train.drop_from_loss=[]", f"--json={out}"]
+  )
+  backtest_cli.main(["backtest"])
+  assert "dead groups revived: 2" in capsys.readouterr().out
+  assert json.loads(out.read_text())["revived"] == 2
+  with pytest.raises(ValueError, match="field=JSON"):
+    backtest_cli.parse_sets(["no_equals_sign"])
+
+
+def test_the_rollout_log_is_cut_back_on_resume_and_stops_at_its_size(tmp_path, capsys):
+  cfg = _base_config()
+  _scripted_run(tmp_path, cfg, steps=3)
+  path = tmp_path / "rollouts.jsonl"
+  assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1] * 9 + [2] * 9 + [
+    3
+  ] * 9
+  log = diagnostics.RolloutLog(str(tmp_path), max_mb=len(path.read_bytes()) / 2**20 + 1e-6)
+  log.on_resume(2)  # the run resumes from step 2's checkpoint
+  assert len(path.read_text().splitlines()) == 18
+  tasks, trajs, _ = _three_groups()
+  assert log.on_step(_record(3, tasks, trajs)) == {}  # fits
+  assert log.on_step(_record(4, tasks, trajs)) == {"diag/rollout_log_full": 1}
+  assert "rollout_log_max_mb" in capsys.readouterr().out
+  assert len(path.read_text().splitlines()) == 24
+  with pytest.raises(FileNotFoundError, match="rollout_log = True"):
+    backtest.load_rollouts(str(tmp_path / "nothing.jsonl"))
+  with open(path, "a") as f:
+    f.write('{"step": 5, "task_')  # a torn write
+  with pytest.raises(ValueError, match="torn"):
+    backtest.load_rollouts(str(path))
