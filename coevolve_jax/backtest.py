@@ -12,7 +12,7 @@ signal tracker (`feedback.signals.SignalTracker`) and the feedback clock (`feedb
 
 Only fields whose effect the logged rollouts determine can be replayed (`REPLAYABLE`); a change
 of the policy's inputs or objective (the learning rate, sampling, the model) needs new rollouts,
-that is a training branch.
+that is a training branch (`coevolve_jax.gate`).
 
     python -m coevolve_jax.cli.backtest --workdir runs/x --set 'train.drop_from_loss=["context"]'
 """
@@ -34,6 +34,8 @@ from coevolve_jax.feedback.signals import KINDS, RolloutRecord, SignalTracker
 from coevolve_jax.types import FINISHES
 
 ROLLOUT_LOG = "rollouts.jsonl"
+# Fields newer than some runs' config.json, which an override may add.
+OPTIONAL = frozenset({"train.drop_dead_groups"})
 # The fields a backtest can change: what turns logged rewards, finishes and tool names into
 # advantages, signal events and feedback rounds.
 REPLAYABLE = frozenset(
@@ -235,8 +237,31 @@ class Report:
     }
 
 
+def set_fields(cfg: ml_collections.ConfigDict, overrides: Mapping[str, Any]):
+  """A copy of `cfg` with `overrides` (dotted field -> value) set; lists become tuples, as the
+  configs write them.
+
+  Raises:
+    ValueError: a field the config does not have.
+  """
+  out = ml_collections.ConfigDict(cfg.to_dict())
+  for key, value in overrides.items():
+    node = out
+    *parents, leaf = key.split(".")
+    try:
+      for part in parents:
+        node = node[part]
+    except KeyError:
+      raise ValueError(f"{key}: the config has no such field") from None
+    if leaf not in node and key not in OPTIONAL:
+      raise ValueError(f"{key}: the config has no such field")
+    node[leaf] = tuple(value) if isinstance(value, list) else value
+  return out
+
+
 def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Mapping[str, Any]):
-  """A copy of `cfg` with the overrides set (lists become tuples, as the configs write them).
+  """`set_fields` for a backtest: only `REPLAYABLE` fields, checked as the run's config checks
+  them.
 
   Raises:
     ValueError: a field outside `REPLAYABLE` (it needs new rollouts), or a value the run's
@@ -245,15 +270,10 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Mapping[str, Any]
   if bad := sorted(set(overrides) - REPLAYABLE):
     raise ValueError(
       f"{bad} cannot be replayed from logged rollouts (they change the rollouts themselves: "
-      f"train a branch instead); a backtest changes {sorted(REPLAYABLE)}"
+      "train branches with python -m coevolve_jax.cli.gate); a backtest changes "
+      f"{sorted(REPLAYABLE)}"
     )
-  out = ml_collections.ConfigDict(cfg.to_dict())
-  for key, value in overrides.items():
-    node = out
-    *parents, leaf = key.split(".")
-    for part in parents:
-      node = node[part]
-    node[leaf] = tuple(value) if isinstance(value, list) else value
+  out = set_fields(cfg, overrides)
   _check(out)
   return out
 

@@ -484,6 +484,8 @@ def _diagnostics(cfg: Mapping[str, Any]) -> None:
   int_at_least(cfg, "diagnostics.min_answer_chars", 1)
   int_at_least(cfg, "diagnostics.baseline_steps", 1)
   number(cfg, "diagnostics.rollout_log_max_mb", lo=0.0, lo_open=True)
+  if not isinstance(get(cfg, "diagnostics.skills"), str):
+    fail("diagnostics.skills", "must be a path (str; '' for none)", get(cfg, "diagnostics.skills"))
 
 
 def _compile(cfg: Mapping[str, Any]) -> None:

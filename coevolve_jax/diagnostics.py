@@ -387,10 +387,27 @@ def parse_rules(texts: Sequence[str]) -> list[AlertRule]:
   return rules
 
 
+def read_skills(path: str) -> list[dict[str, Any]]:
+  """The skill records of a skills file (`coevolve_jax.gate`; [] when there is none); torn
+  lines skipped."""
+  if not path or not os.path.exists(path):
+    return []
+  out = []
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        out.append(json.loads(line))
+      except ValueError:
+        continue
+  return out
+
+
 class Diagnostics:
   """The training hook that runs the diagnostics and alert rules after every step (see the
   module docstring). State (checkpointed): the first `baseline_steps` steps' figures, which
-  `<figure>_vs_start` divides by, and each rule's run of consecutive steps that met it."""
+  `<figure>_vs_start` divides by, and each rule's run of consecutive steps that met it. With a
+  skills file (`diagnostics.skills`, written by `coevolve_jax.gate`), an alert that starts also
+  names every intervention promoted for its figure, one line each."""
 
   name = "diagnostics"
 
@@ -403,6 +420,9 @@ class Diagnostics:
     self.baseline_steps = int(d.baseline_steps)
     self.baseline: dict[str, list[float]] = {}
     self.runs: dict[str, int] = {}
+    # Interventions a gate promoted (diagnostics.skills): named when an alert on their figure
+    # starts.
+    self.skills = [r for r in read_skills(d.skills) if r.get("decision") == "promoted"]
 
   def on_step(self, record: StepRecord) -> dict[str, Any]:
     out: dict[str, Any] = compute(record, self.settings, self.selected)
@@ -429,6 +449,13 @@ class Diagnostics:
         if run == rule.steps and distributed.is_primary():  # one line when it starts firing
           v = row[rule.key]
           tqdm.tqdm.write(f"alert (step {record.step}): {rule} (now {v:.4g})")
+          for skill in self.skills:
+            if skill.get("expected", {}).get("figure") == rule.key:
+              tqdm.tqdm.write(
+                f"  skill: {json.dumps(skill.get('intervention'), sort_keys=True)} was promoted "
+                f"for {rule.figure} by the gate in {skill.get('gate')} ({skill.get('date')}): "
+                f"{skill.get('reason')}"
+              )
     if fired:
       out["alerts"] = fired
     return out

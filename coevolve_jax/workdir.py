@@ -36,6 +36,37 @@ PHASES = (
   "checkpoint",
 )
 LOGS = ("feedback.jsonl", "exploration.jsonl")  # the loop's own step-keyed logs
+# What a copy of a run for a branch leaves out: the branch writes its own config (a resumed run
+# warns about every field that differs from config.json) and summary; the workdir lock and its
+# owner file name the source's run.
+RUN_OWN_FILES = ("config.json", "summary.json", "run.lock", "run.lock.owner")
+
+
+def copy_run(
+  src: str, dst: str, *, leave_out: tuple[str, ...] = RUN_OWN_FILES, marker: str = ""
+) -> None:
+  """Makes `dst` a copy of the run folder `src` (checkpoints, pool, frozen evaluation sets, logs;
+  symbolic links copied as links) without `leave_out`'s top-level files, so `CoEvolveRun(...)
+  .fit()` there resumes from the newest checkpoint of `src`: a branch of that run. `marker`:
+  a file written in the copy, `{"start": <src>}` (what the branch was copied from). Copied under
+  a temporary name and renamed, so a killed copy leaves no `dst`.
+
+  Raises:
+    FileExistsError: `dst` exists (a run of its own is there).
+  """
+  import shutil  # noqa: PLC0415
+
+  if os.path.exists(dst):
+    raise FileExistsError(f"{dst} exists: not replacing a run with a copy of {src}")
+  partial = dst + ".copying"
+  shutil.rmtree(partial, ignore_errors=True)
+  shutil.copytree(
+    src, partial, symlinks=True, ignore=lambda d, names: leave_out if d == src else ()
+  )
+  if marker:
+    with open(os.path.join(partial, marker), "w", encoding="utf-8") as f:
+      json.dump({"start": os.path.abspath(src)}, f)
+  os.rename(partial, dst)
 
 
 class WorkdirLock:

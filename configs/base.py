@@ -394,6 +394,9 @@ def get_config() -> ml_collections.ConfigDict:
   # the input of backtests (python -m coevolve_jax.cli.backtest); stops at rollout_log_max_mb.
   c.diagnostics.rollout_log = False
   c.diagnostics.rollout_log_max_mb = 256.0
+  # A skills file of promotion-gate records (python -m coevolve_jax.cli.gate; "" = none): an
+  # alert that starts names the interventions a gate promoted for its figure.
+  c.diagnostics.skills = ""
 
   c.eval = ml_collections.ConfigDict()
   c.eval.max_tasks = 50  # held-out tasks evaluated greedily before and after training

@@ -118,10 +118,10 @@ START_VARIANT = "coevolve"
 STEP0_UNREAD = frozenset({"feedback.enabled", "feedback.mode", "feedback.kinds"})
 # Written into the start once its step 0 is done, and into each copy (what the record reports).
 START_DONE, COPIED_FROM = "start_done.json", "copied_from_start.json"
-# What a copy of the start leaves out: the variant writes its own config (a resumed run warns about
-# every field that differs from config.json) and summary; the workdir lock and its owner file
-# name the start's run.
-START_OWN_FILES = ("config.json", "summary.json", START_DONE, "run.lock", "run.lock.owner")
+# What a copy of the start leaves out: a run's own files (`workdir.RUN_OWN_FILES`: config,
+# summary, lock; written out here, since this module imports the package only where it runs one)
+# and the start's mark.
+START_OWN_FILES = ("config.json", "summary.json", "run.lock", "run.lock.owner", START_DONE)
 
 
 # Fields a finished start may have been made with other values of: GRPO steps, and how programs
@@ -174,28 +174,16 @@ def ensure_start(start: str, cfg) -> None:
 
 def copy_start(start: str, workdir: str) -> None:
   """Makes `workdir` a copy of the seed's step-0 workdir `start` (checkpoint 0, D0 pool, frozen
-  generated held-out set, step 0's logs; symbolic links copied as links), so
-  `CoEvolveRun(...).fit()` there resumes from checkpoint 0, and marks it (`COPIED_FROM`). Copied
-  under a temporary name and renamed, so a killed copy leaves no workdir.
+  generated held-out set, step 0's logs), so `CoEvolveRun(...).fit()` there resumes from
+  checkpoint 0, and marks it (`COPIED_FROM`); `workdir.copy_run`, which a killed copy leaves
+  no trace of.
 
   Raises:
     FileExistsError: `workdir` exists (a run of its own is there).
   """
-  import shutil  # pylint: disable=g-import-not-at-top
+  from coevolve_jax.workdir import copy_run  # pylint: disable=g-import-not-at-top
 
-  if os.path.exists(workdir):
-    raise FileExistsError(f"{workdir} exists: not replacing a run with a copy of {start}")
-  partial = workdir + ".copying"
-  shutil.rmtree(partial, ignore_errors=True)
-  shutil.copytree(
-    start,
-    partial,
-    symlinks=True,
-    ignore=lambda d, names: START_OWN_FILES if d == start else (),
-  )
-  with open(os.path.join(partial, COPIED_FROM), "w", encoding="utf-8") as f:
-    json.dump({"start": os.path.abspath(start)}, f)
-  os.rename(partial, workdir)
+  copy_run(start, workdir, leave_out=START_OWN_FILES, marker=COPIED_FROM)
 
 
 def saved_path(out: str, variant: str, seed: int) -> str:

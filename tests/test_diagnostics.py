@@ -363,3 +363,124 @@ def test_the_rollout_log_is_cut_back_on_resume_and_stops_at_its_size(tmp_path, c
     f.write('{"step": 5, "task_')  # a torn write
   with pytest.raises(ValueError, match="torn"):
     backtest.load_rollouts(str(path))
+
+
+def _gate_source(path, step=3):
+  """A run folder to branch from: its config, a checkpoint step folder and a metrics row."""
+  os.makedirs(path / "checkpoints" / str(step))
+  (path / "config.json").write_text(_base_config().to_json_best_effort())
+  row = {
+    "step": step,
+    "reward/mean": 0.0,
+    "diag/dead_groups": 0.9,
+    "alerts": ["dead_groups >= 0.9 for 3"],
+  }
+  (path / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+  return str(path)
+
+
+# What each scripted branch scores: (generated held-out success = the selection split,
+# eval_after = the reported split, mean diag/dead_groups over its steps).
+_OUTCOMES = {
+  "baseline": (0.25, 0.5, 0.6),
+  "reported_only": (0.125, 0.75, 0.3),  # better on the reported split, worse where the gate looks
+  "both": (0.375, 0.625, 0.2),
+  "no_target_gain": (0.5, 0.5, 0.7),
+}
+
+
+def _scripted_fit(calls):
+  def fit(cfg, workdir):
+    name = os.path.basename(workdir).rsplit("-", 1)[0]
+    calls.append((name, cfg.train.steps, cfg.train.drop_dead_groups, cfg.train.lr))
+    selection, reported, dead = _OUTCOMES[name]
+    summary = {"eval_after": reported, "eval_generated_after": {"success": selection}}
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f)
+    with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+      for step in (4, 5):
+        f.write(json.dumps({"step": step, "reward/mean": 0.0, "diag/dead_groups": dead}) + "\n")
+    return summary
+
+  return fit
+
+
+def test_the_gate_promotes_on_the_selection_split_never_the_reported_one(tmp_path, capsys):
+  from coevolve_jax import gate  # noqa: PLC0415
+
+  sources = [_gate_source(tmp_path / "s0"), _gate_source(tmp_path / "s1")]
+  cands = [
+    gate.Candidate("reported_only", {"train.lr": 1e-5}, "dead_groups"),
+    gate.Candidate("both", {"train.drop_dead_groups": True}, "dead_groups"),
+    gate.Candidate("no_target_gain", {"train.lr": 2e-6}, "dead_groups"),
+  ]
+  calls, out = [], str(tmp_path / "gate")
+  record = gate.run_gate(sources, cands, 2, out, fit=_scripted_fit(calls))
+  # Every branch trains 2 steps past the source's checkpoint 3, with its own overrides.
+  assert sorted(c[:2] for c in calls) == sorted([(n, 5) for n in _OUTCOMES] * 2)
+  lr = _base_config().train.lr  # the source's, where a candidate does not change it
+  assert ("both", 5, True, lr) in calls and ("reported_only", 5, False, 1e-5) in calls
+  assert all(
+    os.path.exists(os.path.join(out, f"{n}-{i}", "checkpoints", "3"))
+    for n in _OUTCOMES
+    for i in (0, 1)
+  )
+  got = {d["candidate"]: d for d in record["decisions"]}
+  assert (
+    not got["reported_only"]["passed"]
+    and "selection score regressed by 0.125" in got["reported_only"]["reason"]
+  )
+  assert got["both"]["promoted"] and got["both"]["selection_gain"] == pytest.approx(0.125)
+  assert got["both"]["target_gain"] == pytest.approx(0.4)
+  assert (
+    not got["no_target_gain"]["passed"] and "did not move lower" in got["no_target_gain"]["reason"]
+  )
+  skills = diagnostics.read_skills(os.path.join(out, "skills.jsonl"))
+  assert [(s["candidate"], s["decision"]) for s in skills] == [
+    ("reported_only", "refused"),
+    ("both", "promoted"),
+    ("no_target_gain", "refused"),
+  ]
+  assert skills[1]["intervention"] == {"train.drop_dead_groups": True}
+  assert skills[1]["trigger"]["alerts"] == ["dead_groups >= 0.9 for 3"]
+  # A rerun resumes (the branches exist) and records no skill twice.
+  gate.run_gate(sources, cands, 2, out, fit=_scripted_fit([]))
+  assert len(diagnostics.read_skills(os.path.join(out, "skills.jsonl"))) == 3
+  # A later run reads the skills: its dead-group alert names the promoted intervention.
+  cfg = _base_config()
+  cfg.diagnostics.skills = os.path.join(out, "skills.jsonl")
+  cfg.diagnostics.alerts = ("dead_groups >= 0.9",)
+  capsys.readouterr()
+  diagnostics.Diagnostics(cfg).on_step(_all_dead_step(1))
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert len(lines) == 2 and '{"train.drop_dead_groups": true} was promoted' in lines[1]
+
+
+def test_the_gate_refuses_bad_candidates_and_sources(tmp_path):
+  from coevolve_jax import gate  # noqa: PLC0415
+  from coevolve_jax.cli import gate as gate_cli  # noqa: PLC0415
+
+  good = {"name": "x", "overrides": {"train.lr": 1e-5}, "target": "dead_groups"}
+  for bad, match in [
+    ({**good, "name": "baseline"}, "not 'baseline'"),
+    ({**good, "name": "a/b"}, "letters, digits"),
+    ({**good, "overrides": {}}, "no overrides"),
+    ({**good, "better": "up"}, "better must be"),
+    ({"name": "x"}, "want name, overrides"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      gate.Candidate.from_dict(bad)
+  assert gate_cli.parse_candidates([json.dumps([good, {**good, "name": "y"}])])[1].name == "y"
+  with pytest.raises(ValueError, match="not JSON"):
+    gate_cli.parse_candidates(["{name"])
+  with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    gate.run_gate([str(tmp_path)], [gate.Candidate.from_dict(good)], 1, str(tmp_path / "g"))
+  src = _gate_source(tmp_path / "s")
+  with pytest.raises(ValueError, match="no such field"):
+    gate.run_gate(
+      [src],
+      [gate.Candidate("x", {"train.nope": 1}, "dead_groups")],
+      1,
+      str(tmp_path / "g"),
+      fit=_scripted_fit([]),
+    )

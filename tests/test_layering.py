@@ -32,6 +32,7 @@ LOOP = (
   "coevolve_jax.hooks",
   "coevolve_jax.diagnostics",
   "coevolve_jax.backtest",
+  "coevolve_jax.gate",
 )
 LOWER = ("coevolve_jax.models", "coevolve_jax.rollout", "coevolve_jax.grpo")
 

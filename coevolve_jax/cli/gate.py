@@ -1,0 +1,80 @@
+"""The promotion gate over training branches (`coevolve_jax.gate`).
+
+    python -m coevolve_jax.cli.gate --source=runs/bfcl_cpu --steps=2 --out=runs/gate \\
+        --candidate='{"name": "drop_dead", "overrides": {"train.drop_dead_groups": true},
+                      "target": "dead_groups", "better": "lower"}'
+
+`--source` (repeat it, one run folder per seed) names finished or stopped runs with a checkpoint
+and a generated held-out set (`eval.generated_tasks > 0`: the selection split); `--candidate`
+(repeat it) is a JSON object, or `@file.json` holding a list of them. Every branch trains
+`--steps` GRPO steps from the source's newest checkpoint in `<out>/<name>-<i>`; the same command
+again resumes a killed gate. Prints each candidate's decision and writes `<out>/gate.json` and
+the skill records (`--skills`, default `<out>/skills.jsonl`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from absl import app, flags
+
+from coevolve_jax import gate
+
+
+def _define_flags() -> None:
+  """Command-line flags (defined only when run as a script, so importing defines none)."""
+  flags.DEFINE_multi_string("source", [], "A run folder to branch from (one per seed).")
+  flags.DEFINE_multi_string("candidate", [], "A candidate as JSON, or @file with a JSON list.")
+  flags.DEFINE_integer("steps", 2, "GRPO steps per branch.")
+  flags.DEFINE_string("out", None, "The gate's folder (branches, gate.json, skills.jsonl).")
+  flags.DEFINE_float("tolerance", 0.0, "Allowed fall of the mean selection score.")
+  flags.DEFINE_string("skills", "", "The skills file to append to (default <out>/skills.jsonl).")
+  flags.mark_flag_as_required("out")
+
+
+def parse_candidates(items: Sequence[str]) -> list[gate.Candidate]:
+  """`--candidate` values -> Candidates.
+
+  Raises:
+    ValueError: JSON that does not parse or a candidate `Candidate.from_dict` refuses.
+    OSError: an @file that cannot be read.
+  """
+  out = []
+  for item in items:
+    if item.startswith("@"):
+      with open(item[1:], encoding="utf-8") as f:
+        text = f.read()
+    else:
+      text = item
+    try:
+      value = json.loads(text)
+    except ValueError as e:
+      raise ValueError(f"--candidate {item[:60]!r}: not JSON ({e})") from None
+    for d in value if isinstance(value, list) else [value]:
+      if not isinstance(d, dict):
+        raise ValueError(f"--candidate {item[:60]!r}: want a JSON object or a list of them")
+      out.append(gate.Candidate.from_dict(d))
+  return out
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  F = flags.FLAGS  # noqa: N806
+  try:
+    if not F.source:
+      raise ValueError("give at least one --source run folder")
+    candidates = parse_candidates(F.candidate)
+    record = gate.run_gate(
+      F.source, candidates, F.steps, F.out, tolerance=F.tolerance, skills=F.skills
+    )
+  except (ValueError, OSError, RuntimeError) as e:
+    raise app.UsageError(str(e)) from None
+  for d in record["decisions"]:
+    print(f"{d['candidate']}: {d['reason']}")
+
+
+if __name__ == "__main__":
+  _define_flags()
+  app.run(main)
