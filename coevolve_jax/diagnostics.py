@@ -64,7 +64,7 @@ class Settings:
   """
 
   success_threshold: float = 0.5
-  leak_similarity: float = 0.5
+  leak_similarity: float = 0.7
   min_answer_chars: int = 12
 
   @classmethod
@@ -239,12 +239,16 @@ _QUOTED = re.compile(r"'([^']*)'|\"([^\"]*)\"")
 
 def eval_answers(task: Task, min_chars: int) -> list[str]:
   """What a training observation must not contain of an evaluation task: each ground-truth call
-  string and each quoted string argument in one, at least `min_chars` long (shorter ones, as
-  'document', are too common to mean a leak)."""
+  with arguments, and each quoted string argument of one that the task does not give away
+  itself (absent from its user turns and initial state), at least `min_chars` long. Calls
+  without arguments ('list_users()') and values the task states or starts from are what any
+  episode may see; shorter strings (as 'document') are too common to mean a leak."""
+  given = " ".join(task.turns) + json.dumps(task.initial_config, default=str)
   out = []
   for call in (c for turn in task.ground_truth for c in turn):
-    out.append(call)
-    out.extend(a or b for a, b in _QUOTED.findall(call))
+    if not call.rstrip().endswith("()"):
+      out.append(call)
+    out.extend(v for v in (a or b for a, b in _QUOTED.findall(call)) if v not in given)
   return sorted({s for s in out if len(s) >= min_chars})
 
 
@@ -296,6 +300,8 @@ def leaks(
   leaked = 0
   for t in record.trajectories:
     text = "\n".join(observation_texts(t))
+    for call in sorted({c for turn in t.calls for c in turn}, key=len, reverse=True):
+      text = text.replace(call, "")  # the episode's own calls echoed back are no leak
     hit = next((a for a in answers if a in text), None)
     if hit is not None:
       leaked += 1
@@ -426,6 +432,9 @@ class Diagnostics:
 
   def on_step(self, record: StepRecord) -> dict[str, Any]:
     out: dict[str, Any] = compute(record, self.settings, self.selected)
+    if out.get("diag/leak_near_eval") or out.get("diag/leak_answer_in_observation"):
+      # What leaked, for the row: [task id, kind, evaluation task id], the first 10.
+      out["leaks"] = [list(f) for f in leaks(record, self.settings)[1][:10]]
     for fig in self.relative:
       v = out.get(f"diag/{fig}")
       if v is None:

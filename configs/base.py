@@ -388,7 +388,10 @@ def get_config() -> ml_collections.ConfigDict:
   # (diag/<figure>_vs_start, kept in the checkpoint).
   c.diagnostics.relative = ("turns_per_episode", "tokens_per_episode")
   c.diagnostics.baseline_steps = 3
-  c.diagnostics.leak_similarity = 0.5  # MinHash Jaccard to an evaluation task that is a leak
+  # MinHash Jaccard of a training task to an evaluation task that counts as a leak (the pool
+  # refuses >= pool.near_dup_threshold; BFCL's templated tasks that call one tool chain with
+  # other arguments reach ~0.7, different chains stay under ~0.55).
+  c.diagnostics.leak_similarity = 0.7
   c.diagnostics.min_answer_chars = 12  # shortest evaluation answer searched in observations
   # rollouts.jsonl: one row per episode (task, origin, group, reward, calls, finish, parse errors),
   # the input of backtests (python -m coevolve_jax.cli.backtest); stops at rollout_log_max_mb.

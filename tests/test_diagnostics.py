@@ -249,9 +249,28 @@ def test_the_leak_detectors_fire_on_a_planted_leak_and_not_on_clean_data():
     ("t1", "answer_in_observation", "multi_turn_base_7"),
     ("t1", "near_eval", "multi_turn_base_7"),
   ]
-  # Through the hook: both default alerts fire on the step.
+  # What any episode may see is no answer: a call without arguments, a value the task's own
+  # query states, and an episode's own call echoed back in its observation.
+  task = Task(
+    "e",
+    "bfcl",
+    ["open the folder named quarterly_reports"],
+    [["list_users()", "cd(folder='quarterly_reports')"]],
+  )
+  assert diagnostics.eval_answers(task, 12) == ["cd(folder='quarterly_reports')"]
+  echo = _traj(
+    1,
+    0.0,
+    calls=[evaluation[0].ground_truth[0][0]],
+    obs=f"ran {evaluation[0].ground_truth[0][0]}: ok",
+  )
+  echoed = _record(3, [_task(1)], [echo], eval_tasks=evaluation)
+  got, _ = diagnostics.leaks(echoed, diagnostics.Settings())
+  assert got["leak_answer_in_observation"] == 0
+  # Through the hook: both default alerts fire on the step, and the row says what leaked.
   row = diagnostics.Diagnostics(_base_config()).on_step(leaky)
   assert row["alert/leak_near_eval"] == 1 and row["alert/leak_answer_in_observation"] == 1
+  assert sorted(row["leaks"]) == [list(f) for f in sorted(found)]
 
 
 def _scripted_run(workdir, cfg, steps=4):
