@@ -221,13 +221,15 @@ def error_rates(record: StepRecord, settings: Settings) -> dict[str, float]:
 @register("signals")
 def signal_shares(record: StepRecord, settings: Settings) -> dict[str, float]:
   """origin/<origin>: the share of the step's groups whose task came from D0 ("d0") or from a
-  feedback round's signal ("synth:<signal>"); signal/<kind>: the share of the step's signal
+  feedback round's signal ("synth_<signal>"; `pool.origin`'s "synth:<signal>", whose colon a
+  TensorBoard tag cannot hold); signal/<kind>: the share of the step's signal
   events of each kind (when any fired)."""
   del settings
   out: dict[str, float] = {}
   if record.tasks:
     origins = [origin(t) for t in record.tasks]
-    out.update({f"origin/{o}": origins.count(o) / len(origins) for o in sorted(set(origins))})
+    share = {o: origins.count(o) / len(origins) for o in sorted(set(origins))}
+    out.update({f"origin/{o.replace(':', '_')}": v for o, v in share.items()})  # TensorBoard tags
   if record.events:
     kinds = [e.signal for e in record.events]
     out.update({f"signal/{k}": kinds.count(k) / len(kinds) for k in KINDS})

@@ -15,13 +15,14 @@ per candidate intervention (config overrides) for `steps` GRPO steps each, then 
 
 both as paired differences against the baseline branch of the same source. A candidate passes
 when the mean selection difference is >= -`tolerance` (no regression) and the target moved the
-way the candidate says (`better`: "lower" or "higher") by a mean > 0; of those that pass, the one
-with the largest selection gain (then target gain) is promoted. Every candidate's record
-(trigger, intervention, expected outcome, validation, decision, reason) is appended to a skills
-file (JSON lines) that a later run reads (`diagnostics.skills`: an alert on a figure names the
-interventions promoted for it). Branches are ordinary run folders under the gate's folder, so
-a rerun of the same command resumes: a finished branch is read back, a killed one resumes
-from its last checkpoint.
+way the candidate says (`better`: "lower" or "higher") by a mean above its `min_gain` (0.01);
+of those that pass, the one with the largest selection gain (then target gain) is promoted.
+Every candidate's record (trigger, intervention, expected outcome, validation, decision,
+reason) is written to a skills file (JSON lines) that a later run reads
+(`diagnostics.skills`: an alert on a figure names the interventions promoted for it). Branches
+are ordinary run folders under the gate's folder, so a rerun of the same command resumes: a
+finished branch is read back, a killed one resumes from its last checkpoint. The gate runs on
+one process, as scripts/ablations.py does.
 
     python -m coevolve_jax.cli.gate --source=runs/bfcl_cpu --steps=2 --out=runs/gate \\
         --candidate='{"name": "drop_dead", "overrides": {"train.drop_dead_groups": true},
@@ -42,7 +43,7 @@ import numpy as np
 
 from coevolve_jax import backtest
 from coevolve_jax.diagnostics import read_skills
-from coevolve_jax.metrics import append_lines, write_atomic
+from coevolve_jax.metrics import write_atomic
 
 BASELINE = "baseline"
 SKILLS = "skills.jsonl"
@@ -53,22 +54,32 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 @dataclasses.dataclass(frozen=True)
 class Candidate:
   """An intervention to try: `overrides` (dotted config field -> JSON value) that should move
-  `diag/<target>` the `better` way ("lower" or "higher")."""
+  `diag/<target>` the `better` way ("lower" or "higher") by more than `min_gain` (in the
+  figure's units; most diagnostics are shares in [0, 1]), so that float noise or two branches
+  that happen to match promote nothing."""
 
   name: str
   overrides: dict[str, Any]
   target: str
   better: str = "lower"
+  min_gain: float = 0.01
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "Candidate":
     """Raises ValueError for a missing field, a name that is not a folder name (or is
     "baseline"), empty overrides or `better` not "lower"/"higher"."""
     try:
-      c = cls(str(d["name"]), dict(d["overrides"]), str(d["target"]), str(d.get("better", "lower")))
+      c = cls(
+        str(d["name"]),
+        dict(d["overrides"]),
+        str(d["target"]),
+        str(d.get("better", "lower")),
+        float(d.get("min_gain", 0.01)),
+      )
     except (KeyError, TypeError, ValueError) as e:
       raise ValueError(
-        f"candidate {dict(d)!r}: want name, overrides (field -> value), target[, better] ({e})"
+        f"candidate {dict(d)!r}: want name, overrides (field -> value), target[, better, "
+        f"min_gain] ({e})"
       ) from None
     if not _NAME.match(c.name) or c.name == BASELINE:
       raise ValueError(f"candidate name {c.name!r}: letters, digits, _ . - only, not {BASELINE!r}")
@@ -76,6 +87,8 @@ class Candidate:
       raise ValueError(f"candidate {c.name}: no overrides (the baseline branch is run anyway)")
     if c.better not in ("lower", "higher"):
       raise ValueError(f"candidate {c.name}: better must be 'lower' or 'higher', got {c.better!r}")
+    if not c.min_gain >= 0:
+      raise ValueError(f"candidate {c.name}: min_gain must be >= 0, got {c.min_gain}")
     return c
 
   @property
@@ -142,10 +155,11 @@ def decide(
       )
     elif tgt_gain is None:
       passed, reason = False, f"the branches did not report {c.key}"
-    elif tgt_gain <= 0:
-      passed, reason = (
-        False,
-        f"{c.key} did not move {c.better} (paired mean change {sign * tgt_gain:+.4g})",
+    elif tgt_gain <= c.min_gain:
+      passed = False
+      reason = (
+        f"{c.key} did not move {c.better} by more than {c.min_gain:g} (paired mean change "
+        f"{sign * tgt_gain + 0.0:+.4g})"
       )
     else:
       passed = True
@@ -220,8 +234,8 @@ def run_gate(
   fit: Callable[[Any, str], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
   """Runs the branches (resuming what a killed gate left), decides, writes `<out>/gate.json`
-  and appends one skill record per candidate to `skills` (default `<out>/skills.jsonl`; once
-  per gate folder and candidate).
+  and one skill record per candidate to `skills` (default `<out>/skills.jsonl`; a rerun of the
+  same gate folder replaces its records, other gates' records stay).
 
   Args:
     sources: run folders, one per seed, each with a checkpoint, config.json and the generated
@@ -282,11 +296,11 @@ def run_gate(
   write_atomic(os.path.join(out, RECORD), json.dumps(record, indent=1, sort_keys=True))
   skills = skills or os.path.join(out, SKILLS)
   gate_id = os.path.abspath(out)
-  have = {(r.get("gate"), r.get("candidate")) for r in read_skills(skills)}
+  # This gate's records replace the ones an earlier run of the same gate wrote (other gates'
+  # records in a shared file are kept as they are).
+  others = [json.dumps(r, sort_keys=True) for r in read_skills(skills) if r.get("gate") != gate_id]
   lines = []
   for c, d in zip(candidates, decisions):
-    if (gate_id, c.name) in have:
-      continue
     mine = [b for b in branches if b.name in (c.name, BASELINE)]
     lines.append(
       json.dumps(
@@ -310,5 +324,5 @@ def run_gate(
         sort_keys=True,
       )
     )
-  append_lines(skills, lines)
+  write_atomic(skills, "".join(line + "\n" for line in others + lines))
   return record

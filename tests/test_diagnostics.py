@@ -93,7 +93,7 @@ def test_each_diagnostic_against_a_hand_count():
     "diag/error_rate": 1 / 6,
     "diag/truncation_rate": 1 / 6,
     "diag/origin/d0": 2 / 3,
-    "diag/origin/synth:boundary": 1 / 3,
+    "diag/origin/synth_boundary": 1 / 3,
     "diag/signal/boundary": 2 / 3,
     "diag/signal/rare": 1 / 3,
     "diag/signal/forgetting": 0.0,
@@ -462,9 +462,13 @@ def test_the_gate_promotes_on_the_selection_split_never_the_reported_one(tmp_pat
   ]
   assert skills[1]["intervention"] == {"train.drop_dead_groups": True}
   assert skills[1]["trigger"]["alerts"] == ["dead_groups >= 0.9 for 3"]
-  # A rerun resumes (the branches exist) and records no skill twice.
+  # A rerun resumes (the branches exist) and replaces this gate's records, keeping another's.
+  with open(os.path.join(out, "skills.jsonl"), "a") as f:
+    f.write(json.dumps({"gate": "/elsewhere", "candidate": "x", "decision": "refused"}) + "\n")
   gate.run_gate(sources, cands, 2, out, fit=_scripted_fit([]))
-  assert len(diagnostics.read_skills(os.path.join(out, "skills.jsonl"))) == 3
+  again = diagnostics.read_skills(os.path.join(out, "skills.jsonl"))
+  assert [(s["candidate"], s["decision"]) for s in again][0] == ("x", "refused")
+  assert sorted(s["candidate"] for s in again[1:]) == sorted(c.name for c in cands)
   # A later run reads the skills: its dead-group alert names the promoted intervention.
   cfg = _base_config()
   cfg.diagnostics.skills = os.path.join(out, "skills.jsonl")
@@ -473,6 +477,25 @@ def test_the_gate_promotes_on_the_selection_split_never_the_reported_one(tmp_pat
   diagnostics.Diagnostics(cfg).on_step(_all_dead_step(1))
   lines = capsys.readouterr().out.strip().splitlines()
   assert len(lines) == 2 and '{"train.drop_dead_groups": true} was promoted' in lines[1]
+
+
+def test_a_target_gain_within_min_gain_promotes_nothing():
+  """Two branches whose target figures differ by float noise (the CPU preset's example: the same
+  mean diversity summed in another order) or by less than min_gain pass no candidate."""
+  from coevolve_jax import gate  # noqa: PLC0415
+
+  def branches(value):
+    return [
+      gate.Branch("baseline", "s", 0.0, {"c": 0.29166666666666663}),
+      gate.Branch("c", "s", 0.0, {"c": value}),
+    ]
+
+  cand = gate.Candidate("c", {"sampling.temperature": 1.1}, "solution_diversity", "higher")
+  for value in (0.29166666666666669, 0.30):
+    (d,) = gate.decide([cand], branches(value))
+    assert not d.passed and "by more than 0.01" in d.reason
+  (d,) = gate.decide([cand], branches(0.35))
+  assert d.promoted and d.target_gain == pytest.approx(0.35 - 0.29166666666666663)
 
 
 def test_the_gate_refuses_bad_candidates_and_sources(tmp_path):
@@ -485,6 +508,7 @@ def test_the_gate_refuses_bad_candidates_and_sources(tmp_path):
     ({**good, "name": "a/b"}, "letters, digits"),
     ({**good, "overrides": {}}, "no overrides"),
     ({**good, "better": "up"}, "better must be"),
+    ({**good, "min_gain": -1}, "min_gain must be"),
     ({"name": "x"}, "want name, overrides"),
   ]:
     with pytest.raises(ValueError, match=match):
