@@ -42,8 +42,8 @@ import tqdm
 from coevolve_jax import distributed, grpo
 from coevolve_jax.feedback.pool import minhash, origin, task_text
 from coevolve_jax.feedback.signals import KINDS
-from coevolve_jax.hooks import StepRecord
-from coevolve_jax.metrics import append_lines, truncate_jsonl
+from coevolve_jax.hooks import JsonlLog, StepRecord
+from coevolve_jax.metrics import append_lines
 from coevolve_jax.types import Task, Trajectory
 
 if TYPE_CHECKING:
@@ -516,7 +516,7 @@ def rollout_rows(record: StepRecord) -> list[dict[str, Any]]:
   return rows
 
 
-class RolloutLog:
+class RolloutLog(JsonlLog):
   """rollouts.jsonl (`diagnostics.rollout_log`): `rollout_rows` of every step, appended; it
   stops growing at `rollout_log_max_mb` (one warning; `diag/rollout_log_full` 1 from then on)
   and is cut back to the restored step on resume, as metrics.jsonl is."""
@@ -544,14 +544,8 @@ class RolloutLog:
     append_lines(self.path, lines)
     return {}
 
-  def state_dict(self) -> dict[str, Any]:
-    return {}
-
-  def load_state_dict(self, state: dict[str, Any]) -> None:
-    del state
-
   def on_resume(self, step: int) -> None:
-    truncate_jsonl(self.path, step)
+    super().on_resume(step)
     self.full = False  # measured again at the next step
 
 

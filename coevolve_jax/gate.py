@@ -48,6 +48,7 @@ from coevolve_jax.metrics import write_atomic
 BASELINE = "baseline"
 SKILLS = "skills.jsonl"
 RECORD = "gate.json"
+BRANCH = "branched_from.json"  # in each branch: its source, the source's step, its overrides
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -215,6 +216,23 @@ def newest_checkpoint(workdir: str) -> int:
   return max(steps)
 
 
+def _check_branch(workdir: str, want: dict[str, Any]) -> None:
+  """Raises RuntimeError unless the branch folder was made as `want` says (source, its step,
+  overrides, steps): a rerun after the source trained on, or with a candidate changed under
+  its name, would otherwise compare branches from different starts."""
+  path = os.path.join(workdir, BRANCH)
+  try:
+    with open(path, encoding="utf-8") as f:
+      made = json.load(f)
+  except (OSError, ValueError):
+    made = None
+  if made != json.loads(json.dumps(want, sort_keys=True)):
+    raise RuntimeError(
+      f"{workdir} was branched as {made}, not as this gate asks ({want}): give the gate "
+      "another --out, or move the folder aside"
+    )
+
+
 def _source_trigger(workdir: str, c: Candidate) -> dict[str, Any]:
   """What the source showed when the gate ran: the target's last value and the alerts."""
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
@@ -273,8 +291,10 @@ def run_gate(
     for name, overrides in [(BASELINE, {}), *((c.name, c.overrides) for c in candidates)]:
       workdir = os.path.join(out, f"{name}-{i}")
       cfg = backtest.set_fields(base_cfg, {**overrides, "train.steps": at[src] + steps})
+      made = {"step": at[src], "overrides": overrides, "steps": steps}
       if not os.path.exists(workdir):
-        copy_run(src, workdir, marker="branched_from.json")
+        copy_run(src, workdir, marker=BRANCH, note=made)
+      _check_branch(workdir, {"start": os.path.abspath(src), **made})
       print(
         f"=== gate branch {name} from {src} (step {at[src]} + {steps}) -> {workdir}", flush=True
       )

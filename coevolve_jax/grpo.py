@@ -53,7 +53,8 @@ def dead_rows(
 ) -> np.ndarray:
   """[N] bool: the rows of "dead" groups, whose kept rows' rewards are all equal (or which keep
   fewer than two rows): `compute_advantages` gives them exactly 0, so they carry no policy
-  gradient. DAPO's dynamic-sampling filter (Yu et al. 2025, Eq. 11's constraint) drops them.
+  gradient. DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476) keeps only groups with
+  0 < correct < G, which drops them.
 
   Args:
     rewards_n: [N] float rewards. group_ids_n: [N] group ids. keep_n: [N] bool (None: all kept).

@@ -80,7 +80,24 @@ class TrainingHook(Protocol):
     ...
 
 
-class GroupLog:
+class JsonlLog:
+  """The base of a hook that appends step-keyed rows to a JSON-lines file (`path`) and keeps no
+  other state: nothing to checkpoint, the file cut back to the restored step on resume (as
+  metrics.jsonl is)."""
+
+  path: str
+
+  def state_dict(self) -> dict[str, Any]:
+    return {}
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    del state
+
+  def on_resume(self, step: int) -> None:
+    truncate_jsonl(self.path, step)
+
+
+class GroupLog(JsonlLog):
   """groups.jsonl: one row per GRPO group and step with the task, its origin ("d0" or
   "synth:<signal>"), the group's rewards and the signals it fired (scripts/ablations.py: did a
   boundary task's group turn from mixed to solved? did a forgotten task recover?)."""
@@ -107,15 +124,6 @@ class GroupLog:
       rows.append(json.dumps(row))
     append_lines(self.path, rows)
     return {}
-
-  def state_dict(self) -> dict[str, Any]:
-    return {}
-
-  def load_state_dict(self, state: dict[str, Any]) -> None:
-    del state
-
-  def on_resume(self, step: int) -> None:
-    truncate_jsonl(self.path, step)
 
 
 # Hook name (`train.hooks`) -> its factory, called with the run config and the workdir. A hook

@@ -43,12 +43,18 @@ RUN_OWN_FILES = ("config.json", "summary.json", "run.lock", "run.lock.owner")
 
 
 def copy_run(
-  src: str, dst: str, *, leave_out: tuple[str, ...] = RUN_OWN_FILES, marker: str = ""
+  src: str,
+  dst: str,
+  *,
+  leave_out: tuple[str, ...] = RUN_OWN_FILES,
+  marker: str = "",
+  note: dict[str, Any] | None = None,
 ) -> None:
   """Makes `dst` a copy of the run folder `src` (checkpoints, pool, frozen evaluation sets, logs;
   symbolic links copied as links) without `leave_out`'s top-level files, so `CoEvolveRun(...)
   .fit()` there resumes from the newest checkpoint of `src`: a branch of that run. `marker`:
-  a file written in the copy, `{"start": <src>}` (what the branch was copied from). Copied under
+  a file written in the copy, `{"start": <src>, **note}` (what the branch was copied from, and
+  what the caller adds). Copied under
   a temporary name and renamed, so a killed copy leaves no `dst`.
 
   Raises:
@@ -65,7 +71,7 @@ def copy_run(
   )
   if marker:
     with open(os.path.join(partial, marker), "w", encoding="utf-8") as f:
-      json.dump({"start": os.path.abspath(src)}, f)
+      json.dump({"start": os.path.abspath(src), **(note or {})}, f, sort_keys=True)
   os.rename(partial, dst)
 
 

@@ -469,6 +469,14 @@ def test_the_gate_promotes_on_the_selection_split_never_the_reported_one(tmp_pat
   again = diagnostics.read_skills(os.path.join(out, "skills.jsonl"))
   assert [(s["candidate"], s["decision"]) for s in again][0] == ("x", "refused")
   assert sorted(s["candidate"] for s in again[1:]) == sorted(c.name for c in cands)
+  # Branches from another start are never compared: the source trained on, or a candidate
+  # changed under its name.
+  os.makedirs(os.path.join(sources[1], "checkpoints", "5"))
+  with pytest.raises(RuntimeError, match="was branched as"):
+    gate.run_gate(sources, cands, 2, out, fit=_scripted_fit([]))
+  changed = [gate.Candidate("both", {"train.drop_dead_groups": False}, "dead_groups")]
+  with pytest.raises(RuntimeError, match="another --out"):
+    gate.run_gate(sources[:1], changed, 2, out, fit=_scripted_fit([]))
   # A later run reads the skills: its dead-group alert names the promoted intervention.
   cfg = _base_config()
   cfg.diagnostics.skills = os.path.join(out, "skills.jsonl")
