@@ -300,8 +300,12 @@ def _check(cfg: Any) -> None:
     run_config.fail("feedback.kinds", f"must be a tuple of signal kinds from {KINDS}", kinds)
 
 
-def run_config_of(workdir: str) -> ml_collections.ConfigDict:
-  """The config a run was made with (its workdir's config.json), lists as tuples.
+def run_config_of(
+  workdir: str, defaults: ml_collections.ConfigDict | None = None
+) -> ml_collections.ConfigDict:
+  """The config a run was made with (its workdir's config.json), lists as tuples. With
+  `defaults` (the run's config file as loaded now), config.json's values are laid over it, so
+  groups and fields newer than the run (e.g. `diagnostics`) take their defaults.
 
   Raises:
     FileNotFoundError: no config.json (not a run's workdir).
@@ -315,7 +319,14 @@ def run_config_of(workdir: str) -> ml_collections.ConfigDict:
       return {k: tuples(v) for k, v in x.items()}
     return tuple(tuples(v) for v in x) if isinstance(x, list) else x
 
-  return ml_collections.ConfigDict(tuples(raw))
+  def over(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+      out[k] = over(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+  made = tuples(raw)
+  return ml_collections.ConfigDict(made if defaults is None else over(defaults.to_dict(), made))
 
 
 def backtest(

@@ -249,6 +249,7 @@ def run_gate(
   *,
   tolerance: float = 0.0,
   skills: str = "",
+  defaults: Any = None,
   fit: Callable[[Any, str], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
   """Runs the branches (resuming what a killed gate left), decides, writes `<out>/gate.json`
@@ -262,6 +263,9 @@ def run_gate(
     steps: GRPO steps each branch trains after the source's newest checkpoint.
     out: the gate's folder (`<candidate>-<i>` per branch, i the source's index).
     tolerance: how far the mean selection score may fall and still count as no regression.
+    defaults: the sources' config file as loaded now (a ConfigDict): their config.json is laid
+      over it (`backtest.run_config_of`), so a run made before a config group existed branches
+      with that group's defaults. None: config.json alone.
     fit: `(cfg, workdir) -> summary` that trains a branch (default `CoEvolveRun(cfg, workdir)
       .fit()`; tests pass their own).
   Returns:
@@ -287,7 +291,7 @@ def run_gate(
   at: dict[str, int] = {}
   for i, src in enumerate(sources):
     at[src] = newest_checkpoint(src)
-    base_cfg = backtest.run_config_of(src)
+    base_cfg = backtest.run_config_of(src, defaults)
     for name, overrides in [(BASELINE, {}), *((c.name, c.overrides) for c in candidates)]:
       workdir = os.path.join(out, f"{name}-{i}")
       cfg = backtest.set_fields(base_cfg, {**overrides, "train.steps": at[src] + steps})

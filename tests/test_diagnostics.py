@@ -535,3 +535,20 @@ def test_the_gate_refuses_bad_candidates_and_sources(tmp_path):
       str(tmp_path / "g"),
       fit=_scripted_fit([]),
     )
+
+
+def test_a_run_older_than_a_config_group_branches_with_its_defaults(tmp_path):
+  """config.json of a run made before `diagnostics` existed, laid over the config file as loaded
+  now: the run's own values win, the new group takes its defaults."""
+  cfg = _base_config()
+  cfg.train.lr = 7e-6
+  old = json.loads(cfg.to_json_best_effort())
+  del old["diagnostics"], old["train"]["drop_dead_groups"]
+  (tmp_path / "config.json").write_text(json.dumps(old))
+  assert "diagnostics" not in backtest.run_config_of(str(tmp_path))
+  got = backtest.run_config_of(str(tmp_path), _base_config())
+  assert got.train.lr == 7e-6 and got.diagnostics.enabled and got.train.drop_dead_groups is False
+  assert got.train.drop_from_loss == () and isinstance(got.feedback.kinds, tuple)
+  from coevolve_jax import config  # noqa: PLC0415
+
+  config.validate(got)

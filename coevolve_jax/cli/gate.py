@@ -6,7 +6,9 @@
 
 `--source` (repeat it, one run folder per seed) names finished or stopped runs with a checkpoint
 and a generated held-out set (`eval.generated_tasks > 0`: the selection split); `--candidate`
-(repeat it) is a JSON object, or `@file.json` holding a list of them. Every branch trains
+(repeat it) is a JSON object, or `@file.json` holding a list of them. `--config` names the
+sources' config file (as `coevolve_jax.main` takes it): needed for runs made before a config
+group they now need existed (e.g. `diagnostics`). Every branch trains
 `--steps` GRPO steps from the source's newest checkpoint in `<out>/<name>-<i>`; the same command
 again resumes a killed gate. Prints each candidate's decision and writes `<out>/gate.json` and
 the skill records (`--skills`, default `<out>/skills.jsonl`).
@@ -14,7 +16,9 @@ the skill records (`--skills`, default `<out>/skills.jsonl`).
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from collections.abc import Sequence
 
 from absl import app, flags
@@ -29,7 +33,13 @@ def _define_flags() -> None:
   flags.DEFINE_integer("steps", 2, "GRPO steps per branch.")
   flags.DEFINE_string("out", None, "The gate's folder (branches, gate.json, skills.jsonl).")
   flags.DEFINE_float("tolerance", 0.0, "Allowed fall of the mean selection score.")
-  flags.DEFINE_string("skills", "", "The skills file to append to (default <out>/skills.jsonl).")
+  flags.DEFINE_string("skills", "", "The skills file to write to (default <out>/skills.jsonl).")
+  flags.DEFINE_string(
+    "config",
+    "",
+    "The sources' config file, as main takes it (e.g. configs/bfcl.py:cpu_real): their "
+    "config.json is laid over it, so fields newer than the runs take its defaults.",
+  )
   flags.mark_flag_as_required("out")
 
 
@@ -58,6 +68,22 @@ def parse_candidates(items: Sequence[str]) -> list[gate.Candidate]:
   return out
 
 
+def load_config_file(spec: str):
+  """`path/to/config.py[:variant]` -> its `get_config(variant)` (as `--config=` of main).
+
+  Raises:
+    OSError: no such file. ImportError, ValueError: what loading it raises.
+  """
+  path, _, variant = spec.partition(":")
+  if not os.path.isfile(path):
+    raise OSError(f"--config: no config file {path!r}")
+  module_spec = importlib.util.spec_from_file_location("gate_run_config", path)
+  assert module_spec is not None and module_spec.loader is not None
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(variant)
+
+
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -66,10 +92,17 @@ def main(argv: Sequence[str]) -> None:
     if not F.source:
       raise ValueError("give at least one --source run folder")
     candidates = parse_candidates(F.candidate)
+    defaults = load_config_file(F.config) if F.config else None
     record = gate.run_gate(
-      F.source, candidates, F.steps, F.out, tolerance=F.tolerance, skills=F.skills
+      F.source,
+      candidates,
+      F.steps,
+      F.out,
+      tolerance=F.tolerance,
+      skills=F.skills,
+      defaults=defaults,
     )
-  except (ValueError, OSError, RuntimeError) as e:
+  except (ValueError, OSError, RuntimeError, ImportError) as e:
     raise app.UsageError(str(e)) from None
   for d in record["decisions"]:
     print(f"{d['candidate']}: {d['reason']}")
