@@ -59,33 +59,67 @@ REPLAYABLE = frozenset(
 )
 
 
-def load_rollouts(path: str) -> dict[int, list[dict[str, Any]]]:
-  """rollouts.jsonl's rows by step (ascending), each step's rows in episode order.
+_ROW_TYPES: dict[str, type | tuple[type, ...]] = {
+  "task_id": str,
+  "group": int,
+  "reward": (int, float),
+  "finish": str,
+  "tool_names": list,
+}
+
+
+def load_rollouts(
+  path: str, rows_per_step: int | None = None
+) -> tuple[dict[int, list[dict[str, Any]]], list[str]]:
+  """rollouts.jsonl's rows by step (ascending), each step's rows in episode order, and notes
+  on what was left out.
+
+  A line that is not JSON (a write cut by a kill) is left out, and so is every step whose rows
+  are not `rows_per_step` (the run's tasks_per_step x group_size: a step the cut line belonged
+  to would replay with part of its groups); each is named in the notes. Blank lines are skipped.
 
   Raises:
     FileNotFoundError: no log there (the run had `diagnostics.rollout_log = False`).
-    ValueError: a line that is not a JSON row of the log (a torn write: resume the run once, which
-      sets torn lines aside) or a step with missing fields.
+    ValueError: the path is not a file, no step is left, or a row of the wrong shape (a field
+      missing or of another type: not a log this code wrote).
   """
   if not os.path.exists(path):
     raise FileNotFoundError(
       f"{path}: no rollout log; run with diagnostics.rollout_log = True to record one"
     )
+  if not os.path.isfile(path):
+    raise ValueError(f"{path} is not a file")
   steps: dict[int, list[dict[str, Any]]] = {}
-  with open(path, encoding="utf-8") as f:
+  notes: list[str] = []
+  with open(path, encoding="utf-8", errors="replace") as f:
     for n, line in enumerate(f, 1):
+      if not line.strip():
+        continue
       try:
         row = json.loads(line)
-        steps.setdefault(int(row["step"]), []).append(row)
-      except (ValueError, KeyError, TypeError):
+      except ValueError:
+        notes.append(f"{path}:{n}: not JSON (a write cut by a kill): left out")
+        continue
+      bad = (
+        [
+          k
+          for k, t in _ROW_TYPES.items()
+          if not isinstance(row.get(k), t) or isinstance(row.get(k), bool)
+        ]
+        if isinstance(row, dict)
+        else ["a JSON object"]
+      )
+      if bad or not isinstance(row.get("step"), int):
         raise ValueError(
-          f"{path}:{n}: not a rollout row (a torn write? resuming the run sets torn lines aside)"
-        ) from None
-  need = ("task_id", "group", "reward", "finish", "tool_names")
-  for step, rows in steps.items():
-    if missing := sorted({k for r in rows for k in need if k not in r}):
-      raise ValueError(f"{path}: step {step}'s rows lack {missing}")
-  return dict(sorted(steps.items()))
+          f"{path}:{n}: not a rollout row (want {sorted(_ROW_TYPES)} and step; bad: {bad})"
+        )
+      steps.setdefault(row["step"], []).append(row)
+  if rows_per_step is not None:
+    for step in [s for s, rows in steps.items() if len(rows) != rows_per_step]:
+      notes.append(f"step {step}: {len(steps.pop(step))} rows, not {rows_per_step}: left out")
+  if not steps:
+    raise ValueError(f"{path}: no whole step logged" + (f" ({'; '.join(notes)})" if notes else ""))
+  return dict(sorted(steps.items())), notes
 
 
 @dataclasses.dataclass
@@ -197,6 +231,7 @@ class Report:
   revived: int
   killed: int
   successes_filtered: int
+  notes: list[str] = dataclasses.field(default_factory=list)
 
   def rows(self) -> list[tuple[str, Any, Any]]:
     """(figure, baseline, intervention) for the table."""
@@ -225,6 +260,7 @@ class Report:
       lines.append(f"{name:<26}{x:>10}{y:>14}{y - x:>+9}")
     lines.append(f"dead groups revived: {self.revived}; groups killed: {self.killed}")
     lines.append(f"successes filtered out of the loss: {self.successes_filtered}")
+    lines.extend(f"note: {n}" for n in self.notes)
     return "\n".join(lines)
 
   def to_dict(self) -> dict[str, Any]:
@@ -234,6 +270,7 @@ class Report:
       "revived": self.revived,
       "killed": self.killed,
       "successes_filtered": self.successes_filtered,
+      "notes": self.notes,
     }
 
 
@@ -242,20 +279,27 @@ def set_fields(cfg: ml_collections.ConfigDict, overrides: Mapping[str, Any]):
   configs write them.
 
   Raises:
-    ValueError: a field the config does not have.
+    ValueError: a field the config does not have (but `OPTIONAL`), or a value of another type
+      than the field's (ml_collections' type checks, and no bool for a number or the reverse).
   """
   out = ml_collections.ConfigDict(cfg.to_dict())
   for key, value in overrides.items():
-    node = out
-    *parents, leaf = key.split(".")
-    try:
-      for part in parents:
-        node = node[part]
-    except KeyError:
-      raise ValueError(f"{key}: the config has no such field") from None
-    if leaf not in node and key not in OPTIONAL:
+    node: Any = out
+    *parents, leaf = str(key).split(".")
+    for part in parents:
+      node = node.get(part) if isinstance(node, ml_collections.ConfigDict) else None
+    if not isinstance(node, ml_collections.ConfigDict) or (
+      leaf not in node and key not in OPTIONAL
+    ):
       raise ValueError(f"{key}: the config has no such field")
-    node[leaf] = tuple(value) if isinstance(value, list) else value
+    value = tuple(value) if isinstance(value, list) else value
+    old = node.get(leaf)
+    if isinstance(value, bool) != isinstance(old, bool) and old is not None:
+      raise ValueError(f"{key}: want a value like {old!r}, got {value!r}")
+    try:
+      node[leaf] = value
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"{key}: want a value like {old!r}, got {value!r} ({e})") from None
   return out
 
 
@@ -267,13 +311,13 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Mapping[str, Any]
     ValueError: a field outside `REPLAYABLE` (it needs new rollouts), or a value the run's
       config checks refuse (the message starts with the field).
   """
+  out = set_fields(cfg, overrides)  # an unknown field or a wrong type first
   if bad := sorted(set(overrides) - REPLAYABLE):
     raise ValueError(
       f"{bad} cannot be replayed from logged rollouts (they change the rollouts themselves: "
       "train branches with python -m coevolve_jax.cli.gate); a backtest changes "
       f"{sorted(REPLAYABLE)}"
     )
-  out = set_fields(cfg, overrides)
   _check(out)
   return out
 
@@ -281,7 +325,10 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Mapping[str, Any]
 def _check(cfg: Any) -> None:
   """The run config's checks of the `REPLAYABLE` fields (`config.validate` checks the whole
   config, which may name a model folder this machine lacks)."""
-  run_config.owner("signals", lambda: SignalTracker.from_config(cfg.signals))
+  try:
+    SignalTracker.from_config(cfg.signals)
+  except ValueError as e:  # the tracker names its argument: "window must be ..."
+    raise ValueError(f"signals.{e}") from None
   drop, droppable = cfg.train.drop_from_loss, tuple(f for f in FINISHES if f != "done")
   if not isinstance(drop, tuple) or not all(f in droppable for f in drop):
     run_config.fail("train.drop_from_loss", f"must be a tuple of finishes from {droppable}", drop)
@@ -311,8 +358,17 @@ def run_config_of(
     FileNotFoundError: no config.json (not a run's workdir).
   """
   path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{workdir}: no config.json there (not a run's folder)")
   with open(path, encoding="utf-8") as f:
-    raw = json.load(f)
+    try:
+      raw = json.load(f)
+    except ValueError as e:
+      raise ValueError(f"{path} is damaged: {e}") from None
+  if not isinstance(raw, dict) or not all(
+    isinstance(raw.get(g), dict) for g in ("signals", "train")
+  ):
+    raise ValueError(f"{path} is not a run's config (a JSON object with its config groups)")
 
   def tuples(x):
     if isinstance(x, dict):
@@ -346,7 +402,8 @@ def backtest(
   """
   base = run_config_of(workdir) if cfg is None else cfg
   changed = apply_overrides(base, overrides)
-  steps = load_rollouts(os.path.join(workdir, ROLLOUT_LOG))
+  per_step = base.rollout.tasks_per_step * base.rollout.group_size
+  steps, notes = load_rollouts(os.path.join(workdir, ROLLOUT_LOG), per_step)
   b, i = replay(base, steps), replay(changed, steps)
   revived = sum(int(np.sum(b.dead[s] & ~i.dead[s])) for s in steps)
   killed = sum(int(np.sum(~b.dead[s] & i.dead[s])) for s in steps)
@@ -355,4 +412,4 @@ def backtest(
   for s, rows in steps.items():
     success = np.array([r["reward"] >= threshold for r in rows], bool)
     filtered += int(np.sum(success & b.kept_mask[s] & ~i.kept_mask[s]))
-  return Report(dict(overrides), b, i, revived, killed, filtered)
+  return Report(dict(overrides), b, i, revived, killed, filtered, notes)

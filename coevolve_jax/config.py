@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -473,10 +474,11 @@ def _diagnostics(cfg: Mapping[str, Any]) -> None:
   for field in ("diagnostics.enabled", "diagnostics.rollout_log"):
     if not isinstance(get(cfg, field), bool):
       fail(field, "must be a bool", get(cfg, field))
-  for field in ("names", "alerts", "relative"):
+  for field in ("modules", "names", "alerts", "relative"):
     value = get(cfg, f"diagnostics.{field}")
     if not isinstance(value, (tuple, list)) or not all(isinstance(x, str) for x in value):
       fail(f"diagnostics.{field}", "must be a tuple of str", value)
+  owner("diagnostics.modules", lambda: diagnostics.import_modules(get(cfg, "diagnostics.modules")))
   names, alerts = get(cfg, "diagnostics.names"), get(cfg, "diagnostics.alerts")
   owner("diagnostics.names", lambda: diagnostics.check_names(tuple(names)))
   owner("diagnostics.alerts", lambda: diagnostics.parse_rules(tuple(alerts)))
@@ -484,8 +486,9 @@ def _diagnostics(cfg: Mapping[str, Any]) -> None:
   int_at_least(cfg, "diagnostics.min_answer_chars", 1)
   int_at_least(cfg, "diagnostics.baseline_steps", 1)
   number(cfg, "diagnostics.rollout_log_max_mb", lo=0.0, lo_open=True)
-  if not isinstance(get(cfg, "diagnostics.skills"), str):
-    fail("diagnostics.skills", "must be a path (str; '' for none)", get(cfg, "diagnostics.skills"))
+  skills = get(cfg, "diagnostics.skills")
+  if not isinstance(skills, str) or (skills and not os.path.isfile(skills)):
+    fail("diagnostics.skills", "must be a skills file the gate wrote ('' for none)", skills)
 
 
 def _compile(cfg: Mapping[str, Any]) -> None:

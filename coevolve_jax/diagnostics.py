@@ -11,8 +11,10 @@ environment errors, and training data that leaks the evaluation. Here each is a 
 (`diagnostics.alerts`): an alert that starts firing prints one console line and sets
 `alert/<figure>` to 1 in the rows while it holds.
 
-A diagnostic of one's own, in a few lines (then list its name in `diagnostics.names`)::
+A diagnostic of one's own, in a few lines, in a module the run imports (`diagnostics.modules`,
+e.g. "mypkg.my_diagnostics"), then listed in `diagnostics.names`::
 
+    import numpy as np
     from coevolve_jax import diagnostics
 
     @diagnostics.register("long_replies")
@@ -28,6 +30,7 @@ input of `coevolve_jax.backtest` and of offline analysis; it stops at `rollout_l
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
 import operator
@@ -105,6 +108,19 @@ def names() -> tuple[str, ...]:
   return tuple(_REGISTRY)
 
 
+def import_modules(modules: Sequence[str]) -> None:
+  """Imports `diagnostics.modules` (their `register` calls add diagnostics).
+
+  Raises:
+    ValueError: a module that cannot be imported (the ImportError's message).
+  """
+  for name in modules:
+    try:
+      importlib.import_module(name)
+    except ImportError as e:
+      raise ValueError(f"cannot import {name!r}: {e}") from None
+
+
 def check_names(selected: Sequence[str]) -> None:
   """Raises ValueError unless `selected` are distinct registered diagnostics."""
   if unknown := [n for n in selected if n not in _REGISTRY]:
@@ -121,6 +137,8 @@ def compute(
   Raises:
     ValueError: an unknown name.
   """
+  if isinstance(selected, str):
+    raise ValueError(f"selected: a sequence of diagnostic names, got the str {selected!r}")
   selected = names() if selected is None else tuple(selected)
   check_names(selected)
   out: dict[str, float] = {}
@@ -397,16 +415,22 @@ def parse_rules(texts: Sequence[str]) -> list[AlertRule]:
 
 def read_skills(path: str) -> list[dict[str, Any]]:
   """The skill records of a skills file (`coevolve_jax.gate`; [] when there is none); torn
-  lines skipped."""
+  lines and lines that are not JSON objects skipped.
+
+  Raises:
+    OSError: the path cannot be read (a folder, no permission).
+  """
   if not path or not os.path.exists(path):
     return []
   out = []
   with open(path, encoding="utf-8") as f:
     for line in f:
       try:
-        out.append(json.loads(line))
+        record = json.loads(line)
       except ValueError:
         continue
+      if isinstance(record, dict):
+        out.append(record)
   return out
 
 
@@ -421,6 +445,7 @@ class Diagnostics:
 
   def __init__(self, cfg: Any):
     d = cfg.diagnostics
+    import_modules(tuple(d.get("modules", ())))
     self.settings = Settings.from_config(cfg)
     self.selected = tuple(d.names)
     self.rules = parse_rules(tuple(d.alerts))
@@ -428,6 +453,7 @@ class Diagnostics:
     self.baseline_steps = int(d.baseline_steps)
     self.baseline: dict[str, list[float]] = {}
     self.runs: dict[str, int] = {}
+    self.checked = False  # the rules' figures looked for in the first row this process sees
     # Interventions a gate promoted (diagnostics.skills): named when an alert on their figure
     # starts.
     self.skills = [r for r in read_skills(d.skills) if r.get("decision") == "promoted"]
@@ -447,6 +473,15 @@ class Diagnostics:
       start = float(np.mean(seen))
       out[f"diag/{fig}_vs_start"] = v / start if start else 1.0
     row = {**record.metrics, **out}
+    if not self.checked:  # once: a rule or ratio on a figure no step reports never fires
+      self.checked = True
+      absent = [str(r) for r in self.rules if r.holds(row) is None]
+      absent += [f"relative {f}" for f in self.relative if f"diag/{f}" not in out]
+      if absent and distributed.is_primary():
+        tqdm.tqdm.write(
+          f"warning: diagnostics: step {record.step}'s row has no figure for {absent} (a name "
+          "misspelt, or a diagnostic not in diagnostics.names?)"
+        )
     fired = []
     for rule in self.rules:
       held = rule.holds(row)

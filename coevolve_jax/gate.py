@@ -42,7 +42,6 @@ from typing import Any
 import numpy as np
 
 from coevolve_jax import backtest
-from coevolve_jax.diagnostics import read_skills
 from coevolve_jax.metrics import write_atomic
 
 BASELINE = "baseline"
@@ -70,10 +69,12 @@ class Candidate:
     """Raises ValueError for a missing field, a name that is not a folder name (or is
     "baseline"), empty overrides or `better` not "lower"/"higher"."""
     try:
+      if not isinstance(d["name"], str) or not isinstance(d["target"], str):
+        raise TypeError("name and target must be strings")
       c = cls(
-        str(d["name"]),
+        d["name"],
         dict(d["overrides"]),
-        str(d["target"]),
+        d["target"],
         str(d.get("better", "lower")),
         float(d.get("min_gain", 0.01)),
       )
@@ -185,17 +186,25 @@ def branch_figures(workdir: str, after_step: int, candidates: Sequence[Candidate
     RuntimeError: the branch has no generated held-out set (the source ran without
       `eval.generated_tasks`).
   """
-  with open(os.path.join(workdir, "summary.json"), encoding="utf-8") as f:
-    summary = json.load(f)
+  path = os.path.join(workdir, "summary.json")
+  with open(path, encoding="utf-8") as f:
+    try:
+      summary = json.load(f)
+    except ValueError as e:
+      raise RuntimeError(f"{path} is damaged ({e})") from None
   generated = summary.get("eval_generated_after")
   if not generated:
     raise RuntimeError(
       f"{workdir}: no generated held-out set to select on: the source run needs "
       "eval.generated_tasks > 0 (the gate never selects on the reported split)"
     )
-  rows = []
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    rows = [r for r in map(json.loads, f) if r.get("step", 0) > after_step and "reward/mean" in r]
+  path = os.path.join(workdir, "metrics.jsonl")
+  with open(path, encoding="utf-8") as f:
+    try:
+      rows = [json.loads(line) for line in f if line.strip()]
+    except ValueError as e:
+      raise RuntimeError(f"{path} is damaged ({e}): resume the branch to set it right") from None
+  rows = [r for r in rows if r.get("step", 0) > after_step and "reward/mean" in r]
   target: dict[str, float | None] = {}
   for c in candidates:
     vals = [r[c.key] for r in rows if isinstance(r.get(c.key), (int, float))]
@@ -241,6 +250,103 @@ def _source_trigger(workdir: str, c: Candidate) -> dict[str, Any]:
   return {"figure": c.key, "value": last.get(c.key), "alerts": last.get("alerts", [])}
 
 
+def _skill_lines(path: str) -> list[tuple[str, dict[str, Any] | None]]:
+  """A skills file's lines with their records (None for a torn line, which is kept as it is).
+
+  Raises:
+    ValueError: the path is a folder, or a whole line is not a skill record (a JSON object with
+      "gate" and "candidate"): not a skills file, which the gate never rewrites.
+  """
+  if os.path.isdir(path):
+    raise ValueError(f"--skills {path} is a folder, not a skills file")
+  if not os.path.exists(path):
+    return []
+  out: list[tuple[str, dict[str, Any] | None]] = []
+  with open(path, encoding="utf-8", errors="replace") as f:
+    for n, line in enumerate(f.read().splitlines(), 1):
+      if not line.strip():
+        continue
+      try:
+        r = json.loads(line)
+      except ValueError:
+        out.append((line, None))
+        continue
+      if not (isinstance(r, dict) and "gate" in r and "candidate" in r):
+        raise ValueError(f"{path}:{n} is not a skill record: not a skills file the gate writes")
+      out.append((line, r))
+  return out
+
+
+def _plan(sources, candidates, steps, out, tolerance, skills, defaults) -> list[tuple]:
+  """Every branch to run, (source, its step, name, folder, config, how it is made), checked
+  before any trains: a gate that would fail on its third branch fails at once instead.
+
+  Raises:
+    ValueError: no source or candidate, a repeated name, steps < 1, a tolerance that is not a
+      finite number >= 0, `out` inside a source (a copy would copy itself), a candidate whose
+      config the run's checks refuse, a target the source never reported, a skills path that
+      is not a skills file.
+    FileNotFoundError, RuntimeError: a source without a checkpoint, config or generated set.
+  """
+  from coevolve_jax import config as run_config  # noqa: PLC0415
+
+  if not sources:
+    raise ValueError("give at least one source run folder")
+  if not candidates or len({c.name for c in candidates}) < len(candidates):
+    raise ValueError("give at least one candidate, each with its own name")
+  if not isinstance(steps, int) or steps < 1:
+    raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+  if not (isinstance(tolerance, (int, float)) and 0 <= tolerance < float("inf")):
+    raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
+  _skill_lines(skills or os.path.join(out, SKILLS))
+  if skills and not os.path.isdir(os.path.dirname(os.path.abspath(skills))):
+    raise ValueError(f"--skills {skills}: its folder does not exist")
+  plan = []
+  for i, src in enumerate(sources):
+    a, b = os.path.realpath(src), os.path.realpath(out)
+    if os.path.commonpath([a, b]) == a:
+      raise ValueError(f"the gate's folder {out} is inside the source {src}: give another --out")
+    step = newest_checkpoint(src)
+    base = backtest.run_config_of(src, defaults)
+    if not os.path.exists(os.path.join(src, "eval_generated.jsonl")):
+      raise RuntimeError(
+        f"{src}: no generated held-out set to select on (eval_generated.jsonl): the source run "
+        "needs eval.generated_tasks > 0 (the gate never selects on the reported split)"
+      )
+    reported = _reported_figures(src)
+    for c in candidates:
+      if reported and c.key not in reported:
+        raise ValueError(
+          f"candidate {c.name}: the source {src} never reported {c.key} (it reports "
+          f"{sorted(k for k in reported if k.startswith('diag/'))})"
+        )
+    for name, overrides in [(BASELINE, {}), *((c.name, c.overrides) for c in candidates)]:
+      try:
+        cfg = backtest.set_fields(base, {**overrides, "train.steps": step + steps})
+        run_config.validate(cfg)
+      except ValueError as e:
+        raise ValueError(f"branch {name} from {src}: {e}") from None
+      made = {"step": step, "overrides": overrides, "steps": steps}
+      plan.append((src, step, name, os.path.join(out, f"{name}-{i}"), cfg, made))
+  return plan
+
+
+def _reported_figures(workdir: str) -> set[str]:
+  """The diag/ keys of a run's GRPO rows (empty for a run from before the diagnostics)."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  keys: set[str] = set()
+  if os.path.exists(path):
+    with open(path, encoding="utf-8", errors="replace") as f:
+      for line in f:
+        try:
+          row = json.loads(line)
+        except ValueError:
+          continue
+        if isinstance(row, dict):
+          keys.update(k for k in row if k.startswith("diag/"))
+  return keys
+
+
 def run_gate(
   sources: Sequence[str],
   candidates: Sequence[Candidate],
@@ -271,13 +377,10 @@ def run_gate(
   Returns:
     The gate's record (also in gate.json).
   Raises:
-    ValueError: no candidate, two with one name, steps < 1.
-    FileNotFoundError, RuntimeError: a source without a checkpoint or generated set.
+    ValueError, FileNotFoundError, RuntimeError: `_plan`'s, before any branch trains; a
+      branch's training errors as raised.
   """
-  if not candidates or len({c.name for c in candidates}) < len(candidates):
-    raise ValueError("give at least one candidate, each with its own name")
-  if steps < 1:
-    raise ValueError(f"steps must be >= 1, got {steps}")
+  plan = _plan(sources, candidates, steps, out, tolerance, skills, defaults)
   if fit is None:
     from coevolve_jax.loop import CoEvolveRun  # noqa: PLC0415 (JAX and the model: only to train)
 
@@ -288,24 +391,16 @@ def run_gate(
 
   os.makedirs(out, exist_ok=True)
   branches: list[Branch] = []
-  at: dict[str, int] = {}
-  for i, src in enumerate(sources):
-    at[src] = newest_checkpoint(src)
-    base_cfg = backtest.run_config_of(src, defaults)
-    for name, overrides in [(BASELINE, {}), *((c.name, c.overrides) for c in candidates)]:
-      workdir = os.path.join(out, f"{name}-{i}")
-      cfg = backtest.set_fields(base_cfg, {**overrides, "train.steps": at[src] + steps})
-      made = {"step": at[src], "overrides": overrides, "steps": steps}
-      if not os.path.exists(workdir):
-        copy_run(src, workdir, marker=BRANCH, note=made)
-      _check_branch(workdir, {"start": os.path.abspath(src), **made})
-      print(
-        f"=== gate branch {name} from {src} (step {at[src]} + {steps}) -> {workdir}", flush=True
-      )
-      fit(cfg, workdir)
-      b = branch_figures(workdir, at[src], candidates, name)
-      b.source = src
-      branches.append(b)
+  at = {src: step for src, step, *_ in plan}
+  for src, step, name, workdir, cfg, made in plan:
+    if not os.path.exists(workdir):
+      copy_run(src, workdir, marker=BRANCH, note=made)
+    _check_branch(workdir, {"start": os.path.abspath(src), **made})
+    print(f"=== gate branch {name} from {src} (step {step} + {steps}) -> {workdir}", flush=True)
+    fit(cfg, workdir)
+    b = branch_figures(workdir, step, candidates, name)
+    b.source = src
+    branches.append(b)
   decisions = decide(candidates, branches, tolerance)
   date = datetime.date.today().isoformat()
   record = {
@@ -320,9 +415,14 @@ def run_gate(
   write_atomic(os.path.join(out, RECORD), json.dumps(record, indent=1, sort_keys=True))
   skills = skills or os.path.join(out, SKILLS)
   gate_id = os.path.abspath(out)
-  # This gate's records replace the ones an earlier run of the same gate wrote (other gates'
-  # records in a shared file are kept as they are).
-  others = [json.dumps(r, sort_keys=True) for r in read_skills(skills) if r.get("gate") != gate_id]
+  # This run's candidates' records replace those an earlier run of the same gate wrote; every
+  # other line of the file is kept as it is.
+  mine_now = {(gate_id, c.name) for c in candidates}
+  others = [
+    line
+    for line, r in _skill_lines(skills)
+    if r is None or (r.get("gate"), r.get("candidate")) not in mine_now
+  ]
   lines = []
   for c, d in zip(candidates, decisions):
     mine = [b for b in branches if b.name in (c.name, BASELINE)]

@@ -363,6 +363,9 @@ def get_config() -> ml_collections.ConfigDict:
   # holds. The thresholds are ours (the paper gives its rules, not its numbers).
   c.diagnostics = ml_collections.ConfigDict()
   c.diagnostics.enabled = True
+  # Modules imported before `names` is read, whose @diagnostics.register calls add diagnostics of
+  # one's own (e.g. "mypkg.my_diagnostics", importable from the run's Python path).
+  c.diagnostics.modules = ()
   c.diagnostics.names = (
     "reward_spread",
     "diversity",

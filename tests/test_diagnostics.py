@@ -55,7 +55,7 @@ def _record(step, tasks, trajs, keep=None, events=(), eval_tasks=()):
     keep,
     np.zeros(len(trajs), np.float32),
     list(events),
-    {},
+    {"train/kl": 0.0},  # a metric of the step's row (the loop's rows have many)
     list(eval_tasks),
   )
 
@@ -106,6 +106,31 @@ def test_each_diagnostic_against_a_hand_count():
   )
   assert got["diag/dead_groups"] == pytest.approx(2 / 3)
   assert got["diag/dead_failed"] == pytest.approx(1 / 3)
+
+
+def test_a_diagnostic_from_a_users_module_runs_in_the_hook(tmp_path, monkeypatch, capsys):
+  from coevolve_jax import config  # noqa: PLC0415
+
+  (tmp_path / "user_diag_mod.py").write_text(
+    "from coevolve_jax import diagnostics\n"
+    "@diagnostics.register('test_user_episodes')\n"
+    "def f(record, settings):\n"
+    "  return {'user_episodes': len(record.trajectories)}\n"
+  )
+  monkeypatch.syspath_prepend(str(tmp_path))
+  cfg = _base_config()
+  cfg.diagnostics.modules = ("user_diag_mod",)
+  cfg.diagnostics.names = ("test_user_episodes",)
+  cfg.diagnostics.alerts = ("user_episodes >= 6", "nope_figure > 0")
+  cfg.diagnostics.relative = ()
+  config.validate(cfg)  # imports the module, so the name is known
+  tasks, trajs, _ = _three_groups()
+  row = diagnostics.Diagnostics(cfg).on_step(_record(1, tasks, trajs))
+  assert row["diag/user_episodes"] == 6 and row["alert/user_episodes"] == 1
+  assert "no figure for ['nope_figure > 0']" in capsys.readouterr().out  # a typo is said once
+  cfg.diagnostics.modules = ("no_such_user_module",)
+  with pytest.raises(ValueError, match="diagnostics.modules: cannot import"):
+    config.validate(cfg)
 
 
 def test_dead_rows_match_zero_grpo_advantages():
@@ -277,6 +302,7 @@ def _scripted_run(workdir, cfg, steps=4):
   """A run's rollout log without a model: per step g0 = [1 done, 0 context, 0 context] (dead
   once the cut episodes leave the loss), g1 = [1 done, 0 done, 0 context] (mixed either way),
   g2 = [1, 1, 1] (solved by all: dead)."""
+  cfg.rollout.tasks_per_step, cfg.rollout.group_size = 3, 3
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(cfg.to_json_best_effort())
   log = diagnostics.RolloutLog(str(workdir), max_mb=1.0)
@@ -379,8 +405,16 @@ def test_the_rollout_log_is_cut_back_on_resume_and_stops_at_its_size(tmp_path, c
   with pytest.raises(FileNotFoundError, match="rollout_log = True"):
     backtest.load_rollouts(str(tmp_path / "nothing.jsonl"))
   with open(path, "a") as f:
-    f.write('{"step": 5, "task_')  # a torn write
-  with pytest.raises(ValueError, match="torn"):
+    f.write('{"step": 5, "task_')  # a write cut by a kill
+  steps, notes = backtest.load_rollouts(str(path), rows_per_step=9)
+  assert list(steps) == [1, 2]  # step 3 logged 6 episodes (another batch): left out
+  assert [n.split(": ", 1)[1] for n in notes] == [
+    "not JSON (a write cut by a kill): left out",
+    "6 rows, not 9: left out",
+  ]
+  with open(path, "a") as f:
+    f.write('\n{"step": 6, "group": [1]}\n')  # not a row this code writes: refused
+  with pytest.raises(ValueError, match="not a rollout row"):
     backtest.load_rollouts(str(path))
 
 
@@ -395,6 +429,7 @@ def _gate_source(path, step=3):
     "alerts": ["dead_groups >= 0.9 for 3"],
   }
   (path / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+  (path / "eval_generated.jsonl").write_text(_task(9).to_json() + "\n")
   return str(path)
 
 
@@ -469,6 +504,9 @@ def test_the_gate_promotes_on_the_selection_split_never_the_reported_one(tmp_pat
   again = diagnostics.read_skills(os.path.join(out, "skills.jsonl"))
   assert [(s["candidate"], s["decision"]) for s in again][0] == ("x", "refused")
   assert sorted(s["candidate"] for s in again[1:]) == sorted(c.name for c in cands)
+  gate.run_gate(sources, cands[:1], 2, out, fit=_scripted_fit([]))  # one candidate again
+  kept = diagnostics.read_skills(os.path.join(out, "skills.jsonl"))
+  assert sorted(s["candidate"] for s in kept) == sorted(["x", *(c.name for c in cands)])
   # Branches from another start are never compared: the source trained on, or a candidate
   # changed under its name.
   os.makedirs(os.path.join(sources[1], "checkpoints", "5"))
@@ -524,17 +562,41 @@ def test_the_gate_refuses_bad_candidates_and_sources(tmp_path):
   assert gate_cli.parse_candidates([json.dumps([good, {**good, "name": "y"}])])[1].name == "y"
   with pytest.raises(ValueError, match="not JSON"):
     gate_cli.parse_candidates(["{name"])
+  (tmp_path / "empty").mkdir()
   with pytest.raises(FileNotFoundError, match="no checkpoint"):
-    gate.run_gate([str(tmp_path)], [gate.Candidate.from_dict(good)], 1, str(tmp_path / "g"))
-  src = _gate_source(tmp_path / "s")
-  with pytest.raises(ValueError, match="no such field"):
     gate.run_gate(
-      [src],
-      [gate.Candidate("x", {"train.nope": 1}, "dead_groups")],
-      1,
-      str(tmp_path / "g"),
-      fit=_scripted_fit([]),
+      [str(tmp_path / "empty")], [gate.Candidate.from_dict(good)], 1, str(tmp_path / "g")
     )
+  # Everything is checked before any branch trains: a bad override of the last candidate, a
+  # target the source never reported, a gate folder inside the source (which would copy
+  # itself), a tolerance that is no number.
+  src, calls, out = _gate_source(tmp_path / "s"), [], str(tmp_path / "g")
+  ok = gate.Candidate("ok", {"train.lr": 1e-5}, "dead_groups")
+  for cands, kw, match in [
+    ([ok, gate.Candidate("x", {"train.nope": 1}, "dead_groups")], {}, "branch x .*no such field"),
+    (
+      [ok, gate.Candidate("x", {"sampling.temperature": -1.0}, "dead_groups")],
+      {},
+      "branch x .*temperature",
+    ),
+    (
+      [gate.Candidate("x", {"train.lr": 1e-5}, "solution_diversty")],
+      {},
+      "never reported diag/solution_diversty",
+    ),
+    ([ok], {"tolerance": float("nan")}, "tolerance must be"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      gate.run_gate([src], cands, 1, out, fit=_scripted_fit(calls), **kw)
+  with pytest.raises(ValueError, match="inside the source"):
+    gate.run_gate([src], [ok], 1, os.path.join(src, "gate"), fit=_scripted_fit(calls))
+  assert calls == [] and not os.path.exists(out) and not os.path.exists(os.path.join(src, "gate"))
+  # A --skills file that is not one is never rewritten.
+  other = tmp_path / "metrics_copy.jsonl"
+  other.write_text('{"step": 1, "reward/mean": 0.5}\n')
+  with pytest.raises(ValueError, match="not a skills file"):
+    gate.run_gate([src], [ok], 1, out, skills=str(other), fit=_scripted_fit(calls))
+  assert other.read_text() == '{"step": 1, "reward/mean": 0.5}\n' and calls == []
 
 
 def test_a_run_older_than_a_config_group_branches_with_its_defaults(tmp_path):
@@ -550,5 +612,12 @@ def test_a_run_older_than_a_config_group_branches_with_its_defaults(tmp_path):
   assert got.train.lr == 7e-6 and got.diagnostics.enabled and got.train.drop_dead_groups is False
   assert got.train.drop_from_loss == () and isinstance(got.feedback.kinds, tuple)
   from coevolve_jax import config  # noqa: PLC0415
+  from coevolve_jax.cli import gate as gate_cli  # noqa: PLC0415
 
   config.validate(got)
+  # The gate's command line without --config: configs/base.py's shared groups fill the gaps.
+  base = backtest.run_config_of(str(tmp_path), gate_cli.load_config_file(gate_cli.BASE_CONFIG))
+  assert base.train.lr == 7e-6 and base.diagnostics.modules == () and base.env == "bfcl"
+  config.validate(base)
+  with pytest.raises(ValueError, match="--config .*base.py:cpu"):
+    gate_cli.load_config_file(gate_cli.BASE_CONFIG + ":cpu")  # base.py has no variants

@@ -14,11 +14,13 @@ what changed pairwise (dead groups revived, successes filtered); `--json=PATH` a
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 
 from absl import app, flags
 
 from coevolve_jax import backtest
+from coevolve_jax.cli import fail
 from coevolve_jax.metrics import write_atomic
 
 
@@ -53,20 +55,26 @@ def parse_sets(sets: Sequence[str]) -> dict[str, object]:
 
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    fail(f"unexpected arguments: {argv[1:]}")
   F = flags.FLAGS  # noqa: N806
   try:
     overrides = parse_sets(F.set)
     if not overrides:
       raise ValueError("give the intervention with at least one --set field=JSON")
+    if not os.path.isdir(F.workdir):
+      raise ValueError(f"--workdir {F.workdir}: not a folder")
+    if F.json and (os.path.isdir(F.json) or not os.path.isdir(os.path.dirname(F.json) or ".")):
+      raise ValueError(f"--json {F.json}: not a file in an existing folder")
     report = backtest.backtest(F.workdir, overrides)
-  except (ValueError, FileNotFoundError) as e:
-    raise app.UsageError(str(e)) from None
-  print(report.table())
-  if F.json:
-    write_atomic(F.json, json.dumps(report.to_dict(), indent=1, sort_keys=True))
+    print(report.table())
+    if F.json:
+      write_atomic(F.json, json.dumps(report.to_dict(), indent=1, sort_keys=True))
+  except (ValueError, OSError) as e:
+    fail(str(e))
 
 
 if __name__ == "__main__":
+  # No accelerator is needed: JAX (which the config checks import) starts on the CPU, quietly.
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
   _define_flags()
   app.run(main)

@@ -7,11 +7,11 @@
 `--source` (repeat it, one run folder per seed) names finished or stopped runs with a checkpoint
 and a generated held-out set (`eval.generated_tasks > 0`: the selection split); `--candidate`
 (repeat it) is a JSON object, or `@file.json` holding a list of them. `--config` names the
-sources' config file (as `coevolve_jax.main` takes it): needed for runs made before a config
-group they now need existed (e.g. `diagnostics`). Every branch trains
-`--steps` GRPO steps from the source's newest checkpoint in `<out>/<name>-<i>`; the same command
-again resumes a killed gate. Prints each candidate's decision and writes `<out>/gate.json` and
-the skill records (`--skills`, default `<out>/skills.jsonl`).
+sources' config file (as `coevolve_jax.main` takes it), whose defaults fill what the runs'
+config.json lacks (fields added since they started); without it, configs/base.py's do. Every
+branch trains `--steps` GRPO steps from the source's newest checkpoint in `<out>/<name>-<i>`;
+the same command again resumes a killed gate. Prints each candidate's decision and writes
+`<out>/gate.json` and the skill records (`--skills`, default `<out>/skills.jsonl`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from coevolve_jax import gate
+from coevolve_jax.cli import fail
 
 
 def _define_flags() -> None:
@@ -38,7 +39,8 @@ def _define_flags() -> None:
     "config",
     "",
     "The sources' config file, as main takes it (e.g. configs/bfcl.py:cpu_real): their "
-    "config.json is laid over it, so fields newer than the runs take its defaults.",
+    "config.json is laid over it, so fields newer than the runs take its defaults (default: "
+    "configs/base.py's shared groups).",
   )
   flags.mark_flag_as_required("out")
 
@@ -68,6 +70,11 @@ def parse_candidates(items: Sequence[str]) -> list[gate.Candidate]:
   return out
 
 
+# The shared groups' defaults (configs/base.py of this checkout): what a source's config.json is
+# laid over without --config, so fields newer than the run take their defaults.
+BASE_CONFIG = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "configs", "base.py")
+
+
 def load_config_file(spec: str):
   """`path/to/config.py[:variant]` -> its `get_config(variant)` (as `--config=` of main).
 
@@ -81,18 +88,21 @@ def load_config_file(spec: str):
   assert module_spec is not None and module_spec.loader is not None
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
-  return module.get_config(variant)
+  try:
+    return module.get_config(variant) if variant else module.get_config()
+  except TypeError as e:  # a variant given to a file without variants, or the reverse
+    raise ValueError(f"--config {spec}: {e}") from None
 
 
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    fail(f"unexpected arguments: {argv[1:]}")
   F = flags.FLAGS  # noqa: N806
   try:
-    if not F.source:
-      raise ValueError("give at least one --source run folder")
     candidates = parse_candidates(F.candidate)
-    defaults = load_config_file(F.config) if F.config else None
+    defaults = (
+      load_config_file(F.config or BASE_CONFIG) if F.config or os.path.isfile(BASE_CONFIG) else None
+    )
     record = gate.run_gate(
       F.source,
       candidates,
@@ -103,7 +113,7 @@ def main(argv: Sequence[str]) -> None:
       defaults=defaults,
     )
   except (ValueError, OSError, RuntimeError, ImportError) as e:
-    raise app.UsageError(str(e)) from None
+    fail(str(e))
   for d in record["decisions"]:
     print(f"{d['candidate']}: {d['reason']}")
 
