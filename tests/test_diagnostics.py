@@ -4,6 +4,8 @@ coevolve_jax/backtest.py) on scripted steps: every figure against a count done b
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -368,21 +370,23 @@ def test_a_backtest_replays_the_signals_and_the_feedback_clock(tmp_path):
     backtest.backtest(str(tmp_path), {"signals.window": 0})
 
 
-def test_the_backtest_command_line(tmp_path, capsys):
+def test_the_backtest_command_line(tmp_path):
+  """The command in a process of its own (its absl flags would clash with coevolve_jax.main's
+  in this one): the report, its JSON, and one error line for a bad --set."""
   cfg = _base_config()
   cfg.train.drop_from_loss = ("context",)
   _scripted_run(tmp_path, cfg, steps=2)
   out = tmp_path / "report.json"
-  from absl import flags  # noqa: PLC0415
-
-  if "workdir" not in flags.FLAGS:
-    backtest_cli._define_flags()
-  flags.FLAGS(
-    ["backtest", f"--workdir={tmp_path}", "--set=train.drop_from_loss=[]", f"--json={out}"]
+  cmd = [sys.executable, "-m", "coevolve_jax.cli.backtest", f"--workdir={tmp_path}"]
+  ok = subprocess.run(
+    [*cmd, "--set=train.drop_from_loss=[]", f"--json={out}"], capture_output=True, text=True
   )
-  backtest_cli.main(["backtest"])
-  assert "dead groups revived: 2" in capsys.readouterr().out
+  assert ok.returncode == 0, ok.stderr
+  assert "dead groups revived: 2" in ok.stdout
   assert json.loads(out.read_text())["revived"] == 2
+  bad = subprocess.run([*cmd, "--set=signals.window=abc"], capture_output=True, text=True)
+  assert bad.returncode == 2 and bad.stdout == ""
+  assert bad.stderr.strip().splitlines()[-1].startswith("error: signals.window: want a value")
   with pytest.raises(ValueError, match="field=JSON"):
     backtest_cli.parse_sets(["no_equals_sign"])
 
