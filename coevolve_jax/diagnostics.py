@@ -459,10 +459,14 @@ class Diagnostics:
     self.skills = [r for r in read_skills(d.skills) if r.get("decision") == "promoted"]
 
   def on_step(self, record: StepRecord) -> dict[str, Any]:
-    out: dict[str, Any] = compute(record, self.settings, self.selected)
-    if out.get("diag/leak_near_eval") or out.get("diag/leak_answer_in_observation"):
-      # What leaked, for the row: [task id, kind, evaluation task id], the first 10.
-      out["leaks"] = [list(f) for f in leaks(record, self.settings)[1][:10]]
+    # The leak detectors run once, here, for their figures and their findings both.
+    others = tuple(n for n in self.selected if n != "leaks")
+    out: dict[str, Any] = compute(record, self.settings, others)
+    if "leaks" in self.selected:
+      figures, found = leaks(record, self.settings)
+      out.update({f"diag/{k}": v for k, v in figures.items()})
+      if found:  # what leaked, for the row: [task id, kind, evaluation task id], the first 10
+        out["leaks"] = [list(f) for f in found[:10]]
     for fig in self.relative:
       v = out.get(f"diag/{fig}")
       if v is None:
