@@ -337,7 +337,7 @@ class AgentRunner:
       return
     system = env.system_prompt
     if self.predict_next:  # Role-Agent's WIA instruction, in training and evaluation alike
-      system = f"{system}\n\n{wia.INSTRUCTION}" if system else wia.INSTRUCTION
+      system = wia.system_prompt(system)
     messages = [{"role": "system", "content": system}] if system else []
     ids = self.chat.prompt_ids(messages + first.messages, env.tools)
     traj.prompt_len = len(ids)
@@ -432,7 +432,7 @@ class AgentRunner:
       traj.tool_names.extend(str(n) for n in info[STEP_TOOL_NAMES])
       info = {k: v for k, v in info.items() if k != STEP_TOOL_NAMES}
     if not result.done:  # the observation that answers the reply just taken
-      traj.replies[-1].observation = "\n\n".join(m.get("content") or "" for m in result.messages)
+      traj.replies[-1].observation = wia.observation_text(result.messages)
     if result.done:
       traj.calls = info.get("per_turn_calls", traj.calls)
       traj.observations = info.get("per_turn_observations", traj.observations)

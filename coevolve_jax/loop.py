@@ -21,6 +21,7 @@ are jitted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -273,9 +274,18 @@ class CoEvolveRun:
     process only and given to every process when the suite's environments live there
     (`Suite.env_on_primary`)."""
 
+    wia_cfg = self.cfg.role_agent.wia
+
     def make() -> list[Trajectory]:
+      seen: list[str] = []
+      predict = None
+      if wia_cfg.enabled and wia_cfg.demos == "shuffled":  # the control needs the texts first
+        for i, t in enumerate(self.pool.tasks):
+          self.suite.demonstration(t, self.parts.chat, f"demo{i}", seen.append)
+      if wia_cfg.enabled:
+        predict = wia.demo_predictor(wia_cfg.demos, wia_cfg.char_cap, seen, self.cfg.seed)
       return [
-        self.suite.demonstration(t, self.parts.chat, f"demo{i}")
+        self.suite.demonstration(t, self.parts.chat, f"demo{i}", predict)
         for i, t in enumerate(self.pool.tasks)
       ]
 
@@ -309,15 +319,18 @@ class CoEvolveRun:
       info, adv = self._qevolve_update(step, trajs, rewards, groups, keep)
     else:
       inputs = advantages.AdvantageInputs(trajs, rewards, groups, keep, self.trainer.cfg, wia_cfg)
-      adv = advantages.estimate(estimator, inputs)
+      with self._timed("wia", wia_cfg is not None):  # host time of WIA's scoring
+        adv = advantages.estimate(estimator, inputs)
       with self.timer("train"):
         info = self.trainer.grpo_epoch(trajs, adv, cfg.train.mini_batches, keep=keep)
     events = self.tracker.observe(trajs, tasks)
     self.state.events.extend(events)
-    self.parts.sampler.observe(tasks, trajs)
+    with self._timed("aiw", self.parts.sampler.name == "aiw"):  # AIW's analysis and retrieval
+      self.parts.sampler.observe(tasks, trajs)
     info.update(self.parts.sampler.metrics())
     if wia_cfg is not None:
-      info.update(wia.metrics(trajs, wia_cfg, cfg.signals.success_threshold, keep.tolist()))
+      with self.timer("wia"):
+        info.update(wia.metrics(trajs, wia_cfg, cfg.signals.success_threshold, keep.tolist()))
     info.update(self._rollout_metrics(trajs, rewards, groups, keep))
     held_out = self.evaluator.held_out()
     record = StepRecord(step, tasks, trajs, rewards, keep, adv, events, info, held_out)
@@ -326,6 +339,8 @@ class CoEvolveRun:
     if cfg.feedback.enabled:
       with self.timer("feedback"):
         info.update(self.rounds.tick(self.state, step, held_out))
+    elif self.parts.llm is not None and step % cfg.feedback.every == 0:
+      self.parts.llm.budget.reset()  # a round's budget period without rounds (AIW's analyser)
     info["pool/size"] = len(self.pool)
     info.update(self.timer.pop_last())
     # The engine's copy of the weights (cast, gathered over fsdp) made for this step's rollouts.
@@ -419,6 +434,11 @@ class CoEvolveRun:
         )
       out.append(adv)
     return (critic.cfg, out), metrics
+
+  def _timed(self, phase: str, on: bool) -> contextlib.AbstractContextManager:
+    """`self.timer(phase)` when `on` (an option's phase), else nothing: a run without the
+    option reports no `timing/<phase>`."""
+    return self.timer(phase) if on else contextlib.nullcontext()
 
   def _rollout_metrics(
     self, trajs, rewards: np.ndarray, groups: np.ndarray, keep: np.ndarray

@@ -26,7 +26,7 @@ repository.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from coevolve_jax.chat import ChatFormat
@@ -105,8 +105,15 @@ class Suite(Protocol):
     """A fresh, isolated episode of `task`; `eval=True` gives the evaluation limits."""
     ...
 
-  def demonstration(self, task: Task, chat: ChatFormat, episode_id: str) -> Trajectory:
-    """A teacher-forced trajectory of `task`'s ground truth, really executed (warm-start)."""
+  def demonstration(
+    self,
+    task: Task,
+    chat: ChatFormat,
+    episode_id: str,
+    predict: Callable[[str], str | None] | None = None,
+  ) -> Trajectory:
+    """A teacher-forced trajectory of `task`'s ground truth, really executed (warm-start).
+    `predict`: Role-Agent's WIA predictions (`warmstart.demonstration`), None for none."""
     ...
 
   def synthesizer(self, llm: TextLLM | None) -> Synthesizer:

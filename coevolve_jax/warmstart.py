@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import tqdm
 
+from coevolve_jax import wia
 from coevolve_jax.chat import ChatFormat
 from coevolve_jax.types import Trajectory
 from coevolve_jax.suite import Env
@@ -32,18 +33,29 @@ def demonstration(
   make_env: Callable[[Task, str], Env],
   parse_call: Callable[[str, list[str]], ToolCall],
   episode_id: str,
+  predict: Callable[[str], str | None] | None = None,
 ) -> Trajectory:
   """Teacher-forced trajectory of `task`'s ground truth. Raises if the environment fails.
 
   The replies are `chat.assistant_ids` (a call's arguments are plain text: a ground-truth
   argument holding `<|im_end|>` does not end its reply); prompt and observations are tokenized
-  as in a rollout."""
+  as in a rollout.
+
+  Args:
+    predict: Role-Agent's World-In-Agent (`wia.demo_predictor`): None for none; else the system
+      prompt carries `wia.INSTRUCTION` as in a rollout, and each call's reply opens with
+      `<predict_next>predict(observation)</predict_next>` (none where it returns None),
+      `observation` being the text the environment then answers the call with
+      (`wia.observation_text`; the call is executed before its reply is tokenized). A reply the
+      episode ends on has no observation and no prediction.
+  """
   env = make_env(task, episode_id)
   traj = Trajectory(task_id=task.task_id, group_id=-1)
   try:
     first = env.reset()
-    system = [{"role": "system", "content": env.system_prompt}] if env.system_prompt else []
-    ids = chat.prompt_ids(system + first.messages, env.tools)
+    system = env.system_prompt if predict is None else wia.system_prompt(env.system_prompt)
+    messages = [{"role": "system", "content": system}] if system else []
+    ids = chat.prompt_ids(messages + first.messages, env.tools)
     traj.prompt_len = len(ids)
     traj.extend(ids, sampled=False)
     result = first
@@ -51,15 +63,13 @@ def demonstration(
       for call_text in turn_calls:
         call = parse_call(call_text, task.involved_classes)
         calls = [{"name": call.name, "arguments": call.arguments}]
-        reply = chat.assistant_text("", calls)
-        ids = chat.assistant_ids("", calls)
-        result = _reply(traj, chat, env, ids, Action(tool_calls=[call], text=reply))
+        action = Action(tool_calls=[call], text=chat.assistant_text("", calls))
+        result = _reply(traj, chat, env, action, "", calls, predict)
         if result.done:  # the environment ended the episode (e.g. its per-turn step limit)
           break
       if result.done:
         break
-      closing = chat.assistant_ids(CLOSING_REPLY)
-      result = _reply(traj, chat, env, closing, Action(text=CLOSING_REPLY))
+      result = _reply(traj, chat, env, Action(text=CLOSING_REPLY), CLOSING_REPLY, [], None)
       if result.done:
         break
     traj.reward, traj.finish = float(result.reward), "done" if result.done else "incomplete"
@@ -68,10 +78,24 @@ def demonstration(
     env.close()
 
 
-def _reply(traj: Trajectory, chat: ChatFormat, env: Env, ids: list[int], action: Action):
-  """Appends the reply `ids` (and its stop token), steps `env` and appends what it answers."""
-  traj.extend(ids + [chat.im_end_id], sampled=True)
+def _reply(
+  traj: Trajectory,
+  chat: ChatFormat,
+  env: Env,
+  action: Action,
+  content: str,
+  calls: list[dict],
+  predict: Callable[[str], str | None] | None,
+):
+  """Steps `env` with `action`, then appends its reply (`content` and `calls`, with the
+  prediction of what `env` answered when `predict` is given) and its stop token, and what `env`
+  answered."""
   result = env.step(action)
+  if predict is not None and not result.done:
+    prediction = predict(wia.observation_text(result.messages))
+    if prediction is not None:
+      content = wia.prediction_block(prediction) + content
+  traj.extend(chat.assistant_ids(content, calls) + [chat.im_end_id], sampled=True)
   if not result.done:
     traj.extend(chat.continuation_ids(result.messages), sampled=False)
   return result

@@ -41,7 +41,7 @@ import difflib
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -69,6 +69,7 @@ class WIAConfig:
   horizon: int = 1
   step_weight: float = 1.0
   gamma: float = 0.95
+  demos: str = "true"
 
   def __post_init__(self):
     if self.reward_form not in REWARD_FORMS:
@@ -81,6 +82,8 @@ class WIAConfig:
       raise ValueError("char_cap must be >= 1, beta and step_weight >= 0")
     if not 0.0 <= self.gamma <= 1.0:
       raise ValueError(f"gamma must be in [0, 1], got {self.gamma}")
+    if self.demos not in DEMOS:
+      raise ValueError(f"demos must be one of {DEMOS}, got {self.demos!r}")
 
   @classmethod
   def from_config(cls, wia: Mapping[str, Any]) -> "WIAConfig":
@@ -97,7 +100,60 @@ class WIAConfig:
       horizon=int(wia["horizon"]),
       step_weight=float(wia["step_weight"]),
       gamma=float(wia["gamma"]),
+      demos=str(wia.get("demos", "true")),  # absent from the configs of runs made before it
     )
+
+
+DEMOS = ("true", "shuffled", "none")
+
+
+def system_prompt(system: str | None) -> str:
+  """`system` with `INSTRUCTION` appended (the instruction alone for an empty one): the system
+  prompt of a WIA episode, rollout, evaluation and warm-start demonstration alike."""
+  return f"{system}\n\n{INSTRUCTION}" if system else INSTRUCTION
+
+
+def observation_text(messages: Sequence[Mapping[str, Any]]) -> str:
+  """The observation a prediction is scored against: the contents of the messages the
+  environment answered a reply with, joined by blank lines (`Reply.observation`)."""
+  return "\n\n".join(m.get("content") or "" for m in messages)
+
+
+def prediction_block(text: str) -> str:
+  """A reply's prediction as the agent is asked to write it, before its tool calls."""
+  return f"<predict_next>{text}</predict_next>\n"
+
+
+def demo_predictor(
+  mode: str, char_cap: int, observations: Sequence[str] = (), seed: int = 0
+) -> Callable[[str], str | None]:
+  """What a warm-start demonstration predicts for a call whose real observation is `obs`
+  (`role_agent.wia.demos`; `warmstart.demonstration`'s `predict`):
+
+    "true"      the real observation, cut to `char_cap` characters (the length scored);
+    "shuffled"  a control: another observation of the demonstrations, by a seeded derangement
+                of the distinct texts in `observations` (every text maps to a different one;
+                a text not among them maps to the first of them), cut the same way: the format
+                is taught, the content says nothing of the call;
+    "none"      no prediction (None) for any call; the instruction is still in the prompt.
+
+  Raises:
+    ValueError: an unknown mode, or "shuffled" with fewer than two distinct observations.
+  """
+  if mode == "none":
+    return lambda obs: None
+  if mode == "true":
+    return lambda obs: obs[:char_cap]
+  if mode != "shuffled":
+    raise ValueError(f"demos must be one of {DEMOS}, got {mode!r}")
+  texts = sorted(set(observations))
+  if len(texts) < 2:
+    raise ValueError("a shuffled control needs demonstrations with two distinct observations")
+  rng = np.random.default_rng(seed)
+  order = rng.permutation(len(texts))
+  # a cyclic shift along a random order: a derangement (no text maps to itself)
+  other = {texts[order[i]]: texts[order[(i + 1) % len(texts)]] for i in range(len(texts))}
+  return lambda obs: other.get(obs, texts[0] if obs != texts[0] else texts[1])[:char_cap]
 
 
 def split_prediction(text: str) -> tuple[str, str | None]:
@@ -242,7 +298,8 @@ def metrics(
 ) -> dict[str, float]:
   """One step's WIA figures: `wia/prediction_share` (replies with a prediction, of replies
   answered by an observation), `wia/similarity_success` and `wia/similarity_failure` (mean
-  similarity in episodes at or above / below `success_threshold`; absent without scores), and
+  similarity in episodes at or above / below `success_threshold`, and `wia/similarity` over
+  all; absent without scores), and
   `wia/step_advantage_abs` (mean |step advantage| over the replies of kept episodes)."""
   answered = predicted = 0
   by_outcome: dict[bool, list[float]] = {True: [], False: []}
@@ -262,4 +319,6 @@ def metrics(
   for ok, name in ((True, "success"), (False, "failure")):
     if by_outcome[ok]:
       out[f"wia/similarity_{name}"] = float(np.mean(by_outcome[ok]))
+  if by_outcome[True] or by_outcome[False]:
+    out["wia/similarity"] = float(np.mean(by_outcome[True] + by_outcome[False]))
   return out

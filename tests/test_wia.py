@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from coevolve_jax import advantages, grpo, wia
+from coevolve_jax import advantages, grpo, warmstart, wia
 from coevolve_jax.agent import AgentRunner, EpisodeLimits, QwenChat
 from coevolve_jax.rollout.sampling import SamplingParams
 from coevolve_jax.types import Action, Reply, Trajectory
@@ -160,3 +160,63 @@ def test_agent_loop_scores_exact_wrong_and_missing_predictions_and_never_execute
   figures = wia.metrics([traj], CFG, 0.5)
   answered = sum(bool(r.observation) for r in traj.replies)  # closing replies get the next turn
   assert figures["wia/prediction_share"] == pytest.approx(2 / answered)
+
+
+def _replies(demo, im_end_id):
+  """The sampled replies of a demonstration, each ending with its stop token."""
+  replies, cur = [], []
+  for tok, m in zip(demo.token_ids, demo.loss_mask):
+    if m:
+      cur.append(tok)
+      if tok == im_end_id:
+        replies.append(cur)
+        cur = []
+  return replies
+
+
+def test_warm_start_demonstrations_carry_the_true_or_a_shuffled_next_observation():
+  """Demonstrations with predictions, replayed token for token through the agent loop with WIA
+  on (the scripted engine answers only the exact prompt a rollout shows, instruction included):
+  "true" predicts every call's real observation (score 1 where the observation fits the cap),
+  "shuffled" another demonstration's, "none" none; every replay still solves the task."""
+  tasks = bfcl.load_bfcl_tasks("multi_turn_base")[:3]
+  chat = QwenChat()
+  seen: list[str] = []
+  for task in tasks:  # the control's pass over the real observations
+    warmstart.demonstration(task, chat, _make_env, parse_call_string, "rec", seen.append)
+  assert len(set(seen)) >= 2
+  figures = {}
+  for mode in wia.DEMOS:
+    predict = wia.demo_predictor(mode, CFG.char_cap, seen, seed=0)
+    demos = [
+      warmstart.demonstration(t, chat, _make_env, parse_call_string, "d", predict) for t in tasks
+    ]
+    scripts = {tuple(d.token_ids[: d.prompt_len]): _replies(d, chat.im_end_id) for d in demos}
+    assert len(scripts) == len(tasks)
+    runner = AgentRunner(
+      ScriptedEngine(scripts, num_slots=2),
+      chat,
+      _make_env,
+      EpisodeLimits(4096, 200),
+      predict_next=True,
+    )
+    trajs = runner.run(
+      [(t, i) for i, t in enumerate(tasks)], SamplingParams(0.0), rng=jax.random.key(0)
+    )
+    assert [t.reward for t in trajs] == [1.0] * len(tasks), mode
+    scores = [s for t in trajs for s in wia.reply_scores(t, CFG) if s is not None]
+    calls = sum(len(turn) for t in tasks for turn in t.ground_truth)
+    if mode == "none":
+      assert scores == []
+      continue
+    assert len(scores) == calls  # every call's reply predicts (closing replies do not)
+    figures[mode] = float(np.mean(scores))
+    if mode == "true":
+      short = [
+        s
+        for t in trajs
+        for r, s in zip(t.replies, wia.reply_scores(t, CFG))
+        if s is not None and len(r.observation) <= CFG.char_cap
+      ]
+      assert short and all(s == 1.0 for s in short)
+  assert figures["true"] > 0.95 and figures["shuffled"] < figures["true"] - 0.2, figures

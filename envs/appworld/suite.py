@@ -27,10 +27,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from coevolve_jax import config, distributed
+from coevolve_jax import config, distributed, wia
 from coevolve_jax.chat import ChatFormat
 from coevolve_jax.feedback.llm import TextLLM
 from coevolve_jax.feedback.synthesis import Synthesizer
@@ -337,16 +337,23 @@ class AppWorldSuite:
       return f"server error: {e}"
     return None
 
-  def demonstration(self, task: Task, chat: ChatFormat, episode_id: str) -> Trajectory:
-    """Teacher-forced trajectory: one reply holding the task's solution code, really executed."""
+  def demonstration(
+    self,
+    task: Task,
+    chat: ChatFormat,
+    episode_id: str,
+    predict: Callable[[str], str | None] | None = None,
+  ) -> Trajectory:
+    """Teacher-forced trajectory: one reply holding the task's solution code, really executed.
+    With `predict` (Role-Agent's WIA) the system prompt carries the WIA instruction as a
+    rollout's does; the one reply ends the episode, so it has no observation to predict."""
     del episode_id
     env = self.episode(task, max_steps=1)
     traj = Trajectory(task_id=task.task_id, group_id=-1)
     try:
       first = env.reset()
-      ids = chat.prompt_ids(
-        [{"role": "system", "content": env.system_prompt}] + first.messages, env.tools
-      )
+      system = env.system_prompt if predict is None else wia.system_prompt(env.system_prompt)
+      ids = chat.prompt_ids([{"role": "system", "content": system}] + first.messages, env.tools)
       traj.prompt_len = len(ids)
       traj.extend(ids, sampled=False)
       reply = code_reply(task.initial_config["solution"])

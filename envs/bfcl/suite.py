@@ -13,7 +13,7 @@ config's `backends` bounds.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from coevolve_jax import config, warmstart
@@ -174,9 +174,18 @@ class BfclSuite:
     """The stage 2-3 hooks with the explorer for `llm` and the configured settings."""
     return synthesis.BfclSynthesizer(self.settings, llm)
 
-  def demonstration(self, task: Task, chat: ChatFormat, episode_id: str) -> Trajectory:
-    """The ground-truth calls, one per reply, executed in a training episode."""
-    return warmstart.demonstration(task, chat, self.make_env, parse_call_string, episode_id)
+  def demonstration(
+    self,
+    task: Task,
+    chat: ChatFormat,
+    episode_id: str,
+    predict: Callable[[str], str | None] | None = None,
+  ) -> Trajectory:
+    """The ground-truth calls, one per reply, executed in a training episode (with WIA's
+    predictions when `predict` is given: `warmstart.demonstration`)."""
+    return warmstart.demonstration(
+      task, chat, self.make_env, parse_call_string, episode_id, predict
+    )
 
   def metrics(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """BFCL's own figure is the success rate the loop already reports: nothing to add."""
