@@ -117,7 +117,7 @@ def build(cfg: Any, workdir: str) -> Components:
     suite=suite,
     pool=pool,
     tracker=SignalTracker.from_config(cfg.signals),
-    sampler=make_sampler(sampler_name(cfg), cfg),
+    sampler=make_sampler(sampler_name(cfg), cfg, llm),
     hooks=build_hooks(cfg, workdir) + diagnostics.build(cfg, workdir),
     mesh=mesh,
     sampling=sampling,

@@ -26,6 +26,7 @@ from coevolve_jax import advantages, diagnostics, grpo, suite
 from coevolve_jax.feedback import factory, rounds
 from coevolve_jax.feedback.pool import EVAL_STATES
 from coevolve_jax.feedback.aiw import AIWSampler
+from coevolve_jax.feedback.llm import PrimaryOnlyLLM
 from coevolve_jax.qevolve import QEvolveConfig
 from coevolve_jax.wia import WIAConfig
 from coevolve_jax.feedback.sampler import make_sampler, sampler_name
@@ -321,11 +322,20 @@ def _explore(cfg: Mapping[str, Any]) -> None:
 
 def _pool(cfg: Mapping[str, Any]) -> None:
   number(cfg, "pool.near_dup_threshold", lo=0.0, hi=1.0)  # a MinHash LSH threshold
-  owner("role_agent.aiw", lambda: AIWSampler.from_config(cfg))  # checked when off too
+  owner("role_agent.aiw", lambda: AIWSampler.settings(cfg))  # checked when off too
+  aiw_llm = get(cfg, "role_agent.aiw.enabled") and get(cfg, "role_agent.aiw.analyser") == "llm"
+  if aiw_llm and get(cfg, "explore.explorer") == "programmatic":
+    fail(
+      "role_agent.aiw.analyser",
+      "must be 'template' with explore.explorer='programmatic' (the 'llm' analyser calls the "
+      "explorer LLM)",
+      "llm",
+    )
   owner("role_agent.wia", lambda: WIAConfig.from_config(get(cfg, "role_agent.wia")))
   _option_estimator(cfg, "role_agent.wia.enabled", "role_agent")
   _qevolve(cfg)
-  owner("pool.sampler", lambda: make_sampler(sampler_name(cfg), cfg))
+  # the sampler's own checks; an LLM that is never called stands in for the explorer's
+  owner("pool.sampler", lambda: make_sampler(sampler_name(cfg), cfg, PrimaryOnlyLLM("check")))
   synth = get(cfg, "pool.synth_fraction")
   if not _is_num(synth) or not (synth < 0 or 0.0 <= synth <= 1.0):
     fail("pool.synth_fraction", "must be in [0, 1], or negative for proportional", synth)

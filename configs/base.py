@@ -152,7 +152,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.role_agent.aiw.history = 512
   c.role_agent.aiw.decay = 1.0
   c.role_agent.aiw.min_weight = 1e-3
+  # "template" (the fingerprint above, no LLM) or "llm": the explorer LLM writes the paper's
+  # structured failure analysis and chooses similar failures among `candidates` earlier ones
+  # (`workers` failures at a time; its tokens count in the round's budget; feedback/aiw.py).
   c.role_agent.aiw.analyser = "template"
+  c.role_agent.aiw.candidates = 8
+  c.role_agent.aiw.workers = 4
   # World-In-Agent (coevolve_jax/wia.py): the agent predicts each call's result in
   # <predict_next> blocks; the prediction's similarity to the real observation is a process
   # reward (reward_form: "additive" r_t + beta s_t, or the published "paper" r_t (1 + s_t),
@@ -168,6 +173,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.role_agent.wia.horizon = 1
   c.role_agent.wia.step_weight = 1.0
   c.role_agent.wia.gamma = 0.95
+  # What the warm-start's demonstrations predict after each call: "true" (the real observation,
+  # cut to char_cap), "shuffled" (another demonstration's observation: the control that teaches
+  # the format without the content), "none" (no predictions; the instruction is still shown).
+  c.role_agent.wia.demos = "true"
 
   # Q-Evolve (arXiv 2606.07367; coevolve_jax/qevolve.py), off by default. mode "critic": a critic
   # (V and Q heads on the policy's hidden states) trained by weighted IQL between GRPO steps on

@@ -12,6 +12,7 @@ import pytest
 
 from coevolve_jax.config import validate
 from coevolve_jax.feedback import aiw
+from coevolve_jax.feedback.llm import LLMError, TokenBudget
 from coevolve_jax.feedback.pool import TaskPool
 from coevolve_jax.feedback.sampler import UniformSampler, make_sampler, sampler_name
 from coevolve_jax.types import Task, Trajectory
@@ -143,6 +144,140 @@ def test_config_switch_and_bad_settings():
   with pytest.raises(ValueError, match=r"role_agent.aiw: decay must be in \[0, 1\]"):
     validate(cfg)
   cfg.role_agent.aiw.decay = 1.0
-  cfg.role_agent.aiw.analyser = "llm"
+  cfg.role_agent.aiw.analyser = "bogus"
   with pytest.raises(ValueError, match="analyser must be one of"):
     validate(cfg)
+  cfg.role_agent.aiw.analyser = "llm"  # the CPU preset's explorer is programmatic: no LLM
+  with pytest.raises(ValueError, match="must be 'template' with explore.explorer='programmatic'"):
+    validate(cfg)
+  cfg.explore.explorer = "gemini"
+  validate(cfg)  # the check builds no client
+  with pytest.raises(ValueError, match="needs the explorer LLM"):
+    make_sampler("aiw", cfg)
+
+
+# ---------------------------------------------------------------- the llm analyser
+
+
+class ScriptedAnalyst:
+  """An explorer LLM that analyses by a task's query ("fs-like" / "math-like" in it) and, asked
+  to retrieve, chooses the candidates whose analysis names the same root cause; it is charged
+  100 tokens per call. `broken` replies are not JSON."""
+
+  name = "scripted"
+
+  def __init__(self, limit: int = 0, broken: str = ""):
+    self.budget = TokenBudget(limit)
+    self.broken = broken
+    self.calls: list[str] = []
+
+  def complete(self, system: str, prompt: str, *, json_output: bool = False) -> str:
+    del json_output
+    self.budget.check()
+    self.budget.charge(100)
+    kind = "analysis" if system == aiw.ANALYSIS_SYSTEM else "choice"
+    self.calls.append(kind)
+    if self.broken == kind:
+      return "I think the agent should try harder."
+    if kind == "analysis":
+      cause = "wrong_order" if "fs-like" in prompt else "wrong_arguments"
+      return json.dumps(
+        {
+          "root_cause_type": cause,
+          "root_cause_detail": f"the agent made a {cause} mistake",
+          "critical_step": 1,
+          "lesson": "read the reference order",
+          "retrieval_query": cause,
+        }
+      )
+    new, _, shown = prompt.partition("Candidates:")
+    cause = json.loads(new.split("\n")[1])["root_cause_type"]
+    chosen = [
+      {"id": i, "similarity": 0.8}
+      for i, line in enumerate(shown.strip().split("\n"))
+      if f'"root_cause_type": "{cause}"' in line
+    ]
+    return json.dumps({"similar": chosen})
+
+  def refresh(self) -> None:
+    pass
+
+
+def _llm_steps(sampler):
+  """Step 1: fs1 (an fs-like query) and math fail; step 2: task new fails with an fs-like query
+  but the calls of the math task (so the template's fingerprint is like math's)."""
+  first = [_task("fs1", FS, "fs-like query"), _task("math", MATH, "math-like query")]
+  sampler.observe(
+    first, [_traj(0, ["cd(folder='a')", "cat(file_name='x')"], 0.0), _traj(1, ["mean()"], 0.0)]
+  )
+  sampler.observe([_task("new", MATH, "fs-like query")], [_traj(0, ["mean()"], 0.0)])
+
+
+def test_the_llm_analyser_boosts_what_the_llm_chooses_and_keeps_its_analyses():
+  llm = ScriptedAnalyst()
+  sampler = aiw.AIWSampler(aiw.AIWConfig(analyser="llm"), llm)
+  _llm_steps(sampler)
+  # two analyses in step 1 (an empty library: no choice), one analysis and one choice in step 2
+  assert sorted(llm.calls) == ["analysis"] * 3 + ["choice"]
+  w = sampler.task_weights
+  assert w["new"] == pytest.approx(1.15)
+  assert w["fs1"] == pytest.approx(1.15 + 0.35 * 0.8)  # the LLM's choice: the same root cause
+  assert w["math"] == pytest.approx(1.15)  # the template would have chosen math (same calls)
+  assert sampler.metrics()["aiw/llm_fallbacks"] == 0
+  assert sampler.metrics()["aiw/llm_tokens"] == 200
+  assert sampler.library[-1]["analysis"]["root_cause_type"] == "wrong_order"
+  template = aiw.AIWSampler(aiw.AIWConfig())
+  _llm_steps(template)
+  assert template.task_weights["math"] > 1.15 and template.task_weights["fs1"] == 1.15
+  restored = aiw.AIWSampler(aiw.AIWConfig(analyser="llm"), ScriptedAnalyst())
+  restored.load_state_dict(json.loads(json.dumps(sampler.state_dict())))
+  assert restored.state_dict() == sampler.state_dict()
+
+
+@pytest.mark.parametrize("broken", ["analysis", "choice", "budget"])
+def test_the_template_stands_in_when_the_llm_fails_and_the_run_goes_on(broken):
+  """A reply that is not the JSON asked for, or a spent token budget (200 tokens: step 1's two
+  analyses): the failure is still boosted; the template's retrieval chooses; counted."""
+  llm = ScriptedAnalyst(limit=200 if broken == "budget" else 0, broken=broken)
+  sampler = aiw.AIWSampler(aiw.AIWConfig(analyser="llm"), llm)
+  _llm_steps(sampler)
+  template = aiw.AIWSampler(aiw.AIWConfig())
+  _llm_steps(template)
+  assert sampler.task_weights == pytest.approx(template.task_weights)
+  assert sampler.metrics()["aiw/llm_fallbacks"] == 1
+  if broken == "choice":  # the analysis was had: it is kept
+    assert sampler.library[-1]["analysis"]["root_cause_type"] == "wrong_order"
+  else:
+    assert "analysis" not in sampler.library[-1]
+
+
+def test_analysis_and_choice_replies_are_read_strictly():
+  ok = {
+    "root_cause_type": "wrong_tool",
+    "root_cause_detail": "d",
+    "critical_step": 0,
+    "lesson": "l",
+    "retrieval_query": "q",
+  }
+  assert aiw.read_analysis(json.dumps(ok)) == ok
+  for bad in (
+    {**ok, "root_cause_type": "bad luck"},
+    {**ok, "critical_step": "1"},
+    {**ok, "critical_step": True},
+    {k: v for k, v in ok.items() if k != "lesson"},
+    [ok],
+  ):
+    with pytest.raises(LLMError):
+      aiw.read_analysis(json.dumps(bad))
+  with pytest.raises(LLMError):  # a repeated key is a guess, not a value
+    aiw.read_analysis('{"root_cause_type": "other", "root_cause_type": "wrong_tool"}')
+  ids = ["a", "b"]
+  got = aiw.read_choice(
+    '{"similar": [{"id": 1, "similarity": 0.5}, {"id": 0, "similarity": 0}]}', ids
+  )
+  assert got == [["b", 0.5]]
+  for bad in ('{"similar": [{"id": 2, "similarity": 0.5}]}', '{"similar": [{"id": 0, '
+              '"similarity": 1.5}]}', '{"similar": {}}', '{"similar": [{"id": 0, "similarity": '
+              'NaN}]}'):  # fmt: skip
+    with pytest.raises(LLMError):
+      aiw.read_choice(bad, ids)

@@ -67,14 +67,15 @@ class UniformSampler:
     del state
 
 
-def _aiw(cfg: Any) -> TaskSampler:
+def _aiw(cfg: Any, llm: Any) -> TaskSampler:
   from coevolve_jax.feedback.aiw import AIWSampler  # pylint: disable=g-import-not-at-top
 
-  return AIWSampler.from_config(cfg)
+  return AIWSampler.from_config(cfg, llm)
 
 
-SAMPLERS: dict[str, Callable[[Any], TaskSampler]] = {
-  "uniform": lambda cfg: UniformSampler(),
+# name -> factory(run config, the explorer LLM or None)
+SAMPLERS: dict[str, Callable[[Any, Any], TaskSampler]] = {
+  "uniform": lambda cfg, llm: UniformSampler(),
   "aiw": _aiw,
 }
 
@@ -94,15 +95,16 @@ def sampler_name(cfg: Any) -> str:
   return name
 
 
-def make_sampler(name: str, cfg: Any = None) -> TaskSampler:
-  """The sampler registered as `name`, built from the run config.
+def make_sampler(name: str, cfg: Any = None, llm: Any = None) -> TaskSampler:
+  """The sampler registered as `name`, built from the run config and the explorer LLM
+  (`TextLLM`, None with the programmatic explorer; AIW's `llm` analyser calls it).
 
   Raises:
     ValueError: an unknown name, or settings the sampler refuses.
   """
   if name not in SAMPLERS:
     raise ValueError(f"unknown task sampler {name!r} (known: {sorted(SAMPLERS)})")
-  return SAMPLERS[name](cfg)
+  return SAMPLERS[name](cfg, llm)
 
 
 if TYPE_CHECKING:  # mypy checks UniformSampler against the TaskSampler protocol
