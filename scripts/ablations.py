@@ -72,6 +72,20 @@ VARIANTS: dict[str, dict[str, Any]] = {
   "random_reexplore": {"feedback.mode": "random"},
   "no_validation": {"feedback.validate": False},
   "grpo_only": {"feedback.enabled": False},
+  # Role-Agent (issue 43; docs/design.md §8.1-8.2): AIW beside synthesis, AIW instead of it, and
+  # WIA. A prediction of the next observation does not fit the CPU presets' 64-token replies, so
+  # WIA's variant predicts at most 200 characters in replies of up to 128 tokens (its cost).
+  "aiw": {"role_agent.aiw.enabled": True},
+  "aiw_only": {"role_agent.aiw.enabled": True, "feedback.enabled": False},
+  "wia": {
+    "role_agent.wia.enabled": True,
+    "role_agent.wia.char_cap": 200,
+    "episode.max_new_tokens": 128,
+    "eval.max_new_tokens": 128,
+    "train.target_buckets": (256, 384, 768),
+  },
+  # Q-Evolve's critic advantages in the GRPO step (issue 44; docs/design.md §8.3).
+  "qevolve": {"qevolve.enabled": True},
 }
 REFERENCE = "grpo_only"
 DEFAULT_VARIANTS = ("coevolve", "grpo_only", "random_reexplore")
@@ -115,7 +129,9 @@ START_VARIANT = "coevolve"
 # The fields step 0 does not read (the loop reads them in GRPO steps and feedback rounds only).
 # A variant whose switch is among them resumes from a copy of the seed's start; any other makes its
 # own step 0: `no_validation`, since AppWorld's D0 validation follows `feedback.validate`.
-STEP0_UNREAD = frozenset({"feedback.enabled", "feedback.mode", "feedback.kinds"})
+STEP0_UNREAD = frozenset(
+  {"feedback.enabled", "feedback.mode", "feedback.kinds", "role_agent.aiw.enabled"}
+)
 # Written into the start once its step 0 is done, and into each copy (what the record reports).
 START_DONE, COPIED_FROM = "start_done.json", "copied_from_start.json"
 # What a copy of the start leaves out: a run's own files (`workdir.RUN_OWN_FILES`: config,

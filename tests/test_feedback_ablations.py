@@ -29,12 +29,35 @@ def test_each_variant_changes_only_its_switch(ablations):
     "random_reexplore": ("feedback", "mode", "random"),
     "no_validation": ("feedback", "validate", False),
     "grpo_only": ("feedback", "enabled", False),
+    "aiw": ("role_agent.aiw", "enabled", True),
+    "aiw_only": ("role_agent.aiw", "enabled", True),
+    "wia": ("role_agent.wia", "enabled", True),
+    "qevolve": ("qevolve", "enabled", True),
+  }
+  also = {  # the other fields a variant sets
+    "aiw_only": {"feedback.enabled": False},
+    "wia": {
+      "role_agent.wia.char_cap": 200,
+      "episode.max_new_tokens": 128,
+      "eval.max_new_tokens": 128,
+      "train.target_buckets": [256, 384, 768],
+    },
   }
   assert set(expected) | {"coevolve"} == set(ablations.VARIANTS)
+
+  def node(cfg, dotted):
+    for part in dotted.split("."):
+      cfg = cfg[part]
+    return cfg
+
   for variant, (section, key, value) in expected.items():
     cfg = json.loads(ablations.load_config(variant, 0, {}).to_json_best_effort())
-    assert cfg[section][key] == value
-    cfg[section][key] = base[section][key]
+    assert node(cfg, section)[key] == value
+    node(cfg, section)[key] = node(base, section)[key]
+    for dotted, value in also.get(variant, {}).items():
+      parent, _, leaf = dotted.rpartition(".")
+      assert node(cfg, parent)[leaf] == value, (variant, dotted)
+      node(cfg, parent)[leaf] = node(base, parent)[leaf]
     assert cfg == base, variant
   cfg = ablations.load_config("coevolve", 3, {"train.steps": 9})
   assert cfg.seed == 3 and cfg.train.steps == 9
@@ -314,8 +337,10 @@ def test_a_rerun_resumes_the_grid_and_runs_only_what_is_unfinished(
   ablations.main([*args, "--seeds", "2", "--steps", "3", "--no-shared-start"])  # own step 0 each
   assert ran == [("coevolve-s2", 2, 3), ("grpo_only-s2", 2, 3)]
   assert "Every run made its own step 0." in (tmp_path / "plots.md").read_text()
-  # Only no_validation's switch is read in step 0 (AppWorld validates D0 by feedback.validate).
-  assert [v for v in ablations.VARIANTS if not ablations.shares_start(v)] == ["no_validation"]
+  # Step 0 reads no_validation's switch (AppWorld validates D0 by feedback.validate), WIA's (the
+  # demonstrations' predictions) and Q-Evolve's (the demonstrations fill its replay buffer).
+  own = [v for v in ablations.VARIANTS if not ablations.shares_start(v)]
+  assert own == ["no_validation", "wia", "qevolve"]
   with pytest.raises(KeyError, match="no field"):
     ablations.load_config("coevolve", 0, {"train.stepz": 3})
 
