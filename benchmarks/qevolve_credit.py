@@ -18,7 +18,8 @@ The table gives, per seed, the GRPO steps each arm needed, and their ratio (crit
 1: the critic got there in fewer steps).
 
   python benchmarks/qevolve_credit.py [--seeds 0,1,2] [--steps 4] [--decide 0|1]
-    [--critic-updates 32] [--critic-lr 1e-3]
+    [--critic-updates 32] [--critic-lr 1e-3] [--critic head|model] [--model-layers 2]
+    [--model-width 256] [--model-batch 16]
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def run(
   model = Qwen(_config(), rngs=nnx.Rngs(seed))
   trainer = PolicyTrainer(model, make_optimizer(LR, 0.0, 1.0), grpo.GRPOConfig(), 1.0)
   trainer.freeze_reference()
-  critic = qevolve.Critic(critic_cfg, trainer, seed) if arm == "critic" else None
+  critic = qevolve.make_critic(critic_cfg, trainer, seed) if arm == "critic" else None
   metrics: dict = {}
   sample = jax.jit(_sample, static_argnums=3)
   rng, key = np.random.default_rng(seed), jax.random.key(seed)
@@ -157,14 +158,32 @@ def main(argv=None) -> None:
   parser.add_argument("--max-steps", type=int, default=300, help="GRPO steps per run at most")
   parser.add_argument("--critic-updates", type=int, default=qevolve.QEvolveConfig.updates)
   parser.add_argument("--critic-lr", type=float, default=qevolve.QEvolveConfig.lr)
+  parser.add_argument("--critic", default="head", choices=qevolve.CRITICS)
+  parser.add_argument("--model-layers", type=int, default=qevolve.QEvolveConfig.model_layers)
+  parser.add_argument("--model-width", type=int, default=qevolve.QEvolveConfig.model_width)
+  parser.add_argument("--model-batch", type=int, default=qevolve.QEvolveConfig.model_batch)
   args = parser.parse_args(argv)
-  critic_cfg = qevolve.QEvolveConfig(updates=args.critic_updates, lr=args.critic_lr)
+  critic_cfg = qevolve.QEvolveConfig(
+    updates=args.critic_updates,
+    lr=args.critic_lr,
+    critic=args.critic,
+    model_layers=args.model_layers,
+    model_width=args.model_width,
+    model_batch=args.model_batch,
+  )
   seeds = [int(s) for s in args.seeds.split(",")]
   print(f"# {machine()}")
   print(
     f"# K = {args.steps} replies, reply {args.decide + 1} decides; {DIGITS} prompts x G = "
     f"{GROUP}; target expected reward {TARGET}; at most {args.max_steps} GRPO steps; critic "
-    f"{critic_cfg.updates} updates of {critic_cfg.batch} at lr {critic_cfg.lr:g}"
+    f"{critic_cfg.critic!r}, {critic_cfg.updates} updates of "
+    + (
+      f"{critic_cfg.batch} transitions"
+      if critic_cfg.critic == "head"
+      else f"{critic_cfg.model_batch} episodes ({critic_cfg.model_layers} layers of "
+      f"{critic_cfg.model_width})"
+    )
+    + f" at lr {critic_cfg.lr:g}"
   )
   print(
     "| seed | GRPO steps | critic steps | critic / GRPO | GRPO s | critic s | critic's last "

@@ -578,7 +578,7 @@ class CoEvolveRun:
     self.critic_ckpt: qevolve.CriticCheckpointer | None = None
     if "qevolve" in self.cfg and self.cfg.qevolve.enabled:
       qcfg = qevolve.QEvolveConfig.from_config(self.cfg.qevolve)
-      self.critic = qevolve.Critic(qcfg, p.trainer, self.cfg.seed)
+      self.critic = qevolve.make_critic(qcfg, p.trainer, self.cfg.seed)
       where = qevolve.checkpoint_dir(self.workdir)
       self.critic_ckpt = qevolve.CriticCheckpointer(where, self.cfg.checkpoint.keep)
       self._closing.append(("critic checkpoints", self.critic_ckpt))

@@ -157,23 +157,40 @@ def shard_bytes(
 
 
 def critic_bytes(
-  hidden_size: int, cfg: qevolve.QEvolveConfig, rows: int, max_replies: int, mesh: Mapping[str, int]
+  policy: QwenConfig | int,
+  cfg: qevolve.QEvolveConfig,
+  rows: int,
+  max_replies: int,
+  mesh: Mapping[str, int],
 ) -> int:
-  """Bytes per device of Q-Evolve's critic (`qevolve.Critic`, "head"): the V and Q heads, the Q
-  target and AdamW's two moments of V and Q (7 head copies, float32, sharded by
-  `qevolve.HEAD_AXES`), plus the hidden-state features of one step's reads, replicated:
-  [rows, 2 max_replies, D] float32 from `PolicyTrainer.hidden_states_at` and a critic batch of
-  [batch, 3 D].
+  """Bytes per device of Q-Evolve's critic (`qevolve.Critic`): the V and Q heads, the Q target
+  and AdamW's two moments of V and Q (7 head copies, float32, sharded by `qevolve.HEAD_AXES`),
+  plus the hidden-state features of one step's reads, replicated: [rows, 2 max_replies, D]
+  float32 and, for the "head" critic, a batch of [batch, 3 D]. The "model" critic
+  (`qevolve.ModelCritic`) adds its network's float32 parameters and AdamW's two moments (3
+  copies, sharded by their logical axes), D being its width; its training activations are not
+  counted (a `model_batch` of episodes through `model_layers` small layers).
 
   Args:
-    hidden_size: the policy's D. cfg: the critic's settings. rows: episodes read per step (the
-      step's rollouts plus `cfg.replay`). max_replies: replies per episode at most
-      (`episode.max_model_steps`). mesh: axis sizes.
+    policy: the policy's config (an int: its hidden size D, for the "head" critic only).
+    cfg: the critic's settings. rows: episodes read per step (the step's rollouts plus
+      `cfg.replay`). max_replies: replies per episode at most (`episode.max_model_steps`).
+    mesh: axis sizes.
   """
-  shapes = jax.eval_shape(lambda: qevolve.init_head(jax.random.key(0), hidden_size, cfg.hidden))
+  if cfg.critic == "model":
+    if not isinstance(policy, QwenConfig):
+      raise TypeError("the 'model' critic is planned from the policy's QwenConfig")
+    network = qevolve.critic_model_config(policy, cfg)
+    d = network.hidden_size
+    trunk = 3 * parameter_bytes(network, mesh, "float32")[1]
+    batch = 0
+  else:
+    d = policy.hidden_size if isinstance(policy, QwenConfig) else int(policy)
+    trunk, batch = 0, 3 * cfg.batch
+  shapes = jax.eval_shape(lambda: qevolve.init_head(jax.random.key(0), d, cfg.hidden))
   head = sum(shard_bytes(x.shape, x.dtype, qevolve.HEAD_AXES[k], mesh) for k, x in shapes.items())
-  features = 4 * hidden_size * (rows * 2 * max_replies + 3 * cfg.batch)
-  return 7 * head + features
+  features = 4 * d * (rows * 2 * max_replies + batch)
+  return 7 * head + features + trunk
 
 
 Model = str | QwenConfig  # a preset name, or the config of a checkpoint (`hf.read_config`)
@@ -653,7 +670,7 @@ def plan_for_run(
     rows = cfg["rollout"]["tasks_per_step"] * cfg["rollout"]["group_size"] + qcfg.replay
     steps = cfg["episode"]["max_model_steps"]
     sizes = {a: int(mesh.get(a, 1)) for a in sharding.MESH_AXES}
-    critic = critic_bytes(model_config(model).hidden_size, qcfg, rows, steps, sizes)
+    critic = critic_bytes(model_config(model), qcfg, rows, steps, sizes)
   return plan(
     model,
     mesh,

@@ -55,13 +55,15 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
+from flax import nnx
+
 from coevolve_jax import distributed, errors, grpo
-from coevolve_jax.models import sharding
+from coevolve_jax.models import QwenConfig, builder, sharding
 from coevolve_jax.trainer import bucket_size
 from coevolve_jax.types import Reply, Trajectory
 
 MODES = ("critic", "iterate")
-CRITICS = ("head",)  # "model" (a separate network of its own size) is not built yet
+CRITICS = ("head", "model")
 BP_VARIANTS = ("clip_kl", "bppo")
 ORIGINS = ("agent", "expert")
 
@@ -74,8 +76,13 @@ class QEvolveConfig:
     mode: "critic" (the critic's GAE advantages feed the GRPO step) | "iterate" (each GRPO step
       is a Q-Evolve iteration: the same advantages, on the step's rollouts and `experts`
       demonstrations, by the behaviour-proximal objective, `epochs` passes).
-    critic: "head" (MLPs on the policy's hidden states).
+    critic: "head" (MLPs on the policy's hidden states) | "model" (the same heads on a network
+      of its own, `model_layers` decoder layers of width `model_width`, trained end to end by the
+      critic's losses: `ModelCritic`).
     hidden: the heads' hidden width*.
+    model_layers, model_width: the "model" critic's network* (the policy's architecture and
+      vocabulary; heads of 64 or `model_width` if smaller). model_batch: episodes per "model"
+      critic step*.
     tau: the expectile of L_V* (0.5 is a mean; IQL's 0.7). gamma*, lam*: GAE's.
     polyak: the Q target's rate per critic step*.
     lr: the critic's AdamW learning rate*. updates: critic gradient steps per GRPO step*.
@@ -100,6 +107,9 @@ class QEvolveConfig:
   mode: str = "critic"
   critic: str = "head"
   hidden: int = 256
+  model_layers: int = 2
+  model_width: int = 256
+  model_batch: int = 16
   tau: float = 0.7
   gamma: float = 0.99
   lam: float = 0.95
@@ -138,13 +148,18 @@ class QEvolveConfig:
     for name in ("gamma", "lam", "polyak", "omega", "clip_decay"):
       if not 0.0 <= getattr(self, name) <= 1.0:
         raise ValueError(f"qevolve.{name} must be in [0, 1], got {getattr(self, name)}")
-    for name in ("hidden", "updates", "batch", "capacity", "epochs"):
+    for name in ("hidden", "updates", "batch", "capacity", "epochs", "model_layers"):
       if getattr(self, name) < 1:
         raise ValueError(f"qevolve.{name} must be >= 1, got {getattr(self, name)}")
     if (
       self.replay < 0 or self.experts < 0 or self.lr <= 0 or self.clip_low < 0 or self.clip_high < 0
     ):
       raise ValueError("qevolve.replay, clip_low and clip_high must be >= 0 and lr > 0")
+    if self.model_batch < 1 or self.model_width < 1 or self.model_width % min(64, self.model_width):
+      raise ValueError(
+        "qevolve.model_batch must be >= 1 and model_width below 64 or a multiple of 64, got "
+        f"{self.model_batch} and {self.model_width}"
+      )
     try:
       re.compile(self.invalid_pattern)
     except re.error as e:
@@ -160,7 +175,7 @@ class QEvolveConfig:
     kwargs = {}
     for f in dataclasses.fields(cls):
       kind: Any = type(f.default)
-      value = group[f.name]
+      value = group[f.name] if f.name in group else f.default  # runs made before a field
       if kind is bool and not isinstance(value, bool):
         raise TypeError(f"qevolve.{f.name} must be a bool, got {value!r}")
       kwargs[f.name] = kind(value)
@@ -578,19 +593,34 @@ class Critic:
     shapes compile."""
     if not episodes:
       return []
-    longest = max(len(e.token_ids) for e in episodes)
+    tokens, index, steps = self._pack(episodes)
+    h = self._read(tokens, index)
+    return [(h[i, : e.steps], h[i, steps : steps + e.steps]) for i, e in enumerate(episodes)]
+
+  def _read(self, tokens: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """[N, P, D] float32 host features at `index` of `tokens` (the policy's hidden states)."""
+    return self.trainer.hidden_states_at(tokens, index)
+
+  def _pack(
+    self, episodes: Sequence[Episode], like: Sequence[Episode] = ()
+  ) -> tuple[np.ndarray, np.ndarray, int]:
+    """(tokens [N, T] int32 right-padded, index [N, 2S] int32: each episode's state positions
+    then, from S on, its state-action positions, S): T the train step's length bucket of the
+    longest of `episodes` and `like` (or a power of two up to 512, then multiples of 512), S a
+    power of two, so that few shapes compile."""
+    every = [*episodes, *like]
+    longest = max(len(e.token_ids) for e in every)
     buckets = self.trainer.len_buckets  # the train step's lengths: a bounded set of shapes
     t = next((b for b in buckets if b >= longest), None) if buckets else None
     t = t or bucket_size(longest, 128)
-    steps = bucket_size(max(e.steps for e in episodes), 8)
+    steps = bucket_size(max(e.steps for e in every), 8)
     tokens = np.zeros((len(episodes), t), np.int32)
     index = np.zeros((len(episodes), 2 * steps), np.int32)
     for i, e in enumerate(episodes):
       tokens[i, : len(e.token_ids)] = e.token_ids
       index[i, : e.steps] = e.state_pos
       index[i, steps : steps + e.steps] = e.action_pos
-    h = self.trainer.hidden_states_at(tokens, index)
-    return [(h[i, : e.steps], h[i, steps : steps + e.steps]) for i, e in enumerate(episodes)]
+    return tokens, index, steps
 
   def transitions(
     self, episodes: Sequence[Episode], feats: Sequence[tuple[np.ndarray, np.ndarray]]
@@ -719,6 +749,166 @@ class Critic:
       [{**e, "token_ids": tokens[a:b]} for e, a, b in zip(meta["episodes"], ends[:-1], ends[1:])]
     )
     self.rng.bit_generator.state = meta["rng"]
+
+
+def critic_model_config(policy: QwenConfig, cfg: QEvolveConfig) -> QwenConfig:
+  """The "model" critic's network: the policy's architecture and vocabulary (its token ids),
+  dense, `cfg.model_layers` layers of width `cfg.model_width` (heads of 64, or one head of the
+  width below 64; as many KV heads as heads; MLP 3x the width), tied embeddings (no output
+  projection: the critic reads hidden states only)."""
+  head_dim = min(64, cfg.model_width)
+  heads = cfg.model_width // head_dim
+  return dataclasses.replace(
+    policy,
+    hidden_size=cfg.model_width,
+    intermediate_size=3 * cfg.model_width,
+    num_hidden_layers=cfg.model_layers,
+    num_attention_heads=heads,
+    num_key_value_heads=heads,
+    head_dim=head_dim,
+    tie_word_embeddings=True,
+    num_experts=0,
+    num_experts_per_tok=0,
+    moe_intermediate_size=0,
+    mlp_only_layers=(),
+  )
+
+
+def model_critic_step(
+  state: dict[str, Any], batch: Mapping[str, jax.Array], graphdef, tx, cfg: QEvolveConfig
+):
+  """One "model" critic update on a batch of B episodes: the critic's network reads the
+  episodes (its gradient from both losses), V and Q heads at the state and state-action
+  positions, L_V + L_Q (`iql_losses`, weighted means over the real transitions) by AdamW on
+  network and heads, then the Polyak step of the Q head's target (which reads the network's
+  features without a gradient: the network has no target copy).
+
+  state: {"trunk" (nnx.State), "v", "q", "q_target", "opt"}; batch: tokens [B, T] int32, index
+  [B, 2S] int32 (`Critic._pack`), reward, done, weight, valid [B, S] float32 (valid 0 on
+  padding). Returns (state, {"v_loss", "q_loss"})."""
+  steps = batch["reward"].shape[1]
+
+  def loss_fn(train):
+    model = nnx.merge(graphdef, train["trunk"])
+    h = model.hidden_states(batch["tokens"], None, None, batch["index"]).astype(jnp.float32)
+    hs, hsa = h[:, :steps], h[:, steps:]
+    v = head_apply(train["v"], hs)
+    q = head_apply(train["q"], hsa)
+    v_next = jnp.concatenate([v[:, 1:], jnp.zeros_like(v[:, :1])], axis=1)
+    q_t = head_apply(state["q_target"], jax.lax.stop_gradient(hsa))
+    valid = batch["valid"]
+    scale = valid.size / jnp.maximum(valid.sum(), 1.0)  # a mean over the real transitions
+    v_loss, q_loss = iql_losses(
+      *(x.ravel() for x in (v, q, q_t, v_next, batch["reward"], batch["done"])),
+      (batch["weight"] * valid).ravel(),
+      cfg.tau,
+      cfg.gamma,
+    )
+    return (v_loss + q_loss) * scale, (v_loss * scale, q_loss * scale)
+
+  train = {"trunk": state["trunk"], "v": state["v"], "q": state["q"]}
+  (_, (v_loss, q_loss)), grads = jax.value_and_grad(loss_fn, has_aux=True)(train)
+  updates, opt = tx.update(grads, state["opt"], train)
+  train = optax.apply_updates(train, updates)
+  target = optax.incremental_update(train["q"], state["q_target"], cfg.polyak)
+  return {**train, "q_target": target, "opt": opt}, {"v_loss": v_loss, "q_loss": q_loss}
+
+
+class ModelCritic(Critic):
+  """Q-Evolve's critic as a network of its own (`critic = "model"`): `critic_model_config`'s
+  network (float32, random init from the run's seed) with V and Q heads, trained end to end by
+  `model_critic_step` on `model_batch` episodes a step; its features (the network's hidden
+  states, no gradient) give the values of the process rewards. With the trainer's mesh the
+  network and its AdamW moments are placed by their logical axes (`sharding.tree_shardings`,
+  the policy's rules) and the heads as `Critic`'s; the read episodes are replicated."""
+
+  def __init__(self, cfg: QEvolveConfig, trainer, seed: int):
+    self.cfg, self.trainer = cfg, trainer
+    mesh = trainer.mesh
+    network = builder.init(
+      critic_model_config(trainer.model_config, cfg),
+      seed=seed + 1,
+      dtype=jnp.float32,
+      mesh=mesh,
+      remat="none",
+    )
+    self.graphdef, trunk = nnx.split(network)
+    kv, kq = jax.random.split(jax.random.key(seed))
+    self.tx = optax.adamw(cfg.lr, weight_decay=0.0)
+    v, q = init_head(kv, cfg.model_width, cfg.hidden), init_head(kq, cfg.model_width, cfg.hidden)
+    heads = {"v": v, "q": q, "q_target": jax.tree.map(jnp.copy, q)}
+    self.shardings = None
+    if mesh is not None:
+      head_sh = self._shardings(heads)
+      opt_shapes = jax.eval_shape(self.tx.init, {"trunk": trunk, "v": v, "q": q})
+      self.shardings = {
+        "trunk": sharding.tree_shardings(trunk, mesh),
+        **head_sh,
+        "opt": sharding.tree_shardings(opt_shapes, mesh),
+      }
+      heads = jax.device_put(heads, head_sh)
+    init_opt = jax.jit(self.tx.init, out_shardings=None if mesh is None else self.shardings["opt"])
+    opt = init_opt({"trunk": trunk, "v": heads["v"], "q": heads["q"]})
+    self.state = {"trunk": trunk, **heads, "opt": opt}
+    self.buffer = ReplayBuffer(cfg.capacity)
+    self.rng = np.random.default_rng([seed, 0x71657630])
+    placed: dict[str, Any] = {}
+    if self.shardings is not None:
+      placed["out_shardings"] = (self.shardings, None)
+    graphdef = self.graphdef
+    self._step = jax.jit(
+      lambda s, b: model_critic_step(s, b, graphdef, self.tx, cfg), donate_argnums=(0,), **placed
+    )
+    self._values = jax.jit(head_apply)
+
+    def hidden(trunk, tokens, index):
+      model = nnx.merge(graphdef, trunk)
+      return model.hidden_states(tokens, None, None, index).astype(jnp.float32)
+
+    self._hidden = jax.jit(hidden)
+
+  def _read(self, tokens: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """The critic network's own hidden states at `index` (no gradient), on the host."""
+    return distributed.fetch(self._hidden(self.state["trunk"], tokens, index))
+
+  def fit(
+    self, episodes: Sequence[Episode], feats: Sequence[tuple[np.ndarray, np.ndarray]]
+  ) -> dict[str, float]:
+    """`cfg.updates` steps, each on `cfg.model_batch` episodes drawn from `episodes` and
+    `cfg.replay` buffer episodes (the network reads them in the step: `feats` is not used),
+    then adds `episodes` to the buffer. Returns `Critic.fit`'s metrics."""
+    del feats
+    cfg = self.cfg
+    replayed = self.buffer.sample(cfg.replay, self.rng)
+    every = list(episodes) + replayed
+    self.buffer.extend(list(episodes))
+    metrics: dict[str, float] = {"qevolve/buffer": len(self.buffer), "qevolve/transitions": 0}
+    if not every:
+      return metrics
+    out: dict[str, Any] = {}
+    for _ in range(cfg.updates):
+      pick = self.rng.choice(len(every), cfg.model_batch, replace=len(every) < cfg.model_batch)
+      chosen = [every[i] for i in pick]
+      tokens, index, steps = self._pack(chosen, like=every)  # one shape per fit
+      batch = {"tokens": tokens, "index": index}
+      for key in ("reward", "done", "weight", "valid"):
+        batch[key] = np.zeros((len(chosen), steps), np.float32)
+      for i, e in enumerate(chosen):
+        n = e.steps
+        batch["reward"][i, :n] = np.asarray(e.penalties, np.float32)
+        batch["reward"][i, n - 1] += e.reward
+        batch["done"][i, n - 1] = 1.0
+        batch["weight"][i, :n] = step_weights(n, e.reward >= 1.0)
+        batch["valid"][i, :n] = 1.0
+      self.state, out = self._step(self.state, batch)
+    metrics.update({f"qevolve/{k}": float(v) for k, v in out.items()})
+    metrics["qevolve/transitions"] = sum(e.steps for e in every)
+    return metrics
+
+
+def make_critic(cfg: QEvolveConfig, trainer, seed: int) -> Critic:
+  """The critic `cfg.critic` names: `Critic` ("head") or `ModelCritic` ("model")."""
+  return ModelCritic(cfg, trainer, seed) if cfg.critic == "model" else Critic(cfg, trainer, seed)
 
 
 class CriticCheckpointer:

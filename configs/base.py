@@ -188,8 +188,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.qevolve = ml_collections.ConfigDict()
   c.qevolve.enabled = False
   c.qevolve.mode = "critic"  # or "iterate"
+  # "head": V and Q heads on the policy's hidden states; "model": the same heads on a network of
+  # its own (the policy's architecture and vocabulary, model_layers x model_width, trained end
+  # to end on model_batch episodes a critic step).
   c.qevolve.critic = "head"
   c.qevolve.hidden = 256  # * the heads' width
+  c.qevolve.model_layers = 2  # *
+  c.qevolve.model_width = 256  # *
+  c.qevolve.model_batch = 16  # *
   c.qevolve.tau = 0.7  # * expectile
   c.qevolve.gamma = 0.99  # *
   c.qevolve.lam = 0.95  # * GAE lambda

@@ -289,6 +289,51 @@ def test_critic_learns_the_deciding_step(tmp_path):
   assert other.rng.random() == critic.rng.random()
 
 
+def test_the_model_critic_learns_the_deciding_step_with_a_network_of_its_own(tmp_path):
+  """critic = "model": a 1-layer width-64 network of its own (the policy's vocabulary), trained
+  end to end on the same episodes as the head critic's test, separates the good and bad
+  prefixes and ranks the deciding reply; its network moved (the policy did not), and its
+  checkpoint, network included, round-trips exactly."""
+  model = kit.tiny_model(3, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+  trainer = PolicyTrainer(model, make_optimizer(1e-3, 0.0, 1.0), grpo.GRPOConfig(), 1.0)
+  policy_before = jax.tree.map(np.asarray, trainer.params)
+  cfg = qevolve.QEvolveConfig(
+    critic="model", model_layers=1, model_width=64, model_batch=8, updates=40, lr=3e-3,
+    replay=8, capacity=64, lam=0.0,
+  )  # fmt: skip
+  critic = qevolve.make_critic(cfg, trainer, seed=0)
+  assert isinstance(critic, qevolve.ModelCritic)
+  net = critic.state["trunk"]
+  assert net["embed_tokens"].value.shape == (trainer.model_config.vocab_size, 64)
+  trunk_before = jax.tree.map(np.asarray, net)
+  rng = np.random.default_rng(0)
+  for _ in range(4):
+    eps = [qevolve.episode(_decision_episode(rng, g), cfg) for g in [True, False] * 4]
+    metrics = critic.fit(eps, critic.features(eps))
+  assert metrics["qevolve/buffer"] == 32 and metrics["qevolve/transitions"] == 32
+  eps = [qevolve.episode(_decision_episode(rng, g), cfg) for g in [True, False] * 4]
+  feats = critic.features(eps)
+  assert feats[0][0].shape == (2, 64)  # the network's own width, not the policy's 32
+  v_second = np.array([critic.values(f[0])[1] for f in feats])
+  assert v_second[0::2].min() > 0.8 and v_second[1::2].max() < 0.2, v_second
+  reply_adv, _ = critic.reply_advantages(eps, feats)
+  first = np.array([a[0] for a in reply_adv])
+  assert first[0::2].min() - first[1::2].max() > 0.5, first
+  moved = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(a - np.asarray(b)).max(),
+                                       trunk_before, critic.state["trunk"]))  # fmt: skip
+  assert max(moved) > 1e-3  # the network learnt, not only the heads
+  for a, b in zip(jax.tree.leaves(policy_before), jax.tree.leaves(trainer.params)):
+    np.testing.assert_array_equal(a, b)
+  ckpt = qevolve.CriticCheckpointer(str(tmp_path / "qevolve"), keep=2)
+  ckpt.save(4, critic)
+  other = qevolve.make_critic(cfg, trainer, seed=1)
+  assert ckpt.restore(4, other)
+  ckpt.close()
+  for a, b in zip(jax.tree.leaves(critic.state), jax.tree.leaves(other.state)):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(other.features(eps)[0][0], feats[0][0])
+
+
 def test_planner_counts_the_critic():
   """`memory_plan.critic_bytes` by hand: 7 head copies (w1 split over fsdp 2) and the features."""
   from coevolve_jax import memory_plan  # noqa: PLC0415
@@ -298,12 +343,25 @@ def test_planner_counts_the_critic():
   head = 64 * 8 * 4 // 2 + 8 * 4 + 8 * 4 + 4
   features = 4 * 64 * (2 * 2 * 3 + 3 * 4)  # 2 rows x 2 x 3 replies, and a batch of 4 x 3 D
   assert memory_plan.critic_bytes(64, cfg, rows=2, max_replies=3, mesh=mesh) == 7 * head + features
+  # the "model" critic adds its network and AdamW's moments (float32, fsdp-sharded) at its width
+  policy = kit.tiny_config()
+  model = qevolve.QEvolveConfig(hidden=8, batch=4, critic="model", model_width=32)
+  network = qevolve.critic_model_config(policy, model)
+  _, net = memory_plan.parameter_bytes(network, mesh, "float32")
+  head = 32 * 8 * 4 // 2 + 8 * 4 + 8 * 4 + 4
+  features = 4 * 32 * (2 * 2 * 3)
+  got = memory_plan.critic_bytes(policy, model, rows=2, max_replies=3, mesh=mesh)
+  assert got == 7 * head + features + 3 * net
+  assert net < memory_plan.parameter_bytes(policy, mesh, "float32")[1]
 
 
 @pytest.mark.slow
 def test_the_critic_on_a_mesh_equals_one_device():
   """On 8 host devices (data 2 x fsdp 2 x tensor 2) the heads are sharded by their logical axes
-  (w1 over fsdp and tensor) and three fits give the values one device gives (float32, 1e-6)."""
+  (w1 over fsdp and tensor) and three fits give the values one device gives (float32, 1e-6);
+  the "model" critic's network and AdamW moments are sharded by the policy's rules too, and one
+  fit of 5 updates gives one device's values to 1e-6 (its network reads the episodes in a
+  sharded forward and backward, which round in another order: 20 updates drift to ~1e-5)."""
   run_child(__file__, "mesh")
 
 
@@ -311,23 +369,43 @@ def _mesh_child() -> None:
   from coevolve_jax.models import builder, sharding  # noqa: PLC0415
 
   assert jax.device_count() == 8, jax.devices()
-  values = []
-  for mesh in (None, sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})):
-    model = builder.init(kit.tiny_config(num_hidden_layers=1), seed=0, mesh=mesh)
-    trainer = PolicyTrainer(
-      model, make_optimizer(1e-3, 0.0, 1.0), grpo.GRPOConfig(), 1.0, mesh=mesh
-    )
-    cfg = qevolve.QEvolveConfig(updates=20, batch=64, lr=3e-3)
-    critic = qevolve.Critic(cfg, trainer, seed=0)
-    rng = np.random.default_rng(0)
-    for _ in range(3):
-      eps = [qevolve.episode(_decision_episode(rng, g), cfg) for g in [True, False] * 4]
-      critic.fit(eps, critic.features(eps))
-    values.append(np.stack([critic.values(f[0]) for f in critic.features(eps)]))
-    if mesh is not None:
-      specs = {k: tuple(x.sharding.spec) for k, x in critic.state["v"].items()}
-      assert specs["w1"] == ("fsdp", "tensor") and specs["w2"] == ("tensor",), specs
-  np.testing.assert_allclose(values[1], values[0], atol=1e-6)
+  for kind, fits, updates in (("head", 3, 20), ("model", 1, 5)):
+    values = []
+    for mesh in (None, sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})):
+      model = builder.init(kit.tiny_config(num_hidden_layers=1), seed=0, mesh=mesh)
+      trainer = PolicyTrainer(
+        model, make_optimizer(1e-3, 0.0, 1.0), grpo.GRPOConfig(), 1.0, mesh=mesh
+      )
+      cfg = qevolve.QEvolveConfig(
+        updates=updates,
+        batch=64,
+        lr=3e-3,
+        critic=kind,
+        model_layers=1,
+        model_width=64,
+        model_batch=8,
+      )
+      critic = qevolve.make_critic(cfg, trainer, seed=0)
+      rng = np.random.default_rng(0)
+      for _ in range(fits):
+        eps = [qevolve.episode(_decision_episode(rng, g), cfg) for g in [True, False] * 4]
+        critic.fit(eps, critic.features(eps))
+      values.append(np.stack([critic.values(f[0]) for f in critic.features(eps)]))
+      if mesh is not None:
+        specs = {k: tuple(x.sharding.spec) for k, x in critic.state["v"].items()}
+        assert specs["w1"] == ("fsdp", "tensor") and specs["w2"] == ("tensor",), specs
+      if mesh is not None and kind == "model":
+        specs = {
+          jax.tree_util.keystr(p): tuple(x.sharding.spec)
+          for p, x in jax.tree_util.tree_leaves_with_path(critic.state["trunk"])
+        }
+        assert any("fsdp" in str(v) for v in specs.values()), specs  # not all replicated
+        mu = critic.state["opt"][0].mu["trunk"]
+        assert jax.tree.leaves(mu)[0].sharding == jax.tree.leaves(critic.state["trunk"])[0].sharding
+    assert np.abs(values[0]).max() > 1e-3, (
+      kind
+    )  # moved from the heads' zero start: 1000x the tolerance
+    np.testing.assert_allclose(values[1], values[0], atol=1e-6, err_msg=kind)
   print("mesh OK")
 
 
