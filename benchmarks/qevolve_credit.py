@@ -163,6 +163,8 @@ def main(argv=None) -> None:
   parser.add_argument("--model-width", type=int, default=qevolve.QEvolveConfig.model_width)
   parser.add_argument("--model-batch", type=int, default=qevolve.QEvolveConfig.model_batch)
   args = parser.parse_args(argv)
+  if not 1 <= args.steps <= VOCAB - MARK0 + 1:  # step markers MARK0 .. MARK0 + K - 2
+    parser.error(f"--steps must be in [1, {VOCAB - MARK0 + 1}] (the step markers' token ids)")
   critic_cfg = qevolve.QEvolveConfig(
     updates=args.critic_updates,
     lr=args.critic_lr,
