@@ -315,7 +315,8 @@ class CoEvolveRun:
     estimator, wia_cfg = cfg.train.advantage_estimator, None
     if cfg.role_agent.wia.enabled:  # Role-Agent's process rewards (coevolve_jax/wia.py)
       estimator, wia_cfg = "role_agent", wia.WIAConfig.from_config(cfg.role_agent.wia)
-    if self.critic is not None:  # Q-Evolve (coevolve_jax/qevolve.py)
+    between = self.critic is not None and self.critic.cfg.placement == "between"
+    if self.critic is not None and not between:  # Q-Evolve (coevolve_jax/qevolve.py)
       info, adv = self._qevolve_update(step, trajs, rewards, groups, keep)
     else:
       inputs = advantages.AdvantageInputs(trajs, rewards, groups, keep, self.trainer.cfg, wia_cfg)
@@ -323,6 +324,8 @@ class CoEvolveRun:
         adv = advantages.estimate(estimator, inputs)
       with self.timer("train"):
         info = self.trainer.grpo_epoch(trajs, adv, cfg.train.mini_batches, keep=keep)
+      if between:  # Q-Evolve's iterations after CoEvolve's GRPO update
+        info.update(self._qevolve_between(step, trajs, rewards, groups, keep))
     events = self.tracker.observe(trajs, tasks)
     self.state.events.extend(events)
     with self._timed("aiw", self.parts.sampler.name == "aiw"):  # AIW's analysis and retrieval
@@ -352,13 +355,23 @@ class CoEvolveRun:
     return info
 
   def _qevolve_update(
-    self, step: int, trajs: list[Trajectory], rewards, groups, keep
+    self,
+    step: int,
+    trajs: list[Trajectory],
+    rewards,
+    groups,
+    keep,
+    iteration: int | None = None,
+    fit_on: int | None = None,
   ) -> tuple[dict[str, Any], np.ndarray]:
     """The step's policy update with Q-Evolve's critic: its per-reply advantages ("qevolve"
     estimator); mode "critic" trains on them with the GRPO objective, mode "iterate" with the
     behaviour-proximal one (`qevolve.objective`, iteration step - 1) on the rollouts and
     `qevolve.experts` demonstrations from the buffer, `qevolve.epochs` passes.
 
+    Args:
+      iteration: the behaviour-proximal objective's iteration number (default step - 1).
+      fit_on: how many of `trajs` the critic takes into its buffer (default all).
     Returns:
       (the step's metrics: the update's, qevolve/*; the rollouts' advantages [N, P]).
     """
@@ -371,23 +384,17 @@ class CoEvolveRun:
       fits = lambda e: e.origin == "expert" and self.trainer.fits(e.trajectory(0))  # noqa: E731
       experts = critic.buffer.sample(qcfg.experts, critic.rng, fits)
     demos = [e.trajectory(-1 - i) for i, e in enumerate(experts)]  # a group of its own each
-    if demos:  # their behaviour log-probs: the policy's now (BPPO's pi_k)
-      trainer = self.trainer
-      batch = make_batch(
-        demos, len_buckets=trainer.len_buckets, target_buckets=trainer.target_buckets
-      )
-      scored = distributed.fetch(trainer.logprobs(batch))  # row-sharded: gathered whole
-      for r, t in enumerate(demos):
-        for j, i in enumerate(target_positions(t)):
-          t.logprobs[i] = float(scored[r, j])
+    self._rescore(demos)  # their behaviour log-probs: the policy's now (BPPO's pi_k)
     rows = trajs + demos
     with self.timer("critic"):
-      critic_in, metrics = self._critic_step(rows, fit_on=len(trajs))
+      critic_in, metrics = self._critic_step(rows, len(trajs) if fit_on is None else fit_on)
     every = np.concatenate([keep, np.ones(len(demos), bool)])
     all_rewards = np.array([t.reward for t in rows], np.float32)
     all_groups = np.concatenate([groups, [t.group_id for t in demos]]).astype(groups.dtype)
     if iterate:
-      self.trainer.set_objective(qevolve.objective(qcfg, step - 1))
+      self.trainer.set_objective(
+        qevolve.objective(qcfg, step - 1 if iteration is None else iteration)
+      )
       critic_in = (qcfg, [qevolve.weighted_advantages(a, qcfg) for a in critic_in[1]])
     inputs = advantages.AdvantageInputs(
       rows, all_rewards, all_groups, every, self.trainer.cfg, qevolve=critic_in
@@ -401,6 +408,49 @@ class CoEvolveRun:
       info["qevolve/experts"] = len(demos)
     info["qevolve/cost_vs_train"] = self.timer.last["critic"] / max(self.timer.last["train"], 1e-9)
     return info, adv[: len(trajs)]
+
+  def _rescore(self, rows: list[Trajectory]) -> None:
+    """Sets the sampled tokens' log-probs of `rows` (in place) to the current policy's: the
+    behaviour policy of a Q-Evolve iteration (BPPO's pi_k)."""
+    if not rows:
+      return
+    trainer = self.trainer
+    batch = make_batch(rows, len_buckets=trainer.len_buckets, target_buckets=trainer.target_buckets)
+    scored = distributed.fetch(trainer.logprobs(batch))  # row-sharded: gathered whole
+    for r, t in enumerate(rows):
+      for j, i in enumerate(target_positions(t)):
+        t.logprobs[i] = float(scored[r, j])
+
+  def _qevolve_between(self, step: int, trajs, rewards, groups, keep) -> dict[str, Any]:
+    """`qevolve.iterations` Q-Evolve iterations after the step's GRPO update (placement
+    "between"): each rescores copies of the step's rollouts under the policy as it stands,
+    takes `qevolve.experts` demonstrations from the buffer, and trains on the critic's
+    advantages by the behaviour-proximal objective (iteration number (step - 1) x iterations
+    + k), `epochs` passes; the critic takes the rollouts into its buffer once (the first
+    iteration) and fits on its replay in each. The GRPO objective is restored after them.
+
+    Returns:
+      metrics: the last iteration's update and critic figures under qevolve/ (the update's as
+      qevolve/bp_<name>), qevolve/iterations.
+    """
+    critic, base = self.critic, self.trainer.cfg
+    assert critic is not None
+    qcfg = critic.cfg
+    out: dict[str, Any] = {}
+    for k in range(qcfg.iterations):
+      rows = [Trajectory.from_dict(t.to_dict()) for t in trajs]  # the step's own stay as sampled
+      self._rescore(rows)
+      info, _ = self._qevolve_update(
+        step, rows, rewards, groups, keep, iteration=(step - 1) * qcfg.iterations + k,
+        fit_on=len(rows) if k == 0 else 0,
+      )  # fmt: skip
+      out = {
+        name if name.startswith("qevolve/") else f"qevolve/bp_{name.removeprefix('train/')}": v
+        for name, v in info.items()
+      }
+    self.trainer.set_objective(base)
+    out["qevolve/iterations"] = qcfg.iterations
+    return out
 
   def _critic_step(self, trajs: list[Trajectory], fit_on: int) -> tuple[Any, dict[str, float]]:
     """Q-Evolve's critic on a step's rows: each reply's GAE advantage under the critic as it

@@ -63,6 +63,7 @@ from coevolve_jax.trainer import bucket_size
 from coevolve_jax.types import Reply, Trajectory
 
 MODES = ("critic", "iterate")
+PLACEMENTS = ("instead", "between")  # mode "iterate": of CoEvolve's GRPO update, or after it
 CRITICS = ("head", "model")
 BP_VARIANTS = ("clip_kl", "bppo")
 ORIGINS = ("agent", "expert")
@@ -99,6 +100,9 @@ class QEvolveConfig:
     experts: expert episodes (the warm-start's demonstrations in the buffer) trained on beside
       each iteration's rollouts ("iterate"). epochs: policy passes per iteration ("iterate";
       each pass's ratio is to the policy at its start).
+    placement: "instead" (each GRPO step is one Q-Evolve iteration) | "between" (CoEvolve's
+      GRPO update as without Q-Evolve, then `iterations` Q-Evolve iterations on the step's
+      rollouts and `experts` demonstrations, each rescored under the policy as it stands).
     variant, clip_low, clip_high, kl_beta, omega, clip_decay: `objective`'s*.
   Raises (on construction):
     ValueError: an unknown mode / critic / variant, or a value out of range.
@@ -128,6 +132,8 @@ class QEvolveConfig:
   invalid_pattern: str = r"\s*\{?\s*\"?(error|invalid)"
   experts: int = 4
   epochs: int = 1
+  placement: str = "instead"
+  iterations: int = 2
   variant: str = "clip_kl"
   clip_low: float = 0.3
   clip_high: float = 0.2
@@ -138,6 +144,7 @@ class QEvolveConfig:
   def __post_init__(self):
     for name, value, known in (
       ("mode", self.mode, MODES),
+      ("placement", self.placement, PLACEMENTS),
       ("critic", self.critic, CRITICS),
       ("variant", self.variant, BP_VARIANTS),
     ):
@@ -148,13 +155,17 @@ class QEvolveConfig:
     for name in ("gamma", "lam", "polyak", "omega", "clip_decay"):
       if not 0.0 <= getattr(self, name) <= 1.0:
         raise ValueError(f"qevolve.{name} must be in [0, 1], got {getattr(self, name)}")
-    for name in ("hidden", "updates", "batch", "capacity", "epochs", "model_layers"):
+    for name in ("hidden", "updates", "batch", "capacity", "epochs", "model_layers", "iterations"):
       if getattr(self, name) < 1:
         raise ValueError(f"qevolve.{name} must be >= 1, got {getattr(self, name)}")
     if (
       self.replay < 0 or self.experts < 0 or self.lr <= 0 or self.clip_low < 0 or self.clip_high < 0
     ):
       raise ValueError("qevolve.replay, clip_low and clip_high must be >= 0 and lr > 0")
+    if self.placement == "between" and self.mode != "iterate":
+      raise ValueError(
+        "qevolve.placement 'between' needs qevolve.mode 'iterate' (it places those iterations)"
+      )
     if self.model_batch < 1 or self.model_width < 1 or self.model_width % min(64, self.model_width):
       raise ValueError(
         "qevolve.model_batch must be >= 1 and model_width below 64 or a multiple of 64, got "

@@ -27,6 +27,9 @@ from coevolve_jax.models.qwen import Qwen, routing_dtype, unrolled_template, uns
 from coevolve_jax.rollout.sampling import SamplingParams, filtered_logits, gathered_logprobs
 from coevolve_jax.types import Trajectory
 
+# Jitted GRPO steps a trainer keeps, one per objective (`PolicyTrainer.set_objective`).
+OBJECTIVES_KEPT = 4
+
 
 def bucket_size(n: int, minimum: int, step: int = 512) -> int:
   """Powers of two up to `step`, then multiples of `step`: few shapes, little padding."""
@@ -543,6 +546,7 @@ class PolicyTrainer:
       model.config, keep_stacked, infer_template
     )
     self._logp, self._grpo_step, self._sft_step = self._jitted_steps()
+    self._grpo_steps = {self.cfg: self._grpo_step}  # objective -> its jitted step (set_objective)
     self._hidden: Any = None  # `hidden_states_at`'s program, jitted at its first call
 
   def _place_state(self, params, infer_template, inference_layout: str) -> None:
@@ -633,14 +637,8 @@ class PolicyTrainer:
       self._logp_fn, (self._param_sh, self._rows_sh, self._rows_sh, self._rows_sh), self._rows_sh
     )
     state_sh = (self._param_sh, self._opt_sh)
-    grpo_step = self._jit(
-      self._grpo_step_fn,
-      (*state_sh, self._rows_sh, self._rows_sh, self._rows_sh),
-      (*state_sh, None),
-      (0, 1),
-    )
     sft_step = self._jit(self._sft_step_fn, (*state_sh, self._rows_sh), (*state_sh, None), (0, 1))
-    return logp, grpo_step, sft_step
+    return logp, self._jit_grpo_step(self.cfg), sft_step
 
   def _jit(self, fn, in_sh, out_sh, donate=()):
     if self.mesh is None:
@@ -821,12 +819,18 @@ class PolicyTrainer:
 
   def set_objective(self, cfg: grpo.GRPOConfig) -> None:
     """Trains with the objective `cfg` from the next update on (Q-Evolve's behaviour-proximal
-    objective, `qevolve.objective`). A change re-jits the steps (each compiles again at its next
-    call); the same settings change nothing."""
+    objective, `qevolve.objective`); the same settings change nothing. The jitted GRPO steps of
+    the last `OBJECTIVES_KEPT` objectives are kept, so alternating between two (GRPO and a
+    behaviour-proximal iteration) compiles each once; an objective not among them compiles at
+    its next update (BPPO's decaying clip: every iteration)."""
     if cfg == self.cfg:
       return
     self.cfg = cfg
-    self._logp, self._grpo_step, self._sft_step = self._jitted_steps()
+    step = self._grpo_steps.pop(cfg, None) or self._jit_grpo_step(cfg)
+    self._grpo_steps[cfg] = step  # the newest last
+    while len(self._grpo_steps) > OBJECTIVES_KEPT:
+      self._grpo_steps.pop(next(iter(self._grpo_steps)))
+    self._grpo_step = step
 
   def hidden_states_at(self, tokens_nt: np.ndarray, index_np: np.ndarray) -> np.ndarray:
     """The policy's final-norm hidden states at chosen positions, without a gradient: what a
@@ -878,21 +882,38 @@ class PolicyTrainer:
       out = self._hidden(self.params, *self._rows((tokens_nt, index_np)))
     return distributed.fetch(out)[:n]  # replicated: every process holds it whole
 
-  def _grpo_step_fn(self, params, opt_state, arrays, old_logp, ref_logp):
-    k = self.micro_batches
-    logp_fn = lambda p, tokens, pos, routing=None: token_logprobs(  # noqa: E731
-      self._merge(p), tokens, pos, sampling=self.sampling, routing_ntlk=routing
+  def _grpo_step_for(self, cfg: grpo.GRPOConfig):
+    """The GRPO step function of objective `cfg` (bound here, not read from `self.cfg` at trace
+    time: a jitted step keeps its objective when `set_objective` changes the trainer's)."""
+
+    def _grpo_step_fn(params, opt_state, arrays, old_logp, ref_logp):
+      k = self.micro_batches
+      logp_fn = lambda p, tokens, pos, routing=None: token_logprobs(  # noqa: E731
+        self._merge(p), tokens, pos, sampling=self.sampling, routing_ntlk=routing
+      )
+      loss_fn = grpo_micro_loss(logp_fn, cfg, arrays["target_mask"])
+      inputs = {**arrays, "old": old_logp}
+      if ref_logp is not None:
+        inputs["ref"] = ref_logp
+      micro = jax.tree.map(lambda x: split_micro_batches(x, k), inputs)
+      loss, metrics, grads = accumulate_gradients(loss_fn, params, micro, k)
+      updates, opt_state = self.tx.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      metrics.update(loss=loss, grad_norm=optax.tree.norm(grads))
+      return params, opt_state, metrics
+
+    return _grpo_step_fn
+
+  def _jit_grpo_step(self, cfg: grpo.GRPOConfig):
+    """`_grpo_step_for(cfg)` jitted, shardings fixed in and out, parameters and optimizer state
+    donated."""
+    state_sh = (self._param_sh, self._opt_sh)
+    return self._jit(
+      self._grpo_step_for(cfg),
+      (*state_sh, self._rows_sh, self._rows_sh, self._rows_sh),
+      (*state_sh, None),
+      (0, 1),
     )
-    loss_fn = grpo_micro_loss(logp_fn, self.cfg, arrays["target_mask"])
-    inputs = {**arrays, "old": old_logp}
-    if ref_logp is not None:
-      inputs["ref"] = ref_logp
-    micro = jax.tree.map(lambda x: split_micro_batches(x, k), inputs)
-    loss, metrics, grads = accumulate_gradients(loss_fn, params, micro, k)
-    updates, opt_state = self.tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    metrics.update(loss=loss, grad_norm=optax.tree.norm(grads))
-    return params, opt_state, metrics
 
   def grpo_update(
     self, batch: Batch, old_logp: jax.Array, ref_logp: jax.Array | None

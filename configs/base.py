@@ -214,6 +214,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.qevolve.invalid_pattern = r"\s*\{?\s*\"?(error|invalid)"
   c.qevolve.experts = 4  # demonstrations trained on per iteration (mode "iterate")
   c.qevolve.epochs = 1  # * policy passes per iteration (mode "iterate")
+  # mode "iterate": "instead" of CoEvolve's GRPO update (each step is an iteration), or
+  # "between": the GRPO update as without Q-Evolve, then `iterations` Q-Evolve iterations on the
+  # step's rollouts and demonstrations (the paper runs 2-3 iterations).
+  c.qevolve.placement = "instead"
+  c.qevolve.iterations = 2
   c.qevolve.variant = "clip_kl"  # the behaviour-proximal objective (mode "iterate"), or "bppo"
   c.qevolve.clip_low = 0.3  # *
   c.qevolve.clip_high = 0.2  # *

@@ -530,6 +530,14 @@ def _enable_qevolve_iterate(cfg):
   cfg.train.target_buckets = (24, 64)  # the demonstrations' 49 targets fit the update
 
 
+def _enable_qevolve_between_model(cfg):
+  _enable_qevolve(cfg)
+  cfg.qevolve.mode, cfg.qevolve.placement, cfg.qevolve.iterations = "iterate", "between", 2
+  cfg.qevolve.critic, cfg.qevolve.model_layers, cfg.qevolve.model_width = "model", 1, 64
+  cfg.qevolve.model_batch = 4
+  cfg.train.target_buckets = (24, 64)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
   "enable, figures",
@@ -537,13 +545,15 @@ def _enable_qevolve_iterate(cfg):
     (_enable_role_agent, ("aiw/weight_entropy", "wia/prediction_share")),
     (_enable_qevolve, ("qevolve/v_loss", "qevolve/buffer")),
     (_enable_qevolve_iterate, ("qevolve/v_loss", "qevolve/experts")),
+    (_enable_qevolve_between_model, ("qevolve/v_loss", "qevolve/iterations", "qevolve/bp_loss")),
   ],
-  ids=["role_agent", "qevolve", "qevolve_iterate"],
+  ids=["role_agent", "qevolve", "qevolve_iterate", "qevolve_between_model"],
 )
 def test_loop_options_resume_to_the_same_metric_rows(tmp_path, enable, figures):
   """The loop's options on (feedback rounds off): Role-Agent's AIW sampler and WIA's
   predictions and process rewards; Q-Evolve's critic, and its iterations (BPPO's decaying clip,
-  demonstrations in the update, two passes). Three steps in one session and the same
+  demonstrations in the update, two passes; and two iterations between GRPO updates with the
+  "model" critic, whose network comes back too). Three steps in one session and the same
   run killed after step 2's checkpoint and resumed give the same metric rows (rewards, loss, the
   options' figures but wall-clock ones): AIW's weights and failure library, and the critic's
   heads, optimiser state, replay buffer and RNG, come back from the checkpoint, so the resumed

@@ -1,5 +1,6 @@
 """Training batches and the jitted GRPO / SFT updates on a tiny random Qwen."""
 
+import dataclasses
 import gc
 import sys
 import weakref
@@ -241,6 +242,17 @@ def test_grpo_update_moves_logprobs_and_compiles_once(base_model):
   trainer.grpo_update(batch2, old2, trainer.logprobs(batch2, trainer.ref_params))
   assert trainer._grpo_step._cache_size() == 1
   assert trainer._logp._cache_size() == 1
+  # Another objective and back (Q-Evolve's iterations between GRPO steps): each compiled once,
+  # and the GRPO step keeps its own objective.
+  grpo_step, base_cfg = trainer._grpo_step, trainer.cfg
+  trainer.set_objective(dataclasses.replace(base_cfg, clip_eps_low=0.3))
+  other_step = trainer._grpo_step
+  trainer.grpo_update(batch2, old2, trainer.logprobs(batch2, trainer.ref_params))
+  trainer.set_objective(base_cfg)
+  assert trainer._grpo_step is grpo_step and grpo_step._cache_size() == 1
+  trainer.grpo_update(batch2, old2, trainer.logprobs(batch2, trainer.ref_params))
+  trainer.set_objective(dataclasses.replace(base_cfg, clip_eps_low=0.3))
+  assert trainer._grpo_step is other_step and other_step._cache_size() == 1
 
 
 def test_sft_update_lowers_loss(base_model):
