@@ -347,6 +347,55 @@ def test_the_job_on_two_processes_equals_one_process_also_after_kill_and_resume(
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
+def test_qevolve_on_two_processes_equals_one_process(tmp_path):
+  """Q-Evolve's critic on several processes (issue 44): one step of the shrunk job with the
+  "model" critic and two iterations after the GRPO update (feedback rounds off) on 2 loopback
+  processes x 4 host devices gives the metric row of 1 process x 8 devices (reward, losses,
+  every qevolve/ figure but wall-clock ones), and the critic's checkpoints are written once
+  (about 10 minutes on 2 idle cores)."""
+  job = [
+    sys.executable,
+    "-m",
+    "coevolve_jax.main",
+    *JOB_ARGS,
+    "--config.train.steps=1",
+    "--config.feedback.enabled=False",
+    "--config.qevolve.enabled=True",
+    "--config.qevolve.mode=iterate",
+    "--config.qevolve.placement=between",
+    "--config.qevolve.critic=model",
+    "--config.qevolve.model_layers=1",
+    "--config.qevolve.model_width=64",
+    "--config.qevolve.model_batch=4",
+    "--config.qevolve.updates=4",
+  ]
+  one, two = tmp_path / "one", tmp_path / "two"
+  _wait_all([_launch([*job, f"--workdir={one}"], 8)], timeout=1200)
+  _wait_all(_launch_pair(lambda i: [*job, f"--workdir={two}"], devices=4), timeout=1800)
+
+  def rows(workdir):
+    keep = ("step", "reward/mean", "train/loss", "train/kl")
+    out = []
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+      r = json.loads(line)
+      if "reward/mean" in r:
+        out.append(
+          {
+            k: v
+            for k, v in r.items()
+            if k in keep or (k.startswith("qevolve/") and "cost" not in k)
+          }
+        )
+    return out
+
+  want = rows(one)
+  assert [r["step"] for r in want] == [1] and all("qevolve/bp_loss" in r for r in want)
+  assert rows(two) == want
+  assert sorted(os.listdir(two / "qevolve")) == sorted(os.listdir(one / "qevolve"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_appworld_on_two_processes_equals_one_process(tmp_path):
   """Issue 39 item 2: the AppWorld CPU preset (generated worlds, programmatic explorer, a
   warm-start, a feedback round after every step) on 2 loopback processes x 4 host devices
