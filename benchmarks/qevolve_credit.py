@@ -19,7 +19,7 @@ The table gives, per seed, the GRPO steps each arm needed, and their ratio (crit
 
   python benchmarks/qevolve_credit.py [--seeds 0,1,2] [--steps 4] [--decide 0|1]
     [--critic-updates 32] [--critic-lr 1e-3] [--critic head|model] [--model-layers 2]
-    [--model-width 256] [--model-batch 16]
+    [--model-width 256] [--model-batch 16] [--scale none|group_std] [--no-normalize]
 """
 
 from __future__ import annotations
@@ -162,6 +162,8 @@ def main(argv=None) -> None:
   parser.add_argument("--model-layers", type=int, default=qevolve.QEvolveConfig.model_layers)
   parser.add_argument("--model-width", type=int, default=qevolve.QEvolveConfig.model_width)
   parser.add_argument("--model-batch", type=int, default=qevolve.QEvolveConfig.model_batch)
+  parser.add_argument("--scale", default="none", choices=qevolve.SCALES)
+  parser.add_argument("--no-normalize", action="store_true", help="qevolve.normalize = False")
   args = parser.parse_args(argv)
   if not 1 <= args.steps <= VOCAB - MARK0 + 1:  # step markers MARK0 .. MARK0 + K - 2
     parser.error(f"--steps must be in [1, {VOCAB - MARK0 + 1}] (the step markers' token ids)")
@@ -172,6 +174,8 @@ def main(argv=None) -> None:
     model_layers=args.model_layers,
     model_width=args.model_width,
     model_batch=args.model_batch,
+    scale=args.scale,
+    normalize=not args.no_normalize,
   )
   seeds = [int(s) for s in args.seeds.split(",")]
   print(f"# {machine()}")
@@ -185,7 +189,7 @@ def main(argv=None) -> None:
       else f"{critic_cfg.model_batch} episodes ({critic_cfg.model_layers} layers of "
       f"{critic_cfg.model_width})"
     )
-    + f" at lr {critic_cfg.lr:g}"
+    + f" at lr {critic_cfg.lr:g}, scale {critic_cfg.scale}, normalize {critic_cfg.normalize}"
   )
   print(
     "| seed | GRPO steps | critic steps | critic / GRPO | GRPO s | critic s | critic's last "

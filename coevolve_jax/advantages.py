@@ -290,5 +290,6 @@ def qevolve_critic(inputs: AdvantageInputs) -> np.ndarray:
     raise ValueError("the 'qevolve' estimator needs the critic's reply advantages (qevolve=)")
   cfg, reply_adv = inputs.qevolve
   outcome = grpo_outcome(inputs)
-  values = qevolve.combine(outcome, reply_adv, np.asarray(inputs.keep), cfg)
+  keep = np.asarray(inputs.keep)
+  values = qevolve.combine(outcome, reply_adv, keep, cfg, inputs.rewards, inputs.group_ids)
   return spread_over_replies(inputs.trajectories, values)

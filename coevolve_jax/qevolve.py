@@ -63,6 +63,7 @@ from coevolve_jax.trainer import bucket_size
 from coevolve_jax.types import Reply, Trajectory
 
 MODES = ("critic", "iterate")
+SCALES = ("none", "group_std")  # of the critic's advantages (`combine`)
 PLACEMENTS = ("instead", "between")  # mode "iterate": of CoEvolve's GRPO update, or after it
 CRITICS = ("head", "model")
 BP_VARIANTS = ("clip_kl", "bppo")
@@ -94,6 +95,10 @@ class QEvolveConfig:
     group_weight, critic_weight: a reply's advantage is group_weight x the episode's group
       advantage (GRPO, CoEvolve Eq. 1) + critic_weight x its (normalised) GAE advantage.
     normalize: GAE advantages whitened over the step's kept replies.
+    scale: "none" | "group_std": each reply's GAE advantage also divided by the standard
+      deviation of its task group's outcome rewards (+ 1e-6; GRPO's scale_by_std, applied before
+      `normalize`): a task whose group rarely succeeds gets its successes' credit raised as GRPO
+      raises it*.
     penalty_format, penalty_invalid, penalty_unchanged: the critic-only retrospective
       penalties (the paper's -0.3, -0.2, -0.1). invalid_pattern: a regex an observation that
       answers a rejected call matches (case-insensitive, at its start).
@@ -126,6 +131,7 @@ class QEvolveConfig:
   group_weight: float = 0.0
   critic_weight: float = 1.0
   normalize: bool = True
+  scale: str = "none"
   penalty_format: float = -0.3
   penalty_invalid: float = -0.2
   penalty_unchanged: float = -0.1
@@ -145,6 +151,7 @@ class QEvolveConfig:
     for name, value, known in (
       ("mode", self.mode, MODES),
       ("placement", self.placement, PLACEMENTS),
+      ("scale", self.scale, SCALES),
       ("critic", self.critic, CRITICS),
       ("variant", self.variant, BP_VARIANTS),
     ):
@@ -973,20 +980,36 @@ def combine(
   reply_adv: Sequence[np.ndarray],
   keep: np.ndarray,
   cfg: QEvolveConfig,
+  rewards: np.ndarray | None = None,
+  groups: np.ndarray | None = None,
 ) -> list[list[float]]:
   """Per trajectory, each reply's advantage: group_weight x outcome[i] + critic_weight x the
-  GAE advantage (whitened over the kept replies with `normalize`); 0 for dropped rows.
+  GAE advantage (divided by its group's reward deviation with `scale = "group_std"`, then
+  whitened over the kept replies with `normalize`); 0 for dropped rows.
 
   Args:
     outcome: [N] group advantages. reply_adv: per trajectory, [T_i] GAE advantages. keep: [N]
-      bool.
+      bool. rewards, groups: [N] outcome rewards and group ids (read by `scale = "group_std"`:
+      the deviation over the group's kept rows).
   Returns:
     N lists of per-reply floats (`advantages.spread_over_replies`'s input).
+  Raises:
+    ValueError: `scale = "group_std"` without rewards and groups.
   """
+  reply_adv = [np.asarray(a, np.float64) for a in reply_adv]
+  if cfg.scale == "group_std":
+    if rewards is None or groups is None:
+      raise ValueError("qevolve.scale 'group_std' needs the rows' rewards and group ids")
+    rewards, groups = np.asarray(rewards, np.float64), np.asarray(groups)
+    for g in np.unique(groups):
+      rows = np.flatnonzero((groups == g) & keep)
+      std = float(rewards[rows].std()) if len(rows) else 0.0
+      for i in np.flatnonzero(groups == g):
+        reply_adv[i] = reply_adv[i] / (std + 1e-6)
   kept = [a for a, k in zip(reply_adv, keep) if k]
   mean, std = 0.0, 1.0
   if cfg.normalize and kept:
-    flat = np.concatenate(kept).astype(np.float64)
+    flat = np.concatenate(kept)
     mean, std = float(flat.mean()), float(flat.std()) + 1e-6
   return [
     [float(cfg.group_weight * outcome[i] + cfg.critic_weight * (a - mean) / std) for a in adv]

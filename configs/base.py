@@ -208,6 +208,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.qevolve.group_weight = 0.0
   c.qevolve.critic_weight = 1.0
   c.qevolve.normalize = True
+  c.qevolve.scale = "none"  # * or "group_std": GRPO's per-group deviation on the critic's too
   c.qevolve.penalty_format = -0.3  # the paper's critic-only penalties
   c.qevolve.penalty_invalid = -0.2
   c.qevolve.penalty_unchanged = -0.1

@@ -4,6 +4,8 @@ which early step decided an episode (issue 44 items 4 and 5)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib.util
 import itertools
 import os
@@ -287,6 +289,29 @@ def test_critic_learns_the_deciding_step(tmp_path):
     np.testing.assert_array_equal(a, b)
   assert list(other.buffer.episodes) == list(critic.buffer.episodes)
   assert other.rng.random() == critic.rng.random()
+
+
+def test_combine_scales_by_the_groups_reward_deviation_then_whitens():
+  """`qevolve.combine` by hand: group 0 (rewards 1, 0: deviation 0.5) doubles its replies'
+  advantages, group 1 (rewards 1, 1: deviation 0) keeps them over 1e-6, a dropped row gets 0;
+  then the kept replies are whitened."""
+  adv = [np.array([0.5, 0.0]), np.array([-0.5]), np.array([1e-7]), np.array([3.0, 3.0])]
+  rewards, groups = np.array([1.0, 0.0, 1.0, 1.0]), np.array([0, 0, 1, 1])
+  keep = np.array([True, True, True, False])
+  cfg = qevolve.QEvolveConfig(scale="group_std", normalize=False)
+  got = qevolve.combine(np.zeros(4), adv, keep, cfg, rewards, groups)
+  np.testing.assert_allclose(got[0], [1.0, 0.0], rtol=1e-5)
+  np.testing.assert_allclose(got[1], [-1.0], rtol=1e-5)
+  np.testing.assert_allclose(got[2], [1e-7 / 1e-6], rtol=1e-5)  # its group's rewards agree
+  assert got[3] == [0.0, 0.0]
+  whitened = qevolve.combine(np.zeros(4), adv, keep, dataclasses.replace(cfg, normalize=True),
+                             rewards, groups)  # fmt: skip
+  flat = np.array([1.0, 0.0, -1.0, 0.1])
+  np.testing.assert_allclose(
+    np.concatenate(whitened[:3]), (flat - flat.mean()) / (flat.std() + 1e-6), rtol=1e-5
+  )
+  with pytest.raises(ValueError, match="needs the rows' rewards"):
+    qevolve.combine(np.zeros(4), adv, keep, cfg)
 
 
 def test_the_model_critic_learns_the_deciding_step_with_a_network_of_its_own(tmp_path):
