@@ -232,14 +232,13 @@ class AIWSampler:
       episodes = [t for t in trajs if t.reward < cfg.success_threshold]
       failed.append((task, episodes, fingerprint(task, episodes)))
     found: list[dict[str, Any]] = [{} for _ in failed]  # the llm analyser's, per failure
+    tokens = 0
     if self.llm is not None and failed:
-      jobs = [(task, episodes, features) for task, episodes, features in failed]
-      found = distributed.on_primary(lambda: self._analyse_all(jobs))
-    failures, similar, fallbacks, tokens = [], set(), 0, 0
+      found, tokens = distributed.on_primary(lambda: self._analyse_all(failed))
+    failures, similar, fallbacks = [], set(), 0
     for (task, _, features), got in zip(failed, found):
       self._boost(task.task_id, cfg.boost_failure)
       fallbacks += bool(got.get("fallback"))
-      tokens += int(got.get("tokens", 0))
       if got.get("similar") is not None:  # the LLM's choice: [task id, similarity]
         best = {task_id: float(sim) for task_id, sim in got["similar"]}
       else:
@@ -265,19 +264,24 @@ class AIWSampler:
 
   # ------------------------------------------------------------------ the llm analyser
 
-  def _analyse_all(self, jobs: list[tuple[Task, list[Trajectory], frozenset[str]]]) -> list[dict]:
-    """Per failure, `_analyse`'s record; `workers` at a time, in the order of `jobs`."""
+  def _analyse_all(
+    self, jobs: list[tuple[Task, list[Trajectory], frozenset[str]]]
+  ) -> tuple[list[dict], int]:
+    """(per failure, `_analyse`'s record, in the order of `jobs`; the tokens the LLM was
+    charged for them all), `workers` failures at a time."""
+    assert self.llm is not None
+    used = self.llm.budget.used
     with concurrent.futures.ThreadPoolExecutor(self.cfg.workers) as pool:
-      return list(pool.map(lambda job: self._analyse(*job), jobs))
+      records = list(pool.map(lambda job: self._analyse(*job), jobs))
+    return records, max(0, self.llm.budget.used - used)
 
   def _analyse(self, task: Task, episodes: list[Trajectory], features: frozenset[str]) -> dict:
     """The LLM's analysis of one failure and its choice of similar earlier failures: {"analysis":
     dict | None, "similar": [[task id, similarity], ...] | None (None: the template's
-    retrieval), "fallback": why the template stood in, or "", "tokens": the tokens charged}."""
+    retrieval), "fallback": why the template stood in, or ""}."""
+    del features  # the template's, kept in the library by the caller
     assert self.llm is not None
-    budget = self.llm.budget
-    used = budget.used
-    out: dict[str, Any] = {"analysis": None, "similar": None, "fallback": "", "tokens": 0}
+    out: dict[str, Any] = {"analysis": None, "similar": None, "fallback": ""}
     try:
       reply = self.llm.complete(ANALYSIS_SYSTEM, failure_prompt(task, episodes), json_output=True)
       out["analysis"] = read_analysis(reply)
@@ -292,7 +296,6 @@ class AIWSampler:
     except LLMError as e:  # budget spent, endpoint down, a reply that is not what was asked
       out["fallback"] = f"{type(e).__name__}: {e}"[:300]
       log.warning("AIW: the template stands in for the LLM's analysis of %s: %s", task.task_id, e)
-    out["tokens"] = max(0, budget.used - used)  # other workers' tokens may count in: a figure
     return out
 
   def metrics(self) -> dict[str, float]:
