@@ -154,14 +154,104 @@ def host_costs(episodes: int) -> list[list[str]]:
   ]
 
 
+def teacher_forced(arm: str, seed: int, workdir: str, max_new_tokens: int = 256) -> dict:
+  """The arm's policy (its newest checkpoint: after the warm-start and one GRPO step) given each
+  of its own demonstrations' true prefix up to a call's reply: its greedy reply's prediction
+  against the observation that call really returned (`wia.similarity`, "words"; 0 where the
+  reply predicts nothing). The arm's workdir is copied first, so it is left as it was.
+
+  Returns:
+    {"replies": calls scored, "predicted": share with a prediction, "similarity": mean}.
+  """
+  import shutil  # noqa: PLC0415
+  import tempfile  # noqa: PLC0415
+
+  import numpy as np  # noqa: PLC0415
+
+  sys.path.insert(0, os.path.join(ROOT, "scripts"))
+  import ablations  # noqa: PLC0415
+
+  from coevolve_jax import wia  # noqa: PLC0415
+  from coevolve_jax.loop import CoEvolveRun  # noqa: PLC0415
+  from coevolve_jax.rollout.generate import generate  # noqa: PLC0415
+  from coevolve_jax.rollout.sampling import SamplingParams  # noqa: PLC0415
+
+  overrides = dict(arm_overrides(arm, seed, max_new_tokens))
+  cfg = ablations.load_config("coevolve", seed, overrides)
+  with tempfile.TemporaryDirectory() as tmp:
+    copy = os.path.join(tmp, "run")
+    shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("run.lock*"))
+    run = CoEvolveRun(cfg, copy)
+    run._session_start, run._closing = 0.0, []  # noqa: SLF001 (outside `fit`'s session)
+    run._start()  # noqa: SLF001 (restores the newest checkpoint)
+    seen: list[str] = []
+    for i, t in enumerate(run.pool.tasks):  # the real observations, in call order
+      run.suite.demonstration(t, run.parts.chat, f"tf{i}", seen.append)
+    mode = cfg.role_agent.wia.demos
+    base = wia.demo_predictor(mode, cfg.role_agent.wia.char_cap, seen, cfg.seed)
+    chat = run.parts.chat
+    prompts, truths = [], []
+    for i, t in enumerate(run.pool.tasks):
+      real: list[str] = []
+      demo = run.suite.demonstration(
+        t, chat, f"tf{i}", lambda obs, real=real: real.append(obs) or base(obs)
+      )
+      starts = [
+        j
+        for j in range(len(demo.loss_mask))
+        if demo.loss_mask[j] and (j == 0 or not demo.loss_mask[j - 1])
+      ]
+      k = 0
+      for j in starts:  # the replies that carry a prediction, in order with `real`
+        end = j
+        while end < len(demo.loss_mask) and demo.loss_mask[end]:
+          end += 1
+        if "<predict_next>" in chat.decode(demo.token_ids[j:end]) and k < len(real):
+          prompts.append(demo.token_ids[:j])
+          truths.append(real[k])
+          k += 1
+    done = generate(
+      run.trainer.model(),
+      prompts,
+      SamplingParams(0.0),
+      max_new_tokens=max_new_tokens,
+      stop_ids=[chat.im_end_id],
+    )
+    scores, predicted = [], 0
+    for completion, truth in zip(done, truths):
+      _, prediction = wia.split_prediction(chat.decode(list(completion.token_ids)))
+      predicted += prediction is not None
+      cap = cfg.role_agent.wia.char_cap
+      scores.append(0.0 if prediction is None else wia.similarity(prediction, truth, "words", cap))
+    run.ckpt.close()
+  return {
+    "replies": len(scores),
+    "predicted": predicted / max(1, len(scores)),
+    "similarity": float(np.mean(scores)) if scores else 0.0,
+  }
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--seeds", default="0,1")
   p.add_argument("--workdir", default=os.path.join(ROOT, "runs", "wia_cost"))
   p.add_argument("--max_new_tokens", type=int, default=256)
   p.add_argument("--episodes", type=int, default=512)
+  p.add_argument("--teacher_forced", action="store_true", help="only the teacher-forced table")
   args = p.parse_args()
   seeds = [int(s) for s in args.seeds.split(",")]
+  if args.teacher_forced:
+    rows = [["arm", "seed", "calls", "predicted", "similarity"]]
+    for seed in seeds:
+      for arm in ("true", "shuffled"):
+        wd = os.path.join(args.workdir, f"{arm}-s{seed}")
+        run_arm(arm, seed, wd, args.max_new_tokens)
+        r = teacher_forced(arm, seed, wd, args.max_new_tokens)
+        rows.append([arm, str(seed), str(r["replies"]), f"{r['predicted']:.2f}",
+                     f"{r['similarity']:.3f}"])  # fmt: skip
+    print(markdown_table(rows))
+    print(machine())
+    return
   rows = [["arm", "seed", "predicted", "similarity", "tokens / reply", "rollout s", "WIA host s",
            "reward"]]  # fmt: skip
   got: dict[tuple[str, int], dict[str, float]] = {}
