@@ -303,15 +303,15 @@ def metrics(
   `wia/step_advantage_abs` (mean |step advantage| over the replies of kept episodes)."""
   answered = predicted = 0
   by_outcome: dict[bool, list[float]] = {True: [], False: []}
-  for traj in trajectories:
-    scores = reply_scores(traj, cfg)
+  every = [reply_scores(t, cfg) for t in trajectories]  # the difflib matches: once each
+  for traj, scores in zip(trajectories, every):
     for reply, s in zip(traj.replies, scores):
       answered += bool(reply.observation)
       predicted += bool(reply.observation) and reply.prediction is not None
       if s is not None:
         by_outcome[traj.reward >= success_threshold].append(s)
   out = {"wia/prediction_share": predicted / answered if answered else 0.0}
-  rewards = [step_rewards(t, reply_scores(t, cfg), cfg) for t in trajectories]
+  rewards = [step_rewards(t, scores, cfg) for t, scores in zip(trajectories, every)]
   keep = [True] * len(trajectories) if keep is None else list(keep)
   steps = step_advantages(trajectories, rewards, cfg, keep)
   kept = [abs(a) for row, k in zip(steps, keep) if k for a in row]
