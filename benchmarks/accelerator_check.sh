@@ -19,7 +19,9 @@
 #                slots x 2,048 tokens into a 4,096-entry cache) and a GRPO epoch at the Qwen3-0.6B
 #                shape on all local devices, against the memory planner's figures
 #   main.log     the CPU preset's main job, shrunk, with per-step compile counts and step times
-#   tests.log    float32 parity with transformers (under model.matmul_precision "highest")
+#   tests.log    float32 parity with transformers (under model.matmul_precision "highest"), and
+#                the attention kernels' tests (stage "kernels": on a GPU, cuDNN itself in
+#                bfloat16 against the float32 softmax, forward and gradient)
 #
 # Dependencies: the machine's image is expected to hold JAX for its accelerator, Flax, optax,
 # orbax, transformers, torch, tokenizers, safetensors and numpy. The project's other pure-Python
@@ -27,6 +29,8 @@
 # a connected machine with benchmarks/fetch_accelerator_wheels.sh; they are installed into a
 # temporary folder on PYTHONPATH, nothing is installed system-wide. Stage limits (seconds) can be
 # changed with the variables below; LIMIT_SCALE multiplies them all (e.g. 0.5 for a dry run).
+# STAGES (default all: "env bench decode attention memory main tests kernels") runs a subset, in
+# the order above, for a machine lent for less than the whole check.
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-accelerator_check_out}}
@@ -35,6 +39,7 @@ PY=${PYTHON:-python3}
 SCALE=${LIMIT_SCALE:-1}
 mkdir -p "$OUT_DIR"
 summary="$OUT_DIR/summary.md"
+STAGES=${STAGES:-env bench decode attention memory main tests kernels}
 limit() { awk -v s="$1" -v k="$SCALE" 'BEGIN { v = int(s * k); print (v < 5 ? 5 : v) }'; }
 
 site=$(mktemp -d)/site
@@ -58,6 +63,7 @@ export TOKENIZERS_PARALLELISM=false
 # to $STAGE_LOG.log: the device tool brings back at most 8 files).
 stage() {
   local name=$1 lim log
+  case " $STAGES " in *" $name "*) ;; *) return 0 ;; esac
   lim=$(limit "$2")
   log="$OUT_DIR/${STAGE_LOG:-$name}.log"
   shift 2
@@ -83,7 +89,7 @@ stage decode "${DECODE_S:-90}" "$PY" benchmarks/rollout_bench.py --peers=transfo
   --hidden=1024 --head_dim=128 --tied=1 --kv_lengths=640 --repeats=2 --decode_steps=1,8
 
 STAGE_LOG=decode stage attention "${ATTENTION_S:-90}" "$PY" benchmarks/attention_kernels.py \
-  --seqs=4096,16384 --decode_batch=64 --decode_len=4096
+  --seqs=4096,16384 --decode_batch=64 --decode_len=4096 --decode_kernels=xla,pallas
 
 stage memory "${MEMORY_S:-120}" "$PY" benchmarks/mesh_memory.py --config=configs/bfcl.py \
   --config.model.preset=qwen3_0_6b --cache_len=4096 --prompt_len=2048 --train_rows=8 \
@@ -106,6 +112,9 @@ for line in open('$run_dir/metrics.jsonl'):
 EOF"
 
 stage tests "${TESTS_S:-100}" "$PY" -m pytest -q -x -p no:cacheprovider tests/test_qwen_parity.py
+
+STAGE_LOG=tests stage kernels "${KERNELS_S:-90}" "$PY" -m pytest -q -p no:cacheprovider \
+  tests/test_attention_kernels.py -k cudnn
 
 echo >>"$summary"
 echo "Logs: one file per stage beside this one. Machine: see env.log." >>"$summary"

@@ -70,29 +70,111 @@ def train_seconds(kernel: str, args, t: int) -> float:
   return _median_seconds(lambda: jax.block_until_ready(step(q, kk, vv)), args.repeats)
 
 
-def decode_seconds(args) -> tuple[float, int]:
-  """(median seconds, bytes of keys and values read) of one decode step's attention."""
+def pallas_gpu_decode(q_b1nh, keys_bksh, values_bksh, lengths_b, *, interpret: bool = False):
+  """One decode step's attention by JAX's Pallas GPU decode kernel
+  (`jax.experimental.pallas.ops.gpu.decode_attention`, split-K flash decoding), which reads
+  each slot's keys and values only up to its length: [B, 1, N, H] queries, [B, K, S, H] keys
+  and values (keys position-major, not the engine's [B, K, H, S]), [B] int32 filled lengths ->
+  [B, 1, N, H]. Not wired into the engine: measured here to decide whether the engine's cache
+  layout should follow it."""
+  from jax.experimental.pallas.ops.gpu import decode_attention  # noqa: PLC0415
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  b, _, n, h = q_b1nh.shape
+  kh, s = keys_bksh.shape[1], keys_bksh.shape[2]
+  splits = 16 if s % 16 == 0 and s // 16 >= 16 else 1
+  inner = functools.partial(
+    decode_attention.decode_attn_unbatched,
+    sm_scale=h**-0.5,
+    block_h=16,
+    block_k=min(128, s // splits),
+    k_splits=splits,
+    num_warps=None,
+    num_stages=2,
+    grid=None,
+    interpret=interpret,
+    debug=False,
+    return_residuals=False,
+    normalize_output=True,
+  )
+  q = q_b1nh.reshape(b, kh, n // kh, h)
+  lengths = jnp.broadcast_to(lengths_b[:, None], (b, kh)).astype(jnp.int32)
+  out = jax.vmap(jax.vmap(inner))(q, keys_bksh, values_bksh, None, lengths)
+  return out.reshape(b, 1, n, h)
+
+
+def decode_inputs(args, ragged: bool, seed: int = 1):
+  """A decode step's inputs at `--decode_batch` slots of `--decode_len` entries: queries
+  [B, 1, N, H], keys [B, K, H, S] (the engine's layout), values [B, K, S, H], filled lengths [B]
+  (all S, or with `ragged` uniform in [S/8, S] with one slot full, as slots of a batch are
+  during decode)."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  b, n, k, h, s = args.decode_batch, args.heads, args.kv_heads, args.head_dim, args.decode_len
+  dtype = jnp.dtype(args.dtype)
+  keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+  q = jax.random.normal(keys[0], (b, 1, n, h), dtype)
+  kk = jax.random.normal(keys[1], (b, k, h, s), dtype)
+  vv = jax.random.normal(keys[2], (b, k, s, h), dtype)
+  lengths = np.full((b,), s)
+  if ragged:
+    lengths = np.random.default_rng(seed).integers(s // 8, s + 1, size=b)
+    lengths[0] = s
+  return q, kk, vv, jnp.asarray(lengths, jnp.int32)
+
+
+def _chained(step, inner: int):
+  """`inner` dependent calls of `step` in one program (each call's output is the next call's
+  query), so one dispatch's overhead is spread over `inner` reads of the cache."""
+  import jax  # noqa: PLC0415
+
+  def run(q, *rest):
+    return jax.lax.fori_loop(0, inner, lambda _, q: step(q, *rest).astype(q.dtype), q)
+
+  return jax.jit(run)
+
+
+def decode_seconds(args, kernel: str, ragged: bool) -> tuple[float, int, float]:
+  """(median seconds per step, bytes of filled keys and values, max |difference| from the XLA
+  path's output) of one decode step's attention by `kernel`: "xla" (the engine's path: masked
+  softmax over every entry of the slot) or "pallas" (`pallas_gpu_decode`, reading filled entries
+  only; on CPU in interpret mode)."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
 
   from coevolve_jax.models import qwen  # noqa: PLC0415
 
-  b, n, k, h, s = args.decode_batch, args.heads, args.kv_heads, args.head_dim, args.decode_len
-  dtype = jnp.dtype(args.dtype)
-  keys = jax.random.split(jax.random.PRNGKey(1), 3)
-  q = jax.random.normal(keys[0], (b, 1, n, h), dtype)
-  kk = jax.random.normal(keys[1], (b, k, h, s), dtype)
-  vv = jax.random.normal(keys[2], (b, k, s, h), dtype)
-  k_pos = jnp.broadcast_to(jnp.arange(s), (b, s))
-  q_pos = jnp.full((b, 1), s - 1)
-  valid = jnp.ones((b, s), jnp.bool_)
-  step = jax.jit(
-    functools.partial(qwen._attend_by_pass, cached=True, gathered=False, kernel="auto")
-  )
-  seconds = _median_seconds(
-    lambda: step(q, kk, vv, q_pos, k_pos, valid).block_until_ready(), args.repeats
-  )
-  return seconds, 2 * kk.size * dtype.itemsize
+  q, kk, vv, lengths = decode_inputs(args, ragged)
+  s = args.decode_len
+  k_pos = jnp.broadcast_to(jnp.arange(s), (q.shape[0], s))
+  valid = k_pos < lengths[:, None]
+  q_pos = (lengths - 1)[:, None]
+  xla = functools.partial(qwen._attend_by_pass, cached=True, gathered=False, kernel="auto")
+
+  def xla_step(q, kk, vv):
+    return xla(q, kk, vv, q_pos, k_pos, valid)
+
+  want = jax.jit(xla_step)(q, kk, vv).astype(jnp.float32)
+  if kernel == "xla":
+    step, operands = xla_step, (kk, vv)
+  else:
+    interpret = jax.default_backend() != "gpu"
+    k_bksh = jnp.swapaxes(kk, 2, 3)  # laid out as the kernel reads it, outside the timed step
+
+    def step(q, k_bksh, vv):
+      return pallas_gpu_decode(q, k_bksh, vv, lengths, interpret=interpret)
+
+    operands = (k_bksh, vv)
+  got = jax.jit(step)(q, *operands).astype(jnp.float32)
+  error = float(jnp.max(jnp.abs(got - want)))
+  inner = args.decode_inner
+  chained = _chained(step, inner)
+  seconds = _median_seconds(lambda: chained(q, *operands).block_until_ready(), args.repeats)
+  filled = int(jnp.sum(lengths)) * kk.shape[1] * kk.shape[2] * 2 * kk.dtype.itemsize
+  return seconds / inner, filled, error
 
 
 def main(argv=None) -> int:
@@ -106,6 +188,12 @@ def main(argv=None) -> int:
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--decode_batch", type=int, default=64)
   p.add_argument("--decode_len", type=int, default=4096)
+  p.add_argument("--decode_inner", type=int, default=8, help="chained decode steps per call")
+  p.add_argument(
+    "--decode_kernels",
+    default="xla,pallas",
+    help="decode kernels: xla (the engine's), pallas (JAX's Pallas GPU decode kernel)",
+  )
   p.add_argument("--kernels", default="", help="comma-separated (default: the backend's)")
   p.add_argument("--interpret", action="store_true", help="splash in interpret mode off TPU")
   args = p.parse_args(argv)
@@ -130,15 +218,43 @@ def main(argv=None) -> int:
       rows.append([kernel, str(t), f"{seconds * 1e3:.2f}", ratio])
       print(f"  {kernel} at {t} tokens: {seconds * 1e3:.2f} ms", flush=True)
   print(markdown_table(rows))
-  seconds, nbytes = decode_seconds(args)
   bandwidth = read_bandwidth()
-  bound = nbytes / bandwidth
   print(
-    f"\nDecode step's attention, {args.decode_batch} slots x {args.decode_len} entries "
-    f"({nbytes / 2**20:.0f} MiB of keys and values): {seconds * 1e3:.3f} ms; memory bound "
-    f"{bound * 1e3:.3f} ms at {bandwidth / 1e9:.0f} GB/s read here: {bound / seconds:.1%} of "
-    "the bound (every kernel decodes with XLA)"
+    f"\nDecode step's attention, {args.decode_batch} slots x {args.decode_len} entries, "
+    f"{args.decode_inner} chained steps per dispatch; memory bound: the filled keys and values "
+    f"read once at {bandwidth / 1e9:.0f} GB/s (a jitted sum's rate here). 'ragged': slot "
+    "lengths uniform in [S/8, S]. 'max |diff|': largest difference from the xla path's output."
   )
+  rows = [
+    ["kernel", "slots", "filled MiB", "ms", "bound ms", "of bound", "xla / kernel", "max |diff|"]
+  ]
+  for ragged in (False, True):
+    reference = None
+    for kernel in args.decode_kernels.split(","):
+      label = "ragged" if ragged else "full"
+      try:
+        seconds, nbytes, error = decode_seconds(args, kernel, ragged)
+      except Exception as e:  # noqa: BLE001  (a kernel the backend lacks is a result)
+        rows.append(
+          [kernel, label, "", f"failed: {type(e).__name__}: {str(e)[:80]}", "", "", "", ""]
+        )
+        continue
+      reference = seconds if kernel == "xla" else reference
+      bound = nbytes / bandwidth
+      rows.append(
+        [
+          kernel,
+          label,
+          f"{nbytes / 2**20:.0f}",
+          f"{seconds * 1e3:.3f}",
+          f"{bound * 1e3:.3f}",
+          f"{bound / seconds:.1%}",
+          f"{reference / seconds:.2f}" if reference else "n/a",
+          f"{error:.2e}",
+        ]
+      )
+      print(f"  decode {kernel} ({label}): {seconds * 1e3:.3f} ms", flush=True)
+  print(markdown_table(rows))
   return 0
 
 

@@ -89,6 +89,53 @@ def test_splash_in_bfloat16_stays_within_its_rounding():
   assert float(jnp.max(jnp.abs(got - want))) < bound
 
 
+ON_GPU = jax.default_backend() == "gpu"
+
+
+@pytest.mark.skipif(
+  not ON_GPU,
+  reason="cuDNN's fused attention runs on an NVIDIA GPU only; its call's layouts and masks are "
+  "checked above through JAX's xla implementation of the same call",
+)
+@pytest.mark.parametrize("t, n, k, pad", [(37, 4, 1, 5), (130, 6, 3, 0), (1000, 16, 8, 17)])
+def test_cudnn_on_a_gpu_stays_within_bfloat16_rounding_of_the_masked_softmax(t, n, k, pad):
+  """On a GPU, cuDNN itself (bfloat16, the dtype it takes): forward and gradient within the
+  bound the XLA path in bfloat16 meets, measured against the float32 softmax of the same inputs
+  (forward: 2e-2 absolute, as splash's test; gradient: 2e-2 of the reference's largest entry)."""
+  q, keys, values, pos, valid = _inputs(t, n, k, pad, seed=7, dtype=jnp.bfloat16)
+  real = np.asarray(valid)
+  f32 = lambda xs: [x.astype(jnp.float32) for x in xs]  # noqa: E731
+  want = _reference(*f32((q, keys, values)), pos, valid)
+  got = jax.jit(functools.partial(fused_attention, "cudnn"))(
+    q, keys, values, valid if pad else None
+  )
+  xla = _reference(q, keys, values, pos, valid)
+  for out in (xla, got):
+    assert float(np.max(np.abs(np.asarray(out, np.float32)[real] - np.asarray(want)[real]))) < 2e-2
+  weights = (
+    jnp.asarray(np.random.default_rng(8).normal(size=q.shape), jnp.float32)
+    * valid[:, :, None, None]
+  )
+
+  def loss(fn, q, keys, values):
+    return jnp.sum(fn(q, keys, values).astype(jnp.float32) * weights)
+
+  fused = lambda *a: fused_attention("cudnn", *a, valid if pad else None)  # noqa: E731
+  want_g = jax.grad(functools.partial(loss, lambda *a: _reference(*a, pos, valid)), (0, 1, 2))(
+    *f32((q, keys, values))
+  )
+  got_g = jax.jit(jax.grad(functools.partial(loss, fused), (0, 1, 2)))(q, keys, values)
+  xla_g = jax.grad(functools.partial(loss, lambda *a: _reference(*a, pos, valid)), (0, 1, 2))(
+    q, keys, values
+  )
+  for name, g, x, w in zip(("q", "k", "v"), got_g, xla_g, want_g):
+    w = np.asarray(w)
+    scale = float(np.max(np.abs(w)))
+    for label, out in (("cudnn", g), ("xla bf16", x)):
+      err = float(np.max(np.abs(np.asarray(out, np.float32) - w)))
+      assert err < 2e-2 * scale, (name, label, err, scale)
+
+
 def test_auto_keeps_the_cpu_path_and_bad_choices_are_clear_errors():
   assert resolve_attention("auto") == "blocked"  # this suite runs on CPU
   assert resolve_attention("auto", "tpu") == "splash"
