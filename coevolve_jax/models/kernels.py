@@ -12,8 +12,9 @@ per-slot positions a cache holds.
 The kernels assume what the model's cache-free passes guarantee: a valid key's position rises
 with its index (positions are the running count of real tokens, or `arange`), so "key position
 <= query position among valid keys" is "key index <= query index among valid keys". Padding (a
-[B, T] validity mask) becomes splash's segment ids (valid 1, padding 0) or cuDNN's mask; a
-query of a padding token sees padding keys only, and its output is not read.
+[B, T] validity mask) becomes splash's segment ids (valid 1, padding 0), where a query of a
+padding token sees padding keys only, or cuDNN's sequence lengths after the real tokens are moved
+to the front (`_cudnn_local`); a padding token's output is not read.
 
 Dimension letters as in qwen.py: B batch, T tokens, N query heads, K key/value heads, H head size.
 """
@@ -126,14 +127,33 @@ def _splash_local(q_bnth, k_bkth, v_bkth, valid_bt, *, interpret: bool):
 
 
 def _cudnn_local(q_btnh, k_btkh, v_btkh, valid_bt, *, implementation: Literal["xla", "cudnn"]):
-  """One device's `jax.nn.dot_product_attention` (causal; padding as a [B, 1, T, T] mask):
-  [B, T, N, H] -> [B, T, N, H]."""
-  mask = None
-  if valid_bt is not None:
-    mask = valid_bt[:, None, None, :].astype(jnp.bool_)
-  return jax.nn.dot_product_attention(
-    q_btnh, k_btkh, v_btkh, mask=mask, is_causal=True, implementation=implementation
+  """One device's `jax.nn.dot_product_attention` (causal): [B, T, N, H] -> [B, T, N, H].
+
+  Padding: each row's real tokens are moved to its front in their order (a stable sort of the
+  validity), attended with cuDNN's own padding mask (`query_seq_lengths` and
+  `key_value_seq_lengths` = the real count), and moved back; padding positions' outputs are 0.
+  Among real tokens "key index <= query index" is unchanged by the move, so this is the masked
+  softmax of a left-padded (or any) row, with O(T) extra memory: cuDNN rejects a broadcast
+  [B, 1, 1, T] mask, and a [B, 1, T, T] one would cost T^2 per row.
+  """
+  if valid_bt is None:
+    return jax.nn.dot_product_attention(
+      q_btnh, k_btkh, v_btkh, is_causal=True, implementation=implementation
+    )
+  order = jnp.argsort(~valid_bt, axis=1, stable=True)  # [B, T]: real tokens first, in order
+  back = jnp.argsort(order, axis=1)
+  take = lambda x, idx: jnp.take_along_axis(x, idx[:, :, None, None], axis=1)  # noqa: E731
+  lengths = jnp.sum(valid_bt, axis=1, dtype=jnp.int32)
+  out = jax.nn.dot_product_attention(
+    take(q_btnh, order),
+    take(k_btkh, order),
+    take(v_btkh, order),
+    is_causal=True,
+    query_seq_lengths=lengths,
+    key_value_seq_lengths=lengths,
+    implementation=implementation,
   )
+  return jnp.where(valid_bt[:, :, None, None], take(out, back), 0)
 
 
 def fused_attention(
