@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import json
 import sys
+import time
 from collections.abc import Sequence
 
 import jax
@@ -68,18 +69,37 @@ def _largest_prefill_temp(engine, prompt_len: int) -> int | None:
   return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
+def _progress(start: float, phase: str, peaks: list[int | None] | None = None) -> None:
+  """One line per finished phase, printed at once: a stage cut by its time limit (the
+  accelerator check's) still shows how far it got and what the device held."""
+  peak = max((p for p in peaks or [] if p is not None), default=None)
+  print(
+    f"[{time.perf_counter() - start:6.1f} s] {phase}"
+    + (f"; peak so far {peak / GIB:.3g} GiB per device (max)" if peak is not None else ""),
+    flush=True,
+  )
+
+
 def run(cfg, cache_len: int, prompt_len: int, rows: int, seq: int) -> dict:
   """The measurements and the plan (bytes per device); see the module docstring."""
   if not 1 <= prompt_len < cache_len or min(rows, seq) < 2:
     raise ValueError("need 1 <= prompt_len < cache_len, train_rows >= 2 and train_seq >= 2")
+  start = time.perf_counter()
   mesh, model, trainer, engine = benchmark._build(cfg, prompt_len, cache_len - prompt_len - 1)
   held = benchmark._allocated_bytes(trainer, engine)
+  _progress(
+    start,
+    f"built on mesh {dict(mesh.shape)}; held per device: "
+    + ", ".join(f"{k} {_gib(v)} GiB" for k, v in held.items()),
+    _peaks(),
+  )
   rng = np.random.default_rng(0)
   vocab = model.config.vocab_size
   prompts = rng.integers(1, vocab, (engine.num_slots, prompt_len)).tolist()
   key = jax.random.key(0)
   engine.prefill_many([(s, p, key) for s, p in enumerate(prompts)], SamplingParams(temperature=1.0))
   after_prefill = _peaks()
+  _progress(start, f"prefilled {engine.num_slots} slots x {prompt_len} tokens", after_prefill)
   trajs = []
   for i in range(rows):
     tr = Trajectory(task_id=f"m{i}", group_id=i // 2)
@@ -89,6 +109,7 @@ def run(cfg, cache_len: int, prompt_len: int, rows: int, seq: int) -> dict:
     trajs.append(tr)
   trainer.grpo_epoch(trajs, rng.standard_normal(rows).astype(np.float32), 1)
   after_train = _peaks()
+  _progress(start, f"GRPO epoch on {rows} rows x {seq} tokens", after_train)
   plan = memory_plan.plan(
     cfg.model.preset,
     dict(mesh.shape),
