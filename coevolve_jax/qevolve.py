@@ -975,6 +975,10 @@ class CriticCheckpointer:
     self._mgr.close()
 
 
+# A group's reward deviation at or below this counts as none (`combine`, scale "group_std").
+GROUP_STD_MIN = 1e-6
+
+
 def combine(
   outcome: np.ndarray,
   reply_adv: Sequence[np.ndarray],
@@ -984,8 +988,9 @@ def combine(
   groups: np.ndarray | None = None,
 ) -> list[list[float]]:
   """Per trajectory, each reply's advantage: group_weight x outcome[i] + critic_weight x the
-  GAE advantage (divided by its group's reward deviation with `scale = "group_std"`, then
-  whitened over the kept replies with `normalize`); 0 for dropped rows.
+  GAE advantage (divided by its group's reward deviation with `scale = "group_std"`: by the
+  step's, over every kept row, for a group whose rewards all agree, and by 1 when those agree
+  too; then whitened over the kept replies with `normalize`); 0 for dropped rows.
 
   Args:
     outcome: [N] group advantages. reply_adv: per trajectory, [T_i] GAE advantages. keep: [N]
@@ -1001,9 +1006,15 @@ def combine(
     if rewards is None or groups is None:
       raise ValueError("qevolve.scale 'group_std' needs the rows' rewards and group ids")
     rewards, groups = np.asarray(rewards, np.float64), np.asarray(groups)
+    # A group whose kept rewards all agree has no deviation of its own: its critic advantages
+    # (not 0, unlike GRPO's there) are scaled by the step's kept rewards' deviation, or left as
+    # they are when that is 0 too; dividing by GRPO's epsilon alone multiplied them by 1e6 (the
+    # credit benchmark's policy collapsed on it).
+    pooled = float(rewards[keep].std()) if keep.any() else 0.0
     for g in np.unique(groups):
       rows = np.flatnonzero((groups == g) & keep)
       std = float(rewards[rows].std()) if len(rows) else 0.0
+      std = std if std > GROUP_STD_MIN else (pooled if pooled > GROUP_STD_MIN else 1.0)
       for i in np.flatnonzero(groups == g):
         reply_adv[i] = reply_adv[i] / (std + 1e-6)
   kept = [a for a, k in zip(reply_adv, keep) if k]

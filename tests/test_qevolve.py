@@ -293,8 +293,10 @@ def test_critic_learns_the_deciding_step(tmp_path):
 
 def test_combine_scales_by_the_groups_reward_deviation_then_whitens():
   """`qevolve.combine` by hand: group 0 (rewards 1, 0: deviation 0.5) doubles its replies'
-  advantages, group 1 (rewards 1, 1: deviation 0) keeps them over 1e-6, a dropped row gets 0;
-  then the kept replies are whitened."""
+  advantages, group 1 (its one kept reward: deviation 0) divides by the step's kept rewards'
+  deviation instead (not by 1e-6: that multiplied its advantages by a million), a group whose
+  every reward agrees in a step where all agree keeps them, a dropped row gets 0; then the kept
+  replies are whitened."""
   adv = [np.array([0.5, 0.0]), np.array([-0.5]), np.array([1e-7]), np.array([3.0, 3.0])]
   rewards, groups = np.array([1.0, 0.0, 1.0, 1.0]), np.array([0, 0, 1, 1])
   keep = np.array([True, True, True, False])
@@ -302,11 +304,15 @@ def test_combine_scales_by_the_groups_reward_deviation_then_whitens():
   got = qevolve.combine(np.zeros(4), adv, keep, cfg, rewards, groups)
   np.testing.assert_allclose(got[0], [1.0, 0.0], rtol=1e-5)
   np.testing.assert_allclose(got[1], [-1.0], rtol=1e-5)
-  np.testing.assert_allclose(got[2], [1e-7 / 1e-6], rtol=1e-5)  # its group's rewards agree
+  # its group's kept rewards agree: scaled by the step's kept rewards' deviation instead (1, 0, 1)
+  np.testing.assert_allclose(got[2], [1e-7 / np.std([1.0, 0.0, 1.0])], rtol=1e-5)
   assert got[3] == [0.0, 0.0]
+  agreeing = qevolve.combine(np.zeros(2), [np.array([0.3]), np.array([-0.2])], np.ones(2, bool),
+                             cfg, np.array([1.0, 1.0]), np.array([0, 0]))  # fmt: skip
+  assert agreeing == [[pytest.approx(0.3)], [pytest.approx(-0.2)]]  # nothing to scale by: as is
   whitened = qevolve.combine(np.zeros(4), adv, keep, dataclasses.replace(cfg, normalize=True),
                              rewards, groups)  # fmt: skip
-  flat = np.array([1.0, 0.0, -1.0, 0.1])
+  flat = np.array([1.0, 0.0, -1.0, 1e-7 / np.std([1.0, 0.0, 1.0])])
   np.testing.assert_allclose(
     np.concatenate(whitened[:3]), (flat - flat.mean()) / (flat.std() + 1e-6), rtol=1e-5
   )
