@@ -13,9 +13,13 @@ column is the time of the reference ("xla", one [T, T] score matrix per head) ov
 kernel's: above 1, the kernel is faster. A cell that fails (out of memory, a kernel the backend
 lacks) says why instead of a time.
 
-Then the decode step's attention at `--decode_batch` slots over `--decode_len` cache entries
-(the engine's path: every kernel decodes with XLA today) against its memory bound: the keys
-and values read once, at the rate a jitted sum reads memory here (rollout_bench.read_bandwidth).
+Then the decode step's attention at `--decode_batch` slots over `--decode_len` cache entries,
+with every slot full and with ragged slots (lengths uniform in [S/8, S]), by each of
+`--decode_kernels`: "xla" (the engine's path: every `model.attention` decodes with XLA) and
+"pallas" (JAX's Pallas GPU decode kernel, which reads each slot only to its length; Pallas
+interpret mode off GPU: numerics, not speed), `--decode_inner` chained steps per call, against
+the memory bound: the filled keys and values read once, at the rate a jitted sum reads memory
+here (rollout_bench.read_bandwidth), with each output's largest difference from XLA's.
 
 Kernels: "xla" and "blocked" everywhere; "splash" on TPU (with `--interpret`, in Pallas
 interpret mode elsewhere: numerics, not speed); "cudnn" on GPU.
