@@ -358,10 +358,10 @@ def test_qevolve_on_two_processes_matches_one_process(tmp_path):
 
   The critic's float figures are not compared with 1 x 8: the sampled rollouts differ between
   the two layouts (found 2026-12-06: 6 of 8 episodes differ from some token on, also between
-  fsdp 8 and data 8 in one process, while the 2 processes agree with each other). XLA:CPU sums in
-  another order with 4 devices per process, and the inverse-CDF sampler over a random policy's
-  near-uniform 151,936-token distribution turns last-bit differences of the logits into other
-  tokens; the critic then trains on other episodes (its first loss, on the same demonstrations,
+  fsdp 8 and data 8 in one process, while the 2 processes agree with each other). Likely (not
+  isolated to one operation): XLA:CPU sums in another order with 4 devices per process, and
+  the inverse-CDF sampler over a random policy's near-uniform 151,936-token distribution turns
+  last-bit differences of the logits into other tokens; the critic then trains on other episodes (its first loss, on the same demonstrations,
   is equal to the last bit). A random policy's rewards are 0 whatever it samples, which is why
   the job's reward and loss figures agree across layouts."""
   job = [
