@@ -361,9 +361,10 @@ def test_qevolve_on_two_processes_matches_one_process(tmp_path):
   fsdp 8 and data 8 in one process, while the 2 processes agree with each other). Likely (not
   isolated to one operation): XLA:CPU sums in another order with 4 devices per process, and
   the inverse-CDF sampler over a random policy's near-uniform 151,936-token distribution turns
-  last-bit differences of the logits into other tokens; the critic then trains on other episodes (its first loss, on the same demonstrations,
-  is equal to the last bit). A random policy's rewards are 0 whatever it samples, which is why
-  the job's reward and loss figures agree across layouts."""
+  last-bit differences of the logits into other tokens; the critic then trains on other
+  episodes (its first loss, on the same demonstrations, is equal to the last bit). A random
+  policy's rewards are 0 whatever it samples, which is why the job's reward and loss figures
+  agree across layouts."""
   job = [
     sys.executable,
     "-m",
