@@ -163,7 +163,7 @@ def decode_seconds(args, kernel: str, ragged: bool) -> tuple[float, int, float]:
 
   want = jax.jit(xla_step)(q, kk, vv).astype(jnp.float32)
   if kernel == "xla":
-    step, operands = xla_step, (kk, vv)
+    step, operands, got = xla_step, (kk, vv), want
   else:
     interpret = jax.default_backend() != "gpu"
     k_bksh = jnp.swapaxes(kk, 2, 3)  # laid out as the kernel reads it, outside the timed step
@@ -172,7 +172,7 @@ def decode_seconds(args, kernel: str, ragged: bool) -> tuple[float, int, float]:
       return pallas_gpu_decode(q, k_bksh, vv, lengths, interpret=interpret)
 
     operands = (k_bksh, vv)
-  got = jax.jit(step)(q, *operands).astype(jnp.float32)
+    got = jax.jit(step)(q, *operands).astype(jnp.float32)
   error = float(jnp.max(jnp.abs(got - want)))
   inner = args.decode_inner
   chained = _chained(step, inner)

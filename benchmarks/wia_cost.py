@@ -171,7 +171,7 @@ def teacher_forced(arm: str, seed: int, workdir: str, max_new_tokens: int = 256)
   sys.path.insert(0, os.path.join(ROOT, "scripts"))
   import ablations  # noqa: PLC0415
 
-  from coevolve_jax import wia  # noqa: PLC0415
+  from coevolve_jax import qevolve, wia  # noqa: PLC0415
   from coevolve_jax.loop import CoEvolveRun  # noqa: PLC0415
   from coevolve_jax.rollout.generate import generate  # noqa: PLC0415
   from coevolve_jax.rollout.sampling import SamplingParams  # noqa: PLC0415
@@ -185,9 +185,10 @@ def teacher_forced(arm: str, seed: int, workdir: str, max_new_tokens: int = 256)
     run._session_start, run._closing = 0.0, []  # noqa: SLF001 (outside `fit`'s session)
     run._start()  # noqa: SLF001 (restores the newest checkpoint)
     seen: list[str] = []
-    for i, t in enumerate(run.pool.tasks):  # the real observations, in call order
-      run.suite.demonstration(t, run.parts.chat, f"tf{i}", seen.append)
     mode = cfg.role_agent.wia.demos
+    if mode == "shuffled":  # the control needs every observation first (as the loop's warm-start)
+      for i, t in enumerate(run.pool.tasks):
+        run.suite.demonstration(t, run.parts.chat, f"tf{i}", seen.append)
     base = wia.demo_predictor(mode, cfg.role_agent.wia.char_cap, seen, cfg.seed)
     chat = run.parts.chat
     prompts, truths = [], []
@@ -196,16 +197,8 @@ def teacher_forced(arm: str, seed: int, workdir: str, max_new_tokens: int = 256)
       demo = run.suite.demonstration(
         t, chat, f"tf{i}", lambda obs, real=real: real.append(obs) or base(obs)
       )
-      starts = [
-        j
-        for j in range(len(demo.loss_mask))
-        if demo.loss_mask[j] and (j == 0 or not demo.loss_mask[j - 1])
-      ]
       k = 0
-      for j in starts:  # the replies that carry a prediction, in order with `real`
-        end = j
-        while end < len(demo.loss_mask) and demo.loss_mask[end]:
-          end += 1
+      for j, end in qevolve.sampled_spans(demo):  # replies with a prediction, in order with `real`
         if "<predict_next>" in chat.decode(demo.token_ids[j:end]) and k < len(real):
           prompts.append(demo.token_ids[:j])
           truths.append(real[k])
