@@ -645,6 +645,23 @@ def micro_batch_choices(cfg: Mapping[str, Any], mesh: Mapping[str, int]) -> list
   ]
 
 
+def warmstart_micro_batches(
+  cfg: Mapping[str, Any], mesh: Mapping[str, int], micro_batches: int
+) -> int:
+  """Gradient-accumulation slices of a warm-start step: the fewest whose slice puts no more
+  sequences on a device than a GRPO update's slice does with `micro_batches`, so the warm-start
+  fits wherever the update was planned to (`fit_run` plans the update; a warm-start batch of
+  `warmstart.batch_size` rows in one slice could need several times its activations). 1 when
+  the warm-start's batch is no larger than a GRPO mini-batch's per slice (every preset here)."""
+  sizes = {a: int(mesh.get(a, 1)) for a in sharding.MESH_AXES}
+  update = _sequences_per_device(sizes, _mini_batch_rows(cfg)[0], micro_batches)
+  batch = int(cfg["warmstart"]["batch_size"])
+  k = 1
+  while _sequences_per_device(sizes, batch, k) > update:
+    k += 1
+  return k
+
+
 def plan_for_run(
   cfg: Mapping[str, Any],
   mesh: Mapping[str, int],

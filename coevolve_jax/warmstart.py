@@ -159,6 +159,7 @@ def warm_start(
   mesh: Any,
   compute_dtype: Any,
   log: Callable[[int, float], None],
+  micro_batches: int = 1,
 ) -> None:
   """Supervised steps on `demos` (token-mean cross-entropy on their sampled tokens), then hands
   the weights to `trainer` with a fresh optimizer state.
@@ -167,20 +168,32 @@ def warm_start(
   5% of it; batches are drawn by epochs of shuffled demonstrations (`sft_batches`, from `rng`);
   a batch is padded to the longest demonstration's tokens (T) and to `target_buckets`' P.
 
+  Memory: the steps hold what a GRPO update holds, so a run that the start-up check let
+  through fits its warm-start too. `trainer`'s own optimizer state (fresh: the warm-start runs
+  before any update) is dropped while the warm-start's exists, instead of both being held, and
+  its rollout weight copy is released (`PolicyTrainer.release_rollout_copy`); each step is cut
+  into `micro_batches` gradient-accumulation slices (`memory_plan.warmstart_micro_batches`:
+  no more rows per device at a time than an update's slice).
+
   Args:
     trainer: the run's policy trainer (its objective, mesh and compute dtype are reused).
     demos: teacher-forced trajectories (`Suite.demonstration`), at least one.
     log: called with (step, loss) every 10 steps and at the last.
+    micro_batches: gradient-accumulation slices per step (the accumulated gradient is the
+      whole batch's: token-mean over the batch).
   """
   print(f"warm-start on {describe(demos)}")
   warmup = min(10, max(1, steps // 5))
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr * 0.05)
+  trainer.release_rollout_copy()
+  trainer.opt_state = None  # made again below (`reset_optimizer`): one optimizer state at a time
   sft = PolicyTrainer(
     trainer.model(),
     make_optimizer(schedule, 0.0, grad_clip),
     trainer.cfg,
     1.0,
     mesh=mesh,
+    micro_batches=micro_batches,
     compute_dtype=compute_dtype,
   )
   t_max = max(len(d.token_ids) for d in demos)  # T: t_max, or a batch's bucket above it

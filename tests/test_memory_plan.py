@@ -224,6 +224,25 @@ def _cpu_preset_config():
   return module.get_config("cpu")
 
 
+def test_a_warm_start_step_puts_no_more_rows_on_a_device_than_an_update_slice():
+  """`warmstart_micro_batches`: the fewest slices whose rows per device do not exceed a GRPO
+  update slice's (`_sequences_per_device`), counted by hand; 1 in the CPU preset (its runs are
+  unchanged)."""
+  cfg = _cpu_preset_config()
+  cfg.rollout.tasks_per_step, cfg.rollout.group_size, cfg.train.mini_batches = 32, 8, 4  # 64 rows
+  fsdp4 = {"fsdp": 4}
+  cfg.warmstart.batch_size = 8  # 2 rows a device; an update with 4 slices: 64 / (4 x 4) = 4
+  assert memory_plan.warmstart_micro_batches(cfg, fsdp4, 4) == 1
+  cfg.warmstart.batch_size = 32  # 8 rows a device against 4: two slices
+  assert memory_plan.warmstart_micro_batches(cfg, fsdp4, 4) == 2
+  assert memory_plan.warmstart_micro_batches(cfg, fsdp4, 16) == 8  # against 1 row: 8 slices
+  cfg.warmstart.batch_size = 33  # rounded up: ceil(33 / (4 x 4)) = 3 rows, ceil(33 / 20) = 2
+  assert memory_plan.warmstart_micro_batches(cfg, fsdp4, 8) == 5  # against 64 / 32 = 2 rows
+  # data 2 (tensor does not split rows): 17 rows, then 9, then 6, against 64 / 8 = 8.
+  assert memory_plan.warmstart_micro_batches(cfg, {"data": 2, "tensor": 4}, 4) == 3
+  assert memory_plan.warmstart_micro_batches(_cpu_preset_config(), {"fsdp": 1}, 1) == 1
+
+
 def test_a_run_that_cannot_fit_stops_with_the_planners_table():
   """`fit_run` against a device size: static memory over it is a MemoryError with the table;
   with `train.micro_batches = 0` (auto) the fewest slices whose worst-case mini-batch fits are

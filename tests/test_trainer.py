@@ -711,6 +711,61 @@ def test_warm_start_target_buckets_pad_little_and_leave_the_sft_step_unchanged(o
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_a_warm_start_holds_no_more_than_an_update_does(one_layer_model, monkeypatch):
+  """The warm-start's steps run beside what a GRPO update runs beside (`memory_plan.
+  check_programs`: everything resident but the rollout copy), not beside the run's fresh
+  optimizer state and its stale rollout copy as well: before, a Qwen3-4B warm-start on fsdp 8
+  held a second AdamW state (3.7 GiB per device) that no plan counted. Measured on live arrays
+  at each SFT step's start; afterwards the run's trainer has a fresh optimizer state again."""
+  from coevolve_jax import memory_plan  # noqa: PLC0415
+  from coevolve_jax.warmstart import warm_start  # noqa: PLC0415
+
+  trainer = PolicyTrainer(
+    _fresh(one_layer_model),
+    make_optimizer(1e-3, 0.0, 1.0),
+    grpo.GRPOConfig(),
+    1.0,
+    compute_dtype=jnp.bfloat16,
+  )
+  trainer.freeze_reference()  # as the loop does before the warm-start
+  copy_bytes = memory_plan.device_bytes(trainer.inference_params())  # an evaluation's copy
+  opt_bytes = memory_plan.device_bytes(trainer.opt_state)
+  assert copy_bytes > 0 and opt_bytes > 0
+  gc.collect()
+  before = memory_plan.device_bytes()
+  seen = []
+  real = PolicyTrainer.sft_update
+
+  def measured(self, batch):
+    gc.collect()
+    seen.append(memory_plan.device_bytes())
+    return real(self, batch)
+
+  monkeypatch.setattr(PolicyTrainer, "sft_update", measured)
+  demos = [_traj(i, [(6, False), (5 + i, True)]) for i in range(4)]
+  warm_start(
+    trainer,
+    demos,
+    steps=3,
+    batch_size=2,
+    lr=1e-3,
+    grad_clip=1.0,
+    rng=np.random.default_rng(0),
+    mesh=None,
+    compute_dtype=jnp.bfloat16,
+    log=lambda step, loss: None,
+    micro_batches=2,
+  )
+  assert len(seen) == 3
+  # One optimizer state (the warm-start's instead of the run's), no rollout copy; the batch's
+  # few hundred bytes are the slack. Before the change: before + opt_bytes.
+  assert max(seen) <= before - copy_bytes + opt_bytes // 100, (max(seen), before, copy_bytes)
+  assert trainer.opt_state is not None and trainer.rollout_copy is None
+  fresh = jax.tree.leaves(trainer.opt_state)
+  assert all(not np.any(np.asarray(x)) for x in fresh if x.ndim)  # zero moments: a new state
+  assert memory_plan.device_bytes(trainer.opt_state) == opt_bytes
+
+
 @pytest.mark.slow
 def test_warmstart_benchmark_prints_both_paddings_and_their_ratio(tmp_path):
   """benchmarks/warmstart_bench.py on a small D0: both rows, P bucketed as documented, and the
