@@ -155,23 +155,20 @@ def shares_start(variant: str) -> bool:
   return set(VARIANTS[variant]) <= STEP0_UNREAD
 
 
-def ensure_start(start: str, cfg) -> None:
+def ensure_start(start: str, cfg, overrides: dict[str, Any] | None = None) -> None:
   """Runs step 0 in `start` unless it is done (`START_DONE` there, written after it).
 
   Raises:
     RuntimeError: `start` holds a run past step 0 (a variant would resume from that step), or a
-      finished start was made with other settings than `cfg`'s (but `START_MAY_DIFFER`).
+      finished start was made with other settings than `cfg`'s (but `START_MAY_DIFFER`, and
+      fields added to the project since, unless `overrides` names them: `changed_settings`).
   """
   from coevolve_jax.loop import CoEvolveRun  # pylint: disable=g-import-not-at-top
-  from flax.traverse_util import flatten_dict  # pylint: disable=g-import-not-at-top
 
   if os.path.exists(os.path.join(start, START_DONE)):
     with open(os.path.join(start, "config.json"), encoding="utf-8") as f:
-      made = flatten_dict(json.load(f), sep=".")
-    now = flatten_dict(json.loads(cfg.to_json_best_effort()), sep=".")
-    changed = sorted(
-      k for k in set(made) | set(now) if made.get(k) != now.get(k) and k not in START_MAY_DIFFER
-    )
+      made = json.load(f)
+    changed = changed_settings(made, cfg, overrides, START_MAY_DIFFER)
     if changed:
       raise RuntimeError(
         f"{start} was made with other settings ({', '.join(changed)}); its variants would not "
@@ -207,6 +204,19 @@ def saved_path(out: str, variant: str, seed: int) -> str:
   return os.path.join(out, "runs", f"{variant}-s{seed}.json")
 
 
+def changed_settings(
+  made: dict[str, Any], cfg, overrides: dict[str, Any] | None, ignore: frozenset[str] = COMPILE_ONLY
+) -> list[str]:
+  """The settings (dotted names) in which `cfg` differs from `made` (a run's config.json), but
+  `ignore`. A field `made` lacks was added to the project after it was written, with a default
+  that keeps earlier behaviour (the project's rule for new options), so it differs only where
+  `overrides` (the command's --set) names it."""
+  made, now = _settings(made), _settings(json.loads(cfg.to_json_best_effort()))
+  named = tuple(overrides or ())
+  added = {k for k in set(now) - set(made) if not any(k.startswith(n) for n in named)}
+  return sorted(k for k in (set(made) | set(now)) - added - ignore if made.get(k) != now.get(k))
+
+
 def _settings(cfg: dict[str, Any]) -> dict[str, Any]:
   """A config (as config.json holds it) flattened, without the fields that only say how programs
   are compiled (`COMPILE_ONLY`)."""
@@ -230,10 +240,9 @@ def save_run(path: str, run: dict[str, Any], workdir: str) -> None:
 
 
 def load_saved(path: str, cfg, overrides: dict[str, Any] | None = None) -> dict[str, Any] | None:
-  """The run saved at `path` if it ran `cfg`'s settings (but `COMPILE_ONLY`), else None (a note
-  says which settings differ; the grid runs it again). A field the saved config lacks was added
-  to the project after the run, with a default that keeps earlier behaviour (the project's rule
-  for new options), so it differs only where `overrides` (the command's --set) names it."""
+  """The run saved at `path` if it ran `cfg`'s settings (`changed_settings`: but `COMPILE_ONLY`
+  and fields added since that `overrides` does not name), else None (a note says which settings
+  differ; the grid runs it again)."""
   if not os.path.exists(path):
     return None
   with open(path, encoding="utf-8") as f:
@@ -241,10 +250,7 @@ def load_saved(path: str, cfg, overrides: dict[str, Any] | None = None) -> dict[
   if saved.get("config") is None:
     print(f"--- {path} does not say which config it ran: running it again")
     return None
-  made, now = _settings(saved["config"]), _settings(json.loads(cfg.to_json_best_effort()))
-  named = tuple(overrides or ())
-  added = {k for k in set(now) - set(made) if not any(k.startswith(n) for n in named)}
-  changed = sorted(k for k in set(made) | set(now) - added if made.get(k) != now.get(k))
+  changed = changed_settings(saved["config"], cfg, overrides)
   if changed:
     print(f"--- {path} ran other settings ({', '.join(changed)}): running it again")
     return None
@@ -818,7 +824,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.shared_start and shares_start(variant) and not os.path.exists(workdir):
           start = os.path.join(args.workdir, f"{START}-s{seed}")
-          ensure_start(start, load_config(START_VARIANT, seed, run_overrides, args.config))
+          start_cfg = load_config(START_VARIANT, seed, run_overrides, args.config)
+          ensure_start(start, start_cfg, run_overrides)
           copy_start(start, workdir)
         print(f"=== {variant} seed {seed} -> {workdir}", flush=True)
         CoEvolveRun(load_config(variant, seed, run_overrides, args.config), workdir).fit()

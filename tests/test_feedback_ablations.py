@@ -327,6 +327,17 @@ def test_a_rerun_resumes_the_grid_and_runs_only_what_is_unfinished(
   with pytest.raises(RuntimeError, match=r"other settings \(warmstart.steps\)"):
     ablations.main([*args, "--seeds", "3", "--set", "warmstart.steps=7"])
   assert not os.path.exists(grid / "grpo_only-s3")
+  # A start made before a field was added to the project (absent from its config.json) still
+  # serves (the field's default keeps earlier behaviour), unless the command sets that field.
+  made = json.loads((grid / "start-s3" / "config.json").read_text())
+  del made["role_agent"]
+  (grid / "start-s3" / "config.json").write_text(json.dumps(made))
+  ran.clear()
+  ablations.main([*args, "--seeds", "3", "--steps", "5"])
+  assert ran == [("grpo_only-s3", 3, 5)]
+  shutil.rmtree(grid / "grpo_only-s3")
+  with pytest.raises(RuntimeError, match=r"other settings \(role_agent.wia.enabled\)"):
+    ablations.main([*args, "--seeds", "3", "--set", "role_agent.wia.enabled=true"])
   # A start that went past step 0 is not copied.
   ran.clear()
   FakeRun.bootstrap = lambda self: ran.append("step 0") or 2
