@@ -31,14 +31,15 @@ def assert_disk_full(error, path):
   assert re.search(r"\((\d+ B|[\d.]+ [KMGT]iB) free on /[^)]*\)$", str(error)), str(error)
 
 
-def orbax_write_fails(monkeypatch, method, name_end):
+def orbax_write_fails(monkeypatch, method, name_end, within=""):
   """Makes orbax's `method` ("mkdir", "write_text") of local paths ending in `name_end` fail as on
-  a full disk (ENOSPC)."""
+  a full disk (ENOSPC); with `within` (a regular expression), only the paths it matches (e.g.
+  r"/checkpoints/2[./]": step 2's checkpoint, the earlier ones written)."""
   cls = type(epath.Path("/"))
   original = getattr(cls, method)
 
   def failing(self, *args, **kwargs):
-    if str(self).endswith(name_end):
+    if str(self).endswith(name_end) and re.search(within, str(self)):
       raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
     return original(self, *args, **kwargs)
 
