@@ -788,13 +788,25 @@ def device_memory_limit() -> tuple[int | None, str]:
 def device_bytes(arrays: Any = None) -> int:
   """The most bytes any local device holds of `arrays` (a pytree of jax.Arrays; None: every live
   array of this process, `jax.live_arrays()`): what is resident per device, shards counted
-  where they are (a replicated array counts on every device)."""
+  where they are (a replicated array counts on every device), each buffer once. Arrays that
+  share a buffer are one: a checkpoint writer keeps each saved array's shards as arrays of their
+  own (`shard.data`, alive until its save finishes; on CPU its host copies are views of them),
+  which counted twice made the CPU preset's resident figure after a save 1.8x the real one."""
   leaves = jax.live_arrays() if arrays is None else jax.tree.leaves(arrays)
   per_device: dict[int, int] = {}
+  seen: set[tuple[int, int]] = set()
   for x in leaves:
     if not isinstance(x, jax.Array) or x.is_deleted():
       continue
     for shard in x.addressable_shards:
+      try:
+        buffer = (shard.device.id, shard.data.unsafe_buffer_pointer())
+      except (RuntimeError, NotImplementedError, AttributeError):  # no pointers: counted as is
+        buffer = None
+      if buffer in seen:
+        continue
+      if buffer is not None:
+        seen.add(buffer)
       size = math.prod(shard.data.shape) * x.dtype.itemsize
       per_device[shard.device.id] = per_device.get(shard.device.id, 0) + size
   return max(per_device.values(), default=0)
