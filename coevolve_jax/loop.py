@@ -150,14 +150,14 @@ class CoEvolveRun:
 
   def _run(self) -> dict[str, Any]:
     restored = self._start()
+    if self.cfg.compile.ahead:  # at start-up: a run that cannot fit stops before D0 and warm-start
+      self._compile_ahead()
     if restored is not None:
       self._generated_eval_set(resumed=True)  # as frozen at the start
     if restored is None:
       self._bootstrap()  # D0 -> warm-start -> eval before -> checkpoint 0
     elif self.state.pending is not None:
       self.rounds.submit(self.state, self.state.pending)  # in flight at the checkpoint: redone
-    if self.cfg.compile.ahead:
-      self._compile_ahead()
     before = self.compiles.pop()  # set-up, D0, warm-start, eval before: not step 1's
     if restored is None:  # step 0's row: what compiled, and the phases, before GRPO step 1
       self.metrics.write(0, {**before, **self.timer.pop_last()})
@@ -549,11 +549,14 @@ class CoEvolveRun:
     return {**summary, **extra}
 
   def _compile_ahead(self) -> None:
-    """compile.ahead: every program a GRPO step can run, compiled before step 1 (after the
-    reference is frozen, so its log-prob forward is compiled in its own dtype): the engine's
-    prefill and decode shapes for the rollouts' sampling and the evaluations' greedy one, and the
-    train step and log-prob forward at every (T, P) bucket. Every process compiles the same set
-    (SPMD). docs/benchmarks/compiles.md lists the sets."""
+    """compile.ahead: every program a GRPO step can run, compiled at start-up, right after
+    set-up (the reference is frozen there, so its log-prob forward is compiled in its own dtype),
+    before D0, the warm-start and the evaluations, which then find the engine's programs compiled:
+    the engine's prefill and decode shapes for the rollouts' sampling and the evaluations' greedy
+    one, and the train step and log-prob forward at every (T, P) bucket; then the memory check
+    of those programs (`_check_program_memory`), so that a run that cannot fit its devices stops
+    before its first hour of work. Every process compiles the same set (SPMD).
+    docs/benchmarks/compiles.md lists the sets."""
     cfg, runner = self.cfg, self.parts.runner
     # Single decode steps run only while environment steps are in flight (`AgentRunner`).
     steps = {cfg.episode.decode_steps} | (set() if runner.lockstep else {1})
@@ -576,7 +579,8 @@ class CoEvolveRun:
   def _check_program_memory(self) -> None:
     """The memory per device of the largest compiled prefill, decode and update programs on top
     of what is resident (`memory_plan.check_programs`): printed; on a GPU or TPU a program that
-    would not fit stops the run here, before step 1, instead of failing inside it. On CPU the
+    would not fit stops the run here, at start-up, instead of failing inside step 1 after D0 and
+    the warm-start (which holds no more than an update: `warmstart.warm_start`). On CPU the
     limit is a share of the host's memory and XLA:CPU's buffer assignment is not a device's:
     the figures are printed as estimates and nothing stops."""
     trainer, engine = self.trainer, self.parts.engine

@@ -182,6 +182,8 @@ def test_two_steps_one_feedback_round_then_resume_and_complete(tmp_path, capsys,
   assert_disk_full(e.value, os.path.join(workdir, "checkpoints", "2"))
   out = capsys.readouterr().out
   assert _from_cache(out) == 0 and os.listdir(cache_dir)  # stored, not loaded
+  # compile.ahead and its memory check at start-up, before D0 and the warm-start.
+  assert out.index("memory per device, from the compiled programs") < out.index("D0: {")
   printed = {  # the generated set's figures as the session printed them
     k: ast.literal_eval(out.split(f"generated held-out set {k}: ", 1)[1].split("\n", 1)[0])
     for k in ("before the warm-start", "before training")
