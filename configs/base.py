@@ -349,10 +349,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.train.len_buckets = ()
   c.train.target_buckets = ()
 
-  # Compile ahead: before GRPO step 1, every program the steps can run (the engine's prefill and
-  # decode shapes for the rollout's and the evaluations' sampling, the train step and log-prob
-  # forward at every (T, P) bucket), so no step after it waits for XLA. Needs a bounded shape
-  # set: train.len_buckets / target_buckets, and engine.prefill_rows = "full" to keep it small.
+  # Compile ahead: at start-up, before D0, every program the steps can run (the engine's prefill
+  # and decode shapes for the rollout's and the evaluations' sampling, the train step and log-prob
+  # forward at every (T, P) bucket), so no step after it waits for XLA, and the memory check of
+  # those programs stops a run that cannot fit before any work. Needs a bounded shape set:
+  # train.len_buckets / target_buckets, and engine.prefill_rows = "full" to keep it small.
   c.compile = ml_collections.ConfigDict()
   c.compile.ahead = False
   c.compile.threads = 0  # compiles at once (0 = the host's CPU count, at most 8)
