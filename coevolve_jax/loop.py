@@ -268,9 +268,7 @@ class CoEvolveRun:
       compute_dtype=self.cfg.model.dtype,
       log=lambda i, loss: self.metrics.write(0, {"warmstart/loss": loss, "warmstart/step": i}),
       micro_batches=memory_plan.warmstart_micro_batches(
-        self.cfg,
-        {} if self.parts.mesh is None else dict(self.parts.mesh.shape),
-        self.trainer.micro_batches,
+        self.cfg, dict(self.parts.mesh.shape), self.trainer.micro_batches
       ),
     )
 
