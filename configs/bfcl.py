@@ -121,4 +121,15 @@ def _cpu_real(c: ml_collections.ConfigDict) -> None:
   c.engine.num_slots = 8
   c.train.lr = 1e-5
   c.train.mini_batches = 1
+  # Rounds that GRPO acts on within 6 steps of 2 tasks. With the CPU preset's clock (a round
+  # every 3 steps, joining one step later) and a proportional draw, CoEvolve seed 0 (2026-12-06)
+  # accepted 5 synthesized tasks and trained on none of them: round 1 joined after step 4 and
+  # steps 5-6 drew 4 D0 tasks from a pool of 28, so the pair against GRPO only could differ only
+  # in which D0 tasks were drawn. Here a round runs after every 2nd step and joins before the
+  # next (its synthesis takes ~0.1 s with the programmatic explorer), and once synthesized tasks
+  # exist every step draws one of its 2 from them, so steps 3-6 train on 4. Not the paper's
+  # (F = 10 of 120 steps, a proportional draw: `:paper`); a run without rounds draws as before.
+  c.feedback.every = 2
+  c.feedback.lag = 0
+  c.pool.synth_fraction = 0.5
   c.eval.generated_before_warmstart = True

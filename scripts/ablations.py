@@ -143,7 +143,17 @@ START_OWN_FILES = ("config.json", "summary.json", "run.lock", "run.lock.owner", 
 # Fields a finished start may have been made with other values of: GRPO steps, and how programs
 # are compiled (ahead or lazily, threads, the cache they are kept in).
 COMPILE_ONLY = frozenset({"compile.ahead", "compile.threads", "compile.cache_dir"})
-START_MAY_DIFFER = STEP0_UNREAD | COMPILE_ONLY | {"train.steps"}
+# The feedback clock (when rounds run and join the pool) and the synthesized share of a draw are
+# read in GRPO steps only, like the number of steps.
+SCHEDULE = frozenset(
+  {"feedback.every", "feedback.lag", "feedback.concurrent", "pool.synth_fraction"}
+)
+START_MAY_DIFFER = STEP0_UNREAD | COMPILE_ONLY | SCHEDULE | {"train.steps"}
+# What a run without feedback rounds and without AIW (GRPO only) never reads: its rounds' clock,
+# contexts and signals, and the synthesized share of a draw (no synthesized task joins its pool,
+# and `TaskPool.sample` then makes the same random calls as a proportional draw). Two such runs
+# that differ only here ran the same thing.
+UNREAD_WITHOUT_ROUNDS = SCHEDULE | {"feedback.max_contexts", "feedback.kinds", "feedback.mode"}
 # JAX's persistent compilation cache shared by every run of the grid (`compile.cache_dir`, unless
 # the config, --set or JAX_COMPILATION_CACHE_DIR gives one): its runs compile the same programs
 # (the switches change no shape), so each run after the first loads them instead of compiling.
@@ -208,10 +218,14 @@ def changed_settings(
   made: dict[str, Any], cfg, overrides: dict[str, Any] | None, ignore: frozenset[str] = COMPILE_ONLY
 ) -> list[str]:
   """The settings (dotted names) in which `cfg` differs from `made` (a run's config.json), but
-  `ignore`. A field `made` lacks was added to the project after it was written, with a default
-  that keeps earlier behaviour (the project's rule for new options), so it differs only where
-  `overrides` (the command's --set) names it."""
+  `ignore`, and `UNREAD_WITHOUT_ROUNDS` where both are GRPO only. A field `made` lacks was added
+  to the project after it was written, with a default that keeps earlier behaviour (the project's
+  rule for new options), so it differs only where `overrides` (the command's --set) names it."""
   made, now = _settings(made), _settings(json.loads(cfg.to_json_best_effort()))
+  if all(
+    c.get("feedback.enabled") is False and not c.get("role_agent.aiw.enabled") for c in (made, now)
+  ):
+    ignore = ignore | UNREAD_WITHOUT_ROUNDS
   named = tuple(overrides or ())
   added = {k for k in set(now) - set(made) if not any(k.startswith(n) for n in named)}
   return sorted(k for k in (set(made) | set(now)) - added - ignore if made.get(k) != now.get(k))
@@ -271,6 +285,25 @@ def is_complete(workdir: str) -> bool:
     return False
   with open(path, encoding="utf-8") as f:
     return bool(json.load(f).get("complete"))
+
+
+def check_workdir(workdir: str, cfg, overrides: dict[str, Any] | None = None) -> None:
+  """Refuses a run in `workdir`, finished or not, made with other settings than `cfg`'s
+  (`changed_settings`), so a grid whose config changed neither resumes, reports nor pairs it.
+
+  Raises:
+    RuntimeError: its config.json differs (a workdir without one, written by hand, passes).
+  """
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    return
+  with open(path, encoding="utf-8") as f:
+    changed = changed_settings(json.load(f), cfg, overrides)
+  if changed:
+    raise RuntimeError(
+      f"{workdir} ran other settings ({', '.join(changed)}) than the command's: move "
+      "it aside (and its saved run under --out) or use another --workdir"
+    )
 
 
 def collect(workdir: str) -> dict[str, Any]:
@@ -808,11 +841,9 @@ def main(argv: list[str] | None = None) -> int:
     for variant in variants:
       workdir = os.path.join(args.workdir, f"{variant}-s{seed}")
       saved = saved_path(args.out, variant, seed)
-      if not is_complete(workdir) and (
-        run := load_saved(
-          saved, load_config(variant, seed, run_overrides, args.config), run_overrides
-        )
-      ):
+      cfg = load_config(variant, seed, run_overrides, args.config)
+      check_workdir(workdir, cfg, run_overrides)
+      if not is_complete(workdir) and (run := load_saved(saved, cfg, run_overrides)):
         print(f"--- {variant} seed {seed}: read back from {saved}")
         results.setdefault(variant, []).append(run)
         continue
@@ -828,7 +859,7 @@ def main(argv: list[str] | None = None) -> int:
           ensure_start(start, start_cfg, run_overrides)
           copy_start(start, workdir)
         print(f"=== {variant} seed {seed} -> {workdir}", flush=True)
-        CoEvolveRun(load_config(variant, seed, run_overrides, args.config), workdir).fit()
+        CoEvolveRun(cfg, workdir).fit()
       run = {**collect(workdir), "seed": seed}
       save_run(saved, run, workdir)
       results.setdefault(variant, []).append(run)

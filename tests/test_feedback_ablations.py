@@ -424,3 +424,39 @@ def test_saved_runs_outlive_their_workdirs_while_their_settings_hold(
   ablations.main([*args, "--steps", "3", "--no-shared-start"])  # other GRPO steps: run again
   assert ran == [3]
   assert json.loads(saved.read_text())["run"]["rewards"] == [[1, 0.5]]
+
+
+def test_a_workdir_of_other_settings_is_refused_but_grpo_only_ignores_its_unread_clock(
+  ablations, tmp_path
+):
+  """A run in the grid's workdir, finished or not, made with other settings is neither resumed,
+  reported nor paired; GRPO only never reads the feedback clock or the synthesized share, so a
+  schedule change leaves its runs (and the seed's start) valid."""
+  grid, out = tmp_path / "grid", tmp_path / "plots"
+  args = ["--workdir", str(grid), "--out", str(out), "--seeds", "0", "--report"]
+  made = {v: ablations.load_config(v, 0, {}) for v in ("coevolve", "grpo_only")}
+  for variant, cfg in made.items():
+    _fake_run(grid / f"{variant}-s0", 0, reward=[0.5], gen=(0.0, 0.5))
+    (grid / f"{variant}-s0" / "config.json").write_text(cfg.to_json_best_effort())
+  ablations.main([*args, "--variants", "coevolve,grpo_only"])  # the settings it ran: read
+  schedule = ["--set", "feedback.every=2", "--set", "pool.synth_fraction=0.5"]
+  ablations.main([*args, "--variants", "grpo_only", *schedule])  # unread by GRPO only
+  with pytest.raises(RuntimeError, match=r"coevolve-s0 ran other settings \(feedback.every, po"):
+    ablations.main([*args, "--variants", "coevolve", *schedule])
+  with pytest.raises(RuntimeError, match=r"grpo_only-s0 ran other settings \(train.lr\)"):
+    ablations.main([*args, "--variants", "grpo_only", "--set", "train.lr=0.5"])
+  os.remove(grid / "grpo_only-s0" / "summary.json")  # unfinished: refused before it resumes
+  with pytest.raises(RuntimeError, match=r"grpo_only-s0 ran other settings \(train.lr\)"):
+    ablations.main([*args, "--variants", "grpo_only", "--set", "train.lr=0.5"])
+  # Only where both sides run no rounds and no AIW.
+  grpo = made["grpo_only"]
+  for key in ("feedback.every", "feedback.lag", "pool.synth_fraction", "feedback.kinds"):
+    assert key in ablations.UNREAD_WITHOUT_ROUNDS
+  as_run = json.loads(grpo.to_json_best_effort())
+  cfg = ablations.load_config("grpo_only", 0, {"feedback.every": 2, "pool.synth_fraction": 0.5})
+  assert ablations.changed_settings(as_run, cfg, {}) == []
+  aiw = ablations.load_config("aiw_only", 0, {"feedback.every": 2})
+  as_run["role_agent"]["aiw"]["enabled"] = True  # AIW's analyser keeps the clock
+  assert ablations.changed_settings(as_run, aiw, {}) == ["feedback.every"]
+  # The seed's start serves a new schedule (read in GRPO steps only).
+  assert ablations.SCHEDULE <= ablations.START_MAY_DIFFER
