@@ -15,11 +15,17 @@ does), `PolicyTrainer.grpo_epoch` with AdamW. The figure is the policy's exact e
 (over the prompts and the replies before the deciding step, the policy's own probabilities: no
 sampling noise), every 5 steps; a run stops when it reaches the target (0.8) or at --max-steps.
 The table gives, per seed, the GRPO steps each arm needed, and their ratio (critic / GRPO; below
-1: the critic got there in fewer steps).
+1: the critic got there in fewer steps). `--oracle` adds the arm the critic approximates at
+best: the deciding reply alone takes GRPO's group advantage, the others 0 (how much credit
+assignment can pay on the task). Also: `--lr` (the policy's; at 1e-2 several seeds of every arm
+stall with one or two prompts unlearnt), `--drop-dead-groups` (`train.drop_dead_groups` in
+every arm), `--fit-first` (the critic fits the step's episodes before their advantages, the
+order the paper lists, where the loop follows PPO's).
 
   python benchmarks/qevolve_credit.py [--seeds 0,1,2] [--steps 4] [--decide 0|1]
     [--critic-updates 32] [--critic-lr 1e-3] [--critic head|model] [--model-layers 2]
     [--model-width 256] [--model-batch 16] [--scale none|group_std] [--no-normalize]
+    [--drop-dead-groups] [--fit-first] [--lr 1e-2] [--oracle]
 """
 
 from __future__ import annotations
@@ -110,13 +116,22 @@ def _trajectories(tokens: np.ndarray, logps: np.ndarray, prompt_ids, steps: int,
 
 
 def run(
-  seed: int, arm: str, steps: int, decide: int, max_steps: int, critic_cfg: qevolve.QEvolveConfig
+  seed: int,
+  arm: str,
+  steps: int,
+  decide: int,
+  max_steps: int,
+  critic_cfg: qevolve.QEvolveConfig,
+  drop_dead: bool = False,
+  fit_first: bool = False,
+  lr: float = LR,
 ) -> tuple[int, float, float, dict]:
-  """One arm on one seed. Returns (GRPO steps to the target, or max_steps + 1 when missed;
-  the expected reward at the end; wall seconds; the critic's last qevolve/* metrics)."""
+  """One arm on one seed; `drop_dead`: `train.drop_dead_groups` (a group whose rewards all agree
+  leaves the loss, `grpo.loss_rows`). Returns (GRPO steps to the target, or max_steps + 1 when
+  missed; the expected reward at the end; wall seconds; the critic's last qevolve/* metrics)."""
   start = time.perf_counter()
   model = Qwen(_config(), rngs=nnx.Rngs(seed))
-  trainer = PolicyTrainer(model, make_optimizer(LR, 0.0, 1.0), grpo.GRPOConfig(), 1.0)
+  trainer = PolicyTrainer(model, make_optimizer(lr, 0.0, 1.0), grpo.GRPOConfig(), 1.0)
   trainer.freeze_reference()
   critic = qevolve.make_critic(critic_cfg, trainer, seed) if arm == "critic" else None
   metrics: dict = {}
@@ -131,17 +146,31 @@ def run(
     tokens, logps = sample(trainer.model(), jnp.asarray(prompts[rows], jnp.int32), sub, steps)
     trajs = _trajectories(np.asarray(tokens), np.asarray(logps), rows, steps, decide)
     inputs = advantages.AdvantageInputs.from_trajectories(trajs, trainer.cfg)
+    keep = grpo.loss_rows(
+      [t.finish for t in trajs], inputs.rewards, inputs.group_ids, (), drop_dead
+    )
+    inputs = advantages.AdvantageInputs(trajs, inputs.rewards, inputs.group_ids, keep, trainer.cfg)
     name = "grpo"
     if critic is not None:
       eps = [e for t in trajs if (e := qevolve.episode(t, critic.cfg)) is not None]
       feats = critic.features(eps)
-      reply_adv, metrics = critic.reply_advantages(eps, feats)
-      critic.fit(eps, feats)
+      if fit_first:  # the paper's order: fit on the step's episodes, then their advantages
+        fitted = critic.fit(eps, feats)
+        feats = critic.features(eps)  # a critic network of its own reads them anew
+        reply_adv, metrics = critic.reply_advantages(eps, feats)
+        metrics.update(fitted)
+      else:  # PPO's order: advantages under the critic as it stands, then its fit
+        reply_adv, metrics = critic.reply_advantages(eps, feats)
+        critic.fit(eps, feats)
       inputs = advantages.AdvantageInputs(
-        trajs, inputs.rewards, inputs.group_ids, None, trainer.cfg, qevolve=(critic.cfg, reply_adv)
+        trajs, inputs.rewards, inputs.group_ids, keep, trainer.cfg, qevolve=(critic.cfg, reply_adv)
       )
       name = "qevolve"
-    trainer.grpo_epoch(trajs, advantages.estimate(name, inputs), 1)
+    adv = advantages.estimate(name, inputs)
+    if arm == "oracle":  # the deciding reply alone takes the episode's group advantage
+      reply_values = [[a if k == decide else 0.0 for k in range(steps)] for a in adv]
+      adv = advantages.spread_over_replies(trajs, reply_values)
+    trainer.grpo_epoch(trajs, adv, 1, keep=keep)
     if step % 5 == 0:
       reward = _expected_reward(trainer.model(), decide)
       if reward >= TARGET:
@@ -164,6 +193,18 @@ def main(argv=None) -> None:
   parser.add_argument("--model-batch", type=int, default=qevolve.QEvolveConfig.model_batch)
   parser.add_argument("--scale", default="none", choices=qevolve.SCALES)
   parser.add_argument("--no-normalize", action="store_true", help="qevolve.normalize = False")
+  parser.add_argument(
+    "--oracle",
+    action="store_true",
+    help="also run the oracle arm: the deciding reply alone gets GRPO's group advantage",
+  )
+  parser.add_argument("--lr", type=float, default=LR, help="the policy's AdamW learning rate")
+  parser.add_argument(
+    "--fit-first", action="store_true", help="fit the critic before the step's advantages"
+  )
+  parser.add_argument(
+    "--drop-dead-groups", action="store_true", help="train.drop_dead_groups = True in both arms"
+  )
   args = parser.parse_args(argv)
   if not 1 <= args.steps <= VOCAB - MARK0 + 1:  # step markers MARK0 .. MARK0 + K - 2
     parser.error(f"--steps must be in [1, {VOCAB - MARK0 + 1}] (the step markers' token ids)")
@@ -189,30 +230,35 @@ def main(argv=None) -> None:
       else f"{critic_cfg.model_batch} episodes ({critic_cfg.model_layers} layers of "
       f"{critic_cfg.model_width})"
     )
-    + f" at lr {critic_cfg.lr:g}, scale {critic_cfg.scale}, normalize {critic_cfg.normalize}"
+    + f" at lr {critic_cfg.lr:g}, scale {critic_cfg.scale}, normalize {critic_cfg.normalize}; "
+    f"drop dead groups {args.drop_dead_groups}, fit first {args.fit_first}; policy lr {args.lr:g}"
   )
-  print(
-    "| seed | GRPO steps | critic steps | critic / GRPO | GRPO s | critic s | critic's last "
-    "explained variance | V at the end, success / failure |"
-  )
-  print("|---|---|---|---|---|---|---|---|")
-  ratios = []
+  oracle = ["oracle steps", "oracle / GRPO"] if args.oracle else []
+  columns = ["seed", "GRPO steps", "critic steps", "critic / GRPO", *oracle, "GRPO s", "critic s"]
+  columns += ["critic's last explained variance", "V at the end, success / failure"]
+  print("| " + " | ".join(columns) + " |")
+  print("|" + "---|" * len(columns))
+  ratios, oracle_ratios = [], []
+  arm = (args.steps, args.decide, args.max_steps, critic_cfg, args.drop_dead_groups)
+  arm += (args.fit_first, args.lr)
+  miss = lambda n, r: f"> {args.max_steps} ({r:.2f})" if n > args.max_steps else str(n)  # noqa: E731
   for seed in seeds:
-    g_steps, g_reward, g_s, _ = run(
-      seed, "grpo", args.steps, args.decide, args.max_steps, critic_cfg
-    )
-    c_steps, c_reward, c_s, m = run(
-      seed, "critic", args.steps, args.decide, args.max_steps, critic_cfg
-    )
+    g_steps, g_reward, g_s, _ = run(seed, "grpo", *arm)
+    c_steps, c_reward, c_s, m = run(seed, "critic", *arm)
     ratios.append(c_steps / g_steps)
-    miss = lambda n, r: f"> {args.max_steps} ({r:.2f})" if n > args.max_steps else str(n)  # noqa: E731
+    cells = [seed, miss(g_steps, g_reward), miss(c_steps, c_reward), f"{ratios[-1]:.2f}"]
+    if args.oracle:
+      o_steps, o_reward, _, _ = run(seed, "oracle", *arm)
+      oracle_ratios.append(o_steps / g_steps)
+      cells += [miss(o_steps, o_reward), f"{oracle_ratios[-1]:.2f}"]
     ev = m.get("qevolve/explained_variance", float("nan"))
     ends = (m.get(f"qevolve/v_end_{k}", float("nan")) for k in ("success", "failure"))
-    print(
-      f"| {seed} | {miss(g_steps, g_reward)} | {miss(c_steps, c_reward)} | {ratios[-1]:.2f} | "
-      f"{g_s:.0f} | {c_s:.0f} | {ev:.2f} | {' / '.join(f'{v:.2f}' for v in ends)} |"
-    )
+    cells += [f"{g_s:.0f}", f"{c_s:.0f}", f"{ev:.2f}", " / ".join(f"{v:.2f}" for v in ends)]
+    print("| " + " | ".join(str(c) for c in cells) + " |")
     sys.stdout.flush()
+  if oracle_ratios:
+    gm = float(np.exp(np.mean(np.log(oracle_ratios))))
+    print(f"# geometric mean of oracle / GRPO steps: {gm:.2f}")
   print(f"# geometric mean of critic / GRPO steps: {float(np.exp(np.mean(np.log(ratios)))):.2f}")
 
 
