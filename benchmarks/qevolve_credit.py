@@ -25,7 +25,7 @@ order the paper lists, where the loop follows PPO's).
   python benchmarks/qevolve_credit.py [--seeds 0,1,2] [--steps 4] [--decide 0|1]
     [--critic-updates 32] [--critic-lr 1e-3] [--critic head|model] [--model-layers 2]
     [--model-width 256] [--model-batch 16] [--scale none|group_std] [--no-normalize]
-    [--drop-dead-groups] [--fit-first] [--lr 1e-2] [--oracle]
+    [--v-target iql|return] [--drop-dead-groups] [--fit-first] [--lr 1e-2] [--oracle]
 """
 
 from __future__ import annotations
@@ -192,6 +192,7 @@ def main(argv=None) -> None:
   parser.add_argument("--model-width", type=int, default=qevolve.QEvolveConfig.model_width)
   parser.add_argument("--model-batch", type=int, default=qevolve.QEvolveConfig.model_batch)
   parser.add_argument("--scale", default="none", choices=qevolve.SCALES)
+  parser.add_argument("--v-target", default="iql", choices=qevolve.V_TARGETS)
   parser.add_argument("--no-normalize", action="store_true", help="qevolve.normalize = False")
   parser.add_argument(
     "--oracle",
@@ -217,6 +218,7 @@ def main(argv=None) -> None:
     model_batch=args.model_batch,
     scale=args.scale,
     normalize=not args.no_normalize,
+    v_target=args.v_target,
   )
   seeds = [int(s) for s in args.seeds.split(",")]
   print(f"# {machine()}")
@@ -230,7 +232,8 @@ def main(argv=None) -> None:
       else f"{critic_cfg.model_batch} episodes ({critic_cfg.model_layers} layers of "
       f"{critic_cfg.model_width})"
     )
-    + f" at lr {critic_cfg.lr:g}, scale {critic_cfg.scale}, normalize {critic_cfg.normalize}; "
+    + f" at lr {critic_cfg.lr:g}, V target {critic_cfg.v_target}, scale {critic_cfg.scale}, "
+    f"normalize {critic_cfg.normalize}; "
     f"drop dead groups {args.drop_dead_groups}, fit first {args.fit_first}; policy lr {args.lr:g}"
   )
   oracle = ["oracle steps", "oracle / GRPO"] if args.oracle else []

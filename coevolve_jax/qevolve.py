@@ -22,7 +22,10 @@ Critic (IQL, Kostrikov et al. 2022, with the paper's weights):
   w_t = 0.5 (t / T + d) + 0.5       (t = 1..T the reply's step, d = 1 for a successful episode)
 where c_t are the retrospective penalties that train the critic only (`penalties`: a reply that
 failed to parse -0.3, a call the environment rejected -0.2, an observation equal to the
-previous one -0.1). V(s_{t+1}) is held fixed in L_Q and Q_target in L_V.
+previous one -0.1). V(s_{t+1}) is held fixed in L_Q and Q_target in L_V. With `v_target =
+"return"` (not the paper's) V is regressed on the discounted return instead,
+  L_V = mean_t w_t L2^tau(G_t - V(s_t)),   G_t = r_t + c_t + gamma (1 - done_t) G_{t+1},
+so an early state learns its outcome without waiting for the Q / V chain to carry it back.
 
 Process rewards: GAE (Schulman et al. 2016) on the environment reward only,
   delta_t = r_t + gamma (1 - done_t) V(s_{t+1}) - V(s_t),  A_t = sum_k (gamma lambda)^k delta_{t+k}
@@ -66,6 +69,7 @@ MODES = ("critic", "iterate")
 SCALES = ("none", "group_std")  # of the critic's advantages (`combine`)
 PLACEMENTS = ("instead", "between")  # mode "iterate": of CoEvolve's GRPO update, or after it
 CRITICS = ("head", "model")
+V_TARGETS = ("iql", "return")  # what L_V regresses V on (`iql_losses`)
 BP_VARIANTS = ("clip_kl", "bppo")
 ORIGINS = ("agent", "expert")
 
@@ -86,6 +90,10 @@ class QEvolveConfig:
       vocabulary; heads of 64 or `model_width` if smaller). model_batch: episodes per "model"
       critic step*.
     tau: the expectile of L_V* (0.5 is a mean; IQL's 0.7). gamma*, lam*: GAE's.
+    v_target: "iql" (the paper's: V an expectile of the target Q, Q from r + gamma V(s')) |
+      "return" (V an expectile of the discounted return that follows the state, the episode's
+      own outcome: no chain of bootstraps between the outcome and an early state; not the
+      paper's, docs/design.md section 8.3).
     polyak: the Q target's rate per critic step*.
     lr: the critic's AdamW learning rate*. updates: critic gradient steps per GRPO step*.
     batch: transitions per critic step*.
@@ -120,6 +128,7 @@ class QEvolveConfig:
   model_width: int = 256
   model_batch: int = 16
   tau: float = 0.7
+  v_target: str = "iql"
   gamma: float = 0.99
   lam: float = 0.95
   polyak: float = 0.05
@@ -154,6 +163,7 @@ class QEvolveConfig:
       ("scale", self.scale, SCALES),
       ("critic", self.critic, CRITICS),
       ("variant", self.variant, BP_VARIANTS),
+      ("v_target", self.v_target, V_TARGETS),
     ):
       if value not in known:
         raise ValueError(f"qevolve.{name} must be one of {known}, got {value!r}")
@@ -234,6 +244,7 @@ def iql_losses(
   weights: jax.Array,
   tau: float,
   gamma: float,
+  returns: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Q-Evolve's weighted IQL losses over B transitions (module docstring).
 
@@ -241,15 +252,35 @@ def iql_losses(
     v_s, q_sa, q_target_sa, v_next: [B] float32 V(s_t), Q(s_t, a_t), the target Q, V(s_{t+1})
       (ignored where done). rewards: [B] the critic's reward (environment reward plus the
       retrospective penalties). dones: [B] 1.0 where the episode ends. weights: [B] w_t.
+    returns: [B] the discounted return from each state (`discounted_returns`), or None: with
+      it, L_V = mean_t w_t L2^tau(G_t - V(s_t)) (`v_target = "return"`) instead of the target
+      Q's; L_Q is the same.
   Returns:
     (L_V, L_Q) scalars: weighted means over B; no gradient flows through q_target_sa into L_V
     or through v_next into L_Q.
   """
-  q_t = jax.lax.stop_gradient(q_target_sa)
+  q_t = jax.lax.stop_gradient(q_target_sa if returns is None else returns)
   v_loss = jnp.mean(weights * expectile_loss(q_t - v_s, tau))
   backup = rewards + gamma * (1.0 - dones) * jax.lax.stop_gradient(v_next)
   q_loss = jnp.mean(weights * (backup - q_sa) ** 2)
   return v_loss, q_loss
+
+
+def discounted_returns(rewards: np.ndarray, dones: np.ndarray, gamma: float) -> np.ndarray:
+  """G_t = r_t + gamma (1 - done_t) G_{t+1} along the last axis (G = 0 past it): the return from
+  each state of each episode, episodes laid end to end or one per row (zero-padded after its
+  last step, done there).
+
+  Args: rewards, dones: [..., S] float (dones 1.0 at an episode's last step). Returns: [..., S]
+  float32.
+  """
+  rewards, dones = np.asarray(rewards, np.float32), np.asarray(dones, np.float32)
+  out = np.zeros_like(rewards)
+  ahead = np.zeros(rewards.shape[:-1], np.float32)
+  for t in range(rewards.shape[-1] - 1, -1, -1):
+    ahead = rewards[..., t] + gamma * (1.0 - dones[..., t]) * ahead
+    out[..., t] = ahead
+  return out
 
 
 def gae(
@@ -539,7 +570,7 @@ def head_apply(head: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
 def critic_step(state: dict[str, Any], batch: Mapping[str, jax.Array], tx, cfg: QEvolveConfig):
   """One critic update on a batch of transitions: L_V + L_Q (`iql_losses`) by AdamW, then the
   Polyak step of the Q target. state: {"v", "q", "q_target", "opt"}; batch: s, sa, s_next [B, D]
-  float32 features and reward, done, weight [B]. Returns (state, {"v_loss", "q_loss"})."""
+  float32 features and reward, done, weight, return [B]. Returns (state, {"v_loss", "q_loss"})."""
 
   def loss_fn(heads):
     v = head_apply(heads["v"], batch["s"])
@@ -547,7 +578,16 @@ def critic_step(state: dict[str, Any], batch: Mapping[str, jax.Array], tx, cfg: 
     v_next = head_apply(heads["v"], batch["s_next"])
     q_t = head_apply(state["q_target"], batch["sa"])
     v_loss, q_loss = iql_losses(
-      v, q, q_t, v_next, batch["reward"], batch["done"], batch["weight"], cfg.tau, cfg.gamma
+      v,
+      q,
+      q_t,
+      v_next,
+      batch["reward"],
+      batch["done"],
+      batch["weight"],
+      cfg.tau,
+      cfg.gamma,
+      batch["return"] if cfg.v_target == "return" else None,
     )
     return v_loss + q_loss, (v_loss, q_loss)
 
@@ -643,7 +683,8 @@ class Critic:
   def transitions(
     self, episodes: Sequence[Episode], feats: Sequence[tuple[np.ndarray, np.ndarray]]
   ) -> dict[str, np.ndarray]:
-    """The flat transition arrays of episodes (s, sa, s_next [M, D]; reward, done, weight [M])."""
+    """The flat transition arrays of episodes (s, sa, s_next [M, D]; reward, done, weight,
+    return [M])."""
     s, sa, s_next, reward, done, weight = [], [], [], [], [], []
     for e, (fs, fsa) in zip(episodes, feats):
       T = e.steps
@@ -665,6 +706,7 @@ class Critic:
       "reward": cat(reward),
       "done": cat(done),
       "weight": cat(weight),
+      "return": discounted_returns(cat(reward), cat(done), self.cfg.gamma),
     }
 
   # -- training and process rewards
@@ -802,8 +844,8 @@ def model_critic_step(
   features without a gradient: the network has no target copy).
 
   state: {"trunk" (nnx.State), "v", "q", "q_target", "opt"}; batch: tokens [B, T] int32, index
-  [B, 2S] int32 (`Critic._pack`), reward, done, weight, valid [B, S] float32 (valid 0 on
-  padding). Returns (state, {"v_loss", "q_loss"})."""
+  [B, 2S] int32 (`Critic._pack`), reward, done, weight, return, valid [B, S] float32 (valid 0
+  on padding). Returns (state, {"v_loss", "q_loss"})."""
   steps = batch["reward"].shape[1]
 
   def loss_fn(train):
@@ -821,6 +863,7 @@ def model_critic_step(
       (batch["weight"] * valid).ravel(),
       cfg.tau,
       cfg.gamma,
+      batch["return"].ravel() if cfg.v_target == "return" else None,
     )
     return (v_loss + q_loss) * scale, (v_loss * scale, q_loss * scale)
 
@@ -918,6 +961,7 @@ class ModelCritic(Critic):
         batch["done"][i, n - 1] = 1.0
         batch["weight"][i, :n] = step_weights(n, e.reward >= 1.0)
         batch["valid"][i, :n] = 1.0
+      batch["return"] = discounted_returns(batch["reward"], batch["done"], cfg.gamma)
       self.state, out = self._step(self.state, batch)
     metrics.update({f"qevolve/{k}": float(v) for k, v in out.items()})
     metrics["qevolve/transitions"] = sum(e.steps for e in every)

@@ -197,6 +197,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.qevolve.model_width = 256  # *
   c.qevolve.model_batch = 16  # *
   c.qevolve.tau = 0.7  # * expectile
+  # What V is regressed on: "iql" (the paper's: the target Q, Q from r + gamma V(s')) or
+  # "return" (* the discounted return that follows the state: docs/design.md section 8.3).
+  c.qevolve.v_target = "iql"
   c.qevolve.gamma = 0.99  # *
   c.qevolve.lam = 0.95  # * GAE lambda
   c.qevolve.polyak = 0.05  # * Q target rate per critic step

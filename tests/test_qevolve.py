@@ -72,6 +72,42 @@ def test_iql_losses_against_reference_and_their_gradients():
   assert np.abs(grads[0]).sum() > 0 and np.abs(grads[1]).sum() > 0
   np.testing.assert_array_equal(grads[2], 0.0)
   np.testing.assert_array_equal(grads[3], 0.0)
+  # v_target "return": L_V on the returns in place of the target Q (the reference with G as qt);
+  # L_Q is unchanged, and neither the target Q nor the returns get a gradient
+  g = rng.normal(size=b).astype(np.float32)
+  lv, lq = qevolve.iql_losses(*args, tau=0.7, gamma=0.9, returns=jnp.asarray(g))
+  ref_v, ref_q = _iql_reference(v, q, g, vn, r, d, w, 0.7, 0.9)
+  np.testing.assert_allclose([lv, lq], [ref_v, ref_q], rtol=1e-5)
+  grads = jax.grad(
+    lambda *a: sum(qevolve.iql_losses(*a[:7], tau=0.7, gamma=0.9, returns=a[7])),
+    argnums=(2, 7),
+  )(*args, jnp.asarray(g))
+  np.testing.assert_array_equal(grads[0], 0.0)
+  np.testing.assert_array_equal(grads[1], 0.0)
+
+
+def test_discounted_returns_by_hand_with_episode_ends():
+  """G_t = r_t + gamma (1 - done_t) G_{t+1}: episodes end to end (a head critic's flat
+  transitions) or one per zero-padded row (a model critic's batch)."""
+  r = np.array([0.0, -0.3, 1.0, 0.5, 0.0, 2.0], np.float32)
+  d = np.array([0, 0, 1, 1, 0, 1], np.float32)  # episodes of 3, 1 and 2 steps
+  want = [-0.3 * 0.5 + 1.0 * 0.25, -0.3 + 0.5 * 1.0, 1.0, 0.5, 0.5 * 2.0, 2.0]
+  np.testing.assert_allclose(qevolve.discounted_returns(r, d, 0.5), want, rtol=1e-6)
+  rows = np.array([[0.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]], np.float32)
+  done = np.array([[0, 0, 1, 0], [0, 1, 0, 0]], np.float32)  # padding after each episode
+  np.testing.assert_allclose(
+    qevolve.discounted_returns(rows, done, 0.9), [[0.81, 0.9, 1.0, 0.0], [0.9, 1.0, 0.0, 0.0]],
+    rtol=1e-6,
+  )  # fmt: skip
+  # the head critic's transitions carry them
+  model = kit.tiny_model(3, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+  trainer = PolicyTrainer(model, make_optimizer(1e-3, 0.0, 1.0), grpo.GRPOConfig(), 1.0)
+  critic = qevolve.Critic(dataclasses.replace(CFG, gamma=0.5), trainer, seed=0)
+  eps = [qevolve.episode(_decision_episode(np.random.default_rng(0), good), CFG) for good in (1, 0)]
+  feats = [(np.zeros((e.steps, 4)), np.zeros((e.steps, 4))) for e in eps]
+  data = critic.transitions(eps, feats)
+  want = np.concatenate([[0.5 * e.reward + e.penalties[0], e.reward + e.penalties[1]] for e in eps])
+  np.testing.assert_allclose(data["return"], want, rtol=1e-6)
 
 
 def _gae_reference(r, v, nv, d, gamma, lam):
@@ -199,6 +235,8 @@ def test_config_checks():
     qevolve.QEvolveConfig(mode="offline")
   with pytest.raises(ValueError, match="tau"):
     qevolve.QEvolveConfig(tau=1.0)
+  with pytest.raises(ValueError, match="v_target"):
+    qevolve.QEvolveConfig(v_target="td")
   with pytest.raises(ValueError, match="invalid_pattern"):
     qevolve.QEvolveConfig(invalid_pattern="(")
   path = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "base.py")
@@ -226,15 +264,19 @@ def _decision_episode(rng, good: bool) -> Trajectory:
   return Trajectory("d", 0, ids, mask, [0.0] * len(ids), reward=float(good), replies=replies)
 
 
-def test_critic_learns_the_deciding_step(tmp_path):
+@pytest.mark.parametrize("v_target", qevolve.V_TARGETS)
+def test_critic_learns_the_deciding_step(tmp_path, v_target):
   """Issue 44 item 5: on episodes where only the first reply decides success, the critic learns
-  V that separates the good and bad prefixes, and its advantages (lambda 0: the one-step TD
-  error, from V alone) rank the deciding reply's good choice above its bad one and give the
-  later reply, which decides nothing, almost none; outcome-only GRPO gives both replies of an
-  episode the same value. Then its checkpoint round-trips exactly."""
+  V that separates the good and bad prefixes (V from the target Q, or from the returns), and its
+  advantages (lambda 0: the one-step TD error, from V alone) rank the deciding reply's good
+  choice above its bad one and give the later reply, which decides nothing, almost none;
+  outcome-only GRPO gives both replies of an episode the same value. Then its checkpoint
+  round-trips exactly."""
   model = kit.tiny_model(3, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
   trainer = PolicyTrainer(model, make_optimizer(1e-3, 0.0, 1.0), grpo.GRPOConfig(), 1.0)
-  cfg = qevolve.QEvolveConfig(updates=40, batch=64, lr=3e-3, replay=8, capacity=64, lam=0.0)
+  cfg = qevolve.QEvolveConfig(
+    updates=40, batch=64, lr=3e-3, replay=8, capacity=64, lam=0.0, v_target=v_target
+  )
   critic = qevolve.Critic(cfg, trainer, seed=0)
   rng = np.random.default_rng(0)
   for _ in range(4):
