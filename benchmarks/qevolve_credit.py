@@ -25,7 +25,7 @@ order the paper lists, where the loop follows PPO's).
   python benchmarks/qevolve_credit.py [--seeds 0,1,2] [--steps 4] [--decide 0|1]
     [--critic-updates 32] [--critic-lr 1e-3] [--critic head|model] [--model-layers 2]
     [--model-width 256] [--model-batch 16] [--scale none|group_std] [--no-normalize]
-    [--v-target iql|return] [--drop-dead-groups] [--fit-first] [--lr 1e-2] [--oracle]
+    [--v-target iql|return] [--tau 0.7] [--drop-dead-groups] [--fit-first] [--lr 1e-2] [--oracle]
 """
 
 from __future__ import annotations
@@ -193,6 +193,7 @@ def main(argv=None) -> None:
   parser.add_argument("--model-batch", type=int, default=qevolve.QEvolveConfig.model_batch)
   parser.add_argument("--scale", default="none", choices=qevolve.SCALES)
   parser.add_argument("--v-target", default="iql", choices=qevolve.V_TARGETS)
+  parser.add_argument("--tau", type=float, default=qevolve.QEvolveConfig.tau, help="V's expectile")
   parser.add_argument("--no-normalize", action="store_true", help="qevolve.normalize = False")
   parser.add_argument(
     "--oracle",
@@ -219,6 +220,7 @@ def main(argv=None) -> None:
     scale=args.scale,
     normalize=not args.no_normalize,
     v_target=args.v_target,
+    tau=args.tau,
   )
   seeds = [int(s) for s in args.seeds.split(",")]
   print(f"# {machine()}")
@@ -232,13 +234,14 @@ def main(argv=None) -> None:
       else f"{critic_cfg.model_batch} episodes ({critic_cfg.model_layers} layers of "
       f"{critic_cfg.model_width})"
     )
-    + f" at lr {critic_cfg.lr:g}, V target {critic_cfg.v_target}, scale {critic_cfg.scale}, "
-    f"normalize {critic_cfg.normalize}; "
+    + f" at lr {critic_cfg.lr:g}, V target {critic_cfg.v_target} (expectile "
+    f"{critic_cfg.tau:g}), scale {critic_cfg.scale}, normalize {critic_cfg.normalize}; "
     f"drop dead groups {args.drop_dead_groups}, fit first {args.fit_first}; policy lr {args.lr:g}"
   )
   oracle = ["oracle steps", "oracle / GRPO"] if args.oracle else []
   columns = ["seed", "GRPO steps", "critic steps", "critic / GRPO", *oracle, "GRPO s", "critic s"]
-  columns += ["critic's last explained variance", "V at the end, success / failure"]
+  columns += ["critic's last explained variance", "V at the start, success / failure"]
+  columns += ["V at the end, success / failure"]
   print("| " + " | ".join(columns) + " |")
   print("|" + "---|" * len(columns))
   ratios, oracle_ratios = [], []
@@ -255,8 +258,10 @@ def main(argv=None) -> None:
       oracle_ratios.append(o_steps / g_steps)
       cells += [miss(o_steps, o_reward), f"{oracle_ratios[-1]:.2f}"]
     ev = m.get("qevolve/explained_variance", float("nan"))
-    ends = (m.get(f"qevolve/v_end_{k}", float("nan")) for k in ("success", "failure"))
-    cells += [f"{g_s:.0f}", f"{c_s:.0f}", f"{ev:.2f}", " / ".join(f"{v:.2f}" for v in ends)]
+    cells += [f"{g_s:.0f}", f"{c_s:.0f}", f"{ev:.2f}"]
+    for at in ("start", "end"):  # V at the prompt / before the last reply, by outcome
+      v = (m.get(f"qevolve/v_{at}_{k}", float("nan")) for k in ("success", "failure"))
+      cells.append(" / ".join(f"{x:.2f}" for x in v))
     print("| " + " | ".join(str(c) for c in cells) + " |")
     sys.stdout.flush()
   if oracle_ratios:
