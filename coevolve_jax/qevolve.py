@@ -276,7 +276,7 @@ def discounted_returns(rewards: np.ndarray, dones: np.ndarray, gamma: float) -> 
   """
   rewards, dones = np.asarray(rewards, np.float32), np.asarray(dones, np.float32)
   out = np.zeros_like(rewards)
-  ahead = np.zeros(rewards.shape[:-1], np.float32)
+  ahead: np.ndarray = np.zeros(rewards.shape[:-1], np.float32)
   for t in range(rewards.shape[-1] - 1, -1, -1):
     ahead = rewards[..., t] + gamma * (1.0 - dones[..., t]) * ahead
     out[..., t] = ahead
