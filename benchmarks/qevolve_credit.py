@@ -31,6 +31,8 @@ order the paper lists, where the loop follows PPO's).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import sys
 import time
 
@@ -149,7 +151,7 @@ def run(
     keep = grpo.loss_rows(
       [t.finish for t in trajs], inputs.rewards, inputs.group_ids, (), drop_dead
     )
-    inputs = advantages.AdvantageInputs(trajs, inputs.rewards, inputs.group_ids, keep, trainer.cfg)
+    inputs = dataclasses.replace(inputs, keep=keep)
     name = "grpo"
     if critic is not None:
       eps = [e for t in trajs if (e := qevolve.episode(t, critic.cfg)) is not None]
@@ -162,9 +164,7 @@ def run(
       else:  # PPO's order: advantages under the critic as it stands, then its fit
         reply_adv, metrics = critic.reply_advantages(eps, feats)
         critic.fit(eps, feats)
-      inputs = advantages.AdvantageInputs(
-        trajs, inputs.rewards, inputs.group_ids, keep, trainer.cfg, qevolve=(critic.cfg, reply_adv)
-      )
+      inputs = dataclasses.replace(inputs, qevolve=(critic.cfg, reply_adv))
       name = "qevolve"
     adv = advantages.estimate(name, inputs)
     if arm == "oracle":  # the deciding reply alone takes the episode's group advantage
@@ -245,16 +245,24 @@ def main(argv=None) -> None:
   print("| " + " | ".join(columns) + " |")
   print("|" + "---|" * len(columns))
   ratios, oracle_ratios = [], []
-  arm = (args.steps, args.decide, args.max_steps, critic_cfg, args.drop_dead_groups)
-  arm += (args.fit_first, args.lr)
+  arm = functools.partial(
+    run,
+    steps=args.steps,
+    decide=args.decide,
+    max_steps=args.max_steps,
+    critic_cfg=critic_cfg,
+    drop_dead=args.drop_dead_groups,
+    fit_first=args.fit_first,
+    lr=args.lr,
+  )
   miss = lambda n, r: f"> {args.max_steps} ({r:.2f})" if n > args.max_steps else str(n)  # noqa: E731
   for seed in seeds:
-    g_steps, g_reward, g_s, _ = run(seed, "grpo", *arm)
-    c_steps, c_reward, c_s, m = run(seed, "critic", *arm)
+    g_steps, g_reward, g_s, _ = arm(seed, "grpo")
+    c_steps, c_reward, c_s, m = arm(seed, "critic")
     ratios.append(c_steps / g_steps)
     cells = [seed, miss(g_steps, g_reward), miss(c_steps, c_reward), f"{ratios[-1]:.2f}"]
     if args.oracle:
-      o_steps, o_reward, _, _ = run(seed, "oracle", *arm)
+      o_steps, o_reward, _, _ = arm(seed, "oracle")
       oracle_ratios.append(o_steps / g_steps)
       cells += [miss(o_steps, o_reward), f"{oracle_ratios[-1]:.2f}"]
     ev = m.get("qevolve/explained_variance", float("nan"))
@@ -264,10 +272,10 @@ def main(argv=None) -> None:
       cells.append(" / ".join(f"{x:.2f}" for x in v))
     print("| " + " | ".join(str(c) for c in cells) + " |")
     sys.stdout.flush()
+  geomean = lambda xs: float(np.exp(np.mean(np.log(xs))))  # noqa: E731
   if oracle_ratios:
-    gm = float(np.exp(np.mean(np.log(oracle_ratios))))
-    print(f"# geometric mean of oracle / GRPO steps: {gm:.2f}")
-  print(f"# geometric mean of critic / GRPO steps: {float(np.exp(np.mean(np.log(ratios)))):.2f}")
+    print(f"# geometric mean of oracle / GRPO steps: {geomean(oracle_ratios):.2f}")
+  print(f"# geometric mean of critic / GRPO steps: {geomean(ratios):.2f}")
 
 
 if __name__ == "__main__":
