@@ -159,3 +159,82 @@ def test_online_step_holds_no_score_matrix(monkeypatch):
   one_block_of_scores = cfg.num_attention_heads * (t // 8) * t * 4
   assert online < one_block_of_scores < blocked, (online, blocked)
   assert online < blocked / 10, (online, blocked)
+
+
+def _ragged_decode(s_max: int, s: int, lengths, block: int, seed: int = 6, t: int = 1):
+  """A decode step of B rows at their own lengths: queries [B, T, N, H] at positions
+  length - T .. length - 1, a [B, K, H, S_max] key and [B, K, S_max, H] value cache whose
+  entries from the first `block` boundary past every row's length on are NaN (a path that reads
+  them returns NaN; entries of a read block past a row's length are finite, as in a cache), and
+  the [B, s] key positions and validity of a bucket of s entries."""
+  rng = np.random.default_rng(seed)
+  b = len(lengths)
+  q = jnp.asarray(rng.normal(size=(b, t, N, H)), jnp.float32)
+  keys = rng.normal(size=(b, K, H, s_max)).astype(np.float32)
+  values = rng.normal(size=(b, K, s_max, H)).astype(np.float32)
+  end = -(-max(lengths) // block) * block
+  keys[..., end:] = np.nan
+  values[:, :, end:] = np.nan
+  q_pos = jnp.asarray(np.asarray(lengths)[:, None] - t + np.arange(t), jnp.int32)
+  k_pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+  return q, jnp.asarray(keys), jnp.asarray(values), q_pos, k_pos, jnp.ones((b, s), bool)
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("t, lengths", [(1, (5, 37, 20)), (1, (64, 3, 9)), (2, (40, 2, 17))])
+def test_cached_blocks_equal_the_masked_softmax_and_read_no_block_past_the_longest_row(
+  stacked, t, lengths
+):
+  """`_attend_cached_blocks` (a decode step on the CPU path) over a 128-entry bucket of a
+  256-entry cache, in blocks of 16, equals `_attend` over the rows' own entries, for rows of
+  different lengths (GQA of 2; T = 2 too), from an unrolled or a stacked cache; and it reads no
+  block past the one holding the longest row's last entry: the entries after that block are
+  NaN, and the plain pass over the bucket, which reads them, returns NaN."""
+  s_max, s = 256, 128
+  q, keys, values, q_pos, k_pos, valid = _ragged_decode(s_max, s, lengths, 16, t=t)
+  if stacked:  # layer 1 of a 3-layer block's stack; the other layers' entries are NaN
+    stack_k = jnp.full((3, *keys.shape), jnp.nan).at[1].set(keys)
+    stack_v = jnp.full((3, *values.shape), jnp.nan).at[1].set(values)
+    read = lambda start, size: qwen._read_stacked_kv_cache(stack_k, stack_v, 1, start, size)  # noqa: E731
+  else:
+    read = lambda start, size: qwen._read_kv_cache(keys, values, start, size)  # noqa: E731
+  got = jax.jit(lambda q: qwen._attend_cached_blocks(q, read, q_pos, k_pos, valid, 16))(q)
+  for row, n in enumerate(lengths):  # each row against the plain pass over its own entries
+    want = _attend(
+      q[row : row + 1],
+      keys[row : row + 1, ..., :n],
+      values[row : row + 1, :, :n],
+      q_pos[row : row + 1],
+      k_pos[row : row + 1, :n],
+      valid[row : row + 1, :n],
+    )
+    np.testing.assert_allclose(got[row : row + 1], want, rtol=1e-5, atol=1e-6)
+  plain = _attend(q, keys[..., :s], values[:, :, :s], q_pos, k_pos, valid)
+  assert np.isnan(np.asarray(plain)).any()  # the test can fail: the bucket holds NaN entries
+
+
+def test_a_decode_step_takes_the_cached_blocks_as_accurately_as_the_plain_pass(monkeypatch):
+  """A tiny model's decode step from a stacked KV cache of 256 entries at a 128-key bucket, with
+  the key block lowered to 32: the "auto" kernel on CPU runs `_attend_cached_blocks` (an unrolled
+  model with its whole cache as the bucket does not), and its logits equal the "xla" kernel's
+  plain pass to float32 rounding for rows of different lengths."""
+  monkeypatch.setattr(qwen, "DECODE_KEY_BLOCK", 32)
+  calls = []
+  real = qwen._attend_cached_blocks
+  monkeypatch.setattr(qwen, "_attend_cached_blocks", lambda *a: calls.append(a[-1]) or real(*a))
+  rng = np.random.default_rng(7)
+  lengths = np.array([100, 7, 60])
+  prompt = jnp.asarray(rng.integers(0, 256, (3, 100)), jnp.int32)
+  logits, traced = {}, {}
+  for kernel in ("xla", "auto"):
+    calls.clear()
+    model = Qwen(TINY, rngs=nnx.Rngs(0), stacked=True, attention=kernel)
+    cache = qwen.KVCache.zeros(TINY, 3, 256, stacked=True)
+    # Prefill each row's prompt (positions 0 .. length - 1; the rest of the chunk is never read).
+    positions = jnp.broadcast_to(jnp.arange(100), (3, 100))
+    _, cache = model.decode(prompt, positions, cache, jnp.zeros(3, jnp.int32), 128)
+    pos = jnp.asarray(lengths[:, None], jnp.int32)
+    hidden, _ = model.decode(prompt[:, :1], pos, cache, pos[:, 0], 128)
+    logits[kernel], traced[kernel] = np.asarray(model.logits(hidden)), list(calls)
+  assert traced == {"xla": [], "auto": [32] * len(TINY.layer_blocks)}  # once per scanned block
+  np.testing.assert_allclose(logits["auto"], logits["xla"], rtol=1e-5, atol=1e-5)

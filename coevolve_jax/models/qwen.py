@@ -623,28 +623,112 @@ def _attend_online(
   return out.transpose(1, 0, 4, 2, 3, 5).reshape(b, t, n, h)
 
 
-def _write_kv_cache(keys_bkht, values_bkth, k_cache_bkhs, v_cache_bksh, write_b, s: int):
+# Key block of a decode step's attention on the "blocked" path (`_attend_cached_blocks`). On
+# XLA:CPU a decode step of SmolLM2-135M (8 slots, 2,048-key bucket) spent 35% of its time copying
+# the bucket out of the cache (a strided slice of the [B, K, H, S] keys) before its products;
+# blocks read up to the last one a slot needs make the step 1.2-1.5x faster at 1-2k tokens
+# (benchmarks/decode_step.py; 256 and 1,024 entries per block were no faster).
+DECODE_KEY_BLOCK = 512
+DECODE_MAX_QUERIES = 1
+
+
+def decode_key_block(kernel: str, t: int, s: int, in_place: bool) -> int | None:
+  """Key block of a cached pass of T queries over a key bucket of S entries with the attention
+  `kernel`, or None where one plain pass over the bucket is used: only the "blocked" path
+  ("auto" on CPU), decode steps (T <= DECODE_MAX_QUERIES), buckets of more than one block, and
+  where the plain pass would copy the bucket out of the cache (`in_place` False: a stacked
+  cache's layer entry, or fewer entries than the cache holds; a whole unrolled cache is read
+  where it lies, and its plain pass was the faster one on XLA:CPU)."""
+  if in_place or t > DECODE_MAX_QUERIES or s <= DECODE_KEY_BLOCK or s % DECODE_KEY_BLOCK:
+    return None
+  return DECODE_KEY_BLOCK if resolve_attention(kernel) == "blocked" else None
+
+
+def _attend_cached_blocks(q_btnh, read, q_pos_bt, k_pos_bs, k_valid_bs, block: int) -> jax.Array:
+  """`_attend` of a cached pass over key blocks read in place, up to the last block any query
+  sees: the online softmax of `_attend_online` (Rabe and Staats 2021, Sec. 2-3) in a
+  `jax.lax.fori_loop` whose trip count is computed on the device. A decode step then reads the
+  cache up to its longest slot's length (rounded up to `block`), not to the whole key bucket,
+  and copies nothing out of it.
+
+  Args:
+    q_btnh: [B, T, N, H] queries; q_pos_bt: [B, T] their positions.
+    read: `read(start, size)` -> ([B, K, H, size] keys, [B, K, size, H] values): cache entries
+      [start, start + size) (`_read_kv_cache`, `_read_stacked_kv_cache`), start traced.
+    k_pos_bs, k_valid_bs: [B, S] key positions and validity (None: all valid) of the bucket's S
+      entries; S divides by `block`.
+  Returns:
+    [B, T, N, H] in the values' dtype; equal to `_attend` over the bucket up to float rounding
+    for every query that sees a valid key (one that sees none gets zeros).
+  """
+  b, t, n, h = q_btnh.shape
+  s = k_pos_bs.shape[1]
+  if k_valid_bs is None:
+    k_valid_bs = jnp.ones(k_pos_bs.shape, jnp.bool_)
+  _, values0 = read(0, 1)  # shapes and dtype only
+  kh = values0.shape[1]
+  g = n // kh
+  low = jnp.finfo(jnp.float32).min
+  q = q_btnh.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4) * (h**-0.5)  # [B, K, G, T, H]
+  # Blocks to read: up to the last entry some query of its row may see.
+  seen_bs = k_valid_bs & (k_pos_bs <= jnp.max(q_pos_bt, axis=1, keepdims=True))
+  last = jnp.max(jnp.where(seen_bs, jnp.arange(s, dtype=jnp.int32), -1))
+  n_blocks = jnp.clip(last // block + 1, 1, s // block)
+
+  def key_block(j, carry):
+    m, total, acc = carry
+    start = j * block
+    k_j, v_j = read(start, block)
+    kp_j = jax.lax.dynamic_slice_in_dim(k_pos_bs, start, block, axis=1)
+    kv_j = jax.lax.dynamic_slice_in_dim(k_valid_bs, start, block, axis=1)
+    scores = jnp.einsum("BKGTH,BKHS->BKGTS", q, k_j.astype(q.dtype)).astype(jnp.float32)
+    mask = ((kp_j[:, None, :] <= q_pos_bt[:, :, None]) & kv_j[:, None, :])[:, None, None]
+    scores = jnp.where(mask, scores, low)
+    m_new = jnp.maximum(m, scores.max(-1))
+    p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
+    rescale = jnp.exp(m - m_new)
+    pv = jnp.einsum("BKGTS,BKSH->BKGTH", p.astype(v_j.dtype), v_j)
+    return m_new, total * rescale + p.sum(-1), acc * rescale[..., None] + pv.astype(jnp.float32)
+
+  init = (
+    jnp.full((b, kh, g, t), low, jnp.float32),
+    jnp.zeros((b, kh, g, t), jnp.float32),
+    jnp.zeros((b, kh, g, t, h), jnp.float32),
+  )
+  _, total, acc = jax.lax.fori_loop(0, n_blocks, key_block, init)
+  out = (acc / jnp.where(total > 0, total, 1.0)[..., None]).astype(values0.dtype)
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+def _write_kv_cache(keys_bkht, values_bkth, k_cache_bkhs, v_cache_bksh, write_b):
   """Writes T new keys and values into a per-layer KV cache at each row's write index.
 
   Args:
     keys_bkht: [B, K, H, T] new keys; values_bkth: [B, K, T, H] new values.
     k_cache_bkhs, v_cache_bksh: [B, K, H, S_max] key and [B, K, S_max, H] value caches.
     write_b: [B] int cache index of the first new entry per row.
-    s: keys to attend to: only the first s cache entries (a static bucket).
   Returns:
-    ([B, K, H, s] keys, [B, K, s, H] values to attend to, new k cache, new v cache).
+    (new k cache, new v cache).
   """
   write_k = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (0, 0, i)))
   write_v = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (0, i, 0)))
   k_cache_bkhs = write_k(k_cache_bkhs, keys_bkht.astype(k_cache_bkhs.dtype), write_b)
   v_cache_bksh = write_v(v_cache_bksh, values_bkth.astype(v_cache_bksh.dtype), write_b)
-  keys, values = k_cache_bkhs[..., :s], v_cache_bksh[:, :, :s]
-  return keys, values, k_cache_bkhs, v_cache_bksh
+  return k_cache_bkhs, v_cache_bksh
 
 
-def _write_stacked_kv_cache(k_btkh, v_btkh, k_cache_lbkhs, v_cache_lbksh, write_b, layer, s: int):
+def _read_kv_cache(k_cache_bkhs, v_cache_bksh, start, size: int):
+  """Cache entries [start, start + size) of a per-layer KV cache: ([B, K, H, size] keys,
+  [B, K, size, H] values). `start` is 0 (a static slice) or traced (`_attend_cached_blocks`)."""
+  if isinstance(start, int) and start == 0:
+    return k_cache_bkhs[..., :size], v_cache_bksh[:, :, :size]
+  keys = jax.lax.dynamic_slice_in_dim(k_cache_bkhs, start, size, axis=3)
+  return keys, jax.lax.dynamic_slice_in_dim(v_cache_bksh, start, size, axis=2)
+
+
+def _write_stacked_kv_cache(k_btkh, v_btkh, k_cache_lbkhs, v_cache_lbksh, write_b, layer):
   """Writes T new keys and values into one layer's entry of a block's stacked KV cache (a decode
-  scan's carry), in place at [layer, b, ..., write_b[b]], and reads that entry's first s keys.
+  scan's carry), in place at [layer, b, ..., write_b[b]].
 
   One scatter into the stack, indexed in place: a vmap over the slot axis (axis 1 here) would
   move it first and copy the whole stack twice per layer.
@@ -655,9 +739,8 @@ def _write_stacked_kv_cache(k_btkh, v_btkh, k_cache_lbkhs, v_cache_lbksh, write_
       caches of the block's layers (`KVCache(stacked=True)`).
     write_b: [B] int cache index of the first new entry per row.
     layer: the (traced) index of this layer's entry.
-    s: keys to attend to: the entry's first s cache entries.
   Returns:
-    ([B, K, H, s] keys, [B, K, s, H] values of this layer, new k cache, new v cache).
+    (new k cache, new v cache).
   """
   li, t = layer, k_btkh.shape[1]
   rows = jnp.arange(k_btkh.shape[0])[:, None]  # [B, 1]
@@ -669,10 +752,16 @@ def _write_stacked_kv_cache(k_btkh, v_btkh, k_cache_lbkhs, v_cache_lbksh, write_
   v_cache_lbksh = v_cache_lbksh.at[li, rows, :, cols, :].set(
     v_btkh.astype(v_cache_lbksh.dtype), **hints
   )
-  _, b, kh, hd, _ = k_cache_lbkhs.shape  # one dynamic slice of this layer's first s entries
-  keys = jax.lax.dynamic_slice(k_cache_lbkhs, (li, 0, 0, 0, 0), (1, b, kh, hd, s))[0]
-  values = jax.lax.dynamic_slice(v_cache_lbksh, (li, 0, 0, 0, 0), (1, b, kh, s, hd))[0]
-  return keys, values, k_cache_lbkhs, v_cache_lbksh
+  return k_cache_lbkhs, v_cache_lbksh
+
+
+def _read_stacked_kv_cache(k_cache_lbkhs, v_cache_lbksh, layer, start, size: int):
+  """Entries [start, start + size) of layer `layer`'s part of a block's stacked KV cache, each one
+  dynamic slice: ([B, K, H, size] keys, [B, K, size, H] values)."""
+  _, b, kh, hd, _ = k_cache_lbkhs.shape
+  keys = jax.lax.dynamic_slice(k_cache_lbkhs, (layer, 0, 0, 0, start), (1, b, kh, hd, size))[0]
+  values = jax.lax.dynamic_slice(v_cache_lbksh, (layer, 0, 0, start, 0), (1, b, kh, size, hd))[0]
+  return keys, values
 
 
 def _attend_causal_blocks(
@@ -846,25 +935,38 @@ class Attention(nnx.Module):
       q, k, v, q_pos = self._project_qkv(x_btd, positions_bt, query_index_bp)
       # Keys [B, K, H, S] and values [B, K, S, H], the cache's layout, in both modes (`_attend`).
       keys, values = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
+      read = None
       if k_cache_bkhs is not None and layer_index is not None:
-        keys, values, k_cache_bkhs, v_cache_bksh = _write_stacked_kv_cache(
-          k, v, k_cache_bkhs, v_cache_bksh, write_b, layer_index, key_pos_bs.shape[1]
+        k_cache_bkhs, v_cache_bksh = _write_stacked_kv_cache(
+          k, v, k_cache_bkhs, v_cache_bksh, write_b, layer_index
         )
+        read = functools.partial(_read_stacked_kv_cache, k_cache_bkhs, v_cache_bksh, layer_index)
       elif k_cache_bkhs is not None:
-        keys, values, k_cache_bkhs, v_cache_bksh = _write_kv_cache(
-          keys, values, k_cache_bkhs, v_cache_bksh, write_b, key_pos_bs.shape[1]
+        k_cache_bkhs, v_cache_bksh = _write_kv_cache(
+          keys, values, k_cache_bkhs, v_cache_bksh, write_b
         )
-      out = _attend_by_pass(
-        q,
-        keys,
-        values,
-        q_pos,
-        key_pos_bs,
-        key_valid_bs,
-        cached=k_cache_bkhs is not None,
-        gathered=query_index_bp is not None,
-        kernel=self.kernel,
-      )
+        read = functools.partial(_read_kv_cache, k_cache_bkhs, v_cache_bksh)
+      s = key_pos_bs.shape[1]
+      block = None
+      if read is not None:
+        in_place = layer_index is None and s == k_cache_bkhs.shape[-1]
+        block = decode_key_block(self.kernel, q.shape[1], s, in_place)
+      if block:
+        out = _attend_cached_blocks(q, read, q_pos, key_pos_bs, key_valid_bs, block)
+      else:
+        if read is not None:
+          keys, values = read(0, s)
+        out = _attend_by_pass(
+          q,
+          keys,
+          values,
+          q_pos,
+          key_pos_bs,
+          key_valid_bs,
+          cached=k_cache_bkhs is not None,
+          gathered=query_index_bp is not None,
+          kernel=self.kernel,
+        )
       # "BTNH,NHD->BTD" with the contracted (N, H) in storage order: jnp.einsum lists them as
       # (H, N), and XLA:CPU then copied o_proj into [H, N, D] (and the activations into
       # [B, T, H, N]) on every call: 8 weight copies in each decode step of an 8-layer model.
