@@ -623,25 +623,29 @@ def _attend_online(
   return out.transpose(1, 0, 4, 2, 3, 5).reshape(b, t, n, h)
 
 
-# Key block of a decode step's attention on the "blocked" path (`_attend_cached_blocks`). On
-# XLA:CPU a decode step of SmolLM2-135M (8 slots, 2,048-key bucket) spent 35% of its time copying
-# the bucket out of the cache (a strided slice of the [B, K, H, S] keys) before its products;
-# blocks read up to the last one a slot needs make the step 1.2-1.5x faster at 1-2k tokens
-# (benchmarks/decode_step.py; 256 and 1,024 entries per block were no faster).
+# Key block of a decode step's attention on the "blocked" path (`_attend_cached_blocks`), used
+# from buckets of DECODE_MIN_BLOCKS blocks. On XLA:CPU a decode step of SmolLM2-135M (8 slots,
+# 2,048-key bucket) spent 35% of its time copying the bucket out of the cache (a strided slice of
+# the [B, K, H, S] keys) before its products; blocks read in place up to the last one a slot
+# needs made the step 1.2x faster at a 2,048-key bucket and 1.5-1.7x at 4,096, and 0.86x at
+# 1,024 (two blocks: the loop costs more than the copy it saves). 256 and 1,024 entries per
+# block were no faster (benchmarks/decode_step.py, docs/benchmarks/rollout.md).
 DECODE_KEY_BLOCK = 512
+DECODE_MIN_BLOCKS = 4
 DECODE_MAX_QUERIES = 1
 
 
 def decode_key_block(kernel: str, t: int, s: int, in_place: bool) -> int | None:
   """Key block of a cached pass of T queries over a key bucket of S entries with the attention
   `kernel`, or None where one plain pass over the bucket is used: only the "blocked" path
-  ("auto" on CPU), decode steps (T <= DECODE_MAX_QUERIES), buckets of more than one block, and
-  where the plain pass would copy the bucket out of the cache (`in_place` False: a stacked
-  cache's layer entry, or fewer entries than the cache holds; a whole unrolled cache is read
-  where it lies, and its plain pass was the faster one on XLA:CPU)."""
-  if in_place or t > DECODE_MAX_QUERIES or s <= DECODE_KEY_BLOCK or s % DECODE_KEY_BLOCK:
+  ("auto" on CPU), decode steps (T <= DECODE_MAX_QUERIES), buckets of at least
+  DECODE_MIN_BLOCKS blocks, and where the plain pass would copy the bucket out of the cache
+  (`in_place` False: a stacked cache's layer entry, or fewer entries than the cache holds; a
+  whole unrolled cache is read where it lies, and its plain pass was as fast on XLA:CPU)."""
+  block = DECODE_KEY_BLOCK
+  if in_place or t > DECODE_MAX_QUERIES or s < DECODE_MIN_BLOCKS * block or s % block:
     return None
-  return DECODE_KEY_BLOCK if resolve_attention(kernel) == "blocked" else None
+  return block if resolve_attention(kernel) == "blocked" else None
 
 
 def _attend_cached_blocks(q_btnh, read, q_pos_bt, k_pos_bs, k_valid_bs, block: int) -> jax.Array:
@@ -669,7 +673,7 @@ def _attend_cached_blocks(q_btnh, read, q_pos_bt, k_pos_bs, k_valid_bs, block: i
   kh = values0.shape[1]
   g = n // kh
   low = jnp.finfo(jnp.float32).min
-  q = q_btnh.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4) * (h**-0.5)  # [B, K, G, T, H]
+  q = q_btnh.reshape(b, t, kh, g, h).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
   # Blocks to read: up to the last entry some query of its row may see.
   seen_bs = k_valid_bs & (k_pos_bs <= jnp.max(q_pos_bt, axis=1, keepdims=True))
   last = jnp.max(jnp.where(seen_bs, jnp.arange(s, dtype=jnp.int32), -1))
@@ -682,6 +686,7 @@ def _attend_cached_blocks(q_btnh, read, q_pos_bt, k_pos_bs, k_valid_bs, block: i
     kp_j = jax.lax.dynamic_slice_in_dim(k_pos_bs, start, block, axis=1)
     kv_j = jax.lax.dynamic_slice_in_dim(k_valid_bs, start, block, axis=1)
     scores = jnp.einsum("BKGTH,BKHS->BKGTS", q, k_j.astype(q.dtype)).astype(jnp.float32)
+    scores = scores * (h**-0.5)  # scaled after the product, as `_attend` does
     mask = ((kp_j[:, None, :] <= q_pos_bt[:, :, None]) & kv_j[:, None, :])[:, None, None]
     scores = jnp.where(mask, scores, low)
     m_new = jnp.maximum(m, scores.max(-1))
