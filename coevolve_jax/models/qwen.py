@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -635,6 +636,16 @@ DECODE_MIN_BLOCKS = 4
 DECODE_MAX_QUERIES = 1
 
 
+class CacheView(NamedTuple):
+  """A layer's KV cache as a cached pass reads it (`_attend_by_pass`): `read(start, size)` ->
+  ([B, K, H, size] keys, [B, K, size, H] values), entries [start, start + size)
+  (`_read_kv_cache`, `_read_stacked_kv_cache`); `in_place`: the pass's key bucket is the whole
+  of an unrolled cache, which a plain pass reads where it lies (no copy)."""
+
+  read: Callable[..., tuple[jax.Array, jax.Array]]
+  in_place: bool
+
+
 def decode_key_block(kernel: str, t: int, s: int, in_place: bool) -> int | None:
   """Key block of a cached pass of T queries over a key bucket of S entries with the attention
   `kernel`, or None where one plain pass over the bucket is used: only the "blocked" path
@@ -832,6 +843,7 @@ def _attend_by_pass(
   cached: bool,
   gathered: bool,
   kernel: str = "auto",
+  cache: CacheView | None = None,
 ) -> jax.Array:
   """Attention by the kernel `model.attention` chose (`kernels.resolve_attention`) and the kind
   of pass: the one function every attention of the model calls.
@@ -840,19 +852,28 @@ def _attend_by_pass(
     inputs (training, scoring) runs the fused kernel (`kernels.fused_attention`); cuDNN only for
     half-precision inputs it takes (`kernels.cudnn_supports`). Every other pass takes the
     "blocked" paths below.
-  - "blocked" ("auto" on CPU): with a KV cache (`cached`: prefill or decode) one plain pass;
-    without one, long passes key-blocked (`_attend_online`), others query-blocked where the
-    lengths allow (`_attend_causal_blocks`, or `_attend_query_blocks` for queries at chosen
-    positions, `gathered`), the rest one plain pass.
+  - "blocked" ("auto" on CPU): with a KV cache (`cached`: prefill or decode) one plain pass,
+    except a decode step from a `cache` view where `decode_key_block` says so, which reads the
+    cache in blocks up to the longest row's (`_attend_cached_blocks`); without a cache, long
+    passes key-blocked (`_attend_online`), others query-blocked where the lengths allow
+    (`_attend_causal_blocks`, or `_attend_query_blocks` for queries at chosen positions,
+    `gathered`), the rest one plain pass.
   - "xla": one plain masked softmax (`_attend`) for every pass: the reference.
 
   Same arguments and result as `_attend`: [B, T, N, H] queries ([B, P, N, H] when `gathered`),
   [B, K, H, S] keys, [B, K, S, H] values, [B, T] query and [B, S] key positions, [B, S] key
-  validity (None: every key is real); returns [B, T, N, H].
+  validity (None: every key is real); returns [B, T, N, H]. A cached pass may give, instead of
+  the keys and values (then None), a `cache` view of the layer's KV cache to read its first S
+  entries from.
 
   Raises:
     ValueError: an unknown kernel, or "cudnn" off GPU.
   """
+  if cache is not None:
+    block = decode_key_block(kernel, q_btnh.shape[1], k_pos_bs.shape[1], cache.in_place)
+    if block:
+      return _attend_cached_blocks(q_btnh, cache.read, q_pos_bt, k_pos_bs, k_valid_bs, block)
+    keys_bkhs, values_bksh = cache.read(0, k_pos_bs.shape[1])
   kernel = resolve_attention(kernel)
   fused = kernel in ("splash", "cudnn") and not cached and not gathered
   if kernel == "cudnn":
@@ -951,27 +972,22 @@ class Attention(nnx.Module):
           keys, values, k_cache_bkhs, v_cache_bksh, write_b
         )
         read = functools.partial(_read_kv_cache, k_cache_bkhs, v_cache_bksh)
-      s = key_pos_bs.shape[1]
-      block = None
+      view = None
       if read is not None:
-        in_place = layer_index is None and s == k_cache_bkhs.shape[-1]
-        block = decode_key_block(self.kernel, q.shape[1], s, in_place)
-      if block:
-        out = _attend_cached_blocks(q, read, q_pos, key_pos_bs, key_valid_bs, block)
-      else:
-        if read is not None:
-          keys, values = read(0, s)
-        out = _attend_by_pass(
-          q,
-          keys,
-          values,
-          q_pos,
-          key_pos_bs,
-          key_valid_bs,
-          cached=k_cache_bkhs is not None,
-          gathered=query_index_bp is not None,
-          kernel=self.kernel,
-        )
+        in_place = layer_index is None and key_pos_bs.shape[1] == k_cache_bkhs.shape[-1]
+        view, keys, values = CacheView(read, in_place), None, None
+      out = _attend_by_pass(
+        q,
+        keys,
+        values,
+        q_pos,
+        key_pos_bs,
+        key_valid_bs,
+        cached=k_cache_bkhs is not None,
+        gathered=query_index_bp is not None,
+        kernel=self.kernel,
+        cache=view,
+      )
       # "BTNH,NHD->BTD" with the contracted (N, H) in storage order: jnp.einsum lists them as
       # (H, N), and XLA:CPU then copied o_proj into [H, N, D] (and the activations into
       # [B, T, H, N]) on every call: 8 weight copies in each decode step of an 8-layer model.
