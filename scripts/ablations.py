@@ -24,7 +24,9 @@ command resumes the grid: finished runs are read back, a killed run resumes from
 checkpoint (a killed start from scratch). What the record needs from each finished run is also
 saved beside the plots (`<out>/runs/<variant>-s<seed>.json`, small enough to commit), so a grid
 spans sessions whose workdirs are gone: a saved run made with the same settings (but how programs
-are compiled) is read back instead of run again.
+are compiled) is read back instead of run again. Each workdir lists the code versions (commits)
+that ran it (`CODE_FILE`), saved with the run, and the record says whether all runs ran the same
+code: a pair whose runs ran different code (sessions apart) differs by more than its switch.
 `--report` only rebuilds the record and plots from the workdirs.
 
 Figures per run (`FIGURES`): the held-out BFCL success before and after, the generated held-out
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.util
 import json
 import math
@@ -57,6 +60,7 @@ import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -134,6 +138,9 @@ STEP0_UNREAD = frozenset(
 )
 # Written into the start once its step 0 is done, and into each copy (what the record reports).
 START_DONE, COPIED_FROM = "start_done.json", "copied_from_start.json"
+# The code versions (`code_version`) that worked on a workdir, in order, each once: a run resumed
+# across sessions, or a variant resumed from its seed's start, lists every version it ran under.
+CODE_FILE = "code_versions.json"
 # What a copy of the start leaves out: a run's own files (`workdir.RUN_OWN_FILES`: config,
 # summary, lock; written out here, since this module imports the package only where it runs one)
 # and the start's mark.
@@ -165,7 +172,9 @@ def shares_start(variant: str) -> bool:
   return set(VARIANTS[variant]) <= STEP0_UNREAD
 
 
-def ensure_start(start: str, cfg, overrides: dict[str, Any] | None = None) -> None:
+def ensure_start(
+  start: str, cfg, overrides: dict[str, Any] | None = None, code: str | None = None
+) -> None:
   """Runs step 0 in `start` unless it is done (`START_DONE` there, written after it).
 
   Raises:
@@ -186,13 +195,56 @@ def ensure_start(start: str, cfg, overrides: dict[str, Any] | None = None) -> No
       )
     return
   print(f"=== start of seed {cfg.seed} (D0, warm-start, eval before) -> {start}", flush=True)
-  step = CoEvolveRun(cfg, start).bootstrap()
+  run = CoEvolveRun(cfg, start)  # makes the folder
+  if code:
+    note_code(start, code)
+  step = run.bootstrap()
   if step != 0:
     raise RuntimeError(
       f"{start} holds a checkpoint at step {step}, not a step-0 start: move it aside"
     )
   with open(os.path.join(start, START_DONE), "w", encoding="utf-8") as f:
     json.dump({"step": 0, "seed": cfg.seed}, f)
+
+
+def code_version() -> str:
+  """The commit this checkout runs (12 hex digits), "+dirty" where tracked files differ from it
+  (the run's code is then not that commit's), or "unknown" where git cannot say."""
+  try:
+    git = functools.partial(subprocess.run, cwd=ROOT, capture_output=True, text=True, check=True)
+    commit = git(["git", "rev-parse", "--short=12", "HEAD"]).stdout.strip()
+    dirty = git(["git", "status", "--porcelain", "--untracked-files=no"]).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+  return commit + ("+dirty" if dirty else "")
+
+
+def note_code(workdir: str, version: str) -> list[str]:
+  """Adds `version` to the code versions that worked on `workdir` (`CODE_FILE`, written by a
+  rename) unless it is the last one there; returns the list."""
+  path = os.path.join(workdir, CODE_FILE)
+  versions = read_json_list(path)
+  if versions[-1:] != [version]:
+    versions.append(version)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+      json.dump(versions, f)
+    os.replace(path + ".tmp", path)
+  return versions
+
+
+def code_sentence(results: dict[str, list[dict[str, Any]]]) -> str:
+  """Which code the runs ran: one version for all, or each run's versions (a seed's pair that ran
+  different code differs by more than its variant's switch). Runs saved before the grid noted
+  versions count as unknown."""
+  each = {
+    f"{v}-s{r['seed']}": ", ".join(r.get("code") or ["unknown"])
+    for v, rs in results.items()
+    for r in rs
+  }
+  if len(set(each.values())) == 1:
+    return f"Code: every run at {next(iter(each.values()))}."
+  listed = "; ".join(f"{name}: {versions}" for name, versions in each.items())
+  return f"Code: **the runs ran different code** (commits, in the order they ran): {listed}."
 
 
 def copy_start(start: str, workdir: str) -> None:
@@ -333,7 +385,16 @@ def collect(workdir: str) -> dict[str, Any]:
     "pool_eval": read_jsonl(os.path.join(workdir, "eval_pool_after.jsonl")),
     "similarity": [v for r in rounds for v in (r.get("eval_similarity") or {}).values()],
     "shared_start": os.path.exists(os.path.join(workdir, COPIED_FROM)),
+    "code": read_json_list(os.path.join(workdir, CODE_FILE)),
   }
+
+
+def read_json_list(path: str) -> list[Any]:
+  """The JSON list in `path`, or [] where there is none."""
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
 
 
 def _generated_recall(workdir: str) -> dict[str, float]:
@@ -836,6 +897,7 @@ def main(argv: list[str] | None = None) -> int:
   run_overrides = {**cache, **overrides}  # the record lists what the command set
 
   os.makedirs(args.out, exist_ok=True)
+  code = code_version()  # what this process imports, whatever the checkout becomes meanwhile
   results: dict[str, list[dict[str, Any]]] = {}
   for seed in seeds:  # seed-major: a partly finished grid already holds whole pairs
     for variant in variants:
@@ -856,10 +918,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.shared_start and shares_start(variant) and not os.path.exists(workdir):
           start = os.path.join(args.workdir, f"{START}-s{seed}")
           start_cfg = load_config(START_VARIANT, seed, run_overrides, args.config)
-          ensure_start(start, start_cfg, run_overrides)
+          ensure_start(start, start_cfg, run_overrides, code)
           copy_start(start, workdir)
-        print(f"=== {variant} seed {seed} -> {workdir}", flush=True)
-        CoEvolveRun(cfg, workdir).fit()
+        print(f"=== {variant} seed {seed} -> {workdir} (code {code})", flush=True)
+        loop_run = CoEvolveRun(cfg, workdir)  # makes the folder
+        note_code(workdir, code)
+        loop_run.fit()
       run = {**collect(workdir), "seed": seed}
       save_run(saved, run, workdir)
       results.setdefault(variant, []).append(run)
@@ -894,7 +958,9 @@ def main(argv: list[str] | None = None) -> int:
     + ". "
     + start_sentence(results)
     + " Same start per seed (D0 counts, warm-start losses, figures before training): "
-    + ("yes, in every seed." if not differ else "**no**: " + "; ".join(differ)),
+    + ("yes, in every seed." if not differ else "**no**: " + "; ".join(differ))
+    + " "
+    + code_sentence(results),
     "",
     "Figures, mean ± standard deviation over seeds:",
     "",

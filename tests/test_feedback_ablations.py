@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
 
 import pytest
 
@@ -65,7 +66,7 @@ def test_each_variant_changes_only_its_switch(ablations):
 
 def _fake_run(path, seed, *, reward, gen, accepted=0, rounds=(), groups=(), pool_eval=(), d0=None):
   """A finished run's workdir as the loop writes it (only the fields the script reads)."""
-  os.makedirs(path)
+  os.makedirs(path, exist_ok=True)  # `CoEvolveRun` makes it
   summary = {
     "complete": True,
     "d0": d0 or {"added": 2},
@@ -245,6 +246,7 @@ def test_a_rerun_resumes_the_grid_and_runs_only_what_is_unfinished(
   class FakeRun:
     def __init__(self, cfg, workdir):
       self.cfg, self.workdir = cfg, workdir
+      os.makedirs(workdir, exist_ok=True)  # as `CoEvolveRun` does
 
     def bootstrap(self):
       ran.append((os.path.basename(self.workdir), self.cfg.seed, "step 0"))
@@ -264,7 +266,7 @@ def test_a_rerun_resumes_the_grid_and_runs_only_what_is_unfinished(
       copied = os.path.join(self.workdir, ablations.COPIED_FROM)
       was_copied = os.path.exists(copied)
       if was_copied:  # a copy of the seed's start, without its config
-        want = [ablations.COPIED_FROM, "checkpoints", "pool.jsonl"]
+        want = [ablations.COPIED_FROM, ablations.CODE_FILE, "checkpoints", "pool.jsonl"]
         assert sorted(os.listdir(self.workdir)) == sorted(want)
         variant = os.path.basename(self.workdir).rsplit("-s", 1)[0]
         assert self.cfg.feedback.enabled == (variant != "grpo_only")  # its own switch
@@ -396,6 +398,7 @@ def test_saved_runs_outlive_their_workdirs_while_their_settings_hold(
   class FakeRun:
     def __init__(self, cfg, workdir):
       self.cfg, self.workdir = cfg, workdir
+      os.makedirs(workdir, exist_ok=True)  # as `CoEvolveRun` does
 
     def fit(self):
       ran.append(self.cfg.train.steps)
@@ -460,3 +463,37 @@ def test_a_workdir_of_other_settings_is_refused_but_grpo_only_ignores_its_unread
   assert ablations.changed_settings(as_run, aiw, {}) == ["feedback.every"]
   # The seed's start serves a new schedule (read in GRPO steps only).
   assert ablations.SCHEDULE <= ablations.START_MAY_DIFFER
+
+
+def test_runs_record_the_code_they_ran(ablations, tmp_path, monkeypatch):
+  """A run's workdir lists the code versions that worked on it (a commit once each, in order;
+  "+dirty" where tracked files differ from it), its saved run carries them, and the record says
+  whether a seed's runs ran the same code."""
+  repo = tmp_path / "checkout"
+  repo.mkdir()
+  git = lambda *a: subprocess.run(["git", *a], cwd=repo, check=True, capture_output=True, text=True)  # noqa: E731
+  git("init", "-q")
+  (repo / "model.py").write_text("a = 1\n")
+  git("add", "model.py")
+  git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+  commit = git("rev-parse", "--short=12", "HEAD").stdout.strip()
+  monkeypatch.setattr(ablations, "ROOT", str(repo))
+  assert ablations.code_version() == commit
+  (repo / "model.py").write_text("a = 2\n")
+  assert ablations.code_version() == commit + "+dirty"
+  monkeypatch.setattr(ablations, "ROOT", str(tmp_path / "nowhere"))
+  assert ablations.code_version() == "unknown"
+
+  run = tmp_path / "coevolve-s0"
+  _fake_run(run, 0, reward=[0.5], gen=(0.0, 0.5))
+  assert ablations.note_code(str(run), "aaa") == ["aaa"]
+  assert ablations.note_code(str(run), "aaa") == ["aaa"]  # resumed by the same code
+  assert ablations.note_code(str(run), "bbb") == ["aaa", "bbb"]
+  assert ablations.collect(str(run))["code"] == ["aaa", "bbb"]
+  same = {"coevolve": [{"seed": 0, "code": ["aaa"]}], "grpo_only": [{"seed": 0, "code": ["aaa"]}]}
+  assert ablations.code_sentence(same) == "Code: every run at aaa."
+  mixed = {"coevolve": [{"seed": 0, "code": ["aaa", "bbb"]}], "grpo_only": [{"seed": 0}]}
+  assert ablations.code_sentence(mixed) == (
+    "Code: **the runs ran different code** (commits, in the order they ran): "
+    "coevolve-s0: aaa, bbb; grpo_only-s0: unknown."
+  )
