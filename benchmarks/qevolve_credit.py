@@ -20,12 +20,16 @@ best: the deciding reply alone takes GRPO's group advantage, the others 0 (how m
 assignment can pay on the task). Also: `--lr` (the policy's; at 1e-2 several seeds of every arm
 stall with one or two prompts unlearnt), `--drop-dead-groups` (`train.drop_dead_groups` in
 every arm), `--fit-first` (the critic fits the step's episodes before their advantages, the
-order the paper lists, where the loop follows PPO's).
+order the paper lists, where the loop follows PPO's), `--demos` (expert episodes per prompt in
+the critic's buffer from the start: the deciding reply right, the others random, as Q-Evolve's
+hybrid dataset starts from demonstrations) and `--warmup` (critic fits before the first GRPO
+step: on one step's episodes of the initial policy, then on episodes drawn from the buffer).
 
   python benchmarks/qevolve_credit.py [--seeds 0,1,2] [--steps 4] [--decide 0|1]
     [--critic-updates 32] [--critic-lr 1e-3] [--critic head|model] [--model-layers 2]
     [--model-width 256] [--model-batch 16] [--scale none|group_std] [--no-normalize]
     [--v-target iql|return] [--tau 0.7] [--drop-dead-groups] [--fit-first] [--lr 1e-2] [--oracle]
+    [--demos 0] [--warmup 0]
 """
 
 from __future__ import annotations
@@ -117,6 +121,20 @@ def _trajectories(tokens: np.ndarray, logps: np.ndarray, prompt_ids, steps: int,
   return out
 
 
+def _demonstrations(per_prompt: int, steps: int, decide: int, rng) -> list[Trajectory]:
+  """`per_prompt` expert episodes for each prompt: the deciding reply is the prompt's digit, the
+  others uniform over the vocabulary (they decide nothing); reward 1."""
+  out = []
+  for a in np.repeat(np.arange(DIGITS), per_prompt):
+    replies = rng.integers(0, VOCAB, steps)
+    replies[decide] = DIGIT0 + a
+    seq = [BOS, DIGIT0 + a, EQ]
+    for k, r in enumerate(replies):
+      seq += [int(r)] + ([MARK0 + k] if k < steps - 1 else [])
+    out += _trajectories(np.asarray([seq]), np.zeros((1, steps)), [a], steps, decide)
+  return out
+
+
 def run(
   seed: int,
   arm: str,
@@ -127,10 +145,15 @@ def run(
   drop_dead: bool = False,
   fit_first: bool = False,
   lr: float = LR,
+  demos: int = 0,
+  warmup: int = 0,
 ) -> tuple[int, float, float, dict]:
   """One arm on one seed; `drop_dead`: `train.drop_dead_groups` (a group whose rewards all agree
-  leaves the loss, `grpo.loss_rows`). Returns (GRPO steps to the target, or max_steps + 1 when
-  missed; the expected reward at the end; wall seconds; the critic's last qevolve/* metrics)."""
+  leaves the loss, `grpo.loss_rows`); `demos`, `warmup`: the critic's buffer starts with `demos`
+  expert episodes per prompt (`_demonstrations`) and is fitted `warmup` times on them and on one
+  step's episodes of the initial policy before the first GRPO step (Q-Evolve's hybrid dataset;
+  a critic warm-up). Returns (GRPO steps to the target, or max_steps + 1 when missed; the
+  expected reward at the end; wall seconds; the critic's last qevolve/* metrics)."""
   start = time.perf_counter()
   model = Qwen(_config(), rngs=nnx.Rngs(seed))
   trainer = PolicyTrainer(model, make_optimizer(lr, 0.0, 1.0), grpo.GRPOConfig(), 1.0)
@@ -142,6 +165,21 @@ def run(
   digits = np.arange(DIGITS)
   prompts = np.stack([np.full(DIGITS, BOS), DIGIT0 + digits, np.full(DIGITS, EQ)], 1)
   reached, reward = max_steps + 1, _expected_reward(trainer.model(), decide)
+  if critic is not None:  # own random streams: the steps below draw as in the other arms
+    own = np.random.default_rng(seed + 10**6)
+    found = (
+      qevolve.episode(t, critic.cfg, "expert") for t in _demonstrations(demos, steps, decide, own)
+    )
+    critic.buffer.extend([e for e in found if e is not None])  # as the loop's warm-start does
+    if warmup:  # the initial policy's episodes, then fits on episodes drawn from the buffer
+      rows = np.repeat(np.arange(DIGITS), GROUP)
+      prompts_bt = jnp.asarray(prompts[rows], jnp.int32)
+      tokens, logps = sample(trainer.model(), prompts_bt, jax.random.key(seed + 10**6), steps)
+      trajs = _trajectories(np.asarray(tokens), np.asarray(logps), rows, steps, decide)
+      first = [e for t in trajs if (e := qevolve.episode(t, critic.cfg)) is not None]
+      critic.fit(first, critic.features(first))
+      for _ in range(warmup - 1):
+        critic.fit([], [])  # `replay` episodes drawn from the buffer
   for step in range(1, max_steps + 1):
     rows = np.repeat(rng.permutation(DIGITS), GROUP)
     key, sub = jax.random.split(key)
@@ -207,6 +245,8 @@ def main(argv=None) -> None:
   parser.add_argument(
     "--drop-dead-groups", action="store_true", help="train.drop_dead_groups = True in both arms"
   )
+  parser.add_argument("--demos", type=int, default=0, help="expert episodes per prompt (critic)")
+  parser.add_argument("--warmup", type=int, default=0, help="critic fits before the first step")
   args = parser.parse_args(argv)
   if not 1 <= args.steps <= VOCAB - MARK0 + 1:  # step markers MARK0 .. MARK0 + K - 2
     parser.error(f"--steps must be in [1, {VOCAB - MARK0 + 1}] (the step markers' token ids)")
@@ -236,7 +276,8 @@ def main(argv=None) -> None:
     )
     + f" at lr {critic_cfg.lr:g}, V target {critic_cfg.v_target} (expectile "
     f"{critic_cfg.tau:g}), scale {critic_cfg.scale}, normalize {critic_cfg.normalize}; "
-    f"drop dead groups {args.drop_dead_groups}, fit first {args.fit_first}; policy lr {args.lr:g}"
+    f"drop dead groups {args.drop_dead_groups}, fit first {args.fit_first}; {args.demos} expert "
+    f"episodes per prompt, {args.warmup} warm-up fits; policy lr {args.lr:g}"
   )
   oracle = ["oracle steps", "oracle / GRPO"] if args.oracle else []
   columns = ["seed", "GRPO steps", "critic steps", "critic / GRPO", *oracle, "GRPO s", "critic s"]
@@ -254,6 +295,8 @@ def main(argv=None) -> None:
     drop_dead=args.drop_dead_groups,
     fit_first=args.fit_first,
     lr=args.lr,
+    demos=args.demos,
+    warmup=args.warmup,
   )
   miss = lambda n, r: f"> {args.max_steps} ({r:.2f})" if n > args.max_steps else str(n)  # noqa: E731
   for seed in seeds:
