@@ -25,8 +25,9 @@ checkpoint (a killed start from scratch). What the record needs from each finish
 saved beside the plots (`<out>/runs/<variant>-s<seed>.json`, small enough to commit), so a grid
 spans sessions whose workdirs are gone: a saved run made with the same settings (but how programs
 are compiled) is read back instead of run again. Each workdir lists the code versions (commits)
-that ran it (`CODE_FILE`), saved with the run, and the record says whether all runs ran the same
-code: a pair whose runs ran different code (sessions apart) differs by more than its switch.
+and CPUs that ran it (`CODE_FILE`), saved with the run, and the record says whether all runs ran
+the same code on the same CPU: a pair whose runs ran different code, or on another CPU
+(sessions apart), differs by more than its switch.
 `--report` only rebuilds the record and plots from the workdirs.
 
 Figures per run (`FIGURES`): the held-out BFCL success before and after, the generated held-out
@@ -138,8 +139,8 @@ STEP0_UNREAD = frozenset(
 )
 # Written into the start once its step 0 is done, and into each copy (what the record reports).
 START_DONE, COPIED_FROM = "start_done.json", "copied_from_start.json"
-# The code versions (`code_version`) that worked on a workdir, in order, each once: a run resumed
-# across sessions, or a variant resumed from its seed's start, lists every version it ran under.
+# The code versions (`code_version`, and the CPU) that worked on a workdir, in order, each once: a
+# run resumed across sessions, or a variant resumed from its seed's start, lists every one.
 CODE_FILE = "code_versions.json"
 # What a copy of the start leaves out: a run's own files (`workdir.RUN_OWN_FILES`: config,
 # summary, lock; written out here, since this module imports the package only where it runs one)
@@ -233,9 +234,9 @@ def note_code(workdir: str, version: str) -> list[str]:
 
 
 def code_sentence(results: dict[str, list[dict[str, Any]]]) -> str:
-  """Which code the runs ran: one version for all, or each run's versions (a seed's pair that ran
-  different code differs by more than its variant's switch). Runs saved before the grid noted
-  versions count as unknown."""
+  """Which code (and CPU) the runs ran: one for all, or each run's (a seed's pair that ran
+  different code, or on another CPU, differs by more than its variant's switch). Runs saved
+  before the grid noted them count as unknown."""
   each = {
     f"{v}-s{r['seed']}": ", ".join(r.get("code") or ["unknown"])
     for v, rs in results.items()
@@ -244,7 +245,7 @@ def code_sentence(results: dict[str, list[dict[str, Any]]]) -> str:
   if len(set(each.values())) == 1:
     return f"Code: every run at {next(iter(each.values()))}."
   listed = "; ".join(f"{name}: {versions}" for name, versions in each.items())
-  return f"Code: **the runs ran different code** (commits, in the order they ran): {listed}."
+  return f"Code: **the runs ran different code or CPUs** (in the order they ran): {listed}."
 
 
 def copy_start(start: str, workdir: str) -> None:
@@ -897,7 +898,11 @@ def main(argv: list[str] | None = None) -> int:
   run_overrides = {**cache, **overrides}  # the record lists what the command set
 
   os.makedirs(args.out, exist_ok=True)
-  code = code_version()  # what this process imports, whatever the checkout becomes meanwhile
+  # What this process imports (whatever the checkout becomes meanwhile), and where: XLA:CPU's
+  # code differs by CPU, and so do a run's last bits (seed 0's warm-start loss, the same commit's
+  # training path: 0.0303740 on an AMD EPYC VM, 0.0303735 on an Intel Xeon one).
+  bench_common = _load_module("bench_common", os.path.join("benchmarks", "common.py"))
+  code = f"{code_version()} on {bench_common.cpu_name()}"
   results: dict[str, list[dict[str, Any]]] = {}
   for seed in seeds:  # seed-major: a partly finished grid already holds whole pairs
     for variant in variants:

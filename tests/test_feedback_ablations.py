@@ -494,6 +494,6 @@ def test_runs_record_the_code_they_ran(ablations, tmp_path, monkeypatch):
   assert ablations.code_sentence(same) == "Code: every run at aaa."
   mixed = {"coevolve": [{"seed": 0, "code": ["aaa", "bbb"]}], "grpo_only": [{"seed": 0}]}
   assert ablations.code_sentence(mixed) == (
-    "Code: **the runs ran different code** (commits, in the order they ran): "
+    "Code: **the runs ran different code or CPUs** (in the order they ran): "
     "coevolve-s0: aaa, bbb; grpo_only-s0: unknown."
   )
