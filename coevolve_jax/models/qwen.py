@@ -961,21 +961,20 @@ class Attention(nnx.Module):
       q, k, v, q_pos = self._project_qkv(x_btd, positions_bt, query_index_bp)
       # Keys [B, K, H, S] and values [B, K, S, H], the cache's layout, in both modes (`_attend`).
       keys, values = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
-      read = None
+      view = None  # with a cache, what the attention reads its keys and values from
       if k_cache_bkhs is not None and layer_index is not None:
         k_cache_bkhs, v_cache_bksh = _write_stacked_kv_cache(
           k, v, k_cache_bkhs, v_cache_bksh, write_b, layer_index
         )
         read = functools.partial(_read_stacked_kv_cache, k_cache_bkhs, v_cache_bksh, layer_index)
+        view, keys, values = CacheView(read, in_place=False), None, None
       elif k_cache_bkhs is not None:
         k_cache_bkhs, v_cache_bksh = _write_kv_cache(
           keys, values, k_cache_bkhs, v_cache_bksh, write_b
         )
         read = functools.partial(_read_kv_cache, k_cache_bkhs, v_cache_bksh)
-      view = None
-      if read is not None:
-        in_place = layer_index is None and key_pos_bs.shape[1] == k_cache_bkhs.shape[-1]
-        view, keys, values = CacheView(read, in_place), None, None
+        whole = key_pos_bs.shape[1] == k_cache_bkhs.shape[-1]
+        view, keys, values = CacheView(read, in_place=whole), None, None
       out = _attend_by_pass(
         q,
         keys,
