@@ -98,6 +98,12 @@ DEFAULT_CONFIG = "configs/bfcl.py:cpu"
 SIGNALS = ("forgetting", "boundary", "rare")
 
 
+@functools.cache
+def _bench_common():
+  """benchmarks/common.py (`cpu_name`), loaded once."""
+  return _load_module("bench_common", os.path.join("benchmarks", "common.py"))
+
+
 def _load_module(name: str, path: str):
   """The Python file at `path` (relative to the repository root) loaded as module `name`."""
   spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, path))
@@ -221,15 +227,15 @@ def code_version() -> str:
 
 
 def note_code(workdir: str, version: str) -> list[str]:
-  """Adds `version` to the code versions that worked on `workdir` (`CODE_FILE`, written by a
-  rename) unless it is the last one there; returns the list."""
+  """Adds `version` to the code versions that worked on `workdir` (`CODE_FILE`, replaced by
+  `metrics.write_atomic`) unless it is the last one there; returns the list."""
+  from coevolve_jax.metrics import write_atomic  # pylint: disable=g-import-not-at-top
+
   path = os.path.join(workdir, CODE_FILE)
   versions = read_json_list(path)
   if versions[-1:] != [version]:
     versions.append(version)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-      json.dump(versions, f)
-    os.replace(path + ".tmp", path)
+    write_atomic(path, json.dumps(versions))
   return versions
 
 
@@ -294,16 +300,16 @@ def _settings(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def save_run(path: str, run: dict[str, Any], workdir: str) -> None:
   """Saves `run` (`collect`'s output plus the seed) with the config it ran (its config.json), by
-  a rename, so a killed save leaves the previous file or none."""
+  a rename (`metrics.write_atomic`), so a killed save leaves the previous file or none."""
   config_path = os.path.join(workdir, "config.json")
   config = None
   if os.path.exists(config_path):
     with open(config_path, encoding="utf-8") as f:
       config = json.load(f)
+  from coevolve_jax.metrics import write_atomic  # pylint: disable=g-import-not-at-top
+
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    json.dump({"config": config, "run": run}, f)
-  os.replace(path + ".tmp", path)
+  write_atomic(path, json.dumps({"config": config, "run": run}))
 
 
 def load_saved(path: str, cfg, overrides: dict[str, Any] | None = None) -> dict[str, Any] | None:
@@ -838,7 +844,7 @@ def write_record(doc: str, record: list[str]) -> None:
 def machine() -> str:
   import jax  # pylint: disable=g-import-not-at-top
 
-  common = _load_module("bench_common", os.path.join("benchmarks", "common.py"))
+  common = _bench_common()
   load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",)
   return (
     f"{platform.node()}: {common.cpu_name()}, "
@@ -901,8 +907,7 @@ def main(argv: list[str] | None = None) -> int:
   # What this process imports (whatever the checkout becomes meanwhile), and where: XLA:CPU's
   # code differs by CPU, and so do a run's last bits (seed 0's warm-start loss, the same commit's
   # training path: 0.0303740 on an AMD EPYC VM, 0.0303735 on an Intel Xeon one).
-  bench_common = _load_module("bench_common", os.path.join("benchmarks", "common.py"))
-  code = f"{code_version()} on {bench_common.cpu_name()}"
+  code = f"{code_version()} on {_bench_common().cpu_name()}"
   results: dict[str, list[dict[str, Any]]] = {}
   for seed in seeds:  # seed-major: a partly finished grid already holds whole pairs
     for variant in variants:
