@@ -196,6 +196,7 @@ def test_the_planner_counts_attention_activations_by_kernel():
 
 
 def test_kernels_under_shard_map_on_eight_devices():
+  """8 host devices: see `_child` (the fused kernels) and `_blocked_decode_on_the_mesh`."""
   run_child(__file__, "mesh", timeout=300)
 
 
@@ -226,7 +227,51 @@ def _child():
       graphdef = nnx.graphdef(model)
       out[attention] = jax.jit(lambda s, g=graphdef: nnx.merge(g, s)(ids))(state)
   np.testing.assert_allclose(out["splash"], out["xla"], rtol=1e-5, atol=1e-5)
+  _blocked_decode_on_the_mesh(mesh)
   print("mesh OK")
+
+
+def _blocked_decode_on_the_mesh(mesh) -> None:
+  """A sharded decode step (slots over data, KV heads over tensor, weights over fsdp) from a
+  stacked 256-entry cache at a 128-key bucket, with the key block lowered to 32: "auto" runs
+  `_attend_cached_blocks` (its trip count reduced over the sharded slots) and its logits equal
+  "xla"'s plain pass for slots of different lengths."""
+  from coevolve_jax.models import sharding as shd  # noqa: PLC0415
+
+  qwen.DECODE_KEY_BLOCK = 32
+  calls = []
+  real = qwen._attend_cached_blocks
+  qwen._attend_cached_blocks = lambda *a: calls.append(a[-1]) or real(*a)
+  rng = np.random.default_rng(8)
+  lengths = np.array([100, 7, 60, 33])
+  prompt = jnp.asarray(rng.integers(0, 64, (4, 100)), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(100), (4, 100))
+  pos = jnp.asarray(lengths[:, None], jnp.int32)
+  logits = {}
+  for kernel in ("xla", "auto"):
+    calls.clear()
+    model = _tiny(kernel)
+    k_axes, v_axes = qwen.KVCache.axes(stacked=True)
+    cache = qwen.KVCache.zeros(model.config, 4, 256, stacked=True)
+    cache = qwen.KVCache(
+      tuple(jax.device_put(c, shd.named_sharding(mesh, k_axes)) for c in cache.k),
+      tuple(jax.device_put(c, shd.named_sharding(mesh, v_axes)) for c in cache.v),
+    )
+    state = jax.device_put(nnx.state(model), shd.tree_shardings(nnx.state(model), mesh))
+    graphdef = nnx.graphdef(model)
+
+    @jax.jit
+    def step(state, cache, graphdef=graphdef):
+      m = nnx.merge(graphdef, state)
+      _, cache = m.decode(prompt, positions, cache, jnp.zeros(4, jnp.int32), 128)
+      hidden, _ = m.decode(prompt[:, :1], pos, cache, pos[:, 0], 128)
+      return m.logits(hidden)
+
+    with jax.set_mesh(mesh):
+      logits[kernel] = np.asarray(step(state, cache))
+    assert len(calls) == (len(model.config.layer_blocks) if kernel == "auto" else 0), calls
+  np.testing.assert_allclose(logits["auto"], logits["xla"], rtol=1e-5, atol=1e-5)
+  qwen._attend_cached_blocks = real
 
 
 if __name__ == "__main__":
