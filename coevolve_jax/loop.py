@@ -144,7 +144,7 @@ class CoEvolveRun:
     restored = self._start()
     if restored is None:
       self._bootstrap()
-      self.metrics.write(0, {**self.compiles.pop(), **self.timer.pop_last()})
+      self.metrics.write(0, {**self.compiles.pop(), **self.timer.pop_last(), **self._work()})
     self._close()
     return self.state.step
 
@@ -159,8 +159,9 @@ class CoEvolveRun:
     elif self.state.pending is not None:
       self.rounds.submit(self.state, self.state.pending)  # in flight at the checkpoint: redone
     before = self.compiles.pop()  # set-up, D0, warm-start, eval before: not step 1's
+    work = self._work()
     if restored is None:  # step 0's row: what compiled, and the phases, before GRPO step 1
-      self.metrics.write(0, {**before, **self.timer.pop_last()})
+      self.metrics.write(0, {**before, **self.timer.pop_last(), **work})
     count, seconds, hits = (before[f"compile/{k}"] for k in ("count", "seconds", "cache_hits"))
     print(f"compiled {count} programs before GRPO ({seconds:.1f} s; {hits} from the cache)")
     steps = self.cfg.train.steps
@@ -352,6 +353,7 @@ class CoEvolveRun:
     # The engine's copy of the weights (cast, gathered over fsdp) made for this step's rollouts.
     info["timing/weight_sync_s"] = self.trainer.last_sync_s
     info.update(self.compiles.pop())
+    info.update(self._work())
     self.metrics.write(step, info)  # before the save: a resume rewrites rows after its step
     if step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
       self._save(step)
@@ -487,6 +489,10 @@ class CoEvolveRun:
         )
       out.append(adv)
     return (critic.cfg, out), metrics
+
+  def _work(self) -> dict[str, float]:
+    """The engine's prefill and decode work since the last row (`Engine.pop_work`): engine/*."""
+    return self.parts.engine.pop_work()
 
   def _timed(self, phase: str, on: bool) -> contextlib.AbstractContextManager:
     """`self.timer(phase)` when `on` (an option's phase), else nothing: a run without the

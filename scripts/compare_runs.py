@@ -7,7 +7,8 @@ exploration.jsonl, groups.jsonl, eval_before.jsonl and eval_after.jsonl, and whe
 them, the generated held-out set (eval_generated.jsonl, eval_generated_before/after.jsonl) and
 eval_pool_after.jsonl. Every value must be equal, except
 timings (keys `wall_s`, `phase_s`, `feedback_share`, `feedback_synth_s`, `synth_s`, `wait_s`, the
-metrics ending in `/synth_s` or `/wait_s`, and `timing/*` metrics) and XLA compilations
+metrics ending in `/synth_s` or `/wait_s`, the engine's `engine/prefill_seconds` and
+`engine/decode_seconds`, and `timing/*` metrics) and XLA compilations
 (`compile/*` metrics: their seconds differ between any two runs, their counts with what an earlier
 run in the same process or the compilation cache already compiled), which differ between any two
 runs. `--ignore PREFIX` (repeatable) also leaves out the keys that start with PREFIX, e.g.
@@ -42,6 +43,7 @@ FILES = (
   "eval_pool_after.jsonl",
 )
 TIMING_KEYS = {"wall_s", "phase_s", "feedback_share", "feedback_synth_s", "synth_s", "wait_s"}
+TIMING_KEYS |= {"prefill_seconds", "decode_seconds"}  # engine/*: the rollout engine's wall time
 
 
 def _load(path: str) -> list[Any] | None:

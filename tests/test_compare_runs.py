@@ -23,6 +23,9 @@ def _run(path, reward, wall_s, step_time):
       "feedback/wait_s": wall_s,
       "compile/count": int(step_time),  # what compiled: also a cost, not a result
       "compile/seconds": 2.0 * step_time,
+      "engine/prefill_seconds": 3.0 * step_time,  # the engine's wall time: a timing
+      "engine/decode_seconds": 4.0 * step_time,
+      "engine/prefill_tokens": 100,  # its work: a result, compared
     }
     f.write(json.dumps(row) + "\n")
 

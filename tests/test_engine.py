@@ -785,6 +785,15 @@ def test_decode_steps_stop_at_the_key_length_bucket_and_match_single_steps(model
     assert np.array_equal(np.float32(g.logprobs), np.float32(w.logprobs))
   # Prompt 0 sits at 250: 6 steps reach index 255, then the next call starts in the 512 bucket.
   assert calls == [250, 256, 264], calls
+  # What the engine reports of its work (`pop_work`): the prompts' tokens, the decode calls and
+  # the tokens they sampled (each request's first token comes from its prefill), then nothing.
+  work = engine.pop_work()
+  assert work["engine/prefill_tokens"] == 290 <= work["engine/prefill_padded_tokens"]
+  assert work["engine/decode_calls"] == 3
+  assert work["engine/decode_tokens"] == sum(len(g.token_ids) - 1 for g in got)
+  assert work["engine/decode_key_entries"] == 2 * (6 * 256 + (8 + 5) * 512)  # steps x slots x keys
+  assert work["engine/prefill_seconds"] > 0 and work["engine/decode_seconds"] > 0
+  assert engine.pop_work() == {}
 
 
 def test_decode_steps_copy_to_the_host_once_per_call_at_batch_64(model, monkeypatch):

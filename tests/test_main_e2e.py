@@ -437,16 +437,23 @@ def test_a_damaged_summary_is_one_clear_error_before_any_work(tmp_path):
     CoEvolveRun(small_config(), str(workdir)).fit()
 
 
+TIMES = ("timing/", "compile/", "memory/")  # with engine/*_seconds: what differs between runs
+
+
+def _engine_time(key: str) -> bool:
+  return key.startswith("engine/") and key.endswith("_seconds")
+
+
 def _run_files(workdir: str) -> dict[str, list[dict]]:
   """The run's JSON-lines outputs without their timing and compile figures (which differ between
-  processes and sessions): what a run computed."""
+  processes and sessions; the engine's work counts stay): what a run computed."""
   out = {}
   for name in sorted(os.listdir(workdir)):
     if name.endswith(".jsonl"):
       with open(os.path.join(workdir, name)) as f:
         rows = [json.loads(line) for line in f]
       out[name] = [
-        {k: v for k, v in r.items() if not k.startswith(("timing/", "compile/", "memory/"))}
+        {k: v for k, v in r.items() if not k.startswith(TIMES) and not _engine_time(k)}
         for r in rows
       ]
   return out

@@ -19,9 +19,11 @@ for Qwen3-30B-A3B: 48 layers x 8 experts).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import math
+import time
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar, cast
 
@@ -548,6 +550,7 @@ class Engine:
     self._routing: list[list[np.ndarray]] = [[] for _ in range(num_slots)]
     # Per device, each program `compile_ahead` compiled (`compiling.ProgramMemory`).
     self.program_memory: list[compiling.ProgramMemory] = []
+    self._work: collections.Counter[str] = collections.Counter()  # `pop_work`'s figures
 
   @property
   def max_concurrent_decodes(self) -> int:
@@ -799,9 +802,15 @@ class Engine:
     kv_len = max(min_kv_len, _kv_bucket(end, self.cache_len, self.prefill_min_kv))
     if end > kv_len:  # _prefill_rows reads and writes the window [0, kv_len) only
       raise RuntimeError(f"prefill forward reaches entry {end} past its key bucket {kv_len}")
+    start = time.perf_counter()
     args = self._prefill_args(slot_rows, chunk, true_len, keys_p, sampling, kv_len)
     with self._ctx():
       self.state, tok, logp, routing = _prefill_rows(*args)
+    tok, logp = np.asarray(tok), np.asarray(logp)  # the one copy to the host
+    self._count_work(
+      "prefill", start, forwards=1, tokens=int(true_len[slot_rows < self.num_slots].sum()),
+      padded_tokens=chunk.size, key_entries=chunk.size * kv_len,
+    )  # fmt: skip
     at = np.zeros((rows,), np.int64)  # the padded row that carries real row r (its first)
     for p, r in reversed(list(enumerate(layout))):
       if r >= 0:
@@ -812,7 +821,7 @@ class Engine:
         self._routing[slots_r[r]].append(routing[at[r], : len(pieces_r[r])].copy())
     for r in range(rows):
       self._pos[slots_r[r]] += len(pieces_r[r])
-    return np.asarray(tok)[at], np.asarray(logp)[at]
+    return tok[at], logp[at]
 
   def padded_rows(self, rows: int, t: int) -> int:
     """The row count a prefill forward of chunk length t runs at when the device block with the
@@ -996,6 +1005,7 @@ class Engine:
     top = int(self._pos[active].max())
     kv_len = _kv_bucket(top + 1, self.cache_len)  # `generate`'s bucket for the first step
     n_steps = min(max_steps, kv_len - top)  # steps whose writes stay inside that bucket
+    start = time.perf_counter()
     args = self._generate_steps_args(
       active, keys, counts, limits, n_steps, stop_ids, sampling, kv_len, max_steps
     )
@@ -1003,6 +1013,10 @@ class Engine:
       self.state, packed, routing = _generate_steps(*args)
     packed = jax.device_get(packed)  # the one copy to the host
     n = int(packed[-1, 0])
+    self._count_work(
+      "decode", start, calls=1, steps=n, tokens=n * int(active.sum()),
+      key_entries=n * self.num_slots * kv_len,
+    )  # fmt: skip
     tokens, logps = packed[:n], packed[max_steps : max_steps + n].view(np.float32)
     if self.record_routing:
       routing = np.asarray(routing)
@@ -1010,6 +1024,28 @@ class Engine:
         self._routing[slot].extend(routing[j, slot : slot + 1].copy() for j in range(n))
     self._pos[active] += n
     return tokens, logps
+
+  def _count_work(self, what: str, start: float, **counts: int) -> None:
+    """Adds a device call's counts and its wall seconds since `start` to `pop_work`'s figures."""
+    self._work[f"{what}_seconds"] += time.perf_counter() - start
+    for name, n in counts.items():
+      self._work[f"{what}_{name}"] += n
+
+  def pop_work(self) -> dict[str, float]:
+    """What the engine's prefill forwards and multi-step decode calls (`generate_steps`) did
+    since the last call, then starts counting again: where a rollout's time goes.
+
+    Returns:
+      {"engine/<name>": value}: prefill_forwards, prefill_tokens (real), prefill_padded_tokens
+      (rows x chunk length, padding included), prefill_key_entries (rows x chunk x key bucket:
+      what the attention reads), prefill_seconds; decode_calls, decode_steps, decode_tokens
+      (steps x active slots), decode_key_entries (steps x slots x key bucket), decode_seconds.
+      Seconds are host wall time of each call, its arguments and the copy of its results to the
+      host included (every call copies them before returning). Names not yet seen are absent.
+    """
+    out = {f"engine/{k}": float(v) for k, v in sorted(self._work.items())}
+    self._work.clear()
+    return out
 
   def _generate_args(self, active, rng, sampling, kv_len) -> tuple:
     """`_generate`'s arguments (see `_prefill_args`)."""
