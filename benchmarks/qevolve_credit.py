@@ -22,14 +22,25 @@ stall with one or two prompts unlearnt), `--drop-dead-groups` (`train.drop_dead_
 every arm), `--fit-first` (the critic fits the step's episodes before their advantages, the
 order the paper lists, where the loop follows PPO's), `--demos` (expert episodes per prompt in
 the critic's buffer from the start: the deciding reply right, the others random, as Q-Evolve's
-hybrid dataset starts from demonstrations) and `--warmup` (critic fits before the first GRPO
-step: on one step's episodes of the initial policy, then on episodes drawn from the buffer).
+hybrid dataset starts from demonstrations), `--warmup-rollouts` (that many steps' worth of the
+initial policy's episodes in the buffer too, the agent half of the hybrid dataset; one with
+`--warmup`; counted in the critic arm's steps, since they cost the environment as many
+episodes as GRPO steps) and `--warmup` (critic fits before the first GRPO step, each on
+`--critic-updates` batches drawn from the whole buffer). The critic arm's table also gives the
+mean size of its advantages on the deciding reply and on the others (the oracle's: GRPO's on the
+first, 0 on the others).
+
+`--probe FITS` runs no arm: the critic alone is fitted on a fixed set of episodes (`--demos`
+expert episodes per prompt, `--random` uniformly random ones), FITS rounds of
+`--critic-updates` updates, and after each round the table gives how well V at the state after
+the deciding reply (whose value is exactly the outcome) predicts held-out outcomes: whether the
+critic can learn this task's V at all, and in how many updates, apart from the policy.
 
   python benchmarks/qevolve_credit.py [--seeds 0,1,2] [--steps 4] [--decide 0|1]
     [--critic-updates 32] [--critic-lr 1e-3] [--critic head|model] [--model-layers 2]
     [--model-width 256] [--model-batch 16] [--scale none|group_std] [--no-normalize]
     [--v-target iql|return] [--tau 0.7] [--drop-dead-groups] [--fit-first] [--lr 1e-2] [--oracle]
-    [--demos 0] [--warmup 0]
+    [--demos 0] [--warmup 0] [--warmup-rollouts 0] [--probe FITS [--random 256]]
 """
 
 from __future__ import annotations
@@ -135,6 +146,69 @@ def _demonstrations(per_prompt: int, steps: int, decide: int, rng) -> list[Traje
   return out
 
 
+def _random_episodes(n: int, steps: int, decide: int, rng) -> list[Trajectory]:
+  """`n` episodes of uniformly drawn prompts and replies (a success about 1 time in 16)."""
+  out = []
+  for a, replies in zip(rng.integers(0, DIGITS, n), rng.integers(0, VOCAB, (n, steps))):
+    seq = [BOS, DIGIT0 + int(a), EQ]
+    for k, r in enumerate(replies):
+      seq += [int(r)] + ([MARK0 + k] if k < steps - 1 else [])
+    out += _trajectories(np.asarray([seq]), np.zeros((1, steps)), [int(a)], steps, decide)
+  return out
+
+
+def probe(
+  seed: int,
+  critic_cfg: qevolve.QEvolveConfig,
+  demos: int,
+  randoms: int,
+  steps: int,
+  decide: int,
+  fits: int,
+) -> list[tuple[int, float, float, float, float, float]]:
+  """The critic alone, as supervised regression on a fixed set of episodes (no policy update):
+  `demos` expert episodes per prompt and `randoms` uniformly random ones in its buffer, then
+  `fits` rounds of `critic_cfg.updates` updates on batches drawn from the whole buffer. After
+  each round, on held-out episodes drawn the same way (half as many), V at the state after the
+  deciding reply, whose value is exactly the outcome (the reward is decided there): its
+  explained variance of the outcome, how often V > 0.5 agrees with it, and its mean after a
+  success and after a failure.
+
+  Returns:
+    Per round: (updates so far, held-out explained variance, held-out agreement, the same
+    agreement on the training episodes, mean V after a success, after a failure).
+  """
+  rng = np.random.default_rng(seed)
+  trainer = PolicyTrainer(
+    Qwen(_config(), rngs=nnx.Rngs(seed)), make_optimizer(LR, 0.0, 1.0), grpo.GRPOConfig(), 1.0
+  )
+  cfg = dataclasses.replace(critic_cfg, replay=10**6, capacity=10**6)
+  critic = qevolve.make_critic(cfg, trainer, seed)
+
+  def episodes(d: int, n: int) -> list[qevolve.Episode]:
+    expert = [qevolve.episode(t, cfg, "expert") for t in _demonstrations(d, steps, decide, rng)]
+    agent = [qevolve.episode(t, cfg) for t in _random_episodes(n, steps, decide, rng)]
+    return [e for e in expert + agent if e is not None]
+
+  train, held_out = episodes(demos, randoms), episodes(demos // 2, randoms // 2)
+  critic.buffer.extend(train)
+
+  def after_deciding(eps):
+    v = [critic.values(s)[decide + 1] for s, _ in critic.features(eps)]
+    return np.asarray(v), np.asarray([e.reward for e in eps])
+
+  rows = []
+  for i in range(1, fits + 1):
+    critic.fit([], [])
+    v, r = after_deciding(held_out)
+    v_train, r_train = after_deciding(train)
+    ev = 1.0 - np.var(r - v) / np.var(r)
+    agree = float(np.mean((v > 0.5) == (r > 0.5)))
+    agree_train = float(np.mean((v_train > 0.5) == (r_train > 0.5)))
+    rows.append((i * cfg.updates, ev, agree, agree_train, v[r > 0.5].mean(), v[r < 0.5].mean()))
+  return rows
+
+
 def run(
   seed: int,
   arm: str,
@@ -147,39 +221,50 @@ def run(
   lr: float = LR,
   demos: int = 0,
   warmup: int = 0,
+  warmup_rollouts: int = 0,
 ) -> tuple[int, float, float, dict]:
   """One arm on one seed; `drop_dead`: `train.drop_dead_groups` (a group whose rewards all agree
   leaves the loss, `grpo.loss_rows`); `demos`, `warmup`: the critic's buffer starts with `demos`
-  expert episodes per prompt (`_demonstrations`) and is fitted `warmup` times on them and on one
-  step's episodes of the initial policy before the first GRPO step (Q-Evolve's hybrid dataset;
-  a critic warm-up). Returns (GRPO steps to the target, or max_steps + 1 when missed; the
-  expected reward at the end; wall seconds; the critic's last qevolve/* metrics)."""
+  expert episodes per prompt (`_demonstrations`) and `warmup_rollouts` steps' worth of the
+  initial policy's episodes (at least one with `warmup`), and is fitted `warmup` times on
+  episodes drawn from that whole buffer before the first GRPO step (Q-Evolve's hybrid dataset;
+  a critic warm-up). Returns (steps to the target: GRPO steps plus the warm-up's rollout steps,
+  which cost the environment as many episodes; max_steps + 1 when missed; the expected reward
+  at the end; wall seconds; the critic's last qevolve/* metrics)."""
   start = time.perf_counter()
   model = Qwen(_config(), rngs=nnx.Rngs(seed))
   trainer = PolicyTrainer(model, make_optimizer(lr, 0.0, 1.0), grpo.GRPOConfig(), 1.0)
   trainer.freeze_reference()
   critic = qevolve.make_critic(critic_cfg, trainer, seed) if arm == "critic" else None
   metrics: dict = {}
+  sizes: list[
+    tuple[float, float]
+  ] = []  # per step: mean |advantage| of the deciding / other replies
   sample = jax.jit(_sample, static_argnums=3)
   rng, key = np.random.default_rng(seed), jax.random.key(seed)
   digits = np.arange(DIGITS)
   prompts = np.stack([np.full(DIGITS, BOS), DIGIT0 + digits, np.full(DIGITS, EQ)], 1)
   reached, reward = max_steps + 1, _expected_reward(trainer.model(), decide)
+  # the warm-up's rollout steps count as steps: they cost the environment as many episodes
+  offset = 0 if critic is None else max(warmup_rollouts, 1 if warmup else 0)
   if critic is not None:  # own random streams: the steps below draw as in the other arms
     own = np.random.default_rng(seed + 10**6)
     found = (
       qevolve.episode(t, critic.cfg, "expert") for t in _demonstrations(demos, steps, decide, own)
     )
     critic.buffer.extend([e for e in found if e is not None])  # as the loop's warm-start does
-    if warmup:  # the initial policy's episodes, then fits on episodes drawn from the buffer
-      rows = np.repeat(np.arange(DIGITS), GROUP)
-      prompts_bt = jnp.asarray(prompts[rows], jnp.int32)
-      tokens, logps = sample(trainer.model(), prompts_bt, jax.random.key(seed + 10**6), steps)
+    rows = np.repeat(np.arange(DIGITS), GROUP)
+    prompts_bt = jnp.asarray(prompts[rows], jnp.int32)
+    for r in range(offset):  # the initial policy's episodes, as a step samples them
+      sub = jax.random.fold_in(jax.random.key(seed + 10**6), r)
+      tokens, logps = sample(trainer.model(), prompts_bt, sub, steps)
       trajs = _trajectories(np.asarray(tokens), np.asarray(logps), rows, steps, decide)
-      first = [e for t in trajs if (e := qevolve.episode(t, critic.cfg)) is not None]
-      critic.fit(first, critic.features(first))
-      for _ in range(warmup - 1):
-        critic.fit([], [])  # `replay` episodes drawn from the buffer
+      critic.buffer.extend([e for t in trajs if (e := qevolve.episode(t, critic.cfg)) is not None])
+    own_cfg = critic.cfg  # each warm-up fit draws from the whole buffer, not `replay` episodes
+    critic.cfg = dataclasses.replace(own_cfg, replay=len(critic.buffer))
+    for _ in range(warmup):
+      critic.fit([], [])
+    critic.cfg = own_cfg
   for step in range(1, max_steps + 1):
     rows = np.repeat(rng.permutation(DIGITS), GROUP)
     key, sub = jax.random.split(key)
@@ -208,13 +293,38 @@ def run(
     if arm == "oracle":  # the deciding reply alone takes the episode's group advantage
       reply_values = [[a if k == decide else 0.0 for k in range(steps)] for a in adv]
       adv = advantages.spread_over_replies(trajs, reply_values)
+    if critic is not None:  # the size of each reply's advantage, over the kept episodes
+      per_reply = np.abs(np.asarray(adv)[keep, :steps])  # one target token per reply
+      sizes.append((per_reply[:, decide].mean(), np.delete(per_reply, decide, 1).mean()))
     trainer.grpo_epoch(trajs, adv, 1, keep=keep)
     if step % 5 == 0:
       reward = _expected_reward(trainer.model(), decide)
       if reward >= TARGET:
-        reached = step
+        reached = min(step + offset, max_steps + 1)
         break
+  if sizes:
+    metrics["adv_deciding"], metrics["adv_other"] = np.mean(sizes, axis=0).tolist()
   return reached, reward, time.perf_counter() - start, metrics
+
+
+def _print_probe(args, critic_cfg: qevolve.QEvolveConfig, seeds) -> None:
+  print(
+    f"# the critic alone ({critic_cfg.critic!r}, {critic_cfg.model_layers} layers of "
+    f"{critic_cfg.model_width} for 'model', lr {critic_cfg.lr:g}, V target {critic_cfg.v_target},"
+    f" expectile {critic_cfg.tau:g}): {args.demos} expert episodes per prompt and {args.random} "
+    f"uniformly random ones; held-out episodes drawn the same way (half as many); V at the state"
+    f" after reply {args.decide + 1}, whose value is the outcome"
+  )
+  columns = ["seed", "updates", "held-out explained variance", "held-out agreement (V > 0.5)"]
+  columns += ["training agreement", "V after a success / a failure"]
+  print("| " + " | ".join(columns) + " |")
+  print("|" + "---|" * len(columns))
+  for seed in seeds:
+    rows = probe(seed, critic_cfg, args.demos, args.random, args.steps, args.decide, args.probe)
+    for updates, ev, agree, agree_train, v_s, v_f in rows:
+      cells = [seed, updates, f"{ev:.2f}", f"{agree:.3f}", f"{agree_train:.3f}"]
+      print("| " + " | ".join(str(c) for c in [*cells, f"{v_s:.2f} / {v_f:.2f}"]) + " |")
+    sys.stdout.flush()
 
 
 def main(argv=None) -> None:
@@ -247,6 +357,22 @@ def main(argv=None) -> None:
   )
   parser.add_argument("--demos", type=int, default=0, help="expert episodes per prompt (critic)")
   parser.add_argument("--warmup", type=int, default=0, help="critic fits before the first step")
+  parser.add_argument(
+    "--warmup-rollouts",
+    type=int,
+    default=0,
+    help="steps' worth of the initial policy's episodes in the critic's buffer before the first "
+    "step (counted in the critic arm's steps)",
+  )
+  parser.add_argument(
+    "--probe",
+    type=int,
+    default=0,
+    metavar="FITS",
+    help="instead of the arms: the critic alone, FITS rounds of supervised fits on --demos "
+    "expert episodes per prompt and --random uniformly random ones (`probe`)",
+  )
+  parser.add_argument("--random", type=int, default=256, help="random episodes (--probe)")
   args = parser.parse_args(argv)
   if not 1 <= args.steps <= VOCAB - MARK0 + 1:  # step markers MARK0 .. MARK0 + K - 2
     parser.error(f"--steps must be in [1, {VOCAB - MARK0 + 1}] (the step markers' token ids)")
@@ -264,6 +390,11 @@ def main(argv=None) -> None:
   )
   seeds = [int(s) for s in args.seeds.split(",")]
   print(f"# {machine()}")
+  if args.probe:
+    if args.decide + 1 >= args.steps:
+      parser.error("--probe reads V at the state after the deciding reply: --decide < --steps - 1")
+    _print_probe(args, critic_cfg, seeds)
+    return
   print(
     f"# K = {args.steps} replies, reply {args.decide + 1} decides; {DIGITS} prompts x G = "
     f"{GROUP}; target expected reward {TARGET}; at most {args.max_steps} GRPO steps; critic "
@@ -277,12 +408,17 @@ def main(argv=None) -> None:
     + f" at lr {critic_cfg.lr:g}, V target {critic_cfg.v_target} (expectile "
     f"{critic_cfg.tau:g}), scale {critic_cfg.scale}, normalize {critic_cfg.normalize}; "
     f"drop dead groups {args.drop_dead_groups}, fit first {args.fit_first}; {args.demos} expert "
-    f"episodes per prompt, {args.warmup} warm-up fits; policy lr {args.lr:g}"
+    f"episodes per prompt, {args.warmup} warm-up fits over the whole buffer after "
+    f"{max(args.warmup_rollouts, 1 if args.warmup else 0)} rollout steps of the initial policy "
+    f"(counted in the critic's steps); policy lr {args.lr:g}"
   )
   oracle = ["oracle steps", "oracle / GRPO"] if args.oracle else []
   columns = ["seed", "GRPO steps", "critic steps", "critic / GRPO", *oracle, "GRPO s", "critic s"]
   columns += ["critic's last explained variance", "V at the start, success / failure"]
-  columns += ["V at the end, success / failure"]
+  columns += [
+    "V at the end, success / failure",
+    "critic's mean abs advantage, deciding / other replies",
+  ]
   print("| " + " | ".join(columns) + " |")
   print("|" + "---|" * len(columns))
   ratios, oracle_ratios = [], []
@@ -297,6 +433,7 @@ def main(argv=None) -> None:
     lr=args.lr,
     demos=args.demos,
     warmup=args.warmup,
+    warmup_rollouts=args.warmup_rollouts,
   )
   miss = lambda n, r: f"> {args.max_steps} ({r:.2f})" if n > args.max_steps else str(n)  # noqa: E731
   for seed in seeds:
@@ -313,6 +450,9 @@ def main(argv=None) -> None:
     for at in ("start", "end"):  # V at the prompt / before the last reply, by outcome
       v = (m.get(f"qevolve/v_{at}_{k}", float("nan")) for k in ("success", "failure"))
       cells.append(" / ".join(f"{x:.2f}" for x in v))
+    cells.append(
+      f"{m.get('adv_deciding', float('nan')):.2f} / {m.get('adv_other', float('nan')):.2f}"
+    )
     print("| " + " | ".join(str(c) for c in cells) + " |")
     sys.stdout.flush()
   geomean = lambda xs: float(np.exp(np.mean(np.log(xs))))  # noqa: E731
