@@ -550,7 +550,7 @@ class Engine:
     self._routing: list[list[np.ndarray]] = [[] for _ in range(num_slots)]
     # Per device, each program `compile_ahead` compiled (`compiling.ProgramMemory`).
     self.program_memory: list[compiling.ProgramMemory] = []
-    self._work: collections.Counter[str] = collections.Counter()  # `pop_work`'s figures
+    self._work: dict[str, float] = collections.defaultdict(float)  # `pop_work`'s figures
 
   @property
   def max_concurrent_decodes(self) -> int:
