@@ -237,9 +237,8 @@ def run(
   trainer.freeze_reference()
   critic = qevolve.make_critic(critic_cfg, trainer, seed) if arm == "critic" else None
   metrics: dict = {}
-  sizes: list[
-    tuple[float, float]
-  ] = []  # per step: mean |advantage| of the deciding / other replies
+  # per step: the mean |advantage| of the deciding reply and of the other replies (critic arm)
+  sizes: list[tuple[float, float]] = []
   sample = jax.jit(_sample, static_argnums=3)
   rng, key = np.random.default_rng(seed), jax.random.key(seed)
   digits = np.arange(DIGITS)
