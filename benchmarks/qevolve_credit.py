@@ -139,10 +139,7 @@ def _demonstrations(per_prompt: int, steps: int, decide: int, rng) -> list[Traje
   for a in np.repeat(np.arange(DIGITS), per_prompt):
     replies = rng.integers(0, VOCAB, steps)
     replies[decide] = DIGIT0 + a
-    seq = [BOS, DIGIT0 + a, EQ]
-    for k, r in enumerate(replies):
-      seq += [int(r)] + ([MARK0 + k] if k < steps - 1 else [])
-    out += _trajectories(np.asarray([seq]), np.zeros((1, steps)), [a], steps, decide)
+    out += _episode(int(a), replies, decide)
   return out
 
 
@@ -150,11 +147,18 @@ def _random_episodes(n: int, steps: int, decide: int, rng) -> list[Trajectory]:
   """`n` episodes of uniformly drawn prompts and replies (a success about 1 time in 16)."""
   out = []
   for a, replies in zip(rng.integers(0, DIGITS, n), rng.integers(0, VOCAB, (n, steps))):
-    seq = [BOS, DIGIT0 + int(a), EQ]
-    for k, r in enumerate(replies):
-      seq += [int(r)] + ([MARK0 + k] if k < steps - 1 else [])
-    out += _trajectories(np.asarray([seq]), np.zeros((1, steps)), [int(a)], steps, decide)
+    out += _episode(int(a), replies, decide)
   return out
+
+
+def _episode(a: int, replies, decide: int) -> list[Trajectory]:
+  """The one-trajectory list of prompt a's episode with these replies (log-probs 0), each reply
+  but the last followed by its step marker."""
+  steps = len(replies)
+  seq = [BOS, DIGIT0 + a, EQ]
+  for k, r in enumerate(replies):
+    seq += [int(r)] + ([MARK0 + k] if k < steps - 1 else [])
+  return _trajectories(np.asarray([seq]), np.zeros((1, steps)), [a], steps, decide)
 
 
 def probe(

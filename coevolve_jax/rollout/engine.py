@@ -808,7 +808,7 @@ class Engine:
       self.state, tok, logp, routing = _prefill_rows(*args)
     tok, logp = np.asarray(tok), np.asarray(logp)  # the one copy to the host
     self._count_work(
-      "prefill", start, forwards=1, tokens=int(true_len[slot_rows < self.num_slots].sum()),
+      "prefill", start, forwards=1, tokens=sum(map(len, pieces_r)),
       padded_tokens=chunk.size, key_entries=chunk.size * kv_len,
     )  # fmt: skip
     at = np.zeros((rows,), np.int64)  # the padded row that carries real row r (its first)
