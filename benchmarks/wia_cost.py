@@ -16,9 +16,9 @@ Every arm has the same reply limit (`--max_new_tokens`, default 256: a predictio
 buckets. From step 1's row of metrics.jsonl (the rollouts of the warm-started policy, sampled at
 the preset's temperature): the share of replies with a prediction, the mean similarity of the
 predictions to the real observations ("words"), decode tokens per model reply, rollout seconds,
-the engine's decode seconds (and per decoded token), WIA's host seconds (scoring, step
-advantages, figures) and mean reward. Ratios: similarity true / shuffled, tokens per reply,
-rollout time and decode time per token with WIA (true) / off.
+the engine's decode steps and seconds (and milliseconds per step), WIA's host seconds (scoring,
+step advantages, figures) and mean reward. Ratios: similarity true / shuffled, tokens per reply,
+rollout time, decode steps and time per decode step with WIA (true) / off.
 
 Host time of scoring and retrieval at scale (no model): `wia.metrics` plus the role_agent
 estimator over `--episodes` synthetic episodes of 20 replies with 600-character observations,
@@ -92,11 +92,13 @@ def run_arm(arm: str, seed: int, workdir: str, max_new_tokens: int = 256) -> dic
   return done
 
 
-def _decode_ms_per_token(row: dict[str, float]) -> float:
-  """The engine's decode milliseconds per decoded token of a step (`Engine.pop_work`'s figures;
-  NaN in a row written before they were logged)."""
-  tokens = row.get("engine/decode_tokens", 0.0)
-  return 1e3 * row["engine/decode_seconds"] / tokens if tokens else float("nan")
+def _ms_per_decode_step(row: dict[str, float]) -> float:
+  """The engine's milliseconds per decode step (every slot advances one token; `Engine.pop_work`'s
+  figures; NaN in a row written before they were logged). Per step, not per decoded token: a step
+  costs the same with one slot active as with all, so per token it also counts the slots left
+  idle by the step's last long episodes."""
+  steps = row.get("engine/decode_steps", 0.0)
+  return 1e3 * row["engine/decode_seconds"] / steps if steps else float("nan")
 
 
 def _step_row(workdir: str) -> dict[str, float] | None:
@@ -253,8 +255,8 @@ def main() -> None:
     print(markdown_table(rows))
     print(machine())
     return
-  rows = [["arm", "seed", "predicted", "similarity", "tokens / reply", "rollout s", "decode s",
-           "decode ms / token", "WIA host s", "reward"]]  # fmt: skip
+  rows = [["arm", "seed", "predicted", "similarity", "tokens / reply", "rollout s", "decode steps",
+           "decode s", "ms / decode step", "WIA host s", "reward"]]  # fmt: skip
   got: dict[tuple[str, int], dict[str, float]] = {}
   for seed in seeds:
     for arm in ARMS:
@@ -268,8 +270,9 @@ def main() -> None:
           f"{r['wia/similarity']:.3f}" if "wia/similarity" in r else "-",
           f"{r['rollout/tokens_generated'] / max(1, r['rollout/model_steps']):.1f}",
           f"{r.get('timing/rollout', float('nan')):.1f}",
+          f"{r.get('engine/decode_steps', float('nan')):.0f}",
           f"{r.get('engine/decode_seconds', float('nan')):.1f}",
-          f"{_decode_ms_per_token(r):.1f}",
+          f"{_ms_per_decode_step(r):.1f}",
           f"{r['timing/wia']:.4f}" if "timing/wia" in r else "-",
           f"{r['reward/mean']:.3f}",
         ]
@@ -292,7 +295,8 @@ def main() -> None:
       ratio("true", "off", lambda r: r["rollout/tokens_generated"] / r["rollout/model_steps"]),
     ],
     ["rollout seconds, WIA / off", ratio("true", "off", lambda r: r["timing/rollout"])],
-    ["decode seconds per token, WIA / off", ratio("true", "off", _decode_ms_per_token)],
+    ["decode steps, WIA / off", ratio("true", "off", lambda r: r["engine/decode_steps"])],
+    ["ms per decode step, WIA / off", ratio("true", "off", _ms_per_decode_step)],
   ]
   print(markdown_table(summary))
   print()
