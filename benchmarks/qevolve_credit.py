@@ -18,17 +18,17 @@ The table gives, per seed, the GRPO steps each arm needed, and their ratio (crit
 1: the critic got there in fewer steps). `--oracle` adds the arm the critic approximates at
 best: the deciding reply alone takes GRPO's group advantage, the others 0 (how much credit
 assignment can pay on the task). Also: `--lr` (the policy's; at 1e-2 several seeds of every arm
-stall with one or two prompts unlearnt), `--drop-dead-groups` (`train.drop_dead_groups` in
-every arm), `--fit-first` (the critic fits the step's episodes before their advantages, the
-order the paper lists, where the loop follows PPO's), `--demos` (expert episodes per prompt in
-the critic's buffer from the start: the deciding reply right, the others random, as Q-Evolve's
-hybrid dataset starts from demonstrations), `--warmup-rollouts` (that many steps' worth of the
-initial policy's episodes in the buffer too, the agent half of the hybrid dataset; one with
-`--warmup`; counted in the critic arm's steps, since they cost the environment as many
-episodes as GRPO steps) and `--warmup` (critic fits before the first GRPO step, each on
-`--critic-updates` batches drawn from the whole buffer). The critic arm's table also gives the
-mean size of its advantages on the deciding reply and on the others (the oracle's: GRPO's on the
-first, 0 on the others).
+stall with one or two prompts unlearnt), `--drop-dead-groups` (`train.drop_dead_groups` in every
+arm), `--fit-first` (the critic fits the step's episodes before their advantages, the order the
+paper lists: `qevolve.order = "fit_first"`; the loop's default is PPO's), `--demos` (expert episodes
+per prompt in the critic's buffer from the start: the deciding reply right, the others random, as
+Q-Evolve's hybrid dataset starts from demonstrations), `--warmup-rollouts` (that many steps' worth
+of the initial policy's episodes in the buffer too, the agent half of the hybrid dataset; one with
+`--warmup`; counted in the critic arm's steps, since they cost the environment as many episodes as
+GRPO steps) and `--warmup` (critic fits before the first GRPO step, each on `--critic-updates`
+batches drawn from the whole buffer). The critic arm's table also gives the mean size of its
+advantages on the deciding reply and on the others (the oracle's: GRPO's on the first, 0 on the
+others).
 
 `--probe FITS` runs no arm: the critic alone is fitted on a fixed set of episodes (`--demos`
 expert episodes per prompt, `--random` uniformly random ones), FITS rounds of
@@ -221,7 +221,6 @@ def run(
   max_steps: int,
   critic_cfg: qevolve.QEvolveConfig,
   drop_dead: bool = False,
-  fit_first: bool = False,
   lr: float = LR,
   demos: int = 0,
   warmup: int = 0,
@@ -281,15 +280,7 @@ def run(
     name = "grpo"
     if critic is not None:
       eps = [e for t in trajs if (e := qevolve.episode(t, critic.cfg)) is not None]
-      feats = critic.features(eps)
-      if fit_first:  # the paper's order: fit on the step's episodes, then their advantages
-        fitted = critic.fit(eps, feats)
-        feats = critic.features(eps)  # a critic network of its own reads them anew
-        reply_adv, metrics = critic.reply_advantages(eps, feats)
-        metrics.update(fitted)
-      else:  # PPO's order: advantages under the critic as it stands, then its fit
-        reply_adv, metrics = critic.reply_advantages(eps, feats)
-        critic.fit(eps, feats)
+      reply_adv, metrics = critic.step(eps, range(len(eps)))  # in critic_cfg.order
       inputs = dataclasses.replace(inputs, qevolve=(critic.cfg, reply_adv))
       name = "qevolve"
     adv = advantages.estimate(name, inputs)
@@ -390,6 +381,7 @@ def main(argv=None) -> None:
     normalize=not args.no_normalize,
     v_target=args.v_target,
     tau=args.tau,
+    order="fit_first" if args.fit_first else "advantages_first",
   )
   seeds = [int(s) for s in args.seeds.split(",")]
   print(f"# {machine()}")
@@ -432,7 +424,6 @@ def main(argv=None) -> None:
     max_steps=args.max_steps,
     critic_cfg=critic_cfg,
     drop_dead=args.drop_dead_groups,
-    fit_first=args.fit_first,
     lr=args.lr,
     demos=args.demos,
     warmup=args.warmup,

@@ -458,11 +458,12 @@ class CoEvolveRun:
     return out
 
   def _critic_step(self, trajs: list[Trajectory], fit_on: int) -> tuple[Any, dict[str, float]]:
-    """Q-Evolve's critic on a step's rows: each reply's GAE advantage under the critic as it
-    stands (trained on earlier steps and the warm-start's demonstrations, as PPO estimates
-    advantages before fitting its value), then `qevolve.updates` critic steps on the first
-    `fit_on` rows' episodes (the step's rollouts, which join the buffer; the rows after them are
-    the buffer's own demonstrations) and a replay of the buffer's.
+    """Q-Evolve's critic on a step's rows (`Critic.step`, in `qevolve.order`): each reply's GAE
+    advantage, and `qevolve.updates` critic steps on the first `fit_on` rows' episodes (the
+    step's rollouts, which join the buffer; the rows after them are the buffer's own
+    demonstrations) and a replay of the buffer's. By default the advantages come first, under
+    the critic as it stands (trained on earlier steps and the warm-start's demonstrations, as
+    PPO estimates advantages before fitting its value).
 
     Returns:
       ((the critic's settings, per trajectory [T_i] reply advantages): `AdvantageInputs.
@@ -475,10 +476,7 @@ class CoEvolveRun:
     eps = [qevolve.episode(t, critic.cfg) for t in trajs]
     at = [i for i, e in enumerate(eps) if e is not None]  # rows with an episode, in order
     real = [e for e in eps if e is not None]
-    feats = critic.features(real)
-    reply_adv, metrics = critic.reply_advantages(real, feats)
-    fresh = [j for j, i in enumerate(at) if i < fit_on]
-    metrics.update(critic.fit([real[j] for j in fresh], [feats[j] for j in fresh]))
+    reply_adv, metrics = critic.step(real, [j for j, i in enumerate(at) if i < fit_on])
     found = iter(reply_adv)
     out = []
     for t, e in zip(trajs, eps):

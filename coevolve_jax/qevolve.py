@@ -70,6 +70,7 @@ SCALES = ("none", "group_std")  # of the critic's advantages (`combine`)
 PLACEMENTS = ("instead", "between")  # mode "iterate": of CoEvolve's GRPO update, or after it
 CRITICS = ("head", "model")
 V_TARGETS = ("iql", "return")  # what L_V regresses V on (`iql_losses`)
+ORDERS = ("advantages_first", "fit_first")  # of a step's advantages and critic fit (`Critic.step`)
 BP_VARIANTS = ("clip_kl", "bppo")
 ORIGINS = ("agent", "expert")
 
@@ -103,6 +104,9 @@ class QEvolveConfig:
     group_weight, critic_weight: a reply's advantage is group_weight x the episode's group
       advantage (GRPO, CoEvolve Eq. 1) + critic_weight x its (normalised) GAE advantage.
     normalize: GAE advantages whitened over the step's kept replies.
+    order: "advantages_first" (PPO's: a step's advantages under the critic as it stands, then its
+      fit on the step's episodes) | "fit_first" (the paper's, Alg. 1: the fit, then the
+      advantages under the fitted critic); `Critic.step`.
     scale: "none" | "group_std": each reply's GAE advantage also divided by the standard
       deviation of its task group's outcome rewards (+ 1e-6; GRPO's scale_by_std, applied before
       `normalize`): a task whose group rarely succeeds gets its successes' credit raised as GRPO
@@ -129,6 +133,7 @@ class QEvolveConfig:
   model_batch: int = 16
   tau: float = 0.7
   v_target: str = "iql"
+  order: str = "advantages_first"
   gamma: float = 0.99
   lam: float = 0.95
   polyak: float = 0.05
@@ -164,6 +169,7 @@ class QEvolveConfig:
       ("critic", self.critic, CRITICS),
       ("variant", self.variant, BP_VARIANTS),
       ("v_target", self.v_target, V_TARGETS),
+      ("order", self.order, ORDERS),
     ):
       if value not in known:
         raise ValueError(f"qevolve.{name} must be one of {known}, got {value!r}")
@@ -604,10 +610,13 @@ class Critic:
   a replay buffer; `fit` trains it on a step's episodes and `reply_advantages` gives the
   process rewards.
 
-  Features come from `trainer.hidden_states_at` (the current policy, no gradient into it). With
+  Features come from `trainer.hidden_states_at` (the current policy, no gradient into it), so a
+  fit leaves them as they were (`OWN_FEATURES`). With
   the trainer's mesh, the heads are placed by `HEAD_AXES` under the policy's logical-axis rules
   and the features replicated.
   """
+
+  OWN_FEATURES = False  # whether `fit` changes what `features` reads (a network of its own)
 
   def __init__(self, cfg: QEvolveConfig, trainer, seed: int):
     self.cfg, self.trainer = cfg, trainer
@@ -740,6 +749,32 @@ class Critic:
     metrics.update({f"qevolve/{k}": float(v) for k, v in out.items()})
     metrics["qevolve/transitions"] = m
     return metrics
+
+  def step(
+    self, episodes: Sequence[Episode], fresh: Sequence[int]
+  ) -> tuple[list[np.ndarray], dict[str, float]]:
+    """A GRPO step's critic work on its `episodes`: their reply advantages
+    (`reply_advantages`) and a `fit` on those at the indices `fresh` (the step's own rollouts;
+    the others, e.g. the buffer's demonstrations, are read but not added again), in
+    `cfg.order`: "advantages_first" reads the advantages under the critic as it stands, then
+    fits; "fit_first" fits, then reads them under the fitted critic (the features read again
+    when the critic has a network of its own).
+
+    Returns:
+      (per episode, [T_i] float32 reply advantages; the metrics of both).
+    """
+    feats = self.features(episodes)
+    chosen = ([episodes[j] for j in fresh], [feats[j] for j in fresh])
+    if self.cfg.order == "fit_first":
+      fitted = self.fit(*chosen)
+      if self.OWN_FEATURES:
+        feats = self.features(episodes)
+      reply_adv, metrics = self.reply_advantages(episodes, feats)
+      metrics.update(fitted)
+    else:
+      reply_adv, metrics = self.reply_advantages(episodes, feats)
+      metrics.update(self.fit(*chosen))
+    return reply_adv, metrics
 
   def values(self, feats: np.ndarray) -> np.ndarray:
     """V at [M, D] state features: [M] float32 (rows padded to a power of two for the call)."""
@@ -882,6 +917,8 @@ class ModelCritic(Critic):
   states, no gradient) give the values of the process rewards. With the trainer's mesh the
   network and its AdamW moments are placed by their logical axes (`sharding.tree_shardings`,
   the policy's rules) and the heads as `Critic`'s; the read episodes are replicated."""
+
+  OWN_FEATURES = True
 
   def __init__(self, cfg: QEvolveConfig, trainer, seed: int):
     self.cfg, self.trainer = cfg, trainer

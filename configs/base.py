@@ -200,6 +200,9 @@ def get_config() -> ml_collections.ConfigDict:
   # What V is regressed on: "iql" (the paper's: the target Q, Q from r + gamma V(s')) or
   # "return" (* the discounted return that follows the state: docs/design.md section 8.3).
   c.qevolve.v_target = "iql"
+  # "advantages_first" (PPO's order: a step's advantages, then the critic's fit on the step) or
+  # "fit_first" (the paper's Alg. 1: the fit, then the advantages); docs/benchmarks/qevolve.md.
+  c.qevolve.order = "advantages_first"
   c.qevolve.gamma = 0.99  # *
   c.qevolve.lam = 0.95  # * GAE lambda
   c.qevolve.polyak = 0.05  # * Q target rate per critic step

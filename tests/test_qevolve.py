@@ -237,6 +237,8 @@ def test_config_checks():
     qevolve.QEvolveConfig(tau=1.0)
   with pytest.raises(ValueError, match="v_target"):
     qevolve.QEvolveConfig(v_target="td")
+  with pytest.raises(ValueError, match="order"):
+    qevolve.QEvolveConfig(order="fit_last")
   with pytest.raises(ValueError, match="invalid_pattern"):
     qevolve.QEvolveConfig(invalid_pattern="(")
   path = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "base.py")
@@ -331,6 +333,39 @@ def test_critic_learns_the_deciding_step(tmp_path, v_target):
     np.testing.assert_array_equal(a, b)
   assert list(other.buffer.episodes) == list(critic.buffer.episodes)
   assert other.rng.random() == critic.rng.random()
+
+
+def test_a_step_reads_the_advantages_and_fits_in_the_configured_order():
+  """`Critic.step` in each `order` equals its calls made by hand on a twin critic (same seed):
+  advantages then fit (PPO's, the default), or fit then advantages (the paper's), which read the
+  fitted heads; only the `fresh` episodes are fitted on and join the buffer."""
+  model = kit.tiny_model(3, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+  trainer = PolicyTrainer(model, make_optimizer(1e-3, 0.0, 1.0), grpo.GRPOConfig(), 1.0)
+  rng = np.random.default_rng(0)
+  first = qevolve.QEvolveConfig(updates=4, batch=16, lr=3e-2, replay=0, lam=0.0)
+  eps = [qevolve.episode(_decision_episode(rng, g), first) for g in [True, False] * 3]
+  got = {}
+  for order in qevolve.ORDERS:
+    cfg = dataclasses.replace(first, order=order)
+    critic, twin = qevolve.Critic(cfg, trainer, seed=0), qevolve.Critic(cfg, trainer, seed=0)
+    adv, metrics = critic.step(eps, [0, 2, 3])
+    feats = twin.features(eps)
+    fresh = ([eps[j] for j in (0, 2, 3)], [feats[j] for j in (0, 2, 3)])
+    if order == "fit_first":
+      fitted = twin.fit(*fresh)
+      want, m = twin.reply_advantages(eps, feats)
+      m.update(fitted)
+    else:
+      want, m = twin.reply_advantages(eps, feats)
+      m.update(twin.fit(*fresh))
+    assert metrics == m and metrics["qevolve/buffer"] == 3
+    for a, b in zip(adv, want):
+      np.testing.assert_array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(critic.state), jax.tree.leaves(twin.state)):
+      np.testing.assert_array_equal(a, b)
+    # the same episodes: under the heads before the fit (PPO's order), or after it (the paper's)
+    got[order] = np.concatenate(adv)
+  assert np.abs(got["fit_first"] - got["advantages_first"]).max() > 1e-3
 
 
 def test_combine_scales_by_the_groups_reward_deviation_then_whitens():
