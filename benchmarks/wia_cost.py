@@ -295,7 +295,10 @@ def main() -> None:
       ratio("true", "off", lambda r: r["rollout/tokens_generated"] / r["rollout/model_steps"]),
     ],
     ["rollout seconds, WIA / off", ratio("true", "off", lambda r: r["timing/rollout"])],
-    ["decode steps, WIA / off", ratio("true", "off", lambda r: r["engine/decode_steps"])],
+    [
+      "decode steps, WIA / off",
+      ratio("true", "off", lambda r: r.get("engine/decode_steps", float("nan"))),
+    ],
     ["ms per decode step, WIA / off", ratio("true", "off", _ms_per_decode_step)],
   ]
   print(markdown_table(summary))
