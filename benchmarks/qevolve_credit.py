@@ -287,7 +287,7 @@ def run(
     if arm == "oracle":  # the deciding reply alone takes the episode's group advantage
       reply_values = [[a if k == decide else 0.0 for k in range(steps)] for a in adv]
       adv = advantages.spread_over_replies(trajs, reply_values)
-    if critic is not None:  # the size of each reply's advantage, over the kept episodes
+    if critic is not None and keep.any():  # each reply's advantage size, over the kept episodes
       per_reply = np.abs(np.asarray(adv)[keep, :steps])  # one target token per reply
       sizes.append((per_reply[:, decide].mean(), np.delete(per_reply, decide, 1).mean()))
     trainer.grpo_epoch(trajs, adv, 1, keep=keep)
