@@ -89,7 +89,7 @@ stage decode "${DECODE_S:-90}" "$PY" benchmarks/rollout_bench.py --peers=transfo
   --hidden=1024 --head_dim=128 --tied=1 --kv_lengths=640 --repeats=2 --decode_steps=1,8
 
 STAGE_LOG=decode stage attention "${ATTENTION_S:-90}" "$PY" benchmarks/attention_kernels.py \
-  --seqs=4096,16384 --decode_batch=64 --decode_len=4096 --decode_kernels=xla,pallas
+  --seqs=4096,16384 --decode_batch=64 --decode_len=4096 --decode_kernels=xla,ragged
 
 stage memory "${MEMORY_S:-240}" "$PY" benchmarks/mesh_memory.py --config=configs/bfcl.py \
   --config.model.preset=qwen3_0_6b --cache_len=4096 --prompt_len=2048 --train_rows=8 \

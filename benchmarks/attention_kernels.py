@@ -15,9 +15,11 @@ lacks) says why instead of a time.
 
 Then the decode step's attention at `--decode_batch` slots over `--decode_len` cache entries,
 with every slot full and with ragged slots (lengths uniform in [S/8, S]), by each of
-`--decode_kernels`: "xla" (the engine's path: every `model.attention` decodes with XLA) and
-"pallas" (JAX's Pallas GPU decode kernel, which reads each slot only to its length; Pallas
-interpret mode off GPU: numerics, not speed), `--decode_inner` chained steps per call, against
+`--decode_kernels`: "xla" (the engine's XLA path, what every CPU and TPU run decodes with) and
+"ragged" (`kernels.ragged_decode_attention`, JAX's Pallas GPU decode kernel, which reads each
+slot only to its length: what the engine decodes with on a GPU, `model.attention` "auto" or
+"cudnn"; Pallas interpret mode off GPU: numerics, not speed), `--decode_inner` chained steps per
+call, against
 the memory bound: the filled keys and values read once, at the rate a jitted sum reads memory
 here (rollout_bench.read_bandwidth), with each output's largest difference from XLA's.
 
@@ -74,40 +76,6 @@ def train_seconds(kernel: str, args, t: int) -> float:
   return _median_seconds(lambda: jax.block_until_ready(step(q, kk, vv)), args.repeats)
 
 
-def pallas_gpu_decode(q_b1nh, keys_bksh, values_bksh, lengths_b, *, interpret: bool = False):
-  """One decode step's attention by JAX's Pallas GPU decode kernel
-  (`jax.experimental.pallas.ops.gpu.decode_attention`, split-K flash decoding), which reads
-  each slot's keys and values only up to its length: [B, 1, N, H] queries, [B, K, S, H] keys
-  and values (keys position-major, not the engine's [B, K, H, S]), [B] int32 filled lengths ->
-  [B, 1, N, H]. Not wired into the engine: measured here to decide whether the engine's cache
-  layout should follow it."""
-  from jax.experimental.pallas.ops.gpu import decode_attention  # noqa: PLC0415
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-
-  b, _, n, h = q_b1nh.shape
-  kh, s = keys_bksh.shape[1], keys_bksh.shape[2]
-  splits = 16 if s % 16 == 0 and s // 16 >= 16 else 1
-  inner = functools.partial(
-    decode_attention.decode_attn_unbatched,
-    sm_scale=h**-0.5,
-    block_h=16,
-    block_k=min(128, s // splits),
-    k_splits=splits,
-    num_warps=None,
-    num_stages=2,
-    grid=None,
-    interpret=interpret,
-    debug=False,
-    return_residuals=False,
-    normalize_output=True,
-  )
-  q = q_b1nh.reshape(b, kh, n // kh, h)
-  lengths = jnp.broadcast_to(lengths_b[:, None], (b, kh)).astype(jnp.int32)
-  out = jax.vmap(jax.vmap(inner))(q, keys_bksh, values_bksh, None, lengths)
-  return out.reshape(b, 1, n, h)
-
-
 def decode_inputs(args, ragged: bool, seed: int = 1):
   """A decode step's inputs at `--decode_batch` slots of `--decode_len` entries: queries
   [B, 1, N, H], keys [B, K, H, S] (the engine's layout), values [B, K, S, H], filled lengths [B]
@@ -143,13 +111,14 @@ def _chained(step, inner: int):
 
 def decode_seconds(args, kernel: str, ragged: bool) -> tuple[float, int, float]:
   """(median seconds per step, bytes of filled keys and values, max |difference| from the XLA
-  path's output) of one decode step's attention by `kernel`: "xla" (the engine's path: masked
-  softmax over every entry of the slot) or "pallas" (`pallas_gpu_decode`, reading filled entries
-  only; on CPU in interpret mode)."""
+  path's output) of one decode step's attention by `kernel`: "xla" (the engine's XLA path:
+  masked softmax over every entry of the slot) or "ragged" (`kernels.ragged_decode_attention`
+  over a cache of key layout "sh", reading filled entries only; on CPU in interpret mode)."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
 
   from coevolve_jax.models import qwen  # noqa: PLC0415
+  from coevolve_jax.models.kernels import ragged_decode_attention  # noqa: PLC0415
 
   q, kk, vv, lengths = decode_inputs(args, ragged)
   s = args.decode_len
@@ -164,15 +133,16 @@ def decode_seconds(args, kernel: str, ragged: bool) -> tuple[float, int, float]:
   want = jax.jit(xla_step)(q, kk, vv).astype(jnp.float32)
   if kernel == "xla":
     step, operands, got = xla_step, (kk, vv), want
-  else:
-    interpret = jax.default_backend() != "gpu"
-    k_bksh = jnp.swapaxes(kk, 2, 3)  # laid out as the kernel reads it, outside the timed step
+  elif kernel == "ragged":
+    k_bksh = jnp.swapaxes(kk, 2, 3)  # the cache's key layout "sh", made outside the timed step
 
     def step(q, k_bksh, vv):
-      return pallas_gpu_decode(q, k_bksh, vv, lengths, interpret=interpret)
+      return ragged_decode_attention(q[:, 0], k_bksh, vv, lengths)[:, None]
 
     operands = (k_bksh, vv)
     got = jax.jit(step)(q, *operands).astype(jnp.float32)
+  else:
+    raise ValueError(f"unknown decode kernel {kernel!r}: xla or ragged")
   error = float(jnp.max(jnp.abs(got - want)))
   inner = args.decode_inner
   chained = _chained(step, inner)
@@ -195,8 +165,8 @@ def main(argv=None) -> int:
   p.add_argument("--decode_inner", type=int, default=8, help="chained decode steps per call")
   p.add_argument(
     "--decode_kernels",
-    default="xla,pallas",
-    help="decode kernels: xla (the engine's), pallas (JAX's Pallas GPU decode kernel)",
+    default="xla,ragged",
+    help="decode kernels: xla (the engine's XLA path), ragged (the engine's on a GPU)",
   )
   p.add_argument("--kernels", default="", help="comma-separated (default: the backend's)")
   p.add_argument("--interpret", action="store_true", help="splash in interpret mode off TPU")

@@ -51,13 +51,14 @@ def step_seconds(folder: str, kernel: str, stacked: bool, lengths, args):
   from flax import nnx  # noqa: PLC0415
 
   from coevolve_jax.models.hf import from_pretrained  # noqa: PLC0415
+  from coevolve_jax.models.kernels import key_layout  # noqa: PLC0415
   from coevolve_jax.models.qwen import KVCache, unstack  # noqa: PLC0415
 
   model = from_pretrained(folder, attention=kernel)
   if not stacked:
     model = unstack(model)
   b, s = len(lengths), args.cache_len
-  empty = KVCache.zeros(model.config, b, s, stacked=stacked)
+  empty = KVCache.zeros(model.config, b, s, stacked=stacked, keys=key_layout(kernel))
   rng = np.random.default_rng(0)  # the same cache contents for every kernel and layout
   cache = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), a.dtype), empty)
   graphdef, state = nnx.split(model)

@@ -40,8 +40,9 @@ def get_config() -> ml_collections.ConfigDict:
   # of the non-batched matrix products, "none" keeps everything.
   c.model.remat = "full"
   # Attention kernel of every layer (models/kernels.py): "auto" = TPU splash attention / cuDNN
-  # fused attention on GPU for the cache-free passes (training, scoring), the "blocked" XLA paths
-  # on CPU and for prefill / decode; "xla" = one plain masked softmax everywhere (the reference).
+  # fused attention on GPU for the cache-free passes (training, scoring), on GPU JAX's Pallas
+  # ragged decode kernel for decode steps (each slot read to its own length), the "blocked" XLA
+  # paths on CPU and for prefill; "xla" = one plain masked softmax everywhere (the reference).
   c.model.attention = "auto"
   # Precision of float32 matrix products (models/builder.py `apply_matmul_precision`): "default"
   # is the backend's fastest (TF32-class on NVIDIA GPUs); "highest" is full float32 (what the

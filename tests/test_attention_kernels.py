@@ -3,7 +3,10 @@
 takes the same arguments: cuDNN itself needs an NVIDIA GPU) against the plain masked softmax
 (`qwen._attend`), forward and gradient, with GQA, padding and lengths that are not a block
 multiple; the model's logits and loss gradient by kernel; the kernels under shard_map on 8 host
-devices (a child process); "auto" keeps the CPU path.
+devices (a child process); "auto" keeps the CPU path. The decode steps' Pallas GPU kernel
+(`kernels.ragged_decode_attention`) in Pallas interpret mode against the masked softmax, and an
+engine that decodes through it (the GPU's choices on this CPU: `_pretend_gpu`) against one that
+does not.
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ import pytest
 from flax import nnx
 
 from coevolve_jax.models import kernels, qwen
-from coevolve_jax.models.kernels import fused_attention, resolve_attention
+from coevolve_jax.models.kernels import fused_attention, ragged_decode_attention, resolve_attention
+from coevolve_jax.rollout import generate
+from coevolve_jax.rollout.engine import Engine
+from coevolve_jax.rollout.sampling import SamplingParams
 
 from host_devices import run_child
 
@@ -150,6 +156,90 @@ def test_auto_keeps_the_cpu_path_and_bad_choices_are_clear_errors():
   assert kernels.cudnn_supports(jnp.bfloat16, 128) and not kernels.cudnn_supports(jnp.float32, 128)
 
 
+def _decode_inputs(n: int, k: int, s: int, lengths, seed: int = 0, dtype=jnp.float32):
+  """A decode step's [B, N, H] queries, [B, K, S, H] keys and values (key layout "sh"), and the
+  masked softmax's arguments for the same step (`qwen._attend`: keys [B, K, H, S], the query at
+  position length - 1 over keys at index == position)."""
+  rng = np.random.default_rng(seed)
+  b = len(lengths)
+  q = jnp.asarray(rng.normal(size=(b, n, H)), dtype)
+  keys = jnp.asarray(rng.normal(size=(b, k, s, H)), dtype)
+  values = jnp.asarray(rng.normal(size=(b, k, s, H)), dtype)
+  lengths = jnp.asarray(lengths, jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+  reference = (q[:, None], keys.swapaxes(-1, -2), values, (lengths - 1)[:, None], pos, None)
+  return (q, keys, values, lengths), reference
+
+
+def _masked_softmax(q, keys, values, q_pos, k_pos, _):
+  valid = jnp.ones(k_pos.shape, jnp.bool_)
+  return qwen._attend(q, keys, values, q_pos, k_pos, valid)[:, 0]
+
+
+@pytest.mark.parametrize("n, k", [(4, 1), (6, 3)])  # MQA, GQA of 2
+def test_ragged_decode_kernel_equals_the_masked_softmax(n, k):
+  """Slots of 1, 37, 200 and all 256 entries: each sees its own [0, length), float32 within
+  1e-5 (interpret mode runs the kernel's own loop, splits and final combination)."""
+  args, reference = _decode_inputs(n, k, 256, [1, 37, 200, 256])
+  got = ragged_decode_attention(*args)
+  want = _masked_softmax(*reference)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  assert kernels.ragged_decode_splits(256) == (16, 16)
+  assert kernels.ragged_decode_splits(1000) is None  # no split into blocks of 16 or more
+  with pytest.raises(ValueError, match="cannot split 1000 cache entries"):
+    ragged_decode_attention(args[0], *(jnp.zeros((4, k, 1000, H)),) * 2, args[3])
+
+
+def test_ragged_decode_kernel_in_bfloat16_stays_within_its_rounding():
+  """bfloat16 cache and queries: within 2e-2 of the float32 softmax of the same inputs, as the
+  XLA path in bfloat16 is."""
+  args, reference = _decode_inputs(4, 2, 512, [3, 512, 130, 64], seed=5, dtype=jnp.bfloat16)
+  f32 = [
+    x.astype(jnp.float32) if x is not None and x.dtype == jnp.bfloat16 else x for x in reference
+  ]
+  want = _masked_softmax(*f32)
+  xla = _masked_softmax(*reference).astype(jnp.float32)
+  got = ragged_decode_attention(*args).astype(jnp.float32)
+  assert float(jnp.max(jnp.abs(xla - want))) < 2e-2
+  assert float(jnp.max(jnp.abs(got - want))) < 2e-2
+
+
+def _pretend_gpu(monkeypatch):
+  """The GPU's kernel choices on this CPU (`kernels.default_backend` says "gpu"): "cudnn"
+  resolves, the cache keeps keys "sh" and decode steps run the Pallas kernel, in interpret mode
+  (the kernel reads JAX's own backend)."""
+  monkeypatch.setattr(kernels, "default_backend", lambda: "gpu")
+
+
+def test_an_engine_decodes_through_the_ragged_kernel_as_through_the_masked_softmax(monkeypatch):
+  """With the GPU's choices, the engine keeps keys [B, K, S, H] and every decode step's
+  attention goes through the ragged kernel (counted); slots of 5-120 prompt tokens then decode
+  the tokens of the "xla" engine, log-probs within 1e-5. A stacked cache (`scan_layers`) here;
+  the unrolled one in the 8-device child (`_ragged_decode_on_the_mesh`)."""
+  _pretend_gpu(monkeypatch)
+  calls = []
+  real = qwen.ragged_decode_attention
+  monkeypatch.setattr(
+    qwen, "ragged_decode_attention", lambda *a: calls.append(a[1].shape) or real(*a)
+  )
+  prompts = [
+    [int(x) for x in np.random.default_rng(i).integers(0, 64, n)]
+    for i, n in enumerate((5, 120, 17, 64))
+  ]
+  out = {}
+  for attention in ("xla", "cudnn"):
+    engine = Engine(_tiny(attention), 4, 256, scan_layers=True)
+    cache = engine.state.cache
+    assert (cache.k[0].shape == cache.v[0].shape) == (attention == "cudnn")
+    out[attention] = generate(
+      engine, prompts, SamplingParams(temperature=0.0), rng=jax.random.key(0), max_new_tokens=6
+    )
+  assert calls and all(shape[-2] == 256 for shape in calls), calls
+  for want, got in zip(out["xla"], out["cudnn"], strict=True):
+    assert got.token_ids == want.token_ids
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+
+
 def _tiny(attention: str, stacked: bool = True):
   cfg = qwen.QwenConfig.tiny_cpu(vocab_size=64)
   return qwen.Qwen(cfg, rngs=nnx.Rngs(0), stacked=stacked, attention=attention)
@@ -228,7 +318,47 @@ def _child():
       out[attention] = jax.jit(lambda s, g=graphdef: nnx.merge(g, s)(ids))(state)
   np.testing.assert_allclose(out["splash"], out["xla"], rtol=1e-5, atol=1e-5)
   _blocked_decode_on_the_mesh(mesh)
+  _ragged_decode_on_the_mesh()
   print("mesh OK")
+
+
+def _ragged_decode_on_the_mesh() -> None:
+  """The ragged decode kernel under shard_map (slots over data 4, KV heads over tensor 2; over
+  tensor 4 the 2 KV heads are replicated and each device computes its slots' every head) equals
+  the masked softmax; and an engine with the GPU's choices on a data 4 x tensor 2 mesh decodes
+  the "xla" engine's tokens."""
+  from coevolve_jax.models import sharding as shd  # noqa: PLC0415
+
+  args, reference = _decode_inputs(4, 2, 256, [1, 90, 256, 17])
+  want = _masked_softmax(*reference)
+  for axes in ({"data": 4, "tensor": 2}, {"data": 2, "tensor": 4}):
+    mesh = shd.make_mesh(axes)
+    with jax.set_mesh(mesh):
+      got = jax.jit(ragged_decode_attention)(*args)
+      hlo = jax.jit(ragged_decode_attention).lower(*args).as_text()
+    assert "shard_map" in hlo or "sdy.manual_computation" in hlo, axes
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  mesh = shd.make_mesh({"data": 4, "tensor": 2})
+  prompts = [
+    [int(x) for x in np.random.default_rng(i).integers(0, 64, n)]
+    for i, n in enumerate((5, 120, 17, 64))
+  ]
+  out, calls = {}, []
+  real, ragged = kernels.default_backend, qwen.ragged_decode_attention
+  qwen.ragged_decode_attention = lambda *a: calls.append(a[1].shape) or ragged(*a)
+  for attention in ("xla", "cudnn"):
+    kernels.default_backend = (lambda: "gpu") if attention == "cudnn" else real
+    engine = Engine(_tiny(attention, stacked=False), 4, 256, mesh=mesh)
+    cache = engine.state.cache
+    assert (cache.k[0].shape == cache.v[0].shape) == (attention == "cudnn")
+    out[attention] = generate(
+      engine, prompts, SamplingParams(temperature=0.0), rng=jax.random.key(0), max_new_tokens=3
+    )
+  kernels.default_backend, qwen.ragged_decode_attention = real, ragged
+  assert calls and all(shape[-2] == 256 for shape in calls), calls  # the whole unrolled cache
+  for want_c, got_c in zip(out["xla"], out["cudnn"], strict=True):
+    assert got_c.token_ids == want_c.token_ids
+    np.testing.assert_allclose(got_c.logprobs, want_c.logprobs, rtol=1e-5, atol=1e-5)
 
 
 def _blocked_decode_on_the_mesh(mesh) -> None:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from coevolve_jax.models.kernels import key_layout
 from coevolve_jax.models.qwen import KVCache, Qwen
 from coevolve_jax.rollout import engine as engine_lib
 from coevolve_jax.rollout.sampling import SamplingParams
@@ -133,6 +134,7 @@ class JetStreamEngine(_Base):
   ):
     self._graphdef, self._params = nnx.split(model)
     self._config = model.config
+    self._keys = key_layout(model.attention)  # the KV cache's key layout (`qwen.KVCache`)
     self._num_slots, self._cache_len = num_slots, cache_len
     self.sampling = sampling
     self._rng = jax.random.key(seed)
@@ -150,7 +152,7 @@ class JetStreamEngine(_Base):
 
   def init_decode_state(self, *args, **kwargs) -> DecodeState:
     del args, kwargs
-    cache = KVCache.zeros(self._config, self._num_slots, self._cache_len)
+    cache = KVCache.zeros(self._config, self._num_slots, self._cache_len, keys=self._keys)
     zeros = lambda: jnp.zeros((self._num_slots,), jnp.int32)  # noqa: E731  (distinct buffers)
     return DecodeState(
       engine_lib.DecodeState(cache, zeros(), zeros()), jnp.zeros((self._num_slots,), jnp.float32)
@@ -176,7 +178,7 @@ class JetStreamEngine(_Base):
     if not 1 <= true_length <= padded.shape[0]:
       raise ValueError(f"true_length {true_length} outside [1, {padded.shape[0]}]")
     if existing_prefix is None:
-      cache = KVCache.zeros(self._config, 1, self._cache_len)
+      cache = KVCache.zeros(self._config, 1, self._cache_len, keys=self._keys)
       state = engine_lib.DecodeState(cache, jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32))
       start = 0
     else:

@@ -1,6 +1,7 @@
-"""Fused attention kernels from JAX for the cache-free passes (training forward and backward,
-scoring): TPU splash attention and cuDNN's fused attention, each run per device inside
-`jax.shard_map` over the mesh's batch and head axes.
+"""Attention kernels from JAX: for the cache-free passes (training forward and backward,
+scoring) TPU splash attention and cuDNN's fused attention, and for the engine's decode steps on
+GPU JAX's Pallas ragged decode kernel, each run per device inside `jax.shard_map` over the mesh's
+batch and head axes.
 
 `model.attention` (`ATTENTION_KERNELS`) chooses, `resolve_attention` turns "auto" into a kernel
 for the backend, and `qwen._attend_by_pass` (the one function every attention of the model goes
@@ -16,12 +17,21 @@ with its index (positions are the running count of real tokens, or `arange`), so
 padding token sees padding keys only, or cuDNN's sequence lengths after the real tokens are moved
 to the front (`_cudnn_local`); a padding token's output is not read.
 
-Dimension letters as in qwen.py: B batch, T tokens, N query heads, K key/value heads, H head size.
+A decode step (one query per slot) with "cudnn" (the "auto" choice on GPU) runs
+`ragged_decode_attention`: JAX's Pallas GPU decode kernel (`decode_attention.gqa`), which reads
+each slot's keys only up to that slot's length, where the XLA paths read every slot to the
+longest one's bucket. It reads keys position-major, so with it the KV cache keeps keys
+[B, K, S, H] (`key_layout` "sh", the values' layout) instead of the [B, K, H, S] ("hs") that the
+XLA:CPU decode wants (`qwen.KVCache`).
+
+Dimension letters as in qwen.py: B batch, T tokens, N query heads, K key/value heads, H head size,
+S cache entries.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Literal
 
 import jax
@@ -31,6 +41,10 @@ from jax.sharding import PartitionSpec as P
 from coevolve_jax.models.sharding import active_mesh, param_spec
 
 ATTENTION_KERNELS = ("auto", "xla", "blocked", "splash", "cudnn")
+# How a KV cache lays out its keys: "hs" [B, K, H, S] (positions minor: the XLA:CPU decode's
+# scores product in the standard layout) or "sh" [B, K, S, H] (as the values; what a Pallas decode
+# kernel reads). `key_layout` picks one from `model.attention`.
+KEY_LAYOUTS = ("hs", "sh")
 # Splash's query and key blocks (its BlockSizes for the forward and both backward kernels):
 # MaxText's default for v5p, and a multiple of the TPU's 128 lanes. Shorter passes use one block
 # of their own (padded) length.
@@ -38,6 +52,13 @@ SPLASH_BLOCK = 512
 SPLASH_MIN_BLOCK = 128
 # cuDNN's fused attention takes half-precision inputs and head sizes up to 128 (multiples of 8).
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def default_backend() -> str:
+  """JAX's default backend, as every kernel choice here reads it (one place, so that a test on
+  CPU can run a GPU's choices through their CPU implementations: Pallas interpret mode, the "xla"
+  implementation of cuDNN's call)."""
+  return jax.default_backend()
 
 
 def resolve_attention(kernel: str, backend: str | None = None) -> str:
@@ -53,7 +74,7 @@ def resolve_attention(kernel: str, backend: str | None = None) -> str:
   """
   if kernel not in ATTENTION_KERNELS:
     raise ValueError(f"unknown attention kernel {kernel!r}; known: {', '.join(ATTENTION_KERNELS)}")
-  backend = backend or jax.default_backend()
+  backend = backend or default_backend()
   if kernel == "auto":
     return {"tpu": "splash", "gpu": "cudnn"}.get(backend, "blocked")
   if kernel == "cudnn" and backend != "gpu":
@@ -62,6 +83,28 @@ def resolve_attention(kernel: str, backend: str | None = None) -> str:
       "'auto', 'blocked' or 'xla'"
     )
   return kernel
+
+
+def decode_kernel(kernel: str, backend: str | None = None) -> str:
+  """The attention of a decode step (`qwen._attend_by_pass`) for `model.attention` = `kernel`:
+  "ragged" (`ragged_decode_attention`) where the kernel resolves to "cudnn" (a GPU); elsewhere the
+  resolved kernel, whose cached passes take the XLA paths ("splash" decodes as "blocked").
+
+  Raises:
+    ValueError: as `resolve_attention`.
+  """
+  resolved = resolve_attention(kernel, backend)
+  return "ragged" if resolved == "cudnn" else resolved
+
+
+def key_layout(kernel: str, backend: str | None = None) -> str:
+  """The KV cache's key layout (`KEY_LAYOUTS`) for `model.attention` = `kernel`: "sh" where
+  decode steps run the ragged kernel, "hs" elsewhere (every CPU run).
+
+  Raises:
+    ValueError: as `resolve_attention`.
+  """
+  return "sh" if decode_kernel(kernel, backend) == "ragged" else "hs"
 
 
 def cudnn_supports(dtype, head_dim: int) -> bool:
@@ -224,6 +267,93 @@ def fused_attention(
       )(*args)
   out = out.astype(values_bksh.dtype)
   return out.transpose(0, 2, 1, 3) if kernel == "splash" else out
+
+
+# Keys per inner step of the ragged decode kernel (its block_k; Triton wants a power of two) and
+# the most splits of a slot's keys that it reduces in parallel (its k_splits, JAX's default).
+RAGGED_DECODE_BLOCK = 128
+RAGGED_DECODE_SPLITS = 16
+
+
+def ragged_decode_splits(s: int) -> tuple[int, int] | None:
+  """(k_splits, block_k) of the ragged decode kernel over S cache entries per slot, or None where
+  it cannot take S. The kernel needs S = k_splits x part with part >= 16 and a block (a power of
+  two of 16 to RAGGED_DECODE_BLOCK) dividing part: the most splits up to RAGGED_DECODE_SPLITS
+  that allow it, with the largest such block."""
+  splits = RAGGED_DECODE_SPLITS
+  while splits >= 1:
+    part = s // splits
+    if s % splits == 0 and part >= 16 and math.gcd(part, RAGGED_DECODE_BLOCK) >= 16:
+      return splits, math.gcd(part, RAGGED_DECODE_BLOCK)
+    splits //= 2
+  return None
+
+
+def ragged_decode_attention(
+  q_bnh: jax.Array, keys_bksh: jax.Array, values_bksh: jax.Array, lengths_b: jax.Array
+) -> jax.Array:
+  """A decode step's attention by JAX's Pallas GPU decode kernel
+  (`jax.experimental.pallas.ops.gpu.decode_attention.gqa`; Pallas interpret mode off a GPU:
+  exact, and slow): slot b attends to its cache entries [0, lengths_b[b]) and the kernel reads
+  no entry past them (its loop over key blocks stops at the slot's length), where the XLA paths
+  read every slot up to the longest one's bucket. Flash-decoding: each slot's keys are split in
+  up to RAGGED_DECODE_SPLITS parts reduced in parallel, then combined.
+
+  Args:
+    q_bnh: [B, N, H] queries (not scaled: the kernel scales the scores by 1 / sqrt(H) after the
+      product, as `qwen._attend` does); cast to the cache's dtype.
+    keys_bksh, values_bksh: [B, K, S, H] keys and values (a KV cache of key layout "sh"); K
+      divides N (GQA: query head n reads KV head n // (N / K)).
+    lengths_b: [B] int32 entries each slot attends to, in [1, S].
+  Returns:
+    [B, N, H] outputs in the values' dtype. With a mesh active (`jax.set_mesh`), the kernel runs
+    per device under `jax.shard_map`: slots split as the "batch" logical axis, KV heads as
+    "act_kv_heads" and the query heads with them (where the head axes do not divide K, the cache
+    is replicated over them and each device computes every head of its slots: no cache copy);
+    no collective.
+  Raises:
+    ValueError: S the kernel cannot split (`ragged_decode_splits`).
+  """
+  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas.ops.gpu import decode_attention
+
+  s = keys_bksh.shape[2]
+  split = ragged_decode_splits(s)
+  if split is None:
+    raise ValueError(
+      f"the ragged decode kernel cannot split {s} cache entries per slot: use a cache length "
+      "with a factor of 16 or more that is a multiple of 16"
+    )
+  splits, block = split
+  interpret = jax.default_backend() != "gpu"
+
+  def local(q, k, v, lengths):
+    # The kernel takes [B, S, K, H] and swaps to [B, K, S, H] itself: the two swaps cancel.
+    return decode_attention.gqa(
+      q.astype(k.dtype),
+      k.swapaxes(1, 2),
+      v.swapaxes(1, 2),
+      kv_seq_len=lengths,
+      k_splits=splits,
+      block_k=block,
+      interpret=interpret,
+    )
+
+  mesh = active_mesh()
+  if mesh is None:
+    out = local(q_bnh, keys_bksh, values_bksh, lengths_b)
+  else:
+    kv_spec = param_spec(mesh.shape, ("batch", "act_kv_heads", None, None), keys_bksh.shape)
+    q_spec = P(kv_spec[0], kv_spec[1], None)
+    with jax.named_scope("ragged_decode_attention"):
+      out = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, P(kv_spec[0])),
+        out_specs=q_spec,
+        check_vma=False,  # Pallas's output shapes carry no varying-axes type; no collective
+      )(q_bnh, keys_bksh, values_bksh, lengths_b)
+  return out.astype(values_bksh.dtype)
 
 
 def _axes(head_axis: int, heads: str) -> tuple[str | None, ...]:

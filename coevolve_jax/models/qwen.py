@@ -35,8 +35,13 @@ from jax.sharding import PartitionSpec as P
 
 from coevolve_jax.models.kernels import (
   ATTENTION_KERNELS,
+  KEY_LAYOUTS,
   cudnn_supports,
+  decode_kernel,
   fused_attention,
+  key_layout,
+  ragged_decode_attention,
+  ragged_decode_splits,
   resolve_attention,
 )
 from coevolve_jax.models.sharding import active_mesh, constrain, param_spec, spec_axes
@@ -365,6 +370,11 @@ class KVCache(NamedTuple):
   then runs in the standard layout (see `_attend`; docs/benchmarks/rollout.md). Values stay
   [S, H], the layout probs [G, S] x v [S, H] wants.
 
+  That key layout is "hs" (`kernels.KEY_LAYOUTS`). Where the decode steps run JAX's Pallas GPU
+  decode kernel (`model.attention` "cudnn", or "auto" on a GPU: `kernels.key_layout`), keys are
+  stored [B, K, S, H] like the values ("sh"), the layout the kernel reads; `zeros` and `axes`
+  take the layout, and the model and the engine read it from `model.attention`.
+
   Two layouts, as the model's layers have (`Qwen`):
   - unrolled (default): one array per layer, so a decode step of the unrolled model writes and
     reads each layer's cache in place;
@@ -378,14 +388,27 @@ class KVCache(NamedTuple):
 
   @classmethod
   def zeros(
-    cls, cfg: QwenConfig, batch: int, length: int, dtype=jnp.float32, stacked: bool = False
+    cls,
+    cfg: QwenConfig,
+    batch: int,
+    length: int,
+    dtype=jnp.float32,
+    stacked: bool = False,
+    keys: str = "hs",
   ) -> "KVCache":
+    """A zero cache of `batch` slots x `length` entries, keys in layout `keys` ("hs" or "sh").
+
+    Raises:
+      ValueError: an unknown key layout.
+    """
+    _check_layout(keys)
     b, k, h = batch, cfg.num_key_value_heads, cfg.head_dim
     counts = [n for _, n in cfg.layer_blocks] if stacked else [None] * cfg.num_hidden_layers
     lead = lambda n: () if n is None else (n,)  # noqa: E731
+    key_tail = (h, length) if keys == "hs" else (length, h)
     # Distinct buffers per layer: engines donate the cache, and a buffer donated twice is an error.
     return cls(
-      k=tuple(jnp.zeros((*lead(n), b, k, h, length), dtype) for n in counts),
+      k=tuple(jnp.zeros((*lead(n), b, k, *key_tail), dtype) for n in counts),
       v=tuple(jnp.zeros((*lead(n), b, k, length, h), dtype) for n in counts),
     )
 
@@ -400,10 +423,30 @@ class KVCache(NamedTuple):
     return self.k[0].ndim == 5
 
   @classmethod
-  def axes(cls, stacked: bool) -> tuple[tuple, tuple]:
-    """Logical axes of (each key array, each value array) in the given layout."""
+  def axes(cls, stacked: bool, keys: str = "hs") -> tuple[tuple, tuple]:
+    """Logical axes of (each key array, each value array) in the given layout and key layout."""
+    _check_layout(keys)
     lead = ("layers",) if stacked else ()
-    return (*lead, *KV_KEY_AXES), (*lead, *KV_VALUE_AXES)
+    return (*lead, *(KV_KEY_AXES if keys == "hs" else KV_VALUE_AXES)), (*lead, *KV_VALUE_AXES)
+
+
+def _check_layout(keys: str) -> None:
+  if keys not in KEY_LAYOUTS:
+    raise ValueError(f"unknown key layout {keys!r}; known: {', '.join(KEY_LAYOUTS)}")
+
+
+def _check_cache(k_cache, v_cache, keys: str) -> None:
+  """Raises ValueError where a layer's key cache is not laid out as `keys` says (the values
+  fix the other dimensions): a cache made for another `model.attention`."""
+  want = (
+    v_cache.shape if keys == "sh" else (*v_cache.shape[:-2], v_cache.shape[-1], v_cache.shape[-2])
+  )
+  if tuple(k_cache.shape) != tuple(want):
+    raise ValueError(
+      f"the KV cache's keys have shape {tuple(k_cache.shape)}, not {tuple(want)} (key layout "
+      f"{keys!r}, which this model's attention needs: make the cache with "
+      f"KVCache.zeros(..., keys=kernels.key_layout(model.attention)))"
+    )
 
 
 REMAT_POLICIES = ("none", "full", "save_dots")
@@ -638,12 +681,18 @@ DECODE_MAX_QUERIES = 1
 
 class CacheView(NamedTuple):
   """A layer's KV cache as a cached pass reads it (`_attend_by_pass`): `read(start, size)` ->
-  ([B, K, H, size] keys, [B, K, size, H] values), entries [start, start + size)
-  (`_read_kv_cache`, `_read_stacked_kv_cache`); `in_place`: the pass's key bucket is the whole
-  of an unrolled cache, which a plain pass reads where it lies (no copy)."""
+  (keys, values) of entries [start, start + size) in the cache's layout: [B, K, H, size] keys
+  (`keys` "hs") or [B, K, size, H] ("sh"), [B, K, size, H] values (`_read_kv_cache`,
+  `_read_stacked_kv_cache`); `in_place`: the pass's key bucket is the whole of an unrolled
+  cache, which a plain pass reads where it lies (no copy); `whole`: the entries `read(0, whole)`
+  returns where they lie (an unrolled cache's length; 0 for a stacked cache, whose layer entry is
+  read by a copy). A cached pass's keys are the cache's entries at index == position, every one
+  valid (`Qwen.decode_routed`)."""
 
   read: Callable[..., tuple[jax.Array, jax.Array]]
   in_place: bool
+  keys: str = "hs"
+  whole: int = 0
 
 
 def decode_key_block(kernel: str, t: int, s: int, in_place: bool) -> int | None:
@@ -716,35 +765,45 @@ def _attend_cached_blocks(q_btnh, read, q_pos_bt, k_pos_bs, k_valid_bs, block: i
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
-def _write_kv_cache(keys_bkht, values_bkth, k_cache_bkhs, v_cache_bksh, write_b):
+def _write_kv_cache(keys_bkht, values_bkth, k_cache_bkhs, v_cache_bksh, write_b, keys="hs"):
   """Writes T new keys and values into a per-layer KV cache at each row's write index.
 
   Args:
-    keys_bkht: [B, K, H, T] new keys; values_bkth: [B, K, T, H] new values.
-    k_cache_bkhs, v_cache_bksh: [B, K, H, S_max] key and [B, K, S_max, H] value caches.
+    keys_bkht: [B, K, H, T] new keys ([B, K, T, H] with `keys` "sh"); values_bkth: [B, K, T, H]
+      new values.
+    k_cache_bkhs, v_cache_bksh: [B, K, H, S_max] ([B, K, S_max, H] with "sh") key and
+      [B, K, S_max, H] value caches.
     write_b: [B] int cache index of the first new entry per row.
+    keys: the key layout ("hs" or "sh", `KVCache`).
   Returns:
     (new k cache, new v cache).
   """
-  write_k = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (0, 0, i)))
+  key_at = (lambda i: (0, 0, i)) if keys == "hs" else (lambda i: (0, i, 0))
+  write_k = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, key_at(i)))
   write_v = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (0, i, 0)))
   k_cache_bkhs = write_k(k_cache_bkhs, keys_bkht.astype(k_cache_bkhs.dtype), write_b)
   v_cache_bksh = write_v(v_cache_bksh, values_bkth.astype(v_cache_bksh.dtype), write_b)
   return k_cache_bkhs, v_cache_bksh
 
 
-def _read_kv_cache(k_cache_bkhs, v_cache_bksh, start, size: int):
-  """Cache entries [start, start + size) of a per-layer KV cache: ([B, K, H, size] keys,
-  [B, K, size, H] values). `start` is 0 (a static slice) or traced (`_attend_cached_blocks`)."""
+def _read_kv_cache(k_cache_bkhs, v_cache_bksh, start, size: int, keys: str = "hs"):
+  """Cache entries [start, start + size) of a per-layer KV cache: ([B, K, H, size] keys, or
+  [B, K, size, H] with `keys` "sh"; [B, K, size, H] values). `start` is 0 (a static slice) or
+  traced (`_attend_cached_blocks`)."""
+  key_axis = 3 if keys == "hs" else 2
   if isinstance(start, int) and start == 0:
-    return k_cache_bkhs[..., :size], v_cache_bksh[:, :, :size]
-  keys = jax.lax.dynamic_slice_in_dim(k_cache_bkhs, start, size, axis=3)
-  return keys, jax.lax.dynamic_slice_in_dim(v_cache_bksh, start, size, axis=2)
+    cut = k_cache_bkhs[..., :size] if keys == "hs" else k_cache_bkhs[:, :, :size]
+    return cut, v_cache_bksh[:, :, :size]
+  cut = jax.lax.dynamic_slice_in_dim(k_cache_bkhs, start, size, axis=key_axis)
+  return cut, jax.lax.dynamic_slice_in_dim(v_cache_bksh, start, size, axis=2)
 
 
-def _write_stacked_kv_cache(k_btkh, v_btkh, k_cache_lbkhs, v_cache_lbksh, write_b, layer):
+def _write_stacked_kv_cache(
+  k_btkh, v_btkh, k_cache_lbkhs, v_cache_lbksh, write_b, layer, keys: str = "hs"
+):
   """Writes T new keys and values into one layer's entry of a block's stacked KV cache (a decode
-  scan's carry), in place at [layer, b, ..., write_b[b]].
+  scan's carry), in place at [layer, b, ..., write_b[b]] (keys [L_g, B, K, S_max, H] with
+  `keys` "sh").
 
   One scatter into the stack, indexed in place: a vmap over the slot axis (axis 1 here) would
   move it first and copy the whole stack twice per layer.
@@ -762,7 +821,10 @@ def _write_stacked_kv_cache(k_btkh, v_btkh, k_cache_lbkhs, v_cache_lbksh, write_
   rows = jnp.arange(k_btkh.shape[0])[:, None]  # [B, 1]
   cols = write_b[:, None] + jnp.arange(t, dtype=write_b.dtype)[None]  # [B, T]
   hints = dict(indices_are_sorted=True, unique_indices=True)
-  k_cache_lbkhs = k_cache_lbkhs.at[li, rows, :, :, cols].set(
+  key_at = (li, rows, slice(None), slice(None), cols)
+  if keys == "sh":
+    key_at = (li, rows, slice(None), cols, slice(None))
+  k_cache_lbkhs = k_cache_lbkhs.at[key_at].set(
     k_btkh.astype(k_cache_lbkhs.dtype), **hints
   )  # updates [B, T, K, H]: the advanced indices' dims first
   v_cache_lbksh = v_cache_lbksh.at[li, rows, :, cols, :].set(
@@ -771,13 +833,16 @@ def _write_stacked_kv_cache(k_btkh, v_btkh, k_cache_lbkhs, v_cache_lbksh, write_
   return k_cache_lbkhs, v_cache_lbksh
 
 
-def _read_stacked_kv_cache(k_cache_lbkhs, v_cache_lbksh, layer, start, size: int):
+def _read_stacked_kv_cache(k_cache_lbkhs, v_cache_lbksh, layer, start, size: int, keys="hs"):
   """Entries [start, start + size) of layer `layer`'s part of a block's stacked KV cache, each one
-  dynamic slice: ([B, K, H, size] keys, [B, K, size, H] values)."""
-  _, b, kh, hd, _ = k_cache_lbkhs.shape
-  keys = jax.lax.dynamic_slice(k_cache_lbkhs, (layer, 0, 0, 0, start), (1, b, kh, hd, size))[0]
-  values = jax.lax.dynamic_slice(v_cache_lbksh, (layer, 0, 0, start, 0), (1, b, kh, size, hd))[0]
-  return keys, values
+  dynamic slice: ([B, K, H, size] keys, or [B, K, size, H] with `keys` "sh"; [B, K, size, H]
+  values)."""
+  _, b, kh, _, hd = v_cache_lbksh.shape
+  at, shape = (layer, 0, 0, start, 0), (1, b, kh, size, hd)
+  values = jax.lax.dynamic_slice(v_cache_lbksh, at, shape)[0]
+  if keys == "hs":
+    at, shape = (layer, 0, 0, 0, start), (1, b, kh, hd, size)
+  return jax.lax.dynamic_slice(k_cache_lbkhs, at, shape)[0], values
 
 
 def _attend_causal_blocks(
@@ -852,6 +917,10 @@ def _attend_by_pass(
     inputs (training, scoring) runs the fused kernel (`kernels.fused_attention`); cuDNN only for
     half-precision inputs it takes (`kernels.cudnn_supports`). Every other pass takes the
     "blocked" paths below.
+  - "cudnn" on a decode step (one query per row) from a `cache` view with keys "sh" (the
+    cache's key layout for this kernel, `kernels.key_layout`): JAX's Pallas GPU decode kernel
+    (`kernels.ragged_decode_attention`), reading each row's entries up to its own position;
+    a prefill chunk takes the plain pass below.
   - "blocked" ("auto" on CPU): with a KV cache (`cached`: prefill or decode) one plain pass,
     except a decode step from a `cache` view where `decode_key_block` says so, which reads the
     cache in blocks up to the longest row's (`_attend_cached_blocks`); without a cache, long
@@ -870,10 +939,25 @@ def _attend_by_pass(
     ValueError: an unknown kernel, or "cudnn" off GPU.
   """
   if cache is not None:
-    block = decode_key_block(kernel, q_btnh.shape[1], k_pos_bs.shape[1], cache.in_place)
+    s = k_pos_bs.shape[1]
+    if q_btnh.shape[1] == 1 and cache.keys == "sh" and decode_kernel(kernel) == "ragged":
+      # The whole unrolled cache as it lies (a stacked one's bucket, a copy either way): the
+      # kernel stops at each slot's length, and a slice would be copied for the kernel call.
+      size = cache.whole or s
+      if ragged_decode_splits(size):
+        keys, values = cache.read(0, size)
+        # Keys at index == position, all valid: the query sees entries [0, position], in the
+        # bucket (an idle slot's position may lie past it: it then sees the bucket, as below).
+        lengths = jnp.clip(q_pos_bt[:, 0] + 1, 1, s)
+        return ragged_decode_attention(q_btnh[:, 0], keys, values, lengths)[:, None]
+    block = None
+    if cache.keys == "hs":
+      block = decode_key_block(kernel, q_btnh.shape[1], s, cache.in_place)
     if block:
       return _attend_cached_blocks(q_btnh, cache.read, q_pos_bt, k_pos_bs, k_valid_bs, block)
-    keys_bkhs, values_bksh = cache.read(0, k_pos_bs.shape[1])
+    keys_bkhs, values_bksh = cache.read(0, s)
+    if cache.keys == "sh":  # position-major keys, for the XLA paths: [B, K, H, S]
+      keys_bkhs = keys_bkhs.swapaxes(-1, -2)
   kernel = resolve_attention(kernel)
   fused = kernel in ("splash", "cudnn") and not cached and not gathered
   if kernel == "cudnn":
@@ -962,19 +1046,26 @@ class Attention(nnx.Module):
       # Keys [B, K, H, S] and values [B, K, S, H], the cache's layout, in both modes (`_attend`).
       keys, values = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
       view = None  # with a cache, what the attention reads its keys and values from
+      layout = key_layout(self.kernel) if k_cache_bkhs is not None else "hs"
+      if k_cache_bkhs is not None:
+        _check_cache(k_cache_bkhs, v_cache_bksh, layout)
       if k_cache_bkhs is not None and layer_index is not None:
         k_cache_bkhs, v_cache_bksh = _write_stacked_kv_cache(
-          k, v, k_cache_bkhs, v_cache_bksh, write_b, layer_index
+          k, v, k_cache_bkhs, v_cache_bksh, write_b, layer_index, layout
         )
-        read = functools.partial(_read_stacked_kv_cache, k_cache_bkhs, v_cache_bksh, layer_index)
-        view, keys, values = CacheView(read, in_place=False), None, None
+        read = functools.partial(
+          _read_stacked_kv_cache, k_cache_bkhs, v_cache_bksh, layer_index, keys=layout
+        )
+        view, keys, values = CacheView(read, in_place=False, keys=layout), None, None
       elif k_cache_bkhs is not None:
+        new_keys = keys if layout == "hs" else k.transpose(0, 2, 1, 3)  # [B, K, T, H]
         k_cache_bkhs, v_cache_bksh = _write_kv_cache(
-          keys, values, k_cache_bkhs, v_cache_bksh, write_b
+          new_keys, values, k_cache_bkhs, v_cache_bksh, write_b, layout
         )
-        read = functools.partial(_read_kv_cache, k_cache_bkhs, v_cache_bksh)
-        whole = key_pos_bs.shape[1] == k_cache_bkhs.shape[-1]
-        view, keys, values = CacheView(read, in_place=whole), None, None
+        read = functools.partial(_read_kv_cache, k_cache_bkhs, v_cache_bksh, keys=layout)
+        length = v_cache_bksh.shape[-2]
+        view = CacheView(read, key_pos_bs.shape[1] == length, keys=layout, whole=length)
+        keys, values = None, None
       out = _attend_by_pass(
         q,
         keys,

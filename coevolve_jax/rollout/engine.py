@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from coevolve_jax import compiling
 from coevolve_jax.models import sharding
+from coevolve_jax.models.kernels import key_layout
 from coevolve_jax.models.qwen import KVCache, Qwen, routing_dtype, unrolled_template, unstack
 from coevolve_jax.rollout.sampling import SamplingParams, per_row_keys, sample
 
@@ -76,33 +77,35 @@ def _slot_axis(cache: KVCache) -> int:
   return 1 if cache.stacked else 0
 
 
-def _window_index(cache: KVCache, local_r, kv_len: int) -> tuple[tuple, tuple]:
-  """Indices of the entries [0, kv_len) of the slots `local_r` [R] in (key, value) arrays."""
+def _window_index(cache: KVCache, local_r, kv_len: int, keys: str) -> tuple[tuple, tuple]:
+  """Indices of the entries [0, kv_len) of the slots `local_r` [R] in (key, value) arrays, keys
+  in layout `keys` ("hs" or "sh", `KVCache`)."""
   lead = (slice(None),) * _slot_axis(cache)
-  return (
-    (*lead, local_r, Ellipsis, slice(0, kv_len)),  # keys [.., K, H, S]
-    (*lead, local_r, Ellipsis, slice(0, kv_len), slice(None)),  # values [.., K, S, H]
-  )
+  values = (*lead, local_r, Ellipsis, slice(0, kv_len), slice(None))  # [.., K, S, H]
+  if keys == "sh":
+    return values, values
+  return (*lead, local_r, Ellipsis, slice(0, kv_len)), values  # keys [.., K, H, S]
 
 
-def _read_windows(cache: KVCache, local_r, *, kv_len: int) -> KVCache:
+def _read_windows(cache: KVCache, local_r, *, kv_len: int, keys: str) -> KVCache:
   """The cache entries [0, kv_len) of the slots `local_r` [R] int32: a KVCache of R rows (keys
-  [.., R, K, H, kv_len], values [.., R, K, kv_len, H]). An index past the slots (a padding row)
-  reads the last slot; `_write_windows` drops that row."""
-  keys, values = _window_index(cache, local_r, kv_len)
+  [.., R, K, H, kv_len] or, with `keys` "sh", [.., R, K, kv_len, H]; values
+  [.., R, K, kv_len, H]). An index past the slots (a padding row) reads the last slot;
+  `_write_windows` drops that row."""
+  at_k, at_v = _window_index(cache, local_r, kv_len, keys)
   return KVCache(
-    tuple(c.at[keys].get(mode="clip") for c in cache.k),
-    tuple(c.at[values].get(mode="clip") for c in cache.v),
+    tuple(c.at[at_k].get(mode="clip") for c in cache.k),
+    tuple(c.at[at_v].get(mode="clip") for c in cache.v),
   )
 
 
-def _write_windows(cache: KVCache, windows: KVCache, local_r) -> KVCache:
+def _write_windows(cache: KVCache, windows: KVCache, local_r, *, keys: str) -> KVCache:
   """`cache` with row r of `windows` (`_read_windows`' layout) written back to slot
   `local_r[r]`; rows whose index is past the slots write nothing."""
-  keys, values = _window_index(cache, local_r, windows.length)
+  at_k, at_v = _window_index(cache, local_r, windows.length, keys)
   return KVCache(
-    tuple(c.at[keys].set(w, mode="drop") for c, w in zip(cache.k, windows.k)),
-    tuple(c.at[values].set(w, mode="drop") for c, w in zip(cache.v, windows.v)),
+    tuple(c.at[at_k].set(w, mode="drop") for c, w in zip(cache.k, windows.k)),
+    tuple(c.at[at_v].set(w, mode="drop") for c, w in zip(cache.v, windows.v)),
   )
 
 
@@ -180,8 +183,9 @@ def _prefill_rows(
   starts = jnp.where(valid, state.next_pos.at[slots_r].get(mode="clip"), 0)
   per_device = b // slot_shards(shardings, stacked)
   local_r = jnp.where(valid, slots_r % per_device, per_device)  # past the slots: written nowhere
-  read = functools.partial(_read_windows, kv_len=kv_len)
-  write = _write_windows
+  layout = key_layout(model.attention)
+  read = functools.partial(_read_windows, kv_len=kv_len, keys=layout)
+  write = functools.partial(_write_windows, keys=layout)
   if shardings is not None:
     read = _shard_local(read, shardings, stacked, 1)
     write = _shard_local(write, shardings, stacked, 2)
@@ -534,6 +538,8 @@ class Engine:
     else:
       self.graphdef, self.params = nnx.split(self._layout(model))
     self.config = model.config
+    # The cache's key layout: "sh" where decode steps run the Pallas ragged kernel (a GPU).
+    self.key_layout = key_layout(model.attention)
     self.num_slots = num_slots
     self.cache_len = cache_len
     self.max_prefill_tokens = max_prefill_tokens
@@ -593,7 +599,7 @@ class Engine:
     if self.mesh is None:
       return None
     cache = jax.eval_shape(self._zeros)
-    key_axes, value_axes = KVCache.axes(self.scan_layers)
+    key_axes, value_axes = KVCache.axes(self.scan_layers, self.key_layout)
 
     def shard(axes):
       # Without trailing Nones: the spec the programs' outputs carry, so the fresh state and
@@ -614,7 +620,12 @@ class Engine:
 
   def _zeros(self) -> KVCache:
     return KVCache.zeros(
-      self.config, self.num_slots, self.cache_len, self.dtype, stacked=self.scan_layers
+      self.config,
+      self.num_slots,
+      self.cache_len,
+      self.dtype,
+      stacked=self.scan_layers,
+      keys=self.key_layout,
     )
 
   def init_decode_state(self) -> DecodeState:
