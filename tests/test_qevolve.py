@@ -412,7 +412,7 @@ def test_the_model_critic_learns_the_deciding_step_with_a_network_of_its_own(tmp
   critic = qevolve.make_critic(cfg, trainer, seed=0)
   assert isinstance(critic, qevolve.ModelCritic)
   net = critic.state["trunk"]
-  assert net["embed_tokens"].value.shape == (trainer.model_config.vocab_size, 64)
+  assert net["embed_tokens"].get_value().shape == (trainer.model_config.vocab_size, 64)
   trunk_before = jax.tree.map(np.asarray, net)
   rng = np.random.default_rng(0)
   for _ in range(4):
