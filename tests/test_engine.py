@@ -904,3 +904,16 @@ def test_compile_ahead_leaves_nothing_to_compile(model):
       assert rounds == 0 or left["compile/count"] == 0, left
   finally:
     counter.close()
+
+
+def test_decoding_under_jax_enable_x64_gives_the_same_tokens(model):
+  """With 64-bit types on (`jax.enable_x64`, a user's setting), the engine's cache writes take
+  start indices of one dtype (a Python 0 became int64 beside int32 positions, a TypeError), and
+  sampled decoding gives the 32-bit run's tokens and log-probs."""
+  prompts, sampling = [_prompt(90, 3), _prompt(91, 9)], SamplingParams(temperature=0.8)
+  want = generate(Engine(model, SLOTS, CACHE), prompts, sampling, rng=KEY, max_new_tokens=5)
+  with jax.enable_x64(True):
+    got = generate(Engine(model, SLOTS, CACHE), prompts, sampling, rng=KEY, max_new_tokens=5)
+  for w, g in zip(want, got, strict=True):
+    assert g.token_ids == w.token_ids
+    assert np.array_equal(np.float32(g.logprobs), np.float32(w.logprobs))

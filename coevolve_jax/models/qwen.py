@@ -778,9 +778,11 @@ def _write_kv_cache(keys_bkht, values_bkth, k_cache_bkhs, v_cache_bksh, write_b,
   Returns:
     (new k cache, new v cache).
   """
-  key_at = (lambda i: (0, 0, i)) if keys == "hs" else (lambda i: (0, i, 0))
+  # Start indices all of write_b's dtype (a Python 0 is int64 under jax_enable_x64).
+  at_s = lambda i: (i * 0, i, i * 0)  # noqa: E731  [K, S, H] arrays: values, keys "sh"
+  key_at = (lambda i: (i * 0, i * 0, i)) if keys == "hs" else at_s
   write_k = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, key_at(i)))
-  write_v = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (0, i, 0)))
+  write_v = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, at_s(i)))
   k_cache_bkhs = write_k(k_cache_bkhs, keys_bkht.astype(k_cache_bkhs.dtype), write_b)
   v_cache_bksh = write_v(v_cache_bksh, values_bkth.astype(v_cache_bksh.dtype), write_b)
   return k_cache_bkhs, v_cache_bksh
@@ -838,10 +840,12 @@ def _read_stacked_kv_cache(k_cache_lbkhs, v_cache_lbksh, layer, start, size: int
   dynamic slice: ([B, K, H, size] keys, or [B, K, size, H] with `keys` "sh"; [B, K, size, H]
   values)."""
   _, b, kh, _, hd = v_cache_lbksh.shape
-  at, shape = (layer, 0, 0, start, 0), (1, b, kh, size, hd)
+  # Start indices of one dtype (Python ints are int64 under jax_enable_x64).
+  layer, start, zero = (jnp.asarray(x, jnp.int32) for x in (layer, start, 0))
+  at, shape = (layer, zero, zero, start, zero), (1, b, kh, size, hd)
   values = jax.lax.dynamic_slice(v_cache_lbksh, at, shape)[0]
   if keys == "hs":
-    at, shape = (layer, 0, 0, 0, start), (1, b, kh, hd, size)
+    at, shape = (layer, zero, zero, zero, start), (1, b, kh, hd, size)
   return jax.lax.dynamic_slice(k_cache_lbkhs, at, shape)[0], values
 
 
