@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared accelerator check (issue 17): one command for a machine with a GPU or TPU and no
-# internet, in stages, each with its own time limit and log, about 13 minutes in all.
+# internet, in stages, each with its own time limit and log, about 15 minutes in all.
 #
 #   bash benchmarks/accelerator_check.sh [OUT_DIR]        (from the repository root)
 #
@@ -14,7 +14,11 @@
 #                then benchmarks/attention_kernels.py: each attention kernel of the backend
 #                (splash on TPU, cuDNN on GPU, the blocked XLA path) against the plain XLA
 #                softmax, one layer's forward and backward at 4k and 16k tokens, and a decode
-#                step's attention at batch 64 against its memory bound (stage "attention")
+#                step's attention at batch 64 against its memory bound (stage "attention");
+#                then benchmarks/decode_step.py: the engine's whole decode step at the
+#                Qwen3-0.6B shape (random, bfloat16), 64 slots of a 4,096-entry cache, stacked
+#                and unrolled caches, "auto" (on a GPU the ragged decode kernel) against "xla"
+#                (stage "engine_decode")
 #   memory.log   benchmarks/mesh_memory.py: per-device memory of the job's largest prefill (64
 #                slots x 2,048 tokens into a 4,096-entry cache) and a GRPO epoch at the Qwen3-0.6B
 #                shape on all local devices, against the memory planner's figures
@@ -29,7 +33,8 @@
 # a connected machine with benchmarks/fetch_accelerator_wheels.sh; they are installed into a
 # temporary folder on PYTHONPATH, nothing is installed system-wide. Stage limits (seconds) can be
 # changed with the variables below; LIMIT_SCALE multiplies them all (e.g. 0.5 for a dry run).
-# STAGES (default all: "env bench decode attention memory main tests kernels") runs a subset, in
+# STAGES (default all: "env bench decode attention engine_decode memory main tests kernels") runs
+# a subset, in
 # the order above, for a machine lent for less than the whole check.
 set -u
 cd "$(dirname "$0")/.."
@@ -39,7 +44,7 @@ PY=${PYTHON:-python3}
 SCALE=${LIMIT_SCALE:-1}
 mkdir -p "$OUT_DIR"
 summary="$OUT_DIR/summary.md"
-STAGES=${STAGES:-env bench decode attention memory main tests kernels}
+STAGES=${STAGES:-env bench decode attention engine_decode memory main tests kernels}
 limit() { awk -v s="$1" -v k="$SCALE" 'BEGIN { v = int(s * k); print (v < 5 ? 5 : v) }'; }
 
 site=$(mktemp -d)/site
@@ -90,6 +95,10 @@ stage decode "${DECODE_S:-90}" "$PY" benchmarks/rollout_bench.py --peers=transfo
 
 STAGE_LOG=decode stage attention "${ATTENTION_S:-90}" "$PY" benchmarks/attention_kernels.py \
   --seqs=4096,16384 --decode_batch=64 --decode_len=4096 --decode_kernels=xla,ragged
+
+STAGE_LOG=decode stage engine_decode "${ENGINE_DECODE_S:-150}" "$PY" benchmarks/decode_step.py \
+  --preset=qwen3_0_6b --dtype=bfloat16 --slots=64 --cache_len=4096 --lengths=4096,ragged \
+  --repeats=5
 
 stage memory "${MEMORY_S:-240}" "$PY" benchmarks/mesh_memory.py --config=configs/bfcl.py \
   --config.model.preset=qwen3_0_6b --cache_len=4096 --prompt_len=2048 --train_rows=8 \

@@ -1,20 +1,24 @@
 """A decode step's time by attention kernel and KV-cache layout, at given slot lengths.
 
     nice .venv/bin/python benchmarks/decode_step.py [--lengths=200,700,1100,2100,ragged]
+    python benchmarks/decode_step.py --preset=qwen3_0_6b --dtype=bfloat16 --slots=64   # a device
 
 The forward of one engine decode step (`Qwen.decode` of one token per slot against the KV cache,
 then the logits; the cache donated, as the engine does) of the model in `--folder` (default:
 SmolLM2-135M-Instruct from the model cache, `make real-model`), `--slots` slots of a
-`--cache_len`-entry cache filled with random keys and values, each slot at the given length
+`--cache_len`-entry cache filled with random keys and values (or, with `--preset`, a random model
+of that preset in `--dtype`: no folder needed), each slot at the given length
 ("ragged": lengths spread evenly from 300 to 2,100), at the engine's key bucket (the smallest
 power of two >= the longest slot, at least 256). Two layouts: "stacked" (a stacked cache and
 model under a scan over layers, the job's `engine.scan_layers`) and "unrolled" (one cache per
 layer). Two kernels: "xla" (`model.attention = "xla"`, one plain masked softmax over the bucket,
 which it slices out of the cache) and "auto" (on CPU the "blocked" path: a decode step from a
 stacked cache or a bucket shorter than the cache reads 512-entry blocks in place, up to the
-longest slot's, `qwen._attend_cached_blocks`). Median of `--repeats` calls after one untimed
-call; the ratio column is xla's time over auto's (above 1: auto is faster), and the largest
-difference of their logits from the same cache. The machine is printed with the table.
+longest slot's, `qwen._attend_cached_blocks`; on a GPU JAX's Pallas ragged decode kernel,
+each slot read to its own length, `kernels.ragged_decode_attention`). Median of `--repeats`
+calls after one untimed call; the ratio column is xla's time over auto's (above 1: auto is
+faster), and the largest difference of their logits from the same cache. The machine is
+printed with the table.
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ def key_bucket(longest: int, cache_len: int) -> int:
 
 
 def step_seconds(folder: str, kernel: str, stacked: bool, lengths, args):
-  """(median seconds, [B, V] float32 logits) of one decode step at these slot lengths."""
+  """(median seconds, [B, V] float32 logits) of one decode step at these slot lengths, of the
+  model in `folder` or, with `args.preset`, a random model of that preset."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
@@ -54,11 +59,19 @@ def step_seconds(folder: str, kernel: str, stacked: bool, lengths, args):
   from coevolve_jax.models.kernels import key_layout  # noqa: PLC0415
   from coevolve_jax.models.qwen import KVCache, unstack  # noqa: PLC0415
 
-  model = from_pretrained(folder, attention=kernel)
+  if args.preset:
+    from coevolve_jax.models.qwen import Qwen, QwenConfig  # noqa: PLC0415
+
+    dtype = jnp.dtype(args.dtype)
+    cfg = QwenConfig.preset(args.preset)
+    model = Qwen(cfg, rngs=nnx.Rngs(0), dtype=dtype, attention=kernel)
+  else:
+    dtype = jnp.float32
+    model = from_pretrained(folder, attention=kernel)
   if not stacked:
     model = unstack(model)
   b, s = len(lengths), args.cache_len
-  empty = KVCache.zeros(model.config, b, s, stacked=stacked, keys=key_layout(kernel))
+  empty = KVCache.zeros(model.config, b, s, dtype, stacked=stacked, keys=key_layout(kernel))
   rng = np.random.default_rng(0)  # the same cache contents for every kernel and layout
   cache = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), a.dtype), empty)
   graphdef, state = nnx.split(model)
@@ -93,13 +106,15 @@ def main(argv=None) -> int:
   p.add_argument("--lengths", default="200,700,1100,2100,ragged", help="per-slot lengths")
   p.add_argument("--layouts", default="stacked,unrolled")
   p.add_argument("--repeats", type=int, default=7)
+  p.add_argument("--preset", default="", help="a random model of this preset instead of --folder")
+  p.add_argument("--dtype", default="float32", help="with --preset: its parameters and compute")
   args = p.parse_args(argv)
-  if not os.path.isdir(args.folder):
+  if not args.preset and not os.path.isdir(args.folder):
     print(f"no model folder at {args.folder}: run `make real-model` or pass --folder")
     return 2
   print(f"Machine: {machine()}")
   print(
-    f"One decode step of {os.path.basename(args.folder)}: {args.slots} slots, a "
+    f"One decode step of {args.preset or os.path.basename(args.folder)}: {args.slots} slots, a "
     f"{args.cache_len}-entry cache; median of {args.repeats}."
   )
   rows = [["layout", "slot lengths", "key bucket", "xla ms", "auto ms", "xla / auto", "max |diff|"]]
