@@ -321,8 +321,8 @@ def ragged_decode_attention(
   split = ragged_decode_splits(s)
   if split is None:
     raise ValueError(
-      f"the ragged decode kernel cannot split {s} cache entries per slot: use a cache length "
-      "with a factor of 16 or more that is a multiple of 16"
+      f"the ragged decode kernel cannot split {s} cache entries per slot: it needs at most 16 "
+      "parts of equal length, each a multiple of 16 (a power of two from 16 on qualifies)"
     )
   splits, block = split
   interpret = jax.default_backend() != "gpu"
