@@ -176,11 +176,12 @@ def _masked_softmax(q, keys, values, q_pos, k_pos, _):
   return qwen._attend(q, keys, values, q_pos, k_pos, valid)[:, 0]
 
 
-@pytest.mark.parametrize("n, k", [(4, 1), (6, 3)])  # MQA, GQA of 2
-def test_ragged_decode_kernel_equals_the_masked_softmax(n, k):
-  """Slots of 1, 37, 200 and all 256 entries: each sees its own [0, length), float32 within
-  1e-5 (interpret mode runs the kernel's own loop, splits and final combination)."""
-  args, reference = _decode_inputs(n, k, 256, [1, 37, 200, 256])
+def test_ragged_decode_kernel_equals_the_masked_softmax():
+  """Slots of 1, 37, 200 and all 256 entries, GQA of 2 (6 query heads over 3 KV heads): each
+  sees its own [0, length), float32 within 1e-5 (interpret mode runs the kernel's own loop,
+  splits and final combination); GQA of 2 under shard_map in the 8-device child."""
+  k = 3
+  args, reference = _decode_inputs(6, k, 256, [1, 37, 200, 256])
   got = ragged_decode_attention(*args)
   want = _masked_softmax(*reference)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
@@ -215,7 +216,8 @@ def test_an_engine_decodes_through_the_ragged_kernel_as_through_the_masked_softm
   """With the GPU's choices, the engine keeps keys [B, K, S, H] and every decode step's
   attention goes through the ragged kernel (counted); slots of 5-120 prompt tokens then decode
   the tokens of the "xla" engine, log-probs within 1e-5. A stacked cache (`scan_layers`) here;
-  the unrolled one in the 8-device child (`_ragged_decode_on_the_mesh`)."""
+  the unrolled one in the 8-device child (`_ragged_decode_on_the_mesh`). Prompts of 20-60
+  tokens: one prefill forward (chunks of 64), slots of different lengths."""
   _pretend_gpu(monkeypatch)
   calls = []
   real = qwen.ragged_decode_attention
@@ -224,7 +226,7 @@ def test_an_engine_decodes_through_the_ragged_kernel_as_through_the_masked_softm
   )
   prompts = [
     [int(x) for x in np.random.default_rng(i).integers(0, 64, n)]
-    for i, n in enumerate((5, 120, 17, 64))
+    for i, n in enumerate((20, 60, 33, 50))
   ]
   out = {}
   for attention in ("xla", "cudnn"):
@@ -234,7 +236,7 @@ def test_an_engine_decodes_through_the_ragged_kernel_as_through_the_masked_softm
     # Full float32 products (a GPU's default for XLA's is TF32; the kernel's are IEEE).
     with jax.default_matmul_precision("highest"):
       out[attention] = generate(
-        engine, prompts, SamplingParams(temperature=0.0), rng=jax.random.key(0), max_new_tokens=6
+        engine, prompts, SamplingParams(temperature=0.0), rng=jax.random.key(0), max_new_tokens=4
       )
   assert calls and all(shape[-2] == 256 for shape in calls), calls
   for want, got in zip(out["xla"], out["cudnn"], strict=True):
@@ -343,7 +345,7 @@ def _ragged_decode_on_the_mesh() -> None:
   mesh = shd.make_mesh({"data": 4, "tensor": 2})
   prompts = [
     [int(x) for x in np.random.default_rng(i).integers(0, 64, n)]
-    for i, n in enumerate((5, 120, 17, 64))
+    for i, n in enumerate((20, 60, 33, 50))
   ]
   out, calls = {}, []
   real, ragged = kernels.default_backend, qwen.ragged_decode_attention
