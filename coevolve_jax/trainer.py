@@ -811,13 +811,18 @@ class PolicyTrainer:
     Raises:
       ValueError: a routing record that does not fit the model (`_check_batch`).
     """
+    n = batch.tokens.shape[0]
+    with self._ctx():
+      out = self._logp(*self._logp_args(batch, params))
+    return out if out.shape[0] == n else out[:n]
+
+  def _logp_args(self, batch: Batch, params=None) -> tuple:
+    """`_logp`'s arguments (rows padded by `_padded`, placed by `_rows`), made alike for
+    `logprobs` and `compile_ahead`; call under `_ctx()`."""
     params = self.params if params is None else params
     self._check_batch(batch)
-    n = batch.tokens.shape[0]
     (batch,) = self._padded(batch)
-    with self._ctx():
-      out = self._logp(params, *self._rows((batch.tokens, batch.target_pos, batch.routing)))
-    return out if out.shape[0] == n else out[:n]
+    return (params, *self._rows((batch.tokens, batch.target_pos, batch.routing)))
 
   def fits(self, traj: Trajectory) -> bool:
     """Whether `grpo_epoch` can train on `traj`: its tokens and targets within the largest
@@ -961,11 +966,11 @@ class PolicyTrainer:
     step: the update and the log-prob forward (under the current parameters and, when they
     differ in dtype or layout, the frozen reference's) at each (T, P) pair of `len_buckets` x
     `target_buckets` a batch can have (P below T), for each mini-batch row count that
-    `rollouts` split into `mini_batches` gives. The log-prob forwards run (on padding: a forward
-    per shape) to give the update its inputs as a step would; the update is only lowered and
-    compiled (the parameters are untouched). The update is compiled for [N] advantages (one per
-    trajectory, `train.advantage_estimator = "grpo"`); an estimator that gives per-target ones
-    ([N, P]) compiles its own update program at its first step of each shape.
+    `rollouts` split into `mini_batches` gives. Nothing runs: each program is lowered with
+    the arguments a step gives it and compiled, so that a step finds it in JAX's cache. The
+    update is compiled for [N] advantages (one per trajectory,
+    `train.advantage_estimator = "grpo"`); an estimator that gives per-target ones ([N, P])
+    compiles its own update program at its first step of each shape.
 
     Args:
       rollouts: N, the trajectories of a GRPO step (`rollout.tasks_per_step x group_size`).
@@ -999,10 +1004,15 @@ class PolicyTrainer:
       z = np.zeros((rows, p), np.float32)
       tokens, pos = np.zeros((rows, t), np.int32), np.ones((rows, p), np.int32)
       batch = Batch(tokens, pos, z, z, np.zeros((rows,), np.float32), route)
-      old = self.logprobs(batch)
-      ref = self.logprobs(batch, self.ref_params)
       with self._ctx():  # per thread: the mesh context is thread-local
-        compiled = self._grpo_step.lower(*self._update_args(batch, old, ref)).compile()
+        # Compiled, not run: a forward left running here (dispatch is asynchronous) would
+        # share the devices with the first rollouts (8.5 minutes of them on the 2-core
+        # preset `cpu_real`). The reference's program is another one only where its dtype or
+        # layout differs from the parameters'.
+        for params in (self.params, self.ref_params):
+          self._logp.lower(*self._logp_args(batch, params)).compile()
+        # z stands for the old and reference log-probs: `logprobs` gives [N, P] float32.
+        compiled = self._grpo_step.lower(*self._update_args(batch, z, z)).compile()
       memory = compiling.ProgramMemory.of(f"grpo update rows={rows} T={t} P={p}", compiled)
       if memory is not None:
         self.program_memory.append(memory)  # list.append: one at a time under the GIL

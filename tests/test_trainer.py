@@ -133,10 +133,21 @@ def test_make_batch_listed_buckets():
     make_batch(trajs, len_buckets=(512,), target_buckets=(16, 32))
 
 
+class _CompileOnly:
+  """A jitted function that may be lowered but not called."""
+
+  def __init__(self, fn):
+    self.lower = fn.lower
+
+  def __call__(self, *args):
+    raise AssertionError("compile_ahead ran the program instead of only compiling it")
+
+
 def test_compile_ahead_covers_every_batch_of_the_buckets(base_model):
   """`PolicyTrainer.compile_ahead` compiles the update and log-prob programs of every (rows,
-  T, P) a step can meet: GRPO epochs afterwards on batches of any length within the buckets
-  (rows that split unevenly, dropped trajectories) compile neither program."""
+  T, P) a step can meet, and runs none of them (a forward dispatched there would still be
+  running at the first rollouts): GRPO epochs afterwards on batches of any length within the
+  buckets (rows that split unevenly, dropped trajectories) compile neither program."""
   from coevolve_jax.metrics import CompileCounter  # noqa: PLC0415
 
   trainer = PolicyTrainer(
@@ -153,7 +164,10 @@ def test_compile_ahead_covers_every_batch_of_the_buckets(base_model):
   try:
     # 5 rollouts in 2 mini-batches: rows 3 and 2 (each padded to a multiple of 2 micro-batches).
     # (T, P) pairs: (32, 24), (64, 24).
+    logp = trainer._logp
+    trainer._logp = _CompileOnly(logp)
     assert trainer.compile_ahead(rollouts=5, mini_batches=2, threads=2) == 2 * 2
+    trainer._logp = logp
     programs = ("_grpo_step_fn", "_logp_fn")
     ahead = counter.pop()
     assert all(ahead.get(f"compile/program/{p}") for p in programs)
