@@ -35,7 +35,7 @@ def run_all(calls: Sequence[Callable[[], None]], threads: int = 0) -> None:
   for.
 
   With several processes the calls run one at a time, in order: a call that places host data
-  on a mesh spanning processes (the trainer's runs its log-prob forward) makes collectives,
+  on a mesh spanning processes (the trainer's places padding batches) may make collectives,
   which every process must issue in the same order; threads would interleave them differently
   on each process and deadlock the job (seen at GRPO step 1 on 2 loopback processes).
   """
