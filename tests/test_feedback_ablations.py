@@ -37,6 +37,7 @@ def test_each_variant_changes_only_its_switch(ablations):
   }
   also = {  # the other fields a variant sets
     "aiw_only": {"feedback.enabled": False},
+    "qevolve": {"qevolve.order": "fit_first"},
     "wia": {
       "role_agent.wia.char_cap": 200,
       "episode.max_new_tokens": 128,
