@@ -28,9 +28,11 @@ checkpoint saved on one device count or mesh restores onto another.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import jax
@@ -127,6 +129,7 @@ class RunCheckpointer:
     self._mgr = ocp.CheckpointManager(directory, options=options, item_names=self.ITEMS)
     self.directory = os.fspath(self._mgr.directory)
     self._saving: int | None = None  # the step of the save in flight
+    self._threads_before: set[threading.Thread] = set()  # alive when that save began
     _DrainingPolicy.hold()
     self._holds_policy = True
 
@@ -156,7 +159,8 @@ class RunCheckpointer:
       meta=ocp.args.JsonSave(meta),
     )
     self._saving = step
-    with errors.writing(self._step_folder(step)):
+    self._threads_before = set(threading.enumerate())
+    with self._writing_in_flight():
       self._mgr.save(step, args=args, force=True)
 
   def restore(self, step: int, like: TrainState) -> tuple[TrainState, dict[str, Any]]:
@@ -250,11 +254,31 @@ class RunCheckpointer:
   def _step_folder(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
 
+  @contextlib.contextmanager
   def _writing_in_flight(self):
-    """`errors.writing` naming the folder of the save in flight (the directory when none)."""
-    return errors.writing(
-      self.directory if self._saving is None else self._step_folder(self._saving)
-    )
+    """`errors.writing` naming the folder of the save in flight (the directory when none); on an
+    error, that save's writers are waited for first (`_drain_writers`)."""
+    folder = self.directory if self._saving is None else self._step_folder(self._saving)
+    try:
+      with errors.writing(folder):
+        yield
+    except Exception:
+      self._drain_writers()
+      raise
+
+  def _drain_writers(self) -> None:
+    """Waits, at most `_DRAIN_TIMEOUT_S` in all, for the threads orbax started since the last
+    save began. When one item of a save fails (a full disk), orbax reports it at once while the
+    other items' threads go on writing into the step's temporary folder; a later save of the
+    same step, which removes that folder first, then fails with "Directory not empty"."""
+    deadline = time.monotonic() + _DRAIN_TIMEOUT_S
+    for thread in threading.enumerate():
+      if (
+        thread not in self._threads_before
+        and type(thread).__module__.startswith("orbax.")
+        and thread is not threading.current_thread()
+      ):
+        thread.join(max(0.0, deadline - time.monotonic()))
 
   def wait(self) -> None:
     """Waits for the save in flight.

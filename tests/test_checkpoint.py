@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from etils import epath
 from flax import nnx
 
 from coevolve_jax import errors, grpo
@@ -312,21 +313,41 @@ def test_a_full_disk_when_a_save_starts_is_a_disk_full_error_and_loses_nothing(
   ckpt.close()
 
 
+def _slow_writes(monkeypatch, name_end: str, seconds: float) -> None:
+  """orbax's `write_text` of paths ending in `name_end` waits `seconds` first."""
+  cls = type(epath.Path("/"))
+  original = cls.write_text
+
+  def slow(self, *args, **kwargs):
+    if str(self).endswith(name_end):
+      time.sleep(seconds)
+    return original(self, *args, **kwargs)
+
+  monkeypatch.setattr(cls, "write_text", slow)
+
+
 def test_a_full_disk_during_a_background_save_is_a_disk_full_error_and_loses_nothing(
   tmp_path, monkeypatch
 ):
   """A write of the background save fails: the next `save` (or `wait`) raises DiskFullError naming
-  the failed step, not the one being started."""
+  the failed step, not the one being started, once the save's other writers have ended (orbax
+  reports the failure while they still write into the step's temporary folder, and saving that
+  step again removes the folder under them: "Directory not empty", 1 run in ~20 of this file
+  under load before the wait)."""
   ck = tmp_path / "ck"
   ckpt = RunCheckpointer(str(ck), keep=3)
   ckpt.save(1, _state(1.0), {"step": 1})
   ckpt.wait()
   with monkeypatch.context() as m:
     orbax_write_fails(m, "write_text", "meta.orbax-checkpoint-tmp/metadata")
+    _slow_writes(m, "opt_state.orbax-checkpoint-tmp/_METADATA", 0.5)  # a late writer
     ckpt.save(2, _state(2.0), {"step": 2})  # returns: the files are written in the background
     with pytest.raises(DiskFullError) as e:
       ckpt.save(3, _state(3.0), {"step": 3})
     assert_disk_full(e.value, f"{ck}/2")
+    written = sorted(str(f) for f in ck.rglob("*"))
+    time.sleep(1.0)  # longer than the late writer's wait
+    assert sorted(str(f) for f in ck.rglob("*")) == written  # nothing lands after the error
     with contextlib.suppress(DiskFullError):  # orbax may report it once more
       ckpt.close()
   ckpt = RunCheckpointer(str(ck), keep=3)
