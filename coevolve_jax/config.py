@@ -34,7 +34,7 @@ from coevolve_jax.feedback.signals import SignalTracker
 from coevolve_jax.hooks import check_hooks
 from coevolve_jax.models import QwenConfig
 from coevolve_jax.models.kernels import ATTENTION_KERNELS
-from coevolve_jax.models.qwen import REMAT_POLICIES
+from coevolve_jax.models.qwen import EXPERT_DISPATCH, REMAT_POLICIES
 from coevolve_jax.models.builder import MATMUL_PRECISIONS
 from coevolve_jax.models.hf import CheckpointFormatError, read_config
 from coevolve_jax.models.sharding import MESH_AXES
@@ -276,6 +276,12 @@ def _model(cfg: Mapping[str, Any]) -> None:
     fail("model.remat", f"must be one of {REMAT_POLICIES}", get(cfg, "model.remat"))
   if get(cfg, "model.attention") not in ATTENTION_KERNELS:  # the backend is checked at trace
     fail("model.attention", f"must be one of {ATTENTION_KERNELS}", get(cfg, "model.attention"))
+  if get(cfg, "model.expert_dispatch") not in EXPERT_DISPATCH:
+    fail(
+      "model.expert_dispatch",
+      f"must be one of {EXPERT_DISPATCH}",
+      get(cfg, "model.expert_dispatch"),
+    )
   if get(cfg, "model.matmul_precision") not in MATMUL_PRECISIONS:
     fail(
       "model.matmul_precision",

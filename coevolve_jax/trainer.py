@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, overload
@@ -673,12 +672,9 @@ class PolicyTrainer:
       raise ValueError(f"batch routing holds expert indices outside [-1, {cfg.num_experts})")
 
   def _row_multiple(self) -> int:
-    """Rows a device batch must be a multiple of: micro-batches x data-parallel devices."""
-    data = (
-      1
-      if self.mesh is None
-      else math.prod(self.mesh.shape[a] for a in ("data", "fsdp") if a in self.mesh.shape)
-    )
+    """Rows a device batch must be a multiple of: micro-batches x row shards (the devices the
+    "batch" logical axis splits over: data x fsdp x expert)."""
+    data = 1 if self.mesh is None else sharding.axis_devices(self.mesh.shape, "batch")
     return self.micro_batches * data
 
   def _padded(self, batch: Batch, *per_row) -> tuple[Batch, ...]:

@@ -44,6 +44,12 @@ def get_config() -> ml_collections.ConfigDict:
   # ragged decode kernel for decode steps (each slot read to its own length), the "blocked" XLA
   # paths on CPU and for prefill; "xla" = one plain masked softmax everywhere (the reference).
   c.model.attention = "auto"
+  # How MoE blocks move token copies to their experts' devices when the mesh has an expert axis
+  # (models/qwen.py `SparseMoE`): "gather" (the expert group's rows all-gathered, outputs
+  # reduce-scattered), "all_to_all" (copies sent and returned by ragged all-to-all, MaxText's
+  # dispatch), "auto" = all-to-all when the expert axis is larger than the experts per token
+  # (it then moves fewer bytes) on TPU/GPU, gather otherwise. No effect on dense models.
+  c.model.expert_dispatch = "auto"
   # Precision of float32 matrix products (models/builder.py `apply_matmul_precision`): "default"
   # is the backend's fastest (TF32-class on NVIDIA GPUs); "highest" is full float32 (what the
   # float32 parity with transformers needs on a GPU). bfloat16 products are not affected.
@@ -55,8 +61,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh.tensor = 1
   c.mesh.expert = 1
   # One mesh for the run (built once at start-up): parameters, optimizer state and reference are
-  # sharded by the logical-axis table (models/sharding.py), training rows over data * fsdp, the
-  # KV cache's slots over data * fsdp and its KV heads over tensor.
+  # sharded by the logical-axis table (models/sharding.py), training rows over data * fsdp *
+  # expert, the KV cache's slots over data * fsdp * expert and its KV heads over tensor.
 
   c.explore = ml_collections.ConfigDict()
   # "gemini" | "openai" (an OpenAI-compatible endpoint: the paper's Qwen3-Max, vLLM, SGLang) |
@@ -288,7 +294,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # The rollout engine (rollout/engine.py Engine): decode slots, KV cache, prefill shapes.
   c.engine = ml_collections.ConfigDict()
-  c.engine.num_slots = 64  # concurrent episodes (decode slots); divisible by data * fsdp
+  c.engine.num_slots = 64  # concurrent episodes (decode slots); divisible by data * fsdp * expert
   c.engine.cache_len = 32768  # tokens per episode (prompt + all turns)
   c.engine.max_prefill_tokens = 8192  # tokens per prefill forward (rows x chunk)
   # The engine's copy of the weights: "gathered" (fsdp dimension replicated, gathered once per

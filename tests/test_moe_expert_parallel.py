@@ -15,10 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from host_devices import run_child
 
 from coevolve_jax.models import Qwen
 from coevolve_jax.models import sharding as shd
+from coevolve_jax.models import qwen
 from coevolve_jax.models.qwen import KVCache, SparseMoE
 
 import kit
@@ -40,6 +42,10 @@ B, T = 8, 6  # the loss reads T + 1 tokens, the forward and decode T
 
 def test_expert_parallel_block_equals_one_device():
   run_child(__file__, "ep", timeout=300)
+
+
+def test_ragged_all_to_all_matches_its_definition():
+  run_child(__file__, "ragged", timeout=120)
 
 
 def _placed(model: Qwen, mesh) -> Qwen:
@@ -121,6 +127,54 @@ def _not_expert_parallel(hlo: str) -> list[str]:
   return bad
 
 
+def _rows_gathered(hlo: str) -> list[str]:
+  """All-gathers in `hlo` of token rows ([b, T, D] activations): what the gather dispatch does
+  and the all-to-all dispatch must not."""
+  bad = []
+  for line in hlo.splitlines():
+    m = _COLLECTIVE.search(line)
+    if m and m[2] == "all-gather" and re.search(rf"\[\d+,{T},{CFG.hidden_size}\]", m[1]):
+      bad.append(line.strip()[:160])
+  return bad
+
+
+def _ragged_child():
+  """`qwen.ragged_all_to_all` (here: its all_to_all equivalent) against a numpy reading of
+  `jax.lax.ragged_all_to_all`'s definition, on an axis of 8 devices with random ragged chunks."""
+  n, c, width, m = 8, 36, 3, 40
+  rng = np.random.default_rng(2)
+  sizes = rng.integers(0, 5, (n, n))  # sizes[i, j]: rows device i sends to device j
+  sizes[3] = 0  # a device that sends nothing
+  sizes[:, 5] = 0  # and one that receives nothing
+  operand = rng.normal(size=(n, c, width)).astype(np.float32)
+  output = rng.normal(size=(n, m, width)).astype(np.float32)
+  input_offsets = np.zeros((n, n), np.int32)
+  output_offsets = np.zeros((n, n), np.int32)
+  for i in range(n):
+    # gaps between the chunks at both ends, and receivers filled from a shifted start
+    input_offsets[i] = np.concatenate([[0], np.cumsum(sizes[i])[:-1]]) + (i % 2)
+  for j in range(n):
+    output_offsets[:, j] = np.concatenate([[0], np.cumsum(sizes[:, j])[:-1]]) + 2 * (j % 3)
+  want = output.copy()
+  for i in range(n):
+    for j in range(n):
+      rows = operand[i, input_offsets[i, j] : input_offsets[i, j] + sizes[i, j]]
+      want[j, output_offsets[i, j] : output_offsets[i, j] + sizes[i, j]] = rows
+  mesh = jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+
+  def body(operand, output, io, ss, oo, rs):
+    return qwen.ragged_all_to_all(operand[0], output[0], io[0], ss[0], oo[0], rs[0], axis_name="x")[
+      None
+    ]
+
+  run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+  got = run(
+    operand, output, input_offsets, sizes.astype(np.int32), output_offsets, sizes.T.astype(np.int32)
+  )
+  np.testing.assert_array_equal(np.asarray(got), want)
+  print("ragged OK")
+
+
 def _child():
   assert jax.device_count() == 8, jax.devices()
   rng = np.random.default_rng(0)
@@ -163,17 +217,54 @@ def _child():
   _close(got, single, "partitioner")
   assert _not_expert_parallel(hlo), "the partitioner path passed the expert-parallel HLO check"
 
-  # Batch rows split over `expert` too: rows all-gathered in the block, sums psum_scattered.
+  # The rules split the rows over `expert` too (the gather dispatch above all-gathers them in
+  # the block and reduce-scatters the sums back). With rows whole on every device of an expert
+  # group (a table without `expert` in "batch"), nothing is gathered: partial sums are psum'd.
   rules = dict(shd.LOGICAL_RULES)
-  shd.LOGICAL_RULES["batch"] = ("data", "fsdp", "expert")
+  shd.LOGICAL_RULES["batch"] = ("data", "fsdp")
   try:
     mesh = shd.make_mesh({"data": 2, "expert": 4})
     got, hlo = _results(_placed(model, mesh), mesh, ids, mask, routing)
   finally:
     shd.LOGICAL_RULES.update(rules)
-  _close(got, single, "batch over expert")
-  assert "reduce-scatter" in hlo and not _not_expert_parallel(hlo), _not_expert_parallel(hlo)
-  print("ep batch over expert ok", flush=True)
+  _close(got, single, "rows whole over expert")
+  assert "reduce-scatter" not in hlo and not _not_expert_parallel(hlo), _not_expert_parallel(hlo)
+  print("ep rows whole over expert ok", flush=True)
+
+  # The all-to-all dispatch (`_ep_all_to_all`): each device's copies sent to their experts'
+  # devices and back. XLA:CPU has no ragged_all_to_all, so `qwen.ragged_all_to_all` runs its
+  # all_to_all equivalent here (checked against the op's documented semantics in
+  # test_ragged_all_to_all_matches_its_definition); no rows are gathered.
+  a2a = nnx.jit(lambda: Qwen(CFG, rngs=nnx.Rngs(1), expert_dispatch="all_to_all"))()
+  for axes in ({"data": 2, "expert": 4}, {"fsdp": 2, "expert": 4}, {"tensor": 2, "expert": 4}):
+    mesh = shd.make_mesh(axes)
+    got, hlo = _results(_placed(a2a, mesh), mesh, ids, mask, routing)
+    _close(got, single, f"all_to_all {axes}")
+    assert "all-to-all" in hlo and not _rows_gathered(hlo), (axes, _rows_gathered(hlo))
+    assert not _not_expert_parallel(hlo), (axes, _not_expert_parallel(hlo))
+    print("ep all_to_all", axes, "ok", flush=True)
+
+  # On TPU and GPU the native op: the same program lowers with jax.lax.ragged_all_to_all (XLA:CPU
+  # cannot compile it, so only the lowering is checked).
+  native = qwen.native_ragged_all_to_all
+  qwen.native_ragged_all_to_all = lambda backend=None: True
+  try:
+    mesh = shd.make_mesh({"fsdp": 2, "expert": 4})
+    placed = _placed(a2a, mesh)
+    graphdef, state = nnx.split(placed)
+    params, rest = nnx.split_state(state, nnx.Param, ...)
+
+    def loss(params, ids):
+      model = nnx.merge(graphdef, params, rest)
+      return jnp.mean(model(ids) ** 2)
+
+    with jax.set_mesh(mesh):
+      text = jax.jit(jax.grad(loss)).lower(params, ids[:, :-1]).as_text()
+  finally:
+    qwen.native_ragged_all_to_all = native
+  # forward: copies, their experts, results back; backward: the transposes of the two float ones
+  assert text.count("ragged_all_to_all") >= 5, text.count("ragged_all_to_all")
+  print("ep native lowering ok", flush=True)
 
   # Two MoE blocks as the body of a jax.lax.scan over layers, rematerialised: same loss, same
   # input gradient as a Python loop over them on one device.
@@ -212,3 +303,5 @@ def _child():
 if __name__ == "__main__":
   if sys.argv[1:] == ["ep"]:
     _child()
+  if sys.argv[1:] == ["ragged"]:
+    _ragged_child()

@@ -29,14 +29,15 @@ How each figure is obtained (the job's own rules, so the figures are what it all
 - Activations (`--activations=residuals`): the residuals that `jax.vjp` of the trainer's
   `token_logprobs` keeps for the backward pass, read with `jax.eval_shape` at batch 1 and 2.
   Residual leaves whose shape changes with the batch are activations (the rest are parameters,
-  counted above); per device they scale with the sequences per device (batch / (data * fsdp))
-  and are divided by the tensor axis when a dimension is a tensor-sharded one (heads, kv heads,
-  MLP, vocab; the `act_*`/`mlp` rules). With `--remat=full` (the default, as in the full-scale
-  configs) the decoder keeps only each layer's input; the layer being recomputed in the
-  backward pass, like any transient buffer inside one op, is not counted: a lower bound.
+  counted above); per device they scale with the sequences per device
+  (batch / (data * fsdp * expert)) and are divided by the tensor axis when a dimension is a
+  tensor-sharded one (heads, kv heads, MLP, vocab; the `act_*`/`mlp` rules). With
+  `--remat=full` (the default, as in the full-scale configs) the decoder keeps only each layer's
+  input; the layer being recomputed in the backward pass, like any transient buffer inside one
+  op, is not counted: a lower bound.
 - KV cache: `KVCache.zeros` shapes ([slots, K, H, cache_len] keys and [slots, K, cache_len, H]
-  values per layer) in the compute dtype, slots over (data, fsdp), kv heads over tensor where
-  they divide, as the rollout engine allocates it (`sharding.param_spec` of its logical axes).
+  values per layer) in the compute dtype, slots over (data, fsdp, expert), kv heads over tensor
+  where they divide, as the rollout engine allocates it (`sharding.param_spec` of its logical axes).
 """
 
 from __future__ import annotations

@@ -48,12 +48,13 @@ def build(model_cfg: Mapping[str, Any], *, seed: int, mesh: Mesh | None = None, 
   (default `model_cfg.dtype`; a training run passes `model_cfg.param_dtype`, its master copy);
   `model_cfg.remat` ("full" when absent) is each decoder layer's rematerialisation in the
   training backward pass (`qwen.remat_layer`); `model_cfg.attention` ("auto" when absent) the
-  attention kernel (`kernels.ATTENTION_KERNELS`).
+  attention kernel (`kernels.ATTENTION_KERNELS`); `model_cfg.expert_dispatch` ("auto" when
+  absent) how MoE blocks move token copies between devices (`qwen.EXPERT_DISPATCH`).
 
   Args:
     model_cfg: has `preset` (a `models.PRESETS` name), `checkpoint` (a folder, "" for random
       init), `dtype` (a float dtype name: "float32", "bfloat16") and optionally `remat`
-      ("none", "full" or "save_dots") and `attention`.
+      ("none", "full" or "save_dots"), `attention` and `expert_dispatch`.
     seed: the random initialisation's seed (a run passes its `seed`).
     mesh: when given, every parameter is placed in its logical sharding on this mesh
       (`sharding.tree_shardings`), with the values it has without a mesh; otherwise parameters
@@ -62,19 +63,21 @@ def build(model_cfg: Mapping[str, Any], *, seed: int, mesh: Mesh | None = None, 
   Returns:
     The `Qwen` model.
   Raises:
-    ValueError: an unknown preset (random init), remat policy or attention kernel.
+    ValueError: an unknown preset (random init), remat policy, attention kernel or expert
+      dispatch.
     TypeError: an unknown dtype name.
     FileNotFoundError, CheckpointFormatError: an unusable checkpoint folder (`from_pretrained`).
   """
   dtype = jnp.dtype(model_cfg["dtype"] if dtype is None else dtype)
-  remat = model_cfg.get("remat", "full")
-  attention = model_cfg.get("attention", "auto")
+  kinds = {
+    "remat": model_cfg.get("remat", "full"),
+    "attention": model_cfg.get("attention", "auto"),
+    "expert_dispatch": model_cfg.get("expert_dispatch", "auto"),
+  }
   if model_cfg["checkpoint"]:
-    return from_pretrained(
-      model_cfg["checkpoint"], dtype=dtype, mesh=mesh, remat=remat, attention=attention
-    )
+    return from_pretrained(model_cfg["checkpoint"], dtype=dtype, mesh=mesh, **kinds)
   cfg = QwenConfig.preset(model_cfg["preset"])
-  return init(cfg, seed=seed, dtype=dtype, mesh=mesh, remat=remat, attention=attention)
+  return init(cfg, seed=seed, dtype=dtype, mesh=mesh, **kinds)
 
 
 def init(
@@ -85,15 +88,20 @@ def init(
   mesh: Mesh | None = None,
   remat: str = "full",
   attention: str = "auto",
+  expert_dispatch: str = "auto",
 ) -> Qwen:
-  """A randomly initialised `Qwen(cfg)` (`nnx.Rngs(seed)`, parameters in `dtype`, `remat` and
-  `attention` as `Qwen`'s).
+  """A randomly initialised `Qwen(cfg)` (`nnx.Rngs(seed)`, parameters in `dtype`, `remat`,
+  `attention` and `expert_dispatch` as `Qwen`'s).
 
   The draw runs inside one jit; with a `mesh`, its outputs carry the parameters' logical
   shardings (`sharding.tree_shardings`): each device draws only its own shard, with the values
   it has without a mesh (bit for bit), and no device ever holds the whole model.
   """
-  make = lambda: Qwen(cfg, rngs=nnx.Rngs(seed), dtype=dtype, remat=remat, attention=attention)  # noqa: E731
+
+  def make():
+    kinds = {"remat": remat, "attention": attention, "expert_dispatch": expert_dispatch}
+    return Qwen(cfg, rngs=nnx.Rngs(seed), dtype=dtype, **kinds)
+
   graphdef, shapes = nnx.split(nnx.eval_shape(make))
   # Jitted with or without a mesh: the same compiled draw, so the values are bit-identical on
   # any mesh (an eager draw rounds differently in the last place).

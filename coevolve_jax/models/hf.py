@@ -397,6 +397,7 @@ def from_pretrained(
   remat: str = "full",
   stats: dict[str, int] | None = None,
   attention: str = "auto",
+  expert_dispatch: str = "auto",
 ) -> Qwen:
   """Loads a Hugging Face Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE / Llama 3.x / SmolLM2 checkpoint
   folder.
@@ -409,6 +410,7 @@ def from_pretrained(
       (`sharding.LOGICAL_RULES`); otherwise on the first device.
     remat: the model's rematerialisation policy (`qwen.REMAT_POLICIES`; not read from the folder).
     attention: the attention kernel (`kernels.ATTENTION_KERNELS`; not read from the folder).
+    expert_dispatch: how MoE blocks move token copies (`qwen.EXPERT_DISPATCH`; not read either).
     stats: if given, filled with "bytes_read": the checkpoint bytes this process read (its
       devices' shards only; the whole checkpoint on one device).
   Returns:
@@ -416,7 +418,7 @@ def from_pretrained(
     `model.config.eos_token_ids` holds every `eos_token_id` of config.json and
     generation_config.json (config.json's first), each once.
   Raises:
-    ValueError: an unknown remat policy or attention kernel.
+    ValueError: an unknown remat policy, attention kernel or expert dispatch.
     FileNotFoundError: no `config.json`. CheckpointFormatError: an unsupported architecture, an
       unknown or missing tensor, a shape that does not fit the config, a damaged file, an
       `eos_token_id` that is not ids in the vocabulary.
@@ -424,7 +426,14 @@ def from_pretrained(
   folder = Path(path)
   cfg = read_config(folder)
   abstract = nnx.eval_shape(
-    lambda: Qwen(cfg, rngs=nnx.Rngs(0), dtype=dtype, remat=remat, attention=attention)
+    lambda: Qwen(
+      cfg,
+      rngs=nnx.Rngs(0),
+      dtype=dtype,
+      remat=remat,
+      attention=attention,
+      expert_dispatch=expert_dispatch,
+    )
   )
   graphdef, state = nnx.split(abstract)
   variables = {".".join(map(str, p)): v for p, v in nnx.to_flat_state(state)}

@@ -353,6 +353,9 @@ def routing_dtype(num_experts: int) -> jnp.dtype:
   return jnp.dtype(jnp.int16 if num_experts <= jnp.iinfo(jnp.int16).max else jnp.int32)
 
 
+# How a MoE block moves token copies to their experts' devices (`SparseMoE`, model.expert_dispatch).
+EXPERT_DISPATCH = ("auto", "gather", "all_to_all")
+
 CPU_LOGITS_ROWS = 256  # full-logits projection on XLA:CPU: rows per product (see Qwen.__call__)
 
 # Logical axes (models/sharding.py) of each key and value array of a `KVCache`; a stacked array
@@ -1189,10 +1192,22 @@ class SparseMoE(nnx.Module):
   partial outputs summed over `expert`). An `expert` axis that does not divide E leaves the
   experts replicated (`sharding.param_sharding`), and the block then takes the single-device
   dispatch, which the XLA partitioner spreads; no error is raised.
+
+  `dispatch` (`EXPERT_DISPATCH`) says how token copies reach their experts' devices when the
+  rules split the batch rows over `expert` (`sharding.LOGICAL_RULES`): "gather" (all rows of the
+  expert group gathered on each device, partial outputs reduce-scattered back), "all_to_all"
+  (each copy sent to its expert's device and back by `jax.lax.ragged_all_to_all`, as MaxText's
+  `sparse_matmul`), or "auto": all-to-all where it moves fewer bytes (n_ep > k, the comparison
+  in `_forward_expert_parallel`) on a backend that implements it, else gather. Both are dropless
+  and give the same result up to float rounding. A training setting, not architecture.
+  Raises (constructor): ValueError, an unknown `dispatch`.
   """
 
-  def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype):
+  def __init__(self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype, dispatch: str = "auto"):
+    if dispatch not in EXPERT_DISPATCH:
+      raise ValueError(f"unknown expert dispatch {dispatch!r}; known: {', '.join(EXPERT_DISPATCH)}")
     self.cfg = cfg
+    self.dispatch = dispatch
     self.gate = _init(rngs, (cfg.hidden_size, cfg.num_experts), ("embed", "router"), dtype)
     self.experts = Experts(cfg, rngs=rngs, dtype=dtype)
 
@@ -1290,14 +1305,25 @@ class SparseMoE(nnx.Module):
     tokens = P(tokens[0], *inner)
     batch_axes = spec_axes(tokens[0])
     order = [a for a in mesh.axis_names if a in kernel_axes]
+    ep_size = math.prod(mesh.shape[a] for a in expert_axes)
+    all_to_all = set(expert_axes) <= set(batch_axes) and (
+      self.dispatch == "all_to_all"
+      or (
+        self.dispatch == "auto"
+        and ep_size > self.cfg.num_experts_per_tok
+        and native_ragged_all_to_all()
+      )
+    )
+    moved = expert_axes if all_to_all else ()  # copies travel over these, rows are not gathered
     return _EPPlan(
       mesh=mesh,
       tokens=tokens,
       routes=P(tokens[0], tokens[1], None),
       kernels=(kernels[0], kernels[1], kernels[2]),
       expert_axes=expert_axes,
-      gather_axes=tuple(a for a in order if a in batch_axes),
+      gather_axes=tuple(a for a in order if a in batch_axes and a not in moved),
       sum_axes=tuple(a for a in order if a not in batch_axes),
+      all_to_all=all_to_all,
     )
 
   def _forward_expert_parallel(
@@ -1382,9 +1408,8 @@ class SparseMoE(nnx.Module):
     x_btd, experts_btk, weights_btk = _ep_gather_rows(
       plan, x_btd, used_btk, weights_mk.reshape(b, t, k)
     )
-    out_btd = _ep_local_experts(
-      plan, x_btd, experts_btk, weights_btk, gate_gdf, up_gdf, down_gfd, k
-    )
+    local = _ep_all_to_all if plan.all_to_all else _ep_local_experts
+    out_btd = local(plan, x_btd, experts_btk, weights_btk, gate_gdf, up_gdf, down_gfd, k)
     return _ep_reduce(plan, out_btd), used_btk
 
 
@@ -1453,6 +1478,119 @@ def _ep_local_experts(
   return jnp.zeros_like(x_md).at[token_a].add(y_ad).reshape(b, t, d)
 
 
+def _ep_all_to_all(
+  plan: _EPPlan, x_btd, experts_btk, weights_btk, gate_gdf, up_gdf, down_gfd, k: int
+) -> jax.Array:
+  """Inside the expert-parallel shard_map, with the batch rows split over the expert axes: this
+  device's token copies sent to their experts' devices, computed there, sent back and combined.
+
+  Each device sorts its A = B T k copies by expert, which groups them by destination device
+  (device j holds experts [j G, (j + 1) G)); the [n, n] matrix of copy counts (sender x
+  receiver, one all-gather of n int32 per device) gives every ragged chunk's offsets. One
+  `ragged_all_to_all` moves the copies' rows and one their expert ids into a receive buffer of
+  n A rows (the most that can arrive: dropless, as MaxText sizes it without a capacity factor);
+  the receiver sorts them by its local expert, runs `Experts.apply`, and a third
+  `ragged_all_to_all` returns each result to its sender's slot, where it is weighted and
+  scatter-added into the sender's rows. The backward is the same exchange transposed
+  (`ragged_all_to_all`'s transpose rule).
+
+  Args:
+    x_btd: [B, T, D] this device's rows (distinct rows on every device of the expert group).
+    experts_btk, weights_btk: [B, T, k] their experts (int) and combine weights.
+    gate_gdf, up_gdf: [G, D, F], down_gfd: [G, F, D] this device's experts' kernels.
+  Returns:
+    [B, T, D] these rows' outputs (partial over a tensor axis splitting F, summed by
+    `_ep_reduce`).
+  """
+  b, t, d = x_btd.shape
+  g = gate_gdf.shape[0]
+  n = math.prod(plan.mesh.shape[a] for a in plan.expert_axes)
+  a = b * t * k
+  axes = plan.expert_axes
+  me = jax.lax.axis_index(axes)
+  flat_a = experts_btk.reshape(-1).astype(jnp.int32)
+  iota_a = jnp.arange(a, dtype=jnp.int32)
+  sent_e, order = jax.lax.sort((flat_a, iota_a), num_keys=1, is_stable=True)
+  token_a = order // k
+  send_sizes = jnp.bincount(sent_e // g, length=n).astype(jnp.int32)  # [n] copies per receiver
+  counts_nn = jax.lax.all_gather(send_sizes, axes)  # [sender, receiver]
+  before_nn = jnp.cumsum(counts_nn, axis=0) - counts_nn  # earlier senders' copies, per receiver
+  input_offsets = jnp.cumsum(send_sizes) - send_sizes
+  recv_sizes = counts_nn[:, me]
+  recv_offsets = before_nn[:, me]  # senders' chunks lie in sender order in the receive buffer
+  exchange = functools.partial(
+    ragged_all_to_all,
+    input_offsets=input_offsets,
+    send_sizes=send_sizes,
+    output_offsets=before_nn[me],
+    recv_sizes=recv_sizes,
+    axis_name=axes,
+  )
+  r = n * a
+  x_rd = exchange(x_btd.reshape(b * t, d)[token_a], jnp.zeros((r, d), x_btd.dtype))
+  local_r = exchange(sent_e, jnp.full((r,), -1, jnp.int32)) - me * g
+  mine_r = (local_r >= 0) & (local_r < g)  # rows past the received ones stay -1 - me g < 0
+  key_r = jnp.where(mine_r, local_r, g)
+  iota_r = jnp.arange(r, dtype=jnp.int32)
+  _, rorder = jax.lax.sort((key_r, iota_r), num_keys=1, is_stable=True)
+  group_sizes = jnp.bincount(key_r, length=g + 1)[:g].astype(jnp.int32)
+  y_rd = Experts.apply(x_rd[rorder], group_sizes, gate_gdf, up_gdf, down_gfd)
+  y_rd = jnp.zeros_like(y_rd).at[rorder].set(jnp.where(mine_r[rorder][:, None], y_rd, 0))
+  sent_before = jnp.cumsum(counts_nn, axis=1) - counts_nn  # each sender's own input offsets
+  y_ad = ragged_all_to_all(
+    y_rd,
+    jnp.zeros((a, d), y_rd.dtype),
+    input_offsets=recv_offsets,
+    send_sizes=recv_sizes,
+    output_offsets=sent_before[:, me],
+    recv_sizes=send_sizes,
+    axis_name=axes,
+  )
+  w_a = weights_btk.reshape(-1)[order]
+  out_md = jnp.zeros((b * t, d), x_btd.dtype).at[token_a].add(y_ad * w_a[:, None])
+  return out_md.reshape(b, t, d)
+
+
+def native_ragged_all_to_all(backend: str | None = None) -> bool:
+  """Whether JAX's backend (default: the default one) implements `jax.lax.ragged_all_to_all`:
+  TPU and GPU do; XLA:CPU does not (UNIMPLEMENTED in JAX 0.10, jax-ml/jax issue 34755)."""
+  return (backend or jax.default_backend()) != "cpu"
+
+
+def ragged_all_to_all(
+  operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
+) -> jax.Array:
+  """`jax.lax.ragged_all_to_all` with one chunk per device of `axis_name` (its semantics: chunk j
+  of this device's `operand`, rows [input_offsets[j], + send_sizes[j]), is written on device j at
+  rows [output_offsets[j], + the same count) of its `output`).
+
+  Where the backend does not implement it (`native_ragged_all_to_all`: XLA:CPU), the same result
+  by `jax.lax.all_to_all` of n chunks padded to operand's length, each received chunk scattered
+  to its offsets: n times the bytes, for tests on host devices; its gradient is the transposed
+  exchange, as the native op's.
+
+  Args:
+    operand: [N, ...] rows to send. output: [M, ...] the buffer received rows are written into.
+    input_offsets, send_sizes, output_offsets, recv_sizes: [n] int32, n the axis size.
+  Returns:
+    [M, ...] `output` with the received rows written.
+  """
+  if native_ragged_all_to_all():
+    return jax.lax.ragged_all_to_all(
+      operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis_name
+    )
+  n, c = send_sizes.shape[0], operand.shape[0]
+  rows = jnp.arange(c, dtype=jnp.int32)
+  tail = (1,) * (operand.ndim - 1)
+  take = jnp.clip(input_offsets[:, None] + rows, 0, c - 1)  # [n, c]
+  keep = (rows < send_sizes[:, None]).reshape(n, c, *tail)
+  chunks = jnp.where(keep, operand[take], jnp.zeros((), operand.dtype))  # [n, c, ...]
+  got = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)  # [n, c, ...] by sender
+  at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where each sender writes
+  pos = jnp.where(rows < recv_sizes[:, None], at[:, None] + rows, output.shape[0])
+  return output.at[pos.reshape(-1)].set(got.reshape(n * c, *operand.shape[1:]), mode="drop")
+
+
 def _ep_reduce(plan: _EPPlan, out_btd: jax.Array) -> jax.Array:
   """Inside the expert-parallel shard_map: the [B', T, D] partial outputs summed over the devices
   of the expert group (`psum`), and scattered back to each device's own [B, T, D] rows where the
@@ -1483,18 +1621,26 @@ class _EPPlan(NamedTuple):
   expert_axes: tuple[str, ...]  # mesh axes that split the experts dimension
   gather_axes: tuple[str, ...]  # kernel axes that also split the batch: all_gather, psum_scatter
   sum_axes: tuple[str, ...]  # kernel axes that do not: psum
+  all_to_all: bool = False  # copies moved over expert_axes by ragged all-to-all (`_ep_all_to_all`)
 
 
 class DecoderLayer(nnx.Module):
   def __init__(
-    self, cfg: QwenConfig, *, rngs: nnx.Rngs, dtype, sparse: bool = False, attention: str = "auto"
+    self,
+    cfg: QwenConfig,
+    *,
+    rngs: nnx.Rngs,
+    dtype,
+    sparse: bool = False,
+    attention: str = "auto",
+    expert_dispatch: str = "auto",
   ):
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     self.self_attn = Attention(cfg, rngs=rngs, dtype=dtype, kernel=attention)
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     self.mlp: SparseMoE | MLP
     if sparse:
-      self.mlp = SparseMoE(cfg, rngs=rngs, dtype=dtype)
+      self.mlp = SparseMoE(cfg, rngs=rngs, dtype=dtype, dispatch=expert_dispatch)
     else:
       self.mlp = MLP(cfg, rngs=rngs, dtype=dtype)
 
@@ -1546,7 +1692,14 @@ class DecoderLayer(nnx.Module):
 
 
 def stacked_layers(
-  cfg: QwenConfig, first: int, count: int, *, rngs: nnx.Rngs, dtype, attention: str = "auto"
+  cfg: QwenConfig,
+  first: int,
+  count: int,
+  *,
+  rngs: nnx.Rngs,
+  dtype,
+  attention: str = "auto",
+  expert_dispatch: str = "auto",
 ) -> DecoderLayer:
   """One `DecoderLayer` whose parameters hold `count` layers stacked on a leading axis.
 
@@ -1559,7 +1712,14 @@ def stacked_layers(
   if any(cfg.is_moe_layer(i) != sparse for i in range(first, first + count)):
     raise ValueError(f"layers {first}..{first + count - 1} mix dense and sparse MoE blocks")
   layers = [
-    DecoderLayer(cfg, rngs=rngs, dtype=dtype, sparse=sparse, attention=attention)
+    DecoderLayer(
+      cfg,
+      rngs=rngs,
+      dtype=dtype,
+      sparse=sparse,
+      attention=attention,
+      expert_dispatch=expert_dispatch,
+    )
     for _ in range(count)
   ]
   flat = [nnx.to_flat_state(nnx.state(layer, nnx.Param)) for layer in layers]
@@ -1591,10 +1751,11 @@ class Qwen(nnx.Module):
   default "full") is the rematerialisation of each layer in the backward pass of
   `hidden_states` (`remat_layer`); it is a training setting, not architecture, and is not written
   to config.json. So is `attention` (`kernels.ATTENTION_KERNELS`, default "auto"), the attention
-  kernel of every layer (`_attend_by_pass`).
+  kernel of every layer (`_attend_by_pass`), and `expert_dispatch` (`EXPERT_DISPATCH`, default
+  "auto"), how MoE blocks move token copies between devices (`SparseMoE`).
 
   Raises (constructor):
-    ValueError: an unknown remat policy or attention kernel.
+    ValueError: an unknown remat policy, attention kernel or expert dispatch.
   """
 
   def __init__(
@@ -1606,6 +1767,7 @@ class Qwen(nnx.Module):
     remat: str = "full",
     stacked: bool = True,
     attention: str = "auto",
+    expert_dispatch: str = "auto",
   ):
     if remat not in REMAT_POLICIES:
       raise ValueError(f"unknown remat policy {remat!r}; known: {', '.join(REMAT_POLICIES)}")
@@ -1616,13 +1778,16 @@ class Qwen(nnx.Module):
     self.config = cfg
     self.remat = remat
     self.attention = attention
+    self.expert_dispatch = expert_dispatch
     self.stacked = stacked
     self.embed_tokens = _init(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
     self.block_spans = cfg.layer_blocks if stacked else ()
     if stacked:
       self.blocks = nnx.List(
         [
-          stacked_layers(cfg, i, n, rngs=rngs, dtype=dtype, attention=attention)
+          stacked_layers(
+            cfg, i, n, rngs=rngs, dtype=dtype, attention=attention, expert_dispatch=expert_dispatch
+          )
           for i, n in self.block_spans
         ]
       )
@@ -1630,7 +1795,14 @@ class Qwen(nnx.Module):
       # Initialised in the order the stacked layout draws them: the same seed, the same values.
       self.layers = nnx.List(
         [
-          DecoderLayer(cfg, rngs=rngs, dtype=dtype, sparse=cfg.is_moe_layer(i), attention=attention)
+          DecoderLayer(
+            cfg,
+            rngs=rngs,
+            dtype=dtype,
+            sparse=cfg.is_moe_layer(i),
+            attention=attention,
+            expert_dispatch=expert_dispatch,
+          )
           for i in range(cfg.num_hidden_layers)
         ]
       )
@@ -1901,6 +2073,7 @@ def unrolled_template(model: Qwen) -> tuple[nnx.GraphDef, nnx.State]:
       remat=model.remat,
       stacked=False,
       attention=model.attention,
+      expert_dispatch=model.expert_dispatch,
     )
   )
   return nnx.split(abstract)

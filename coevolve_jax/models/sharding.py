@@ -31,8 +31,11 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
   "router": None,  # the router's expert dimension: every device scores every expert
   "norm": None,
   "layers": None,  # the stacked decoder layers' leading axis: scanned over, never sharded
-  # activations
-  "batch": ("data", "fsdp"),
+  # activations. Rows split over `expert` too: a MoE block's expert group then holds distinct
+  # rows (attention, the dense layers and the KV cache are not repeated over it), and the block
+  # moves token copies to their experts' devices (`qwen.SparseMoE`). On a dense model's mesh the
+  # expert axis has size 1 and splits nothing.
+  "batch": ("data", "fsdp", "expert"),
   "length": None,
   "act_embed": None,
   "act_heads": "tensor",
@@ -60,6 +63,21 @@ def logical_to_spec(
       raise KeyError(f"logical axis {name!r} has no sharding rule; known: {sorted(rules)}")
     out.append(rules[name])
   return PartitionSpec(*out)
+
+
+def axis_devices(mesh_shape: Mapping[str, int], logical: str | None) -> int:
+  """How many devices the logical axis `logical` is split over on a mesh of `mesh_shape` sizes
+  (the product of its rule's mesh axes; 1 for None). `axis_devices(mesh.shape, "batch")` is the
+  number of row shards: batches, decode slots and gradient-accumulation slices are multiples of it.
+
+  Raises:
+    KeyError: an unknown logical axis.
+  """
+  if logical is None:
+    return 1
+  if logical not in LOGICAL_RULES:
+    raise KeyError(f"logical axis {logical!r} has no sharding rule; known: {sorted(LOGICAL_RULES)}")
+  return math.prod(int(mesh_shape.get(n, 1)) for n in spec_axes(LOGICAL_RULES[logical]))
 
 
 def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -445,10 +445,11 @@ class Engine:
   deleted raise `StaleWeightsError` before any work, never a crash.
 
   Mesh: with a `mesh`, the KV cache is allocated sharded by its logical axes (`KVCache.axes`
-  through `models.sharding.LOGICAL_RULES`): slots over (data, fsdp) and KV heads
+  through `models.sharding.LOGICAL_RULES`): slots over (data, fsdp, expert) and KV heads
   over tensor (replicated over tensor where the head count does not divide), and every prefill
   and decode step keeps it so (`_pin`); the model's activations follow the same table
-  (`jax.set_mesh` while tracing). Per device the cache holds num_slots / (data * fsdp) slots.
+  (`jax.set_mesh` while tracing). Per device the cache holds num_slots / (data * fsdp * expert)
+  slots.
   The slot counters (next_pos, tokens: [B] int32) are replicated.
 
   Args:
@@ -485,7 +486,7 @@ class Engine:
       short prompt attends to this many keys. Larger: fewer programs, more attention work.
   Raises:
     ValueError: num_slots, cache_len or max_prefill_tokens below 1, num_slots that does not
-      divide by the mesh's data * fsdp size (the cache would otherwise be replicated),
+      divide by the mesh's data * fsdp * expert size (the cache would otherwise be replicated),
       `scan_layers` with an unrolled model, an unknown prefill_rows, or a prefill_min_chunk /
       prefill_min_kv that is not a power of two (the chunk at most MAX_PREFILL_CHUNK).
   """
@@ -523,11 +524,11 @@ class Engine:
         f"num_slots ({num_slots}), cache_len ({cache_len}) and "
         f"max_prefill_tokens ({max_prefill_tokens}) must be >= 1"
       )
-    rows = 1 if mesh is None else mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+    rows = 1 if mesh is None else sharding.axis_devices(mesh.shape, "batch")
     if num_slots % rows:
       raise ValueError(
-        f"num_slots ({num_slots}) must divide by the mesh's data * fsdp size ({rows}): the KV "
-        "cache's slots are split over those devices"
+        f"num_slots ({num_slots}) must divide by the mesh's data * fsdp * expert size ({rows}): "
+        "the KV cache's slots are split over those devices"
       )
     self.mesh = mesh
     self._weights = weights
