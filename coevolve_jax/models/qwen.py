@@ -1333,37 +1333,38 @@ class SparseMoE(nnx.Module):
 
     Inside `jax.shard_map` over the whole mesh, a device holds E / n_ep of the experts (n_ep:
     the size of the mesh axes that split the experts dimension, `expert`), a tensor shard
-    F / n_tp of their hidden size, the whole router, and the tokens of its batch rows, which the
-    rules leave whole on every device of an expert group (`batch` is not split over `expert`).
-    It routes its own rows (`_route`; the router's gradient is summed over the batch axes by
-    shard_map's transpose), sorts its M k token copies so that those routed to its own experts
-    come first, runs `Experts.apply` on them (copies for other devices' experts fall past the
-    groups and are masked to zero), scatter-adds the weighted results into its [M, D] partial
-    output and `psum`s that over the expert (and tensor) axes. Were the rules to split `batch`
-    over `expert`, the rows would be `all_gather`ed over it first and the sum would be a
-    `psum_scatter` back to each device's rows. Dropless and exact: each copy is computed once,
-    by the device holding its expert, and the sum equals the single-device result up to float
-    rounding.
+    F / n_tp of their hidden size, the whole router, and its own batch rows: the rules split
+    "batch" over `expert` too (`sharding.LOGICAL_RULES`), so the devices of an expert group hold
+    different rows (where the batch does not divide, the rows are whole over the group). It
+    routes its own rows (`_route`; the router's gradient is summed over the batch axes by
+    shard_map's transpose); then, by `plan.all_to_all`:
+    - gather (`_ep_gather_rows`, `_ep_local_experts`): the group's rows are `all_gather`ed, the
+      device sorts the M k token copies so that those routed to its own experts come first, runs
+      `Experts.apply` on them (copies for other devices' experts fall past the groups and are
+      masked to zero), scatter-adds the weighted results into an [M, D] partial output, and the
+      partials are `psum_scatter`ed back to each device's rows (`psum`ed where the rows were
+      whole over the group);
+    - all-to-all (`_ep_all_to_all`): its own copies go to their experts' devices and come back.
+    A tensor axis's partial sums over F are `psum`ed at the end. Dropless and exact either way:
+    each copy is computed once, by the device holding its expert, and the result equals the
+    single-device one up to float rounding.
 
-    Communication per MoE layer, per device, for the M tokens of its expert group: forward, one
-    all-reduce of [M, D] over the n_ep n_tp devices of the expert x tensor group (a ring moves
-    2 (n - 1) / n M D values); backward, one more of [M, D] (the input gradient) and one of
-    [M, k] (the routing weights'), and the sum of the [D, E] router gradient over the batch
-    axes; plus, with `embed` split over `fsdp`, the FSDP all-gather of the router and of the
-    device's own E / n_ep experts' kernels (and the reduce-scatter of their gradients). The
-    experts are never gathered over `expert`. With the batch split over `expert`, the all-gather
-    plus reduce-scatter move 2 (n_ep - 1) / n_ep M D values; an all-to-all dispatch (each copy
-    sent to its expert's device and back) moves 2 (n_ep - 1) / n_ep (M / n_ep) k D, so the
-    gather scheme moves n_ep / k times as much: no more for Qwen3-30B-A3B (k = 8) up to n_ep = 8.
-    A dropless all-to-all needs `jax.lax.ragged_all_to_all` (a fixed-capacity
-    `jax.lax.all_to_all` drops copies past its capacity unless that is all M k copies), which
-    XLA:CPU does not implement (UNIMPLEMENTED in JAX 0.10). MaxText (`layers/moe.py`,
-    `sparse_matmul`) splits the batch over the expert axis and dispatches and returns the copies
-    with `ragged_all_to_all` into a buffer sized for the worst case; its `use_ring_of_experts`
-    option is the gather scheme here (`all_gather` tokens, local experts, `psum_scatter`).
-    Compute per device: `ragged_dot` over a buffer of all A = M k copies (dropless: any device
-    may get all of them), about A / n_ep of them in its groups; XLA:CPU's ragged_dot also works
-    on the rows past the groups, grouped-matmul kernels on accelerators may skip them.
+    Communication per MoE layer and device, M the tokens of its expert group: the gather moves
+    2 (n_ep - 1) / n_ep M D values (rows in, partial sums out), the all-to-all
+    2 (n_ep - 1) / n_ep (M / n_ep) k D (each copy there and back), so the gather moves n_ep / k
+    times as much: no more for Qwen3-30B-A3B (k = 8) up to n_ep = 8, which is the choice of
+    `dispatch="auto"`. Backward: the transposes (a reduce-scatter and an all-gather, or the
+    two exchanges reversed; the gather also reduce-scatters the [M, k] routing-weight gradients,
+    which the all-to-all keeps on the sender), and the sum of the [D, E] router gradient over
+    the batch axes; with `embed` split over `fsdp`, the FSDP
+    all-gather of the router and of the device's own experts' kernels (and the reduce-scatter of
+    their gradients). The experts are never gathered over `expert`. A fixed-capacity
+    `jax.lax.all_to_all` would drop copies past its capacity, so the all-to-all is
+    `jax.lax.ragged_all_to_all` into a buffer sized for the worst case, as MaxText's
+    `sparse_matmul` (`layers/moe.py`) does; its `use_ring_of_experts` option is the gather.
+    Compute per device: `ragged_dot` over a buffer of M k copies (dropless: any device may get
+    all of them), about M k / n_ep of them in its groups; XLA:CPU's ragged_dot also works on the
+    rows past the groups, grouped-matmul kernels on accelerators may skip them.
 
     Args:
       plan: `_expert_parallel_plan`'s specs.
