@@ -235,8 +235,9 @@ def _child():
   # devices and back. XLA:CPU has no ragged_all_to_all, so `qwen.ragged_all_to_all` runs its
   # all_to_all equivalent here (checked against the op's documented semantics in
   # test_ragged_all_to_all_matches_its_definition); no rows are gathered.
+  # (fsdp x expert differs from data x expert only in the kernels' FSDP gather, checked above.)
   a2a = nnx.jit(lambda: Qwen(CFG, rngs=nnx.Rngs(1), expert_dispatch="all_to_all"))()
-  for axes in ({"data": 2, "expert": 4}, {"fsdp": 2, "expert": 4}, {"tensor": 2, "expert": 4}):
+  for axes in ({"data": 2, "expert": 4}, {"tensor": 2, "expert": 4}):
     mesh = shd.make_mesh(axes)
     got, hlo = _results(_placed(a2a, mesh), mesh, ids, mask, routing)
     _close(got, single, f"all_to_all {axes}")
