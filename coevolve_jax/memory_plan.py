@@ -124,11 +124,6 @@ def parse_mesh(text: str) -> dict[str, int]:
   return mesh
 
 
-def _axis_size(mesh: Mapping[str, int], logical: str | None) -> int:
-  """Devices a logical activation axis is split over (the activation estimate's rule)."""
-  return sharding.axis_devices(mesh, logical)
-
-
 def shard_bytes(
   shape: Sequence[int],
   dtype,
@@ -297,7 +292,7 @@ def _activation_bytes(leaves, cfg: QwenConfig, mesh: Mapping[str, int], seqs_per
     # The first dimension is the batch or, for the residuals a layer scan stacks, the layer axis
     # (either way the size is already scaled); divide by one tensor-sharded dimension.
     logical = next((tensor_dims[d] for d in leaf.shape[1:] if d in tensor_dims), None)
-    total += -(-size // _axis_size(mesh, logical)) if logical else size
+    total += -(-size // sharding.axis_devices(mesh, logical)) if logical else size
   return total
 
 
@@ -455,7 +450,7 @@ def _training_state_bytes(
 def _sequences_per_device(mesh: Mapping[str, int], batch: int, micro_batches: int) -> int:
   """Sequences one device trains on at a time: its share of the batch axes (data, fsdp, expert)
   of one of `micro_batches` slices of `batch` sequences, rounded up."""
-  batch_shards = _axis_size(mesh, "batch")
+  batch_shards = sharding.axis_devices(mesh, "batch")
   return -(-batch // (batch_shards * micro_batches))
 
 
@@ -630,7 +625,7 @@ def micro_batch_choices(cfg: Mapping[str, Any], mesh: Mapping[str, int]) -> list
   if cfg["train"]["micro_batches"] > 0:
     return [int(cfg["train"]["micro_batches"])]
   sizes = _mini_batch_rows(cfg)
-  shards = _axis_size({a: int(mesh.get(a, 1)) for a in sharding.MESH_AXES}, "batch")
+  shards = sharding.axis_devices(mesh, "batch")
   return [1] + [
     k for k in range(2, sizes[-1] + 1) if all(n % k == 0 for n in sizes) and sizes[0] // k >= shards
   ]

@@ -1438,7 +1438,8 @@ def _ep_local_order(experts_btk, expert_axes: tuple[str, ...], g: int, k: int):
   this device's G = g experts, other devices' copies last.
 
   Args:
-    experts_btk: [B, T, k] int experts of every row. expert_axes: the mesh axes splitting E.
+    experts_btk: [B, T, k] int experts of every row (or, with k = 1, the [R] experts of the
+      copies an all-to-all received; -1 for none). expert_axes: the mesh axes splitting E.
   Returns:
     ([A] bool copies routed to this device's experts, [A] int32 sort order, [A] token index of
     each sorted copy, [g] int32 group sizes).
@@ -1516,12 +1517,12 @@ def _ep_all_to_all(
   send_sizes = jnp.bincount(sent_e // g, length=n).astype(jnp.int32)  # [n] copies per receiver
   counts_nn = jax.lax.all_gather(send_sizes, axes)  # [sender, receiver]
   before_nn = jnp.cumsum(counts_nn, axis=0) - counts_nn  # earlier senders' copies, per receiver
-  input_offsets = jnp.cumsum(send_sizes) - send_sizes
+  sent_before = jnp.cumsum(counts_nn, axis=1) - counts_nn  # each sender's own input offsets
   recv_sizes = counts_nn[:, me]
   recv_offsets = before_nn[:, me]  # senders' chunks lie in sender order in the receive buffer
   exchange = functools.partial(
     ragged_all_to_all,
-    input_offsets=input_offsets,
+    input_offsets=sent_before[me],
     send_sizes=send_sizes,
     output_offsets=before_nn[me],
     recv_sizes=recv_sizes,
@@ -1529,15 +1530,11 @@ def _ep_all_to_all(
   )
   r = n * a
   x_rd = exchange(x_btd.reshape(b * t, d)[token_a], jnp.zeros((r, d), x_btd.dtype))
-  local_r = exchange(sent_e, jnp.full((r,), -1, jnp.int32)) - me * g
-  mine_r = (local_r >= 0) & (local_r < g)  # rows past the received ones stay -1 - me g < 0
-  key_r = jnp.where(mine_r, local_r, g)
-  iota_r = jnp.arange(r, dtype=jnp.int32)
-  _, rorder = jax.lax.sort((key_r, iota_r), num_keys=1, is_stable=True)
-  group_sizes = jnp.bincount(key_r, length=g + 1)[:g].astype(jnp.int32)
+  # Rows past the received ones keep expert -1: not this device's, they sort past the groups.
+  recv_e = exchange(sent_e, jnp.full((r,), -1, jnp.int32))
+  mine_r, rorder, _, group_sizes = _ep_local_order(recv_e, axes, g, 1)
   y_rd = Experts.apply(x_rd[rorder], group_sizes, gate_gdf, up_gdf, down_gfd)
   y_rd = jnp.zeros_like(y_rd).at[rorder].set(jnp.where(mine_r[rorder][:, None], y_rd, 0))
-  sent_before = jnp.cumsum(counts_nn, axis=1) - counts_nn  # each sender's own input offsets
   y_ad = ragged_all_to_all(
     y_rd,
     jnp.zeros((a, d), y_rd.dtype),
