@@ -99,8 +99,14 @@ def init(
   """
 
   def make():
-    kinds = {"remat": remat, "attention": attention, "expert_dispatch": expert_dispatch}
-    return Qwen(cfg, rngs=nnx.Rngs(seed), dtype=dtype, **kinds)
+    return Qwen(
+      cfg,
+      rngs=nnx.Rngs(seed),
+      dtype=dtype,
+      remat=remat,
+      attention=attention,
+      expert_dispatch=expert_dispatch,
+    )
 
   graphdef, shapes = nnx.split(nnx.eval_shape(make))
   # Jitted with or without a mesh: the same compiled draw, so the values are bit-identical on
