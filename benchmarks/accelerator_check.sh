@@ -14,10 +14,12 @@
 #                then benchmarks/attention_kernels.py: each attention kernel of the backend
 #                (splash on TPU, cuDNN on GPU, the blocked XLA path) against the plain XLA
 #                softmax, one layer's forward and backward at 4k and 16k tokens, and a decode
-#                step's attention at batch 64 against its memory bound (stage "attention");
+#                step's attention at batch 64 against its memory bound (the backend's decode
+#                kernel: ragged on GPU, paged on TPU; stage "attention");
 #                then benchmarks/decode_step.py: the engine's whole decode step at the
 #                Qwen3-0.6B shape (random, bfloat16), 64 slots of a 4,096-entry cache, stacked
-#                and unrolled caches, "auto" (on a GPU the ragged decode kernel) against "xla"
+#                and unrolled caches, "auto" (the ragged decode kernel on a GPU, the paged
+#                one on a TPU) against "xla"
 #                (stage "engine_decode")
 #   memory.log   benchmarks/mesh_memory.py: per-device memory of the job's largest prefill (64
 #                slots x 2,048 tokens into a 4,096-entry cache) and a GRPO epoch at the Qwen3-0.6B
@@ -94,7 +96,7 @@ stage decode "${DECODE_S:-90}" "$PY" benchmarks/rollout_bench.py --peers=transfo
   --hidden=1024 --head_dim=128 --tied=1 --kv_lengths=640 --repeats=2 --decode_steps=1,8
 
 STAGE_LOG=decode stage attention "${ATTENTION_S:-90}" "$PY" benchmarks/attention_kernels.py \
-  --seqs=4096,16384 --decode_batch=64 --decode_len=4096 --decode_kernels=xla,ragged
+  --seqs=4096,16384 --decode_batch=64 --decode_len=4096
 
 STAGE_LOG=decode stage engine_decode "${ENGINE_DECODE_S:-150}" "$PY" benchmarks/decode_step.py \
   --preset=qwen3_0_6b --dtype=bfloat16 --slots=64 --cache_len=4096 --lengths=4096,ragged \
@@ -123,7 +125,7 @@ EOF"
 stage tests "${TESTS_S:-100}" "$PY" -m pytest -q -x -p no:cacheprovider tests/test_qwen_parity.py
 
 STAGE_LOG=tests stage kernels "${KERNELS_S:-90}" "$PY" -m pytest -q -p no:cacheprovider \
-  tests/test_attention_kernels.py -k "cudnn or ragged"
+  tests/test_attention_kernels.py -k "cudnn or ragged or paged"
 
 echo >>"$summary"
 echo "Logs: one file per stage beside this one. Machine: see env.log." >>"$summary"

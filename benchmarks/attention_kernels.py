@@ -15,11 +15,13 @@ lacks) says why instead of a time.
 
 Then the decode step's attention at `--decode_batch` slots over `--decode_len` cache entries,
 with every slot full and with ragged slots (lengths uniform in [S/8, S]), by each of
-`--decode_kernels`: "xla" (the engine's XLA path, what every CPU and TPU run decodes with) and
-"ragged" (`kernels.ragged_decode_attention`, JAX's Pallas GPU decode kernel, which reads each
-slot only to its length: what the engine decodes with on a GPU, `model.attention` "auto" or
-"cudnn"; Pallas interpret mode off GPU: numerics, not speed), `--decode_inner` chained steps per
-call, against
+`--decode_kernels` (default: "xla" and the backend's kernel): "xla" (the engine's XLA path, what
+every CPU run decodes with), "ragged" (`kernels.ragged_decode_attention`, JAX's Pallas GPU decode
+kernel, which reads each slot only to its length: what the engine decodes with on a GPU,
+`model.attention` "auto" or "cudnn"; Pallas interpret mode off GPU: numerics, not speed) and
+"paged" (`kernels.paged_decode_attention`, JAX's Pallas TPU paged-attention kernel over the same
+cache seen as pages, likewise to each slot's length: the engine's on a TPU over a bfloat16 cache;
+TPU interpret mode off TPU), `--decode_inner` chained steps per call, against
 the memory bound: the filled keys and values read once, at the rate a jitted sum reads memory
 here (rollout_bench.read_bandwidth), with each output's largest difference from XLA's.
 
@@ -112,13 +114,17 @@ def _chained(step, inner: int):
 def decode_seconds(args, kernel: str, ragged: bool) -> tuple[float, int, float]:
   """(median seconds per step, bytes of filled keys and values, max |difference| from the XLA
   path's output) of one decode step's attention by `kernel`: "xla" (the engine's XLA path:
-  masked softmax over every entry of the slot) or "ragged" (`kernels.ragged_decode_attention`
-  over a cache of key layout "sh", reading filled entries only; on CPU in interpret mode)."""
+  masked softmax over every entry of the slot), "ragged" (`kernels.ragged_decode_attention`) or
+  "paged" (`kernels.paged_decode_attention`), both over a cache of key layout "sh" and reading
+  filled entries only (off their device in interpret mode)."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
 
   from coevolve_jax.models import qwen  # noqa: PLC0415
-  from coevolve_jax.models.kernels import ragged_decode_attention  # noqa: PLC0415
+  from coevolve_jax.models.kernels import (  # noqa: PLC0415
+    paged_decode_attention,
+    ragged_decode_attention,
+  )
 
   q, kk, vv, lengths = decode_inputs(args, ragged)
   s = args.decode_len
@@ -133,16 +139,17 @@ def decode_seconds(args, kernel: str, ragged: bool) -> tuple[float, int, float]:
   want = jax.jit(xla_step)(q, kk, vv).astype(jnp.float32)
   if kernel == "xla":
     step, operands, got = xla_step, (kk, vv), want
-  elif kernel == "ragged":
+  elif kernel in ("ragged", "paged"):
     k_bksh = jnp.swapaxes(kk, 2, 3)  # the cache's key layout "sh", made outside the timed step
+    attend = ragged_decode_attention if kernel == "ragged" else paged_decode_attention
 
     def step(q, k_bksh, vv):
-      return ragged_decode_attention(q[:, 0], k_bksh, vv, lengths)[:, None]
+      return attend(q[:, 0], k_bksh, vv, lengths)[:, None]
 
     operands = (k_bksh, vv)
     got = jax.jit(step)(q, *operands).astype(jnp.float32)
   else:
-    raise ValueError(f"unknown decode kernel {kernel!r}: xla or ragged")
+    raise ValueError(f"unknown decode kernel {kernel!r}: xla, ragged or paged")
   error = float(jnp.max(jnp.abs(got - want)))
   inner = args.decode_inner
   chained = _chained(step, inner)
@@ -165,13 +172,19 @@ def main(argv=None) -> int:
   p.add_argument("--decode_inner", type=int, default=8, help="chained decode steps per call")
   p.add_argument(
     "--decode_kernels",
-    default="xla,ragged",
-    help="decode kernels: xla (the engine's XLA path), ragged (the engine's on a GPU)",
+    default="",
+    help="decode kernels: xla (the engine's XLA path), ragged (the engine's on a GPU), paged "
+    "(the engine's on a TPU in bfloat16); default xla and the backend's (xla alone on CPU)",
   )
   p.add_argument("--kernels", default="", help="comma-separated (default: the backend's)")
   p.add_argument("--interpret", action="store_true", help="splash in interpret mode off TPU")
   args = p.parse_args(argv)
   kernels = args.kernels.split(",") if args.kernels else kernels_here(args.interpret)
+  if not args.decode_kernels:
+    import jax  # noqa: PLC0415
+
+    here = {"gpu": ["ragged"], "tpu": ["paged"]}.get(jax.default_backend(), [])
+    args.decode_kernels = ",".join(["xla", *here])
   print(f"Machine: {machine()}")
   print(
     f"One layer's attention, forward and backward: batch {args.batch}, {args.heads} query / "

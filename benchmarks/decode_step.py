@@ -71,7 +71,9 @@ def step_seconds(folder: str, kernel: str, stacked: bool, lengths, args):
   if not stacked:
     model = unstack(model)
   b, s = len(lengths), args.cache_len
-  empty = KVCache.zeros(model.config, b, s, dtype, stacked=stacked, keys=key_layout(kernel))
+  empty = KVCache.zeros(
+    model.config, b, s, dtype, stacked=stacked, keys=key_layout(kernel, dtype=dtype)
+  )
   rng = np.random.default_rng(0)  # the same cache contents for every kernel and layout
   cache = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), a.dtype), empty)
   graphdef, state = nnx.split(model)

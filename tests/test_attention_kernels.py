@@ -6,7 +6,8 @@ multiple; the model's logits and loss gradient by kernel; the kernels under shar
 devices (a child process); "auto" keeps the CPU path. The decode steps' Pallas GPU kernel
 (`kernels.ragged_decode_attention`) in Pallas interpret mode against the masked softmax, and an
 engine that decodes through it (the GPU's choices on this CPU: `_pretend_gpu`) against one that
-does not.
+does not; the same for the TPU's paged-attention decode kernel (`kernels.paged_decode_attention`,
+Pallas's TPU interpret mode) over a bfloat16 cache.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ import pytest
 from flax import nnx
 
 from coevolve_jax.models import kernels, qwen
-from coevolve_jax.models.kernels import fused_attention, ragged_decode_attention, resolve_attention
+from coevolve_jax.models.kernels import (
+  fused_attention,
+  paged_decode_attention,
+  ragged_decode_attention,
+  resolve_attention,
+)
 from coevolve_jax.rollout import generate
 from coevolve_jax.rollout.engine import Engine
 from coevolve_jax.rollout.sampling import SamplingParams
@@ -29,6 +35,10 @@ from coevolve_jax.rollout.sampling import SamplingParams
 from host_devices import run_child
 
 B, H = 2, 16
+ON_GPU = jax.default_backend() == "gpu"
+# The TPU paged kernel's checks run on CPU (TPU interpret mode) and on a TPU (the kernel itself);
+# on a GPU the GPU decode kernel's checks run instead.
+NOT_ON_GPU = pytest.mark.skipif(ON_GPU, reason="the TPU paged kernel: checked on CPU and TPU")
 
 
 def _inputs(t: int, n: int, k: int, pad: int = 0, seed: int = 0, dtype=jnp.float32):
@@ -93,9 +103,6 @@ def test_splash_in_bfloat16_stays_within_its_rounding():
   bound = 2e-2
   assert float(jnp.max(jnp.abs(xla - want))) < bound
   assert float(jnp.max(jnp.abs(got - want))) < bound
-
-
-ON_GPU = jax.default_backend() == "gpu"
 
 
 @pytest.mark.skipif(
@@ -205,6 +212,64 @@ def test_ragged_decode_kernel_in_bfloat16_stays_within_its_rounding():
   assert float(jnp.max(jnp.abs(got - want))) < 2e-2
 
 
+def _bfloat16_exact(x):
+  """`x` rounded to bfloat16 and back: float32 entries the paged kernel's rounding keeps."""
+  return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+@NOT_ON_GPU
+def test_paged_decode_kernel_equals_the_masked_softmax():
+  """TPU's paged decode kernel (Pallas's TPU interpret mode), GQA of 2 (6 query heads over 3 KV
+  heads), slots of 1, 37, 200 and all 256 entries: each sees its own [0, length). The kernel
+  rounds keys and values to bfloat16 and computes in float32, so over keys and values that
+  bfloat16 holds exactly it is the float32 masked softmax within 1e-5, and over the same cache
+  stored in bfloat16 it gives that result rounded to bfloat16, bit for bit. Which kernel and key
+  layout each backend and cache dtype gets; S it cannot page is a clear error."""
+  args, reference = _decode_inputs(6, 3, 256, [1, 37, 200, 256])
+  q, keys, values, lengths = args
+  keys, values = _bfloat16_exact(keys), _bfloat16_exact(values)
+  want = _masked_softmax(reference[0], keys.swapaxes(-1, -2), values, *reference[3:])
+  got = paged_decode_attention(q, keys, values, lengths)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  stored = paged_decode_attention(
+    q, keys.astype(jnp.bfloat16), values.astype(jnp.bfloat16), lengths
+  )
+  assert stored.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(stored), np.asarray(got.astype(jnp.bfloat16)))
+  assert kernels.paged_decode_blocks(256) == (128, 2)
+  assert kernels.paged_decode_blocks(32768) == (128, 4)  # 512 keys per block
+  assert kernels.paged_decode_blocks(48) == (16, 3)
+  assert kernels.paged_decode_blocks(1000) is None  # pages of 8 entries: under bfloat16's tile
+  with pytest.raises(ValueError, match="cannot page 1000 cache entries"):
+    paged_decode_attention(q, *(jnp.zeros((4, 3, 1000, H)),) * 2, lengths)
+  bf16 = jnp.bfloat16
+  assert kernels.decode_kernel("auto", "tpu", bf16) == "paged"
+  assert kernels.decode_kernel("auto", "tpu") == "splash"  # float32: the exact XLA paths
+  assert kernels.decode_kernel("auto", "cpu", bf16) == "blocked"
+  assert kernels.decode_kernel("auto", "gpu") == "ragged"
+  assert kernels.key_layout("auto", "tpu", bf16) == "sh"
+  assert kernels.key_layout("auto", "tpu", jnp.float32) == "hs"
+  assert kernels.key_layout("auto", "cpu", bf16) == "hs"
+
+
+@NOT_ON_GPU
+def test_paged_decode_kernel_reads_no_page_past_a_slot_length():
+  """1,024 entries per slot: pages of 128, blocks of 512 keys. NaN in every entry of a block
+  that starts at or past a slot's length leaves that slot's output finite and equal to the
+  clean cache's: the kernel skips those blocks, where the XLA paths read the bucket whole."""
+  lengths = [1, 300, 512, 1024]
+  args, _ = _decode_inputs(4, 2, 1024, lengths, seed=3)
+  q, keys, values, lengths_b = args
+  keys, values = _bfloat16_exact(keys), _bfloat16_exact(values)
+  clean = paged_decode_attention(q, keys, values, lengths_b)
+  skipped = np.arange(1024)[None, :] >= -(-np.asarray(lengths)[:, None] // 512) * 512  # [B, S]
+  poison = lambda x: jnp.where(skipped[:, None, :, None], jnp.nan, x)  # noqa: E731
+  got = paged_decode_attention(q, poison(keys), poison(values), lengths_b)
+  assert skipped.sum() == 3 * 512  # the slots of 1, 300 and 512 entries: their second block
+  assert np.isfinite(np.asarray(got)).all()
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(clean))
+
+
 def _pretend_gpu(monkeypatch):
   """The GPU's kernel choices on this CPU (`kernels.default_backend` says "gpu"): "cudnn"
   resolves, the cache keeps keys "sh" and decode steps run the Pallas kernel, in interpret mode
@@ -242,6 +307,39 @@ def test_an_engine_decodes_through_the_ragged_kernel_as_through_the_masked_softm
   for want, got in zip(out["xla"], out["cudnn"], strict=True):
     assert got.token_ids == want.token_ids
     np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+
+
+@NOT_ON_GPU
+def test_an_engine_decodes_through_the_paged_kernel_as_through_the_masked_softmax(monkeypatch):
+  """With the TPU's choices (`kernels.default_backend` says "tpu": "auto" resolves to "splash")
+  and a bfloat16 KV cache, the engine keeps keys [B, K, S, H] and decode steps attend through
+  the paged kernel (counted); the same prompts as the GPU's test then decode the "xla" engine's
+  greedy tokens with the same cache dtype, log-probs within 2e-3: the XLA path rounds the
+  attention probabilities to the cache's bfloat16 before the value product (`qwen._attend`),
+  the kernel keeps them in float32 (6e-4 apart here; lengths one entry short or long move them
+  by 4e-3 to 3e-2, tried). A stacked cache; the kernel on a mesh in the 8-device child."""
+  calls = []
+  real = qwen.paged_decode_attention
+  monkeypatch.setattr(
+    qwen, "paged_decode_attention", lambda *a: calls.append(a[1].shape) or real(*a)
+  )
+  prompts = [
+    [int(x) for x in np.random.default_rng(i).integers(0, 64, n)]
+    for i, n in enumerate((20, 60, 33, 50))
+  ]
+  out = {}
+  for attention in ("xla", "auto"):
+    if attention == "auto":
+      monkeypatch.setattr(kernels, "default_backend", lambda: "tpu")
+    engine = Engine(_tiny(attention), 4, 256, scan_layers=True, dtype=jnp.bfloat16)
+    assert engine.key_layout == ("sh" if attention == "auto" else "hs")
+    out[attention] = generate(
+      engine, prompts, SamplingParams(temperature=0.0), rng=jax.random.key(0), max_new_tokens=4
+    )
+  assert calls and all(shape[-2] == 256 for shape in calls), calls
+  for want, got in zip(out["xla"], out["auto"], strict=True):
+    assert got.token_ids == want.token_ids
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=2e-3)
 
 
 def _tiny(attention: str, stacked: bool = True):
@@ -323,6 +421,7 @@ def _child():
   np.testing.assert_allclose(out["splash"], out["xla"], rtol=1e-5, atol=1e-5)
   _blocked_decode_on_the_mesh(mesh)
   _ragged_decode_on_the_mesh()
+  _paged_decode_on_the_mesh()
   print("mesh OK")
 
 
@@ -363,6 +462,26 @@ def _ragged_decode_on_the_mesh() -> None:
   for want_c, got_c in zip(out["xla"], out["cudnn"], strict=True):
     assert got_c.token_ids == want_c.token_ids
     np.testing.assert_allclose(got_c.logprobs, want_c.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def _paged_decode_on_the_mesh() -> None:
+  """The TPU paged decode kernel under shard_map (slots over data 4, KV heads over tensor 2; over
+  tensor 4 the 2 KV heads are replicated) equals the masked softmax of bfloat16-exact keys and
+  values; no collective in the program."""
+  from coevolve_jax.models import sharding as shd  # noqa: PLC0415
+
+  args, reference = _decode_inputs(4, 2, 256, [1, 90, 256, 17])
+  q, keys, values, lengths = args
+  keys, values = _bfloat16_exact(keys), _bfloat16_exact(values)
+  want = _masked_softmax(reference[0], keys.swapaxes(-1, -2), values, *reference[3:])
+  for axes in ({"data": 4, "tensor": 2}, {"data": 2, "tensor": 4}):
+    mesh = shd.make_mesh(axes)
+    with jax.set_mesh(mesh):
+      got = jax.jit(paged_decode_attention)(q, keys, values, lengths)
+      hlo = jax.jit(paged_decode_attention).lower(q, keys, values, lengths).as_text()
+    assert "shard_map" in hlo or "sdy.manual_computation" in hlo, axes
+    assert "all-gather" not in hlo and "all_gather" not in hlo, axes
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def _blocked_decode_on_the_mesh(mesh) -> None:

@@ -1,7 +1,7 @@
 """Attention kernels from JAX: for the cache-free passes (training forward and backward,
-scoring) TPU splash attention and cuDNN's fused attention, and for the engine's decode steps on
-GPU JAX's Pallas ragged decode kernel, each run per device inside `jax.shard_map` over the mesh's
-batch and head axes.
+scoring) TPU splash attention and cuDNN's fused attention, and for the engine's decode steps
+JAX's Pallas ragged decode kernel on GPU and its paged-attention kernel on TPU, each run per
+device inside `jax.shard_map` over the mesh's batch and head axes.
 
 `model.attention` (`ATTENTION_KERNELS`) chooses, `resolve_attention` turns "auto" into a kernel
 for the backend, and `qwen._attend_by_pass` (the one function every attention of the model goes
@@ -17,12 +17,17 @@ with its index (positions are the running count of real tokens, or `arange`), so
 padding token sees padding keys only, or cuDNN's sequence lengths after the real tokens are moved
 to the front (`_cudnn_local`); a padding token's output is not read.
 
-A decode step (one query per slot) with "cudnn" (the "auto" choice on GPU) runs
-`ragged_decode_attention`: JAX's Pallas GPU decode kernel (`decode_attention.gqa`), which reads
-each slot's keys only up to that slot's length, where the XLA paths read every slot to the
-longest one's bucket. It reads keys position-major, so with it the KV cache keeps keys
-[B, K, S, H] (`key_layout` "sh", the values' layout) instead of the [B, K, H, S] ("hs") that the
-XLA:CPU decode wants (`qwen.KVCache`).
+A decode step (one query per slot) reads each slot's keys only up to that slot's length, where
+the XLA paths read every slot to the longest one's bucket, with
+- "cudnn" (the "auto" choice on GPU): `ragged_decode_attention`, JAX's Pallas GPU decode kernel
+  (`decode_attention.gqa`);
+- "splash" (the "auto" choice on TPU) over a bfloat16 cache: `paged_decode_attention`, JAX's
+  Pallas TPU paged-attention kernel (`paged_attention`) over the dense cache seen as pages. That
+  kernel rounds keys and values to bfloat16 whatever their dtype, so a float32 cache (parity
+  runs) keeps the exact XLA paths.
+Both read keys position-major, so with them the KV cache keeps keys [B, K, S, H] (`key_layout`
+"sh", the values' layout) instead of the [B, K, H, S] ("hs") that the XLA:CPU decode wants
+(`qwen.KVCache`).
 
 Dimension letters as in qwen.py: B batch, T tokens, N query heads, K key/value heads, H head size,
 S cache entries.
@@ -85,26 +90,34 @@ def resolve_attention(kernel: str, backend: str | None = None) -> str:
   return kernel
 
 
-def decode_kernel(kernel: str, backend: str | None = None) -> str:
-  """The attention of a decode step (`qwen._attend_by_pass`) for `model.attention` = `kernel`:
-  "ragged" (`ragged_decode_attention`) where the kernel resolves to "cudnn" (a GPU); elsewhere the
-  resolved kernel, whose cached passes take the XLA paths ("splash" decodes as "blocked").
+def decode_kernel(kernel: str, backend: str | None = None, dtype=None) -> str:
+  """The attention of a decode step (`qwen._attend_by_pass`) for `model.attention` = `kernel`
+  over a KV cache of `dtype` (default float32): "ragged" (`ragged_decode_attention`) where the
+  kernel resolves to "cudnn" (a GPU); "paged" (`paged_decode_attention`) where it resolves to
+  "splash" (a TPU; Pallas's TPU interpret mode elsewhere) and the cache is bfloat16, the only
+  dtype that kernel keeps exact; elsewhere the resolved kernel, whose cached passes take the
+  XLA paths ("splash" over a float32 cache decodes as "blocked").
 
   Raises:
     ValueError: as `resolve_attention`.
   """
   resolved = resolve_attention(kernel, backend)
-  return "ragged" if resolved == "cudnn" else resolved
+  if resolved == "cudnn":
+    return "ragged"
+  if resolved == "splash" and jnp.dtype(dtype or jnp.float32) == jnp.bfloat16:
+    return "paged"
+  return resolved
 
 
-def key_layout(kernel: str, backend: str | None = None) -> str:
-  """The KV cache's key layout (`KEY_LAYOUTS`) for `model.attention` = `kernel`: "sh" where
-  decode steps run the ragged kernel, "hs" elsewhere (every CPU run).
+def key_layout(kernel: str, backend: str | None = None, dtype=None) -> str:
+  """The KV cache's key layout (`KEY_LAYOUTS`) for `model.attention` = `kernel` and a cache of
+  `dtype` (default float32): "sh" where decode steps run a Pallas kernel (`decode_kernel`
+  "ragged" or "paged"), "hs" elsewhere (every CPU run of the default kernel).
 
   Raises:
     ValueError: as `resolve_attention`.
   """
-  return "sh" if decode_kernel(kernel, backend) == "ragged" else "hs"
+  return "sh" if decode_kernel(kernel, backend, dtype) in ("ragged", "paged") else "hs"
 
 
 def cudnn_supports(dtype, head_dim: int) -> bool:
@@ -339,13 +352,108 @@ def ragged_decode_attention(
       interpret=interpret,
     )
 
+  return _per_slot_decode(
+    local, "ragged_decode_attention", q_bnh, keys_bksh, values_bksh, lengths_b
+  )
+
+
+# The TPU paged-attention kernel's page (its page_size: the largest power of two up to this that
+# divides S; at least 16, bfloat16's sublane tile) and the most keys it attends to per inner block
+# (pages_per_compute_block x page_size).
+PAGED_DECODE_PAGE = 128
+PAGED_DECODE_BLOCK = 512
+
+
+def paged_decode_blocks(s: int) -> tuple[int, int] | None:
+  """(page_size, pages_per_compute_block) of the TPU paged decode kernel over S cache entries per
+  slot, or None where it cannot take S: pages of gcd(S, PAGED_DECODE_PAGE) entries (at least 16),
+  and the most pages per block that divide the slot's pages within PAGED_DECODE_BLOCK keys."""
+  page = math.gcd(s, PAGED_DECODE_PAGE)
+  if page < 16:
+    return None
+  pages = s // page
+  per_block = max(d for d in range(1, PAGED_DECODE_BLOCK // page + 1) if pages % d == 0)
+  return page, per_block
+
+
+def paged_decode_attention(
+  q_bnh: jax.Array, keys_bksh: jax.Array, values_bksh: jax.Array, lengths_b: jax.Array
+) -> jax.Array:
+  """A decode step's attention by JAX's Pallas TPU paged-attention kernel
+  (`jax.experimental.pallas.ops.tpu.paged_attention`; Pallas's TPU interpret mode off a TPU:
+  exact, and slow): slot b attends to its cache entries [0, lengths_b[b]), and the kernel copies
+  no page past them into VMEM (its blocks past a slot's length are skipped), where the XLA paths
+  read every slot up to the longest one's bucket.
+
+  The dense cache is read as pages with no copy: [B, K, S, H] is [B K S / page] pages of [page, H]
+  (`paged_decode_blocks`), and each (slot, KV head) pair is one of the kernel's sequences, with
+  one KV head and the N / K query heads of its group (GQA: query head n reads KV head
+  n // (N / K)), its page table the pair's own consecutive pages.
+
+  The kernel rounds keys and values to bfloat16 (its `_maybe_dequantize`) and computes in
+  float32; over a bfloat16 cache it is the masked softmax of the same inputs to float32
+  rounding (`decode_kernel` picks it only then).
+
+  Args:
+    q_bnh: [B, N, H] queries (not scaled: they are scaled by 1 / sqrt(H) here, in float32, as the
+      kernel does not scale).
+    keys_bksh, values_bksh: [B, K, S, H] keys and values (a KV cache of key layout "sh"); K
+      divides N.
+    lengths_b: [B] int32 entries each slot attends to, in [1, S].
+  Returns:
+    [B, N, H] outputs in the values' dtype, under a mesh as `ragged_decode_attention`'s.
+  Raises:
+    ValueError: S the kernel cannot page (`paged_decode_blocks`).
+  """
+  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas import tpu as pltpu
+  from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+  s = keys_bksh.shape[2]
+  blocks = paged_decode_blocks(s)
+  if blocks is None:
+    raise ValueError(
+      f"the paged decode kernel cannot page {s} cache entries per slot: it needs pages of at "
+      "least 16 entries (S a multiple of 16)"
+    )
+  page, per_block = blocks
+
+  def local(q, k, v, lengths):
+    b, kh, _, h = k.shape
+    pages = s // page
+    as_pages = lambda x: x.reshape(1, b * kh * pages, page, h)  # noqa: E731  no copy
+    call = functools.partial(
+      paged_attention,
+      (q.astype(jnp.float32) * (h**-0.5)).reshape(b * kh, q.shape[1] // kh, h),
+      as_pages(k),
+      as_pages(v),
+      jnp.repeat(lengths.astype(jnp.int32), kh),
+      jnp.arange(b * kh * pages, dtype=jnp.int32).reshape(b * kh, pages),
+      pages_per_compute_block=per_block,
+    )
+    if jax.default_backend() == "tpu":
+      out = call()
+    else:
+      with pltpu.force_tpu_interpret_mode():
+        out = call()
+    return out.reshape(q.shape)
+
+  return _per_slot_decode(local, "paged_decode_attention", q_bnh, keys_bksh, values_bksh, lengths_b)
+
+
+def _per_slot_decode(local, name: str, q_bnh, keys_bksh, values_bksh, lengths_b) -> jax.Array:
+  """`local(q, keys, values, lengths)` (a decode kernel on one device's slots) on the whole batch:
+  with a mesh active, per device under `jax.shard_map`, slots split as the "batch" logical axis,
+  KV heads as "act_kv_heads" and the query heads with them (where the head axes do not divide K,
+  the cache is replicated over them and each device computes every head of its slots: no cache
+  copy); no collective. Returns [B, N, H] in the values' dtype."""
   mesh = active_mesh()
   if mesh is None:
     out = local(q_bnh, keys_bksh, values_bksh, lengths_b)
   else:
     kv_spec = param_spec(mesh.shape, ("batch", "act_kv_heads", None, None), keys_bksh.shape)
     q_spec = P(kv_spec[0], kv_spec[1], None)
-    with jax.named_scope("ragged_decode_attention"):
+    with jax.named_scope(name):
       out = jax.shard_map(
         local,
         mesh=mesh,

@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,8 @@ from coevolve_jax.models.kernels import (
   decode_kernel,
   fused_attention,
   key_layout,
+  paged_decode_attention,
+  paged_decode_blocks,
   ragged_decode_attention,
   ragged_decode_splits,
   resolve_attention,
@@ -373,10 +375,12 @@ class KVCache(NamedTuple):
   then runs in the standard layout (see `_attend`; docs/benchmarks/rollout.md). Values stay
   [S, H], the layout probs [G, S] x v [S, H] wants.
 
-  That key layout is "hs" (`kernels.KEY_LAYOUTS`). Where the decode steps run JAX's Pallas GPU
-  decode kernel (`model.attention` "cudnn", or "auto" on a GPU: `kernels.key_layout`), keys are
-  stored [B, K, S, H] like the values ("sh"), the layout the kernel reads; `zeros` and `axes`
-  take the layout, and the model and the engine read it from `model.attention`.
+  That key layout is "hs" (`kernels.KEY_LAYOUTS`). Where the decode steps run a Pallas kernel
+  (`model.attention` "cudnn", or "auto" on a GPU: the GPU decode kernel; "splash", or "auto" on a
+  TPU, over a bfloat16 cache: the TPU paged-attention kernel; `kernels.key_layout`), keys are
+  stored [B, K, S, H] like the values ("sh"), the layout those kernels read; `zeros` and `axes`
+  take the layout, and the model and the engine read it from `model.attention` and the cache's
+  dtype.
 
   Two layouts, as the model's layers have (`Qwen`):
   - unrolled (default): one array per layer, so a decode step of the unrolled model writes and
@@ -448,7 +452,7 @@ def _check_cache(k_cache, v_cache, keys: str) -> None:
     raise ValueError(
       f"the KV cache's keys have shape {tuple(k_cache.shape)}, not {tuple(want)} (key layout "
       f"{keys!r}, which this model's attention needs: make the cache with "
-      f"KVCache.zeros(..., keys=kernels.key_layout(model.attention)))"
+      f"KVCache.zeros(..., keys=kernels.key_layout(model.attention, dtype=...)))"
     )
 
 
@@ -689,13 +693,15 @@ class CacheView(NamedTuple):
   `_read_stacked_kv_cache`); `in_place`: the pass's key bucket is the whole of an unrolled
   cache, which a plain pass reads where it lies (no copy); `whole`: the entries `read(0, whole)`
   returns where they lie (an unrolled cache's length; 0 for a stacked cache, whose layer entry is
-  read by a copy). A cached pass's keys are the cache's entries at index == position, every one
-  valid (`Qwen.decode_routed`)."""
+  read by a copy); `dtype`: the cache's (which decode kernel reads it, `kernels.decode_kernel`).
+  A cached pass's keys are the cache's entries at index == position, every one valid
+  (`Qwen.decode_routed`)."""
 
   read: Callable[..., tuple[jax.Array, jax.Array]]
   in_place: bool
   keys: str = "hs"
   whole: int = 0
+  dtype: Any = jnp.float32
 
 
 def decode_key_block(kernel: str, t: int, s: int, in_place: bool) -> int | None:
@@ -927,7 +933,8 @@ def _attend_by_pass(
   - "cudnn" on a decode step (one query per row) from a `cache` view with keys "sh" (the
     cache's key layout for this kernel, `kernels.key_layout`): JAX's Pallas GPU decode kernel
     (`kernels.ragged_decode_attention`), reading each row's entries up to its own position;
-    a prefill chunk takes the plain pass below.
+    "splash" likewise over a bfloat16 cache, by JAX's Pallas TPU paged-attention kernel
+    (`kernels.paged_decode_attention`); a prefill chunk takes the plain pass below.
   - "blocked" ("auto" on CPU): with a KV cache (`cached`: prefill or decode) one plain pass,
     except a decode step from a `cache` view where `decode_key_block` says so, which reads the
     cache in blocks up to the longest row's (`_attend_cached_blocks`); without a cache, long
@@ -947,16 +954,19 @@ def _attend_by_pass(
   """
   if cache is not None:
     s = k_pos_bs.shape[1]
-    if q_btnh.shape[1] == 1 and cache.keys == "sh" and decode_kernel(kernel) == "ragged":
+    per_slot = decode_kernel(kernel, dtype=cache.dtype)
+    if q_btnh.shape[1] == 1 and cache.keys == "sh" and per_slot in ("ragged", "paged"):
       # The whole unrolled cache as it lies (a stacked one's bucket, a copy either way): the
       # kernel stops at each slot's length, and a slice would be copied for the kernel call.
       size = cache.whole or s
-      if ragged_decode_splits(size):
+      fits = ragged_decode_splits if per_slot == "ragged" else paged_decode_blocks
+      if fits(size):
         keys, values = cache.read(0, size)
         # Keys at index == position, all valid: the query sees entries [0, position], in the
         # bucket (an idle slot's position may lie past it: it then sees the bucket, as below).
         lengths = jnp.clip(q_pos_bt[:, 0] + 1, 1, s)
-        return ragged_decode_attention(q_btnh[:, 0], keys, values, lengths)[:, None]
+        attend = ragged_decode_attention if per_slot == "ragged" else paged_decode_attention
+        return attend(q_btnh[:, 0], keys, values, lengths)[:, None]
     block = None
     if cache.keys == "hs":
       block = decode_key_block(kernel, q_btnh.shape[1], s, cache.in_place)
@@ -1053,8 +1063,9 @@ class Attention(nnx.Module):
       # Keys [B, K, H, S] and values [B, K, S, H], the cache's layout, in both modes (`_attend`).
       keys, values = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
       view = None  # with a cache, what the attention reads its keys and values from
-      layout = key_layout(self.kernel) if k_cache_bkhs is not None else "hs"
+      layout = "hs"
       if k_cache_bkhs is not None:
+        layout = key_layout(self.kernel, dtype=k_cache_bkhs.dtype)
         _check_cache(k_cache_bkhs, v_cache_bksh, layout)
       if k_cache_bkhs is not None and layer_index is not None:
         k_cache_bkhs, v_cache_bksh = _write_stacked_kv_cache(
@@ -1063,7 +1074,8 @@ class Attention(nnx.Module):
         read = functools.partial(
           _read_stacked_kv_cache, k_cache_bkhs, v_cache_bksh, layer_index, keys=layout
         )
-        view, keys, values = CacheView(read, in_place=False, keys=layout), None, None
+        view = CacheView(read, in_place=False, keys=layout, dtype=k_cache_bkhs.dtype)
+        keys, values = None, None
       elif k_cache_bkhs is not None:
         new_keys = keys if layout == "hs" else k.transpose(0, 2, 1, 3)  # [B, K, T, H]
         k_cache_bkhs, v_cache_bksh = _write_kv_cache(
@@ -1071,7 +1083,8 @@ class Attention(nnx.Module):
         )
         read = functools.partial(_read_kv_cache, k_cache_bkhs, v_cache_bksh, keys=layout)
         length = v_cache_bksh.shape[-2]
-        view = CacheView(read, key_pos_bs.shape[1] == length, keys=layout, whole=length)
+        in_place = key_pos_bs.shape[1] == length
+        view = CacheView(read, in_place, keys=layout, whole=length, dtype=k_cache_bkhs.dtype)
         keys, values = None, None
       out = _attend_by_pass(
         q,

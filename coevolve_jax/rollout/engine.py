@@ -183,7 +183,7 @@ def _prefill_rows(
   starts = jnp.where(valid, state.next_pos.at[slots_r].get(mode="clip"), 0)
   per_device = b // slot_shards(shardings, stacked)
   local_r = jnp.where(valid, slots_r % per_device, per_device)  # past the slots: written nowhere
-  layout = key_layout(model.attention)
+  layout = key_layout(model.attention, dtype=state.cache.v[0].dtype)
   read = functools.partial(_read_windows, kv_len=kv_len, keys=layout)
   write = functools.partial(_write_windows, keys=layout)
   if shardings is not None:
@@ -539,8 +539,8 @@ class Engine:
     else:
       self.graphdef, self.params = nnx.split(self._layout(model))
     self.config = model.config
-    # The cache's key layout: "sh" where decode steps run the Pallas ragged kernel (a GPU).
-    self.key_layout = key_layout(model.attention)
+    # The cache's key layout: "sh" where decode steps run a Pallas kernel (GPU; TPU in bfloat16).
+    self.key_layout = key_layout(model.attention, dtype=dtype)
     self.num_slots = num_slots
     self.cache_len = cache_len
     self.max_prefill_tokens = max_prefill_tokens
