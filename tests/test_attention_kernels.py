@@ -270,6 +270,22 @@ def test_paged_decode_kernel_reads_no_page_past_a_slot_length():
   np.testing.assert_array_equal(np.asarray(got), np.asarray(clean))
 
 
+# Prompts of 20-60 tokens for the engine tests: one prefill forward, slots of different lengths.
+PROMPTS = [
+  [int(x) for x in np.random.default_rng(i).integers(0, 64, n)]
+  for i, n in enumerate((20, 60, 33, 50))
+]
+
+
+def _counted(monkeypatch, name: str) -> list:
+  """Replaces `qwen.<name>` (a decode kernel) by itself, recording its key cache's shape at each
+  call (each trace); returns the record."""
+  calls: list = []
+  real = getattr(qwen, name)
+  monkeypatch.setattr(qwen, name, lambda *a: calls.append(a[1].shape) or real(*a))
+  return calls
+
+
 def _pretend_gpu(monkeypatch):
   """The GPU's kernel choices on this CPU (`kernels.default_backend` says "gpu"): "cudnn"
   resolves, the cache keeps keys "sh" and decode steps run the Pallas kernel, in interpret mode
@@ -284,15 +300,7 @@ def test_an_engine_decodes_through_the_ragged_kernel_as_through_the_masked_softm
   the unrolled one in the 8-device child (`_ragged_decode_on_the_mesh`). Prompts of 20-60
   tokens: one prefill forward (chunks of 64), slots of different lengths."""
   _pretend_gpu(monkeypatch)
-  calls = []
-  real = qwen.ragged_decode_attention
-  monkeypatch.setattr(
-    qwen, "ragged_decode_attention", lambda *a: calls.append(a[1].shape) or real(*a)
-  )
-  prompts = [
-    [int(x) for x in np.random.default_rng(i).integers(0, 64, n)]
-    for i, n in enumerate((20, 60, 33, 50))
-  ]
+  calls = _counted(monkeypatch, "ragged_decode_attention")
   out = {}
   for attention in ("xla", "cudnn"):
     engine = Engine(_tiny(attention), 4, 256, scan_layers=True)
@@ -301,7 +309,7 @@ def test_an_engine_decodes_through_the_ragged_kernel_as_through_the_masked_softm
     # Full float32 products (a GPU's default for XLA's is TF32; the kernel's are IEEE).
     with jax.default_matmul_precision("highest"):
       out[attention] = generate(
-        engine, prompts, SamplingParams(temperature=0.0), rng=jax.random.key(0), max_new_tokens=4
+        engine, PROMPTS, SamplingParams(temperature=0.0), rng=jax.random.key(0), max_new_tokens=4
       )
   assert calls and all(shape[-2] == 256 for shape in calls), calls
   for want, got in zip(out["xla"], out["cudnn"], strict=True):
@@ -318,15 +326,7 @@ def test_an_engine_decodes_through_the_paged_kernel_as_through_the_masked_softma
   attention probabilities to the cache's bfloat16 before the value product (`qwen._attend`),
   the kernel keeps them in float32 (6e-4 apart here; lengths one entry short or long move them
   by 4e-3 to 3e-2, tried). A stacked cache; the kernel on a mesh in the 8-device child."""
-  calls = []
-  real = qwen.paged_decode_attention
-  monkeypatch.setattr(
-    qwen, "paged_decode_attention", lambda *a: calls.append(a[1].shape) or real(*a)
-  )
-  prompts = [
-    [int(x) for x in np.random.default_rng(i).integers(0, 64, n)]
-    for i, n in enumerate((20, 60, 33, 50))
-  ]
+  calls = _counted(monkeypatch, "paged_decode_attention")
   out = {}
   for attention in ("xla", "auto"):
     if attention == "auto":
@@ -334,7 +334,7 @@ def test_an_engine_decodes_through_the_paged_kernel_as_through_the_masked_softma
     engine = Engine(_tiny(attention), 4, 256, scan_layers=True, dtype=jnp.bfloat16)
     assert engine.key_layout == ("sh" if attention == "auto" else "hs")
     out[attention] = generate(
-      engine, prompts, SamplingParams(temperature=0.0), rng=jax.random.key(0), max_new_tokens=4
+      engine, PROMPTS, SamplingParams(temperature=0.0), rng=jax.random.key(0), max_new_tokens=4
     )
   assert calls and all(shape[-2] == 256 for shape in calls), calls
   for want, got in zip(out["xla"], out["auto"], strict=True):
@@ -442,10 +442,6 @@ def _ragged_decode_on_the_mesh() -> None:
     assert "shard_map" in hlo or "sdy.manual_computation" in hlo, axes
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   mesh = shd.make_mesh({"data": 4, "tensor": 2})
-  prompts = [
-    [int(x) for x in np.random.default_rng(i).integers(0, 64, n)]
-    for i, n in enumerate((20, 60, 33, 50))
-  ]
   out, calls = {}, []
   real, ragged = kernels.default_backend, qwen.ragged_decode_attention
   qwen.ragged_decode_attention = lambda *a: calls.append(a[1].shape) or ragged(*a)
@@ -455,7 +451,7 @@ def _ragged_decode_on_the_mesh() -> None:
     cache = engine.state.cache
     assert (cache.k[0].shape == cache.v[0].shape) == (attention == "cudnn")
     out[attention] = generate(
-      engine, prompts, SamplingParams(temperature=0.0), rng=jax.random.key(0), max_new_tokens=3
+      engine, PROMPTS, SamplingParams(temperature=0.0), rng=jax.random.key(0), max_new_tokens=3
     )
   kernels.default_backend, qwen.ragged_decode_attention = real, ragged
   assert calls and all(shape[-2] == 256 for shape in calls), calls  # the whole unrolled cache
