@@ -2,7 +2,7 @@
 #
 #   make setup   create .venv (Python 3.11) and install the package with test extras + bfcl-eval
 #   make test    run the test suite without the tests marked slow (what CI runs, in 2 pytest-xdist
-#                workers: 12-33 minutes on 2 cores, see docs/testing.md). TESTS=tests/test_x.py narrows it; extra pytest
+#                workers: 10-17 minutes on 2 cores, by the hour, see docs/testing.md). TESTS=tests/test_x.py narrows it; extra pytest
 #                flags: PYTEST_ARGS=...
 #                or the PYTEST_ADDOPTS environment variable; MARKERS= (empty) selects every test,
 #                MARKERS=slow only the slow ones. Builds .venv-appworld first (appworld-setup) so
