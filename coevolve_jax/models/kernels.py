@@ -104,7 +104,7 @@ def decode_kernel(kernel: str, backend: str | None = None, dtype=None) -> str:
   resolved = resolve_attention(kernel, backend)
   if resolved == "cudnn":
     return "ragged"
-  if resolved == "splash" and jnp.dtype(dtype or jnp.float32) == jnp.bfloat16:
+  if resolved == "splash" and jnp.dtype(jnp.float32 if dtype is None else dtype) == jnp.bfloat16:
     return "paged"
   return resolved
 
