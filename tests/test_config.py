@@ -14,6 +14,7 @@ import ml_collections
 import pytest
 
 from coevolve_jax import config
+from coevolve_jax import main as cli
 from coevolve_jax.config import validate
 
 _CONFIGS = os.path.join(os.path.dirname(__file__), os.pardir, "configs")
@@ -364,9 +365,10 @@ def test_drop_from_loss_from_the_command_line():
     ("explore.only_classes", "bfcl.only_classes"),
   ],
 )
-def test_a_field_that_moved_is_one_error_naming_the_new_field(old, new, tmp_path):
+def test_a_field_that_moved_is_one_error_naming_the_new_field(old, new):
   """Each group has one consumer; a config file written for the old layout (a field left in
-  its old group) and a command-line override of the old name both name the new field."""
+  its old group) and a command-line override of the old name both name the new field (the
+  command line's line as `coevolve_jax.main` prints it; the command itself below)."""
   assert config.MOVED[old] == new
   cfg = _get_config("bfcl.py", "cpu")
   group, name = old.split(".")
@@ -376,6 +378,13 @@ def test_a_field_that_moved_is_one_error_naming_the_new_field(old, new, tmp_path
     cfg[group][name] = 1
   with pytest.raises(ValueError, match=rf"^config field {re.escape(old)} is now {re.escape(new)}"):
     validate(cfg)
+  assert cli._moved_overrides(["--workdir=w", f"--config.{old}=1", "--config.train.steps=2"]) == [
+    f"error: --config.{old}: config field {old} is now {new} (fields were regrouped by consumer)"
+  ]
+
+
+def test_an_override_of_a_field_that_moved_stops_the_command_with_one_error_line(tmp_path):
+  old, new = "rollout.temperature", "sampling.temperature"
   proc = subprocess.run(
     [
       sys.executable,

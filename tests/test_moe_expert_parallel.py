@@ -14,6 +14,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from host_devices import run_child
@@ -42,6 +43,11 @@ B, T = 8, 6  # the loss reads T + 1 tokens, the forward and decode T
 
 def test_expert_parallel_block_equals_one_device():
   run_child(__file__, "ep", timeout=300)
+
+
+@pytest.mark.slow
+def test_expert_parallel_block_equals_one_device_on_more_meshes():
+  run_child(__file__, "ep_more", timeout=300)
 
 
 def test_ragged_all_to_all_matches_its_definition():
@@ -175,7 +181,10 @@ def _ragged_child():
   print("ragged OK")
 
 
-def _child():
+def _child(more: bool):
+  """The expert-parallel checks; `more`: on the meshes and rules that `make test` leaves to the
+  slow run (data x expert and tensor x expert with the gather dispatch, rows whole over the
+  expert group, the all-to-all dispatch on tensor x expert) instead of the others."""
   assert jax.device_count() == 8, jax.devices()
   rng = np.random.default_rng(0)
   ids = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, T + 1)), jnp.int32)
@@ -190,7 +199,10 @@ def _child():
   free = np.asarray(single["decode"][1])  # the router's own choice: the replayed record differs
   assert np.mean(free[2:] != np.asarray(routing)[2:]) > 0.5
 
-  for axes in ({"data": 2, "expert": 4}, {"fsdp": 2, "expert": 4}, {"tensor": 2, "expert": 4}):
+  meshes = (
+    [{"data": 2, "expert": 4}, {"tensor": 2, "expert": 4}] if more else [{"fsdp": 2, "expert": 4}]
+  )
+  for axes in meshes:
     mesh = shd.make_mesh(axes)
     placed = _placed(model, mesh)
     for g, (first, _) in enumerate(placed.block_spans):
@@ -205,31 +217,32 @@ def _child():
     assert "all-reduce" in hlo and not _not_expert_parallel(hlo), (axes, _not_expert_parallel(hlo))
     print("ep", axes, "ok", flush=True)
 
-  # The HLO check can fail: the XLA partitioner, given the single-device dispatch on the same
-  # mesh, sorts the whole batch's token copies on every device and all-reduces them.
-  mesh = shd.make_mesh({"fsdp": 2, "expert": 4})
-  plan = SparseMoE._expert_parallel_plan
-  SparseMoE._expert_parallel_plan = lambda self, mesh, shape: None
-  try:
-    got, hlo = _results(_placed(model, mesh), mesh, ids, mask, routing, full=False)
-  finally:
-    SparseMoE._expert_parallel_plan = plan
-  _close(got, single, "partitioner")
-  assert _not_expert_parallel(hlo), "the partitioner path passed the expert-parallel HLO check"
-
-  # The rules split the rows over `expert` too (the gather dispatch above all-gathers them in
-  # the block and reduce-scatters the sums back). With rows whole on every device of an expert
-  # group (a table without `expert` in "batch"), nothing is gathered: partial sums are psum'd.
-  rules = dict(shd.LOGICAL_RULES)
-  shd.LOGICAL_RULES["batch"] = ("data", "fsdp")
-  try:
-    mesh = shd.make_mesh({"data": 2, "expert": 4})
-    got, hlo = _results(_placed(model, mesh), mesh, ids, mask, routing)
-  finally:
-    shd.LOGICAL_RULES.update(rules)
-  _close(got, single, "rows whole over expert")
-  assert "reduce-scatter" not in hlo and not _not_expert_parallel(hlo), _not_expert_parallel(hlo)
-  print("ep rows whole over expert ok", flush=True)
+  if not more:
+    # The HLO check can fail: the XLA partitioner, given the single-device dispatch on the same
+    # mesh, sorts the whole batch's token copies on every device and all-reduces them.
+    mesh = shd.make_mesh({"fsdp": 2, "expert": 4})
+    plan = SparseMoE._expert_parallel_plan
+    SparseMoE._expert_parallel_plan = lambda self, mesh, shape: None
+    try:
+      got, hlo = _results(_placed(model, mesh), mesh, ids, mask, routing, full=False)
+    finally:
+      SparseMoE._expert_parallel_plan = plan
+    _close(got, single, "partitioner")
+    assert _not_expert_parallel(hlo), "the partitioner path passed the expert-parallel HLO check"
+  else:
+    # The rules split the rows over `expert` too (the gather dispatch above all-gathers them in
+    # the block and reduce-scatters the sums back). With rows whole on every device of an expert
+    # group (a table without `expert` in "batch"), nothing is gathered: partial sums are psum'd.
+    rules = dict(shd.LOGICAL_RULES)
+    shd.LOGICAL_RULES["batch"] = ("data", "fsdp")
+    try:
+      mesh = shd.make_mesh({"data": 2, "expert": 4})
+      got, hlo = _results(_placed(model, mesh), mesh, ids, mask, routing)
+    finally:
+      shd.LOGICAL_RULES.update(rules)
+    _close(got, single, "rows whole over expert")
+    assert "reduce-scatter" not in hlo and not _not_expert_parallel(hlo), _not_expert_parallel(hlo)
+    print("ep rows whole over expert ok", flush=True)
 
   # The all-to-all dispatch (`_ep_all_to_all`): each device's copies sent to their experts'
   # devices and back. XLA:CPU has no ragged_all_to_all, so `qwen.ragged_all_to_all` runs its
@@ -237,13 +250,16 @@ def _child():
   # test_ragged_all_to_all_matches_its_definition); no rows are gathered.
   # (fsdp x expert differs from data x expert only in the kernels' FSDP gather, checked above.)
   a2a = nnx.jit(lambda: Qwen(CFG, rngs=nnx.Rngs(1), expert_dispatch="all_to_all"))()
-  for axes in ({"data": 2, "expert": 4}, {"tensor": 2, "expert": 4}):
+  for axes in [{"tensor": 2, "expert": 4}] if more else [{"data": 2, "expert": 4}]:
     mesh = shd.make_mesh(axes)
     got, hlo = _results(_placed(a2a, mesh), mesh, ids, mask, routing)
     _close(got, single, f"all_to_all {axes}")
     assert "all-to-all" in hlo and not _rows_gathered(hlo), (axes, _rows_gathered(hlo))
     assert not _not_expert_parallel(hlo), (axes, _not_expert_parallel(hlo))
     print("ep all_to_all", axes, "ok", flush=True)
+  if more:
+    print("ep_more OK")
+    return
 
   # On TPU and GPU the native op: the same program lowers with jax.lax.ragged_all_to_all (XLA:CPU
   # cannot compile it, so only the lowering is checked).
@@ -302,7 +318,7 @@ def _child():
 
 
 if __name__ == "__main__":
-  if sys.argv[1:] == ["ep"]:
-    _child()
+  if sys.argv[1:] in (["ep"], ["ep_more"]):
+    _child(more=sys.argv[1] == "ep_more")
   if sys.argv[1:] == ["ragged"]:
     _ragged_child()
