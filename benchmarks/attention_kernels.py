@@ -25,6 +25,13 @@ TPU interpret mode off TPU), `--decode_inner` chained steps per call, against
 the memory bound: the filled keys and values read once, at the rate a jitted sum reads memory
 here (rollout_bench.read_bandwidth), with each output's largest difference from XLA's.
 
+Then a prefill chunk's attention from the cache: `--prefill_rows` rows of `--prefill_chunk`
+queries each, the chunk written last into a bucket of `--decode_len` entries (the rows' earlier
+entries uniform in [0, S - chunk]), by each of `--prefill_kernels` (default "xla" and, on a TPU,
+"paged": `kernels.paged_prefill_attention`, JAX's Pallas TPU ragged paged-attention kernel, what
+the engine prefills with on a TPU over a bfloat16 cache; it runs on TPUs only), one call per
+timing, with the reference's ratio and the largest difference from the XLA path's output.
+
 Kernels: "xla" and "blocked" everywhere; "splash" on TPU (with `--interpret`, in Pallas
 interpret mode elsewhere: numerics, not speed); "cudnn" on GPU.
 """
@@ -158,6 +165,49 @@ def decode_seconds(args, kernel: str, ragged: bool) -> tuple[float, int, float]:
   return seconds / inner, filled, error
 
 
+def prefill_seconds(args, kernel: str) -> tuple[float, float]:
+  """(median seconds, max |difference| from the XLA path's output) of one prefill chunk's
+  attention from the cache by `kernel`: "xla" (the engine's XLA path: [T, S] scores of every
+  row over the bucket) or "paged" (`kernels.paged_prefill_attention`, reading each row's pages
+  up to its chunk's last entry)."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  from coevolve_jax.models import qwen  # noqa: PLC0415
+  from coevolve_jax.models.kernels import paged_prefill_attention  # noqa: PLC0415
+
+  b, t, s = args.prefill_rows, args.prefill_chunk, args.decode_len
+  n, k, h = args.heads, args.kv_heads, args.head_dim
+  dtype = jnp.dtype(args.dtype)
+  keys = jax.random.split(jax.random.PRNGKey(2), 3)
+  q = jax.random.normal(keys[0], (b, t, n, h), dtype)
+  kk = jax.random.normal(keys[1], (b, k, h, s), dtype)
+  vv = jax.random.normal(keys[2], (b, k, s, h), dtype)
+  starts = np.random.default_rng(2).integers(0, s - t + 1, size=b)
+  lengths = jnp.asarray(starts + t, jnp.int32)
+  q_pos = lengths[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None]
+  k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+  xla = jax.jit(
+    lambda q, kk, vv: qwen._attend_by_pass(
+      q, kk, vv, q_pos, k_pos, None, cached=True, gathered=False, kernel="xla"
+    )
+  )
+  want = xla(q, kk, vv).astype(jnp.float32)
+  if kernel == "xla":
+    step, operands, got = xla, (kk, vv), want
+  elif kernel == "paged":
+    k_bksh = jnp.swapaxes(kk, 2, 3)  # the cache's key layout "sh", made outside the timed call
+    step = jax.jit(lambda q, k, v: paged_prefill_attention(q, k, v, lengths))
+    operands = (k_bksh, vv)
+    got = step(q, *operands).astype(jnp.float32)
+  else:
+    raise ValueError(f"unknown prefill kernel {kernel!r}: xla or paged")
+  error = float(jnp.max(jnp.abs(got - want)))
+  seconds = _median_seconds(lambda: step(q, *operands).block_until_ready(), args.repeats)
+  return seconds, error
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--seqs", default="4096,16384", help="training sequence lengths")
@@ -176,6 +226,14 @@ def main(argv=None) -> int:
     help="decode kernels: xla (the engine's XLA path), ragged (the engine's on a GPU), paged "
     "(the engine's on a TPU in bfloat16); default xla and the backend's (xla alone on CPU)",
   )
+  p.add_argument("--prefill_rows", type=int, default=16)
+  p.add_argument("--prefill_chunk", type=int, default=512)
+  p.add_argument(
+    "--prefill_kernels",
+    default="",
+    help="prefill kernels: xla, paged (the engine's on a TPU in bfloat16); default xla and the "
+    "backend's",
+  )
   p.add_argument("--kernels", default="", help="comma-separated (default: the backend's)")
   p.add_argument("--interpret", action="store_true", help="splash in interpret mode off TPU")
   args = p.parse_args(argv)
@@ -185,6 +243,10 @@ def main(argv=None) -> int:
 
     here = {"gpu": ["ragged"], "tpu": ["paged"]}.get(jax.default_backend(), [])
     args.decode_kernels = ",".join(["xla", *here])
+  if not args.prefill_kernels:
+    import jax  # noqa: PLC0415
+
+    args.prefill_kernels = "xla,paged" if jax.default_backend() == "tpu" else "xla"
   print(f"Machine: {machine()}")
   print(
     f"One layer's attention, forward and backward: batch {args.batch}, {args.heads} query / "
@@ -241,6 +303,24 @@ def main(argv=None) -> int:
         ]
       )
       print(f"  decode {kernel} ({label}): {seconds * 1e3:.3f} ms", flush=True)
+  print(markdown_table(rows))
+  print(
+    f"\nPrefill chunk's attention from the cache: {args.prefill_rows} rows x "
+    f"{args.prefill_chunk} queries over {args.decode_len} entries, each row's chunk after "
+    "[0, S - chunk] earlier entries; median of one call each."
+  )
+  rows = [["kernel", "ms", "xla / kernel", "max |diff|"]]
+  reference = None
+  for kernel in args.prefill_kernels.split(","):
+    try:
+      seconds, error = prefill_seconds(args, kernel)
+    except Exception as e:  # noqa: BLE001  (a kernel the backend lacks is a result)
+      rows.append([kernel, f"failed: {type(e).__name__}: {str(e)[:80]}", "", ""])
+      continue
+    reference = seconds if kernel == "xla" else reference
+    ratio = f"{reference / seconds:.2f}" if reference else "n/a"
+    rows.append([kernel, f"{seconds * 1e3:.3f}", ratio, f"{error:.2e}"])
+    print(f"  prefill {kernel}: {seconds * 1e3:.3f} ms", flush=True)
   print(markdown_table(rows))
   return 0
 

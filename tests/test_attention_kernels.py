@@ -7,11 +7,15 @@ devices (a child process); "auto" keeps the CPU path. The decode steps' Pallas G
 (`kernels.ragged_decode_attention`) in Pallas interpret mode against the masked softmax, and an
 engine that decodes through it (the GPU's choices on this CPU: `_pretend_gpu`) against one that
 does not; the same for the TPU's paged-attention decode kernel (`kernels.paged_decode_attention`,
-Pallas's TPU interpret mode) over a bfloat16 cache.
+Pallas's TPU interpret mode) over a bfloat16 cache, and for the TPU's prefill kernel
+(`kernels.paged_prefill_attention`, JAX's ragged paged-attention kernel, which no interpret mode
+of JAX 0.10 runs: on CPU through `ragged_paged_stand_in`, its contract checked against JAX's own
+reference).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 
@@ -270,6 +274,105 @@ def test_paged_decode_kernel_reads_no_page_past_a_slot_length():
   np.testing.assert_array_equal(np.asarray(got), np.asarray(clean))
 
 
+def ragged_paged_stand_in(
+  q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, **_
+) -> jax.Array:
+  """JAX's ragged paged-attention kernel's contract (its `ref_ragged_paged_attention`: sequence i
+  has queries cu_q_lens[i]:cu_q_lens[i+1], the last q_len of its kv_lens[i] entries, causal; keys
+  at the even and values at the odd combined heads of its pages) in jit-able JAX, for CPU, where
+  neither Pallas interpret mode runs the kernel (`kernels.ragged_paged_attention_kernel`). It
+  computes as the kernel does: scores and the probabilities' product with the values in float32.
+  Checked against JAX's reference in `test_the_stand_in_is_the_ragged_paged_kernels_contract`."""
+  total, n, h = q.shape
+  seqs, pages = page_indices.shape
+  kh = kv_pages.shape[2] // 2
+  kv = kv_pages[page_indices].reshape(seqs, pages * kv_pages.shape[1], 2 * kh, h)
+  tok = jnp.arange(total)
+  seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], tok, side="right"), 0, seqs - 1)
+  row = kv_lens[seq] - (cu_q_lens[seq + 1] - cu_q_lens[seq]) + tok - cu_q_lens[seq]
+  keys, values = (kv[seq, :, c::2].astype(jnp.float32) for c in (0, 1))  # [total, S, K, H]
+  qg = q.astype(jnp.float32).reshape(total, kh, n // kh, h)
+  scores = jnp.einsum("tkgh,tskh->tkgs", qg, keys) * sm_scale
+  seen = jnp.arange(keys.shape[1])[None] <= row[:, None]  # [total, S]
+  scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
+  out = jnp.einsum("tkgs,tskh->tkgh", jax.nn.softmax(scores, axis=-1), values)
+  live = (seq < num_seqs[0]) & (tok < cu_q_lens[num_seqs[0]])
+  return jnp.where(live[:, None, None], out.reshape(total, n, h), 0).astype(q.dtype)
+
+
+def _with_stand_in(monkeypatch=None):
+  """`kernels.ragged_paged_attention_kernel` -> `ragged_paged_stand_in` (by monkeypatch, or for
+  the rest of a child process)."""
+  if monkeypatch is None:
+    kernels.ragged_paged_attention_kernel = lambda: ragged_paged_stand_in
+  else:
+    monkeypatch.setattr(kernels, "ragged_paged_attention_kernel", lambda: ragged_paged_stand_in)
+
+
+def test_the_stand_in_is_the_ragged_paged_kernels_contract():
+  """The CPU stand-in equals JAX's own reference of the kernel (float32 pages, so its rounding of
+  the probabilities to the values' dtype does not enter) on ragged sequences: query counts of 3,
+  1 (a decode step), 5 and 0, pages scattered in the pool, a padded query buffer; 1e-5."""
+  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel  # noqa: PLC0415
+
+  rng = np.random.default_rng(11)
+  n, kh, h, page, pages = 4, 2, 128, 16, 4
+  pool = jnp.asarray(rng.normal(size=(20, page, 2 * kh, h)), jnp.float32)
+  table = jnp.asarray(rng.permutation(20)[:16].reshape(4, pages), jnp.int32)
+  kv_lens = jnp.asarray([40, 7, 64, 9], jnp.int32)
+  cu = jnp.asarray([0, 3, 4, 9, 9], jnp.int32)
+  q = jnp.asarray(rng.normal(size=(12, n, h)), jnp.float32)
+  num = jnp.asarray([4], jnp.int32)
+  want = kernel.ref_ragged_paged_attention(q, pool, kv_lens, table, cu, num, sm_scale=0.3)
+  got = jax.jit(functools.partial(ragged_paged_stand_in, sm_scale=0.3))(
+    q, pool, kv_lens, table, cu, num
+  )
+  np.testing.assert_allclose(np.asarray(got)[:9], np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def _prefill_inputs(n, k, s, t, lengths, seed=0):
+  """A prefill chunk's [B, T, N, H] queries (H = 128) and [B, K, S, H] bfloat16-exact keys and
+  values, and `qwen._attend`'s result for it: row b's T queries at positions
+  [length - T, length), keys at index == position."""
+  rng = np.random.default_rng(seed)
+  b, h = len(lengths), 128
+  q = jnp.asarray(rng.normal(size=(b, t, n, h)), jnp.float32)
+  keys, values = (
+    _bfloat16_exact(jnp.asarray(rng.normal(size=(b, k, s, h)), jnp.float32)) for _ in range(2)
+  )
+  lengths = jnp.asarray(lengths, jnp.int32)
+  q_pos = lengths[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None]
+  k_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+  want = qwen._attend(q, keys.swapaxes(-1, -2), values, q_pos, k_pos, jnp.ones((b, s), bool))
+  return (q, keys, values, lengths), want
+
+
+@NOT_ON_GPU
+def test_paged_prefill_attention_equals_the_masked_softmax(monkeypatch):
+  """TPU's ragged paged-attention kernel over a prefill chunk, through its contract (the stand-in
+  on CPU, the kernel itself on a TPU): rows of 16 queries ending at entries 16, 100, 517 and
+  1,024 of 1,024 (pages of 512: two per row), GQA of 2; each query sees [0, its position]:
+  float32 within 1e-5 over bfloat16-exact keys and values. Which shapes the kernel takes."""
+  if jax.default_backend() != "tpu":
+    _with_stand_in(monkeypatch)
+  args, want = _prefill_inputs(4, 2, 1024, 16, [16, 100, 517, 1024])
+  got = jax.jit(kernels.paged_prefill_attention)(*args)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  assert kernels.paged_prefill_page(1024, 2, 128) == 512
+  assert kernels.paged_prefill_page(32768, 8, 128) == 512
+  assert kernels.paged_prefill_page(48, 4, 128) == 16
+  assert kernels.paged_prefill_page(1000, 2, 128) is None  # pages of 8 entries
+  assert kernels.paged_prefill_page(1024, 2, 64) is None  # SmolLM2's head size
+  assert kernels.paged_prefill_page(1024, 3, 128) is None  # 3 KV heads do not tile
+  with pytest.raises(ValueError, match="cannot take 1024 cache entries per slot, 3 KV heads"):
+    kernels.paged_prefill_attention(args[0], *(jnp.zeros((4, 3, 1024, 128)),) * 2, args[3])
+  bf16 = jnp.bfloat16
+  assert kernels.prefill_kernel("auto", "tpu", bf16) == "paged"
+  assert kernels.prefill_kernel("auto", "tpu") == "splash"  # float32 cache: the XLA paths
+  assert kernels.prefill_kernel("splash", "cpu", bf16) == "splash"  # no interpret mode: XLA
+  assert kernels.prefill_kernel("auto", "gpu", bf16) == "cudnn"
+
+
 # Prompts of 20-60 tokens for the engine tests: one prefill forward, slots of different lengths.
 PROMPTS = [
   [int(x) for x in np.random.default_rng(i).integers(0, 64, n)]
@@ -342,8 +445,37 @@ def test_an_engine_decodes_through_the_paged_kernel_as_through_the_masked_softma
     np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=2e-3)
 
 
-def _tiny(attention: str, stacked: bool = True):
-  cfg = qwen.QwenConfig.tiny_cpu(vocab_size=64)
+@NOT_ON_GPU
+def test_an_engine_prefills_through_the_ragged_paged_kernel_on_a_tpu(monkeypatch):
+  """On a TPU (`kernels.default_backend` says "tpu"; the kernel's contract by the stand-in on
+  this CPU) with a bfloat16 cache and head size 128, every prefill chunk attends through
+  `kernels.paged_prefill_attention` (counted), and each prompt's first token (sampled from its
+  last chunk's logits) and its log-prob are the "xla" engine's, within 2e-3 (the kernel keeps
+  the probabilities in float32, the XLA path rounds them to the cache's bfloat16; see the paged
+  decode test; a length one entry long moves them by 1.6e-2, a chunk that ignores the entries
+  before it by 0.13, tried). Prompts of 20 to 600 tokens: the longest two take a second chunk
+  (after 512), which attends to the entries the first one wrote. Decode steps through the paged
+  kernel: the tests above."""
+  calls = _counted(monkeypatch, "paged_prefill_attention")
+  prompts = PROMPTS[:2] + [[(7 * i) % 64 for i in range(n)] for n in (600, 530)]
+  out = {}
+  for attention in ("xla", "auto"):
+    if attention == "auto":
+      monkeypatch.setattr(kernels, "default_backend", lambda: "tpu")
+      if jax.default_backend() != "tpu":
+        _with_stand_in(monkeypatch)
+    engine = Engine(_tiny(attention, head_dim=128), 4, 1024, dtype=jnp.bfloat16)
+    out[attention] = generate(
+      engine, prompts, SamplingParams(temperature=0.0), rng=jax.random.key(0), max_new_tokens=1
+    )
+  assert calls, "no prefill chunk went through the kernel"
+  for want, got in zip(out["xla"], out["auto"], strict=True):
+    assert got.token_ids == want.token_ids
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=2e-3)
+
+
+def _tiny(attention: str, stacked: bool = True, head_dim: int = 32):
+  cfg = dataclasses.replace(qwen.QwenConfig.tiny_cpu(vocab_size=64), head_dim=head_dim)
   return qwen.Qwen(cfg, rngs=nnx.Rngs(0), stacked=stacked, attention=attention)
 
 
@@ -461,9 +593,10 @@ def _ragged_decode_on_the_mesh() -> None:
 
 
 def _paged_decode_on_the_mesh() -> None:
-  """The TPU paged decode kernel under shard_map (slots over data 4, KV heads over tensor 2; over
-  tensor 4 the 2 KV heads are replicated) equals the masked softmax of bfloat16-exact keys and
-  values; no collective in the program."""
+  """The TPU paged decode kernel, and the prefill kernel's wrapper (its contract by the stand-in),
+  under shard_map (slots over data 4, KV heads over tensor 2; over tensor 4 the 2 KV heads are
+  replicated) equal the masked softmax of bfloat16-exact keys and values; no collective in the
+  program."""
   from coevolve_jax.models import sharding as shd  # noqa: PLC0415
 
   args, reference = _decode_inputs(4, 2, 256, [1, 90, 256, 17])
@@ -475,6 +608,16 @@ def _paged_decode_on_the_mesh() -> None:
     with jax.set_mesh(mesh):
       got = jax.jit(paged_decode_attention)(q, keys, values, lengths)
       hlo = jax.jit(paged_decode_attention).lower(q, keys, values, lengths).as_text()
+    assert "shard_map" in hlo or "sdy.manual_computation" in hlo, axes
+    assert "all-gather" not in hlo and "all_gather" not in hlo, axes
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  _with_stand_in()  # the prefill kernel's contract (no interpret mode runs it on CPU)
+  args, want = _prefill_inputs(4, 2, 512, 16, [16, 100, 512, 37])
+  for axes in ({"data": 4, "tensor": 2}, {"data": 2, "tensor": 4}):
+    mesh = shd.make_mesh(axes)
+    with jax.set_mesh(mesh):
+      got = jax.jit(kernels.paged_prefill_attention)(*args)
+      hlo = jax.jit(kernels.paged_prefill_attention).lower(*args).as_text()
     assert "shard_map" in hlo or "sdy.manual_computation" in hlo, axes
     assert "all-gather" not in hlo and "all_gather" not in hlo, axes
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

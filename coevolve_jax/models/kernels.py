@@ -5,9 +5,9 @@ device inside `jax.shard_map` over the mesh's batch and head axes.
 
 `model.attention` (`ATTENTION_KERNELS`) chooses, `resolve_attention` turns "auto" into a kernel
 for the backend, and `qwen._attend_by_pass` (the one function every attention of the model goes
-through) calls `fused_attention` for "splash" and "cudnn" on passes without a KV cache. Passes
-with a cache (the engine's prefill and decode) and the last layer of a scoring pass (queries at
-chosen positions) keep the XLA paths: the kernels mask by index (causal) and segment, not by the
+through) calls `fused_attention` for "splash" and "cudnn" on passes without a KV cache. The last
+layer of a scoring pass (queries at chosen positions) and, off a TPU, prefill chunks from a KV
+cache keep the XLA paths: the fused kernels mask by index (causal) and segment, not by the
 per-slot positions a cache holds.
 
 The kernels assume what the model's cache-free passes guarantee: a valid key's position rises
@@ -25,9 +25,11 @@ the XLA paths read every slot to the longest one's bucket, with
   Pallas TPU paged-attention kernel (`paged_attention`) over the dense cache seen as pages. That
   kernel rounds keys and values to bfloat16 whatever their dtype, so a float32 cache (parity
   runs) keeps the exact XLA paths.
-Both read keys position-major, so with them the KV cache keeps keys [B, K, S, H] (`key_layout`
-"sh", the values' layout) instead of the [B, K, H, S] ("hs") that the XLA:CPU decode wants
-(`qwen.KVCache`).
+On a TPU, over a bfloat16 cache, a prefill chunk runs `paged_prefill_attention`, JAX's Pallas
+TPU ragged paged-attention kernel (`prefill_kernel`), reading each row to its chunk's last entry.
+These kernels read keys position-major, so with them the KV cache keeps keys [B, K, S, H]
+(`key_layout` "sh", the values' layout) instead of the [B, K, H, S] ("hs") that the XLA:CPU
+decode wants (`qwen.KVCache`).
 
 Dimension letters as in qwen.py: B batch, T tokens, N query heads, K key/value heads, H head size,
 S cache entries.
@@ -107,6 +109,22 @@ def decode_kernel(kernel: str, backend: str | None = None, dtype=None) -> str:
   if resolved == "splash" and jnp.dtype(jnp.float32 if dtype is None else dtype) == jnp.bfloat16:
     return "paged"
   return resolved
+
+
+def prefill_kernel(kernel: str, backend: str | None = None, dtype=None) -> str:
+  """The attention of a prefill chunk from a KV cache (`qwen._attend_by_pass`) for
+  `model.attention` = `kernel` over a cache of `dtype`: "paged" (`paged_prefill_attention`) on a
+  TPU where decode steps take the paged kernel (`decode_kernel`; a bfloat16 cache); elsewhere the
+  resolved kernel, whose cached passes take the XLA paths (JAX's ragged paged-attention kernel
+  runs on TPUs only: neither Pallas interpret mode of JAX 0.10 runs it).
+
+  Raises:
+    ValueError: as `resolve_attention`.
+  """
+  backend = backend or default_backend()
+  if backend == "tpu" and decode_kernel(kernel, backend, dtype) == "paged":
+    return "paged"
+  return resolve_attention(kernel, backend)
 
 
 def key_layout(kernel: str, backend: str | None = None, dtype=None) -> str:
@@ -352,9 +370,7 @@ def ragged_decode_attention(
       interpret=interpret,
     )
 
-  return _per_slot_decode(
-    local, "ragged_decode_attention", q_bnh, keys_bksh, values_bksh, lengths_b
-  )
+  return _per_slot(local, "ragged_decode_attention", q_bnh, keys_bksh, values_bksh, lengths_b)
 
 
 # The TPU paged-attention kernel's page (its page_size: the largest power of two up to this that
@@ -438,21 +454,118 @@ def paged_decode_attention(
         out = call()
     return out.reshape(q.shape)
 
-  return _per_slot_decode(local, "paged_decode_attention", q_bnh, keys_bksh, values_bksh, lengths_b)
+  return _per_slot(local, "paged_decode_attention", q_bnh, keys_bksh, values_bksh, lengths_b)
 
 
-def _per_slot_decode(local, name: str, q_bnh, keys_bksh, values_bksh, lengths_b) -> jax.Array:
-  """`local(q, keys, values, lengths)` (a decode kernel on one device's slots) on the whole batch:
-  with a mesh active, per device under `jax.shard_map`, slots split as the "batch" logical axis,
-  KV heads as "act_kv_heads" and the query heads with them (where the head axes do not divide K,
-  the cache is replicated over them and each device computes every head of its slots: no cache
-  copy); no collective. Returns [B, N, H] in the values' dtype."""
+# The TPU ragged paged-attention kernel over a prefill chunk: its page (the largest power of two
+# up to this that divides S, at least 16), one page per key block (its num_kv_pages_per_block),
+# so each block's DMA is one copy, and its queries per block (num_queries_per_block, JAX's
+# default for that kernel).
+PAGED_PREFILL_PAGE = 512
+PAGED_PREFILL_QUERIES = 32
+
+
+def paged_prefill_page(s: int, kv_heads: int, head_dim: int) -> int | None:
+  """The page of the TPU ragged paged-attention kernel for a prefill over S cache entries per slot
+  with `kv_heads` KV heads (per device) of size `head_dim`, or None where the kernel cannot take
+  them: gcd(S, PAGED_PREFILL_PAGE) entries, at least 16; a head size that is a multiple of 128
+  (the kernel's softmax statistics are 128 lanes wide); KV heads that its bfloat16 tiles hold
+  whole (1, 2, 4, 8 or a multiple of 8: its `get_min_heads_per_blk`)."""
+  page = math.gcd(s, PAGED_PREFILL_PAGE)
+  heads = kv_heads in (1, 2, 4, 8) or kv_heads % 8 == 0
+  return page if page >= 16 and head_dim % 128 == 0 and heads else None
+
+
+def ragged_paged_attention_kernel():
+  """JAX's Pallas TPU ragged paged-attention kernel
+  (`jax.experimental.pallas.ops.tpu.ragged_paged_attention`), looked up at each call: the one
+  place a test on CPU replaces it (Pallas's interpret modes in JAX 0.10 do not run it: its
+  reshape of a VMEM buffer has no interpreter rule)."""
+  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel
+
+  return kernel.ragged_paged_attention
+
+
+def paged_prefill_attention(
+  q_btnh: jax.Array, keys_bksh: jax.Array, values_bksh: jax.Array, lengths_b: jax.Array
+) -> jax.Array:
+  """A prefill chunk's attention from a KV cache by JAX's Pallas TPU ragged paged-attention
+  kernel (vLLM's and tunix's TPU kernel for mixed prefill and decode): row b's T queries are at
+  cache entries [lengths_b[b] - T, lengths_b[b]) (written there by this pass) and query i
+  attends to entries [0, lengths_b[b] - T + i], causally; the kernel copies no page at or past
+  lengths_b[b] into VMEM. The XLA paths compute [T, S] scores for every row up to the bucket.
+
+  The kernel reads keys and values interleaved per head from one paged array, so the cache's
+  [B, K, S, H] keys and values are copied once into [B S / page] pages of [page, 2K, H] (keys
+  at even, values at odd heads; `paged_prefill_page`); each row is one of the kernel's
+  sequences, its page table its own consecutive pages, with T queries.
+
+  Args:
+    q_btnh: [B, T, N, H] queries (not scaled: the kernel scales the scores by 1 / sqrt(H)).
+    keys_bksh, values_bksh: [B, K, S, H] keys and values (a KV cache of key layout "sh"; the
+      kernel's tiles are bfloat16's); K divides N (GQA: query head n reads KV head n // (N / K)).
+    lengths_b: [B] int32 entries row b attends to, in [T, S].
+  Returns:
+    [B, T, N, H] outputs in the values' dtype, under a mesh as `ragged_decode_attention`'s.
+  Raises:
+    ValueError: S, K or H the kernel cannot take (`paged_prefill_page`).
+  """
+  b, t, n, h = q_btnh.shape
+  kh, s = keys_bksh.shape[1], keys_bksh.shape[2]
+  page = paged_prefill_page(s, local_kv_heads(keys_bksh.shape), h)
+  if page is None:
+    raise ValueError(
+      f"the ragged paged-attention kernel cannot take {s} cache entries per slot, {kh} KV heads "
+      f"of size {h}: it needs S a multiple of 16, H a multiple of 128 and 1, 2, 4, 8 or a "
+      "multiple of 8 KV heads per device"
+    )
+
+  def local(q, k, v, lengths):
+    rows, kv_heads = k.shape[0], k.shape[1]
+    pages = s // page
+    kv = jnp.stack([k, v], axis=-2).transpose(0, 2, 1, 3, 4)  # [b, S, K, 2, H]
+    out = ragged_paged_attention_kernel()(
+      q.reshape(rows * t, q.shape[2], h),
+      kv.reshape(rows * pages, page, 2 * kv_heads, h),
+      lengths.astype(jnp.int32),
+      jnp.arange(rows * pages, dtype=jnp.int32).reshape(rows, pages),
+      jnp.arange(rows + 1, dtype=jnp.int32) * t,
+      jnp.full((1,), rows, jnp.int32),
+      sm_scale=h**-0.5,
+      num_kv_pages_per_block=1,
+      num_queries_per_block=min(PAGED_PREFILL_QUERIES, rows * t),
+    )
+    return out.reshape(q.shape)
+
+  return _per_slot(local, "paged_prefill_attention", q_btnh, keys_bksh, values_bksh, lengths_b)
+
+
+def local_kv_heads(shape_bksh: tuple[int, ...]) -> int:
+  """KV heads on each device of [B, K, S, H] keys or values: K split as "act_kv_heads" over the
+  active mesh (the per-slot kernels' split), K without one."""
+  mesh = active_mesh()
+  kh = shape_bksh[1]
+  if mesh is None:
+    return kh
+  axes = param_spec(mesh.shape, ("batch", "act_kv_heads", None, None), shape_bksh)[1]
+  axes = (axes,) if isinstance(axes, str) else axes or ()
+  return kh // math.prod(mesh.shape[a] for a in axes)
+
+
+def _per_slot(local, name: str, q, keys_bksh, values_bksh, lengths_b) -> jax.Array:
+  """`local(q, keys, values, lengths)` (a kernel on one device's slots; q [B, N, H] for a decode
+  step, [B, T, N, H] for a prefill chunk) on the whole batch: with a mesh active, per device
+  under `jax.shard_map`, slots split as the "batch" logical axis, KV heads as "act_kv_heads" and
+  the query heads with them (where the head axes do not divide K, the cache is replicated over
+  them and each device computes every head of its slots: no cache copy); no collective. Returns
+  q's shape in the values' dtype."""
   mesh = active_mesh()
   if mesh is None:
-    out = local(q_bnh, keys_bksh, values_bksh, lengths_b)
+    out = local(q, keys_bksh, values_bksh, lengths_b)
   else:
     kv_spec = param_spec(mesh.shape, ("batch", "act_kv_heads", None, None), keys_bksh.shape)
-    q_spec = P(kv_spec[0], kv_spec[1], None)
+    q_spec = P(kv_spec[0], *[None] * (q.ndim - 3), kv_spec[1], None)
     with jax.named_scope(name):
       out = jax.shard_map(
         local,
@@ -460,7 +573,7 @@ def _per_slot_decode(local, name: str, q_bnh, keys_bksh, values_bksh, lengths_b)
         in_specs=(q_spec, kv_spec, kv_spec, P(kv_spec[0])),
         out_specs=q_spec,
         check_vma=False,  # Pallas's output shapes carry no varying-axes type; no collective
-      )(q_bnh, keys_bksh, values_bksh, lengths_b)
+      )(q, keys_bksh, values_bksh, lengths_b)
   return out.astype(values_bksh.dtype)
 
 

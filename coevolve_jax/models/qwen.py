@@ -40,8 +40,12 @@ from coevolve_jax.models.kernels import (
   decode_kernel,
   fused_attention,
   key_layout,
+  local_kv_heads,
   paged_decode_attention,
   paged_decode_blocks,
+  paged_prefill_attention,
+  paged_prefill_page,
+  prefill_kernel,
   ragged_decode_attention,
   ragged_decode_splits,
   resolve_attention,
@@ -934,7 +938,9 @@ def _attend_by_pass(
     cache's key layout for this kernel, `kernels.key_layout`): JAX's Pallas GPU decode kernel
     (`kernels.ragged_decode_attention`), reading each row's entries up to its own position;
     "splash" likewise over a bfloat16 cache, by JAX's Pallas TPU paged-attention kernel
-    (`kernels.paged_decode_attention`); a prefill chunk takes the plain pass below.
+    (`kernels.paged_decode_attention`); on a TPU a prefill chunk from such a cache takes JAX's
+    Pallas TPU ragged paged-attention kernel (`kernels.paged_prefill_attention`, where
+    `kernels.paged_prefill_page` takes the shapes); other prefill chunks the plain pass below.
   - "blocked" ("auto" on CPU): with a KV cache (`cached`: prefill or decode) one plain pass,
     except a decode step from a `cache` view where `decode_key_block` says so, which reads the
     cache in blocks up to the longest row's (`_attend_cached_blocks`); without a cache, long
@@ -953,9 +959,17 @@ def _attend_by_pass(
     ValueError: an unknown kernel, or "cudnn" off GPU.
   """
   if cache is not None:
-    s = k_pos_bs.shape[1]
+    s, t = k_pos_bs.shape[1], q_btnh.shape[1]
     per_slot = decode_kernel(kernel, dtype=cache.dtype)
-    if q_btnh.shape[1] == 1 and cache.keys == "sh" and per_slot in ("ragged", "paged"):
+    if t > 1 and cache.keys == "sh" and prefill_kernel(kernel, dtype=cache.dtype) == "paged":
+      # The bucket (the engine's prefill windows): the kernel's paged copy of it is taken anyway.
+      keys, values = cache.read(0, s)
+      if paged_prefill_page(s, local_kv_heads(keys.shape), q_btnh.shape[-1]):
+        # The T queries are the entries written last, at positions == index: row b's at
+        # [position of its last + 1 - T, position of its last + 1).
+        lengths = jnp.clip(q_pos_bt[:, -1] + 1, t, s)
+        return paged_prefill_attention(q_btnh, keys, values, lengths)
+    if t == 1 and cache.keys == "sh" and per_slot in ("ragged", "paged"):
       # The whole unrolled cache as it lies (a stacked one's bucket, a copy either way): the
       # kernel stops at each slot's length, and a slice would be copied for the kernel call.
       size = cache.whole or s
