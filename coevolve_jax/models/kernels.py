@@ -511,14 +511,14 @@ def paged_prefill_attention(
   Raises:
     ValueError: S, K or H the kernel cannot take (`paged_prefill_page`).
   """
-  b, t, n, h = q_btnh.shape
-  kh, s = keys_bksh.shape[1], keys_bksh.shape[2]
-  page = paged_prefill_page(s, local_kv_heads(keys_bksh.shape), h)
+  t, h, s = q_btnh.shape[1], q_btnh.shape[3], keys_bksh.shape[2]
+  heads = local_kv_heads(keys_bksh.shape)
+  page = paged_prefill_page(s, heads, h)
   if page is None:
     raise ValueError(
-      f"the ragged paged-attention kernel cannot take {s} cache entries per slot, {kh} KV heads "
-      f"of size {h}: it needs S a multiple of 16, H a multiple of 128 and 1, 2, 4, 8 or a "
-      "multiple of 8 KV heads per device"
+      f"the ragged paged-attention kernel cannot take {s} cache entries per slot, {heads} KV "
+      f"heads per device of size {h}: it needs S a multiple of 16, H a multiple of 128 and 1, 2, "
+      "4, 8 or a multiple of 8 KV heads per device"
     )
 
   def local(q, k, v, lengths):
