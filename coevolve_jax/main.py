@@ -117,6 +117,9 @@ def main(argv: list[str]) -> int:
     return 2
   workdir = _WORKDIR.value
   assert workdir is not None  # a required flag: absl stops before main without it
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    print(f"error: cannot use --workdir={workdir}: it is a file, not a folder", file=sys.stderr)
+    return 2
   try:  # fail before minutes of set-up, not after
     os.makedirs(workdir, exist_ok=True)
     with tempfile.TemporaryFile(dir=workdir):
@@ -205,16 +208,28 @@ def _one_line(error: BaseException) -> str:
 
 
 def _config_error(error: BaseException, argv: list[str]) -> str:
-  """The message of a config file that does not load or of an override it refuses; an unknown
-  field names the override it came from, with ConfigDict's suggestion."""
+  """The message of a config file that does not load or of an override it refuses: an unknown
+  field names the override it came from, with ConfigDict's suggestion; a syntax error its file
+  and line; a file that is not there its path; any other exception of the file's own code its
+  type and message."""
   while error.args and isinstance(error.args[0], BaseException):  # AttributeError(KeyError(..))
     error = error.args[0]
-  if not isinstance(error, KeyError):
+  if isinstance(error, SyntaxError):
+    return f"--config: syntax error in {error.filename}, line {error.lineno}: {error.msg}"
+  if isinstance(error, KeyError):
+    key, _, hint = str(error.args[0]).partition("\n")  # "'stepz'", 'Did you mean "steps" ...?'
+    field = key.strip("'")
+    flag = next(
+      (a.split("=")[0] for a in argv if re.search(rf"\.{re.escape(field)}(=|$)", a)), None
+    )
+    if flag is not None:
+      return f"{flag}: unknown field {key}" + (f". {hint.strip()}" if hint.strip() else "")
+  if isinstance(error, OSError) and "Attempted" in str(error):  # the loader's attempts: the last
+    return f"--config: {[x for x in str(error).splitlines() if x.strip()][-1].strip()}"
+  if isinstance(error, (ValueError, TypeError, AttributeError, OSError)):  # an override, a variant
     return f"--config: {_one_line(error)}"
-  key, _, hint = str(error.args[0]).partition("\n")  # "'stepz'", 'Did you mean "steps" ...?'
-  field = key.strip("'")
-  flag = next((a.split("=")[0] for a in argv if re.search(rf"\.{re.escape(field)}(=|$)", a)), None)
-  return f"{flag or '--config'}: unknown field {key} {hint.strip()}".rstrip()
+  text = repr(error.args[0]) if isinstance(error, KeyError) and error.args else _one_line(error)
+  return f"--config: the config file raised {type(error).__name__}: {text}"
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -227,7 +242,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
   except flags.Error as e:
     print(f"error: {_one_line(e)}", file=sys.stderr)
     sys.exit(2)
-  except (AttributeError, KeyError, TypeError, ValueError, OSError, SyntaxError) as e:
+  except Exception as e:  # noqa: BLE001  (the config file runs code of its own)
     print(f"error: {_config_error(e, argv)}", file=sys.stderr)
     sys.exit(2)
   return rest

@@ -125,7 +125,10 @@ class WorkdirLock:
 
 
 def check_config(workdir: str, config_json: str, fresh: bool) -> None:
-  """Writes config.json on a fresh start; on resume, warns about every changed field.
+  """Writes config.json on a fresh start; on resume, warns about every changed field. A
+  config.json that is not a JSON object (damaged by hand or by a torn copy: the checkpoints
+  carry their own config, so the run does not need it) is moved to config.json.damaged, with a
+  warning, and this run's config is written in its place.
 
   Args:
     config_json: the run's config as JSON (`ConfigDict.to_json_best_effort()`).
@@ -135,8 +138,20 @@ def check_config(workdir: str, config_json: str, fresh: bool) -> None:
   if fresh or not os.path.exists(path):
     write_atomic(path, json.dumps(now, indent=1, sort_keys=True))
     return
-  with open(path, encoding="utf-8") as f:
-    before = flatten_dict(json.load(f), sep=".")
+  try:
+    with open(path, encoding="utf-8") as f:
+      saved = json.load(f)
+    if not isinstance(saved, dict):
+      raise ValueError(f"a JSON {type(saved).__name__}, not an object")
+  except (ValueError, UnicodeDecodeError) as e:
+    os.replace(path, path + ".damaged")
+    print(
+      f"warning: {path} is damaged ({e}); moved to config.json.damaged and this run's config "
+      "written in its place (changes since the run started are not listed)"
+    )
+    write_atomic(path, json.dumps(now, indent=1, sort_keys=True))
+    return
+  before = flatten_dict(saved, sep=".")
   now = flatten_dict(now, sep=".")
   for key in sorted(k for k in set(now) | set(before) if now.get(k) != before.get(k)):
     print(

@@ -65,7 +65,7 @@ def test_appworld_without_server_or_data_stops_at_once_with_setup_steps(tmp_path
   [
     (
       ["--config.train.stepz=3"],
-      "--config.train.stepz: unknown field 'stepz' Did you mean \"steps\"",
+      "--config.train.stepz: unknown field 'stepz'. Did you mean \"steps\"",
     ),
     (["--config.train.steps=abc"], "--config.train.steps=abc: invalid literal for int()"),
     (
@@ -88,6 +88,49 @@ def test_every_command_line_mistake_is_one_error_line_and_exit_status_2(tmp_path
   assert len(errors) == 1 and says in errors[0], proc.stderr[-2000:]
   assert "Traceback" not in proc.stderr
   assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_config_file_that_raises_is_one_error_line(tmp_path):
+  """The config file's own code raising (here RuntimeError) gave a 30-line traceback and exit 1:
+  one line naming the exception, exit 2, no workdir."""
+  config = tmp_path / "raising.py"
+  config.write_text('raise RuntimeError("boom from the config")\n')
+  proc = _main(f"--config={config}", f"--workdir={tmp_path / 'run'}", timeout=60)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines() == [
+    "error: --config: the config file raised RuntimeError: boom from the config"
+  ]
+  assert not (tmp_path / "run").exists()
+
+
+def test_config_file_errors_name_where_they_come_from(tmp_path):
+  """What `_config_error` says of exceptions a config file or the loader raises: a syntax error
+  with its file and line, a KeyError of the file's own code as that (not as an unknown field,
+  which only an override names), a missing file by its path (not the loader's module name)."""
+  from coevolve_jax import main  # noqa: PLC0415
+
+  bad = tmp_path / "syntax.py"
+  bad.write_text('def get_config(v=""):\n  return dict(a=(1\n')
+  try:
+    compile(bad.read_text(), str(bad), "exec")
+  except SyntaxError as e:
+    said = main._config_error(e, [])
+  assert said == f"--config: syntax error in {bad}, line 2: '(' was never closed"
+  assert main._config_error(KeyError("x"), ["--config=c.py"]) == (
+    "--config: the config file raised KeyError: 'x'"
+  )
+  unknown = KeyError('\'stepz\'\nDid you mean "steps" instead of "stepz"?')
+  assert main._config_error(AttributeError(unknown), ["--config.train.stepz=3"]) == (
+    '--config.train.stepz: unknown field \'stepz\'. Did you mean "steps" instead of "stepz"?'
+  )
+  missing = OSError(
+    "Configuration is not available because of an earlier failure to load: Failed loading "
+    "config file config_config\n  Attempted [Relative path]:\n    /x/nope.py\n      [Errno 2] "
+    "No such file or directory: '/x/nope.py'"
+  )
+  assert main._config_error(missing, []) == (
+    "--config: [Errno 2] No such file or directory: '/x/nope.py'"
+  )
 
 
 def test_help_exits_0_and_lists_the_configs_and_their_variants():
@@ -151,7 +194,7 @@ def test_unusable_workdir_fails_fast_with_a_clear_error(tmp_path):
   start = time.monotonic()
   proc = _main("--config=configs/bfcl.py:cpu", f"--workdir={afile}", timeout=60)
   assert proc.returncode == 2
-  assert "cannot use --workdir" in proc.stderr
+  assert f"cannot use --workdir={afile}: it is a file, not a folder" in proc.stderr
   assert time.monotonic() - start < 20
   assert afile.read_text() == "keep me"
 

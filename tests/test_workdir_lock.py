@@ -1,5 +1,6 @@
 """One run per workdir (issue 42 item 5): a second run on a workdir in use stops with one line
-naming the other process; the lock of a killed run is taken over; only the primary locks."""
+naming the other process; the lock of a killed run is taken over; only the primary locks. And
+a damaged config.json on resume."""
 
 import json
 import os
@@ -11,7 +12,7 @@ import time
 import pytest
 
 from coevolve_jax.errors import RunError
-from coevolve_jax.workdir import WorkdirLock
+from coevolve_jax.workdir import WorkdirLock, check_config
 
 _HOLD = (
   "import sys, time; from coevolve_jax.workdir import WorkdirLock; "
@@ -66,3 +67,20 @@ def test_the_lock_of_a_killed_run_is_taken_over_and_renamed(tmp_path):
   again = WorkdirLock(str(tmp_path))  # released at the end of a session: the next one runs
   again.acquire()
   again.release()
+
+
+@pytest.mark.parametrize("damage", [b"garbage\n", b'["a list"]', b"\xff\xfe"])
+def test_a_damaged_config_json_is_moved_aside_and_the_resume_goes_on(tmp_path, capsys, damage):
+  """config.json only lists what changed since the run started (the checkpoints carry their own
+  config): damaged, it is kept as config.json.damaged with one warning, and this run's config
+  takes its place; an intact one lists the changed fields."""
+  path = tmp_path / "config.json"
+  check_config(str(tmp_path), json.dumps({"train": {"steps": 2}}), fresh=True)
+  check_config(str(tmp_path), json.dumps({"train": {"steps": 6}}), fresh=False)
+  assert "config train.steps changed since this run started: 2 -> 6" in capsys.readouterr().out
+  path.write_bytes(damage)
+  check_config(str(tmp_path), json.dumps({"train": {"steps": 6}}), fresh=False)
+  out = capsys.readouterr().out
+  assert out.startswith(f"warning: {path} is damaged (") and "config.json.damaged" in out
+  assert (tmp_path / "config.json.damaged").read_bytes() == damage
+  assert json.loads(path.read_text()) == {"train": {"steps": 6}}
