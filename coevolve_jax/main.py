@@ -28,6 +28,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from coevolve_jax import errors
+from coevolve_jax.flag_errors import parse_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", None, "Config file (path[:variant]).", lock_config=True
@@ -197,57 +198,6 @@ def _help() -> str:
   return "\n".join(lines)
 
 
-def _one_line(error: BaseException) -> str:
-  """A flag or config-file error as one line: the last line of a message that carries a
-  traceback or the loader's attempts (ml_collections wraps a config file's exception so)."""
-  text = error.args[0] if error.args and isinstance(error.args[0], str) else str(error)
-  lines = [line.strip() for line in text.splitlines() if line.strip()]
-  if len(lines) > 1 and ("Traceback (most recent call last):" in text or "Attempted" in text):
-    return f"{lines[0]} {lines[-1]}"
-  return " ".join(lines)
-
-
-def _config_error(error: BaseException, argv: list[str]) -> str:
-  """The message of a config file that does not load or of an override it refuses: an unknown
-  field names the override it came from, with ConfigDict's suggestion; a syntax error its file
-  and line; a file that is not there its path; any other exception of the file's own code its
-  type and message."""
-  while error.args and isinstance(error.args[0], BaseException):  # AttributeError(KeyError(..))
-    error = error.args[0]
-  if isinstance(error, SyntaxError):
-    return f"--config: syntax error in {error.filename}, line {error.lineno}: {error.msg}"
-  if isinstance(error, KeyError):
-    key, _, hint = str(error.args[0]).partition("\n")  # "'stepz'", 'Did you mean "steps" ...?'
-    field = key.strip("'")
-    flag = next(
-      (a.split("=")[0] for a in argv if re.search(rf"\.{re.escape(field)}(=|$)", a)), None
-    )
-    if flag is not None:
-      return f"{flag}: unknown field {key}" + (f". {hint.strip()}" if hint.strip() else "")
-  if isinstance(error, OSError) and "Attempted" in str(error):  # the loader's attempts: the last
-    return f"--config: {[x for x in str(error).splitlines() if x.strip()][-1].strip()}"
-  if isinstance(error, (ValueError, TypeError, AttributeError, OSError)):  # an override, a variant
-    return f"--config: {_one_line(error)}"
-  text = repr(error.args[0]) if isinstance(error, KeyError) and error.args else _one_line(error)
-  return f"--config: the config file raised {type(error).__name__}: {text}"
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with every mistake (unknown or typo'd field, wrong type, missing
-  config file, unknown variant, a missing required flag) one `error:` line and exit status 2
-  instead of a traceback or absl's exit 1; the config file is loaded here."""
-  try:
-    rest = flags.FLAGS(argv)
-    _CONFIG.value.get("env")  # loads the file and applies the overrides (lazily, at first use)
-  except flags.Error as e:
-    print(f"error: {_one_line(e)}", file=sys.stderr)
-    sys.exit(2)
-  except Exception as e:  # noqa: BLE001  (the config file runs code of its own)
-    print(f"error: {_config_error(e, argv)}", file=sys.stderr)
-    sys.exit(2)
-  return rest
-
-
 def run() -> None:
   argv = sys.argv[1:]
   if any(a in _HELP_ARGS for a in argv):
@@ -256,7 +206,7 @@ def run() -> None:
   if errors_ := _moved_overrides(argv):
     print("\n".join(errors_), file=sys.stderr)
     sys.exit(2)
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

@@ -180,6 +180,24 @@ def test_cli_model_policy_end_to_end(cfg, tmp_path, monkeypatch, capsys):
     assert row["model_steps"] == len(task.turns) and row["generated_tokens"] == 4 * len(task.turns)
 
 
+def test_a_damaged_checkpoint_is_one_clear_error(cfg, tmp_path, monkeypatch):
+  """Array files cut short (a bad disk): CorruptFileError naming the step and folder and what a
+  resume does, not orbax's 174-line TensorStore traceback (evaluate's command prints it as one
+  line, exit 2)."""
+  from coevolve_jax.errors import CorruptFileError  # noqa: PLC0415
+
+  monkeypatch.setattr(QwenConfig, "preset", classmethod(lambda cls, name: TINY))
+  _save_run_checkpoint(str(tmp_path / "checkpoints"), Qwen(TINY, rngs=nnx.Rngs(7)))
+  for root, _, files in os.walk(tmp_path / "checkpoints" / "3" / "params"):
+    for name in files if os.path.basename(root) == "d" else ():
+      os.truncate(os.path.join(root, name), os.path.getsize(os.path.join(root, name)) // 2)
+  with pytest.raises(CorruptFileError) as e:
+    evaluate.load_model(cfg, str(tmp_path))
+  message = str(e.value)
+  assert message.startswith(f"checkpoint step 3 in {tmp_path / 'checkpoints'} cannot be read (")
+  assert "moves it aside" in message and "\n" not in message
+
+
 def test_missing_checkpoint_is_a_clear_error(cfg, tmp_path):
   with pytest.raises(FileNotFoundError, match="no such folder"):
     evaluate.load_model(cfg, str(tmp_path / "nope"))

@@ -104,23 +104,24 @@ def test_a_config_file_that_raises_is_one_error_line(tmp_path):
 
 
 def test_config_file_errors_name_where_they_come_from(tmp_path):
-  """What `_config_error` says of exceptions a config file or the loader raises: a syntax error
-  with its file and line, a KeyError of the file's own code as that (not as an unknown field,
-  which only an override names), a missing file by its path (not the loader's module name)."""
-  from coevolve_jax import main  # noqa: PLC0415
+  """What `flag_errors.config_error` says of exceptions a config file or the loader raises: a
+  syntax error with its file and line, a KeyError of the file's own code as that (not as an
+  unknown field, which only an override names), a missing file by its path (not the loader's
+  module name)."""
+  from coevolve_jax.flag_errors import config_error  # noqa: PLC0415
 
   bad = tmp_path / "syntax.py"
   bad.write_text('def get_config(v=""):\n  return dict(a=(1\n')
   try:
     compile(bad.read_text(), str(bad), "exec")
   except SyntaxError as e:
-    said = main._config_error(e, [])
+    said = config_error(e, [])
   assert said == f"--config: syntax error in {bad}, line 2: '(' was never closed"
-  assert main._config_error(KeyError("x"), ["--config=c.py"]) == (
+  assert config_error(KeyError("x"), ["--config=c.py"]) == (
     "--config: the config file raised KeyError: 'x'"
   )
   unknown = KeyError('\'stepz\'\nDid you mean "steps" instead of "stepz"?')
-  assert main._config_error(AttributeError(unknown), ["--config.train.stepz=3"]) == (
+  assert config_error(AttributeError(unknown), ["--config.train.stepz=3"]) == (
     '--config.train.stepz: unknown field \'stepz\'. Did you mean "steps" instead of "stepz"?'
   )
   missing = OSError(
@@ -128,7 +129,7 @@ def test_config_file_errors_name_where_they_come_from(tmp_path):
     "config file config_config\n  Attempted [Relative path]:\n    /x/nope.py\n      [Errno 2] "
     "No such file or directory: '/x/nope.py'"
   )
-  assert main._config_error(missing, []) == (
+  assert config_error(missing, []) == (
     "--config: [Errno 2] No such file or directory: '/x/nope.py'"
   )
 
@@ -214,6 +215,44 @@ def test_command_line_tools_run_as_modules(tool):
   )
   assert proc.returncode == 1, proc.stderr[-2000:]
   assert f"python -m {tool} " in proc.stdout
+
+
+@pytest.mark.parametrize(
+  "args,says",
+  [
+    (
+      ["envs.bfcl.evaluate", "--config=configs/bfcl.py:cpu", "--max_tasks=-3"],
+      "flag --max_tasks=-3: -3 is not a non-negative integer",
+    ),
+    (
+      ["coevolve_jax.cli.plan_device_memory", "--activations=residuals", "--devices=8,0"],
+      "--devices: '0' is not a device count (an integer >= 1)",
+    ),
+    (
+      ["coevolve_jax.cli.bench", "--config=configs/bfcl.py:cpu", "--out={tmp}/afile/x.json"],
+      "--out={tmp}/afile/x.json: cannot make its folder {tmp}/afile",
+    ),
+  ],
+)
+def test_the_tools_mistakes_are_one_error_line_and_exit_status_2(tmp_path, args, says):
+  """The command-line tools' bad arguments (a negative count, a bad device count, an --out that
+  cannot be written; every tool parses its flags through `flag_errors.run`, as the gate and the
+  backtest do) are one `error:` line with status 2 before any work,
+  where they printed absl's usage or a traceback with status 1, or (evaluate's --max_tasks=-3)
+  evaluated all 200 entries, or (bench) measured for two minutes and then failed to write."""
+  (tmp_path / "afile").write_text("keep me")
+  module, *rest = args
+  proc = subprocess.run(
+    [sys.executable, "-m", module, *(a.format(tmp=tmp_path) for a in rest)],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr[-2000:]
+  assert proc.stderr.startswith("error: ") and says.format(tmp=tmp_path) in proc.stderr
+  assert (tmp_path / "afile").read_text() == "keep me"
 
 
 def test_a_full_disk_stops_the_run_with_one_error_line_and_exit_status_2(tmp_path):

@@ -17,9 +17,9 @@ import json
 import os
 from collections.abc import Sequence
 
-from absl import app, flags
+from absl import flags
 
-from coevolve_jax import backtest
+from coevolve_jax import backtest, flag_errors
 from coevolve_jax.cli import fail
 from coevolve_jax.metrics import write_atomic
 
@@ -77,4 +77,4 @@ if __name__ == "__main__":
   # No accelerator is needed: JAX (which the config checks import) starts on the CPU, quietly.
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   _define_flags()
-  app.run(main)
+  flag_errors.run(main)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from absl import app, flags
 from ml_collections import config_flags
 
-from coevolve_jax import accelerators, benchmark, compiling
+from coevolve_jax import accelerators, benchmark, compiling, flag_errors
 
 
 def _compare_main(paths: Sequence[str], report: str = "") -> int:
@@ -80,6 +80,14 @@ def main(argv: Sequence[str]) -> int:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; did you mean `compare`?")
   if F.config is None:
     raise app.UsageError("--config is required (e.g. --config=configs/bfcl.py:cpu)")
+  if F.out:  # before minutes of measuring, not after
+    folder = os.path.dirname(os.path.abspath(F.out))
+    try:
+      os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+      raise app.UsageError(f"--out={F.out}: cannot make its folder {folder}: {e}") from None
+    if os.path.isdir(F.out) or not os.access(folder, os.W_OK):
+      raise app.UsageError(f"--out={F.out}: not a file this process can write")
   compiling.enable_cache(F.config.compile.cache_dir)  # warm-up passes load, timed ones run
   try:
     rec = benchmark.run_bench(
@@ -97,7 +105,6 @@ def main(argv: Sequence[str]) -> int:
     return 2
   print(benchmark.format_record(rec))
   if F.out:
-    os.makedirs(os.path.dirname(os.path.abspath(F.out)), exist_ok=True)
     with open(F.out, "w") as f:
       json.dump(rec, f, indent=1, sort_keys=True)
     print(f"wrote {F.out}")
@@ -106,4 +113,4 @@ def main(argv: Sequence[str]) -> int:
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(lambda argv: sys.exit(main(argv)))
+  flag_errors.run(main)

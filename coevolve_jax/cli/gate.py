@@ -21,9 +21,9 @@ import json
 import os
 from collections.abc import Sequence
 
-from absl import app, flags
+from absl import flags
 
-from coevolve_jax import gate
+from coevolve_jax import flag_errors, gate
 from coevolve_jax.cli import fail
 
 
@@ -120,4 +120,4 @@ def main(argv: Sequence[str]) -> None:
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(main)
+  flag_errors.run(main)

@@ -48,7 +48,7 @@ from collections.abc import Sequence
 import jax
 from absl import app, flags
 
-from coevolve_jax import accelerators
+from coevolve_jax import accelerators, flag_errors
 from coevolve_jax.memory_plan import (
   ACTIVATION_SOURCES,
   format_table,
@@ -106,33 +106,39 @@ def main(argv: Sequence[str]) -> None:
     base = parse_mesh(F.mesh)
     attention = planned_attention(F.attention, backend)
   except (ValueError, KeyError) as e:
-    raise app.UsageError(str(e)) from None
+    raise app.UsageError(e.args[0] if e.args else str(e)) from None
   meshes = [base]
   if F.devices:
     others = math.prod(v for k, v in base.items() if k != "fsdp")
     meshes = []
-    for n in map(int, F.devices):
+    for item in F.devices:
+      n = int(item) if item.strip().isdigit() else 0
+      if n < 1:
+        raise app.UsageError(f"--devices: {item!r} is not a device count (an integer >= 1)")
       if n % others:
         raise app.UsageError(f"{n} devices do not divide by data*tensor*expert = {others}")
       meshes.append({**base, "fsdp": n // others})
-  plans = [
-    plan(
-      F.preset,
-      m,
-      batch=F.batch,
-      seq_len=F.seq_len,
-      num_slots=F.num_slots,
-      cache_len=F.cache_len,
-      dtype=F.dtype,
-      param_dtype=F.param_dtype,
-      weights_layout=F.weights_layout,
-      micro_batches=F.micro_batches,
-      remat=F.remat,
-      activations=F.activations,
-      attention=attention,
-    )
-    for m in meshes
-  ]
+  try:
+    plans = [
+      plan(
+        F.preset,
+        m,
+        batch=F.batch,
+        seq_len=F.seq_len,
+        num_slots=F.num_slots,
+        cache_len=F.cache_len,
+        dtype=F.dtype,
+        param_dtype=F.param_dtype,
+        weights_layout=F.weights_layout,
+        micro_batches=F.micro_batches,
+        remat=F.remat,
+        activations=F.activations,
+        attention=attention,
+      )
+      for m in meshes
+    ]
+  except ValueError as e:  # an unknown preset, dtype, layout or remat policy
+    raise app.UsageError(str(e)) from None
   print(
     f"{F.preset}: {plans[0].num_params / 1e9:.3f}B parameters, {F.param_dtype} master, "
     f"{F.dtype} compute, {F.weights_layout} rollout weights; "
@@ -146,4 +152,4 @@ def main(argv: Sequence[str]) -> None:
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(main)
+  flag_errors.run(main)

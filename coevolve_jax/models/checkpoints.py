@@ -166,6 +166,7 @@ def load_model(cfg, checkpoint: str):
     CheckpointFormatError: a Hugging Face folder that is not a readable Qwen checkpoint.
     CheckpointMismatchError: the orbax checkpoint's parameters have other shapes or paths than
       `cfg.model`'s (nothing is restored; the error names the differing arrays).
+    CorruptFileError: the newest step's files cannot be read (a damaged checkpoint).
   """
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
@@ -199,7 +200,17 @@ def load_model(cfg, checkpoint: str):
     graphdef, params = nnx.split(abstract)  # the structure to restore into; no values drawn
     _check_shapes(os.path.join(ckpt_dir, str(step)), step, ckpt_dir, params)
     like = jax.tree.map(ocp.utils.to_shape_dtype_struct, params)
-    restored = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(like)))
+    try:
+      restored = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(like)))
+    except Exception as e:  # noqa: BLE001  (orbax and TensorStore raise many types when damaged)
+      from coevolve_jax.errors import CorruptFileError  # noqa: PLC0415
+
+      first = next((x.strip() for x in str(e).splitlines() if x.strip()), "")[:200]
+      raise CorruptFileError(
+        f"checkpoint step {step} in {ckpt_dir} cannot be read ({type(e).__name__}: {first}); "
+        "resuming that run moves it aside to <step>.damaged-<n> and goes on from the step "
+        "before, which this command then evaluates"
+      ) from None
   finally:
     mgr.close()
   print(f"loaded step {step} from {ckpt_dir}", file=sys.stderr)

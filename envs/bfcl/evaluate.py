@@ -226,12 +226,13 @@ def main(argv: list[str]) -> int:
   cfg.eval.max_steps_per_turn = f.max_steps_per_turn  # BFCL's 20 unless asked otherwise
   from coevolve_jax import compiling  # noqa: PLC0415 (imports no JAX)
   from coevolve_jax.checkpoint import CheckpointMismatchError  # noqa: PLC0415
+  from coevolve_jax.errors import CorruptFileError  # noqa: PLC0415
   from coevolve_jax.models.hf import CheckpointFormatError  # noqa: PLC0415
 
   compiling.enable_cache(cfg.compile.cache_dir)  # one process: the user's cache by default
   try:
     run(cfg, f.checkpoint, f.categories, f.max_tasks, f.policy, output, f.max_new_tokens)
-  except (FileNotFoundError, CheckpointFormatError, CheckpointMismatchError) as e:
+  except (FileNotFoundError, CheckpointFormatError, CheckpointMismatchError, CorruptFileError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   return 0
@@ -244,7 +245,7 @@ def _define_flags() -> None:
   config_flags.DEFINE_config_file("config", None, "Config file (path[:variant]).", lock_config=True)
   flags.DEFINE_string("checkpoint", "", "orbax run checkpoint folder or Hugging Face folder")
   flags.DEFINE_list("categories", list(CATEGORIES), "BFCL multi-turn categories to run")
-  flags.DEFINE_integer("max_tasks", 0, "first N entries per category (0 = all 200)")
+  flags.DEFINE_integer("max_tasks", 0, "first N entries per category (0 = all 200)", lower_bound=0)
   flags.DEFINE_enum(
     "policy",
     "model",
@@ -269,7 +270,7 @@ def _define_flags() -> None:
 
 
 if __name__ == "__main__":
-  from absl import app
+  from coevolve_jax import flag_errors
 
   _define_flags()
-  app.run(main)
+  flag_errors.run(main)
