@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -57,7 +57,7 @@ def parse_flags(argv: list[str]) -> list[str]:
   try:
     rest = flags.FLAGS(argv)
     if "config" in flags.FLAGS:
-      value = flags.FLAGS["config"].value
+      value: Any = flags.FLAGS["config"].value
       if hasattr(value, "get"):  # a ConfigDict (not a plain string flag): load it now
         value.get("env")
   except flags.Error as e:

@@ -208,7 +208,7 @@ def run(
   return report
 
 
-def main(argv: list[str]) -> int:
+def main(argv: Sequence[str]) -> int:
   from absl import flags  # noqa: PLC0415
 
   del argv
