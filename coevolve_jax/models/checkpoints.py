@@ -203,13 +203,12 @@ def load_model(cfg, checkpoint: str):
     try:
       restored = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(like)))
     except Exception as e:  # noqa: BLE001  (orbax and TensorStore raise many types when damaged)
-      from coevolve_jax.errors import CorruptFileError  # noqa: PLC0415
+      from coevolve_jax.errors import CorruptFileError, describe  # noqa: PLC0415
 
-      first = next((x.strip() for x in str(e).splitlines() if x.strip()), "")[:200]
       raise CorruptFileError(
-        f"checkpoint step {step} in {ckpt_dir} cannot be read ({type(e).__name__}: {first}); "
-        "resuming that run moves it aside to <step>.damaged-<n> and goes on from the step "
-        "before, which this command then evaluates"
+        f"checkpoint step {step} in {ckpt_dir} cannot be read ({describe(e)}); resuming that "
+        "run moves it aside to <step>.damaged-<n> and goes on from the step before, which this "
+        "command then evaluates"
       ) from None
   finally:
     mgr.close()
