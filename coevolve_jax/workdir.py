@@ -17,6 +17,7 @@ from typing import Any
 import filelock
 from flax.traverse_util import flatten_dict
 
+from coevolve_jax import distributed
 from coevolve_jax.errors import CorruptFileError, RunError
 from coevolve_jax.feedback.pool import TaskPool
 from coevolve_jax.feedback.rounds import RoundJournal
@@ -144,11 +145,12 @@ def check_config(workdir: str, config_json: str, fresh: bool) -> None:
     if not isinstance(saved, dict):
       raise ValueError(f"a JSON {type(saved).__name__}, not an object")
   except (ValueError, UnicodeDecodeError) as e:
-    os.replace(path, path + ".damaged")
-    print(
-      f"warning: {path} is damaged ({e}); moved to config.json.damaged and this run's config "
-      "written in its place (changes since the run started are not listed)"
-    )
+    if distributed.is_primary():  # one move and one warning however many processes run
+      os.replace(path, path + ".damaged")
+      print(
+        f"warning: {path} is damaged ({e}); moved to config.json.damaged and this run's config "
+        "written in its place (changes since the run started are not listed)"
+      )
     write_atomic(path, json.dumps(now, indent=1, sort_keys=True))
     return
   before = flatten_dict(saved, sep=".")
