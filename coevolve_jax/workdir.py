@@ -128,8 +128,9 @@ class WorkdirLock:
 def check_config(workdir: str, config_json: str, fresh: bool) -> None:
   """Writes config.json on a fresh start; on resume, warns about every changed field. A
   config.json that is not a JSON object (damaged by hand or by a torn copy: the checkpoints
-  carry their own config, so the run does not need it) is moved to config.json.damaged, with a
-  warning, and this run's config is written in its place.
+  carry their own config, so the run does not need it) is moved to config.json.damaged (or
+  config.json.damaged.N, N = 1, 2, ..., so an earlier damaged copy is kept), with a warning, and
+  this run's config is written in its place.
 
   Args:
     config_json: the run's config as JSON (`ConfigDict.to_json_best_effort()`).
@@ -146,10 +147,15 @@ def check_config(workdir: str, config_json: str, fresh: bool) -> None:
       raise ValueError(f"a JSON {type(saved).__name__}, not an object")
   except (ValueError, UnicodeDecodeError) as e:
     if distributed.is_primary():  # one move and one warning however many processes run
-      os.replace(path, path + ".damaged")
+      aside = path + ".damaged"
+      n = 0
+      while os.path.exists(aside):
+        n += 1
+        aside = f"{path}.damaged.{n}"
+      os.replace(path, aside)
       print(
-        f"warning: {path} is damaged ({e}); moved to config.json.damaged and this run's config "
-        "written in its place (changes since the run started are not listed)"
+        f"warning: {path} is damaged ({e}); moved to {os.path.basename(aside)} and this run's "
+        "config written in its place (changes since the run started are not listed)"
       )
     write_atomic(path, json.dumps(now, indent=1, sort_keys=True))
     return

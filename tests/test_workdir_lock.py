@@ -84,3 +84,9 @@ def test_a_damaged_config_json_is_moved_aside_and_the_resume_goes_on(tmp_path, c
   assert out.startswith(f"warning: {path} is damaged (") and "config.json.damaged" in out
   assert (tmp_path / "config.json.damaged").read_bytes() == damage
   assert json.loads(path.read_text()) == {"train": {"steps": 6}}
+  # Damaged again: the first damaged copy is kept, the second goes beside it.
+  path.write_bytes(b"{torn")
+  check_config(str(tmp_path), json.dumps({"train": {"steps": 6}}), fresh=False)
+  assert "moved to config.json.damaged.1 " in capsys.readouterr().out
+  assert (tmp_path / "config.json.damaged").read_bytes() == damage
+  assert (tmp_path / "config.json.damaged.1").read_bytes() == b"{torn"
