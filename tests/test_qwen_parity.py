@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from coevolve_jax.models import KVCache, QwenConfig, from_pretrained, save_pretrained  # noqa: E402
 
@@ -125,6 +126,18 @@ def _batch(seed=0, shape=(3, 11)):
   return ids, mask
 
 
+# Our model's calls, each one compiled program, as the engine and the trainer run them. (Called
+# eagerly, every operation compiles on its own: 350 compiles for one model's forward and decode.)
+_forward = nnx.jit(lambda model, ids, mask: model(ids, attention_mask=mask))
+_decode = nnx.jit(lambda model, ids, pos, cache, starts: model.decode(ids, pos, cache, starts))
+_logits = nnx.jit(lambda model, hidden: model.logits(hidden))
+_hidden_states = nnx.jit(
+  lambda model, ids, mask, index: model.hidden_states(
+    ids, attention_mask_bt=mask, output_index_bp=index
+  )
+)
+
+
 def _hf_logits(hf, ids, mask):
   with torch.no_grad():
     return hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.float().numpy()
@@ -141,7 +154,7 @@ def test_logits_match_transformers_and_round_trip(tmp_path, family, tie, n_heads
   assert (ours.config.rope_scaling is not None) == (family == "llama3")
   ids, mask = _batch()
   ref = _hf_logits(hf, ids, mask)
-  got = np.asarray(ours(jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
+  got = np.asarray(_forward(ours, jnp.asarray(ids), jnp.asarray(mask)))
   assert got.shape == (3, 11, VOCAB) and got.dtype == np.float32
   valid = mask.astype(bool)
   np.testing.assert_allclose(got[valid], ref[valid], atol=1e-4, rtol=0)
@@ -166,7 +179,7 @@ def test_long_batch_paths_match_transformers(tmp_path, family):
   ids, mask = _batch(2, shape=(3, 512))  # 1536 rows; row 2 right-padded after 8 tokens
   mask[1, :37] = 0  # left padding
   ref = _hf_logits(hf, ids, mask)
-  got = np.asarray(ours(jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
+  got = np.asarray(_forward(ours, jnp.asarray(ids), jnp.asarray(mask)))
   valid = mask.astype(bool)
   np.testing.assert_allclose(got[valid], ref[valid], atol=1e-4, rtol=0)
 
@@ -177,11 +190,9 @@ def test_long_batch_paths_match_transformers(tmp_path, family):
       np.arange(28) % 8,
     ]
   )
-  hidden = ours.hidden_states(
-    jnp.asarray(ids), attention_mask_bt=jnp.asarray(mask), output_index_bp=jnp.asarray(index)
-  )
+  hidden = _hidden_states(ours, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(index))
   assert hidden.shape == (3, 28, 64)
-  picked = np.asarray(ours.logits(hidden))
+  picked = np.asarray(_logits(ours, hidden))
   np.testing.assert_allclose(
     picked, np.take_along_axis(ref, index[..., None], axis=1), atol=1e-4, rtol=0
   )
@@ -199,7 +210,7 @@ def test_bfloat16_logits_within_stated_bound(tmp_path, family):
   assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(ours))
   ids, mask = _batch(1)
   ref = _hf_logits(hf, ids, mask)
-  got = np.asarray(ours(jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
+  got = np.asarray(_forward(ours, jnp.asarray(ids), jnp.asarray(mask)))
   valid = mask.astype(bool)
   err = np.max(np.abs(got[valid] - ref[valid]))
   scale = np.max(np.abs(ref[valid]))
@@ -211,14 +222,14 @@ def test_kv_cache_decode_equals_full_forward(tmp_path, family):
   _, folder = _hf_folder(tmp_path, family, True, 4, 2)
   ours = from_pretrained(folder)
   ids = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, size=(2, 9)))
-  full = ours(ids)
+  full = _forward(ours, ids, None)
   cache = KVCache.zeros(ours.config, 2, 16)
   pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
-  h, cache = ours.decode(ids[:, :5], pos, cache, jnp.zeros((2,), jnp.int32))
-  outs = [ours.logits(h)]
+  h, cache = _decode(ours, ids[:, :5], pos, cache, jnp.zeros((2,), jnp.int32))
+  outs = [_logits(ours, h)]
   for t in range(5, 9):
-    h, cache = ours.decode(ids[:, t : t + 1], jnp.full((2, 1), t), cache, jnp.full((2,), t))
-    outs.append(ours.logits(h))
+    h, cache = _decode(ours, ids[:, t : t + 1], jnp.full((2, 1), t), cache, jnp.full((2,), t))
+    outs.append(_logits(ours, h))
   np.testing.assert_allclose(np.concatenate(outs, axis=1), full, atol=1e-4, rtol=0)
 
 
@@ -251,8 +262,8 @@ def test_sharded_checkpoint_index_round_trip(tmp_path):
   again = from_pretrained(out)
   ids, mask = _batch(3)
   np.testing.assert_array_equal(
-    np.asarray(again(jnp.asarray(ids), attention_mask=mask)),
-    np.asarray(ours(jnp.asarray(ids), attention_mask=mask)),
+    np.asarray(_forward(again, jnp.asarray(ids), jnp.asarray(mask))),
+    np.asarray(_forward(ours, jnp.asarray(ids), jnp.asarray(mask))),
   )
 
 
