@@ -14,9 +14,13 @@ import pytest
 from flax import nnx
 
 from coevolve_jax.models import qwen
-from coevolve_jax.models.qwen import Qwen, _attend, _attend_online
+from coevolve_jax.models.qwen import Qwen, _attend_online
 
 import kit
+
+# The reference, the masked softmax, as one compiled program: called op by op, each row's own key
+# length compiled every operation of it on its own.
+_attend = jax.jit(qwen._attend)
 
 B, N, K, H = 2, 4, 2, 8  # batch, query heads, KV heads (GQA groups of 2), head size
 
