@@ -431,8 +431,9 @@ def _assert_batching_invariant(model, make_runner, jobs, temperature):
     assert traj.model_steps >= 2  # at least one continuation after an environment step
     assert traj.token_ids == alone.token_ids and traj.loss_mask == alone.loss_mask
     np.testing.assert_allclose(traj.logprobs, alone.logprobs, atol=1e-5)
-  # One batched forward for all episodes (one compile): rows padded at the end, which a causal
-  # model's earlier positions do not see; padded positions repeat a row's last one.
+  # One batched forward for all episodes (one program, as the trainer runs it): rows padded at the
+  # end, which a causal model's earlier positions do not see; padded positions repeat a row's
+  # last one.
   positions = [[i for i, m in enumerate(t.loss_mask) if m] for t in together]
   width, npos = max(len(t.token_ids) for t in together), max(map(len, positions))
   tokens = np.zeros((len(together), width), np.int32)
@@ -440,7 +441,10 @@ def _assert_batching_invariant(model, make_runner, jobs, temperature):
   for r, (traj, p) in enumerate(zip(together, positions)):
     tokens[r, : len(traj.token_ids)] = traj.token_ids
     pos[r] = p + [p[-1]] * (npos - len(p))
-  recomputed = np.asarray(token_logprobs(model, tokens, pos, temperature=temperature))
+  from flax import nnx  # noqa: PLC0415
+
+  score = nnx.jit(token_logprobs, static_argnames="temperature")
+  recomputed = np.asarray(score(model, tokens, pos, temperature=temperature))
   for r, (traj, p) in enumerate(zip(together, positions)):
     np.testing.assert_allclose(recomputed[r, : len(p)], [traj.logprobs[i] for i in p], atol=1e-5)
 
