@@ -164,10 +164,14 @@ def test_engine_sampled_logprobs_match_a_plain_forward(ours, chat):
   for i, (r, p) in enumerate(zip(rows, prompts)):
     ids[i, : len(r)], mask[i, : len(r)] = r, 1
     at[i] = np.minimum(np.arange(len(p) - 1, len(p) - 1 + steps), len(r) - 2)
-  hidden = ours.hidden_states(
-    jnp.asarray(ids), attention_mask_bt=jnp.asarray(mask), output_index_bp=jnp.asarray(at)
-  )
-  logits = np.asarray(ours.logits(hidden), np.float64) / 0.8  # [8, steps, V]
+  from flax import nnx  # noqa: PLC0415
+
+  @nnx.jit  # one program, as the trainer scores a batch
+  def forward(model, ids, mask, at):
+    return model.logits(model.hidden_states(ids, attention_mask_bt=mask, output_index_bp=at))
+
+  logits = forward(ours, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(at))
+  logits = np.asarray(logits, np.float64) / 0.8  # [8, steps, V]
   top = logits.max(-1, keepdims=True)
   logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
   for i, completion in enumerate(got):
