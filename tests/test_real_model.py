@@ -72,6 +72,17 @@ def _prompt_ids(chat, text):
   return chat.prompt_ids([{"role": "user", "content": text}], [])
 
 
+@pytest.fixture(scope="module")
+def engine(ours, chat):
+  """One engine for both generation checks, so they share its compiled programs: 8 slots, each
+  with room for the longest prompt and 64 tokens (rounded up to 128 entries, as `generate`
+  sizes its own)."""
+  from coevolve_jax.rollout.engine import Engine  # noqa: PLC0415
+
+  longest = max(len(_prompt_ids(chat, p)) for p in PROMPTS)
+  return Engine(ours, len(PROMPTS), -(-(longest + NEW_TOKENS) // 128) * 128)
+
+
 @pytest.fixture(autouse=True)
 def _full_float32_products():
   with jax.default_matmul_precision("highest"):
@@ -112,13 +123,12 @@ def test_logits_match_transformers_on_real_weights(ours, hf, chat, capsys):
   np.testing.assert_array_equal(got[valid].argmax(-1), ref[valid].argmax(-1))
 
 
-@pytest.mark.slow  # 25-38 s; make test keeps the logits (1e-3) and sampled log-prob checks
-def test_greedy_generation_is_token_identical_to_transformers(ours, hf, chat):
+def test_greedy_generation_is_token_identical_to_transformers(engine, hf, chat):
   """64 greedy tokens on each of 8 prompts: our engine (batched, KV-cached) and transformers'
   `generate` (the batch left-padded) produce the same ids."""
   prompts = [_prompt_ids(chat, p) for p in PROMPTS]
   t0 = time.perf_counter()
-  got = generate(ours, prompts, SamplingParams(temperature=0.0), max_new_tokens=NEW_TOKENS)
+  got = generate(engine, prompts, SamplingParams(temperature=0.0), max_new_tokens=NEW_TOKENS)
   t1 = time.perf_counter()
   # No stop id on either side: all 64 tokens of each prompt are compared, past the reply's end.
   # transformers generates the batch left-padded, with the checkpoint's eos ids switched off.
@@ -142,21 +152,14 @@ def test_greedy_generation_is_token_identical_to_transformers(ours, hf, chat):
   print(f"ours {t1 - t0:.1f} s, transformers {time.perf_counter() - t1:.1f} s")
 
 
-def test_engine_sampled_logprobs_match_a_plain_forward(ours, chat):
-  """Sampled at temperature 0.8 on the greedy test's prompts and engine shape (its programs): each
-  token's log-prob as the engine reports it equals the tempered log-softmax of one plain
-  (cache-free) forward over the right-padded batch of prompt + sampled tokens, read at the
-  sampled positions."""
+def test_engine_sampled_logprobs_match_a_plain_forward(engine, ours, chat):
+  """Sampled at temperature 0.8 on the greedy test's prompts and engine: each token's log-prob
+  as the engine reports it equals the tempered log-softmax of one plain (cache-free) forward over
+  the right-padded batch of prompt + sampled tokens, read at the sampled positions."""
   prompts = [_prompt_ids(chat, p) for p in PROMPTS]
-  cache_len = -(-(max(map(len, prompts)) + NEW_TOKENS) // 128) * 128  # the greedy test's
   steps = 24
   got = generate(
-    ours,
-    prompts,
-    SamplingParams(temperature=0.8),
-    max_new_tokens=steps,
-    rng=jax.random.key(3),
-    cache_len=cache_len,
+    engine, prompts, SamplingParams(temperature=0.8), max_new_tokens=steps, rng=jax.random.key(3)
   )
   rows = [p + c.token_ids for p, c in zip(prompts, got)]
   ids = np.zeros((len(rows), max(map(len, rows))), np.int32)
