@@ -59,6 +59,7 @@ def _inputs(t: int, n: int, k: int, pad: int = 0, seed: int = 0, dtype=jnp.float
   return q, keys, values, pos, jnp.asarray(valid)
 
 
+@jax.jit  # one program (op by op, each call compiled every operation on its own)
 def _reference(q, keys, values, pos, valid):
   return qwen._attend(q, keys, values, pos, pos, valid)
 
@@ -91,8 +92,10 @@ def test_fused_kernel_gradient_equals_the_masked_softmax_gradient(kernel):
   def loss(fn, q, keys, values):
     return jnp.sum(fn(q, keys, values) * weights)
 
-  want = jax.grad(functools.partial(loss, lambda *a: _reference(*a, pos, valid)), (0, 1, 2))
-  got = jax.grad(functools.partial(loss, lambda *a: _fused(kernel)(*a, valid)), (0, 1, 2))
+  want = jax.jit(
+    jax.grad(functools.partial(loss, lambda *a: _reference(*a, pos, valid)), (0, 1, 2))
+  )
+  got = jax.jit(jax.grad(functools.partial(loss, lambda *a: _fused(kernel)(*a, valid)), (0, 1, 2)))
   for g, w in zip(got(q, keys, values), want(q, keys, values)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
