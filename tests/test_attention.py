@@ -236,9 +236,10 @@ def test_a_decode_step_takes_the_cached_blocks_as_accurately_as_the_plain_pass(m
     cache = qwen.KVCache.zeros(TINY, 3, 256, stacked=True)
     # Prefill each row's prompt (positions 0 .. length - 1; the rest of the chunk is never read).
     positions = jnp.broadcast_to(jnp.arange(100), (3, 100))
-    _, cache = model.decode(prompt, positions, cache, jnp.zeros(3, jnp.int32), 128)
+    decode = nnx.jit(lambda m, *a: m.decode(*a, 128))  # 128: the key bucket, static
+    _, cache = decode(model, prompt, positions, cache, jnp.zeros(3, jnp.int32))
     pos = jnp.asarray(lengths[:, None], jnp.int32)
-    hidden, _ = model.decode(prompt[:, :1], pos, cache, pos[:, 0], 128)
+    hidden, _ = decode(model, prompt[:, :1], pos, cache, pos[:, 0])
     logits[kernel], traced[kernel] = np.asarray(model.logits(hidden)), list(calls)
   assert traced == {"xla": [], "auto": [32] * len(TINY.layer_blocks)}  # once per scanned block
   np.testing.assert_allclose(logits["auto"], logits["xla"], rtol=1e-5, atol=1e-5)

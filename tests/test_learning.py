@@ -40,6 +40,7 @@ def _prompts() -> np.ndarray:
   return prompts.astype(np.int32), (DIGIT0 + np.maximum(a, b)).astype(np.int32)
 
 
+@nnx.jit
 def _next_token_logp(model: Qwen, prompts_bt: jax.Array) -> jax.Array:
   """[B, V] log-probs of the token after each prompt."""
   hidden = model.hidden_states(prompts_bt)
