@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from coevolve_jax.cli import import_model  # noqa: E402
 from coevolve_jax.models import from_pretrained  # noqa: E402
@@ -83,6 +84,11 @@ def engine(ours, chat):
   return Engine(ours, len(PROMPTS), -(-(longest + NEW_TOKENS) // 128) * 128)
 
 
+@nnx.jit  # one program, as the engine and the trainer run the model
+def _forward(model, ids, mask):
+  return model(ids, attention_mask=mask)
+
+
 @pytest.fixture(autouse=True)
 def _full_float32_products():
   with jax.default_matmul_precision("highest"):
@@ -111,7 +117,7 @@ def test_logits_match_transformers_on_real_weights(ours, hf, chat, capsys):
     ids[i, width - len(r) :], mask[i, width - len(r) :] = r, 1
   with torch.no_grad():
     ref = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
-  got = np.asarray(ours(jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
+  got = np.asarray(_forward(ours, jnp.asarray(ids), jnp.asarray(mask)))
   valid = mask.astype(bool)
   err = float(np.abs(got[valid] - ref[valid]).max())
   with capsys.disabled():
@@ -167,7 +173,6 @@ def test_engine_sampled_logprobs_match_a_plain_forward(engine, ours, chat):
   for i, (r, p) in enumerate(zip(rows, prompts)):
     ids[i, : len(r)], mask[i, : len(r)] = r, 1
     at[i] = np.minimum(np.arange(len(p) - 1, len(p) - 1 + steps), len(r) - 2)
-  from flax import nnx  # noqa: PLC0415
 
   @nnx.jit  # one program, as the trainer scores a batch
   def forward(model, ids, mask, at):
