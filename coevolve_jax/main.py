@@ -56,10 +56,11 @@ _STOP_SIGNALS = ("SIGINT", "SIGTERM")
 _EXIT_HANDLERS_S = 3.0  # at most this long for the exit handlers after an interrupt
 
 
-def _stop_on_signals() -> None:
+def stop_on_signals() -> None:
   """SIGINT and SIGTERM raise KeyboardInterrupt (args: the signal's name) in the main thread, so
   the run closes its checkpointer and logs on the way out (`CoEvolveRun.fit`); a second one exits
-  at once (status 128 + signal), without waiting for the checkpoint in flight."""
+  at once (status 128 + signal), without waiting for the checkpoint in flight. For every command
+  that runs `CoEvolveRun.fit` (this one, scripts/ablations.py); see `exit_interrupted`."""
   if threading.current_thread() is not threading.main_thread():
     return  # signal handlers can only be set from the main thread (main() called by a test)
   received: list[str] = []
@@ -76,6 +77,16 @@ def _stop_on_signals() -> None:
 
   for name in _STOP_SIGNALS:
     signal.signal(signal.Signals[name], handler)
+
+
+def exit_interrupted(error: KeyboardInterrupt, resume: str) -> NoReturn:
+  """After `stop_on_signals`' KeyboardInterrupt reached the command's top (the run's checkpoint
+  and logs closed): the `resume` advice on stderr, then `_exit_now` with status 128 + the signal
+  (130 for SIGINT, 143 for SIGTERM; 130 for a KeyboardInterrupt of no signal)."""
+  name = error.args[0] if error.args else None
+  code = 128 + (signal.Signals[name] if name in _STOP_SIGNALS else signal.SIGINT)
+  print(f"\ninterrupted; {resume}", file=sys.stderr)
+  _exit_now(code)
 
 
 def _exit_now(code: int) -> NoReturn:
@@ -99,7 +110,7 @@ def _exit_now(code: int) -> NoReturn:
 
 def main(argv: list[str]) -> int:
   del argv
-  _stop_on_signals()
+  stop_on_signals()
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO; -v 0 shows them
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("absl").addFilter(_AfterDiskFull())  # -v shows those reports too
@@ -144,13 +155,9 @@ def main(argv: list[str]) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except KeyboardInterrupt as e:
-    code = 128 + (signal.Signals[e.args[0]] if e.args and e.args[0] in _STOP_SIGNALS else 2)
-    print(
-      f"\ninterrupted; rerun the same command to resume from the last checkpoint in "
-      f"{workdir}/checkpoints",
-      file=sys.stderr,
+    exit_interrupted(
+      e, f"rerun the same command to resume from the last checkpoint in {workdir}/checkpoints"
     )
-    _exit_now(code)
   print(json.dumps(summary, indent=1, sort_keys=True))
   return 0
 

@@ -999,4 +999,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  # SIGINT/SIGTERM as in `coevolve_jax.main`: the run in progress finishes the checkpoint in flight
+  # and closes its logs, then the grid exits; the same command resumes it.
+  from coevolve_jax import main as run_command  # pylint: disable=g-import-not-at-top
+
+  run_command.stop_on_signals()
+  try:
+    sys.exit(main())
+  except KeyboardInterrupt as e:
+    run_command.exit_interrupted(
+      e, "rerun the same command to resume the grid (each run from its last checkpoint)"
+    )
