@@ -130,11 +130,15 @@ def check_config(workdir: str, config_json: str, fresh: bool) -> None:
   config.json that is not a JSON object (damaged by hand or by a torn copy: the checkpoints
   carry their own config, so the run does not need it) is moved to config.json.damaged (or
   config.json.damaged.N, N = 1, 2, ..., so an earlier damaged copy is kept), with a warning, and
-  this run's config is written in its place.
+  this run's config is written in its place. The primary process alone does any of it (one
+  file, one set of warnings, however many processes run; the others never read a file the
+  primary may be moving).
 
   Args:
     config_json: the run's config as JSON (`ConfigDict.to_json_best_effort()`).
   """
+  if not distributed.is_primary():
+    return
   path = os.path.join(workdir, "config.json")
   now = json.loads(config_json)
   if fresh or not os.path.exists(path):
@@ -146,17 +150,16 @@ def check_config(workdir: str, config_json: str, fresh: bool) -> None:
     if not isinstance(saved, dict):
       raise ValueError(f"a JSON {type(saved).__name__}, not an object")
   except (ValueError, UnicodeDecodeError) as e:
-    if distributed.is_primary():  # one move and one warning however many processes run
-      aside = path + ".damaged"
-      n = 0
-      while os.path.exists(aside):
-        n += 1
-        aside = f"{path}.damaged.{n}"
-      os.replace(path, aside)
-      print(
-        f"warning: {path} is damaged ({e}); moved to {os.path.basename(aside)} and this run's "
-        "config written in its place (changes since the run started are not listed)"
-      )
+    aside = path + ".damaged"
+    n = 0
+    while os.path.exists(aside):
+      n += 1
+      aside = f"{path}.damaged.{n}"
+    os.replace(path, aside)
+    print(
+      f"warning: {path} is damaged ({e}); moved to {os.path.basename(aside)} and this run's "
+      "config written in its place (changes since the run started are not listed)"
+    )
     write_atomic(path, json.dumps(now, indent=1, sort_keys=True))
     return
   before = flatten_dict(saved, sep=".")

@@ -127,7 +127,7 @@ def _batch(seed=0, shape=(3, 11)):
 
 
 # Our model's calls, each one compiled program, as the engine and the trainer run them. (Called
-# eagerly, every operation compiles on its own: 350 compiles for one model's forward and decode.)
+# eagerly, every operation compiles on its own: 357 compiles for one model's forward and decode.)
 _forward = nnx.jit(lambda model, ids, mask: model(ids, attention_mask=mask))
 _decode = nnx.jit(lambda model, ids, pos, cache, starts: model.decode(ids, pos, cache, starts))
 _logits = nnx.jit(lambda model, hidden: model.logits(hidden))

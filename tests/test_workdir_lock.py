@@ -90,3 +90,18 @@ def test_a_damaged_config_json_is_moved_aside_and_the_resume_goes_on(tmp_path, c
   assert "moved to config.json.damaged.1 " in capsys.readouterr().out
   assert (tmp_path / "config.json.damaged").read_bytes() == damage
   assert (tmp_path / "config.json.damaged.1").read_bytes() == b"{torn"
+
+
+def test_only_the_primary_reads_moves_or_warns_about_config_json(tmp_path, capsys, monkeypatch):
+  """Another process of a multi-process run leaves config.json alone: no warning of its own,
+  and no read of a file the primary may be moving aside at that moment."""
+  from coevolve_jax import distributed  # noqa: PLC0415
+
+  path = tmp_path / "config.json"
+  check_config(str(tmp_path), json.dumps({"train": {"steps": 2}}), fresh=True)
+  monkeypatch.setattr(distributed, "is_primary", lambda: False)
+  check_config(str(tmp_path), json.dumps({"train": {"steps": 6}}), fresh=False)
+  path.write_bytes(b"garbage")
+  check_config(str(tmp_path), json.dumps({"train": {"steps": 6}}), fresh=False)
+  assert capsys.readouterr().out == ""
+  assert sorted(os.listdir(tmp_path)) == ["config.json"] and path.read_bytes() == b"garbage"
