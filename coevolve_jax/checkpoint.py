@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -239,14 +240,11 @@ class RunCheckpointer:
   def _set_aside(self, step: int, error: Exception, restored: int) -> None:
     """Renames the unreadable `step` to `<step>.damaged-<n>` (primary host; the others wait)."""
     if ocp.multihost.is_primary_host(0):
-      folder = self._step_folder(step)
-      n = 1
-      while os.path.exists(f"{folder}.damaged-{n}"):
-        n += 1
-      os.rename(folder, f"{folder}.damaged-{n}")
+      suffixes = (f".damaged-{n}" for n in itertools.count(1))
+      aside = errors.move_aside(self._step_folder(step), suffixes)
       print(
         f"warning: checkpoint step {step} is unreadable ({errors.describe(error)}); moved it to "
-        f"{folder}.damaged-{n} and resuming from step {restored}"
+        f"{aside} and resuming from step {restored}"
       )
     if jax.process_count() > 1:
       ocp.multihost.sync_global_processes(f"coevolve_set_aside_{step}")

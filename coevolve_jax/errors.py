@@ -7,10 +7,27 @@ import contextlib
 import errno
 import os
 import re
+from collections.abc import Iterable
 
 _DISK_FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
 # TensorStore (orbax's array writer) reports the OS error inside its message.
 _TENSORSTORE_OS_ERROR = re.compile(r"\[os_error_code='?(\d+)'?\]")
+
+
+def move_aside(path: str, suffixes: Iterable[str]) -> str:
+  """Renames the damaged file or folder `path` to `path + suffix` for the first suffix of
+  `suffixes` that names nothing yet, so earlier damaged copies are kept for inspection.
+
+  Returns the new path. Raises OSError where the rename fails, FileExistsError (one) when every
+  suffix is taken (pass an endless iterator, e.g. one made from `itertools.count`, to never run
+  out).
+  """
+  for suffix in suffixes:
+    aside = path + suffix
+    if not os.path.exists(aside):
+      os.replace(path, aside)
+      return aside
+  raise FileExistsError(f"no free name to move {path} aside")
 
 
 class RunError(Exception):

@@ -7,6 +7,7 @@ process only, so several processes of one job write each file once.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -18,7 +19,7 @@ import filelock
 from flax.traverse_util import flatten_dict
 
 from coevolve_jax import distributed
-from coevolve_jax.errors import CorruptFileError, RunError
+from coevolve_jax.errors import CorruptFileError, RunError, move_aside
 from coevolve_jax.feedback.pool import TaskPool
 from coevolve_jax.feedback.rounds import RoundJournal
 from coevolve_jax.metrics import PhaseTimer, truncate_jsonl, write_atomic
@@ -150,12 +151,8 @@ def check_config(workdir: str, config_json: str, fresh: bool) -> None:
     if not isinstance(saved, dict):
       raise ValueError(f"a JSON {type(saved).__name__}, not an object")
   except (ValueError, UnicodeDecodeError) as e:
-    aside = path + ".damaged"
-    n = 0
-    while os.path.exists(aside):
-      n += 1
-      aside = f"{path}.damaged.{n}"
-    os.replace(path, aside)
+    suffixes = itertools.chain([".damaged"], (f".damaged.{n}" for n in itertools.count(1)))
+    aside = move_aside(path, suffixes)
     print(
       f"warning: {path} is damaged ({e}); moved to {os.path.basename(aside)} and this run's "
       "config written in its place (changes since the run started are not listed)"
