@@ -1,27 +1,56 @@
 """Shared fixtures: the kit's tiny model (tests/kit.py) and the loopback Gemini stub.
 
 The runs the tests start keep no compilation cache (`COEVOLVE_CACHE_DIR`, below), and XLA's CPU
-backend compiles with LLVM at -O0 (`TEST_XLA_FLAGS`, below). The tests that need 8 host devices
-add --xla_force_host_platform_device_count in the child processes they start
-(`tests/host_devices.py`).
+backend compiles with LLVM at -O0 and its earlier fusion emitters (`TEST_XLA_FLAGS`, below). The
+tests that need 8 host devices add --xla_force_host_platform_device_count in the child processes
+they start (`tests/host_devices.py`).
 """
 
 import os
+import subprocess
+import sys
 
 import pytest
 
 from coevolve_jax.testing.gemini_stub import GeminiStub
 
-# LLVM at -O0 for every program the suite compiles, in this process and in the children, which
-# inherit the variable: the suite's time is mostly XLA compiles of tiny programs, and -O0 cuts them
-# (docs/testing.md, "Timings"). It changes LLVM's code generation only, not XLA's HLO passes,
-# buffer assignment or floating-point semantics (no fast math either way), so what a test compares
-# (bits against bits of the same build, figures against transformers' to a tolerance, compiled
-# memory) is what the default build computes. XLA reads it when JAX starts its backend (the first
-# computation, not an import), so it is set here, before any test module runs one.
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
-if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+# Two compile-time settings of XLA's CPU backend for every program the suite compiles, in this
+# process and in the children, which inherit the variable: the suite's time is mostly XLA compiles
+# of tiny programs (docs/testing.md, "Timings").
+# - LLVM at -O0: LLVM's code generation only, not XLA's HLO passes, buffer assignment or
+#   floating-point rules (no fast math either way).
+# - XLA's earlier fused-loop emitters instead of its MLIR fusion emitters
+#   (`--xla_cpu_use_fusion_emitters=false`): the same HLO after the same passes, emitted by the
+#   other of XLA:CPU's two code generators; 0.55-0.6x the compile time, execution about 1.3x.
+# Both change the last bits of some elementwise results against the default build (exp, tanh:
+# docs/testing.md), which no test depends on: bit-for-bit comparisons are between computations of
+# the same build, comparisons with transformers or a reference are to a tolerance. XLA reads the
+# variable when JAX starts its backend (the first computation, not an import), so it is set here,
+# before any test module runs one.
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+_CHECKED = "COEVOLVE_TEST_XLA_FLAGS_CHECKED"  # set once; pytest-xdist's workers inherit it
+
+
+def _xla_accepts(flags: list[str]) -> bool:
+  """Whether this jaxlib's XLA accepts every one of `flags`: XLA aborts a process on a flag it
+  does not know (a later jaxlib may drop one), so a child interpreter starts a CPU backend with
+  them first (about 2 s, once: pytest-xdist's workers inherit the result in `XLA_FLAGS`)."""
+  env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+  code = "import jax; jax.devices()"
+  try:
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
+  except subprocess.TimeoutExpired:
+    return False
+  return run.returncode == 0
+
+
+if not os.environ.get(_CHECKED):
+  os.environ[_CHECKED] = "1"
+  _missing = [f for f in TEST_XLA_FLAGS if f not in os.environ.get("XLA_FLAGS", "")]
+  if _missing and not _xla_accepts(_missing):  # one child for all; each alone only if it fails
+    _missing = [f for f in _missing if _xla_accepts([f])]
+  if _missing:
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *_missing]).strip()
 
 # No compilation cache for the runs the tests start with `compile.cache_dir = "auto"` (this
 # process's and the children's, which inherit the variable): few programs recur across tests, and
