@@ -14,7 +14,7 @@ import pytest
 
 from coevolve_jax.testing.gemini_stub import GeminiStub
 
-# Two compile-time settings of XLA's CPU backend for every program the suite compiles, in this
+# Three compile-time settings of XLA's CPU backend for every program the suite compiles, in this
 # process and in the children, which inherit the variable: the suite's time is mostly XLA compiles
 # of tiny programs (docs/testing.md, "Timings").
 # - LLVM at -O0: LLVM's code generation only, not XLA's HLO passes, buffer assignment or
@@ -22,12 +22,19 @@ from coevolve_jax.testing.gemini_stub import GeminiStub
 # - XLA's earlier fused-loop emitters instead of its MLIR fusion emitters
 #   (`--xla_cpu_use_fusion_emitters=false`): the same HLO after the same passes, emitted by the
 #   other of XLA:CPU's two code generators; 0.55-0.6x the compile time, execution about 1.3x.
+# - One LLVM module per program (`--xla_cpu_parallel_codegen_split_count=1`), compiled on one
+#   thread: two pytest-xdist workers on two cores no longer split each other's compiles
+#   (0.83-0.92x in three paired runs of three test files).
 # Both change the last bits of some elementwise results against the default build (exp, tanh:
 # docs/testing.md), which no test depends on: bit-for-bit comparisons are between computations of
 # the same build, comparisons with transformers or a reference are to a tolerance. XLA reads the
 # variable when JAX starts its backend (the first computation, not an import), so it is set here,
 # before any test module runs one.
-TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+TEST_XLA_FLAGS = (
+  "--xla_backend_optimization_level=0",
+  "--xla_cpu_use_fusion_emitters=false",
+  "--xla_cpu_parallel_codegen_split_count=1",
+)
 _CHECKED = "COEVOLVE_TEST_XLA_FLAGS_CHECKED"  # set once; pytest-xdist's workers inherit it
 
 
