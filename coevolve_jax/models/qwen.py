@@ -778,6 +778,13 @@ def _attend_cached_blocks(q_btnh, read, q_pos_bt, k_pos_bs, k_valid_bs, block: i
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
+def _start_indices(*indices) -> tuple[jax.Array, ...]:
+  """Start indices for `jax.lax.dynamic_slice` / `dynamic_update_slice`, all int32: they must
+  share one dtype, and a Python int becomes int64 under jax_enable_x64 (tests/test_engine.py
+  decodes with it on)."""
+  return tuple(jnp.asarray(i, jnp.int32) for i in indices)
+
+
 def _write_kv_cache(keys_bkht, values_bkth, k_cache_bkhs, v_cache_bksh, write_b, keys="hs"):
   """Writes T new keys and values into a per-layer KV cache at each row's write index.
 
@@ -791,9 +798,8 @@ def _write_kv_cache(keys_bkht, values_bkth, k_cache_bkhs, v_cache_bksh, write_b,
   Returns:
     (new k cache, new v cache).
   """
-  # Start indices all of write_b's dtype (a Python 0 is int64 under jax_enable_x64).
-  at_s = lambda i: (i * 0, i, i * 0)  # noqa: E731  [K, S, H] arrays: values, keys "sh"
-  key_at = (lambda i: (i * 0, i * 0, i)) if keys == "hs" else at_s
+  at_s = lambda i: _start_indices(0, i, 0)  # noqa: E731  [K, S, H] arrays: values, keys "sh"
+  key_at = (lambda i: _start_indices(0, 0, i)) if keys == "hs" else at_s
   write_k = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, key_at(i)))
   write_v = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, at_s(i)))
   k_cache_bkhs = write_k(k_cache_bkhs, keys_bkht.astype(k_cache_bkhs.dtype), write_b)
@@ -853,12 +859,10 @@ def _read_stacked_kv_cache(k_cache_lbkhs, v_cache_lbksh, layer, start, size: int
   dynamic slice: ([B, K, H, size] keys, or [B, K, size, H] with `keys` "sh"; [B, K, size, H]
   values)."""
   _, b, kh, _, hd = v_cache_lbksh.shape
-  # Start indices of one dtype (Python ints are int64 under jax_enable_x64).
-  layer, start, zero = (jnp.asarray(x, jnp.int32) for x in (layer, start, 0))
-  at, shape = (layer, zero, zero, start, zero), (1, b, kh, size, hd)
+  at, shape = _start_indices(layer, 0, 0, start, 0), (1, b, kh, size, hd)
   values = jax.lax.dynamic_slice(v_cache_lbksh, at, shape)[0]
   if keys == "hs":
-    at, shape = (layer, zero, zero, zero, start), (1, b, kh, hd, size)
+    at, shape = _start_indices(layer, 0, 0, 0, start), (1, b, kh, hd, size)
   return jax.lax.dynamic_slice(k_cache_lbkhs, at, shape)[0], values
 
 
