@@ -4,14 +4,14 @@ pytest-xdist workers run them (two at once on a 2-core machine).
 
     .venv/bin/python benchmarks/compile_flags.py [--rounds=3] [--workers=2]
 
-Each child process builds the tests' tiny Qwen (tests/kit.py's shape: vocabulary 512, hidden 64,
-2 layers, 4 query / 2 KV heads of 16, float32), jits its summed log-softmax and the gradient of
-that, and lowers and compiles both at T = 8, 16, ..., 48 (batch 2): twelve compiles, timed
-together. Then it runs the T = 48 gradient 20 times (milliseconds per call). A round starts
-`--workers` children at once for each setting in turn (the settings alternate within a round,
-so a machine that speeds up or slows down through the run affects each alike); the table gives
-the median over rounds and children, and each setting's ratio to the default build's figure of
-the same run. The machine's speed varies from hour to hour (docs/testing.md): read the ratios.
+Each child process builds the tests' tiny Qwen (`tests/kit.py`'s `tiny_model()`: vocabulary 512,
+hidden 64, 2 layers, 4 query / 2 KV heads of 16, float32), jits its summed log-softmax and the
+gradient of that, and lowers and compiles both at T = 8, 16, ..., 48 (batch 2): twelve compiles,
+timed together. Then it runs the T = 48 gradient 20 times (milliseconds per call). A round starts
+`--workers` children at once for each setting in turn (the settings alternate within a round, so a
+machine that speeds up or slows down through the run affects each alike); the table gives the
+median over rounds and children, and each setting's ratio to the default build's figure of the same
+run. The machine's speed varies from hour to hour (docs/testing.md): read the ratios.
 Prints a markdown table and the machine.
 """
 
@@ -51,18 +51,10 @@ def child() -> None:
   import jax.numpy as jnp  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
 
-  from coevolve_jax.models import Qwen, QwenConfig  # noqa: PLC0415
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
+  import kit  # noqa: PLC0415  (the tests' tiny model, so this measures what the tests compile)
 
-  shape = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-  )
-  graphdef, state = nnx.split(Qwen(QwenConfig(**shape), rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(kit.tiny_model())
 
   def logp_sum(state, ids):
     out = nnx.merge(graphdef, state)(ids)
