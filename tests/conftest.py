@@ -53,7 +53,8 @@ def _xla_accepts(flags: list[str]) -> bool:
 
 if not os.environ.get(_CHECKED):
   os.environ[_CHECKED] = "1"
-  _missing = [f for f in TEST_XLA_FLAGS if f not in os.environ.get("XLA_FLAGS", "")]
+  # A flag the caller already set, to any value, is left to the caller.
+  _missing = [f for f in TEST_XLA_FLAGS if f.split("=")[0] not in os.environ.get("XLA_FLAGS", "")]
   if _missing and not _xla_accepts(_missing):  # one child for all; each alone only if it fails
     _missing = [f for f in _missing if _xla_accepts([f])]
   if _missing:
